@@ -1,0 +1,260 @@
+"""Compare eager, Inductor, Inductor max-autotune and fusedepi on the five workloads.
+
+    python -m benchmarks.compare            # every workload x precision x mode
+    python -m benchmarks.compare --quick    # a small subset, under two minutes
+    python -m benchmarks.compare --json results.json --warm-start
+
+Forward passes under torch.no_grad(); "train" means the module is in training
+mode (BatchNorm uses batch statistics and updates its running stats). Times are
+medians of `triton.testing.do_bench`. "floor" is the larger of the library
+GEMM/conv alone and the model's minimum bytes over the measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from .workloads import WORKLOADS, relative_error
+
+PRECISIONS = {
+    # name: (dtype, float32 matmul precision, cuDNN TF32)
+    "fp32-highest": (torch.float32, "highest", False),
+    "fp32-tf32": (torch.float32, "high", True),
+    "bf16": (torch.bfloat16, "highest", False),
+}
+PROVIDERS = ["eager", "inductor", "inductor-max-autotune", "fusedepi"]
+
+
+def _set_precision(name):
+    dtype, matmul, cudnn_tf32 = PRECISIONS[name]
+    torch.set_float32_matmul_precision(matmul)
+    torch.backends.cudnn.allow_tf32 = cudnn_tf32
+    return dtype
+
+
+def _bench(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus written."""
+    src = torch.empty(1 << 28, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / ms / 1e6
+
+
+def _library_ms(model, x) -> float:
+    """The anchor alone through the library (cuBLAS addmm / cuDNN conv)."""
+    if hasattr(model, "linear"):
+        lin = model.linear
+        return _bench(lambda: torch.addmm(lin.bias, x, lin.weight.t()))
+    conv = model.conv
+    return _bench(lambda: conv(x))
+
+
+def _min_bytes(model, x, out) -> int:
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return x.numel() * x.element_size() + params + out.numel() * out.element_size()
+
+
+def _epilogue_ms(fn, kernel: str, iters: int = 20) -> float | None:
+    """Device time per call of the kernels whose names start with `kernel`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total = 0.0
+    for event in prof.key_averages():
+        if event.key.startswith(kernel):
+            total += getattr(event, "device_time_total", None) or event.cuda_time_total
+    return total / iters / 1000 if total else None
+
+
+def _compile(provider, model):
+    if provider == "eager":
+        return model
+    if provider == "inductor":
+        return torch.compile(model)
+    if provider == "inductor-max-autotune":
+        return torch.compile(model, mode="max-autotune-no-cudagraphs")
+    return torch.compile(model, backend="fusedepi")
+
+
+def run_cell(workload, precision, training, providers, copy_gbs):
+    from fusion_backend.backend import collect_reports
+    from fusion_backend import ops
+
+    dtype = _set_precision(precision)
+    base = workload.make_model().cuda().to(dtype).train(training)
+    x = torch.rand(workload.input_shape, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        ref = copy.deepcopy(base).double()(x.double())
+        lib_ms = _library_ms(base, x)
+        rows = []
+        for provider in providers:
+            torch._dynamo.reset()
+            model = copy.deepcopy(base)
+            reports: list = []
+            start = time.perf_counter()
+            with collect_reports(reports):
+                fn = _compile(provider, model)
+                out = fn(x)
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - start if provider != "eager" else 0.0
+            err = relative_error(out, ref)
+            ms = _bench(lambda: fn(x))
+            row = dict(
+                workload=workload.name,
+                precision=precision,
+                mode="train" if training else "eval",
+                provider=provider,
+                ms=ms,
+                library_ms=lib_ms,
+                floor_ms=max(lib_ms, _min_bytes(base, x, out) / copy_gbs / 1e6),
+                compile_s=compile_s,
+                rel_err=err,
+            )
+            if provider == "fusedepi":
+                fused = [r for rep in reports for r in rep.records if r.status == "fused"]
+                row["fused"] = ",".join(r.fusion for r in fused)
+                if fused:
+                    kernel = fused[0].kernel
+                    epi = _epilogue_ms(lambda: fn(x), kernel)
+                    if epi:
+                        y_bytes = workload_output_bytes(base, x)
+                        row["epilogue_ms"] = epi
+                        row["epilogue_gbs"] = (y_bytes + out.numel() * out.element_size()) / epi / 1e6
+                # Warm compile: Dynamo cold, kernels from the on-disk cache.
+                torch._dynamo.reset()
+                ops._kernels.clear()
+                start = time.perf_counter()
+                torch.compile(copy.deepcopy(base), backend="fusedepi")(x)
+                torch.cuda.synchronize()
+                row["warm_compile_s"] = time.perf_counter() - start
+            rows.append(row)
+            del fn, model, out
+            torch.cuda.empty_cache()
+    eager = next((r["ms"] for r in rows if r["provider"] == "eager"), None)
+    inductor = [r["ms"] for r in rows if r["provider"].startswith("inductor")]
+    for r in rows:
+        r["vs_eager"] = eager / r["ms"] if eager else None
+        r["vs_inductor"] = min(inductor) / r["ms"] if inductor else None
+        r["pct_floor"] = 100 * r["floor_ms"] / r["ms"]
+    return rows
+
+
+def workload_output_bytes(model, x) -> int:
+    """Bytes of the anchor's output (what the epilogue reads)."""
+    with torch.no_grad():
+        y = model.linear(x) if hasattr(model, "linear") else model.conv(x)
+    return y.numel() * y.element_size()
+
+
+def warm_start(workload_name, precision) -> float:
+    """Seconds for a new process to compile and run a workload with a warm cache."""
+    code = (
+        "import time, torch; t = time.perf_counter();"
+        "from benchmarks.workloads import WORKLOADS; from benchmarks.compare import _set_precision;"
+        f"w = WORKLOADS[{workload_name!r}]; d = _set_precision({precision!r});"
+        "m = w.make_model().cuda().to(d); x = torch.rand(w.input_shape, device='cuda', dtype=d);"
+        "t = time.perf_counter();"
+        "torch.no_grad().__enter__(); torch.compile(m, backend='fusedepi')(x); torch.cuda.synchronize();"
+        "print(time.perf_counter() - t)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy())
+    if out.returncode:
+        raise RuntimeError(out.stderr[-2000:])
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _fmt(v, spec):
+    return "" if v is None else format(v, spec)
+
+
+def print_table(rows):
+    from tabulate import tabulate
+
+    table = [
+        (
+            r["workload"],
+            r["precision"],
+            r["mode"],
+            r["provider"],
+            _fmt(r["ms"], ".3f"),
+            _fmt(r["vs_eager"], ".2f"),
+            _fmt(r["vs_inductor"], ".2f"),
+            _fmt(r["library_ms"], ".3f"),
+            _fmt(r["pct_floor"], ".0f"),
+            _fmt(r.get("compile_s"), ".1f"),
+            _fmt(r.get("warm_compile_s"), ".1f"),
+            _fmt(r["rel_err"], ".1e"),
+            _fmt(r.get("epilogue_ms"), ".3f"),
+            _fmt(r.get("epilogue_gbs"), ".0f"),
+        )
+        for r in rows
+    ]
+    headers = ["workload", "precision", "mode", "provider", "median ms", "x eager", "x inductor",
+               "library ms", "% floor", "compile s", "warm s", "rel err", "epilogue ms", "epilogue GB/s"]
+    print(tabulate(table, headers=headers))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="workloads 3 and 5, bf16, train: under two minutes")
+    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--precisions", nargs="*", default=list(PRECISIONS), choices=list(PRECISIONS))
+    parser.add_argument("--modes", nargs="*", default=["train", "eval"], choices=["train", "eval"])
+    parser.add_argument("--providers", nargs="*", default=PROVIDERS, choices=PROVIDERS)
+    parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--warm-start", action="store_true", help="time a new process with a warm kernel cache")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("the benchmark needs a CUDA GPU")
+    if args.quick:
+        args.workloads = ["3_linear_groupnorm_leaky", "5_conv_groupnorm"]
+        args.precisions, args.modes = ["bf16"], ["train"]
+    os.environ.setdefault("FUSEDEPI_CACHE_DIR", tempfile.mkdtemp(prefix="fusedepi-bench-"))
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  cache {os.environ['FUSEDEPI_CACHE_DIR']}")
+    copy_gbs = copy_bandwidth()
+    print(f"copy bandwidth: {copy_gbs:.0f} GB/s (read + write)")
+    rows = []
+    for name in args.workloads:
+        workload = WORKLOADS[name]
+        for precision in args.precisions:
+            for mode in args.modes:
+                if mode == "eval" and not workload.has_batchnorm and "train" in args.modes:
+                    continue  # no mode-dependent op: the eval graph is the train graph
+                print(f"-- {name} {precision} {mode}", flush=True)
+                cell = run_cell(workload, precision, mode == "train", args.providers, copy_gbs)
+                if args.warm_start and "fusedepi" in args.providers:
+                    next(r for r in cell if r["provider"] == "fusedepi")["warm_start_s"] = warm_start(name, precision)
+                rows.extend(cell)
+    print_table(rows)
+    if args.warm_start:
+        for r in rows:
+            if "warm_start_s" in r:
+                print(f"warm start (new process) {r['workload']} {r['precision']}: {r['warm_start_s']:.1f} s")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "copy_gbs": copy_gbs, "rows": rows}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Everything one device-machine call does: install, GPU tests, benchmark.
+#   bash benchmarks/device_run.sh tests          # GPU test tier
+#   bash benchmarks/device_run.sh quick          # tests + benchmark --quick
+#   bash benchmarks/device_run.sh bench [args]   # benchmark only, args passed on
+# Logs and JSON go to $OUT (the device tool's output folder) or /tmp/fusedepi-out.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/fusedepi-out}
+mkdir -p "$OUT"
+what=${1:-tests}
+shift || true
+# No network there: install without build isolation, against the torch already present.
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+export FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache}
+status=0
+if [ "$what" = tests ] || [ "$what" = quick ]; then
+  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  status=${PIPESTATUS[0]}
+fi
+if [ "$what" = quick ]; then
+  python3 -m benchmarks.compare --quick --json "$OUT/bench_quick.json" 2>&1 | tee "$OUT/bench_quick.log" | grep -v "^-- "
+fi
+if [ "$what" = bench ]; then
+  python3 -m benchmarks.compare --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^-- "
+  status=${PIPESTATUS[0]}
+fi
+exit $status

@@ -1,0 +1,208 @@
+"""Compiles rendered CUDA sources into shared libraries, cached on disk by content.
+
+Key = sha256(source, headers, nvcc command, nvcc version, arch, package version).
+Entries live in `<cache>/<key[:2]>/<key>/`; a build happens in a private temp
+directory through ninja and is installed with an atomic rename, under a per-key
+file lock that is re-checked once taken, so concurrent processes build once.
+Loaded libraries are memoized per process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+
+log = logging.getLogger("fusedepi")
+
+INCLUDE_DIR = Path(__file__).resolve().parent / "include"
+LIBRARY = "kernel.so"
+
+
+class CompileError(RuntimeError):
+    """nvcc or ninja failed, or is missing; the message carries the compiler's output."""
+
+
+def package_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("fusedepi")
+    except Exception:  # running from a source tree that was not installed
+        return "0+source"
+
+
+def find_nvcc() -> str:
+    """nvcc from $CUDA_HOME/bin, else from PATH."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return str(Path(home) / "bin" / "nvcc")
+    found = shutil.which("nvcc")
+    if not found:
+        raise CompileError("nvcc not found (set CUDA_HOME or put nvcc on PATH)")
+    return found
+
+
+def find_ninja() -> str:
+    try:
+        import ninja
+
+        path = Path(ninja.BIN_DIR) / "ninja"
+        if path.exists():
+            return str(path)
+    except ImportError:
+        pass
+    found = shutil.which("ninja")
+    if not found:
+        raise CompileError("ninja not found (pip install ninja)")
+    return found
+
+
+@lru_cache(maxsize=None)
+def nvcc_version(nvcc: str) -> str:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False)
+    return out.stdout.strip().splitlines()[-1] if out.stdout else "unknown"
+
+
+def nvcc_flags(arch: str) -> list[str]:
+    """Flags for `arch` like "sm90", "sm90a" or "sm80". No fast-math: results must match eager."""
+    number = arch[2:]
+    return [
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-Xcompiler",
+        "-fPIC",
+        f"-gencode=arch=compute_{number},code=sm_{number}",
+        "-I",
+        str(INCLUDE_DIR),
+    ]
+
+
+def _headers_digest() -> str:
+    h = hashlib.sha256()
+    for path in sorted(INCLUDE_DIR.rglob("*.cuh")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def cache_key(source: str, arch: str, nvcc: str) -> str:
+    h = hashlib.sha256()
+    for part in (source, _headers_digest(), " ".join(nvcc_flags(arch)), nvcc_version(nvcc), arch, package_version()):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+@contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _ninja_build(source: str, arch: str, nvcc: str, workdir: Path) -> Path:
+    (workdir / "kernel.cu").write_text(source)
+    flags = " ".join(nvcc_flags(arch))
+    (workdir / "build.ninja").write_text(
+        "ninja_required_version = 1.3\n"
+        f"rule nvcc\n  command = {nvcc} {flags} -o $out $in\n  description = nvcc $out\n"
+        f"build {LIBRARY}: nvcc kernel.cu\n"
+    )
+    result = subprocess.run(
+        [find_ninja(), "-C", str(workdir)], capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0:
+        raise CompileError(f"nvcc failed for {workdir / 'kernel.cu'}:\n{result.stdout[-4000:]}{result.stderr[-2000:]}")
+    return workdir / LIBRARY
+
+
+def build(source: str, name: str, arch: str, cache_dir: Path) -> Path:
+    """Returns the path of the compiled library for `source`, building it if needed.
+
+    Args:
+        source: complete .cu text.
+        name: readable kernel name, for logs.
+        arch: target like "sm90".
+        cache_dir: root of the on-disk cache.
+
+    Raises:
+        CompileError: nvcc/ninja missing or failing.
+    """
+    nvcc = find_nvcc()
+    key = cache_key(source, arch, nvcc)
+    entry = Path(cache_dir) / key[:2] / key
+    library = entry / LIBRARY
+    if library.exists():
+        return library
+    with _file_lock(entry.parent / f"{key}.lock"):
+        if library.exists():  # another process built it while we waited
+            return library
+        entry.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        log.info("fusedepi: compiling %s (%s)", name, key[:12])
+        with tempfile.TemporaryDirectory(dir=entry, prefix="build-") as tmp:
+            built = _ninja_build(source, arch, nvcc, Path(tmp))
+            shutil.copy(Path(tmp) / "kernel.cu", entry / "kernel.cu")
+            os.replace(built, library)
+        log.info("fusedepi: compiled %s in %.1f s", name, time.perf_counter() - start)
+    return library
+
+
+class Library:
+    """A loaded kernel library: `run` launches the spec's kernels on a stream."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lib = ctypes.CDLL(str(path))
+        self._lib.fusedepi_run.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_longlong,
+            ctypes.c_int,
+            ctypes.c_void_p,
+        ]
+        self._lib.fusedepi_run.restype = ctypes.c_int
+        self._lib.fusedepi_workspace_floats.argtypes = [ctypes.c_longlong]
+        self._lib.fusedepi_workspace_floats.restype = ctypes.c_longlong
+        self._lib.fusedepi_error_string.argtypes = [ctypes.c_int]
+        self._lib.fusedepi_error_string.restype = ctypes.c_char_p
+
+    def workspace_floats(self, rows: int) -> int:
+        return int(self._lib.fusedepi_workspace_floats(rows))
+
+    def run(self, pointers: list[int], rows: int, device: int, stream: int) -> None:
+        """Launches the kernels. pointers: y, out, extra outputs, tensor inputs, workspace."""
+        array = (ctypes.c_void_p * len(pointers))(*pointers)
+        code = self._lib.fusedepi_run(array, rows, device, ctypes.c_void_p(stream))
+        if code != 0:
+            message = self._lib.fusedepi_error_string(code).decode()
+            raise RuntimeError(f"fusedepi kernel {self.path.parent.name[:12]} failed: {message}")
+
+
+_loaded: dict[Path, Library] = {}
+_lock = threading.Lock()
+
+
+def load(source: str, name: str, arch: str, cache_dir: Path) -> Library:
+    """Builds (or finds) and loads the library for `source`; memoized per process."""
+    path = build(source, name, arch, cache_dir)
+    with _lock:
+        lib = _loaded.get(path)
+        if lib is None:
+            lib = _loaded[path] = Library(path)
+    return lib

@@ -1,0 +1,129 @@
+// Reusable device code for fusedepi's epilogue kernels: type conversion, vector
+// loads and stores, the activation vocabulary, and team/block reductions.
+// Templates (cuda_templates/templates.py) only bind constants and call these.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+
+namespace fusedepi {
+
+// ------------------------------------------------------------------ types
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// V elements of T moved as one access (16 bytes when V * sizeof(T) == 16).
+template <typename T, int V> struct alignas(sizeof(T) * V) Pack { T v[V]; };
+
+template <typename T, int V>
+__device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&out)[V]) {
+  Pack<T, V> pk = *reinterpret_cast<const Pack<T, V>*>(p);
+#pragma unroll
+  for (int j = 0; j < V; ++j) out[j] = to_float(pk.v[j]);
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&in)[V]) {
+  Pack<T, V> pk;
+#pragma unroll
+  for (int j = 0; j < V; ++j) pk.v[j] = from_float<T>(in[j]);
+  *reinterpret_cast<Pack<T, V>*>(p) = pk;
+}
+
+// ------------------------------------------------------------- activations
+// Each matches PyTorch's CUDA kernel for the same op, NaN propagation included.
+
+__device__ __forceinline__ float relu(float x) { return (x > 0.f || isnan(x)) ? x : 0.f; }
+
+__device__ __forceinline__ float gelu(float x) {  // erf form, F.gelu's default
+  return x * 0.5f * (1.f + erff(x * static_cast<float>(M_SQRT1_2)));
+}
+
+__device__ __forceinline__ float gelu_tanh(float x) {
+  const float beta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5);
+  const float kappa = 0.044715f;
+  const float inner = beta * (x + kappa * x * x * x);
+  return 0.5f * x * (1.f + tanhf(inner));
+}
+
+__device__ __forceinline__ float leaky_relu(float x, float slope) { return x > 0.f ? x : x * slope; }
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+// -------------------------------------------------------------- reductions
+
+template <int kWidth>
+__device__ __forceinline__ float team_sum_warp(float v) {
+#pragma unroll
+  for (int o = kWidth / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <int kWidth>
+__device__ __forceinline__ float team_max_warp(float v) {
+#pragma unroll
+  for (int o = kWidth / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over a whole block of kThreads (a multiple of 32); every thread gets the result.
+template <int kThreads>
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float partial[32];
+  v = team_sum_warp<32>(v);
+  __syncthreads();  // a previous call may still be reading `partial`
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float r = (threadIdx.x & 31) < kThreads / 32 ? partial[threadIdx.x & 31] : 0.f;
+  return team_sum_warp<32>(r);
+}
+
+template <int kThreads>
+__device__ __forceinline__ float block_max(float v) {
+  __shared__ float partial[32];
+  v = team_max_warp<32>(v);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float r = (threadIdx.x & 31) < kThreads / 32 ? partial[threadIdx.x & 31] : -INFINITY;
+  return team_max_warp<32>(r);
+}
+
+// A team is kTeam consecutive lanes of one warp (kTeam <= 32), or the whole block.
+template <int kTeam>
+__device__ __forceinline__ float team_sum(float v) {
+  if constexpr (kTeam > 32) return block_sum<kTeam>(v);
+  else return team_sum_warp<kTeam>(v);
+}
+
+template <int kTeam>
+__device__ __forceinline__ float team_max(float v) {
+  if constexpr (kTeam > 32) return block_max<kTeam>(v);
+  else return team_max_warp<kTeam>(v);
+}
+
+// Chan et al.'s merge of two (count, mean, M2) summaries.
+struct Moments {
+  float n, mean, m2;
+};
+
+__device__ __forceinline__ Moments merge(Moments a, Moments b) {
+  const float n = a.n + b.n;
+  if (n == 0.f) return a;
+  const float delta = b.mean - a.mean;
+  const float wb = b.n / n;
+  return {n, a.mean + delta * wb, a.m2 + b.m2 + delta * delta * a.n * wb};
+}
+
+}  // namespace fusedepi

@@ -1,0 +1,201 @@
+"""Spec -> CUDA source: choose the launch shape, then fill the templates.
+
+`plan()` decides how threads map onto the data; `render()` turns spec + plan into
+a flat dict of strings and substitutes it into `templates.KERNEL_FILE`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lowering.spec import FULL, ROW_REDUCTIONS, SEGMENT_NORMS, EpilogueSpec
+
+from . import templates
+from .snippets import SNIPPETS, Operands, cfloat, render_steps
+
+CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+WARP_TEAM_MAX_VECS = 4  # a segment of up to 32 * this many vectors stays inside one warp
+BLOCK_TEAM_MAX_VECS = 8  # vectors per thread when a whole block shares a segment
+MAX_BLOCK = 1024
+CHUNK_BLOCK = 256  # threads per block when a segment is split over several blocks
+
+
+class NotRenderable(Exception):
+    """The spec is valid but no kernel here covers it; the message says why."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the apply kernel maps threads onto segments.
+
+    Attributes:
+        seg_len: elements per segment (the span of the in-kernel reduction, or a row).
+        groups: segments per row.
+        vec: elements per vector access.
+        team: threads per segment (<= 32: lanes of one warp; else the whole block).
+        nvec: vector accesses per thread.
+        chunks: blocks per segment (> 1 when a segment is longer than a block holds).
+        block: threads per block.
+    """
+
+    seg_len: int
+    groups: int
+    vec: int
+    team: int
+    nvec: int
+    chunks: int
+    block: int
+
+
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def plan(spec: EpilogueSpec) -> Plan:
+    """Chooses the thread mapping for `spec`.
+
+    Raises:
+        NotRenderable: a row reduction longer than one block can hold.
+    """
+    red = spec.reduction
+    row = spec.channels * spec.inner
+    if red is not None and red.name == "groupnorm":
+        groups = red.groups
+    else:
+        groups = 1
+    seg_len = row // groups
+    vmax = 16 // ITEMSIZE[spec.dtype]
+    vec = vmax if seg_len % vmax == 0 else 1
+    vecs = _ceil_div(seg_len, vec)
+    if vecs <= 32 * WARP_TEAM_MAX_VECS:
+        # One vector per lane while the segment fits a warp: each access is coalesced.
+        team = min(32, _pow2_at_least(vecs))
+        return Plan(seg_len, groups, vec, team, _ceil_div(vecs, team), 1, 256)
+    if vecs <= MAX_BLOCK * BLOCK_TEAM_MAX_VECS:
+        team = max(128, _pow2_at_least(_ceil_div(vecs, BLOCK_TEAM_MAX_VECS)))
+        return Plan(seg_len, groups, vec, team, _ceil_div(vecs, team), 1, team)
+    if red is not None and red.name in ROW_REDUCTIONS:
+        limit = MAX_BLOCK * BLOCK_TEAM_MAX_VECS * vec
+        raise NotRenderable(f"{red.name} over {seg_len} elements: one block holds at most {limit}")
+    nvec = BLOCK_TEAM_MAX_VECS
+    chunks = _ceil_div(vecs, CHUNK_BLOCK * nvec)
+    return Plan(seg_len, groups, vec, CHUNK_BLOCK, nvec, chunks, CHUNK_BLOCK)
+
+
+def _fields(spec: EpilogueSpec) -> tuple[str, str]:
+    """Args fields and their bindings from the pointer array.
+
+    Pointer order: y, out, extra outputs (x0, x1), tensor inputs (p0, ...), workspace.
+    """
+    fields, bind = [], ["  a.y = static_cast<const T*>(ptrs[0]);", "  a.out = static_cast<T*>(ptrs[1]);"]
+    slot = 2
+    bn = next((s for s in spec.steps if s.name == "batchnorm_train"), None)
+    if bn is not None:
+        rtype = CTYPES[spec.param_dtypes[bn.inputs[2]]]
+        for name in ("x0", "x1"):
+            fields.append(f"  {rtype}* __restrict__ {name};  // [channels] new running stat")
+            bind.append(f"  a.{name} = static_cast<{rtype}*>(ptrs[{slot}]);")
+            slot += 1
+    for i, dtype in enumerate(spec.param_dtypes):
+        ctype = CTYPES[dtype]
+        fields.append(f"  const {ctype}* __restrict__ p{i};  // tensor input {i}")
+        bind.append(f"  a.p{i} = static_cast<const {ctype}*>(ptrs[{slot}]);")
+        slot += 1
+    bind.append(f"  a.ws = static_cast<float*>(ptrs[{slot}]);")
+    return "\n".join(fields), "\n".join(bind)
+
+
+def _check_operands(spec: EpilogueSpec, p: Plan):
+    for step in spec.steps:
+        if step.operand == FULL and p.vec > 1 and spec.dtype != spec.param_dtypes[step.inputs[0]]:
+            raise NotRenderable(f"{step.name}: residual dtype differs from the chain's")
+
+
+def render(spec: EpilogueSpec, arch: str) -> str:
+    """The complete .cu source for `spec`, compiled for `arch` (e.g. "sm90")."""
+    p = plan(spec)
+    _check_operands(spec, p)
+    name = spec.kernel_name(arch)
+    steps = list(spec.steps)
+    red_index = next((i for i, s in enumerate(steps) if s == spec.reduction), len(steps))
+    red = steps[red_index] if red_index < len(steps) else None
+    before, after = steps[:red_index], steps[red_index + 1 :]
+    ops = Operands()
+    fields, bind = _fields(spec)
+    apply_grid = (
+        "segments * kChunks"
+        if p.team > 32 or p.chunks > 1
+        else f"(segments + {p.block // p.team} - 1) / {p.block // p.team}"
+    )
+    launches = []
+    stats_kernels = ""
+    ws_floats = "0"
+    store = templates.STORE_ELEMENTS
+    if red is None:
+        middle = ""
+    elif red.name == "batchnorm_train":
+        if spec.inner != 1:
+            raise NotRenderable("BatchNorm (training) statistics: only for [rows, features]")
+        vmax = 16 // ITEMSIZE[spec.dtype]
+        col_vec = vmax if spec.channels % vmax == 0 else 1
+        stats_kernels = templates.COLUMN_STATS_KERNELS.substitute(
+            kernel=name,
+            col_vec=col_vec,
+            momentum=cfloat(red.consts[0]),
+            eps=cfloat(red.consts[1]),
+            running_mean=ops.param(red.inputs[2]),
+            running_var=ops.param(red.inputs[3]),
+            rstat_type=CTYPES[spec.param_dtypes[red.inputs[2]]],
+        )
+        launches += [
+            f"  {name}_colstats<<<dim3((kChannels + kColsPerBlock - 1) / kColsPerBlock, "
+            f"(rows + kRowsPerChunk - 1) / kRowsPerChunk), 256, 0, stream>>>(a);",
+            f"  {name}_colfinal<<<(kChannels + 255) / 256, 256, 0, stream>>>(a);",
+        ]
+        ws_floats = "kPartials + (rows + kRowsPerChunk - 1) / kRowsPerChunk * kChannels * 2"
+        middle = templates.APPLY_ELEMENTS.substitute(normalize=SNIPPETS[red.name](red, ops))
+    elif red.name in SEGMENT_NORMS:
+        apply = templates.APPLY_ELEMENTS.substitute(normalize=SNIPPETS[red.name](red, ops))
+        if p.chunks == 1:
+            middle = templates.TEAM_NORM.substitute(eps=cfloat(red.consts[0]), apply=apply)
+        else:
+            middle = templates.CHUNK_NORM.substitute(eps=cfloat(red.consts[0]), apply=apply)
+            stats_kernels = templates.SEGMENT_STATS_KERNEL.substitute(kernel=name)
+            launches.append(f"  {name}_segstats<<<segments * kChunks, kBlock, 0, stream>>>(a);")
+            ws_floats = "rows * kGroups * kChunks * 2"
+    else:
+        assert red.name == "logsumexp"
+        middle, store = templates.TEAM_LOGSUMEXP, templates.STORE_ROW
+    launches.append(f"  {name}_apply<<<{apply_grid}, kBlock, 0, stream>>>(a);")
+    return templates.KERNEL_FILE.substitute(
+        kernel=name,
+        spec=spec.to_json(),
+        ctype=CTYPES[spec.dtype],
+        block=p.block,
+        team=p.team,
+        vec=p.vec,
+        nvec=p.nvec,
+        seg_len=p.seg_len,
+        chunks=p.chunks,
+        groups=p.groups,
+        channels=spec.channels,
+        inner=spec.inner,
+        fields=fields,
+        stage0=render_steps(before),
+        stage1=render_steps(after),
+        middle=middle,
+        store=store,
+        stats_kernels=stats_kernels,
+        bind=bind,
+        launches="\n".join(launches),
+        ws_floats=ws_floats,
+    )

@@ -1,0 +1,106 @@
+"""The `fusedepi` torch.compile backend: Inductor, with our chains rewritten first.
+
+Inductor's `compile_fx` runs AOTAutograd with Inductor's decompositions minus
+`lowering.HELD_BACK_OPS`, so the matcher sees those ops whole. Our inner compile
+step rewrites matched chains into fused ops, decomposes whatever held-back ops
+remain, and hands the graph to Inductor's own inner compile.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from contextlib import contextmanager
+
+import torch
+from torch._guards import detect_fake_mode
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+from torch._inductor.decomposition import select_decomp_table
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from lowering import HELD_BACK_OPS
+
+from .config import Config, load_config
+from .rewrite import Report, rewrite
+
+log = logging.getLogger("fusedepi")
+
+_reports = threading.local()
+
+
+def _overloads(packets):
+    return {getattr(p, name) for p in packets for name in p.overloads()}
+
+
+@functools.lru_cache(maxsize=1)
+def _tables():
+    """(Inductor's table without the held-back ops, the held-back decompositions)."""
+    table = dict(select_decomp_table())
+    held = {op: table.pop(op) for op in _overloads(HELD_BACK_OPS) if op in table}
+    return table, held
+
+
+def _decompose_held_back(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
+    """Applies Inductor's decompositions to held-back ops that were not fused."""
+    _, held = _tables()
+    if not any(n.op == "call_function" and n.target in held for n in gm.graph.nodes):
+        return gm
+    fake_mode = detect_fake_mode(example_inputs)
+    with fake_mode:
+        return make_fx(gm, decomposition_table=held, tracing_mode="real")(*example_inputs)
+
+
+@contextmanager
+def collect_reports(into: list):
+    """Collects the `Report` of every graph compiled on this thread (for `explain`)."""
+    previous = getattr(_reports, "sink", None)
+    _reports.sink = into
+    try:
+        yield into
+    finally:
+        _reports.sink = previous
+
+
+def _inner_compile(gm, example_inputs, *, cfg: Config, **kwargs):
+    if not kwargs.get("is_backward", False):
+        report = rewrite(gm, cfg)
+        sink = getattr(_reports, "sink", None)
+        if sink is not None:
+            sink.append(report)
+    gm = _decompose_held_back(gm, example_inputs)
+    return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def _configure_logging(cfg: Config):
+    logger = logging.getLogger("fusedepi")
+    logger.setLevel(cfg.log_level)
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        logger.addHandler(handler)
+
+
+def fusedepi(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    """The torch.compile backend: `torch.compile(model, backend="fusedepi")`.
+
+    Args:
+        gm: the graph Dynamo captured.
+        example_inputs: its example inputs.
+        **kwargs: passed to Inductor's `compile_fx` (e.g. `config_patches`).
+    """
+    cfg = load_config()
+    _configure_logging(cfg)
+    if cfg.disable_all:
+        return compile_fx(gm, example_inputs, **kwargs)
+    table, _ = _tables()
+    return compile_fx(
+        gm,
+        example_inputs,
+        inner_compile=functools.partial(_inner_compile, cfg=cfg),
+        decompositions=table,
+        **kwargs,
+    )
+
+
+__all__ = ["Report", "collect_reports", "fusedepi"]

@@ -1,0 +1,71 @@
+"""Every environment variable fusedepi reads, read here and nowhere else."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from lowering.spec import FUSION_NAMES as _FUSION_NAMES
+from lowering.vocabulary import VOCABULARY
+
+FUSION_NAMES = frozenset(_FUSION_NAMES)
+STEP_NAMES = frozenset(VOCABULARY)
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class Config:
+    """fusedepi's settings.
+
+    Attributes:
+        disabled: fusion names and step names not to fuse (FUSEDEPI_DISABLE).
+        disable_all: FUSEDEPI_DISABLE=all: everything goes to Inductor.
+        cache_dir: where compiled kernels live (FUSEDEPI_CACHE_DIR).
+        strict: a lowering or compile failure raises (FUSEDEPI_STRICT=1).
+        log_level: level of the "fusedepi" logger (FUSEDEPI_LOG_LEVEL).
+        cpu_reference: fuse chains on CPU tensors too, running the plain-torch
+            reference (FUSEDEPI_CPU_REFERENCE=1); for testing the rewrite.
+    """
+
+    disabled: frozenset
+    disable_all: bool
+    cache_dir: Path
+    strict: bool
+    log_level: str
+    cpu_reference: bool
+
+
+def _default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fusedepi"
+
+
+def load_config(environ=None) -> Config:
+    """Reads the settings from `environ` (default: os.environ).
+
+    Raises:
+        ValueError: FUSEDEPI_DISABLE names something that is neither a fusion
+            nor a step, or FUSEDEPI_LOG_LEVEL is not a logging level.
+    """
+    env = os.environ if environ is None else environ
+    names = frozenset(n.strip() for n in env.get("FUSEDEPI_DISABLE", "").split(",") if n.strip())
+    unknown = names - FUSION_NAMES - STEP_NAMES - {"all"}
+    if unknown:
+        raise ValueError(
+            f"FUSEDEPI_DISABLE: unknown name(s) {sorted(unknown)}; use 'all', a fusion "
+            f"({', '.join(sorted(FUSION_NAMES))}) or a step ({', '.join(sorted(STEP_NAMES))})"
+        )
+    level = env.get("FUSEDEPI_LOG_LEVEL", "WARNING").upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise ValueError(f"FUSEDEPI_LOG_LEVEL: {level!r} is not a logging level (DEBUG, INFO, WARNING, ERROR)")
+    return Config(
+        disabled=names - {"all"},
+        disable_all="all" in names,
+        cache_dir=Path(env.get("FUSEDEPI_CACHE_DIR") or _default_cache_dir()),
+        strict=env.get("FUSEDEPI_STRICT", "").lower() in _TRUE,
+        log_level=level,
+        cpu_reference=env.get("FUSEDEPI_CPU_REFERENCE", "").lower() in _TRUE,
+    )

@@ -1,0 +1,72 @@
+"""`explain(model, *inputs)`: which chains were fused, which were refused and why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .backend import collect_reports, fusedepi
+from .rewrite import Record
+
+
+@dataclass
+class ExplainReport:
+    """The fusion decisions of one compile.
+
+    Attributes:
+        fused: records of fused chains (fusion name, kernel, nodes covered).
+        refused: records of candidate chains left to Inductor, with the reason.
+    """
+
+    fused: list
+    refused: list
+
+    def __str__(self) -> str:
+        from tabulate import tabulate
+
+        fused = tabulate(
+            [(r.anchor, r.fusion, r.kernel, " ".join(r.nodes), r.stop) for r in self.fused],
+            headers=["anchor", "fusion", "kernel", "nodes", "chain ends because"],
+        )
+        refused = tabulate(
+            [(r.anchor, " ".join(r.nodes), r.reason) for r in self.refused],
+            headers=["anchor", "nodes", "why not fused"],
+        )
+        return f"fused chains: {len(self.fused)}\n{fused}\n\nrefused candidates: {len(self.refused)}\n{refused}"
+
+
+def explain(model: torch.nn.Module, *example_inputs, verbose: bool = True) -> ExplainReport:
+    """Compiles `model` with fusedepi, runs it once on `example_inputs`, and reports.
+
+    The model's buffers (BatchNorm running statistics) are restored afterwards, so
+    explaining does not count as a training step. Dynamo's caches are reset before
+    and after, so the report reflects a fresh compile.
+
+    Args:
+        model: the module to explain.
+        *example_inputs: inputs for one forward call.
+        verbose: also print the report as tables.
+
+    Returns:
+        The report; `str(report)` is the printed table.
+    """
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    reports: list = []
+    torch._dynamo.reset()
+    try:
+        with collect_reports(reports):
+            torch.compile(model, backend=fusedepi)(*example_inputs)
+    finally:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+    records: list[Record] = [r for report in reports for r in report.records]
+    result = ExplainReport(
+        fused=[r for r in records if r.status == "fused"],
+        refused=[r for r in records if r.status == "refused"],
+    )
+    if verbose:
+        print(result)
+    return result

@@ -1,0 +1,167 @@
+"""Graph surgery: replaces each matched chain with one `fusedepi::chain` call.
+
+This is the one boundary where lowering and compile failures are caught: a chain
+that fails is left to Inductor with one warning (or raises under FUSEDEPI_STRICT).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch._guards import detect_fake_mode
+from torch.fx import GraphModule
+
+import cuda_templates
+from lowering import Chain, match_graph
+
+from . import ops
+from .config import Config
+
+log = logging.getLogger("fusedepi")
+aten = torch.ops.aten
+
+
+class FusionError(RuntimeError):
+    """Raised under FUSEDEPI_STRICT=1 when a chain cannot be lowered or compiled."""
+
+
+@dataclass
+class Record:
+    """One line of the fusion report: a fused chain or a refused candidate."""
+
+    status: str  # "fused" or "refused"
+    anchor: str
+    nodes: list
+    fusion: str = ""
+    kernel: str = ""
+    reason: str = ""
+    stop: str = ""
+    spec: str = ""
+
+
+@dataclass
+class Report:
+    """What one graph's rewrite did."""
+
+    records: list = field(default_factory=list)
+
+
+def _replace(graph: torch.fx.Graph, chain: Chain, spec: str) -> None:
+    inputs = list(chain.operands) + list(chain.params)
+    example = [n.meta["val"] for n in inputs]
+    with detect_fake_mode(example):
+        vals = ops.reference(example, spec)
+    with graph.inserting_before(chain.final):
+        call = graph.call_function(torch.ops.fusedepi.chain.default, (inputs, spec))
+        call.meta["val"] = vals
+        outs = []
+        for i, val in enumerate(call.meta["val"]):
+            item = graph.call_function(operator.getitem, (call, i))
+            item.meta["val"] = val
+            outs.append(item)
+        result = outs[0]
+        if chain.view is not None:
+            result = graph.call_function(aten.view.default, (outs[0], chain.view.args[1]))
+            result.meta["val"] = chain.final.meta["val"]
+    chain.final.replace_all_uses_with(result)
+    for node, out in zip(chain.extra, outs[1:]):
+        node.replace_all_uses_with(out)
+    for node in reversed(chain.nodes):
+        graph.erase_node(node)
+
+
+def _stable_topological_sort(graph: torch.fx.Graph) -> None:
+    """Moves producers up to their first use, keeping every other node where it is.
+
+    The fused op is inserted at the chain's last node, but users of its extra
+    outputs (BatchNorm running stats, e.g. a dtype cast) may sit earlier; this
+    pulls the op and its not-yet-defined inputs ahead of them. Only pure nodes
+    are referenced before definition, so no side effect moves.
+    """
+    placed: set = set()
+    cursor = next(iter(graph.nodes))
+    for node in list(graph.nodes):
+        stack = [node]
+        while stack:
+            top = stack[-1]
+            if top in placed:
+                stack.pop()
+                continue
+            missing = [i for i in top.all_input_nodes if i not in placed]
+            if missing:
+                stack.extend(missing)
+                continue
+            stack.pop()
+            placed.add(top)
+            if top is not cursor:
+                cursor.append(top)
+            cursor = top
+
+
+def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
+    """Compiles the chain's kernel ahead of the first call; returns the kernel name."""
+    device = chain.anchor.meta["val"].device
+    if device.type != "cuda":
+        return "reference (cpu)"
+    ops.kernel_for(spec, device, cfg.cache_dir)
+    return chain.spec.kernel_name(ops.arch_of(device))
+
+
+def rewrite(gm: GraphModule, cfg: Config) -> Report:
+    """Fuses every chain it can in `gm`, in place.
+
+    Raises:
+        FusionError: under strict mode, for any chain that fails to lower or compile.
+    """
+    report = Report()
+    try:
+        chains, refusals = match_graph(gm.graph, cfg.disabled, cfg.cpu_reference)
+    except Exception as err:  # a matcher bug must not stop the user's model
+        if cfg.strict:
+            raise FusionError(f"fusedepi: matching failed: {err}") from err
+        log.warning("fusedepi: pattern matching failed (%s: %s); the graph goes to Inductor unfused", type(err).__name__, err)
+        return report
+    for refusal in refusals:
+        log.info("fusedepi: not fused at %s: %s", refusal.anchor, refusal.reason)
+        report.records.append(Record("refused", refusal.anchor, refusal.nodes, reason=refusal.reason))
+    changed = False
+    for chain in chains:
+        spec = chain.spec.to_json()
+        names = [n.name for n in chain.nodes]
+        try:
+            kernel = _prepare(chain, spec, cfg)
+        except cuda_templates.NotRenderable as err:
+            report.records.append(Record("refused", chain.anchor.name, names, chain.spec.fusion, reason=str(err)))
+            log.info("fusedepi: not fused at %s: %s", chain.anchor.name, err)
+            if cfg.strict:
+                raise FusionError(f"fusedepi: {chain.spec.fusion} at {chain.anchor.name}: {err}") from err
+            continue
+        except Exception as err:  # compile failures and anything unexpected: Inductor runs the chain
+            if cfg.strict:
+                raise FusionError(f"fusedepi: {chain.spec.fusion} at {chain.anchor.name}: {err}") from err
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            log.warning(
+                "fusedepi: could not build %s at %s (%s); Inductor runs this chain. "
+                "Set FUSEDEPI_STRICT=1 to raise instead.",
+                chain.spec.fusion,
+                chain.anchor.name,
+                first,
+            )
+            report.records.append(
+                Record("refused", chain.anchor.name, names, chain.spec.fusion, reason=f"kernel build failed: {first}")
+            )
+            continue
+        _replace(gm.graph, chain, spec)
+        changed = True
+        log.info("fusedepi: fused %s at %s (%s)", chain.spec.fusion, chain.anchor.name, kernel)
+        report.records.append(
+            Record("fused", chain.anchor.name, names, chain.spec.fusion, kernel=kernel, stop=chain.stop, spec=spec)
+        )
+    if changed:
+        _stable_topological_sort(gm.graph)
+        gm.graph.lint()
+        gm.recompile()
+    return report

@@ -1,0 +1,549 @@
+"""Finds anchor + epilogue chains in a post-AOTAutograd aten graph.
+
+Matching happens at one level: the aten graph that Inductor's AOTAutograd pass
+produces with the decomposition table from `lowering/__init__.py`, which keeps
+the ops below intact. Each anchor (addmm, mm, convolution) starts a chain; the
+chain grows one step at a time through `STEP_MATCHERS` while the current value
+has no other consumer. Where it stops, and why, is recorded.
+
+Priority rule of the step table: multi-node forms come before the single-node
+forms they contain (`x * sigmoid(x)` is tried before `sigmoid` and `mul`), so the
+longest reading of the graph wins. Chains never overlap: every epilogue node has
+exactly one producer in the chain.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch.fx import Node
+
+from .spec import (
+    CHANNEL,
+    FULL,
+    NAMED_STEPS,
+    ONE,
+    REDUCTIONS,
+    SCALAR,
+    SELF,
+    Anchor,
+    EpilogueSpec,
+    Step,
+)
+
+aten = torch.ops.aten
+
+DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class Refuse(Exception):
+    """A step (or anchor) that exists but cannot be fused exactly; the message says why."""
+
+
+@dataclass
+class Chain:
+    """A matched chain, ready to be rewritten into one fused op call.
+
+    Attributes:
+        anchor: the anchor node.
+        operands: the anchor's tensor operands (nodes), in the anchor op's order.
+        params: tensor inputs of the epilogue (nodes), indexed by `Step.inputs`.
+        steps: the epilogue steps.
+        nodes: every node the fused op replaces, anchor first.
+        final: the node whose value the fused op's first output replaces.
+        extra: nodes replaced by the fused op's further outputs, in order.
+        view: the last view node the chain went through (its shape is re-applied).
+        stop: why the chain ended where it did.
+    """
+
+    anchor: Node
+    operands: list
+    params: list = field(default_factory=list)
+    steps: list = field(default_factory=list)
+    nodes: list = field(default_factory=list)
+    final: Node | None = None
+    extra: list = field(default_factory=list)
+    view: Node | None = None
+    stop: str = ""
+    spec: EpilogueSpec | None = None
+
+
+@dataclass
+class Refusal:
+    """A candidate chain that was not fused."""
+
+    anchor: str
+    nodes: list
+    reason: str
+
+
+@dataclass
+class _State:
+    """What the walk knows about the chain's current value."""
+
+    node: Node
+    chain: Chain
+    channels: int
+    inner: int
+    conv: bool
+    channel_axis: int = 1
+    reduced: bool = False  # a row reduction has shrunk the value to one per row
+
+
+@dataclass
+class _Match:
+    step: Step
+    consumed: list  # nodes of this step, in graph order
+    result: Node  # the node holding the step's value
+    extra: list = field(default_factory=list)
+
+
+def _arg(node: Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, Node) else None
+
+
+def _add_param(state: _State, node: Node | None) -> int:
+    if node is None:
+        return -1
+    state.chain.params.append(node)
+    return len(state.chain.params) - 1
+
+
+def _only_user(state: _State) -> Node | None:
+    users = list(state.node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _check_dtype(state: _State, node: Node):
+    val = _val(node)
+    want = _val(state.chain.anchor).dtype
+    if isinstance(val, torch.Tensor) and val.dtype != want:
+        raise Refuse(f"{_name(node)}: result dtype {val.dtype} differs from the chain's {want}")
+
+
+def _name(node: Node) -> str:
+    target = node.target
+    return getattr(target, "__name__", str(target)) if not isinstance(target, str) else target
+
+
+# ---------------------------------------------------------------- unary steps
+
+_UNARY = {
+    aten.relu.default: "relu",
+    aten.silu.default: "silu",
+    aten.sigmoid.default: "sigmoid",
+    aten.tanh.default: "tanh",
+}
+
+
+def _match_unary(state: _State, user: Node):
+    if user.target in _UNARY:
+        return _Match(Step(_UNARY[user.target]), [user], user)
+    if user.target is aten.gelu.default:
+        approximate = _arg(user, 1, "approximate", "none")
+        name = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
+        if name is None:
+            raise Refuse(f"gelu: unknown approximate={approximate!r}")
+        return _Match(Step(name), [user], user)
+    if user.target is aten.leaky_relu.default:
+        slope = _arg(user, 1, "negative_slope", 0.01)
+        if not isinstance(slope, (int, float)):
+            raise Refuse(f"leaky_relu: negative_slope {slope!r} is not a constant")
+        return _Match(Step("leaky_relu", consts=(float(slope),)), [user], user)
+    return None
+
+
+def _match_silu_pair(state: _State, _user: Node):
+    """x * sigmoid(x), in either operand order: the current value has two users."""
+    users = list(state.node.users)
+    if len(users) != 2:
+        return None
+    sig = next((u for u in users if u.target is aten.sigmoid.default), None)
+    mul = next((u for u in users if u.target is aten.mul.Tensor), None)
+    if sig is None or mul is None or set(mul.args[:2]) != {state.node, sig}:
+        return None
+    if len(sig.users) != 1:
+        return None
+    return _Match(Step("silu"), [sig, mul], mul)
+
+
+# --------------------------------------------------------------- binary steps
+
+_BINARY = {
+    aten.add.Tensor: "add",
+    aten.add.Scalar: "add",
+    aten.sub.Tensor: "sub",
+    aten.sub.Scalar: "sub",
+    aten.mul.Tensor: "mul",
+    aten.mul.Scalar: "mul",
+    aten.div.Tensor: "div",
+    aten.div.Scalar: "div",
+}
+
+
+def _operand_kind(state: _State, other) -> str:
+    """Classifies the non-chain operand of a binary step."""
+    if isinstance(other, bool) or not isinstance(other, (int, float, Node)):
+        raise Refuse(f"operand {other!r} is not a number or a tensor")
+    if not isinstance(other, Node):
+        return SCALAR
+    val = _val(other)
+    if not isinstance(val, torch.Tensor):
+        raise Refuse(f"operand {other.name} is not a tensor")
+    if val.dtype not in DTYPES:
+        raise Refuse(f"operand {other.name} has dtype {val.dtype}")
+    shape = list(val.shape)
+    out_shape = list(_val(state.node).shape)
+    if len(shape) > len(out_shape):
+        raise Refuse(f"operand {other.name} of shape {shape} broadcasts the chain up")
+    if shape == out_shape:
+        if not _is_contiguous(val):
+            raise Refuse(f"residual operand {other.name} is not contiguous")
+        return FULL
+    aligned = [1] * (len(out_shape) - len(shape)) + shape
+    if all(s == 1 for s in aligned):
+        return ONE
+    axis = state.channel_axis if not state.reduced else None
+    ok = axis is not None and all(
+        s == 1 or (i == axis and s == out_shape[i]) for i, s in enumerate(aligned)
+    )
+    if not ok:
+        raise Refuse(
+            f"operand {other.name} of shape {shape} is neither per-channel, one element "
+            f"nor the full shape {out_shape}"
+        )
+    return CHANNEL
+
+
+def _is_contiguous(val: torch.Tensor) -> bool:
+    try:
+        return bool(val.is_contiguous())
+    except Exception:  # symbolic strides that cannot be decided: treat as not contiguous
+        return False
+
+
+def _match_binary(state: _State, user: Node):
+    name = _BINARY.get(user.target)
+    if name is None:
+        return None
+    if user.kwargs.get("alpha", 1) != 1 or (len(user.args) > 2 and user.args[2] != 1):
+        raise Refuse(f"{name} with alpha != 1")
+    if user.kwargs.get("rounding_mode") is not None:
+        raise Refuse("div with a rounding mode")
+    a, b = user.args[:2]
+    if a is state.node and b is state.node:
+        return _Match(Step(name, operand=SELF), [user], user)
+    reverse = b is state.node
+    other = a if reverse else b
+    kind = _operand_kind(state, other)
+    if kind == SCALAR:
+        return _Match(Step(name, consts=(float(other),), operand=SCALAR, reverse=reverse), [user], user)
+    index = _add_param(state, other)
+    return _Match(Step(name, inputs=(index,), operand=kind, reverse=reverse), [user], user)
+
+
+# ------------------------------------------------------------ normalizations
+
+
+def _getitems(node: Node) -> dict[int, Node]:
+    items = {}
+    for user in node.users:
+        if user.target is not operator.getitem:
+            raise Refuse(f"{node.name}: result used as a tuple by {user.name}")
+        items[user.args[1]] = user
+    return items
+
+
+def _unused(items: dict[int, Node], indices, what: str):
+    for i in indices:
+        if i in items and items[i].users:
+            raise Refuse(f"{what}: output {i} (statistics) is used elsewhere, e.g. saved for backward")
+
+
+def _require_2d_features(state: _State, what: str):
+    val = _val(state.node)
+    if state.conv or val.dim() != 2:
+        raise Refuse(f"{what}: only supported on a 2-D [rows, features] matmul output")
+
+
+def _match_group_norm(state: _State, user: Node):
+    if user.target is not aten.native_group_norm.default:
+        return None
+    weight, bias = user.args[1], user.args[2]
+    channels, groups, eps = user.args[4], user.args[6], user.args[7]
+    if state.channel_axis != 1:
+        raise Refuse("GroupNorm: channels are not the matmul's feature dim")
+    if channels != state.channels:
+        raise Refuse(f"GroupNorm: expects {channels} channels, chain has {state.channels}")
+    if not isinstance(groups, int) or channels % groups:
+        raise Refuse(f"GroupNorm: {groups} groups do not divide {channels} channels")
+    items = _getitems(user)
+    _unused(items, (1, 2), "GroupNorm")
+    if 0 not in items:
+        raise Refuse("GroupNorm: normalized output unused")
+    step = Step(
+        "groupnorm",
+        consts=(float(eps),),
+        inputs=(_add_param(state, weight), _add_param(state, bias)),
+        groups=groups,
+    )
+    return _Match(step, [user] + sorted(items.values(), key=lambda n: n.args[1]), items[0])
+
+
+def _match_layer_norm(state: _State, user: Node):
+    if user.target is not aten.native_layer_norm.default:
+        return None
+    shape, weight, bias, eps = user.args[1], user.args[2], user.args[3], user.args[4]
+    if state.conv or list(shape) != [state.channels] or state.channel_axis != _val(state.node).dim() - 1:
+        raise Refuse(f"LayerNorm: normalized_shape {list(shape)} is not the feature dim alone")
+    items = _getitems(user)
+    _unused(items, (1, 2), "LayerNorm")
+    if 0 not in items:
+        raise Refuse("LayerNorm: normalized output unused")
+    step = Step(
+        "layernorm",
+        consts=(float(eps),),
+        inputs=(_add_param(state, weight), _add_param(state, bias)),
+    )
+    return _Match(step, [user] + sorted(items.values(), key=lambda n: n.args[1]), items[0])
+
+
+def _match_batch_norm(state: _State, user: Node):
+    if user.target is aten._native_batch_norm_legit_no_training.default:
+        x, weight, bias, rmean, rvar, momentum, eps = user.args[:7]
+        training = False
+    elif user.target is aten._native_batch_norm_legit_functional.default:
+        x, weight, bias, rmean, rvar, training, momentum, eps = user.args[:8]
+    else:
+        return None
+    if state.channel_axis != 1:
+        raise Refuse("BatchNorm: channels are not the matmul's feature dim")
+    items = _getitems(user)
+    if 0 not in items:
+        raise Refuse("BatchNorm: normalized output unused")
+    if not training:
+        _unused(items, (1, 2), "BatchNorm")
+        inputs = tuple(_add_param(state, n) for n in (weight, bias, rmean, rvar))
+        step = Step("batchnorm_eval", consts=(float(eps),), inputs=inputs)
+        return _Match(step, [user] + sorted(items.values(), key=lambda n: n.args[1]), items[0])
+    _require_2d_features(state, "BatchNorm (training)")
+    if not isinstance(momentum, float):
+        raise Refuse(f"BatchNorm: unsupported momentum={momentum!r} (only a constant float)")
+    _unused(items, (1, 2), "BatchNorm")
+    if 3 not in items or 4 not in items:
+        raise Refuse("BatchNorm (training): running statistics are not written back")
+    inputs = tuple(_add_param(state, n) for n in (weight, bias, rmean, rvar))
+    step = Step("batchnorm_train", consts=(float(momentum), float(eps)), inputs=inputs)
+    consumed = [user] + sorted(items.values(), key=lambda n: n.args[1])
+    return _Match(step, consumed, items[0], extra=[items[3], items[4]])
+
+
+# ----------------------------------------------------------------- reductions
+
+
+def _match_logsumexp(state: _State, user: Node):
+    if user.target is not aten.logsumexp.default:
+        return None
+    val = _val(state.node)
+    dims = [d % val.dim() for d in _arg(user, 1, "dim")]
+    keepdim = bool(_arg(user, 2, "keepdim", False))
+    if state.conv or val.dim() != 2 or dims != [1]:
+        raise Refuse(f"logsumexp over dims {dims} of a {val.dim()}-D value: only the feature dim of 2-D")
+    return _Match(Step("logsumexp", keepdim=keepdim), [user], user)
+
+
+# ---------------------------------------------------------------------- views
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _match_view(state: _State, user: Node):
+    """A view that only regroups the rows of a linear output (3-D inputs to nn.Linear)."""
+    if user.target not in _VIEWS:
+        return None
+    val = _val(user)
+    if state.conv or state.reduced or val.shape[-1] != state.channels or not _is_contiguous(val):
+        raise Refuse(f"view to {list(val.shape)} changes the feature layout")
+    return _Match(None, [user], user)
+
+
+# Ordered: multi-node forms first (see the module docstring); `_extend` relies on
+# `_match_silu_pair` being first.
+STEP_MATCHERS: list[Callable] = [
+    _match_silu_pair,
+    _match_view,
+    _match_unary,
+    _match_binary,
+    _match_group_norm,
+    _match_layer_norm,
+    _match_batch_norm,
+    _match_logsumexp,
+]
+
+
+# -------------------------------------------------------------------- anchors
+
+
+def _match_anchor(node: Node):
+    """Returns (Anchor, operand nodes) for an anchor node, else None."""
+    if node.op != "call_function":
+        return None
+    if node.target is aten.addmm.default:
+        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+            raise Refuse("addmm with alpha/beta != 1")
+        return Anchor("addmm"), list(node.args[:3])
+    if node.target is aten.mm.default:
+        return Anchor("mm"), list(node.args[:2])
+    if node.target is aten.convolution.default:
+        x, w, b, stride, padding, dilation, transposed, out_pad, groups = node.args
+        if transposed:
+            raise Refuse("transposed convolution")
+        conv = (tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(out_pad), groups)
+        operands = [x, w] + ([b] if b is not None else [])
+        return Anchor("conv", has_bias=b is not None, conv=conv), operands
+    return None
+
+
+def _fusion_name(anchor: Anchor, steps) -> str:
+    family = "conv" if anchor.kind == "conv" else "linear"
+    kind = next((s.name for s in steps if s.name in NAMED_STEPS), "pointwise")
+    return f"{family}_{kind}"
+
+
+def _start(node: Node, anchor: Anchor, operands, allow_cpu: bool) -> _State:
+    val = _val(node)
+    if not isinstance(val, torch.Tensor):
+        raise Refuse("anchor has no example value")
+    if val.dtype not in DTYPES:
+        raise Refuse(f"dtype {val.dtype} is not fused (float32, float16, bfloat16 only)")
+    if val.device.type != "cuda" and not allow_cpu:
+        raise Refuse(f"tensors on {val.device.type}: fused kernels are CUDA-only")
+    if not _is_contiguous(val):
+        raise Refuse("anchor output is not contiguous (channels_last input?)")
+    conv = anchor.kind == "conv"
+    shape = list(val.shape)
+    static = shape[1:]
+    if not all(isinstance(s, int) for s in static):
+        raise Refuse(f"feature/spatial sizes {static} are dynamic; only the batch size may vary")
+    inner = 1
+    for s in shape[2:]:
+        inner *= s
+    chain = Chain(anchor=node, operands=operands, nodes=[node])
+    return _State(node=node, chain=chain, channels=shape[1], inner=inner, conv=conv)
+
+
+def _extend(state: _State, disabled: frozenset) -> str:
+    """Grows the chain until it cannot; returns why it stopped.
+
+    A step that refuses ends the chain before it; the steps before it still fuse.
+    """
+    while True:
+        n_params = len(state.chain.params)
+        try:
+            stop = _extend_once(state, disabled)
+        except Refuse as err:
+            stop = str(err)
+        if stop is not None:
+            del state.chain.params[n_params:]
+            return stop
+
+
+def _extend_once(state: _State, disabled: frozenset) -> str | None:
+    """Adds one step to the chain; returns why it cannot, or None."""
+    users = list(state.node.users)
+    if not users:
+        return "value is a graph output or unused"
+    if any(u.op == "output" for u in users):
+        return "value is a graph output"
+    if len(users) > 1:
+        # Only a multi-node form may consume a value with several users.
+        match = _match_silu_pair(state, users[0])
+        if match is None:
+            return f"value has {len(users)} consumers ({', '.join(u.name for u in users)})"
+    else:
+        match = next(
+            (m for m in (f(state, users[0]) for f in STEP_MATCHERS[1:]) if m is not None), None
+        )
+        if match is None:
+            return f"{_name(users[0])} is not in the vocabulary"
+    step = match.step
+    if step is None:  # a view: regroups rows, re-applied after the fused op
+        state.chain.view = match.result
+        state.channel_axis = _val(match.result).dim() - 1
+    else:
+        if step.name in disabled:
+            return f"step {step.name} disabled by FUSEDEPI_DISABLE"
+        if step.name in REDUCTIONS and any(s.name in REDUCTIONS for s in state.chain.steps):
+            return f"{step.name}: only one reduction per fused kernel"
+        if state.reduced and step.operand in (CHANNEL, FULL):
+            return f"{step.name}: per-channel or full operand after a row reduction"
+        _check_dtype(state, match.result)
+        state.chain.steps.append(step)
+        state.chain.extra.extend(match.extra)
+        state.reduced = state.reduced or step.name == "logsumexp"
+    state.chain.nodes.extend(match.consumed)
+    state.node = match.result
+    return None
+
+
+def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False):
+    """Finds every fusible chain in `graph`.
+
+    Args:
+        graph: a post-AOTAutograd aten graph whose nodes carry meta["val"].
+        disabled: fusion names and step names that must not be fused.
+        allow_cpu: also match chains on CPU tensors (their fused op then runs
+            the plain-torch reference; used to test the rewrite without a GPU).
+
+    Returns:
+        (chains, refusals): chains to rewrite, and candidates that were refused.
+    """
+    chains, refusals = [], []
+    for node in list(graph.nodes):
+        try:
+            found = _match_anchor(node)
+        except Refuse as err:
+            refusals.append(Refusal(node.name, [node.name], str(err)))
+            continue
+        if found is None:
+            continue
+        anchor, operands = found
+        try:
+            state = _start(node, anchor, operands, allow_cpu)
+            stop = _extend(state, disabled)
+        except Refuse as err:
+            refusals.append(Refusal(node.name, [node.name], str(err)))
+            continue
+        chain = state.chain
+        chain.stop = stop
+        names = [n.name for n in chain.nodes]
+        if not chain.steps:
+            refusals.append(Refusal(node.name, names, f"no epilogue to fuse: {stop}"))
+            continue
+        # A trailing view carries no step: re-applied after the fused op, it stays in the graph.
+        chain.final = state.node
+        val = _val(chain.anchor)
+        fusion = _fusion_name(anchor, chain.steps)
+        if fusion in disabled:
+            refusals.append(Refusal(node.name, names, f"fusion {fusion} disabled by FUSEDEPI_DISABLE"))
+            continue
+        chain.spec = EpilogueSpec(
+            anchor=anchor,
+            steps=tuple(chain.steps),
+            dtype=DTYPES[val.dtype],
+            param_dtypes=tuple(DTYPES.get(_val(p).dtype, str(_val(p).dtype)) for p in chain.params),
+            channels=state.channels,
+            inner=state.inner,
+            fusion=fusion,
+        )
+        chains.append(chain)
+    return chains, refusals

@@ -1,0 +1,153 @@
+"""The epilogue spec: plain, hashable data that describes one fused chain.
+
+The spec is what crosses from `lowering/` (which builds it from the graph) to
+`cuda_templates/` (which renders a kernel from it) and `fusion_backend/` (which
+runs it). It serializes to a JSON string, which is what the custom op carries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+# Operand kinds of a binary step (`add`, `sub`, `mul`, `div`).
+SCALAR = "scalar"  # a Python number baked into the kernel
+CHANNEL = "channel"  # a tensor indexed by channel only (shape [C], [C, 1, 1], ...)
+ONE = "one"  # a tensor with a single element
+FULL = "full"  # a contiguous tensor with the chain's own shape (a residual)
+SELF = "self"  # the chain's own value (`x + x`, `x * x`)
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """The matrix op that starts the chain.
+
+    Attributes:
+        kind: "addmm" (bias, mat1, mat2), "mm" (mat1, mat2) or "conv"
+            (input, weight[, bias]).
+        has_bias: conv only: whether a bias tensor is the third operand.
+        conv: conv only: (stride, padding, dilation, transposed, output_padding, groups).
+    """
+
+    kind: str
+    has_bias: bool = False
+    conv: tuple = ()
+
+    @property
+    def n_operands(self) -> int:
+        if self.kind == "addmm":
+            return 3
+        if self.kind == "mm":
+            return 2
+        return 3 if self.has_bias else 2
+
+
+@dataclass(frozen=True)
+class Step:
+    """One epilogue step, named from the vocabulary (`lowering/vocabulary.py`).
+
+    Attributes:
+        name: vocabulary entry, e.g. "gelu", "groupnorm", "mul".
+        consts: compile-time numbers (slope, eps, momentum, a scalar operand).
+        inputs: indices into the fused op's tensor list (after the anchor operands).
+            For norms: (weight, bias[, running_mean, running_var]), -1 where absent.
+        operand: for binary steps, one of SCALAR, CHANNEL, ONE, FULL, SELF.
+        reverse: for binary steps, the chain's value is the right operand (`p - x`).
+        groups: for groupnorm, the number of groups.
+        keepdim: for row reductions.
+    """
+
+    name: str
+    consts: tuple = ()
+    inputs: tuple = ()
+    operand: str = ""
+    reverse: bool = False
+    groups: int = 0
+    keepdim: bool = False
+
+
+@dataclass(frozen=True)
+class EpilogueSpec:
+    """A whole fused chain: anchor, steps and the layout they run on.
+
+    The anchor output is viewed as [rows, channels, inner]: for a linear layer
+    rows = M, channels = N, inner = 1; for a conv rows = batch, channels = C,
+    inner = H*W. `rows` is the only size left to run time.
+
+    Attributes:
+        anchor: the matrix op.
+        steps: the epilogue, in order.
+        dtype: "float32", "float16" or "bfloat16" (the anchor output's dtype).
+        param_dtypes: dtype of each tensor input after the anchor operands.
+        channels: C.
+        inner: spatial elements per channel (1 for linear).
+        fusion: the fusion's name (anchor family + kind of reduction), used by
+            `FUSEDEPI_DISABLE` and `explain`.
+    """
+
+    anchor: Anchor
+    steps: tuple
+    dtype: str
+    param_dtypes: tuple
+    channels: int
+    inner: int
+    fusion: str = ""
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data.pop("extra")
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> "EpilogueSpec":
+        data = json.loads(text)
+        anchor = data.pop("anchor")
+        anchor["conv"] = _tuples(anchor["conv"])
+        steps = tuple(
+            Step(**{**s, "consts": tuple(s["consts"]), "inputs": tuple(s["inputs"])})
+            for s in data.pop("steps")
+        )
+        return EpilogueSpec(
+            anchor=Anchor(**anchor),
+            steps=steps,
+            param_dtypes=tuple(data.pop("param_dtypes")),
+            **data,
+        )
+
+    @property
+    def reduction(self) -> Step | None:
+        """The step that needs statistics over more than one element, if any."""
+        for step in self.steps:
+            if step.name in REDUCTIONS:
+                return step
+        return None
+
+    @property
+    def row_output(self) -> bool:
+        """True when a row reduction shrinks the output to one value per row."""
+        red = self.reduction
+        return red is not None and red.name in ROW_REDUCTIONS
+
+    def kernel_name(self, arch: str) -> str:
+        """A readable name built from the spec, e.g. addmm_groupnorm_silu_mul_f32_sm90."""
+        parts = [self.anchor.kind] + [s.name for s in self.steps]
+        short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}[self.dtype]
+        return "_".join(parts + [short, arch])
+
+
+def _tuples(value):
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    return value
+
+
+# Steps whose statistics span several elements. Row reductions shrink the output.
+ROW_REDUCTIONS = ("logsumexp",)
+SEGMENT_NORMS = ("groupnorm", "layernorm")
+REDUCTIONS = SEGMENT_NORMS + ROW_REDUCTIONS + ("batchnorm_train",)
+# A fusion is named after its anchor family and the first of these steps it holds,
+# or "pointwise": linear_groupnorm, conv_batchnorm_eval, linear_pointwise, ...
+NAMED_STEPS = REDUCTIONS + ("batchnorm_eval",)
+FUSION_NAMES = tuple(f"{family}_{kind}" for family in ("linear", "conv") for kind in NAMED_STEPS + ("pointwise",))

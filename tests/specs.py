@@ -1,0 +1,72 @@
+"""Hand-built specs covering every template path (used by the GPU-free template tests)."""
+
+from lowering.spec import CHANNEL, FULL, ONE, SCALAR, SELF, Anchor, EpilogueSpec, Step
+
+LINEAR = Anchor("addmm")
+CONV = Anchor("conv", has_bias=True, conv=((1, 1), (0, 0), (1, 1), False, (0, 0), 1))
+
+
+def workload_specs(dtype="float32"):
+    """The five workloads' specs, as the matcher builds them (sizes from DEVELOPERS.md)."""
+    p = (dtype,)
+    return {
+        "w1_bn_train": EpilogueSpec(
+            LINEAR,
+            (Step("batchnorm_train", consts=(0.1, 1e-5), inputs=(0, 1, 2, 3)), Step("gelu"), Step("relu")),
+            dtype, p * 4, 4096, 1, "linear_batchnorm_train",
+        ),
+        "w1_bn_eval": EpilogueSpec(
+            LINEAR,
+            (Step("batchnorm_eval", consts=(1e-5,), inputs=(0, 1, 2, 3)), Step("gelu"), Step("relu")),
+            dtype, p * 4, 4096, 1, "linear_batchnorm_eval",
+        ),
+        "w2_logsumexp": EpilogueSpec(
+            LINEAR,
+            (Step("logsumexp", keepdim=True), Step("leaky_relu", consts=(0.01,)),
+             Step("leaky_relu", consts=(0.01,)), Step("gelu"), Step("gelu")),
+            dtype, (), 8192, 1, "linear_logsumexp",
+        ),
+        "w3_groupnorm": EpilogueSpec(
+            LINEAR,
+            (Step("groupnorm", consts=(1e-5,), inputs=(0, 1), groups=512), Step("leaky_relu", consts=(0.01,)),
+             Step("add", operand=SELF)),
+            dtype, p * 2, 8192, 1, "linear_groupnorm",
+        ),
+        "w4_groupnorm_silu": EpilogueSpec(
+            LINEAR,
+            (Step("groupnorm", consts=(1e-5,), inputs=(0, 1), groups=256), Step("silu"),
+             Step("mul", inputs=(2,), operand=CHANNEL), Step("silu")),
+            dtype, p * 3, 8192, 1, "linear_groupnorm",
+        ),
+        "w5_conv_groupnorm": EpilogueSpec(
+            CONV,
+            (Step("add", inputs=(0,), operand=CHANNEL), Step("mul", inputs=(1,), operand=CHANNEL),
+             Step("sigmoid"), Step("groupnorm", consts=(1e-5,), inputs=(2, 3), groups=8)),
+            dtype, p * 4, 32, 254 * 254, "conv_groupnorm",
+        ),
+    }
+
+
+def awkward_specs(dtype="float32"):
+    """Odd sizes and operand kinds: scalar loads, residuals, layernorm, no reduction."""
+    p = (dtype,)
+    return {
+        "groupnorm_odd_groups": EpilogueSpec(  # N=520, 8 groups of 65: scalar path, masked lanes
+            LINEAR, (Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=8), Step("gelu_tanh")),
+            dtype, (), 520, 1, "linear_groupnorm",
+        ),
+        "layernorm_residual": EpilogueSpec(
+            Anchor("mm"),
+            (Step("add", inputs=(0,), operand=CHANNEL), Step("layernorm", consts=(1e-5,), inputs=(1, 2)),
+             Step("add", inputs=(3,), operand=FULL), Step("tanh"), Step("sub", consts=(1.5,), operand=SCALAR, reverse=True),
+             Step("div", inputs=(4,), operand=ONE)),
+            dtype, p * 5, 513, 1, "linear_layernorm",
+        ),
+        "pointwise_only": EpilogueSpec(
+            LINEAR, (Step("sigmoid"), Step("mul", consts=(2.0,), operand=SCALAR)),
+            dtype, (), 255, 1, "linear_pointwise",
+        ),
+        "logsumexp_short_row": EpilogueSpec(
+            LINEAR, (Step("logsumexp", keepdim=False), Step("silu")), dtype, (), 100, 1, "linear_logsumexp",
+        ),
+    }

@@ -1,0 +1,207 @@
+"""GPU tier: numerics of the fused kernels against float64, on fresh random inputs.
+
+Each test also asserts that the fusion fired, so a silent fallback to Inductor fails.
+Run on an H100/H200 with `pytest -m gpu`; skipped without CUDA.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from benchmarks.workloads import WORKLOADS, expected_fusion, relative_error
+from fusion_backend import fusedepi
+from fusion_backend.backend import collect_reports
+
+pytestmark = pytest.mark.gpu
+
+# Relative error budget against float64 (||out - ref|| / ||ref||).
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def exact_float32():
+    """float32 means float32: no TF32 in matmuls or convolutions, as "highest" asks."""
+    old = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    torch._dynamo.reset()
+    seed = torch.seed()  # fresh inputs every run; the seed is in the failure message
+    yield seed
+    torch.set_float32_matmul_precision(old[0])
+    torch.backends.cudnn.allow_tf32 = old[1]
+    torch._dynamo.reset()
+
+
+def compile_and_run(model, *inputs):
+    reports = []
+    with collect_reports(reports):
+        out = torch.compile(model, backend=fusedepi)(*inputs)
+    fused = [r.fusion for report in reports for r in report.records if r.status == "fused"]
+    return out, fused
+
+
+def float64_reference(model, *inputs):
+    ref_model = copy.deepcopy(model).double()
+    with torch.no_grad():
+        return ref_model(*(t.double() for t in inputs)), ref_model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_workload(name, training, dtype, exact_float32):
+    workload = WORKLOADS[name]
+    if not training and not workload.has_batchnorm:
+        pytest.skip("no mode-dependent op: eval compiles the same graph as train")
+    model = workload.make_model().cuda().to(dtype).train(training)
+    x = torch.rand(workload.input_shape, device="cuda", dtype=dtype)
+    ref, ref_model = float64_reference(model, x)
+    eager_model = copy.deepcopy(model)
+    with torch.no_grad():
+        out, fused = compile_and_run(model, x)
+        eager = eager_model(x)
+    assert fused == [expected_fusion(workload, training)]
+    err = relative_error(out, ref)
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32})"
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
+    if workload.has_batchnorm and training:
+        for ours, theirs in ((model.bn, ref_model.bn), (model.bn, eager_model.bn)):
+            assert ours.num_batches_tracked.item() == theirs.num_batches_tracked.item() == 1
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(ours.running_mean.double(), theirs.running_mean.double(), atol=tol, rtol=tol)
+            torch.testing.assert_close(ours.running_var.double(), theirs.running_var.double(), atol=tol, rtol=tol)
+
+
+def test_batchnorm_running_stats_over_steps(exact_float32):
+    model = nn.Sequential(nn.Linear(64, 520), nn.BatchNorm1d(520, momentum=0.3), nn.GELU()).cuda()
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=fusedepi)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.rand(1000, 64, device="cuda") * 3 - 1
+            torch.testing.assert_close(compiled(x), eager(x), atol=1e-5, rtol=1e-5)
+    bn, ebn = model[1], eager[1]
+    assert bn.num_batches_tracked.item() == ebn.num_batches_tracked.item() == 4
+    torch.testing.assert_close(bn.running_mean, ebn.running_mean, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(bn.running_var, ebn.running_var, atol=1e-6, rtol=1e-5)
+
+
+class _GroupNormTanh(nn.Module):
+    def __init__(self, k, n, groups, bias=True):
+        super().__init__()
+        self.linear, self.gn = nn.Linear(k, n, bias=bias), nn.GroupNorm(groups, n)
+
+    def forward(self, x):
+        return F.gelu(self.gn(self.linear(x)), approximate="tanh")
+
+
+class _LayerNormResidual(nn.Module):
+    def __init__(self, k, n):
+        super().__init__()
+        self.linear, self.ln = nn.Linear(k, n, bias=False), nn.LayerNorm(n)
+
+    def forward(self, x, residual):
+        return torch.tanh(self.ln(self.linear(x)) + residual) / 3.0
+
+
+class _Linear3dLayerNorm(nn.Module):
+    def __init__(self, k, n):
+        super().__init__()
+        self.linear, self.ln = nn.Linear(k, n), nn.LayerNorm(n)
+
+    def forward(self, x):
+        return self.ln(F.gelu(self.linear(x)))
+
+
+class _LogsumexpSilu(nn.Module):
+    def __init__(self, k, n):
+        super().__init__()
+        self.linear = nn.Linear(k, n)
+
+    def forward(self, x):
+        return F.silu(torch.logsumexp(self.linear(x), dim=-1))
+
+
+class _ConvGroupNormRelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.gn = nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16)
+
+    def forward(self, x):
+        return torch.relu(self.gn(self.conv(x)))
+
+
+class _ConvBatchNormEvalSilu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 16, 3, stride=2), nn.BatchNorm2d(16)
+
+    def forward(self, x):
+        return F.silu(self.bn(self.conv(x)))
+
+
+def _randomize_bn(module):
+    for m in module.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+
+
+AWKWARD = {
+    # name: (model factory, input shapes, training, fusion)
+    "groupnorm_n520_m1": (lambda: _GroupNormTanh(255, 520, 8), [(1, 255)], True, "linear_groupnorm"),
+    "groupnorm_n520_m3": (lambda: _GroupNormTanh(255, 520, 8), [(3, 255)], True, "linear_groupnorm"),
+    "groupnorm_m1000_n8200": (lambda: _GroupNormTanh(255, 8200, 41, bias=False), [(1000, 255)], True, "linear_groupnorm"),
+    "layernorm_residual_mm": (lambda: _LayerNormResidual(255, 513), [(3, 255), (3, 513)], True, "linear_layernorm"),
+    "linear_3d_layernorm": (lambda: _Linear3dLayerNorm(64, 96), [(2, 7, 64)], True, "linear_layernorm"),
+    "logsumexp_no_keepdim": (lambda: _LogsumexpSilu(255, 100), [(3, 255)], True, "linear_logsumexp"),
+    "batchnorm_train_n520_m3": (
+        lambda: nn.Sequential(nn.Linear(255, 520), nn.BatchNorm1d(520), nn.ReLU()),
+        [(3, 255)],
+        True,
+        "linear_batchnorm_train",
+    ),
+    "conv_groupnorm_odd_spatial": (_ConvGroupNormRelu, [(2, 3, 33, 33)], True, "conv_groupnorm"),
+    "conv_batchnorm_eval": (_ConvBatchNormEvalSilu, [(2, 3, 33, 33)], False, "conv_batchnorm_eval"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(AWKWARD))
+def test_awkward_shapes(name, dtype, exact_float32):
+    factory, shapes, training, fusion = AWKWARD[name]
+    model = factory().cuda().train(training)
+    _randomize_bn(model)
+    model = model.to(dtype)
+    inputs = [torch.rand(s, device="cuda", dtype=dtype) * 2 - 1 for s in shapes]
+    ref, _ = float64_reference(model, *inputs)
+    with torch.no_grad():
+        out, fused = compile_and_run(model, *inputs)
+    assert fused == [fusion]
+    assert out.shape == ref.shape
+    err = relative_error(out, ref)
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32})"
+
+
+def test_nan_and_inf_propagate_like_eager(exact_float32):
+    model = _GroupNormTanh(16, 64, 4).cuda()
+    x = torch.rand(8, 16, device="cuda")
+    x[2, 3] = float("nan")
+    x[5, 0] = float("inf")
+    with torch.no_grad():
+        out, fused = compile_and_run(model, x)
+        eager = model(x)
+    assert fused == ["linear_groupnorm"]
+    torch.testing.assert_close(out, eager, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
+def test_zero_rows(exact_float32):
+    model = _LogsumexpSilu(16, 32).cuda()
+    x = torch.rand(0, 16, device="cuda")
+    with torch.no_grad():
+        out, _ = compile_and_run(model, x)
+    assert out.shape == (0,)
