@@ -69,6 +69,10 @@ def _min_bytes(model, x, out) -> int:
     return x.numel() * x.element_size() + params + out.numel() * out.element_size()
 
 
+def _device_us(event) -> float:
+    return getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
+
+
 def _epilogue_ms(fn, kernel: str, iters: int = 20) -> float | None:
     """Device time per call of the kernels whose names start with `kernel`."""
     from torch.profiler import ProfilerActivity, profile
@@ -81,9 +85,28 @@ def _epilogue_ms(fn, kernel: str, iters: int = 20) -> float | None:
         torch.cuda.synchronize()
     total = 0.0
     for event in prof.key_averages():
-        if event.key.startswith(kernel):
-            total += getattr(event, "device_time_total", None) or event.cuda_time_total
+        if kernel in event.key:  # names carry their namespace and signature
+            total += _device_us(event)
     return total / iters / 1000 if total else None
+
+
+def kernel_table(fn, iters: int = 10, top: int = 8) -> str:
+    """The `top` CUDA kernels of `fn` by device time per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        total = _device_us(event)
+        if total:
+            rows.append((total / iters / 1000, event.count // iters, event.key[:110]))
+    rows.sort(reverse=True)
+    return "\n".join(f"    {ms:8.4f} ms  x{n}  {name}" for ms, n, name in rows[:top])
 
 
 def _compile(provider, model):
@@ -96,7 +119,7 @@ def _compile(provider, model):
     return torch.compile(model, backend="fusedepi")
 
 
-def run_cell(workload, precision, training, providers, copy_gbs):
+def run_cell(workload, precision, training, providers, copy_gbs, profile=False):
     from fusion_backend.backend import collect_reports
     from fusion_backend import ops
 
@@ -119,6 +142,8 @@ def run_cell(workload, precision, training, providers, copy_gbs):
             compile_s = time.perf_counter() - start if provider != "eager" else 0.0
             err = relative_error(out, ref)
             ms = _bench(lambda: fn(x))
+            if profile:
+                print(f"  {provider} {ms:.3f} ms\n{kernel_table(lambda: fn(x))}", flush=True)
             row = dict(
                 workload=workload.name,
                 precision=precision,
@@ -142,7 +167,7 @@ def run_cell(workload, precision, training, providers, copy_gbs):
                         row["epilogue_gbs"] = (y_bytes + out.numel() * out.element_size()) / epi / 1e6
                 # Warm compile: Dynamo cold, kernels from the on-disk cache.
                 torch._dynamo.reset()
-                ops._kernels.clear()
+                ops.forget_loaded()
                 start = time.perf_counter()
                 torch.compile(copy.deepcopy(base), backend="fusedepi")(x)
                 torch.cuda.synchronize()
@@ -222,6 +247,7 @@ def main(argv=None):
     parser.add_argument("--modes", nargs="*", default=["train", "eval"], choices=["train", "eval"])
     parser.add_argument("--providers", nargs="*", default=PROVIDERS, choices=PROVIDERS)
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--profile", action="store_true", help="print each provider's top CUDA kernels")
     parser.add_argument("--warm-start", action="store_true", help="time a new process with a warm kernel cache")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -241,7 +267,7 @@ def main(argv=None):
                 if mode == "eval" and not workload.has_batchnorm and "train" in args.modes:
                     continue  # no mode-dependent op: the eval graph is the train graph
                 print(f"-- {name} {precision} {mode}", flush=True)
-                cell = run_cell(workload, precision, mode == "train", args.providers, copy_gbs)
+                cell = run_cell(workload, precision, mode == "train", args.providers, copy_gbs, args.profile)
                 if args.warm_start and "fusedepi" in args.providers:
                     next(r for r in cell if r["provider"] == "fusedepi")["warm_start_s"] = warm_start(name, precision)
                 rows.extend(cell)

@@ -23,6 +23,12 @@ fi
 if [ "$what" = quick ]; then
   python3 -m benchmarks.compare --quick --json "$OUT/bench_quick.json" 2>&1 | tee "$OUT/bench_quick.log" | grep -v "^-- "
 fi
+if [ "$what" = variants ]; then
+  python3 -m benchmarks.kernel_variants "$@" 2>&1 | grep -v DEBUG | tee "$OUT/variants.log"
+fi
+if [ "$what" = conv ]; then
+  python3 -m benchmarks.conv_layouts 2>&1 | tee "$OUT/conv_layouts.log"
+fi
 if [ "$what" = bench ]; then
   python3 -m benchmarks.compare --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^-- "
   status=${PIPESTATUS[0]}

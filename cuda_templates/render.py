@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from lowering.spec import FULL, ROW_REDUCTIONS, SEGMENT_NORMS, EpilogueSpec
 
 from . import templates
-from .snippets import SNIPPETS, Operands, cfloat, render_steps
+from .snippets import cfloat, render_stage
 
 CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -60,6 +60,16 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _vector_width(seg_len: int, inner: int, widest: int) -> int:
+    """Elements per access: it must divide the segment; widths that keep a vector
+    inside one channel are preferred while they are at least half the widest."""
+    widths = [w for w in (widest, widest // 2, widest // 4, 1) if w >= 1 and seg_len % w == 0]
+    one_channel = [w for w in widths if inner == 1 or inner % w == 0]
+    if one_channel and one_channel[0] * 2 >= widths[0]:
+        return one_channel[0]
+    return widths[0]
+
+
 def plan(spec: EpilogueSpec) -> Plan:
     """Chooses the thread mapping for `spec`.
 
@@ -73,8 +83,9 @@ def plan(spec: EpilogueSpec) -> Plan:
     else:
         groups = 1
     seg_len = row // groups
-    vmax = 16 // ITEMSIZE[spec.dtype]
-    vec = vmax if seg_len % vmax == 0 else 1
+    if row >= 2**31:
+        raise NotRenderable(f"rows of {row} elements: the kernels index a row with 32 bits")
+    vec = _vector_width(seg_len, spec.inner, 16 // ITEMSIZE[spec.dtype])
     vecs = _ceil_div(seg_len, vec)
     if vecs <= 32 * WARP_TEAM_MAX_VECS:
         # One vector per lane while the segment fits a warp: each access is coalesced.
@@ -120,22 +131,27 @@ def _check_operands(spec: EpilogueSpec, p: Plan):
             raise NotRenderable(f"{step.name}: residual dtype differs from the chain's")
 
 
-def render(spec: EpilogueSpec, arch: str) -> str:
-    """The complete .cu source for `spec`, compiled for `arch` (e.g. "sm90")."""
-    p = plan(spec)
+def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
+    """The complete .cu source for `spec`, compiled for `arch` (e.g. "sm90").
+
+    Args:
+        spec: the chain.
+        arch: target architecture.
+        launch: a thread mapping other than `plan(spec)`'s (for measuring variants).
+    """
+    p = launch or plan(spec)
     _check_operands(spec, p)
     name = spec.kernel_name(arch)
     steps = list(spec.steps)
-    red_index = next((i for i, s in enumerate(steps) if s == spec.reduction), len(steps))
-    red = steps[red_index] if red_index < len(steps) else None
-    before, after = steps[:red_index], steps[red_index + 1 :]
-    ops = Operands()
+    red = spec.reduction
+    split = steps.index(red) if red is not None else len(steps)
+    # stage1 opens with the reduction's own normalize statement (none for logsumexp).
+    stage0_loads, stage0 = render_stage(steps[:split])
+    stage1_loads, stage1 = render_stage(steps[split:])
     fields, bind = _fields(spec)
-    apply_grid = (
-        "segments * kChunks"
-        if p.team > 32 or p.chunks > 1
-        else f"(segments + {p.block // p.team} - 1) / {p.block // p.team}"
-    )
+    block_per_segment = p.team > 32 or p.chunks > 1
+    teams = p.block // p.team
+    apply_grid = "segments * kChunks" if block_per_segment else f"(segments + {teams - 1}) / {teams}"
     launches = []
     stats_kernels = ""
     ws_floats = "0"
@@ -146,34 +162,34 @@ def render(spec: EpilogueSpec, arch: str) -> str:
         if spec.inner != 1:
             raise NotRenderable("BatchNorm (training) statistics: only for [rows, features]")
         vmax = 16 // ITEMSIZE[spec.dtype]
-        col_vec = vmax if spec.channels % vmax == 0 else 1
         stats_kernels = templates.COLUMN_STATS_KERNELS.substitute(
             kernel=name,
-            col_vec=col_vec,
+            col_vec=vmax if spec.channels % vmax == 0 else 1,
             momentum=cfloat(red.consts[0]),
             eps=cfloat(red.consts[1]),
-            running_mean=ops.param(red.inputs[2]),
-            running_var=ops.param(red.inputs[3]),
+            running_mean=f"fusedepi::to_float(a.p{red.inputs[2]}[c])",
+            running_var=f"fusedepi::to_float(a.p{red.inputs[3]}[c])",
             rstat_type=CTYPES[spec.param_dtypes[red.inputs[2]]],
         )
         launches += [
             f"  {name}_colstats<<<dim3((kChannels + kColsPerBlock - 1) / kColsPerBlock, "
             f"(rows + kRowsPerChunk - 1) / kRowsPerChunk), 256, 0, stream>>>(a);",
-            f"  {name}_colfinal<<<(kChannels + 255) / 256, 256, 0, stream>>>(a);",
+            f"  {name}_colfinal<<<(kChannels + 31) / 32, dim3(32, 8), 0, stream>>>(a);",
         ]
         ws_floats = "kPartials + (rows + kRowsPerChunk - 1) / kRowsPerChunk * kChannels * 2"
-        middle = templates.APPLY_ELEMENTS.substitute(normalize=SNIPPETS[red.name](red, ops))
+        middle = "  {\n    const float mean = 0.f, rstd = 0.f;  // BatchNorm reads its own statistics\n"
+        middle += templates.APPLY_STAGE1 + "\n  }"
     elif red.name in SEGMENT_NORMS:
-        apply = templates.APPLY_ELEMENTS.substitute(normalize=SNIPPETS[red.name](red, ops))
+        eps = cfloat(red.consts[0])
         if p.chunks == 1:
-            middle = templates.TEAM_NORM.substitute(eps=cfloat(red.consts[0]), apply=apply)
+            middle = templates.TEAM_NORM.substitute(eps=eps, apply=templates.APPLY_STAGE1)
         else:
-            middle = templates.CHUNK_NORM.substitute(eps=cfloat(red.consts[0]), apply=apply)
+            middle = templates.CHUNK_NORM.substitute(eps=eps, apply=templates.APPLY_STAGE1)
             stats_kernels = templates.SEGMENT_STATS_KERNEL.substitute(kernel=name)
             launches.append(f"  {name}_segstats<<<segments * kChunks, kBlock, 0, stream>>>(a);")
             ws_floats = "rows * kGroups * kChunks * 2"
     else:
-        assert red.name == "logsumexp"
+        assert red.name in ROW_REDUCTIONS
         middle, store = templates.TEAM_LOGSUMEXP, templates.STORE_ROW
     launches.append(f"  {name}_apply<<<{apply_grid}, kBlock, 0, stream>>>(a);")
     return templates.KERNEL_FILE.substitute(
@@ -189,9 +205,12 @@ def render(spec: EpilogueSpec, arch: str) -> str:
         groups=p.groups,
         channels=spec.channels,
         inner=spec.inner,
+        fast_math="false" if spec.dtype == "float32" else "true",
         fields=fields,
-        stage0=render_steps(before),
-        stage1=render_steps(after),
+        stage0_loads=stage0_loads,
+        stage0=stage0,
+        stage1_loads=stage1_loads,
+        stage1=stage1,
         middle=middle,
         store=store,
         stats_kernels=stats_kernels,

@@ -1,10 +1,12 @@
 """Device code for each vocabulary step: one C++ statement that updates `x`.
 
-Keys match `lowering.vocabulary.VOCABULARY`. A snippet sees `x` (float), `c`
-(channel index), `e` (flat element index) and `a` (the kernel's Args); operand
-expressions come from `Operands`. Reductions (groupnorm, layernorm, logsumexp,
-batchnorm_train statistics) are written by the templates; their entries here give
-the per-element normalize statement.
+Keys match `lowering.vocabulary.VOCABULARY` (a test keeps the two in step). A
+snippet runs once per element `j` of a W-wide vector; tensor operands come from
+`Operands`, which turns each into a register array loaded once per vector before
+the element loop. Channel indices `c[W]` come from the vector's position in its
+row; `e0` (its flat index) is only used by residual loads. Reductions (group/layer norm statistics, logsumexp, BatchNorm
+batch statistics) are written by the templates; their entries here give the
+per-element normalize statement, with `mean` and `rstd` in scope.
 """
 
 from __future__ import annotations
@@ -25,13 +27,36 @@ def cfloat(value: float) -> str:
 
 
 class Operands:
-    """Renders loads of the fused op's tensor inputs (fields p0, p1, ... of Args)."""
+    """Collects the loads a stage needs; renders them ahead of its element loop.
+
+    Args are fields p0, p1, ... of the kernel's Args; the vector is `v[W]`
+    starting at flat element `e0`, with channel indices `c[W]`.
+    """
+
+    def __init__(self):
+        self._loads: dict[str, str] = {}
 
     def param(self, index: int, kind: str = CHANNEL, default: str = "1.f") -> str:
         if index < 0:
             return default
-        where = {CHANNEL: "c", ONE: "0", FULL: "e"}[kind]
-        return f"fusedepi::to_float(a.p{index}[{where}])"
+        name = f"pv{index}"
+        if kind == CHANNEL:
+            self._loads[name] = f"float {name}[W];\n  fusedepi::load_channel<W, kInner>(a.p{index}, c, {name});"
+            return f"{name}[j]"
+        if kind == FULL:
+            self._loads[name] = f"float {name}[W];\n  fusedepi::load_full<W>(a.p{index}, e0, {name});"
+            return f"{name}[j]"
+        assert kind == ONE
+        self._loads[name] = f"const float {name} = fusedepi::to_float(a.p{index}[0]);"
+        return name
+
+    def batch_stats(self) -> tuple[str, str]:
+        """BatchNorm (training) mean and invstd, left per channel in the workspace."""
+        self._loads["bn_mean"] = "float bn_mean[W];\n  fusedepi::load_channel<W, kInner>(a.ws, c, bn_mean);"
+        self._loads["bn_invstd"] = (
+            "float bn_invstd[W];\n  fusedepi::load_channel<W, kInner>(a.ws + kChannels, c, bn_invstd);"
+        )
+        return "bn_mean[j]", "bn_invstd[j]"
 
     def operand(self, step: Step) -> str:
         if step.operand == SCALAR:
@@ -39,6 +64,9 @@ class Operands:
         if step.operand == SELF:
             return "x"
         return self.param(step.inputs[0], step.operand)
+
+    def render_loads(self, indent: str = "  ") -> str:
+        return "\n".join(indent + load for load in self._loads.values())
 
 
 def _call(fn):
@@ -64,14 +92,17 @@ def _batchnorm_eval(step: Step, ops: Operands) -> str:
     w = ops.param(step.inputs[0], CHANNEL, "1.f")
     b = ops.param(step.inputs[1], CHANNEL, "0.f")
     rm, rv = ops.param(step.inputs[2]), ops.param(step.inputs[3])
-    return f"x = (x - {rm}) * (1.f / sqrtf({rv} + {cfloat(step.consts[0])})) * {w} + {b};"
+    # rsqrtf (2 ulp), as eager's GroupNorm kernels use: an IEEE sqrt and divide per
+    # element made this the slowest step of the chain.
+    return f"x = (x - {rm}) * rsqrtf({rv} + {cfloat(step.consts[0])}) * {w} + {b};"
 
 
 def _batchnorm_train(step: Step, ops: Operands) -> str:
     """Normalize with the batch statistics the column kernels left in the workspace."""
     w = ops.param(step.inputs[0], CHANNEL, "1.f")
     b = ops.param(step.inputs[1], CHANNEL, "0.f")
-    return f"x = (x - a.ws[c]) * a.ws[kChannels + c] * {w} + {b};"
+    mean, invstd = ops.batch_stats()
+    return f"x = (x - {mean}) * {invstd} * {w} + {b};"
 
 
 SNIPPETS = {
@@ -79,8 +110,8 @@ SNIPPETS = {
     "gelu": _call("fusedepi::gelu"),
     "gelu_tanh": _call("fusedepi::gelu_tanh"),
     "leaky_relu": lambda s, ops: f"x = fusedepi::leaky_relu(x, {cfloat(s.consts[0])});",
-    "silu": _call("fusedepi::silu"),
-    "sigmoid": _call("fusedepi::sigmoid"),
+    "silu": _call("fusedepi::silu<kFastMath>"),
+    "sigmoid": _call("fusedepi::sigmoid<kFastMath>"),
     "tanh": _call("tanhf"),
     "add": _binary("+"),
     "sub": _binary("-"),
@@ -94,8 +125,12 @@ SNIPPETS = {
 }
 
 
-def render_steps(steps, indent: str = "  ") -> str:
-    """The statements for a run of pointwise steps, one per line."""
+def render_stage(steps) -> tuple[str, str]:
+    """(loads, statements) for a run of steps applied to each element `x`."""
     ops = Operands()
-    lines = [f"{indent}{SNIPPETS[s.name](s, ops)}  // {s.name}" for s in steps]
-    return "\n".join(lines)
+    lines = []
+    for step in steps:
+        statement = SNIPPETS[step.name](step, ops)
+        if statement:
+            lines.append(f"    {statement}  // {step.name}")
+    return ops.render_loads(), "\n".join(lines)

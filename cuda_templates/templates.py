@@ -20,9 +20,12 @@ from string import Template
 #   $groups         segments per row
 #   $channels       channels per row (N of a linear, C of a conv)
 #   $inner          elements per channel (H*W of a conv, 1 for a linear)
+#   $fast_math      "true" for bf16/fp16 chains (see fusedepi::sigmoid)
 #   $fields         Args fields for extra outputs (x0, x1) and tensor inputs (p0, ...)
-#   $stage0         statements of the steps before the reduction
-#   $stage1         statements of the steps after it
+#   $stage0_loads   operand loads of the steps before the reduction (once per vector)
+#   $stage0         their statements on `x` (once per element)
+#   $stage1_loads   operand loads of the reduction's normalize and the steps after it
+#   $stage1         their statements
 #   $middle         code between load and store: the reduction and normalize, if any
 #   $store          code that writes the result
 #   $stats_kernels  kernels that run before the apply kernel (statistics), or nothing
@@ -47,8 +50,8 @@ constexpr int kChunks = $chunks;
 constexpr long long kChunkLen = (long long)kTeam * kNV * kV;  // elements one team pass covers
 constexpr long long kGroups = $groups;
 constexpr long long kChannels = $channels;
-constexpr long long kInner = $inner;
-constexpr long long kSegChannels = kChannels / kGroups;
+constexpr int kInner = $inner;
+constexpr bool kFastMath = $fast_math;  // hardware exp/divide in sigmoid and silu
 constexpr bool kBlockPerSegment = kTeam > 32 || kChunks > 1;
 
 struct Args {
@@ -59,25 +62,40 @@ $fields
   long long rows;           // rows of the anchor output: the only run-time size
 };
 
-__device__ __forceinline__ int channel_of(long long seg, long long i) {
-  return (int)((seg % kGroups) * kSegChannels + i / kInner);
-}
-
-// Steps before the reduction (all of them when there is none).
-__device__ __forceinline__ float stage0(float x, int c, long long e, const Args& a) {
+// Steps before the reduction (all of them when there is none), on a vector of W
+// elements at position `pos` of its row and flat index e0.
+template <int W>
+__device__ __forceinline__ void stage0(float (&v)[W], int pos, long long e0, const Args& a) {
+  int c[W];
+  fusedepi::channels_of<W, kInner>(pos, c);
+$stage0_loads
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    float x = v[j];
 $stage0
-  return x;
+    v[j] = x;
+  }
 }
 
-// Steps after the reduction.
-__device__ __forceinline__ float stage1(float x, int c, long long e, const Args& a) {
+// The reduction's normalize (with its statistics) and the steps after it.
+template <int W>
+__device__ __forceinline__ void stage1(float (&v)[W], int pos, long long e0, const Args& a, float mean, float rstd) {
+  int c[W];
+  fusedepi::channels_of<W, kInner>(pos, c);
+$stage1_loads
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    float x = v[j];
 $stage1
-  return x;
+    v[j] = x;
+  }
 }
 
 // Which segment and which part of it this thread works on.
 struct Place {
-  long long seg, first;
+  long long seg;  // segment index over the whole tensor
+  int first;      // offset of this team's part within the segment
+  int rowpos;     // offset of the segment within its row
   int lane;
   bool live;
 };
@@ -86,7 +104,7 @@ __device__ __forceinline__ Place place(const Args& a) {
   Place p;
   if constexpr (kBlockPerSegment) {
     p.seg = blockIdx.x / kChunks;
-    p.first = (long long)(blockIdx.x % kChunks) * kChunkLen;
+    p.first = static_cast<int>((blockIdx.x % kChunks) * kChunkLen);
     p.lane = threadIdx.x;
   } else {
     p.seg = (long long)blockIdx.x * (kBlock / kTeam) + threadIdx.x / kTeam;
@@ -94,29 +112,29 @@ __device__ __forceinline__ Place place(const Args& a) {
     p.lane = threadIdx.x % kTeam;
   }
   p.live = p.seg < a.rows * kGroups;
+  p.rowpos = static_cast<int>((p.seg % kGroups) * kL);
   return p;
 }
 
-__device__ __forceinline__ long long offset_of(const Place& p, int k) {
-  return p.first + ((long long)k * kTeam + p.lane) * kV;
-}
+__device__ __forceinline__ int offset_of(const Place& p, int k) { return p.first + (k * kTeam + p.lane) * kV; }
 
 __device__ __forceinline__ bool valid(const Place& p, int k) { return p.live && offset_of(p, k) < kL; }
 
 // Loads this thread's share of the segment and applies stage0; masked lanes hold 0.
+// All loads are issued before any arithmetic, so they are in flight together.
 __device__ __forceinline__ void load_stage0(const Args& a, const Place& p, float (&v)[kNV][kV]) {
 #pragma unroll
   for (int k = 0; k < kNV; ++k) {
-    const long long i = offset_of(p, k);
     if (valid(p, k)) {
-      fusedepi::load_vec<T, kV>(a.y + p.seg * kL + i, v[k]);
-#pragma unroll
-      for (int j = 0; j < kV; ++j) v[k][j] = stage0(v[k][j], channel_of(p.seg, i + j), p.seg * kL + i + j, a);
+      fusedepi::load_vec<T, kV>(a.y + p.seg * kL + offset_of(p, k), v[k]);
     } else {
 #pragma unroll
       for (int j = 0; j < kV; ++j) v[k][j] = 0.f;
     }
   }
+#pragma unroll
+  for (int k = 0; k < kNV; ++k)
+    if (valid(p, k)) stage0<kV>(v[k], p.rowpos + offset_of(p, k), p.seg * kL + offset_of(p, k), a);
 }
 
 $stats_kernels
@@ -156,7 +174,7 @@ $launches
 """
 )
 
-# Normalize by group/layer statistics computed inside the team; $eps, $normalize.
+# Group/layer statistics computed inside the team, then stage1; $eps.
 TEAM_NORM = Template(
     r"""  {
     float s = 0.f;
@@ -183,7 +201,7 @@ CHUNK_NORM = Template(
     r"""  {
     fusedepi::Moments m = {0.f, 0.f, 0.f};
     for (int t = 0; t < kChunks; ++t) {
-      const float n = static_cast<float>(min(kChunkLen, kL - t * kChunkLen));
+      const float n = static_cast<float>(min(kChunkLen, kL - (long long)t * kChunkLen));
       const float* part = a.ws + (p.seg * kChunks + t) * 2;
       m = fusedepi::merge(m, {n, part[0], part[1]});
     }
@@ -193,21 +211,10 @@ $apply
   }"""
 )
 
-# Per-element normalize + stage1; $normalize is one step statement on `x`.
-APPLY_ELEMENTS = Template(
-    r"""#pragma unroll
-    for (int k = 0; k < kNV; ++k) {
-      const long long i = offset_of(p, k);
-#pragma unroll
-      for (int j = 0; j < kV; ++j) {
-        const int c = channel_of(p.seg, i + j);
-        const long long e = p.seg * kL + i + j;
-        float x = v[k][j];
-        $normalize
-        v[k][j] = stage1(x, c, e, a);
-      }
-    }"""
-)
+# stage1 (the reduction's normalize, then the steps after it) on every live vector.
+APPLY_STAGE1 = r"""#pragma unroll
+    for (int k = 0; k < kNV; ++k)
+      if (valid(p, k)) stage1<kV>(v[k], p.rowpos + offset_of(p, k), p.seg * kL + offset_of(p, k), a, mean, rstd);"""
 
 # Row logsumexp inside the team, then stage1 on the row's value.
 TEAM_LOGSUMEXP = r"""  // fmaxf skips NaN; a NaN still reaches the result through the sum of exps.
@@ -227,7 +234,9 @@ TEAM_LOGSUMEXP = r"""  // fmaxf skips NaN; a NaN still reaches the result throug
       for (int j = 0; j < kV; ++j) s += expf(v[k][j] - shift);
   s = fusedepi::team_sum<kTeam>(s);
   float row = logf(s) + shift;
-  row = stage1(row, 0, p.seg, a);"""
+  float rowv[1] = {row};
+  stage1<1>(rowv, 0, p.seg, a, 0.f, 0.f);
+  row = rowv[0];"""
 
 STORE_ROW = r"""  if (p.live && p.lane == 0) a.out[p.seg] = fusedepi::from_float<T>(row);"""
 
@@ -241,7 +250,7 @@ SEGMENT_STATS_KERNEL = Template(
   const Place p = place(a);
   float v[kNV][kV];
   load_stage0(a, p, v);
-  const float n = static_cast<float>(min(kChunkLen, kL - p.first));
+  const float n = static_cast<float>(min(kChunkLen, kL - (long long)p.first));
   float s = 0.f;
 #pragma unroll
   for (int k = 0; k < kNV; ++k)
@@ -265,75 +274,89 @@ SEGMENT_STATS_KERNEL = Template(
 
 # BatchNorm (training) statistics per column of a [rows, channels] output.
 # Placeholders: $kernel, $col_vec (columns per thread), $momentum, $eps,
-# $running_mean / $running_var (float loads of the old running stats, using `c`),
+# $running_mean / $running_var (float loads of the old running stats at channel `c`),
 # $rstat_type (C type of the running stats).
 COLUMN_STATS_KERNELS = Template(
     r"""constexpr int kColV = $col_vec;
 constexpr int kColsPerBlock = 32 * kColV;
 constexpr int kRowWarps = 8;
-constexpr int kRowsPerThread = 64 / kColV;  // 64 values in registers per thread
-constexpr long long kRowsPerChunk = kRowWarps * kRowsPerThread;
+constexpr int kRowsPerThread = 64 / kColV;  // one batch: 64 values in registers per thread
+constexpr int kBatches = 4;                 // batches per block, merged as they come
+constexpr long long kRowsPerBatch = kRowWarps * kRowsPerThread;
+constexpr long long kRowsPerChunk = kRowsPerBatch * kBatches;
 // Workspace: [mean[C], invstd[C]], then (mean, M2) per (row chunk, column).
 constexpr long long kPartials = 2 * kChannels;
 
 // One block: kColsPerBlock columns x kRowsPerChunk rows -> (mean, M2) per column.
+// Each batch of rows is reduced two-pass in registers, then merged (Chan et al.).
 __global__ void __launch_bounds__(256) ${kernel}_colstats(Args a) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long c0 = (long long)blockIdx.x * kColsPerBlock + lane * kColV;
-  const long long r0 = (long long)blockIdx.y * kRowsPerChunk;
-  float vals[kRowsPerThread][kColV];
-  float s[kColV];
+  fusedepi::Moments acc[kColV];
 #pragma unroll
-  for (int j = 0; j < kColV; ++j) s[j] = 0.f;
-  float n = 0.f;
+  for (int j = 0; j < kColV; ++j) acc[j] = {0.f, 0.f, 0.f};
+  for (int b = 0; b < kBatches; ++b) {
+    const long long r0 = (long long)blockIdx.y * kRowsPerChunk + b * kRowsPerBatch + warp;
+    float vals[kRowsPerThread][kColV];
+    float s[kColV];
 #pragma unroll
-  for (int t = 0; t < kRowsPerThread; ++t) {
-    const long long r = r0 + warp + (long long)t * kRowWarps;
-    if (r < a.rows && c0 < kChannels) {
-      fusedepi::load_vec<T, kColV>(a.y + r * kChannels + c0, vals[t]);
+    for (int j = 0; j < kColV; ++j) s[j] = 0.f;
+    float n = 0.f;
 #pragma unroll
-      for (int j = 0; j < kColV; ++j) {
-        vals[t][j] = stage0(vals[t][j], (int)(c0 + j), r * kChannels + c0 + j, a);
-        s[j] += vals[t][j];
+    for (int t = 0; t < kRowsPerThread; ++t) {
+      const long long r = r0 + (long long)t * kRowWarps;
+      if (r < a.rows && c0 < kChannels) {
+        fusedepi::load_vec<T, kColV>(a.y + r * kChannels + c0, vals[t]);
+        stage0<kColV>(vals[t], static_cast<int>(c0), r * kChannels + c0, a);
+#pragma unroll
+        for (int j = 0; j < kColV; ++j) s[j] += vals[t][j];
+        n += 1.f;
       }
-      n += 1.f;
+    }
+    if (n == 0.f) break;
+#pragma unroll
+    for (int j = 0; j < kColV; ++j) {
+      const float mean = s[j] / n;
+      float q = 0.f;
+#pragma unroll
+      for (int t = 0; t < kRowsPerThread; ++t)
+        if (r0 + (long long)t * kRowWarps < a.rows) q += (vals[t][j] - mean) * (vals[t][j] - mean);
+      acc[j] = fusedepi::merge(acc[j], {n, mean, q});
     }
   }
-  __shared__ float sm[kRowWarps][kColsPerBlock][3];
+  __shared__ fusedepi::Moments sm[kRowWarps][kColsPerBlock];
 #pragma unroll
-  for (int j = 0; j < kColV; ++j) {
-    const float mean = n > 0.f ? s[j] / n : 0.f;
-    float q = 0.f;
-#pragma unroll
-    for (int t = 0; t < kRowsPerThread; ++t)
-      if (r0 + warp + (long long)t * kRowWarps < a.rows) q += (vals[t][j] - mean) * (vals[t][j] - mean);
-    sm[warp][lane * kColV + j][0] = n;
-    sm[warp][lane * kColV + j][1] = mean;
-    sm[warp][lane * kColV + j][2] = q;
-  }
+  for (int j = 0; j < kColV; ++j) sm[warp][lane * kColV + j] = acc[j];
   __syncthreads();
   for (int col = threadIdx.x; col < kColsPerBlock; col += blockDim.x) {
     const long long c = (long long)blockIdx.x * kColsPerBlock + col;
     if (c >= kChannels) continue;
-    fusedepi::Moments m = {sm[0][col][0], sm[0][col][1], sm[0][col][2]};
-    for (int w = 1; w < kRowWarps; ++w) m = fusedepi::merge(m, {sm[w][col][0], sm[w][col][1], sm[w][col][2]});
+    fusedepi::Moments m = sm[0][col];
+    for (int w = 1; w < kRowWarps; ++w) m = fusedepi::merge(m, sm[w][col]);
     float* part = a.ws + kPartials + (blockIdx.y * kChannels + c) * 2;
     part[0] = m.mean;
     part[1] = m.m2;
   }
 }
 
-// Merges the row chunks of each column; writes mean/invstd and the new running stats.
+// Merges the row chunks of each column (32 columns x 8 chunk lanes per block);
+// writes mean/invstd and the new running stats.
 __global__ void __launch_bounds__(256) ${kernel}_colfinal(Args a) {
-  const long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= kChannels) return;
+  const long long c = (long long)blockIdx.x * 32 + threadIdx.x;
   const long long chunks = (a.rows + kRowsPerChunk - 1) / kRowsPerChunk;
   fusedepi::Moments m = {0.f, 0.f, 0.f};
-  for (long long t = 0; t < chunks; ++t) {
-    const float n = static_cast<float>(min(kRowsPerChunk, a.rows - t * kRowsPerChunk));
-    const float* part = a.ws + kPartials + (t * kChannels + c) * 2;
-    m = fusedepi::merge(m, {n, part[0], part[1]});
+  if (c < kChannels) {
+    for (long long t = threadIdx.y; t < chunks; t += 8) {
+      const float n = static_cast<float>(min(kRowsPerChunk, a.rows - t * kRowsPerChunk));
+      const float* part = a.ws + kPartials + (t * kChannels + c) * 2;
+      m = fusedepi::merge(m, {n, part[0], part[1]});
+    }
   }
+  __shared__ fusedepi::Moments sm[8][32];
+  sm[threadIdx.y][threadIdx.x] = m;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= kChannels) return;
+  for (int w = 1; w < 8; ++w) m = fusedepi::merge(m, sm[w][threadIdx.x]);
   a.ws[c] = m.mean;
   a.ws[kChannels + c] = 1.f / sqrtf(m.m2 / m.n + $eps);
   const float momentum = $momentum;

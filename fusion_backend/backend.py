@@ -14,6 +14,7 @@ import threading
 from contextlib import contextmanager
 
 import torch
+from torch._functorch import config as functorch_config
 from torch._guards import detect_fake_mode
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.decomposition import select_decomp_table
@@ -26,7 +27,10 @@ from .rewrite import Report, rewrite
 
 log = logging.getLogger("fusedepi")
 
-_reports = threading.local()
+# Where fusion reports go while `collect_reports` is active. Process-wide, not
+# per-thread: Dynamo and Inductor may compile on a thread other than the caller's.
+_sinks: list = []
+_sinks_lock = threading.Lock()
 
 
 def _overloads(packets):
@@ -53,21 +57,22 @@ def _decompose_held_back(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.G
 
 @contextmanager
 def collect_reports(into: list):
-    """Collects the `Report` of every graph compiled on this thread (for `explain`)."""
-    previous = getattr(_reports, "sink", None)
-    _reports.sink = into
+    """Collects the `Report` of every graph compiled while active (for `explain`)."""
+    with _sinks_lock:
+        _sinks.append(into)
     try:
         yield into
     finally:
-        _reports.sink = previous
+        with _sinks_lock:
+            _sinks.remove(into)
 
 
 def _inner_compile(gm, example_inputs, *, cfg: Config, **kwargs):
     if not kwargs.get("is_backward", False):
         report = rewrite(gm, cfg)
-        sink = getattr(_reports, "sink", None)
-        if sink is not None:
-            sink.append(report)
+        with _sinks_lock:
+            for sink in _sinks:
+                sink.append(report)
     gm = _decompose_held_back(gm, example_inputs)
     return compile_fx_inner(gm, example_inputs, **kwargs)
 
@@ -94,13 +99,17 @@ def fusedepi(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     if cfg.disable_all:
         return compile_fx(gm, example_inputs, **kwargs)
     table, _ = _tables()
-    return compile_fx(
-        gm,
-        example_inputs,
-        inner_compile=functools.partial(_inner_compile, cfg=cfg),
-        decompositions=table,
-        **kwargs,
-    )
+    # AOTAutograd's cache is keyed on the graph before our rewrite: a hit would hand
+    # back whatever plain Inductor compiled for it. Inductor's FX graph cache stays on;
+    # its key is the rewritten graph, which carries our specs.
+    with functorch_config.patch(enable_autograd_cache=False):
+        return compile_fx(
+            gm,
+            example_inputs,
+            inner_compile=functools.partial(_inner_compile, cfg=cfg),
+            decompositions=table,
+            **kwargs,
+        )
 
 
 __all__ = ["Report", "collect_reports", "fusedepi"]

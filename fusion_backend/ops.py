@@ -14,7 +14,7 @@ import torch
 
 import cuda_templates
 from lowering import EpilogueSpec, run_reference
-from lowering.spec import FULL, Anchor
+from lowering.spec import Anchor
 
 aten = torch.ops.aten
 
@@ -51,6 +51,7 @@ def _chain_fake(inputs, spec):
 
 _specs: dict[str, EpilogueSpec] = {}
 _kernels: dict[tuple, cuda_templates.Library] = {}
+_launchers: dict[tuple, "Launcher"] = {}
 _kernels_lock = threading.Lock()
 
 
@@ -86,37 +87,67 @@ def kernel_for(spec: str, device: torch.device, cache_dir: Path) -> cuda_templat
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+    """Contiguous and 32-byte aligned: kernels read operands as whole vectors."""
+    if t.is_contiguous() and t.data_ptr() % 32 == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
 
+class Launcher:
+    """Runs one spec on one device; everything that does not change per call is fixed here."""
+
+    def __init__(self, spec: str, device: torch.device):
+        from .config import load_config
+
+        self.spec = _parse(spec)
+        self.device_index = device.index
+        self.lib = kernel_for(spec, device, load_config().cache_dir)
+        self.n_operands = self.spec.anchor.n_operands
+        red = self.spec.reduction
+        self.row_output = self.spec.row_output
+        self.keepdim = red is not None and red.keepdim
+        bn = next((s for s in self.spec.steps if s.name == "batchnorm_train"), None)
+        self.running_stats = (bn.inputs[2], bn.inputs[3]) if bn is not None else ()
+        self._ws_floats: dict[int, int] = {}
+
+    def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        y = run_anchor(self.spec.anchor, list(inputs[: self.n_operands])).contiguous()
+        params = [_aligned(p) for p in inputs[self.n_operands :]]
+        rows = y.shape[0]
+        if self.row_output:
+            out = y.new_empty((rows, 1) if self.keepdim else (rows,))
+        else:
+            out = torch.empty_like(y)
+        extras = [torch.empty_like(params[i]) for i in self.running_stats]
+        ws_floats = self._ws_floats.get(rows)
+        if ws_floats is None:
+            ws_floats = self._ws_floats[rows] = self.lib.workspace_floats(rows)
+        ws = y.new_empty(max(ws_floats, 1), dtype=torch.float32)
+        pointers = [y.data_ptr(), out.data_ptr()]
+        pointers += [t.data_ptr() for t in extras]
+        pointers += [t.data_ptr() for t in params]
+        pointers.append(ws.data_ptr())
+        self.lib.run(pointers, rows, self.device_index, torch.cuda.current_stream(y.device).cuda_stream)
+        return [out] + extras
+
+
+def forget_loaded() -> None:
+    """Drops this process's loaded kernels; the next call finds them in the disk cache."""
+    with _kernels_lock:
+        _kernels.clear()
+        _launchers.clear()
+
+
+def launcher_for(spec: str, device: torch.device) -> Launcher:
+    key = (spec, device.index)
+    launcher = _launchers.get(key)
+    if launcher is None:
+        launcher = Launcher(spec, device)
+        with _kernels_lock:
+            _launchers[key] = launcher
+    return launcher
+
+
 @chain.register_kernel("cuda")
 def _chain_cuda(inputs, spec):
-    from .config import load_config
-
-    parsed = _parse(spec)
-    n = parsed.anchor.n_operands
-    y = run_anchor(parsed.anchor, list(inputs[:n])).contiguous()
-    device = y.device
-    lib = kernel_for(spec, device, load_config().cache_dir)
-    params = list(inputs[n:])
-    for step in parsed.steps:
-        if step.operand == FULL:
-            params[step.inputs[0]] = _aligned(params[step.inputs[0]])
-    params = [p.contiguous() for p in params]
-    rows = y.shape[0]
-    if parsed.row_output:
-        red = parsed.reduction
-        out = torch.empty((rows, 1) if red.keepdim else (rows,), dtype=y.dtype, device=device)
-    else:
-        out = torch.empty_like(y)
-    extras = []
-    bn = next((s for s in parsed.steps if s.name == "batchnorm_train"), None)
-    if bn is not None:
-        extras = [torch.empty_like(params[bn.inputs[2]]), torch.empty_like(params[bn.inputs[3]])]
-    ws_floats = lib.workspace_floats(rows)
-    ws = torch.empty(max(ws_floats, 1), dtype=torch.float32, device=device)
-    pointers = [y.data_ptr(), out.data_ptr()] + [t.data_ptr() for t in extras + params] + [ws.data_ptr()]
-    lib.run(pointers, rows, device.index, torch.cuda.current_stream(device).cuda_stream)
-    return [out] + extras
+    return launcher_for(spec, inputs[0].device)(inputs)

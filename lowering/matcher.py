@@ -15,7 +15,7 @@ exactly one producer in the chain.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -441,6 +441,20 @@ def _start(node: Node, anchor: Anchor, operands, allow_cpu: bool) -> _State:
     return _State(node=node, chain=chain, channels=shape[1], inner=inner, conv=conv)
 
 
+def _fold_conv_bias(state: _State) -> int:
+    """Moves a conv's bias into the epilogue as its first step; returns 1 if it did.
+
+    cuDNN often adds the bias in a pass of its own over the whole output; the
+    epilogue adds it while the value is in registers.
+    """
+    chain = state.chain
+    if not state.conv or len(chain.operands) < 3:
+        return 0
+    bias = chain.operands.pop()
+    chain.steps.append(Step("add", inputs=(_add_param(state, bias),), operand=CHANNEL))
+    return 1
+
+
 def _extend(state: _State, disabled: frozenset) -> str:
     """Grows the chain until it cannot; returns why it stopped.
 
@@ -519,14 +533,16 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False):
         anchor, operands = found
         try:
             state = _start(node, anchor, operands, allow_cpu)
+            folded = _fold_conv_bias(state)
             stop = _extend(state, disabled)
         except Refuse as err:
             refusals.append(Refusal(node.name, [node.name], str(err)))
             continue
         chain = state.chain
         chain.stop = stop
+        anchor = replace(anchor, has_bias=False) if folded else anchor
         names = [n.name for n in chain.nodes]
-        if not chain.steps:
+        if len(chain.steps) == folded:
             refusals.append(Refusal(node.name, names, f"no epilogue to fuse: {stop}"))
             continue
         # A trailing view carries no step: re-applied after the fused op, it stays in the graph.

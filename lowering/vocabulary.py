@@ -46,7 +46,11 @@ def _operand(x, step: Step, params):
         # The chain may have passed through views (3-D linear); the fused op
         # works on the 2-D anchor output, so residuals are read flat.
         return t.reshape(x.shape)
-    assert step.operand in (CHANNEL, ONE)
+    if step.operand == CHANNEL:
+        # Per-channel operands broadcast on the channel axis (dim 1), whatever their
+        # own shape ([C], [C, 1, 1], ...): a folded conv bias is [C].
+        return t.reshape([1, -1] + [1] * (x.dim() - 2))
+    assert step.operand == ONE
     return t
 
 

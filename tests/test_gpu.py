@@ -40,6 +40,8 @@ def compile_and_run(model, *inputs):
     with collect_reports(reports):
         out = torch.compile(model, backend=fusedepi)(*inputs)
     fused = [r.fusion for report in reports for r in report.records if r.status == "fused"]
+    if not fused:  # say what the backend saw, so a failure explains itself
+        print("fusion reports:", [r for report in reports for r in report.records], "graphs:", len(reports))
     return out, fused
 
 

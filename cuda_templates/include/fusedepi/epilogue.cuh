@@ -41,6 +41,58 @@ __device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&in)[V
   *reinterpret_cast<Pack<T, V>*>(p) = pk;
 }
 
+// ------------------------------------------------------- per-channel operands
+// A vector of W elements at position `pos` of its row ([channels, inner] flattened;
+// rows are < 2^31 elements, so 32-bit math). Its channels are consecutive
+// (inner == 1), or it lies inside one channel (inner % W == 0), or it straddles at
+// most two (inner > W), or, in general, each element has its own. Vectors never
+// cross a row: W divides the row length.
+
+template <int W, int kInner>
+__device__ __forceinline__ void channels_of(int pos, int (&c)[W]) {
+  if constexpr (kInner == 1) {
+#pragma unroll
+    for (int j = 0; j < W; ++j) c[j] = pos + j;
+  } else if constexpr (kInner % W == 0) {
+#pragma unroll
+    for (int j = 0; j < W; ++j) c[j] = pos / kInner;
+  } else if constexpr (kInner > W) {
+    const int q = pos / kInner, r = pos - q * kInner;
+#pragma unroll
+    for (int j = 0; j < W; ++j) c[j] = q + (r + j >= kInner);
+  } else {
+#pragma unroll
+    for (int j = 0; j < W; ++j) c[j] = (pos + j) / kInner;
+  }
+}
+
+// Loads a per-channel parameter for each element of the vector: one vector access
+// when the channels are consecutive (the caller aligns p to 32 bytes), one scalar
+// when the vector shares a channel, two when it straddles two.
+template <int W, long long kInner, typename P>
+__device__ __forceinline__ void load_channel(const P* __restrict__ p, const int (&c)[W], float (&out)[W]) {
+  if constexpr (kInner == 1 && W > 1) {
+    load_vec<P, W>(p + c[0], out);
+  } else if constexpr (kInner % W == 0) {
+    const float x = to_float(p[c[0]]);
+#pragma unroll
+    for (int j = 0; j < W; ++j) out[j] = x;
+  } else if constexpr (kInner > W) {
+    const float first = to_float(p[c[0]]), last = to_float(p[c[W - 1]]);
+#pragma unroll
+    for (int j = 0; j < W; ++j) out[j] = c[j] == c[0] ? first : last;
+  } else {
+#pragma unroll
+    for (int j = 0; j < W; ++j) out[j] = to_float(p[c[j]]);
+  }
+}
+
+// Loads W elements of a tensor shaped like the chain's value (a residual).
+template <int W, typename P>
+__device__ __forceinline__ void load_full(const P* __restrict__ p, long long e0, float (&out)[W]) {
+  load_vec<P, W>(p + e0, out);
+}
+
 // ------------------------------------------------------------- activations
 // Each matches PyTorch's CUDA kernel for the same op, NaN propagation included.
 
@@ -58,8 +110,21 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 }
 
 __device__ __forceinline__ float leaky_relu(float x, float slope) { return x > 0.f ? x : x * slope; }
-__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
-__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+// kFast: hardware exp and divide (a few ulp), for chains whose output is bf16/fp16,
+// where rounding to 8 or 11 mantissa bits hides the difference. float32 chains use
+// the IEEE forms, as eager does.
+template <bool kFast>
+__device__ __forceinline__ float sigmoid(float x) {
+  if constexpr (kFast) return __fdividef(1.f, 1.f + __expf(-x));
+  else return 1.f / (1.f + expf(-x));
+}
+
+template <bool kFast>
+__device__ __forceinline__ float silu(float x) {
+  if constexpr (kFast) return x * __fdividef(1.f, 1.f + __expf(-x));
+  else return x / (1.f + expf(-x));
+}
 
 // -------------------------------------------------------------- reductions
 
