@@ -169,6 +169,8 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
             eps=cfloat(red.consts[1]),
             running_mean=f"fusedepi::to_float(a.p{red.inputs[2]}[c])",
             running_var=f"fusedepi::to_float(a.p{red.inputs[3]}[c])",
+            weight=f"fusedepi::to_float(a.p{red.inputs[0]}[c])" if red.inputs[0] >= 0 else "1.f",
+            bias=f"fusedepi::to_float(a.p{red.inputs[1]}[c])" if red.inputs[1] >= 0 else "0.f",
             rstat_type=CTYPES[spec.param_dtypes[red.inputs[2]]],
         )
         launches += [
@@ -184,10 +186,13 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
         if p.chunks == 1:
             middle = templates.TEAM_NORM.substitute(eps=eps, apply=templates.APPLY_STAGE1)
         else:
-            middle = templates.CHUNK_NORM.substitute(eps=eps, apply=templates.APPLY_STAGE1)
-            stats_kernels = templates.SEGMENT_STATS_KERNEL.substitute(kernel=name)
-            launches.append(f"  {name}_segstats<<<segments * kChunks, kBlock, 0, stream>>>(a);")
-            ws_floats = "rows * kGroups * kChunks * 2"
+            middle = templates.CHUNK_NORM.substitute(apply=templates.APPLY_STAGE1)
+            stats_kernels = templates.SEGMENT_STATS_KERNEL.substitute(kernel=name, eps=eps)
+            launches += [
+                f"  {name}_segstats<<<segments * kChunks, kBlock, 0, stream>>>(a);",
+                f"  {name}_segfinal<<<(segments + 255) / 256, 256, 0, stream>>>(a);",
+            ]
+            ws_floats = "rows * kGroups * (kChunks * 2 + 2)"
     else:
         assert red.name in ROW_REDUCTIONS
         middle, store = templates.TEAM_LOGSUMEXP, templates.STORE_ROW

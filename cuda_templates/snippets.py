@@ -51,12 +51,12 @@ class Operands:
         return name
 
     def batch_stats(self) -> tuple[str, str]:
-        """BatchNorm (training) mean and invstd, left per channel in the workspace."""
-        self._loads["bn_mean"] = "float bn_mean[W];\n  fusedepi::load_channel<W, kInner>(a.ws, c, bn_mean);"
-        self._loads["bn_invstd"] = (
-            "float bn_invstd[W];\n  fusedepi::load_channel<W, kInner>(a.ws + kChannels, c, bn_invstd);"
+        """BatchNorm (training) scale and shift, left per channel in the workspace."""
+        self._loads["bn_scale"] = "float bn_scale[W];\n  fusedepi::load_channel<W, kInner>(a.ws, c, bn_scale);"
+        self._loads["bn_shift"] = (
+            "float bn_shift[W];\n  fusedepi::load_channel<W, kInner>(a.ws + kChannels, c, bn_shift);"
         )
-        return "bn_mean[j]", "bn_invstd[j]"
+        return "bn_scale[j]", "bn_shift[j]"
 
     def operand(self, step: Step) -> str:
         if step.operand == SCALAR:
@@ -98,11 +98,9 @@ def _batchnorm_eval(step: Step, ops: Operands) -> str:
 
 
 def _batchnorm_train(step: Step, ops: Operands) -> str:
-    """Normalize with the batch statistics the column kernels left in the workspace."""
-    w = ops.param(step.inputs[0], CHANNEL, "1.f")
-    b = ops.param(step.inputs[1], CHANNEL, "0.f")
-    mean, invstd = ops.batch_stats()
-    return f"x = (x - {mean}) * {invstd} * {w} + {b};"
+    """Normalize with the scale/shift the column kernels derived from the batch statistics."""
+    scale, shift = ops.batch_stats()
+    return f"x = fmaf(x, {scale}, {shift});"
 
 
 SNIPPETS = {

@@ -196,17 +196,12 @@ $apply
   }"""
 )
 
-# Normalize by statistics that the segment-statistics kernel left in the workspace.
+# Normalize by the statistics the segment kernels left in the workspace.
 CHUNK_NORM = Template(
     r"""  {
-    fusedepi::Moments m = {0.f, 0.f, 0.f};
-    for (int t = 0; t < kChunks; ++t) {
-      const float n = static_cast<float>(min(kChunkLen, kL - (long long)t * kChunkLen));
-      const float* part = a.ws + (p.seg * kChunks + t) * 2;
-      m = fusedepi::merge(m, {n, part[0], part[1]});
-    }
-    const float mean = m.mean;
-    const float rstd = rsqrtf(fmaxf(m.m2 / static_cast<float>(kL), 0.f) + $eps);
+    const float* stats = a.ws + a.rows * kGroups * kChunks * 2 + p.seg * 2;
+    const float mean = stats[0];
+    const float rstd = stats[1];
 $apply
   }"""
 )
@@ -244,7 +239,8 @@ STORE_ELEMENTS = r"""#pragma unroll
   for (int k = 0; k < kNV; ++k)
     if (valid(p, k)) fusedepi::store_vec<T, kV>(a.out + p.seg * kL + offset_of(p, k), v[k]);"""
 
-# Partial (mean, M2) of one chunk of a segment, for segments too long for one block.
+# Partial (mean, M2) of one chunk of a segment, for segments too long for one block,
+# then (mean, rstd) per segment. Placeholders: $kernel, $eps.
 SEGMENT_STATS_KERNEL = Template(
     r"""__global__ void __launch_bounds__(kBlock) ${kernel}_segstats(Args a) {
   const Place p = place(a);
@@ -269,13 +265,29 @@ SEGMENT_STATS_KERNEL = Template(
     a.ws[blockIdx.x * 2] = mean;
     a.ws[blockIdx.x * 2 + 1] = q;
   }
+}
+
+// One thread per segment: merges its chunks' partials into (mean, rstd).
+__global__ void __launch_bounds__(256) ${kernel}_segfinal(Args a) {
+  const long long seg = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (seg >= a.rows * kGroups) return;
+  fusedepi::Moments m = {0.f, 0.f, 0.f};
+  for (int t = 0; t < kChunks; ++t) {
+    const float n = static_cast<float>(min(kChunkLen, kL - (long long)t * kChunkLen));
+    const float* part = a.ws + (seg * kChunks + t) * 2;
+    m = fusedepi::merge(m, {n, part[0], part[1]});
+  }
+  float* stats = a.ws + a.rows * kGroups * kChunks * 2 + seg * 2;
+  stats[0] = m.mean;
+  stats[1] = rsqrtf(fmaxf(m.m2 / static_cast<float>(kL), 0.f) + $eps);
 }"""
 )
 
 # BatchNorm (training) statistics per column of a [rows, channels] output.
 # Placeholders: $kernel, $col_vec (columns per thread), $momentum, $eps,
 # $running_mean / $running_var (float loads of the old running stats at channel `c`),
-# $rstat_type (C type of the running stats).
+# $weight / $bias (the affine parameters at `c`, or 1 and 0), $rstat_type (C type of
+# the running stats).
 COLUMN_STATS_KERNELS = Template(
     r"""constexpr int kColV = $col_vec;
 constexpr int kColsPerBlock = 32 * kColV;
@@ -284,7 +296,7 @@ constexpr int kRowsPerThread = 64 / kColV;  // one batch: 64 values in registers
 constexpr int kBatches = 4;                 // batches per block, merged as they come
 constexpr long long kRowsPerBatch = kRowWarps * kRowsPerThread;
 constexpr long long kRowsPerChunk = kRowsPerBatch * kBatches;
-// Workspace: [mean[C], invstd[C]], then (mean, M2) per (row chunk, column).
+// Workspace: [scale[C], shift[C]], then (mean, M2) per (row chunk, column).
 constexpr long long kPartials = 2 * kChannels;
 
 // One block: kColsPerBlock columns x kRowsPerChunk rows -> (mean, M2) per column.
@@ -340,7 +352,7 @@ __global__ void __launch_bounds__(256) ${kernel}_colstats(Args a) {
 }
 
 // Merges the row chunks of each column (32 columns x 8 chunk lanes per block);
-// writes mean/invstd and the new running stats.
+// writes the normalize scale/shift and the new running stats.
 __global__ void __launch_bounds__(256) ${kernel}_colfinal(Args a) {
   const long long c = (long long)blockIdx.x * 32 + threadIdx.x;
   const long long chunks = (a.rows + kRowsPerChunk - 1) / kRowsPerChunk;
@@ -357,8 +369,11 @@ __global__ void __launch_bounds__(256) ${kernel}_colfinal(Args a) {
   __syncthreads();
   if (threadIdx.y != 0 || c >= kChannels) return;
   for (int w = 1; w < 8; ++w) m = fusedepi::merge(m, sm[w][threadIdx.x]);
-  a.ws[c] = m.mean;
-  a.ws[kChannels + c] = 1.f / sqrtf(m.m2 / m.n + $eps);
+  // Normalize as one FMA: x * scale + shift, scale = invstd * weight.
+  const float invstd = 1.f / sqrtf(m.m2 / m.n + $eps);
+  const float scale = invstd * $weight;
+  a.ws[c] = scale;
+  a.ws[kChannels + c] = $bias - m.mean * scale;
   const float momentum = $momentum;
   a.x0[c] = fusedepi::from_float<$rstat_type>(momentum * m.mean + (1.f - momentum) * $running_mean);
   a.x1[c] = fusedepi::from_float<$rstat_type>(momentum * (m.m2 / (m.n - 1.f)) + (1.f - momentum) * $running_var);

@@ -46,13 +46,17 @@ def _tables():
 
 
 def _decompose_held_back(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
-    """Applies Inductor's decompositions to held-back ops that were not fused."""
+    """Applies Inductor's decompositions to held-back ops that were not fused.
+
+    The whole table, not only the held-back entries: a decomposition may emit ops
+    (logsumexp -> masked_fill) that Inductor expects decomposed in turn.
+    """
     _, held = _tables()
     if not any(n.op == "call_function" and n.target in held for n in gm.graph.nodes):
         return gm
     fake_mode = detect_fake_mode(example_inputs)
     with fake_mode:
-        return make_fx(gm, decomposition_table=held, tracing_mode="real")(*example_inputs)
+        return make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="real")(*example_inputs)
 
 
 @contextmanager

@@ -38,8 +38,8 @@ class Config:
     cpu_reference: bool
 
 
-def _default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+def _default_cache_dir(env) -> Path:
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "fusedepi"
 
 
@@ -64,7 +64,7 @@ def load_config(environ=None) -> Config:
     return Config(
         disabled=names - {"all"},
         disable_all="all" in names,
-        cache_dir=Path(env.get("FUSEDEPI_CACHE_DIR") or _default_cache_dir()),
+        cache_dir=Path(env.get("FUSEDEPI_CACHE_DIR") or _default_cache_dir(env)),
         strict=env.get("FUSEDEPI_STRICT", "").lower() in _TRUE,
         log_level=level,
         cpu_reference=env.get("FUSEDEPI_CPU_REFERENCE", "").lower() in _TRUE,

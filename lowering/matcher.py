@@ -476,8 +476,10 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
     users = list(state.node.users)
     if not users:
         return "value is a graph output or unused"
+    if [u.op for u in users] == ["output"]:
+        return "end of the graph"
     if any(u.op == "output" for u in users):
-        return "value is a graph output"
+        return "value is also a graph output (e.g. saved for backward)"
     if len(users) > 1:
         # Only a multi-node form may consume a value with several users.
         match = _match_silu_pair(state, users[0])

@@ -1,0 +1,147 @@
+"""GPU-free: environment switches, the fallback boundary and strict mode."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import cuda_templates
+from fusion_backend import FusionError, load_config
+from fusion_backend import rewrite as rewrite_module
+from fusion_backend.config import FUSION_NAMES, STEP_NAMES
+from helpers import SMALL_WORKLOADS, compile_records, steps_of
+
+pytestmark = pytest.mark.usefixtures("cpu_reference")
+
+
+def _workload(name):
+    factory, shape, fusion = SMALL_WORKLOADS[name]
+    torch.manual_seed(0)
+    return factory(), torch.rand(shape), fusion
+
+
+def test_disable_all_hands_everything_to_inductor(monkeypatch):
+    monkeypatch.setenv("FUSEDEPI_DISABLE", "all")
+    model, x, _ = _workload("3")
+    out, fused, refused = compile_records(model, x)
+    assert not fused and not refused
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_disable_one_fusion(monkeypatch):
+    monkeypatch.setenv("FUSEDEPI_DISABLE", "linear_groupnorm")
+    model, x, _ = _workload("3")
+    out, fused, refused = compile_records(model, x)
+    assert not fused and "fusion linear_groupnorm disabled by FUSEDEPI_DISABLE" in refused[0].reason
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_disable_one_step_shortens_the_chain(monkeypatch):
+    monkeypatch.setenv("FUSEDEPI_DISABLE", "gelu")
+    model, x, _ = _workload("1_eval")
+    out, fused, _ = compile_records(model, x)
+    assert steps_of(fused[0]) == ["batchnorm_eval"]
+    assert "step gelu disabled" in fused[0].stop
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_every_fusion_name_is_disableable():
+    for name in FUSION_NAMES | STEP_NAMES:
+        assert name in load_config({"FUSEDEPI_DISABLE": name}).disabled
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"FUSEDEPI_DISABLE": "gelu,linear_groupnrom"}, "unknown name(s) ['linear_groupnrom']"),
+        ({"FUSEDEPI_LOG_LEVEL": "LOUD"}, "not a logging level"),
+    ],
+)
+def test_bad_settings_are_clear_errors(env, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(").replace(")", r"\)")):
+        load_config(env)
+
+
+def test_cache_dir_default_and_override(tmp_path):
+    assert load_config({"XDG_CACHE_HOME": str(tmp_path)}).cache_dir == tmp_path / "fusedepi"
+    assert load_config({"FUSEDEPI_CACHE_DIR": str(tmp_path / "k")}).cache_dir == tmp_path / "k"
+    assert load_config({"FUSEDEPI_STRICT": "1"}).strict and not load_config({}).strict
+
+
+def _failing_build(chain, spec, cfg):
+    """A real build of source that does not compile (or, without nvcc, a real 'nvcc not found')."""
+    cuda_templates.build("this is not CUDA", "broken", "sm80", cfg.cache_dir)
+
+
+def test_compile_failure_falls_back_with_one_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("FUSEDEPI_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(rewrite_module, "_prepare", _failing_build)
+    model, x, _ = _workload("4")
+    with caplog.at_level(logging.WARNING, logger="fusedepi"):
+        out, fused, refused = compile_records(model, x)
+    assert not fused and refused[0].reason.startswith("kernel build failed")
+    warnings = [r for r in caplog.records if r.name == "fusedepi" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "Inductor runs this chain" in warnings[0].getMessage()
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_compile_failure_raises_in_strict_mode(monkeypatch, tmp_path):
+    monkeypatch.setenv("FUSEDEPI_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FUSEDEPI_STRICT", "1")
+    monkeypatch.setattr(rewrite_module, "_prepare", _failing_build)
+    model, x, _ = _workload("4")
+    with pytest.raises(Exception) as info:
+        compile_records(model, x)
+    assert isinstance(info.value, FusionError) or "FusionError" in repr(info.value)
+    assert "CompileError" in repr(info.value.__cause__) or "nvcc" in str(info.value)
+
+
+def test_matcher_crash_leaves_the_graph_to_inductor(monkeypatch, caplog):
+    def crash(*args, **kwargs):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(rewrite_module, "match_graph", crash)
+    model, x, _ = _workload("2")
+    with caplog.at_level(logging.WARNING, logger="fusedepi"):
+        out, fused, _ = compile_records(model, x)
+    assert not fused and any("pattern matching failed" in r.getMessage() for r in caplog.records)
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_chains_are_not_fused_without_the_reference_switch(monkeypatch):
+    monkeypatch.delenv("FUSEDEPI_CPU_REFERENCE")
+    model, x, _ = _workload("3")
+    out, fused, refused = compile_records(model, x)
+    assert not fused and "CUDA-only" in refused[0].reason
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_inductor_compile_of_the_same_model_does_not_shadow_ours():
+    # AOTAutograd's cache is keyed before our rewrite; a hit would return Inductor's artifact.
+    model, x, fusion = _workload("3")
+    with torch.no_grad():
+        torch.compile(model)(x)
+    _, fused, _ = compile_records(model, x)
+    assert [r.fusion for r in fused] == [fusion]
+
+
+def test_entry_point_registers_the_backend():
+    from torch._dynamo import list_backends
+
+    assert "fusedepi" in list_backends(exclude_tags=())
+
+
+def test_explain_reports_and_restores_buffers(capsys):
+    from fusion_backend import explain
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.GELU(), nn.Linear(32, 8))
+    before = model[1].running_mean.clone()
+    with torch.no_grad():
+        report = explain(model, torch.randn(8, 16))
+    printed = capsys.readouterr().out
+    assert [r.fusion for r in report.fused] == ["linear_batchnorm_train"]
+    assert report.refused and "no epilogue" in report.refused[0].reason
+    assert "linear_batchnorm_train" in printed and "why not fused" in printed
+    torch.testing.assert_close(model[1].running_mean, before)
+    assert model[1].num_batches_tracked.item() == 0

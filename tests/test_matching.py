@@ -1,0 +1,219 @@
+"""GPU-free: what the matcher fuses and refuses, on real graphs through the real backend.
+
+Chains on CPU tensors are fused through the plain-torch reference
+(FUSEDEPI_CPU_REFERENCE=1), so every test also checks the rewritten graph
+against eager.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from helpers import SMALL_WORKLOADS, Chain, compile_records, sigmoid_times_x, silu_spelled, steps_of
+
+pytestmark = pytest.mark.usefixtures("cpu_reference")
+
+
+@pytest.mark.parametrize("name", list(SMALL_WORKLOADS))
+def test_workload_fuses_and_matches_eager(name):
+    factory, shape, fusion = SMALL_WORKLOADS[name]
+    torch.manual_seed(0)
+    model = factory()
+    eager = copy.deepcopy(model)
+    x = torch.rand(shape)
+    out, fused, refused = compile_records(model, x)
+    assert [r.fusion for r in fused] == [fusion], refused
+    torch.testing.assert_close(out, eager(x), atol=1e-5, rtol=1e-5)
+    for ours, theirs in zip(model.buffers(), eager.buffers()):  # BatchNorm running stats
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+
+
+def test_workload_chain_covers_every_epilogue_node():
+    factory, shape, _ = SMALL_WORKLOADS["4"]
+    _, fused, _ = compile_records(factory(), torch.rand(shape))
+    assert steps_of(fused[0]) == ["groupnorm", "silu", "mul", "silu"]
+    assert {"addmm", "native_group_norm", "sigmoid", "mul", "mul_1", "sigmoid_1", "mul_2"} <= set(fused[0].nodes)
+
+
+@pytest.mark.parametrize(
+    "fn, steps",
+    [
+        (F.gelu, ["gelu"]),
+        (lambda x: F.gelu(x, approximate="tanh"), ["gelu_tanh"]),
+        (F.silu, ["silu"]),
+        (silu_spelled, ["silu"]),
+        (sigmoid_times_x, ["silu"]),
+        (lambda x: F.leaky_relu(x, 0.2), ["leaky_relu"]),
+        (lambda x: torch.tanh(x) - 1.5, ["tanh", "sub"]),
+        (lambda x: 1.5 - torch.tanh(x), ["tanh", "sub"]),
+        (lambda x: torch.sigmoid(x) / 3.0, ["sigmoid", "div"]),
+        (lambda x: x + x, ["add"]),
+    ],
+    ids=["gelu_erf", "gelu_tanh", "silu", "x_sigmoid_x", "sigmoid_x_x", "leaky_0.2", "tanh_sub", "rsub", "div", "self_add"],
+)
+def test_activation_forms(fn, steps):
+    model = Chain(fn)
+    x = torch.randn(4, 16)
+    out, fused, _ = compile_records(model, x)
+    assert steps_of(fused[0]) == steps
+    torch.testing.assert_close(out, model(x))
+
+
+def test_gelu_forms_are_distinct_kernels():
+    _, erf, _ = compile_records(Chain(F.gelu), torch.randn(4, 16))
+    _, tanh, _ = compile_records(Chain(lambda x: F.gelu(x, approximate="tanh")), torch.randn(4, 16))
+    assert erf[0].spec != tanh[0].spec
+
+
+def test_leaky_relu_slope_is_exact():
+    import json
+
+    _, fused, _ = compile_records(Chain(lambda x: F.leaky_relu(x, 0.013)), torch.randn(4, 16))
+    assert json.loads(fused[0].spec)["steps"][0]["consts"] == [0.013]
+    _, default, _ = compile_records(Chain(F.leaky_relu), torch.randn(4, 16))
+    assert json.loads(default[0].spec)["steps"][0]["consts"] == [0.01]
+
+
+@pytest.mark.parametrize("groups", [1, 4, 32])
+def test_group_norm_group_counts(groups):
+    import json
+
+    model = Chain(nn.GroupNorm(groups, 32))
+    x = torch.randn(4, 16)
+    out, fused, _ = compile_records(model, x)
+    assert json.loads(fused[0].spec)["steps"][0]["groups"] == groups
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("keepdim", [True, False])
+def test_logsumexp_keepdim(keepdim):
+    model = Chain(lambda x: F.relu(torch.logsumexp(x, dim=1, keepdim=keepdim)))
+    x = torch.randn(4, 16)
+    out, fused, _ = compile_records(model, x)
+    assert steps_of(fused[0]) == ["logsumexp", "relu"]
+    assert out.shape == ((4, 1) if keepdim else (4,))
+    torch.testing.assert_close(out, model(x))
+
+
+def test_logsumexp_over_rows_is_refused():
+    model = Chain(lambda x: torch.logsumexp(x, dim=0))
+    x = torch.randn(4, 16)
+    out, fused, refused = compile_records(model, x)
+    assert not fused and "logsumexp over dims [0]" in refused[0].reason
+    torch.testing.assert_close(out, model(x))
+
+
+def test_batchnorm_train_and_eval_are_different_fusions():
+    model = Chain(nn.BatchNorm1d(32))
+    _, train, _ = compile_records(model.train(), torch.randn(8, 16))
+    _, evl, _ = compile_records(model.eval(), torch.randn(8, 16))
+    assert steps_of(train[0]) == ["batchnorm_train"] and steps_of(evl[0]) == ["batchnorm_eval"]
+
+
+def test_batchnorm_momentum_none_runs_as_eager():
+    # The cumulative average reads num_batches_tracked as a Python number: Dynamo
+    # breaks the graph there, so the BatchNorm runs outside any fused chain.
+    model = Chain(nn.BatchNorm1d(32, momentum=None))
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    out, fused, _ = compile_records(model, x)
+    assert not fused
+    torch.testing.assert_close(out, eager(x))
+    torch.testing.assert_close(model.fn.running_var, eager.fn.running_var)
+
+
+def test_linear_3d_input_with_layernorm():
+    model = Chain(nn.Sequential(nn.GELU(), nn.LayerNorm(32)))
+    x = torch.randn(2, 5, 16)
+    out, fused, _ = compile_records(model, x)
+    assert [r.fusion for r in fused] == ["linear_layernorm"]
+    assert out.shape == (2, 5, 32)
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_group_norm_on_3d_linear_output_is_refused():
+    # GroupNorm on [B, T, N] normalizes over T's channels, not the matmul's features.
+    model = Chain(nn.GroupNorm(5, 5))
+    x = torch.randn(2, 5, 16)
+    out, fused, refused = compile_records(model, x)
+    assert not fused and any("not the matmul's feature dim" in r.reason for r in refused)
+    torch.testing.assert_close(out, model(x))
+
+
+def test_residual_and_per_channel_operands():
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(16, 32, bias=False)
+            self.scale = nn.Parameter(torch.randn(32))
+
+        def forward(self, x, r):
+            return torch.relu(self.linear(x) * self.scale + r)
+
+    model = Residual()
+    x, r = torch.randn(4, 16), torch.randn(4, 32)
+    out, fused, _ = compile_records(model, x, r)
+    assert steps_of(fused[0]) == ["mul", "add", "relu"]
+    torch.testing.assert_close(out, model(x, r))
+
+
+def test_value_with_two_consumers_stops_the_chain():
+    model = Chain(lambda x: torch.relu(x) + torch.sigmoid(x).sum())
+    x = torch.randn(4, 16)
+    out, fused, refused = compile_records(model, x)
+    assert not fused and "2 consumers" in refused[0].reason
+    torch.testing.assert_close(out, model(x))
+
+
+def test_grad_mode_keeps_intermediates_for_backward():
+    model = Chain(nn.Sequential(nn.GroupNorm(4, 32), nn.GELU()))
+    x = torch.randn(4, 16)
+    out, fused, refused = compile_records(model, x, grad=True)
+    assert not fused and "also a graph output" in refused[0].reason
+    torch.testing.assert_close(out, model(x))
+
+
+def test_float64_is_refused():
+    model = Chain(F.gelu).double()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    out, fused, refused = compile_records(model, x)
+    assert not fused and "float64" in refused[0].reason
+    torch.testing.assert_close(out, model(x))
+
+
+def test_channels_last_conv_is_refused():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 10, 10).to(memory_format=torch.channels_last)
+    out, fused, refused = compile_records(model, x)
+    assert not fused and "not contiguous" in refused[0].reason
+    torch.testing.assert_close(out, model(x))
+
+
+def test_conv_bias_is_folded_into_the_epilogue():
+    import json
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8).eval(), nn.SiLU())
+    x = torch.randn(2, 3, 10, 10)
+    out, fused, _ = compile_records(model, x)
+    spec = json.loads(fused[0].spec)
+    assert spec["anchor"]["has_bias"] is False
+    assert [s["name"] for s in spec["steps"]] == ["add", "batchnorm_eval", "silu"]
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_bare_conv_with_bias_is_not_a_fusion():
+    model = nn.Conv2d(3, 8, 3)
+    x = torch.randn(2, 3, 10, 10)
+    out, fused, refused = compile_records(model, x)
+    assert not fused and "no epilogue" in refused[0].reason
+
+
+def test_dtype_change_inside_chain_stops_it():
+    model = Chain(lambda x: torch.relu(x).to(torch.float64) * 2)
+    x = torch.randn(4, 16)
+    out, fused, _ = compile_records(model, x)
+    assert [steps_of(r) for r in fused] == [["relu"]]
+    torch.testing.assert_close(out, model(x))

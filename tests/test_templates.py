@@ -1,0 +1,83 @@
+"""GPU-free: rendered sources, launch plans, and an nvcc compile of every template path."""
+
+import re
+import shutil
+
+import pytest
+
+import cuda_templates
+from cuda_templates.render import plan
+from cuda_templates.snippets import SNIPPETS, cfloat
+from lowering import VOCABULARY, EpilogueSpec
+from specs import awkward_specs, workload_specs
+
+DTYPES = ["float32", "bfloat16", "float16"]
+ALL_SPECS = {
+    f"{name}-{dtype}": spec
+    for dtype in DTYPES
+    for name, spec in {**workload_specs(dtype), **awkward_specs(dtype)}.items()
+}
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+
+
+def test_every_vocabulary_step_has_device_code():
+    assert set(VOCABULARY) == set(SNIPPETS)
+
+
+@pytest.mark.parametrize("name", list(ALL_SPECS))
+def test_render_is_complete_and_named(name):
+    spec = ALL_SPECS[name]
+    source = cuda_templates.render(spec, "sm90")
+    assert "$" not in source.replace("${", "")  # every placeholder substituted
+    kernel = spec.kernel_name("sm90")
+    assert f"{kernel}_apply" in source and source.startswith(f"// fusedepi epilogue kernel: {kernel}")
+    assert source == cuda_templates.render(EpilogueSpec.from_json(spec.to_json()), "sm90")
+
+
+@pytest.mark.parametrize("name", list(ALL_SPECS))
+def test_plan_covers_the_segment(name):
+    spec = ALL_SPECS[name]
+    p = plan(spec)
+    assert p.seg_len % p.vec == 0
+    assert p.team & (p.team - 1) == 0 and p.block % 32 == 0 and p.block % p.team == 0
+    assert p.team * p.nvec * p.vec * p.chunks >= p.seg_len  # every element has a thread
+    if p.chunks > 1:
+        assert p.team == p.block
+
+
+def test_plans_of_the_workloads():
+    specs = workload_specs("bfloat16")
+    assert plan(specs["w3_groupnorm"]).team == 2  # a group of 16 bf16 = two 16-byte vectors
+    assert plan(specs["w2_logsumexp"]).team > 32  # a row of 8192 is a block's job
+    w5 = plan(specs["w5_conv_groupnorm"])
+    assert w5.chunks > 1 and 64516 % w5.vec == 0  # vectors stay inside one channel
+
+
+def test_row_reduction_too_long_is_not_renderable():
+    spec = workload_specs("float32")["w2_logsumexp"]
+    long_row = EpilogueSpec(spec.anchor, spec.steps, spec.dtype, (), 1 << 20, 1, spec.fusion)
+    with pytest.raises(cuda_templates.NotRenderable, match="one block holds at most"):
+        cuda_templates.render(long_row, "sm90")
+
+
+def test_constants_are_exact_float_conversions():
+    assert cfloat(0.01) == f"static_cast<float>({(0.01).hex()})"
+    assert cfloat(float("inf")) == "INFINITY" and cfloat(float("-inf")) == "(-INFINITY)"
+
+
+def test_template_headers_document_every_placeholder():
+    from cuda_templates import templates
+
+    documented = set(re.findall(r"#\s+\$(\w+)", open(templates.__file__).read()))
+    used = set(re.findall(r"\$\{?(\w+)", templates.KERNEL_FILE.template))
+    assert used <= documented
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm80", "sm90a"])
+@pytest.mark.parametrize("name", list(ALL_SPECS))
+def test_nvcc_compiles(name, arch, tmp_path_factory):
+    spec = ALL_SPECS[name]
+    cache = tmp_path_factory.getbasetemp() / "kernel-cache"
+    library = cuda_templates.build(cuda_templates.render(spec, arch), spec.kernel_name(arch), arch, cache)
+    assert library.exists() and library.stat().st_size > 0
