@@ -73,8 +73,8 @@ def _device_us(event) -> float:
     return getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
 
 
-def _epilogue_ms(fn, kernel: str, iters: int = 20) -> float | None:
-    """Device time per call of the kernels whose names start with `kernel`."""
+def _kernel_times(fn, iters: int) -> list[tuple[float, int, str]]:
+    """(ms per call, launches per call, name) of every CUDA kernel `fn` runs."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -83,30 +83,21 @@ def _epilogue_ms(fn, kernel: str, iters: int = 20) -> float | None:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    total = 0.0
-    for event in prof.key_averages():
-        if kernel in event.key:  # names carry their namespace and signature
-            total += _device_us(event)
-    return total / iters / 1000 if total else None
+    return [
+        (_device_us(e) / iters / 1000, e.count // iters, e.key) for e in prof.key_averages() if _device_us(e)
+    ]
+
+
+def _epilogue_ms(fn, kernel: str, iters: int = 20) -> float | None:
+    """Device time per call of the kernels whose names contain `kernel`."""
+    total = sum(ms for ms, _, name in _kernel_times(fn, iters) if kernel in name)
+    return total or None
 
 
 def kernel_table(fn, iters: int = 10, top: int = 8) -> str:
     """The `top` CUDA kernels of `fn` by device time per call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    rows = []
-    for event in prof.key_averages():
-        total = _device_us(event)
-        if total:
-            rows.append((total / iters / 1000, event.count // iters, event.key[:110]))
-    rows.sort(reverse=True)
-    return "\n".join(f"    {ms:8.4f} ms  x{n}  {name}" for ms, n, name in rows[:top])
+    rows = sorted(_kernel_times(fn, iters), reverse=True)[:top]
+    return "\n".join(f"    {ms:8.4f} ms  x{n}  {name[:110]}" for ms, n, name in rows)
 
 
 def _compile(provider, model):
@@ -191,15 +182,19 @@ def workload_output_bytes(model, x) -> int:
     return y.numel() * y.element_size()
 
 
-def warm_start(workload_name, precision) -> float:
-    """Seconds for a new process to compile and run a workload with a warm cache."""
+def warm_start(workload_name, precision, training, backend) -> float:
+    """Seconds for a new process to compile and run a workload once, caches warm.
+
+    Includes what any first call pays (CUDA context, cuBLAS/cuDNN handles); compare
+    fusedepi's figure with Inductor's, measured the same way.
+    """
     code = (
         "import time, torch; t = time.perf_counter();"
         "from benchmarks.workloads import WORKLOADS; from benchmarks.compare import _set_precision;"
         f"w = WORKLOADS[{workload_name!r}]; d = _set_precision({precision!r});"
-        "m = w.make_model().cuda().to(d); x = torch.rand(w.input_shape, device='cuda', dtype=d);"
+        f"m = w.make_model().cuda().to(d).train({training}); x = torch.rand(w.input_shape, device='cuda', dtype=d);"
         "t = time.perf_counter();"
-        "torch.no_grad().__enter__(); torch.compile(m, backend='fusedepi')(x); torch.cuda.synchronize();"
+        f"torch.no_grad().__enter__(); torch.compile(m, backend={backend!r})(x); torch.cuda.synchronize();"
         "print(time.perf_counter() - t)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy())
@@ -255,8 +250,11 @@ def main(argv=None):
     if args.quick:
         args.workloads = ["3_linear_groupnorm_leaky", "5_conv_groupnorm"]
         args.precisions, args.modes = ["bf16"], ["train"]
+    # Fresh caches unless the caller set them: the first compile of each cell is cold.
     os.environ.setdefault("FUSEDEPI_CACHE_DIR", tempfile.mkdtemp(prefix="fusedepi-bench-"))
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  cache {os.environ['FUSEDEPI_CACHE_DIR']}")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-bench-"))
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  caches "
+          f"{os.environ['FUSEDEPI_CACHE_DIR']} {os.environ['TORCHINDUCTOR_CACHE_DIR']}")
     copy_gbs = copy_bandwidth()
     print(f"copy bandwidth: {copy_gbs:.0f} GB/s (read + write)")
     rows = []
@@ -268,14 +266,18 @@ def main(argv=None):
                     continue  # no mode-dependent op: the eval graph is the train graph
                 print(f"-- {name} {precision} {mode}", flush=True)
                 cell = run_cell(workload, precision, mode == "train", args.providers, copy_gbs, args.profile)
-                if args.warm_start and "fusedepi" in args.providers:
-                    next(r for r in cell if r["provider"] == "fusedepi")["warm_start_s"] = warm_start(name, precision)
+                if args.warm_start:
+                    for row in cell:
+                        if row["provider"] in ("inductor", "fusedepi"):
+                            backend = "inductor" if row["provider"] == "inductor" else "fusedepi"
+                            row["warm_start_s"] = warm_start(name, precision, mode == "train", backend)
                 rows.extend(cell)
     print_table(rows)
     if args.warm_start:
         for r in rows:
             if "warm_start_s" in r:
-                print(f"warm start (new process) {r['workload']} {r['precision']}: {r['warm_start_s']:.1f} s")
+                print(f"warm start (new process) {r['workload']} {r['precision']} {r['mode']} {r['provider']}: "
+                      f"{r['warm_start_s']:.1f} s")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -3,6 +3,8 @@
 #   bash benchmarks/device_run.sh tests          # GPU test tier
 #   bash benchmarks/device_run.sh quick          # tests + benchmark --quick
 #   bash benchmarks/device_run.sh bench [args]   # benchmark only, args passed on
+#   bash benchmarks/device_run.sh variants|anchors [args]  # kernel_variants.py / anchor_forms.py
+# The benchmark makes fresh kernel and Inductor caches of its own, so its compile times are cold.
 # Logs and JSON go to $OUT (the device tool's output folder) or /tmp/fusedepi-out.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -14,10 +16,9 @@ shift || true
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-export FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache}
 status=0
 if [ "$what" = tests ] || [ "$what" = quick ]; then
-  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = quick ]; then
@@ -26,8 +27,8 @@ fi
 if [ "$what" = variants ]; then
   python3 -m benchmarks.kernel_variants "$@" 2>&1 | grep -v DEBUG | tee "$OUT/variants.log"
 fi
-if [ "$what" = conv ]; then
-  python3 -m benchmarks.conv_layouts 2>&1 | tee "$OUT/conv_layouts.log"
+if [ "$what" = anchors ]; then
+  python3 -m benchmarks.anchor_forms 2>&1 | tee "$OUT/anchor_forms.log"
 fi
 if [ "$what" = bench ]; then
   python3 -m benchmarks.compare --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^-- "

@@ -146,8 +146,17 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
     red = spec.reduction
     split = steps.index(red) if red is not None else len(steps)
     # stage1 opens with the reduction's own normalize statement (none for logsumexp).
-    stage0_loads, stage0 = render_stage(steps[:split])
-    stage1_loads, stage1 = render_stage(steps[split:])
+    stages = []
+    for stage, extra, comment, run in (
+        ("stage0", "", "Steps before the reduction (all of them when there is none).", steps[:split]),
+        ("stage1", ", float mean, float rstd", "The reduction's normalize, then the steps after it.", steps[split:]),
+    ):
+        loads, statements = render_stage(run)
+        stages.append(
+            templates.STAGE_FUNCTION.substitute(
+                name=stage, extra=extra, comment=comment, loads=loads, statements=statements
+            )
+        )
     fields, bind = _fields(spec)
     block_per_segment = p.team > 32 or p.chunks > 1
     teams = p.block // p.team
@@ -212,10 +221,7 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
         inner=spec.inner,
         fast_math="false" if spec.dtype == "float32" else "true",
         fields=fields,
-        stage0_loads=stage0_loads,
-        stage0=stage0,
-        stage1_loads=stage1_loads,
-        stage1=stage1,
+        stages="\n".join(stages),
         middle=middle,
         store=store,
         stats_kernels=stats_kernels,

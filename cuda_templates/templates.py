@@ -22,10 +22,8 @@ from string import Template
 #   $inner          elements per channel (H*W of a conv, 1 for a linear)
 #   $fast_math      "true" for bf16/fp16 chains (see fusedepi::sigmoid)
 #   $fields         Args fields for extra outputs (x0, x1) and tensor inputs (p0, ...)
-#   $stage0_loads   operand loads of the steps before the reduction (once per vector)
-#   $stage0         their statements on `x` (once per element)
-#   $stage1_loads   operand loads of the reduction's normalize and the steps after it
-#   $stage1         their statements
+#   $stages         the two STAGE_FUNCTIONs: stage0 (steps before the reduction, or
+#                   all steps) and stage1 (the reduction's normalize and the steps after)
 #   $middle         code between load and store: the reduction and normalize, if any
 #   $store          code that writes the result
 #   $stats_kernels  kernels that run before the apply kernel (statistics), or nothing
@@ -62,35 +60,7 @@ $fields
   long long rows;           // rows of the anchor output: the only run-time size
 };
 
-// Steps before the reduction (all of them when there is none), on a vector of W
-// elements at position `pos` of its row and flat index e0.
-template <int W>
-__device__ __forceinline__ void stage0(float (&v)[W], int pos, long long e0, const Args& a) {
-  int c[W];
-  fusedepi::channels_of<W, kInner>(pos, c);
-$stage0_loads
-#pragma unroll
-  for (int j = 0; j < W; ++j) {
-    float x = v[j];
-$stage0
-    v[j] = x;
-  }
-}
-
-// The reduction's normalize (with its statistics) and the steps after it.
-template <int W>
-__device__ __forceinline__ void stage1(float (&v)[W], int pos, long long e0, const Args& a, float mean, float rstd) {
-  int c[W];
-  fusedepi::channels_of<W, kInner>(pos, c);
-$stage1_loads
-#pragma unroll
-  for (int j = 0; j < W; ++j) {
-    float x = v[j];
-$stage1
-    v[j] = x;
-  }
-}
-
+$stages
 // Which segment and which part of it this thread works on.
 struct Place {
   long long seg;  // segment index over the whole tensor
@@ -170,6 +140,26 @@ $bind
   (void)segments;
 $launches
   return static_cast<int>(cudaGetLastError());
+}
+"""
+)
+
+# A run of steps on a vector of W elements at position `pos` of its row and flat
+# index e0. Placeholders: $name, $comment, $extra (more parameters), $loads (operand
+# loads, once per vector), $statements (on `x`, once per element).
+STAGE_FUNCTION = Template(
+    r"""// $comment
+template <int W>
+__device__ __forceinline__ void $name(float (&v)[W], int pos, long long e0, const Args& a$extra) {
+  int c[W];
+  fusedepi::channels_of<W, kInner>(pos, c);
+$loads
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    float x = v[j];
+$statements
+    v[j] = x;
+  }
 }
 """
 )

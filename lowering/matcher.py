@@ -269,6 +269,18 @@ def _unused(items: dict[int, Node], indices, what: str):
             raise Refuse(f"{what}: output {i} (statistics) is used elsewhere, e.g. saved for backward")
 
 
+def _normalized(user: Node, what: str, stats=(1, 2)):
+    """The getitem users of a norm node: (items by index, nodes the step consumes).
+
+    Raises Refuse unless output 0 is used and the statistics outputs `stats` are not.
+    """
+    items = _getitems(user)
+    _unused(items, stats, what)
+    if 0 not in items:
+        raise Refuse(f"{what}: normalized output unused")
+    return items, [user] + sorted(items.values(), key=lambda n: n.args[1])
+
+
 def _require_2d_features(state: _State, what: str):
     val = _val(state.node)
     if state.conv or val.dim() != 2:
@@ -286,17 +298,9 @@ def _match_group_norm(state: _State, user: Node):
         raise Refuse(f"GroupNorm: expects {channels} channels, chain has {state.channels}")
     if not isinstance(groups, int) or channels % groups:
         raise Refuse(f"GroupNorm: {groups} groups do not divide {channels} channels")
-    items = _getitems(user)
-    _unused(items, (1, 2), "GroupNorm")
-    if 0 not in items:
-        raise Refuse("GroupNorm: normalized output unused")
-    step = Step(
-        "groupnorm",
-        consts=(float(eps),),
-        inputs=(_add_param(state, weight), _add_param(state, bias)),
-        groups=groups,
-    )
-    return _Match(step, [user] + sorted(items.values(), key=lambda n: n.args[1]), items[0])
+    items, consumed = _normalized(user, "GroupNorm")
+    inputs = (_add_param(state, weight), _add_param(state, bias))
+    return _Match(Step("groupnorm", consts=(float(eps),), inputs=inputs, groups=groups), consumed, items[0])
 
 
 def _match_layer_norm(state: _State, user: Node):
@@ -305,16 +309,9 @@ def _match_layer_norm(state: _State, user: Node):
     shape, weight, bias, eps = user.args[1], user.args[2], user.args[3], user.args[4]
     if state.conv or list(shape) != [state.channels] or state.channel_axis != _val(state.node).dim() - 1:
         raise Refuse(f"LayerNorm: normalized_shape {list(shape)} is not the feature dim alone")
-    items = _getitems(user)
-    _unused(items, (1, 2), "LayerNorm")
-    if 0 not in items:
-        raise Refuse("LayerNorm: normalized output unused")
-    step = Step(
-        "layernorm",
-        consts=(float(eps),),
-        inputs=(_add_param(state, weight), _add_param(state, bias)),
-    )
-    return _Match(step, [user] + sorted(items.values(), key=lambda n: n.args[1]), items[0])
+    items, consumed = _normalized(user, "LayerNorm")
+    inputs = (_add_param(state, weight), _add_param(state, bias))
+    return _Match(Step("layernorm", consts=(float(eps),), inputs=inputs), consumed, items[0])
 
 
 def _match_batch_norm(state: _State, user: Node):
@@ -327,23 +324,17 @@ def _match_batch_norm(state: _State, user: Node):
         return None
     if state.channel_axis != 1:
         raise Refuse("BatchNorm: channels are not the matmul's feature dim")
-    items = _getitems(user)
-    if 0 not in items:
-        raise Refuse("BatchNorm: normalized output unused")
+    items, consumed = _normalized(user, "BatchNorm")
     if not training:
-        _unused(items, (1, 2), "BatchNorm")
         inputs = tuple(_add_param(state, n) for n in (weight, bias, rmean, rvar))
-        step = Step("batchnorm_eval", consts=(float(eps),), inputs=inputs)
-        return _Match(step, [user] + sorted(items.values(), key=lambda n: n.args[1]), items[0])
+        return _Match(Step("batchnorm_eval", consts=(float(eps),), inputs=inputs), consumed, items[0])
     _require_2d_features(state, "BatchNorm (training)")
     if not isinstance(momentum, float):
         raise Refuse(f"BatchNorm: unsupported momentum={momentum!r} (only a constant float)")
-    _unused(items, (1, 2), "BatchNorm")
     if 3 not in items or 4 not in items:
         raise Refuse("BatchNorm (training): running statistics are not written back")
     inputs = tuple(_add_param(state, n) for n in (weight, bias, rmean, rvar))
     step = Step("batchnorm_train", consts=(float(momentum), float(eps)), inputs=inputs)
-    consumed = [user] + sorted(items.values(), key=lambda n: n.args[1])
     return _Match(step, consumed, items[0], extra=[items[3], items[4]])
 
 
@@ -441,18 +432,30 @@ def _start(node: Node, anchor: Anchor, operands, allow_cpu: bool) -> _State:
     return _State(node=node, chain=chain, channels=shape[1], inner=inner, conv=conv)
 
 
-def _fold_conv_bias(state: _State) -> int:
-    """Moves a conv's bias into the epilogue as its first step; returns 1 if it did.
+def _fold_bias(state: _State, anchor: Anchor) -> Anchor | None:
+    """Moves the anchor's bias into the epilogue as its first step.
 
-    cuDNN often adds the bias in a pass of its own over the whole output; the
-    epilogue adds it while the value is in registers.
+    Returns the anchor without its bias, or None when there is none. The libraries
+    are faster without it: cuDNN adds a conv bias in a pass of its own over the
+    output, and cuBLAS's `mm` beats `addmm` at TF32 and for bf16 1024x8192x8192
+    (benchmarks/anchor_forms.py, NOTES.md). The epilogue adds it in registers.
     """
     chain = state.chain
-    if not state.conv or len(chain.operands) < 3:
-        return 0
-    bias = chain.operands.pop()
-    chain.steps.append(Step("add", inputs=(_add_param(state, bias),), operand=CHANNEL))
-    return 1
+    if anchor.kind == "addmm":
+        try:  # broadcast like any operand: [N] and [1, N] per column, [M, N] in full
+            kind = _operand_kind(state, chain.operands[0])
+        except Refuse:
+            return None
+        bias = chain.operands.pop(0)
+        folded = Anchor("mm")
+    elif anchor.kind == "conv" and anchor.has_bias:
+        kind = CHANNEL  # a conv bias is [C], applied along dim 1
+        bias = chain.operands.pop()
+        folded = replace(anchor, has_bias=False)
+    else:
+        return None
+    chain.steps.append(Step("add", inputs=(_add_param(state, bias),), operand=kind, reverse=True))
+    return folded
 
 
 def _extend(state: _State, disabled: frozenset) -> str:
@@ -535,16 +538,15 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False):
         anchor, operands = found
         try:
             state = _start(node, anchor, operands, allow_cpu)
-            folded = _fold_conv_bias(state)
+            folded = _fold_bias(state, anchor)
             stop = _extend(state, disabled)
         except Refuse as err:
             refusals.append(Refusal(node.name, [node.name], str(err)))
             continue
         chain = state.chain
         chain.stop = stop
-        anchor = replace(anchor, has_bias=False) if folded else anchor
         names = [n.name for n in chain.nodes]
-        if len(chain.steps) == folded:
+        if len(chain.steps) == (folded is not None):
             refusals.append(Refusal(node.name, names, f"no epilogue to fuse: {stop}"))
             continue
         # A trailing view carries no step: re-applied after the fused op, it stays in the graph.
@@ -555,7 +557,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False):
             refusals.append(Refusal(node.name, names, f"fusion {fusion} disabled by FUSEDEPI_DISABLE"))
             continue
         chain.spec = EpilogueSpec(
-            anchor=anchor,
+            anchor=folded or anchor,
             steps=tuple(chain.steps),
             dtype=DTYPES[val.dtype],
             param_dtypes=tuple(DTYPES.get(_val(p).dtype, str(_val(p).dtype)) for p in chain.params),

@@ -2,8 +2,13 @@
 
 from lowering.spec import CHANNEL, FULL, ONE, SCALAR, SELF, Anchor, EpilogueSpec, Step
 
-LINEAR = Anchor("addmm")
-CONV = Anchor("conv", has_bias=True, conv=((1, 1), (0, 0), (1, 1), False, (0, 0), 1))
+LINEAR = Anchor("mm")  # nn.Linear: the matcher folds the bias into the epilogue
+CONV = Anchor("conv", has_bias=False, conv=((1, 1), (0, 0), (1, 1), False, (0, 0), 1))
+
+
+def _bias(index):
+    """The folded GEMM/conv bias: the epilogue's first step."""
+    return Step("add", inputs=(index,), operand=CHANNEL, reverse=True)
 
 
 def workload_specs(dtype="float32"):
@@ -12,37 +17,37 @@ def workload_specs(dtype="float32"):
     return {
         "w1_bn_train": EpilogueSpec(
             LINEAR,
-            (Step("batchnorm_train", consts=(0.1, 1e-5), inputs=(0, 1, 2, 3)), Step("gelu"), Step("relu")),
-            dtype, p * 4, 4096, 1, "linear_batchnorm_train",
+            (_bias(0), Step("batchnorm_train", consts=(0.1, 1e-5), inputs=(1, 2, 3, 4)), Step("gelu"), Step("relu")),
+            dtype, p * 5, 4096, 1, "linear_batchnorm_train",
         ),
         "w1_bn_eval": EpilogueSpec(
             LINEAR,
-            (Step("batchnorm_eval", consts=(1e-5,), inputs=(0, 1, 2, 3)), Step("gelu"), Step("relu")),
-            dtype, p * 4, 4096, 1, "linear_batchnorm_eval",
+            (_bias(0), Step("batchnorm_eval", consts=(1e-5,), inputs=(1, 2, 3, 4)), Step("gelu"), Step("relu")),
+            dtype, p * 5, 4096, 1, "linear_batchnorm_eval",
         ),
         "w2_logsumexp": EpilogueSpec(
             LINEAR,
-            (Step("logsumexp", keepdim=True), Step("leaky_relu", consts=(0.01,)),
+            (_bias(0), Step("logsumexp", keepdim=True), Step("leaky_relu", consts=(0.01,)),
              Step("leaky_relu", consts=(0.01,)), Step("gelu"), Step("gelu")),
-            dtype, (), 8192, 1, "linear_logsumexp",
+            dtype, p, 8192, 1, "linear_logsumexp",
         ),
         "w3_groupnorm": EpilogueSpec(
             LINEAR,
-            (Step("groupnorm", consts=(1e-5,), inputs=(0, 1), groups=512), Step("leaky_relu", consts=(0.01,)),
-             Step("add", operand=SELF)),
-            dtype, p * 2, 8192, 1, "linear_groupnorm",
+            (_bias(0), Step("groupnorm", consts=(1e-5,), inputs=(1, 2), groups=512),
+             Step("leaky_relu", consts=(0.01,)), Step("add", operand=SELF)),
+            dtype, p * 3, 8192, 1, "linear_groupnorm",
         ),
         "w4_groupnorm_silu": EpilogueSpec(
             LINEAR,
-            (Step("groupnorm", consts=(1e-5,), inputs=(0, 1), groups=256), Step("silu"),
-             Step("mul", inputs=(2,), operand=CHANNEL), Step("silu")),
-            dtype, p * 3, 8192, 1, "linear_groupnorm",
+            (_bias(0), Step("groupnorm", consts=(1e-5,), inputs=(1, 2), groups=256), Step("silu"),
+             Step("mul", inputs=(3,), operand=CHANNEL), Step("silu")),
+            dtype, p * 4, 8192, 1, "linear_groupnorm",
         ),
         "w5_conv_groupnorm": EpilogueSpec(
             CONV,
-            (Step("add", inputs=(0,), operand=CHANNEL), Step("mul", inputs=(1,), operand=CHANNEL),
-             Step("sigmoid"), Step("groupnorm", consts=(1e-5,), inputs=(2, 3), groups=8)),
-            dtype, p * 4, 32, 254 * 254, "conv_groupnorm",
+            (_bias(0), Step("add", inputs=(1,), operand=CHANNEL), Step("mul", inputs=(2,), operand=CHANNEL),
+             Step("sigmoid"), Step("groupnorm", consts=(1e-5,), inputs=(3, 4), groups=8)),
+            dtype, p * 5, 32, 254 * 254, "conv_groupnorm",
         ),
     }
 
@@ -62,8 +67,8 @@ def awkward_specs(dtype="float32"):
              Step("div", inputs=(4,), operand=ONE)),
             dtype, p * 5, 513, 1, "linear_layernorm",
         ),
-        "pointwise_only": EpilogueSpec(
-            LINEAR, (Step("sigmoid"), Step("mul", consts=(2.0,), operand=SCALAR)),
+        "pointwise_only": EpilogueSpec(  # an addmm whose bias was not folded
+            Anchor("addmm"), (Step("sigmoid"), Step("mul", consts=(2.0,), operand=SCALAR)),
             dtype, (), 255, 1, "linear_pointwise",
         ),
         "logsumexp_short_row": EpilogueSpec(

@@ -34,7 +34,7 @@ def test_workload_fuses_and_matches_eager(name):
 def test_workload_chain_covers_every_epilogue_node():
     factory, shape, _ = SMALL_WORKLOADS["4"]
     _, fused, _ = compile_records(factory(), torch.rand(shape))
-    assert steps_of(fused[0]) == ["groupnorm", "silu", "mul", "silu"]
+    assert steps_of(fused[0]) == ["add", "groupnorm", "silu", "mul", "silu"]  # the bias comes first
     assert {"addmm", "native_group_norm", "sigmoid", "mul", "mul_1", "sigmoid_1", "mul_2"} <= set(fused[0].nodes)
 
 
@@ -50,12 +50,12 @@ def test_workload_chain_covers_every_epilogue_node():
         (lambda x: torch.tanh(x) - 1.5, ["tanh", "sub"]),
         (lambda x: 1.5 - torch.tanh(x), ["tanh", "sub"]),
         (lambda x: torch.sigmoid(x) / 3.0, ["sigmoid", "div"]),
-        (lambda x: x + x, ["add"]),
+        (lambda x: x + x, ["add"]),  # the chain's own value
     ],
     ids=["gelu_erf", "gelu_tanh", "silu", "x_sigmoid_x", "sigmoid_x_x", "leaky_0.2", "tanh_sub", "rsub", "div", "self_add"],
 )
 def test_activation_forms(fn, steps):
-    model = Chain(fn)
+    model = Chain(fn, bias=False)
     x = torch.randn(4, 16)
     out, fused, _ = compile_records(model, x)
     assert steps_of(fused[0]) == steps
@@ -71,9 +71,9 @@ def test_gelu_forms_are_distinct_kernels():
 def test_leaky_relu_slope_is_exact():
     import json
 
-    _, fused, _ = compile_records(Chain(lambda x: F.leaky_relu(x, 0.013)), torch.randn(4, 16))
+    _, fused, _ = compile_records(Chain(lambda x: F.leaky_relu(x, 0.013), bias=False), torch.randn(4, 16))
     assert json.loads(fused[0].spec)["steps"][0]["consts"] == [0.013]
-    _, default, _ = compile_records(Chain(F.leaky_relu), torch.randn(4, 16))
+    _, default, _ = compile_records(Chain(F.leaky_relu, bias=False), torch.randn(4, 16))
     assert json.loads(default[0].spec)["steps"][0]["consts"] == [0.01]
 
 
@@ -84,7 +84,7 @@ def test_group_norm_group_counts(groups):
     model = Chain(nn.GroupNorm(groups, 32))
     x = torch.randn(4, 16)
     out, fused, _ = compile_records(model, x)
-    assert json.loads(fused[0].spec)["steps"][0]["groups"] == groups
+    assert json.loads(fused[0].spec)["steps"][1]["groups"] == groups  # after the bias
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
 
 
@@ -93,7 +93,7 @@ def test_logsumexp_keepdim(keepdim):
     model = Chain(lambda x: F.relu(torch.logsumexp(x, dim=1, keepdim=keepdim)))
     x = torch.randn(4, 16)
     out, fused, _ = compile_records(model, x)
-    assert steps_of(fused[0]) == ["logsumexp", "relu"]
+    assert steps_of(fused[0]) == ["add", "logsumexp", "relu"]
     assert out.shape == ((4, 1) if keepdim else (4,))
     torch.testing.assert_close(out, model(x))
 
@@ -110,7 +110,7 @@ def test_batchnorm_train_and_eval_are_different_fusions():
     model = Chain(nn.BatchNorm1d(32))
     _, train, _ = compile_records(model.train(), torch.randn(8, 16))
     _, evl, _ = compile_records(model.eval(), torch.randn(8, 16))
-    assert steps_of(train[0]) == ["batchnorm_train"] and steps_of(evl[0]) == ["batchnorm_eval"]
+    assert steps_of(train[0]) == ["add", "batchnorm_train"] and steps_of(evl[0]) == ["add", "batchnorm_eval"]
 
 
 def test_batchnorm_momentum_none_runs_as_eager():
@@ -204,16 +204,27 @@ def test_conv_bias_is_folded_into_the_epilogue():
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
 
 
-def test_bare_conv_with_bias_is_not_a_fusion():
-    model = nn.Conv2d(3, 8, 3)
-    x = torch.randn(2, 3, 10, 10)
-    out, fused, refused = compile_records(model, x)
+@pytest.mark.parametrize("model, shape", [(nn.Conv2d(3, 8, 3), (2, 3, 10, 10)), (nn.Linear(16, 8), (4, 16))])
+def test_bare_anchor_with_bias_is_not_a_fusion(model, shape):
+    out, fused, refused = compile_records(model, torch.randn(shape))
     assert not fused and "no epilogue" in refused[0].reason
+
+
+def test_gemm_bias_is_folded_into_the_epilogue():
+    import json
+
+    model = Chain(torch.relu)
+    x = torch.randn(4, 16)
+    out, fused, _ = compile_records(model, x)
+    spec = json.loads(fused[0].spec)
+    assert spec["anchor"]["kind"] == "mm" and steps_of(fused[0]) == ["add", "relu"]
+    assert spec["steps"][0]["operand"] == "channel"
+    torch.testing.assert_close(out, model(x))
 
 
 def test_dtype_change_inside_chain_stops_it():
     model = Chain(lambda x: torch.relu(x).to(torch.float64) * 2)
     x = torch.randn(4, 16)
     out, fused, _ = compile_records(model, x)
-    assert [steps_of(r) for r in fused] == [["relu"]]
+    assert [steps_of(r) for r in fused] == [["add", "relu"]]
     torch.testing.assert_close(out, model(x))
