@@ -118,7 +118,8 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
     """
     report = Report()
     try:
-        chains, refusals = match_graph(gm.graph, cfg.disabled, cfg.cpu_reference)
+        tf32 = torch.get_float32_matmul_precision() != "highest"
+        chains, refusals = match_graph(gm.graph, cfg.disabled, cfg.cpu_reference, matmul_tf32=tf32)
     except Exception as err:  # a matcher bug must not stop the user's model
         if cfg.strict:
             raise FusionError(f"fusedepi: matching failed: {err}") from err

@@ -432,16 +432,18 @@ def _start(node: Node, anchor: Anchor, operands, allow_cpu: bool) -> _State:
     return _State(node=node, chain=chain, channels=shape[1], inner=inner, conv=conv)
 
 
-def _fold_bias(state: _State, anchor: Anchor) -> Anchor | None:
-    """Moves the anchor's bias into the epilogue as its first step.
+def _fold_bias(state: _State, anchor: Anchor, gemm_bias: bool) -> Anchor | None:
+    """Moves the anchor's bias into the epilogue as its first step, where that is faster.
 
-    Returns the anchor without its bias, or None when there is none. The libraries
-    are faster without it: cuDNN adds a conv bias in a pass of its own over the
-    output, and cuBLAS's `mm` beats `addmm` at TF32 and for bf16 1024x8192x8192
-    (benchmarks/anchor_forms.py, NOTES.md). The epilogue adds it in registers.
+    Returns the anchor without its bias, or None when it keeps it. Measured on an
+    H200 (benchmarks/anchor_forms.py, NOTES.md): cuDNN adds a conv bias in a pass
+    of its own over the output, so a conv bias always moves; cuBLAS's `mm` beats
+    `addmm` by 7-8% for float32 under TF32 but not in bf16 or strict float32, where
+    the extra epilogue load costs more than it saves, so a GEMM bias moves only for
+    float32 chains when `gemm_bias` (TF32 allowed) is set. Results do not depend on it.
     """
     chain = state.chain
-    if anchor.kind == "addmm":
+    if anchor.kind == "addmm" and gemm_bias and _val(chain.anchor).dtype == torch.float32:
         try:  # broadcast like any operand: [N] and [1, N] per column, [M, N] in full
             kind = _operand_kind(state, chain.operands[0])
         except Refuse:
@@ -514,7 +516,7 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
     return None
 
 
-def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False):
+def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, matmul_tf32=False):
     """Finds every fusible chain in `graph`.
 
     Args:
@@ -522,6 +524,8 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False):
         disabled: fusion names and step names that must not be fused.
         allow_cpu: also match chains on CPU tensors (their fused op then runs
             the plain-torch reference; used to test the rewrite without a GPU).
+        matmul_tf32: float32 matmuls may use TF32 (`torch.get_float32_matmul_precision()`
+            is not "highest"); only decides whether a GEMM bias moves into the epilogue.
 
     Returns:
         (chains, refusals): chains to rewrite, and candidates that were refused.
@@ -538,7 +542,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False):
         anchor, operands = found
         try:
             state = _start(node, anchor, operands, allow_cpu)
-            folded = _fold_bias(state, anchor)
+            folded = _fold_bias(state, anchor, matmul_tf32)
             stop = _extend(state, disabled)
         except Refuse as err:
             refusals.append(Refusal(node.name, [node.name], str(err)))

@@ -2,7 +2,7 @@
 
 from lowering.spec import CHANNEL, FULL, ONE, SCALAR, SELF, Anchor, EpilogueSpec, Step
 
-LINEAR = Anchor("mm")  # nn.Linear: the matcher folds the bias into the epilogue
+LINEAR = Anchor("mm")  # nn.Linear in float32 under TF32: the bias moves into the epilogue
 CONV = Anchor("conv", has_bias=False, conv=((1, 1), (0, 0), (1, 1), False, (0, 0), 1))
 
 
@@ -12,7 +12,7 @@ def _bias(index):
 
 
 def workload_specs(dtype="float32"):
-    """The five workloads' specs, as the matcher builds them (sizes from DEVELOPERS.md)."""
+    """The five workloads' specs, as the matcher builds them under TF32 (sizes from DEVELOPERS.md)."""
     p = (dtype,)
     return {
         "w1_bn_train": EpilogueSpec(

@@ -207,3 +207,20 @@ def test_zero_rows(exact_float32):
     with torch.no_grad():
         out, _ = compile_and_run(model, x)
     assert out.shape == (0,)
+
+
+def test_tf32_moves_the_gemm_bias_into_the_epilogue(exact_float32):
+    import json
+
+    torch.set_float32_matmul_precision("high")  # restored by the fixture
+    model = _GroupNormTanh(255, 520, 8).cuda()
+    x = torch.rand(37, 255, device="cuda")
+    ref, _ = float64_reference(model, x)
+    reports = []
+    with torch.no_grad(), collect_reports(reports):
+        out = torch.compile(model, backend=fusedepi)(x)
+    fused = [r for report in reports for r in report.records if r.status == "fused"]
+    spec = json.loads(fused[0].spec)
+    assert spec["anchor"]["kind"] == "mm" and spec["steps"][0]["name"] == "add"
+    err = relative_error(out, ref)
+    assert err <= 5e-3, f"relative error {err:.3g} under TF32 (seed {exact_float32})"
