@@ -164,7 +164,7 @@ def run_cell(workload, precision, training, providers, copy_gbs, profile=False):
                 torch.cuda.synchronize()
                 row["warm_compile_s"] = time.perf_counter() - start
             rows.append(row)
-            del fn, model, out
+            fn = model = out = None  # free the GPU memory before the next provider
             torch.cuda.empty_cache()
     eager = next((r["ms"] for r in rows if r["provider"] == "eager"), None)
     inductor = [r["ms"] for r in rows if r["provider"].startswith("inductor")]

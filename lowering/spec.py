@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # Operand kinds of a binary step (`add`, `sub`, `mul`, `div`).
 SCALAR = "scalar"  # a Python number baked into the kernel
@@ -93,12 +93,9 @@ class EpilogueSpec:
     channels: int
     inner: int
     fusion: str = ""
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def to_json(self) -> str:
-        data = dataclasses.asdict(self)
-        data.pop("extra")
-        return json.dumps(data, sort_keys=True, separators=(",", ":"))
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
 
     @staticmethod
     def from_json(text: str) -> "EpilogueSpec":
