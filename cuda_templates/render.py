@@ -188,8 +188,7 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
             f"  {name}_colfinal<<<(kChannels + 31) / 32, dim3(32, 8), 0, stream>>>(a);",
         ]
         ws_floats = "kPartials + (rows + kRowsPerChunk - 1) / kRowsPerChunk * kChannels * 2"
-        middle = "  {\n    const float mean = 0.f, rstd = 0.f;  // BatchNorm reads its own statistics\n"
-        middle += templates.APPLY_STAGE1 + "\n  }"
+        middle = templates.BATCH_NORM_APPLY
     elif red.name in SEGMENT_NORMS:
         eps = cfloat(red.consts[0])
         if p.chunks == 1:

@@ -4,9 +4,10 @@ Keys match `lowering.vocabulary.VOCABULARY` (a test keeps the two in step). A
 snippet runs once per element `j` of a W-wide vector; tensor operands come from
 `Operands`, which turns each into a register array loaded once per vector before
 the element loop. Channel indices `c[W]` come from the vector's position in its
-row; `e0` (its flat index) is only used by residual loads. Reductions (group/layer norm statistics, logsumexp, BatchNorm
-batch statistics) are written by the templates; their entries here give the
-per-element normalize statement, with `mean` and `rstd` in scope.
+row; `e0` (its flat index) is only used by residual loads. Reductions (group/layer
+norm statistics, logsumexp, BatchNorm batch statistics) are written by the
+templates; their entries here give the per-element normalize statement, with
+`mean` and `rstd` in scope.
 """
 
 from __future__ import annotations

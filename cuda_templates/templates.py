@@ -201,6 +201,15 @@ APPLY_STAGE1 = r"""#pragma unroll
     for (int k = 0; k < kNV; ++k)
       if (valid(p, k)) stage1<kV>(v[k], p.rowpos + offset_of(p, k), p.seg * kL + offset_of(p, k), a, mean, rstd);"""
 
+# BatchNorm (training): stage1 opens with its normalize, which reads the column
+# kernels' scale/shift from the workspace, so no segment statistics are in scope.
+BATCH_NORM_APPLY = (
+    "  {\n    const float mean = 0.f, rstd = 0.f;  // BatchNorm reads its own statistics\n"
+    + APPLY_STAGE1
+    + "\n  }"
+)
+
+
 # Row logsumexp inside the team, then stage1 on the row's value.
 TEAM_LOGSUMEXP = r"""  // fmaxf skips NaN; a NaN still reaches the result through the sum of exps.
   float mx = -INFINITY;
