@@ -3,6 +3,7 @@
 #   bash benchmarks/device_run.sh tests          # GPU test tier
 #   bash benchmarks/device_run.sh quick          # tests + benchmark --quick
 #   bash benchmarks/device_run.sh bench [args]   # benchmark only, args passed on
+#   bash benchmarks/device_run.sh all [args]     # GPU test tier, then the benchmark with args
 #   bash benchmarks/device_run.sh variants|anchors [args]  # kernel_variants.py / anchor_forms.py
 # The benchmark makes fresh kernel and Inductor caches of its own, so its compile times are cold.
 # Logs and JSON go to $OUT (the device tool's output folder) or /tmp/fusedepi-out.
@@ -17,8 +18,9 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 status=0
-if [ "$what" = tests ] || [ "$what" = quick ]; then
-  FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+if [ "$what" = tests ] || [ "$what" = quick ] || [ "$what" = all ]; then
+  [ "$what" = all ] && targs=() || targs=("$@")
+  FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider "${targs[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = quick ]; then
@@ -30,8 +32,8 @@ fi
 if [ "$what" = anchors ]; then
   python3 -m benchmarks.anchor_forms 2>&1 | tee "$OUT/anchor_forms.log"
 fi
-if [ "$what" = bench ]; then
+if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.compare --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^-- "
-  status=${PIPESTATUS[0]}
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 exit $status

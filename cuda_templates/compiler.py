@@ -181,12 +181,17 @@ class Library:
         self._lib.fusedepi_workspace_floats.restype = ctypes.c_longlong
         self._lib.fusedepi_error_string.argtypes = [ctypes.c_int]
         self._lib.fusedepi_error_string.restype = ctypes.c_char_p
+        self._lib.fusedepi_anchor_inside.restype = ctypes.c_int
+        # True: the library computes the anchor itself (direct conv); `run` takes the
+        # anchor's operands after the workspace instead of an anchor output.
+        self.anchor_inside = bool(self._lib.fusedepi_anchor_inside())
 
     def workspace_floats(self, rows: int) -> int:
         return int(self._lib.fusedepi_workspace_floats(rows))
 
     def run(self, pointers: list[int], rows: int, device: int, stream: int) -> None:
-        """Launches the kernels. pointers: y, out, extra outputs, tensor inputs, workspace."""
+        """Launches the kernels. pointers: y, out, extra outputs, tensor inputs, workspace,
+        then the anchor's operands when `anchor_inside`."""
         array = (ctypes.c_void_p * len(pointers))(*pointers)
         code = self._lib.fusedepi_run(array, rows, device, ctypes.c_void_p(stream))
         if code != 0:

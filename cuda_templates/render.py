@@ -102,10 +102,89 @@ def plan(spec: EpilogueSpec) -> Plan:
     return Plan(seg_len, groups, vec, CHUNK_BLOCK, nvec, chunks, CHUNK_BLOCK)
 
 
-def _fields(spec: EpilogueSpec) -> tuple[str, str]:
+DIRECT_TILE_W = 256  # output columns per direct-conv block (templates.DIRECT_CONV_KERNELS)
+DIRECT_MAX_COUT = 64  # 8 warps x 8 channels
+DIRECT_MAX_TAPS = 128  # in_channels x kh x kw: beyond this the conv is compute-bound
+DIRECT_MIN_COLUMN_USE = 0.75  # share of a block's 256 columns inside the image
+DIRECT_SMEM_BUDGET = 110 * 1024  # two blocks per SM on sm_80 / sm_90
+
+
+@dataclass(frozen=True)
+class DirectPlan:
+    """How the direct-conv kernel tiles the output.
+
+    Attributes:
+        tile_h: output rows per block.
+        copad: output channels padded to 8 x a power of two (8 warps split them).
+        out_vec: elements per store (divides the output width).
+        smem: dynamic shared memory per block, bytes.
+        tiles: blocks per image.
+    """
+
+    tile_h: int
+    copad: int
+    out_vec: int
+    smem: int
+    tiles: int
+
+
+def direct_plan(spec: EpilogueSpec) -> DirectPlan | str:
+    """The direct-conv tiling for `spec`, or the reason the library conv runs instead."""
+    anchor = spec.anchor
+    if anchor.kind != "conv":
+        return "not a convolution"
+    if not anchor.direct:
+        return "not 2-D with stride 1, dilation 1 and groups 1 (or disabled)"
+    if anchor.has_bias:
+        return "the conv keeps its bias (the matcher moves it into the epilogue)"
+    if spec.dtype != "float32":
+        # Its GroupNorm path rounds the pre-norm value to the chain's dtype between the
+        # kernels; in 16 bits the normalize amplifies that past 1e-2 (measured 0.0104).
+        return f"the direct conv (float32 FMA) is for float32 chains, not {spec.dtype}"
+    red = spec.reduction
+    if red is not None and red.name != "groupnorm":
+        return f"{red.name} after a direct conv is not implemented"
+    cin, kh, kw, _, _ = anchor.direct
+    ho, wo = anchor.direct_out_hw()
+    cout = spec.channels
+    if ho * wo != spec.inner or ho < 1 or wo < 1:
+        return f"output {ho}x{wo} does not match the chain's {spec.inner} elements per channel"
+    if cout > DIRECT_MAX_COUT:
+        return f"{cout} output channels (the direct conv takes at most {DIRECT_MAX_COUT})"
+    if cin * kh * kw > DIRECT_MAX_TAPS:
+        return f"{cin}x{kh}x{kw} taps per output (the direct conv takes at most {DIRECT_MAX_TAPS})"
+    col_tiles = _ceil_div(wo, DIRECT_TILE_W)
+    if wo < DIRECT_MIN_COLUMN_USE * col_tiles * DIRECT_TILE_W:
+        return f"output width {wo} leaves most of a {DIRECT_TILE_W}-column tile idle"
+    copad = 8 * _pow2_at_least(_ceil_div(cout, 8))
+    rows_at_once = 64 // copad
+    xv = _ceil_div(4 + kw - 1, 4)
+    row_stride = DIRECT_TILE_W + 4 * (xv - 1)
+    cpg = cout // red.groups if red is not None else 1
+    slots = 1 if cpg % 8 == 0 else (8 // cpg if 8 % cpg == 0 else 8)
+    for tile_h in (8, 4, 2, 1):
+        if tile_h % rows_at_once:
+            continue
+        smem = 4 * (cin * (tile_h + kh - 1) * row_stride + cin * kh * kw * copad) + 12 * 8 * slots
+        if smem <= DIRECT_SMEM_BUDGET:
+            out_vec = next(v for v in (4, 2, 1) if wo % v == 0)
+            return DirectPlan(tile_h, copad, out_vec, smem, _ceil_div(ho, tile_h) * col_tiles)
+    return f"the input tile of {cin} channels does not fit {DIRECT_SMEM_BUDGET // 1024} KiB of shared memory"
+
+
+def kernel_name(spec: EpilogueSpec, arch: str) -> str:
+    """The spec's kernel name; "directconv" instead of "conv" when the kernel computes the conv."""
+    name = spec.kernel_name(arch)
+    if isinstance(direct_plan(spec), DirectPlan):
+        name = "direct" + name
+    return name
+
+
+def _fields(spec: EpilogueSpec, direct: bool = False) -> tuple[str, str]:
     """Args fields and their bindings from the pointer array.
 
-    Pointer order: y, out, extra outputs (x0, x1), tensor inputs (p0, ...), workspace.
+    Pointer order: y, out, extra outputs (x0, x1), tensor inputs (p0, ...), workspace,
+    then, for the direct conv, x and weight (y is then the conv kernel's output).
     """
     fields, bind = [], ["  a.y = static_cast<const T*>(ptrs[0]);", "  a.out = static_cast<T*>(ptrs[1]);"]
     slot = 2
@@ -122,6 +201,13 @@ def _fields(spec: EpilogueSpec) -> tuple[str, str]:
         bind.append(f"  a.p{i} = static_cast<const {ctype}*>(ptrs[{slot}]);")
         slot += 1
     bind.append(f"  a.ws = static_cast<float*>(ptrs[{slot}]);")
+    if direct:
+        fields.append("  const T* __restrict__ x;  // conv input [rows, in_channels, in_h, in_w]")
+        fields.append("  const T* __restrict__ w;  // conv weight [channels, in_channels, kh, kw]")
+        fields.append("  T* __restrict__ mid;      // = y: the conv kernel's output (stage0 applied)")
+        bind.append(f"  a.x = static_cast<const T*>(ptrs[{slot + 1}]);")
+        bind.append(f"  a.w = static_cast<const T*>(ptrs[{slot + 2}]);")
+        bind.append("  a.mid = static_cast<T*>(ptrs[0]);")
     return "\n".join(fields), "\n".join(bind)
 
 
@@ -141,26 +227,16 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
     """
     p = launch or plan(spec)
     _check_operands(spec, p)
+    direct = direct_plan(spec)
+    if isinstance(direct, DirectPlan):
+        return _render_direct(spec, arch, p, direct)
     name = spec.kernel_name(arch)
     steps = list(spec.steps)
     red = spec.reduction
     split = steps.index(red) if red is not None else len(steps)
-    # stage1 opens with the reduction's own normalize statement (none for logsumexp).
-    stages = []
-    for stage, extra, comment, run in (
-        ("stage0", "", "Steps before the reduction (all of them when there is none).", steps[:split]),
-        ("stage1", ", float mean, float rstd", "The reduction's normalize, then the steps after it.", steps[split:]),
-    ):
-        loads, statements = render_stage(run)
-        stages.append(
-            templates.STAGE_FUNCTION.substitute(
-                name=stage, extra=extra, comment=comment, loads=loads, statements=statements
-            )
-        )
+    stages = _stages(steps, split)
     fields, bind = _fields(spec)
-    block_per_segment = p.team > 32 or p.chunks > 1
-    teams = p.block // p.team
-    apply_grid = "segments * kChunks" if block_per_segment else f"(segments + {teams - 1}) / {teams}"
+    apply_grid = _apply_grid(p)
     launches = []
     stats_kernels = ""
     ws_floats = "0"
@@ -194,7 +270,9 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
         if p.chunks == 1:
             middle = templates.TEAM_NORM.substitute(eps=eps, apply=templates.APPLY_STAGE1)
         else:
-            middle = templates.CHUNK_NORM.substitute(apply=templates.APPLY_STAGE1)
+            middle = templates.CHUNK_NORM.substitute(
+                apply=templates.APPLY_STAGE1, stats_at="(a.ws + a.rows * kGroups * kChunks * 2)"
+            )
             stats_kernels = templates.SEGMENT_STATS_KERNEL.substitute(kernel=name, eps=eps)
             launches += [
                 f"  {name}_segstats<<<segments * kChunks, kBlock, 0, stream>>>(a);",
@@ -205,6 +283,18 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
         assert red.name in ROW_REDUCTIONS
         middle, store = templates.TEAM_LOGSUMEXP, templates.STORE_ROW
     launches.append(f"  {name}_apply<<<{apply_grid}, kBlock, 0, stream>>>(a);")
+    return _kernel_file(spec, name, p, fields=fields, bind=bind, stages="\n".join(stages), middle=middle,
+                        store=store, stats_kernels=stats_kernels, launches="\n".join(launches), ws_floats=ws_floats)
+
+
+def _apply_grid(p: Plan) -> str:
+    if p.team > 32 or p.chunks > 1:
+        return "segments * kChunks"
+    teams = p.block // p.team
+    return f"(segments + {teams - 1}) / {teams}"
+
+
+def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", anchor_inside=0, **parts) -> str:
     return templates.KERNEL_FILE.substitute(
         kernel=name,
         spec=spec.to_json(),
@@ -219,12 +309,65 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
         channels=spec.channels,
         inner=spec.inner,
         fast_math="false" if spec.dtype == "float32" else "true",
-        fields=fields,
-        stages="\n".join(stages),
-        middle=middle,
-        store=store,
-        stats_kernels=stats_kernels,
-        bind=bind,
-        launches="\n".join(launches),
-        ws_floats=ws_floats,
+        stage0_done=stage0_done,
+        anchor_inside=anchor_inside,
+        **parts,
     )
+
+
+def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str:
+    """The direct conv computes the anchor and stage0; with GroupNorm, convfinal and the
+    apply kernel (stage1 only, reading the conv kernel's output) follow."""
+    name = kernel_name(spec, arch)
+    steps = list(spec.steps)
+    red = spec.reduction
+    split = steps.index(red) if red is not None else len(steps)
+    cin, kh, kw, hi, wi = spec.anchor.direct
+    ho, wo = spec.anchor.direct_out_hw()
+    pad_h, pad_w = spec.anchor.conv[1]
+    stats = red is not None
+    eps = cfloat(red.consts[0]) if stats else "0.f"
+    conv = templates.DIRECT_CONV_KERNELS.substitute(
+        kernel=name, cin=cin, cout=spec.channels, copad=d.copad, kh=kh, kw=kw, pad_h=pad_h, pad_w=pad_w,
+        in_h=hi, in_w=wi, out_h=ho, out_w=wo, tile_h=d.tile_h, out_vec=d.out_vec,
+        stats="true" if stats else "false",
+        cpg=spec.channels // red.groups if stats else 1, dst="a.mid" if stats else "a.out", eps=eps,
+    )
+    launches = [
+        f"  err = cudaFuncSetAttribute({name}_conv, cudaFuncAttributeMaxDynamicSharedMemorySize, kConvSmem);",
+        "  if (err != cudaSuccess) return static_cast<int>(err);",
+        f"  {name}_conv<<<rows * kTiles, 256, kConvSmem, stream>>>(a);",
+    ]
+    middle, ws_floats = "", "0"
+    if stats:
+        middle = templates.CHUNK_NORM.substitute(
+            apply=templates.APPLY_STAGE1, stats_at="(a.ws + a.rows * kGroups * kTiles * 3)"
+        )
+        launches += [
+            f"  {name}_convfinal<<<(segments + 255) / 256, 256, 0, stream>>>(a);",
+            f"  {name}_apply<<<{_apply_grid(p)}, kBlock, 0, stream>>>(a);",
+        ]
+        ws_floats = "rows * kGroups * (kTiles * 3 + 2)"
+    fields, bind = _fields(spec, direct=True)
+    return _kernel_file(
+        spec, name, p, stage0_done="true", anchor_inside=1, fields=fields, bind=bind,
+        stages="\n".join(_stages(steps, split)), middle=middle, store=templates.STORE_ELEMENTS,
+        stats_kernels=conv, launches="\n".join(launches), ws_floats=ws_floats,
+    )
+
+def _stages(steps: list, split: int) -> list[str]:
+    """stage0 (steps before the reduction, or all) and stage1 (the reduction's normalize
+    and the steps after it) as device functions."""
+    # stage1 opens with the reduction's own normalize statement (none for logsumexp).
+    stages = []
+    for stage, extra, comment, run in (
+        ("stage0", "", "Steps before the reduction (all of them when there is none).", steps[:split]),
+        ("stage1", ", float mean, float rstd", "The reduction's normalize, then the steps after it.", steps[split:]),
+    ):
+        loads, statements = render_stage(run)
+        stages.append(
+            templates.STAGE_FUNCTION.substitute(
+                name=stage, extra=extra, comment=comment, loads=loads, statements=statements
+            )
+        )
+    return stages

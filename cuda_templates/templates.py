@@ -21,6 +21,8 @@ from string import Template
 #   $channels       channels per row (N of a linear, C of a conv)
 #   $inner          elements per channel (H*W of a conv, 1 for a linear)
 #   $fast_math      "true" for bf16/fp16 chains (see fusedepi::sigmoid)
+#   $stage0_done    "true" when the direct conv kernel already applied stage0 to y
+#   $anchor_inside  1 when this library computes the anchor (direct conv), else 0
 #   $fields         Args fields for extra outputs (x0, x1) and tensor inputs (p0, ...)
 #   $stages         the two STAGE_FUNCTIONs: stage0 (steps before the reduction, or
 #                   all steps) and stage1 (the reduction's normalize and the steps after)
@@ -50,6 +52,7 @@ constexpr long long kGroups = $groups;
 constexpr long long kChannels = $channels;
 constexpr int kInner = $inner;
 constexpr bool kFastMath = $fast_math;  // hardware exp/divide in sigmoid and silu
+constexpr bool kStage0Done = $stage0_done;  // y already holds stage0's result
 constexpr bool kBlockPerSegment = kTeam > 32 || kChunks > 1;
 
 struct Args {
@@ -102,9 +105,11 @@ __device__ __forceinline__ void load_stage0(const Args& a, const Place& p, float
       for (int j = 0; j < kV; ++j) v[k][j] = 0.f;
     }
   }
+  if constexpr (!kStage0Done) {
 #pragma unroll
-  for (int k = 0; k < kNV; ++k)
-    if (valid(p, k)) stage0<kV>(v[k], p.rowpos + offset_of(p, k), p.seg * kL + offset_of(p, k), a);
+    for (int k = 0; k < kNV; ++k)
+      if (valid(p, k)) stage0<kV>(v[k], p.rowpos + offset_of(p, k), p.seg * kL + offset_of(p, k), a);
+  }
 }
 
 $stats_kernels
@@ -121,11 +126,16 @@ $store
 
 extern "C" long long fusedepi_workspace_floats(long long rows) { return $ws_floats; }
 
+// 1: the caller passes the anchor's operands (x, weight) after the workspace
+// and no anchor output; this library computes the anchor itself.
+extern "C" int fusedepi_anchor_inside() { return $anchor_inside; }
+
 extern "C" const char* fusedepi_error_string(int code) {
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
 
-// ptrs: y, out, extra outputs, tensor inputs, workspace (see render.py).
+// ptrs: y, out, extra outputs, tensor inputs, workspace, then the anchor operands
+// when fusedepi_anchor_inside() (see render.py).
 // This library links its own CUDA runtime, whose current device is not torch's:
 // the caller names the device.
 extern "C" int fusedepi_run(void* const* ptrs, long long rows, int device, void* stream_handle) {
@@ -186,10 +196,11 @@ $apply
   }"""
 )
 
-# Normalize by the statistics the segment kernels left in the workspace.
+# Normalize by the (mean, rstd) per segment that earlier kernels left in the
+# workspace at $stats_at (a float* expression).
 CHUNK_NORM = Template(
     r"""  {
-    const float* stats = a.ws + a.rows * kGroups * kChunks * 2 + p.seg * 2;
+    const float* stats = $stats_at + p.seg * 2;
     const float mean = stats[0];
     const float rstd = stats[1];
 $apply
@@ -376,5 +387,207 @@ __global__ void __launch_bounds__(256) ${kernel}_colfinal(Args a) {
   const float momentum = $momentum;
   a.x0[c] = fusedepi::from_float<$rstat_type>(momentum * m.mean + (1.f - momentum) * $running_mean);
   a.x1[c] = fusedepi::from_float<$rstat_type>(momentum * (m.m2 / (m.n - 1.f)) + (1.f - momentum) * $running_var);
+}"""
+)
+
+# Direct 2-D convolution (stride 1, dilation 1, groups 1) that applies stage0 to each
+# output vector while it is in registers: for convs with few input channels, whose
+# cost is the output's bytes, so writing it once, with the epilogue applied, is the
+# point. A block computes kTH output rows x 256 columns x all output channels of one
+# image from an input tile in shared memory; each warp owns 8 output channels of one
+# row, each lane two runs of 4 columns (128 apart, so the lanes' float4 reads of
+# shared memory do not conflict): 64 float accumulators per thread. FMA in float32
+# throughout (no TF32), whatever the dtype.
+# With GroupNorm ($stats true) it writes stage0's result to `mid` and (n, mean, M2)
+# per (image, group, tile) to the workspace; `convfinal` merges them into (mean, rstd)
+# per segment and the apply kernel normalizes `mid` into `out`. Without a reduction
+# it writes `out` directly. Placeholders: $kernel, $cin, $cout, $copad (output channels
+# padded to 8 x a power of two), $kh, $kw, $pad_h, $pad_w, $in_h, $in_w, $out_h, $out_w,
+# $tile_h (output rows per block), $out_vec (elements per store, divides $out_w),
+# $stats, $cpg (channels per group), $dst (`a.mid` or `a.out`), $eps.
+DIRECT_CONV_KERNELS = Template(
+    r"""constexpr int kCin = $cin, kCout = $cout, kCoPad = $copad;
+constexpr int kKH = $kh, kKW = $kw, kPadH = $pad_h, kPadW = $pad_w;
+constexpr int kHi = $in_h, kWi = $in_w, kHo = $out_h, kWo = $out_w;
+constexpr int kTH = $tile_h;                     // output rows per block
+constexpr int kTW = 256;                         // output columns per block
+constexpr int kOV = $out_vec;                    // elements per store
+constexpr bool kConvStats = $stats;              // GroupNorm partials for convfinal
+constexpr int kCpg = $cpg;                       // channels per group
+constexpr int kCog = kCoPad / 8;                 // 8-channel slices: one per warp
+constexpr int kRowsAtOnce = 8 / kCog;            // output rows the 8 warps share out
+constexpr int kInRows = kTH + kKH - 1;
+constexpr int kXV = (4 + kKW - 1 + 3) / 4;       // float4 reads per run of 4 outputs
+constexpr int kSW = kTW + 4 * (kXV - 1);         // shared row stride (>= kTW + kKW - 1)
+constexpr int kColTiles = (kWo + kTW - 1) / kTW;
+constexpr int kTiles = (kHo + kTH - 1) / kTH * kColTiles;
+constexpr int kTaps = kCin * kKH * kKW;
+// Statistics slots per 8-channel slice; each slot's channels lie in one group.
+constexpr int kSlots = kCpg % 8 == 0 ? 1 : (8 % kCpg == 0 ? 8 / kCpg : 8);
+constexpr int kSlotCh = 8 / kSlots;
+constexpr int kConvSmem =
+    (int)(sizeof(float) * (kCin * kInRows * kSW + kTaps * kCoPad) + sizeof(fusedepi::Moments) * 8 * kSlots);
+static_assert(kCog * kRowsAtOnce == 8 && kTH % kRowsAtOnce == 0, "8 warps tile channels x rows");
+static_assert(kWo % kOV == 0 && 4 % kOV == 0, "stores stay inside a row");
+
+__global__ void __launch_bounds__(256, 2) ${kernel}_conv(Args a) {
+  extern __shared__ float4 conv_smem[];
+  float* xs = reinterpret_cast<float*>(conv_smem);  // [kCin][kInRows][kSW]
+  float* wsm = xs + kCin * kInRows * kSW;            // [tap][kCoPad]
+  fusedepi::Moments* part = reinterpret_cast<fusedepi::Moments*>(wsm + kTaps * kCoPad);  // [warp][slot]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const long long n = blockIdx.x / kTiles;
+  const int tile = blockIdx.x % kTiles;
+  const int oh0 = tile / kColTiles * kTH, ow0 = tile % kColTiles * kTW;
+
+  // The input tile, zero outside the image (padding), and the weights, in float.
+  const T* xn = a.x + n * kCin * kHi * kWi;
+  for (int r = warp; r < kCin * kInRows; r += 8) {
+    const int ci = r / kInRows, ih = oh0 - kPadH + r % kInRows;
+    const bool row_in = ih >= 0 && ih < kHi;
+    const T* src = xn + ((long long)ci * kHi + (row_in ? ih : 0)) * kWi;
+#pragma unroll
+    for (int k = 0; k < (kSW + 31) / 32; ++k) {
+      const int col = k * 32 + lane, iw = ow0 - kPadW + col;
+      if (col < kSW) xs[r * kSW + col] = row_in && iw >= 0 && iw < kWi ? fusedepi::to_float(src[iw]) : 0.f;
+    }
+  }
+  for (int i = threadIdx.x; i < kTaps * kCoPad; i += blockDim.x) {
+    const int co = i % kCoPad, tap = i / kCoPad;
+    wsm[i] = co < kCout ? fusedepi::to_float(a.w[co * kTaps + tap]) : 0.f;
+  }
+  if constexpr (kConvStats)
+    for (int i = threadIdx.x; i < 8 * kSlots; i += blockDim.x) part[i] = {0.f, 0.f, 0.f};
+  __syncthreads();
+
+  const int cg = warp % kCog;  // this warp's output channels: cg * 8 ... cg * 8 + 7
+  const int valid_cols = min(kTW, kWo - ow0);
+  for (int rr = warp / kCog; rr < kTH; rr += kRowsAtOnce) {
+    const int oh = oh0 + rr;
+    if (oh >= kHo) break;
+    float acc[2][4][8];  // [run][column][channel]
+#pragma unroll
+    for (int s = 0; s < 2; ++s)
+#pragma unroll
+      for (int p = 0; p < 4; ++p)
+#pragma unroll
+        for (int o = 0; o < 8; ++o) acc[s][p][o] = 0.f;
+#pragma unroll 2
+    for (int ci = 0; ci < kCin; ++ci) {
+#pragma unroll
+      for (int kh = 0; kh < kKH; ++kh) {
+        const float* row = xs + (ci * kInRows + rr + kh) * kSW + 4 * lane;
+        float xv[2][4 * kXV];
+#pragma unroll
+        for (int s = 0; s < 2; ++s)
+#pragma unroll
+          for (int q = 0; q < kXV; ++q) {
+            const float4 t = *reinterpret_cast<const float4*>(row + 128 * s + 4 * q);
+            xv[s][4 * q] = t.x;
+            xv[s][4 * q + 1] = t.y;
+            xv[s][4 * q + 2] = t.z;
+            xv[s][4 * q + 3] = t.w;
+          }
+        const float* wrow = wsm + (ci * kKH + kh) * kKW * kCoPad + cg * 8;
+#pragma unroll
+        for (int kw = 0; kw < kKW; ++kw) {
+          const float4 w0 = *reinterpret_cast<const float4*>(wrow + kw * kCoPad);
+          const float4 w1 = *reinterpret_cast<const float4*>(wrow + kw * kCoPad + 4);
+          const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+          for (int s = 0; s < 2; ++s)
+#pragma unroll
+            for (int p = 0; p < 4; ++p)
+#pragma unroll
+              for (int o = 0; o < 8; ++o) acc[s][p][o] = fmaf(xv[s][p + kw], w[o], acc[s][p][o]);
+        }
+      }
+    }
+
+    // Epilogue on the registers: stage0 (which starts with the folded conv bias), store;
+    // the values as stored feed the statistics.
+#pragma unroll
+    for (int s = 0; s < 2; ++s)
+#pragma unroll
+      for (int p = 0; p < 4; p += kOV) {
+        const int ow = ow0 + 128 * s + 4 * lane + p;
+        if (ow >= kWo) continue;
+#pragma unroll
+        for (int o = 0; o < 8; ++o) {
+          const int co = cg * 8 + o;
+          if (kCoPad != kCout && co >= kCout) continue;
+          float v[kOV];
+#pragma unroll
+          for (int j = 0; j < kOV; ++j) v[j] = acc[s][p + j][o];
+          const int pos = co * kInner + oh * kWo + ow;
+          const long long e0 = n * kChannels * kInner + pos;
+          stage0<kOV>(v, pos, e0, a);
+#pragma unroll
+          for (int j = 0; j < kOV; ++j) {  // statistics of the values as stored
+            v[j] = fusedepi::to_float(fusedepi::from_float<T>(v[j]));
+            acc[s][p + j][o] = v[j];
+          }
+          fusedepi::store_vec<T, kOV>($dst + e0, v);
+        }
+      }
+    if constexpr (kConvStats) {
+      // (count, mean, M2) of each slot over the warp's row: two passes over registers.
+#pragma unroll
+      for (int l = 0; l < kSlots; ++l) {
+        const int c0 = cg * 8 + l * kSlotCh;
+        const int chans = max(0, min(kSlotCh, kCout - c0));
+        if (chans == 0) continue;
+        const float count = static_cast<float>(valid_cols * chans);
+        float sum = 0.f;
+#pragma unroll
+        for (int s = 0; s < 2; ++s)
+#pragma unroll
+          for (int p = 0; p < 4; ++p)
+            if (ow0 + 128 * s + 4 * lane + p < kWo)
+#pragma unroll
+              for (int o = l * kSlotCh; o < (l + 1) * kSlotCh; ++o)
+                if (kCoPad == kCout || cg * 8 + o < kCout) sum += acc[s][p][o];
+        const float mean = fusedepi::team_sum_warp<32>(sum) / count;
+        float q = 0.f;
+#pragma unroll
+        for (int s = 0; s < 2; ++s)
+#pragma unroll
+          for (int p = 0; p < 4; ++p)
+            if (ow0 + 128 * s + 4 * lane + p < kWo)
+#pragma unroll
+              for (int o = l * kSlotCh; o < (l + 1) * kSlotCh; ++o)
+                if (kCoPad == kCout || cg * 8 + o < kCout) q += (acc[s][p][o] - mean) * (acc[s][p][o] - mean);
+        q = fusedepi::team_sum_warp<32>(q);
+        if (lane == 0) part[warp * kSlots + l] = fusedepi::merge(part[warp * kSlots + l], {count, mean, q});
+      }
+    }
+  }
+  if constexpr (kConvStats) {
+    __syncthreads();
+    for (int g = threadIdx.x; g < kGroups; g += blockDim.x) {
+      fusedepi::Moments m = {0.f, 0.f, 0.f};
+      for (int w = 0; w < 8; ++w)
+        for (int l = 0; l < kSlots; ++l)
+          if ((w % kCog * 8 + l * kSlotCh) / kCpg == g) m = fusedepi::merge(m, part[w * kSlots + l]);
+      float* dst = a.ws + ((n * kGroups + g) * kTiles + tile) * 3;
+      dst[0] = m.n;
+      dst[1] = m.mean;
+      dst[2] = m.m2;
+    }
+  }
+}
+
+// One thread per (image, group): merges the conv blocks' partials into (mean, rstd).
+__global__ void __launch_bounds__(256) ${kernel}_convfinal(Args a) {
+  const long long seg = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (seg >= a.rows * kGroups) return;
+  fusedepi::Moments m = {0.f, 0.f, 0.f};
+  for (int t = 0; t < kTiles; ++t) {
+    const float* part = a.ws + (seg * kTiles + t) * 3;
+    m = fusedepi::merge(m, {part[0], part[1], part[2]});
+  }
+  float* stats = a.ws + a.rows * kGroups * kTiles * 3 + seg * 2;
+  stats[0] = m.mean;
+  stats[1] = rsqrtf(fmaxf(m.m2 / m.n, 0.f) + $eps);
 }"""
 )

@@ -7,11 +7,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from lowering.spec import ANCHOR_FORMS as _ANCHOR_FORMS
 from lowering.spec import FUSION_NAMES as _FUSION_NAMES
 from lowering.vocabulary import VOCABULARY
 
 FUSION_NAMES = frozenset(_FUSION_NAMES)
 STEP_NAMES = frozenset(VOCABULARY)
+ANCHOR_FORMS = frozenset(_ANCHOR_FORMS)
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -21,7 +23,7 @@ class Config:
     """fusedepi's settings.
 
     Attributes:
-        disabled: fusion names and step names not to fuse (FUSEDEPI_DISABLE).
+        disabled: fusion names, step names and anchor forms not to use (FUSEDEPI_DISABLE).
         disable_all: FUSEDEPI_DISABLE=all: everything goes to Inductor.
         cache_dir: where compiled kernels live (FUSEDEPI_CACHE_DIR).
         strict: a lowering or compile failure raises (FUSEDEPI_STRICT=1).
@@ -52,11 +54,12 @@ def load_config(environ=None) -> Config:
     """
     env = os.environ if environ is None else environ
     names = frozenset(n.strip() for n in env.get("FUSEDEPI_DISABLE", "").split(",") if n.strip())
-    unknown = names - FUSION_NAMES - STEP_NAMES - {"all"}
+    unknown = names - FUSION_NAMES - STEP_NAMES - ANCHOR_FORMS - {"all"}
     if unknown:
         raise ValueError(
             f"FUSEDEPI_DISABLE: unknown name(s) {sorted(unknown)}; use 'all', a fusion "
-            f"({', '.join(sorted(FUSION_NAMES))}) or a step ({', '.join(sorted(STEP_NAMES))})"
+            f"({', '.join(sorted(FUSION_NAMES))}), a step ({', '.join(sorted(STEP_NAMES))}) "
+            f"or an anchor form ({', '.join(sorted(ANCHOR_FORMS))})"
         )
     level = env.get("FUSEDEPI_LOG_LEVEL", "WARNING").upper()
     if not isinstance(logging.getLevelName(level), int):

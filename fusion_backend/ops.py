@@ -80,7 +80,7 @@ def kernel_for(spec: str, device: torch.device, cache_dir: Path) -> cuda_templat
     if lib is None:
         parsed = _parse(spec)
         source = cuda_templates.render(parsed, arch)
-        lib = cuda_templates.load(source, parsed.kernel_name(arch), arch, cache_dir)
+        lib = cuda_templates.load(source, cuda_templates.kernel_name(parsed, arch), arch, cache_dir)
         with _kernels_lock:
             _kernels[key] = lib
     return lib
@@ -111,13 +111,21 @@ class Launcher:
         self._ws_floats: dict[int, int] = {}
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        y = run_anchor(self.spec.anchor, list(inputs[: self.n_operands])).contiguous()
+        anchor_operands = list(inputs[: self.n_operands])
         params = [_aligned(p) for p in inputs[self.n_operands :]]
-        rows = y.shape[0]
-        if self.row_output:
-            out = y.new_empty((rows, 1) if self.keepdim else (rows,))
+        if self.lib.anchor_inside:
+            # Direct conv: the library computes the anchor from x and the weight.
+            anchor_operands = [_aligned(t) for t in anchor_operands]
+            x = anchor_operands[0]
+            out = x.new_empty((x.shape[0], self.spec.channels, *self.spec.anchor.direct_out_hw()))
+            y = torch.empty_like(out) if self.spec.reduction is not None else out
         else:
-            out = torch.empty_like(y)
+            y = run_anchor(self.spec.anchor, anchor_operands).contiguous()
+            if self.row_output:
+                out = y.new_empty((y.shape[0], 1) if self.keepdim else (y.shape[0],))
+            else:
+                out = torch.empty_like(y)
+        rows = y.shape[0]
         extras = [torch.empty_like(params[i]) for i in self.running_stats]
         ws_floats = self._ws_floats.get(rows)
         if ws_floats is None:
@@ -127,6 +135,8 @@ class Launcher:
         pointers += [t.data_ptr() for t in extras]
         pointers += [t.data_ptr() for t in params]
         pointers.append(ws.data_ptr())
+        if self.lib.anchor_inside:
+            pointers += [t.data_ptr() for t in anchor_operands]
         self.lib.run(pointers, rows, self.device_index, torch.cuda.current_stream(y.device).cuda_stream)
         return [out] + extras
 

@@ -107,7 +107,7 @@ def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
     if device.type != "cuda":
         return "reference (cpu)"
     ops.kernel_for(spec, device, cfg.cache_dir)
-    return chain.spec.kernel_name(ops.arch_of(device))
+    return cuda_templates.kernel_name(chain.spec, ops.arch_of(device))
 
 
 def rewrite(gm: GraphModule, cfg: Config) -> Report:

@@ -384,8 +384,11 @@ STEP_MATCHERS: list[Callable] = [
 # -------------------------------------------------------------------- anchors
 
 
-def _match_anchor(node: Node):
-    """Returns (Anchor, operand nodes) for an anchor node, else None."""
+def _match_anchor(node: Node, direct_conv: bool = True):
+    """Returns (Anchor, operand nodes) for an anchor node, else None.
+
+    direct_conv: mark 2-D stride-1 convolutions as candidates for the in-kernel conv.
+    """
     if node.op != "call_function":
         return None
     if node.target is aten.addmm.default:
@@ -400,8 +403,23 @@ def _match_anchor(node: Node):
             raise Refuse("transposed convolution")
         conv = (tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(out_pad), groups)
         operands = [x, w] + ([b] if b is not None else [])
-        return Anchor("conv", has_bias=b is not None, conv=conv), operands
+        direct = _direct_conv(x, w, conv) if direct_conv else ()
+        return Anchor("conv", has_bias=b is not None, conv=conv, direct=direct), operands
     return None
+
+
+def _direct_conv(x: Node, w: Node, conv: tuple) -> tuple:
+    """(in_channels, kh, kw, in_h, in_w) for a conv the direct kernel may compute, else ()."""
+    stride, _, dilation, _, _, groups = conv
+    xv, wv = _val(x), _val(w)
+    if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor) or wv.dim() != 4 or xv.dim() != 4:
+        return ()
+    if tuple(stride) != (1, 1) or tuple(dilation) != (1, 1) or groups != 1:
+        return ()
+    sizes = (xv.shape[1], wv.shape[2], wv.shape[3], xv.shape[2], xv.shape[3])
+    if not all(isinstance(s, int) for s in sizes):
+        return ()
+    return tuple(int(s) for s in sizes)
 
 
 def _fusion_name(anchor: Anchor, steps) -> str:
@@ -521,7 +539,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
 
     Args:
         graph: a post-AOTAutograd aten graph whose nodes carry meta["val"].
-        disabled: fusion names and step names that must not be fused.
+        disabled: fusion names, step names and anchor forms ("direct_conv") not to use.
         allow_cpu: also match chains on CPU tensors (their fused op then runs
             the plain-torch reference; used to test the rewrite without a GPU).
         matmul_tf32: float32 matmuls may use TF32 (`torch.get_float32_matmul_precision()`
@@ -533,7 +551,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
     chains, refusals = [], []
     for node in list(graph.nodes):
         try:
-            found = _match_anchor(node)
+            found = _match_anchor(node, direct_conv="direct_conv" not in disabled)
         except Refuse as err:
             refusals.append(Refusal(node.name, [node.name], str(err)))
             continue

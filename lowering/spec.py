@@ -28,11 +28,22 @@ class Anchor:
             (input, weight[, bias]).
         has_bias: conv only: whether a bias tensor is the third operand.
         conv: conv only: (stride, padding, dilation, transposed, output_padding, groups).
+        direct: conv only: (in_channels, kernel_h, kernel_w, in_h, in_w) when the conv
+            is a candidate for the in-kernel direct convolution (2-D, stride 1,
+            dilation 1, groups 1); empty otherwise. The renderer still decides
+            whether the direct kernel covers it (else: the library conv runs first).
     """
 
     kind: str
     has_bias: bool = False
     conv: tuple = ()
+    direct: tuple = ()
+
+    def direct_out_hw(self) -> tuple[int, int]:
+        """Output (H, W) of a direct-conv candidate (stride 1, dilation 1)."""
+        _, kh, kw, h, w = self.direct
+        (ph, pw) = self.conv[1]
+        return h + 2 * ph - kh + 1, w + 2 * pw - kw + 1
 
     @property
     def n_operands(self) -> int:
@@ -102,6 +113,7 @@ class EpilogueSpec:
         data = json.loads(text)
         anchor = data.pop("anchor")
         anchor["conv"] = _tuples(anchor["conv"])
+        anchor["direct"] = _tuples(anchor.get("direct", ()))
         steps = tuple(
             Step(**{**s, "consts": tuple(s["consts"]), "inputs": tuple(s["inputs"])})
             for s in data.pop("steps")
@@ -147,4 +159,7 @@ REDUCTIONS = SEGMENT_NORMS + ROW_REDUCTIONS + ("batchnorm_train",)
 # A fusion is named after its anchor family and the first of these steps it holds,
 # or "pointwise": linear_groupnorm, conv_batchnorm_eval, linear_pointwise, ...
 NAMED_STEPS = REDUCTIONS + ("batchnorm_eval",)
+# Anchor forms FUSEDEPI_DISABLE can switch off: "direct_conv" keeps convolutions on
+# the library (cuDNN) with only the epilogue fused.
+ANCHOR_FORMS = ("direct_conv",)
 FUSION_NAMES = tuple(f"{family}_{kind}" for family in ("linear", "conv") for kind in NAMED_STEPS + ("pointwise",))

@@ -52,6 +52,36 @@ def workload_specs(dtype="float32"):
     }
 
 
+def _direct(pad, direct):
+    """A conv anchor the direct kernel computes: (in_channels, kh, kw, in_h, in_w)."""
+    return Anchor("conv", has_bias=False, conv=((1, 1), (pad, pad), (1, 1), False, (0, 0), 1), direct=direct)
+
+
+def direct_specs(dtype="float32"):
+    """Convs the direct kernel computes: workload 5, padding, padded channels, two column tiles."""
+    p = (dtype,)
+    w5 = workload_specs(dtype)["w5_conv_groupnorm"]
+    return {
+        "w5_direct": EpilogueSpec(_direct(0, (8, 3, 3, 256, 256)), w5.steps, dtype, w5.param_dtypes, 32, 254 * 254,
+                                  w5.fusion),
+        "direct_pointwise_k5_pad2": EpilogueSpec(  # 20 channels: padded to 32, no reduction
+            _direct(2, (3, 5, 5, 9, 200)), (_bias(0), Step("relu"), Step("mul", consts=(2.0,), operand=SCALAR)),
+            dtype, p, 20, 9 * 200, "conv_pointwise",
+        ),
+        "direct_groupnorm_cpg3": EpilogueSpec(  # 3 channels per group: a statistics slot per channel
+            _direct(1, (4, 3, 3, 11, 256)),
+            (_bias(0), Step("groupnorm", consts=(1e-5,), inputs=(1, 2), groups=8), Step("silu"),
+             Step("mul", inputs=(3,), operand=CHANNEL)),
+            dtype, p * 4, 24, 11 * 256, "conv_groupnorm",
+        ),
+        "direct_groupnorm_cpg16_two_column_tiles": EpilogueSpec(  # 64 channels, width 448
+            _direct(0, (2, 3, 3, 10, 450)),
+            (_bias(0), Step("sigmoid"), Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=4), Step("gelu")),
+            dtype, p, 64, 8 * 448, "conv_groupnorm",
+        ),
+    }
+
+
 def awkward_specs(dtype="float32"):
     """Odd sizes and operand kinds: scalar loads, residuals, layernorm, no reduction."""
     p = (dtype,)

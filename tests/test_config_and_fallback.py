@@ -9,7 +9,7 @@ import torch.nn as nn
 import cuda_templates
 from fusion_backend import FusionError, load_config
 from fusion_backend import rewrite as rewrite_module
-from fusion_backend.config import FUSION_NAMES, STEP_NAMES
+from fusion_backend.config import ANCHOR_FORMS, FUSION_NAMES, STEP_NAMES
 from helpers import SMALL_WORKLOADS, compile_records, steps_of
 
 pytestmark = pytest.mark.usefixtures("cpu_reference")
@@ -47,7 +47,7 @@ def test_disable_one_step_shortens_the_chain(monkeypatch):
 
 
 def test_every_fusion_name_is_disableable():
-    for name in FUSION_NAMES | STEP_NAMES:
+    for name in FUSION_NAMES | STEP_NAMES | ANCHOR_FORMS:
         assert name in load_config({"FUSEDEPI_DISABLE": name}).disabled
 
 

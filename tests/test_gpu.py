@@ -224,3 +224,76 @@ def test_tf32_moves_the_gemm_bias_into_the_epilogue(exact_float32):
     assert spec["anchor"]["kind"] == "mm" and spec["steps"][0]["name"] == "add"
     err = relative_error(out, ref)
     assert err <= 5e-3, f"relative error {err:.3g} under TF32 (seed {exact_float32})"
+
+
+class _ConvChain(nn.Module):
+    """Conv2d -> sigmoid(1.5 x) -> [GroupNorm] -> silu * per-channel scale."""
+
+    def __init__(self, cin, cout, k, padding, groups):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, k, padding=padding)
+        self.gn = nn.GroupNorm(groups, cout) if groups else nn.Identity()
+        self.scale = nn.Parameter(torch.rand(cout, 1, 1) + 0.5)
+
+    def forward(self, x):
+        return F.silu(self.gn(torch.sigmoid(self.conv(x) * 1.5))) * self.scale
+
+
+DIRECT_CONVS = {
+    # name: (cin, cout, k, padding, groups, input shape); each exercises one tiling corner
+    "w5_like_partial_tiles": (8, 32, 3, 0, 8, (2, 8, 19, 450)),  # 3 row tiles, 2 column tiles
+    "k5_pad2_cout20_cpg4": (3, 20, 5, 2, 5, (3, 3, 9, 200)),  # output channels padded to 32
+    "cpg3_pad1": (4, 24, 3, 1, 8, (2, 4, 11, 256)),  # a statistics slot per channel
+    "cout64_cpg16": (2, 64, 3, 1, 4, (2, 2, 10, 250)),  # one row per block pass
+    "pointwise_only": (3, 16, 3, 1, 0, (2, 3, 7, 256)),  # no reduction: one kernel
+}
+
+
+def _kernels(model, *inputs):
+    reports = []
+    with collect_reports(reports):
+        out = torch.compile(model, backend=fusedepi)(*inputs)
+    return out, [r.kernel for report in reports for r in report.records if r.status == "fused"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32], ids=str)
+@pytest.mark.parametrize("name", list(DIRECT_CONVS))
+def test_direct_conv(name, dtype, exact_float32):
+    cin, cout, k, padding, groups, shape = DIRECT_CONVS[name]
+    model = _ConvChain(cin, cout, k, padding, groups).cuda().to(dtype)
+    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
+    ref, _ = float64_reference(model, x)
+    with torch.no_grad():
+        out, kernels = _kernels(model, x)
+        eager = model(x)
+    assert len(kernels) == 1 and kernels[0].startswith("directconv_"), kernels
+    err = relative_error(out, ref)
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32})"
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
+
+
+def test_direct_conv_disabled_runs_the_library_conv(monkeypatch, exact_float32):
+    monkeypatch.setenv("FUSEDEPI_DISABLE", "direct_conv")
+    workload = WORKLOADS["5_conv_groupnorm"]
+    model = workload.make_model().cuda()
+    x = torch.rand((4, *workload.input_shape[1:]), device="cuda")
+    ref, _ = float64_reference(model, x)
+    with torch.no_grad():
+        out, kernels = _kernels(model, x)
+    assert len(kernels) == 1 and kernels[0].startswith("conv_"), kernels
+    err = relative_error(out, ref)
+    assert err <= TOLERANCE[torch.float32], f"relative error {err:.3g} (seed {exact_float32})"
+
+
+def test_direct_conv_nan_and_zero_batch(exact_float32):
+    model = _ConvChain(3, 16, 3, 1, 4).cuda()
+    x = torch.rand(2, 3, 8, 256, device="cuda")
+    x[1, 0, 4, 100] = float("nan")
+    with torch.no_grad():
+        out, kernels = _kernels(model, x)
+        eager = model(x)
+        empty, _ = _kernels(model, x[:0])
+    assert kernels[0].startswith("directconv_")
+    torch.testing.assert_close(out, eager, equal_nan=True, atol=1e-4, rtol=1e-4)
+    assert empty.shape == (0, 16, 8, 256)

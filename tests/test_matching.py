@@ -243,3 +243,38 @@ def test_dtype_change_inside_chain_stops_it():
     out, fused, _ = compile_records(model, x)
     assert [steps_of(r) for r in fused] == [["relu"]]
     torch.testing.assert_close(out, model(x))
+
+
+def test_stride_one_conv_is_a_direct_conv_candidate():
+    import json
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Sigmoid())
+    x = torch.randn(2, 3, 10, 12)
+    out, fused, _ = compile_records(model, x)
+    anchor = json.loads(fused[0].spec)["anchor"]
+    assert anchor["direct"] == [3, 3, 3, 10, 12]  # in_channels, kh, kw, in_h, in_w
+    torch.testing.assert_close(out, model(x))
+
+
+@pytest.mark.parametrize("conv", [nn.Conv2d(3, 8, 3, stride=2), nn.Conv2d(3, 8, 3, dilation=2), nn.Conv2d(4, 8, 3, groups=2),
+                                  nn.Conv1d(3, 8, 3)])
+def test_other_convs_use_the_library_conv(conv):
+    import json
+
+    model = nn.Sequential(conv, nn.ReLU())
+    shape = (2, conv.in_channels, 12) if isinstance(conv, nn.Conv1d) else (2, conv.in_channels, 12, 12)
+    x = torch.randn(shape)
+    out, fused, _ = compile_records(model, x)
+    assert json.loads(fused[0].spec)["anchor"]["direct"] == []
+    torch.testing.assert_close(out, model(x))
+
+
+def test_direct_conv_can_be_disabled(monkeypatch):
+    import json
+
+    monkeypatch.setenv("FUSEDEPI_DISABLE", "direct_conv")
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU())
+    x = torch.randn(2, 3, 10, 10)
+    out, fused, _ = compile_records(model, x)
+    assert json.loads(fused[0].spec)["anchor"]["direct"] == []
+    torch.testing.assert_close(out, model(x))

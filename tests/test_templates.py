@@ -9,13 +9,13 @@ import cuda_templates
 from cuda_templates.render import plan
 from cuda_templates.snippets import SNIPPETS, cfloat
 from lowering import VOCABULARY, EpilogueSpec
-from specs import awkward_specs, workload_specs
+from specs import awkward_specs, direct_specs, workload_specs
 
 DTYPES = ["float32", "bfloat16", "float16"]
 ALL_SPECS = {
     f"{name}-{dtype}": spec
     for dtype in DTYPES
-    for name, spec in {**workload_specs(dtype), **awkward_specs(dtype)}.items()
+    for name, spec in {**workload_specs(dtype), **awkward_specs(dtype), **direct_specs(dtype)}.items()
 }
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 
@@ -29,7 +29,7 @@ def test_render_is_complete_and_named(name):
     spec = ALL_SPECS[name]
     source = cuda_templates.render(spec, "sm90")
     assert "$" not in source.replace("${", "")  # every placeholder substituted
-    kernel = spec.kernel_name("sm90")
+    kernel = cuda_templates.kernel_name(spec, "sm90")
     assert f"{kernel}_apply" in source and source.startswith(f"// fusedepi epilogue kernel: {kernel}")
     assert source == cuda_templates.render(EpilogueSpec.from_json(spec.to_json()), "sm90")
 
@@ -60,6 +60,51 @@ def test_row_reduction_too_long_is_not_renderable():
         cuda_templates.render(long_row, "sm90")
 
 
+def test_direct_conv_plans():
+    w5 = direct_specs()["w5_direct"]
+    d = cuda_templates.direct_plan(w5)
+    assert isinstance(d, cuda_templates.DirectPlan)
+    assert (d.tile_h, d.copad, d.out_vec, d.tiles) == (8, 32, 2, 32)  # 254 rows in 32 tiles of 8
+    assert d.smem <= 110 * 1024  # two blocks per SM
+    assert cuda_templates.kernel_name(w5, "sm90").startswith("directconv_")
+    source = cuda_templates.render(w5, "sm90")
+    assert "fusedepi_anchor_inside() { return 1; }" in source and "_convfinal<<<" in source
+    pointwise = cuda_templates.render(direct_specs()["direct_pointwise_k5_pad2"], "sm90")
+    assert "_apply<<<" not in pointwise and "_conv<<<" in pointwise  # one kernel writes `out`
+    assert cuda_templates.direct_plan(direct_specs()["direct_pointwise_k5_pad2"]).copad == 32  # 20 -> 32
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (dict(direct=()), "stride 1"),
+        (dict(has_bias=True), "keeps its bias"),
+        (dict(dtype="bfloat16"), "float32 chains"),
+    ],
+)
+def test_direct_conv_falls_back_to_the_library_conv(change, reason):
+    from dataclasses import replace
+
+    w5 = direct_specs()["w5_direct"]
+    anchor_change = {k: v for k, v in change.items() if k != "dtype"}
+    spec = replace(w5, anchor=replace(w5.anchor, **anchor_change), dtype=change.get("dtype", w5.dtype))
+    assert reason in cuda_templates.direct_plan(spec)
+    assert not cuda_templates.kernel_name(spec, "sm90").startswith("direct")
+    assert "fusedepi_anchor_inside() { return 0; }" in cuda_templates.render(spec, "sm90")
+
+
+def test_direct_conv_limits():
+    from dataclasses import replace
+
+    w5 = direct_specs()["w5_direct"]
+    narrow = replace(w5, anchor=replace(w5.anchor, direct=(8, 3, 3, 256, 34)), inner=254 * 32)
+    assert "leaves most" in cuda_templates.direct_plan(narrow)
+    deep = replace(w5, anchor=replace(w5.anchor, direct=(64, 3, 3, 256, 256)))
+    assert "taps" in cuda_templates.direct_plan(deep)
+    wide = replace(w5, channels=128, steps=w5.steps[:-1] + (replace(w5.steps[-1], groups=8),))
+    assert "output channels" in cuda_templates.direct_plan(wide)
+
+
 def test_constants_are_exact_float_conversions():
     assert cfloat(0.01) == f"static_cast<float>({(0.01).hex()})"
     assert cfloat(float("inf")) == "INFINITY" and cfloat(float("-inf")) == "(-INFINITY)"
@@ -79,5 +124,5 @@ def test_template_headers_document_every_placeholder():
 def test_nvcc_compiles(name, arch, tmp_path_factory):
     spec = ALL_SPECS[name]
     cache = tmp_path_factory.getbasetemp() / "kernel-cache"
-    library = cuda_templates.build(cuda_templates.render(spec, arch), spec.kernel_name(arch), arch, cache)
+    library = cuda_templates.build(cuda_templates.render(spec, arch), cuda_templates.kernel_name(spec, arch), arch, cache)
     assert library.exists() and library.stat().st_size > 0
