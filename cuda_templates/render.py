@@ -114,18 +114,25 @@ class DirectPlan:
     """How the direct-conv kernel tiles the output.
 
     Attributes:
+        kind: "fma" (float32, CUDA cores, GroupNorm through a stored pre-norm value)
+            or "mma" (bf16/fp16 tensor cores, GroupNorm by recomputing the conv).
         tile_h: output rows per block.
-        copad: output channels padded to 8 x a power of two (8 warps split them).
+        copad: output channels padded to 8 x a power of two (fma: 8 warps split them).
         out_vec: elements per store (divides the output width).
         smem: dynamic shared memory per block, bytes.
         tiles: blocks per image.
     """
 
+    kind: str
     tile_h: int
     copad: int
     out_vec: int
     smem: int
     tiles: int
+
+
+MMA_MAX_COUT = 32  # weights live in registers as A fragments
+MMA_MAX_WEIGHT_REGS = 48  # m-tiles x k-steps x 4
 
 
 def direct_plan(spec: EpilogueSpec) -> DirectPlan | str:
@@ -137,10 +144,6 @@ def direct_plan(spec: EpilogueSpec) -> DirectPlan | str:
         return "not 2-D with stride 1, dilation 1 and groups 1 (or disabled)"
     if anchor.has_bias:
         return "the conv keeps its bias (the matcher moves it into the epilogue)"
-    if spec.dtype != "float32":
-        # Its GroupNorm path rounds the pre-norm value to the chain's dtype between the
-        # kernels; in 16 bits the normalize amplifies that past 1e-2 (measured 0.0104).
-        return f"the direct conv (float32 FMA) is for float32 chains, not {spec.dtype}"
     red = spec.reduction
     if red is not None and red.name != "groupnorm":
         return f"{red.name} after a direct conv is not implemented"
@@ -149,13 +152,20 @@ def direct_plan(spec: EpilogueSpec) -> DirectPlan | str:
     cout = spec.channels
     if ho * wo != spec.inner or ho < 1 or wo < 1:
         return f"output {ho}x{wo} does not match the chain's {spec.inner} elements per channel"
+    col_tiles = _ceil_div(wo, DIRECT_TILE_W)
+    if wo < DIRECT_MIN_COLUMN_USE * col_tiles * DIRECT_TILE_W:
+        return f"output width {wo} leaves most of a {DIRECT_TILE_W}-column tile idle"
+    if spec.dtype == "float32":
+        return _fma_plan(spec, cin, kh, kw, ho, wo, col_tiles)
+    return _mma_plan(spec, cin, kh, kw, ho, wo, col_tiles)
+
+
+def _fma_plan(spec, cin, kh, kw, ho, wo, col_tiles) -> DirectPlan | str:
+    cout, red = spec.channels, spec.reduction
     if cout > DIRECT_MAX_COUT:
         return f"{cout} output channels (the direct conv takes at most {DIRECT_MAX_COUT})"
     if cin * kh * kw > DIRECT_MAX_TAPS:
         return f"{cin}x{kh}x{kw} taps per output (the direct conv takes at most {DIRECT_MAX_TAPS})"
-    col_tiles = _ceil_div(wo, DIRECT_TILE_W)
-    if wo < DIRECT_MIN_COLUMN_USE * col_tiles * DIRECT_TILE_W:
-        return f"output width {wo} leaves most of a {DIRECT_TILE_W}-column tile idle"
     copad = 8 * _pow2_at_least(_ceil_div(cout, 8))
     rows_at_once = 64 // copad
     xv = _ceil_div(4 + kw - 1, 4)
@@ -168,7 +178,29 @@ def direct_plan(spec: EpilogueSpec) -> DirectPlan | str:
         smem = 4 * (cin * (tile_h + kh - 1) * row_stride + cin * kh * kw * copad) + 12 * 8 * slots
         if smem <= DIRECT_SMEM_BUDGET:
             out_vec = next(v for v in (4, 2, 1) if wo % v == 0)
-            return DirectPlan(tile_h, copad, out_vec, smem, _ceil_div(ho, tile_h) * col_tiles)
+            return DirectPlan("fma", tile_h, copad, out_vec, smem, _ceil_div(ho, tile_h) * col_tiles)
+    return f"the input tile of {cin} channels does not fit {DIRECT_SMEM_BUDGET // 1024} KiB of shared memory"
+
+
+def _mma_plan(spec, cin, kh, kw, ho, wo, col_tiles) -> DirectPlan | str:
+    cout, red = spec.channels, spec.reduction
+    if cin % 8 or cout % 16 or cout > MMA_MAX_COUT:
+        return (f"{cin} -> {cout} channels (the tensor-core direct conv takes input channels in "
+                f"multiples of 8, output channels in multiples of 16 up to {MMA_MAX_COUT})")
+    if wo % 2:
+        return f"odd output width {wo} (the tensor-core direct conv stores pairs)"
+    cpg = cout // red.groups if red is not None else 1
+    if cpg & (cpg - 1):
+        return f"{cpg} channels per group (the tensor-core direct conv takes powers of two)"
+    chunks = kh * kw * cin // 8
+    if cout // 16 * _ceil_div(chunks, 2) * 4 > MMA_MAX_WEIGHT_REGS:
+        return f"{cout}x{cin}x{kh}x{kw} weights do not fit the registers of the tensor-core direct conv"
+    groups = cout // cpg
+    for tile_h in (16, 8, 4, 2, 1):  # tall tiles spread the weight and halo loads over more rows
+        staged = 8 * cout * 40 * ITEMSIZE[spec.dtype]  # pass 1's output staging
+        smem = 16 * ((tile_h + kh - 1) * (DIRECT_TILE_W + kw - 1) * (cin // 8) + 1) + 12 * 8 * groups + staged
+        if smem <= DIRECT_SMEM_BUDGET:
+            return DirectPlan("mma", tile_h, cout, 2, smem, _ceil_div(ho, tile_h) * col_tiles)
     return f"the input tile of {cin} channels does not fit {DIRECT_SMEM_BUDGET // 1024} KiB of shared memory"
 
 
@@ -316,8 +348,9 @@ def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", an
 
 
 def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str:
-    """The direct conv computes the anchor and stage0; with GroupNorm, convfinal and the
-    apply kernel (stage1 only, reading the conv kernel's output) follow."""
+    """The direct conv computes the anchor and stage0. With GroupNorm: fma stores the
+    pre-norm value, convfinal merges the statistics and the apply kernel (stage1 only)
+    normalizes it; mma runs a statistics pass, convfinal, then an output pass."""
     name = kernel_name(spec, arch)
     steps = list(spec.steps)
     red = spec.reduction
@@ -327,26 +360,37 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
     pad_h, pad_w = spec.anchor.conv[1]
     stats = red is not None
     eps = cfloat(red.consts[0]) if stats else "0.f"
-    conv = templates.DIRECT_CONV_KERNELS.substitute(
-        kernel=name, cin=cin, cout=spec.channels, copad=d.copad, kh=kh, kw=kw, pad_h=pad_h, pad_w=pad_w,
-        in_h=hi, in_w=wi, out_h=ho, out_w=wo, tile_h=d.tile_h, out_vec=d.out_vec,
-        stats="true" if stats else "false",
-        cpg=spec.channels // red.groups if stats else 1, dst="a.mid" if stats else "a.out", eps=eps,
-    )
-    launches = [
-        f"  err = cudaFuncSetAttribute({name}_conv, cudaFuncAttributeMaxDynamicSharedMemorySize, kConvSmem);",
-        "  if (err != cudaSuccess) return static_cast<int>(err);",
-        f"  {name}_conv<<<rows * kTiles, 256, kConvSmem, stream>>>(a);",
-    ]
+    shape = dict(kernel=name, cin=cin, cout=spec.channels, kh=kh, kw=kw, pad_h=pad_h, pad_w=pad_w,
+                 in_h=hi, in_w=wi, out_h=ho, out_w=wo, tile_h=d.tile_h, stats="true" if stats else "false",
+                 cpg=spec.channels // red.groups if stats else 1)
+    if d.kind == "fma":
+        conv = templates.DIRECT_CONV_KERNELS.substitute(
+            copad=d.copad, out_vec=d.out_vec, dst="a.mid" if stats else "a.out", **shape
+        )
+        passes = [f"{name}_conv"]
+    else:
+        conv = templates.DIRECT_CONV_MMA_KERNELS.substitute(
+            mma="bf16" if spec.dtype == "bfloat16" else "f16", **shape
+        )
+        passes = [f"{name}_mma<0>", f"{name}_mma<1>"] if stats else [f"{name}_mma<1>"]
+    launches = []
+    for fn in passes:
+        launches += [
+            f"  err = cudaFuncSetAttribute({fn}, cudaFuncAttributeMaxDynamicSharedMemorySize, kConvSmem);",
+            "  if (err != cudaSuccess) return static_cast<int>(err);",
+        ]
+    launches.append(f"  {passes[0]}<<<rows * kTiles, 256, kConvSmem, stream>>>(a);")
     middle, ws_floats = "", "0"
     if stats:
+        conv += "\n\n" + templates.CONV_FINAL_KERNEL.substitute(kernel=name, eps=eps)
         middle = templates.CHUNK_NORM.substitute(
             apply=templates.APPLY_STAGE1, stats_at="(a.ws + a.rows * kGroups * kTiles * 3)"
         )
-        launches += [
-            f"  {name}_convfinal<<<(segments + 255) / 256, 256, 0, stream>>>(a);",
-            f"  {name}_apply<<<{_apply_grid(p)}, kBlock, 0, stream>>>(a);",
-        ]
+        launches.append(f"  {name}_convfinal<<<(segments + 255) / 256, 256, 0, stream>>>(a);")
+        if d.kind == "fma":  # normalize the stored pre-norm value
+            launches.append(f"  {name}_apply<<<{_apply_grid(p)}, kBlock, 0, stream>>>(a);")
+        else:  # recompute the conv, normalize in registers
+            launches.append(f"  {passes[1]}<<<rows * kTiles, 256, kConvSmem, stream>>>(a);")
         ws_floats = "rows * kGroups * (kTiles * 3 + 2)"
     fields, bind = _fields(spec, direct=True)
     return _kernel_file(
@@ -360,14 +404,15 @@ def _stages(steps: list, split: int) -> list[str]:
     and the steps after it) as device functions."""
     # stage1 opens with the reduction's own normalize statement (none for logsumexp).
     stages = []
-    for stage, extra, comment, run in (
-        ("stage0", "", "Steps before the reduction (all of them when there is none).", steps[:split]),
-        ("stage1", ", float mean, float rstd", "The reduction's normalize, then the steps after it.", steps[split:]),
+    for stage, extra, extra_args, comment, run in (
+        ("stage0", "", "", "Steps before the reduction (all of them when there is none).", steps[:split]),
+        ("stage1", ", float mean, float rstd", ", mean, rstd", "The reduction's normalize, then the steps after it.",
+         steps[split:]),
     ):
         loads, statements = render_stage(run)
         stages.append(
             templates.STAGE_FUNCTION.substitute(
-                name=stage, extra=extra, comment=comment, loads=loads, statements=statements
+                name=stage, extra=extra, extra_args=extra_args, comment=comment, loads=loads, statements=statements
             )
         )
     return stages

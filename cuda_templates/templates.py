@@ -155,14 +155,15 @@ $launches
 )
 
 # A run of steps on a vector of W elements at position `pos` of its row and flat
-# index e0. Placeholders: $name, $comment, $extra (more parameters), $loads (operand
-# loads, once per vector), $statements (on `x`, once per element).
+# index e0. Placeholders: $name, $comment, $extra (more parameters), $extra_args (their
+# names, to pass on), $loads (operand loads, once per vector), $statements (on `x`,
+# once per element).
 STAGE_FUNCTION = Template(
     r"""// $comment
+// ${name}_at: the same with the elements' channels given (the direct conv knows them,
+// which lets the compiler load each per-channel operand once).
 template <int W>
-__device__ __forceinline__ void $name(float (&v)[W], int pos, long long e0, const Args& a$extra) {
-  int c[W];
-  fusedepi::channels_of<W, kInner>(pos, c);
+__device__ __forceinline__ void ${name}_at(float (&v)[W], const int (&c)[W], long long e0, const Args& a$extra) {
 $loads
 #pragma unroll
   for (int j = 0; j < W; ++j) {
@@ -170,6 +171,13 @@ $loads
 $statements
     v[j] = x;
   }
+}
+
+template <int W>
+__device__ __forceinline__ void $name(float (&v)[W], int pos, long long e0, const Args& a$extra) {
+  int c[W];
+  fusedepi::channels_of<W, kInner>(pos, c);
+  ${name}_at<W>(v, c, e0, a$extra_args);
 }
 """
 )
@@ -404,7 +412,7 @@ __global__ void __launch_bounds__(256) ${kernel}_colfinal(Args a) {
 # it writes `out` directly. Placeholders: $kernel, $cin, $cout, $copad (output channels
 # padded to 8 x a power of two), $kh, $kw, $pad_h, $pad_w, $in_h, $in_w, $out_h, $out_w,
 # $tile_h (output rows per block), $out_vec (elements per store, divides $out_w),
-# $stats, $cpg (channels per group), $dst (`a.mid` or `a.out`), $eps.
+# $stats, $cpg (channels per group), $dst (`a.mid` or `a.out`).
 DIRECT_CONV_KERNELS = Template(
     r"""constexpr int kCin = $cin, kCout = $cout, kCoPad = $copad;
 constexpr int kKH = $kh, kKW = $kw, kPadH = $pad_h, kPadW = $pad_w;
@@ -519,9 +527,11 @@ __global__ void __launch_bounds__(256, 2) ${kernel}_conv(Args a) {
           float v[kOV];
 #pragma unroll
           for (int j = 0; j < kOV; ++j) v[j] = acc[s][p + j][o];
-          const int pos = co * kInner + oh * kWo + ow;
-          const long long e0 = n * kChannels * kInner + pos;
-          stage0<kOV>(v, pos, e0, a);
+          const long long e0 = n * kChannels * kInner + co * kInner + oh * kWo + ow;
+          int ch[kOV];
+#pragma unroll
+          for (int j = 0; j < kOV; ++j) ch[j] = co;
+          stage0_at<kOV>(v, ch, e0, a);
 #pragma unroll
           for (int j = 0; j < kOV; ++j) {  // statistics of the values as stored
             v[j] = fusedepi::to_float(fusedepi::from_float<T>(v[j]));
@@ -576,9 +586,13 @@ __global__ void __launch_bounds__(256, 2) ${kernel}_conv(Args a) {
     }
   }
 }
+"""
+)
 
-// One thread per (image, group): merges the conv blocks' partials into (mean, rstd).
-__global__ void __launch_bounds__(256) ${kernel}_convfinal(Args a) {
+# One thread per (image, group): merges the conv blocks' (n, mean, M2) partials into
+# (mean, rstd), after kTiles is defined by a direct-conv template. Placeholders: $kernel, $eps.
+CONV_FINAL_KERNEL = Template(
+    r"""__global__ void __launch_bounds__(256) ${kernel}_convfinal(Args a) {
   const long long seg = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (seg >= a.rows * kGroups) return;
   fusedepi::Moments m = {0.f, 0.f, 0.f};
@@ -589,5 +603,275 @@ __global__ void __launch_bounds__(256) ${kernel}_convfinal(Args a) {
   float* stats = a.ws + a.rows * kGroups * kTiles * 3 + seg * 2;
   stats[0] = m.mean;
   stats[1] = rsqrtf(fmaxf(m.m2 / m.n, 0.f) + $eps);
+}"""
+)
+
+# Direct 2-D convolution on tensor cores for bf16/fp16 chains (mma.sync m16n8k16,
+# float32 accumulate): out^T = W x im2col(x)^T with the weights (A) held in registers
+# and im2col columns (B) read from an input tile in shared memory by ldmatrix. The
+# tile is stored pixel-major with 8 input channels (16 bytes) per chunk, so one
+# ldmatrix row is one pixel's 8 channels of one tap: k runs over (tap, channel).
+# A block computes kTH rows x 256 columns x all channels of one image; each warp owns
+# 32 columns of a row (4 n-tiles) for all channels (kCout / 16 m-tiles).
+# GroupNorm recomputes instead of storing the pre-norm value: pass 0 computes the
+# conv and stage0, keeps shifted sums per thread and channel slot over the block's
+# rows, and leaves (n, mean, M2) per (image, group, tile); convfinal merges them;
+# pass 1 computes the conv again and applies stage0, the normalize and stage1, stages
+# each warp's outputs in shared memory and writes whole row segments of `out`. Input
+# is read twice, the output written once, and nothing is rounded to 16 bits before
+# the end. Without a reduction, pass 1 alone runs.
+# Placeholders: $kernel, $mma ("bf16" or "f16"), $cin, $cout, $kh, $kw, $pad_h, $pad_w,
+# $in_h, $in_w, $out_h, $out_w, $tile_h, $stats, $cpg.
+DIRECT_CONV_MMA_KERNELS = Template(
+    r"""constexpr int kCin = $cin, kCout = $cout;
+constexpr int kKH = $kh, kKW = $kw, kPadH = $pad_h, kPadW = $pad_w;
+constexpr int kHi = $in_h, kWi = $in_w, kHo = $out_h, kWo = $out_w;
+constexpr int kTH = $tile_h;                     // output rows per block
+constexpr int kTW = 256;                         // output columns per block: 8 warps x 32
+constexpr bool kConvStats = $stats;              // GroupNorm: pass 0 leaves partials
+constexpr int kCpg = $cpg;                       // channels per group (a power of two)
+constexpr int kMT = kCout / 16;                  // m-tiles of 16 output channels
+constexpr int kCC = kCin / 8;                    // 16-byte channel chunks per pixel
+constexpr int kKChunks = kKH * kKW * kCC;         // k / 8
+constexpr int kKSteps = (kKChunks + 1) / 2;       // mma k = 16: two chunks per step
+constexpr int kInRows = kTH + kKH - 1, kInCols = kTW + kKW - 1;
+constexpr int kColTiles = (kWo + kTW - 1) / kTW;
+constexpr int kTiles = (kHo + kTH - 1) / kTH * kColTiles;
+constexpr int kTileChunks = kInRows * kInCols * kCC;
+constexpr int kCtaGroups = kCout / kCpg;
+constexpr int kGroupLanes = kCpg < 8 ? kCpg : 8;  // lanes (by row g) whose channels share a group
+constexpr int kOutStride = 40;                  // staged output row: 32 columns + 8 (no bank conflicts)
+constexpr int kStageOut = 8 * kCout * kOutStride * (int)sizeof(T);  // per block, bytes
+constexpr int kConvSmem =
+    (int)(16 * (kTileChunks + 1) + sizeof(fusedepi::Moments) * 8 * kCtaGroups) + kStageOut;
+static_assert(kCin % 8 == 0 && kCout % 16 == 0 && kWo % 2 == 0, "see render.direct_plan");
+
+__device__ __forceinline__ unsigned pack_pair(float lo, float hi) {
+  const T h[2] = {fusedepi::from_float<T>(lo), fusedepi::from_float<T>(hi)};
+  unsigned u;
+  memcpy(&u, h, 4);
+  return u;
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.$mma.$mma.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+               "{%8, %9}, {%0, %1, %2, %3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int kPass>  // 0: GroupNorm statistics only; 1: the output
+__global__ void __launch_bounds__(256, 2) ${kernel}_mma(Args a) {  // 256 threads: kTW / 32 warps
+  extern __shared__ uint4 mma_smem[];
+  uint4* tile = mma_smem;  // [kInRows][kInCols][kCC], 8 channels per entry; then one zero entry
+  fusedepi::Moments* part = reinterpret_cast<fusedepi::Moments*>(mma_smem + kTileChunks + 1);  // [warp][group]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  // Pass 1 stages each warp's [kCout][32] outputs here, then writes whole row segments.
+  T* staged = reinterpret_cast<T*>(reinterpret_cast<char*>(part + 8 * kCtaGroups)) + warp * kCout * kOutStride;
+  const long long n = blockIdx.x / kTiles;
+  const int tile_id = blockIdx.x % kTiles;
+  const int oh0 = tile_id / kColTiles * kTH, ow0 = tile_id % kColTiles * kTW;
+
+  // Input tile, channels innermost, zero outside the image.
+  const T* xn = a.x + n * kCin * kHi * kWi;
+  constexpr int kStageIters = (kTileChunks + 255) / 256;
+#pragma unroll 4
+  for (int it = 0; it < kStageIters; ++it) {  // unrolled so that several iterations' loads are in flight
+    const int i = it * 256 + threadIdx.x;
+    if (i >= kTileChunks) break;
+    const int c = i % kInCols, rc = i / kInCols, cc = rc % kCC, r = rc / kCC;
+    const int ih = oh0 - kPadH + r, iw = ow0 - kPadW + c;
+    const bool in = ih >= 0 && ih < kHi && iw >= 0 && iw < kWi;
+    const T* src = xn + ((long long)cc * 8 * kHi + (in ? ih : 0)) * kWi + (in ? iw : 0);
+    T v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = in ? src[(long long)j * kHi * kWi] : fusedepi::from_float<T>(0.f);
+    uint4 u;
+    memcpy(&u, v, 16);
+    tile[(r * kInCols + c) * kCC + cc] = u;
+  }
+  if (threadIdx.x == 0) tile[kTileChunks] = make_uint4(0u, 0u, 0u, 0u);
+  if constexpr (kPass == 0)
+    for (int i = threadIdx.x; i < 8 * kCtaGroups; i += blockDim.x) part[i] = {0.f, 0.f, 0.f};
+
+  // Weights as A fragments: row = output channel, k = (tap, input channel); zero past kKChunks.
+  unsigned wa[kMT][kKSteps][4];
+#pragma unroll
+  for (int m = 0; m < kMT; ++m)
+#pragma unroll
+    for (int s = 0; s < kKSteps; ++s)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int co = m * 16 + g + 8 * (q & 1), k0 = 2 * t + 8 * (q >> 1);
+        const int chunk = 2 * s + (k0 >> 3);
+        float w0 = 0.f, w1 = 0.f;
+        if (chunk < kKChunks) {
+          const int tap = chunk / kCC, ci = chunk % kCC * 8 + (k0 & 7);
+          const T* wp = a.w + ((co * kCin + ci) * kKH + tap / kKW) * kKW + tap % kKW;
+          w0 = fusedepi::to_float(wp[0]);
+          w1 = fusedepi::to_float(wp[kKH * kKW]);
+        }
+        wa[m][s][q] = pack_pair(w0, w1);
+      }
+  // This lane's ldmatrix row: matrix (lane / 8) = (chunk 2s + bit 0, n-tile + bit 1).
+  const int mat = lane >> 3;
+  int koff[kKSteps];
+#pragma unroll
+  for (int s = 0; s < kKSteps; ++s) {
+    const int chunk = 2 * s + (mat & 1), tap = chunk / kCC;
+    koff[s] = chunk < kKChunks ? ((tap / kKW) * kInCols + tap % kKW) * kCC + chunk % kCC : -1;
+  }
+  const int px_lane = warp * 32 + (mat >> 1) * 8 + (lane & 7);
+  const unsigned tile_base = static_cast<unsigned>(__cvta_generic_to_shared(tile));
+  const unsigned zero_addr = tile_base + 16u * kTileChunks;
+
+  float gmean[kMT][2], grstd[kMT][2];  // pass 1: statistics of this thread's channels' groups
+#pragma unroll
+  for (int m = 0; m < kMT; ++m)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      gmean[m][h] = 0.f;
+      grstd[m][h] = 0.f;
+      if constexpr (kPass == 1 && kConvStats) {
+        const float* st = a.ws + a.rows * kGroups * kTiles * 3 + (n * kGroups + (m * 16 + 8 * h + g) / kCpg) * 2;
+        gmean[m][h] = st[0];
+        grstd[m][h] = st[1];
+      }
+    }
+  __syncthreads();
+
+  const int valid_px = min(32, kWo - ow0 - warp * 32);  // columns of this warp inside the image
+  float shift[kMT][2], ssum[kMT][2], ssq[kMT][2], count = 0.f;  // pass 0: per-slot statistics
+#pragma unroll
+  for (int m = 0; m < kMT; ++m)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) shift[m][h] = ssum[m][h] = ssq[m][h] = 0.f;
+  for (int rr = 0; rr < kTH && valid_px > 0; ++rr) {
+    const int oh = oh0 + rr;
+    if (oh >= kHo) break;
+    float acc[kMT][4][4];
+#pragma unroll
+    for (int m = 0; m < kMT; ++m)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.f;
+#pragma unroll
+    for (int jp = 0; jp < 2; ++jp)
+#pragma unroll
+      for (int s = 0; s < kKSteps; ++s) {
+        const unsigned addr =
+            koff[s] >= 0 ? tile_base + 16u * ((rr * kInCols + px_lane + jp * 16) * kCC + koff[s]) : zero_addr;
+        unsigned b[4];
+        ldmatrix_x4(b, addr);
+#pragma unroll
+        for (int m = 0; m < kMT; ++m) {
+          mma_16816(acc[m][2 * jp], wa[m][s], b[0], b[1]);
+          mma_16816(acc[m][2 * jp + 1], wa[m][s], b[2], b[3]);
+        }
+      }
+
+    // acc[m][j]: channels m*16 + g (e = 0, 1) and + 8 (e = 2, 3), columns j*8 + 2t + (e & 1).
+#pragma unroll
+    for (int m = 0; m < kMT; ++m)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int ow = ow0 + warp * 32 + j * 8 + 2 * t;
+        if (ow >= kWo) continue;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int co = m * 16 + 8 * h + g;
+          const long long e0 = n * kChannels * kInner + co * kInner + oh * kWo + ow;
+          const int ch[2] = {co, co};
+          float v[2] = {acc[m][j][2 * h], acc[m][j][2 * h + 1]};
+          stage0_at<2>(v, ch, e0, a);
+          if constexpr (kPass == 1) {
+            if constexpr (kConvStats) stage1_at<2>(v, ch, e0, a, gmean[m][h], grstd[m][h]);
+            fusedepi::store_vec<T, 2>(staged + co * kOutStride + j * 8 + 2 * t, v);
+          }
+          acc[m][j][2 * h] = v[0];
+          acc[m][j][2 * h + 1] = v[1];
+        }
+      }
+    if constexpr (kPass == 1) {
+      // Each instruction writes two channels' 32 contiguous columns (one pair per lane).
+      __syncwarp();
+      const int col = 2 * (lane & 15);
+      if (col < valid_px) {
+        const long long row0 = n * kChannels * kInner + (long long)oh * kWo + ow0 + warp * 32 + col;
+#pragma unroll 4
+        for (int co = lane >> 4; co < kCout; co += 2) {
+          // 4-byte aligned: the output width and `col` are even.
+          *reinterpret_cast<unsigned*>(a.out + row0 + (long long)co * kInner) =
+              *reinterpret_cast<const unsigned*>(staged + co * kOutStride + col);
+        }
+      }
+      __syncwarp();
+    }
+    if constexpr (kPass == 0) {
+      // Shifted sums per slot over this thread's valid columns, all rows of the block.
+#pragma unroll
+      for (int m = 0; m < kMT; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            if (j * 8 + 2 * t < valid_px) {
+              if (count == 0.f && j == 0) shift[m][h] = acc[m][0][2 * h];  // a value of the data
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const float d = acc[m][j][2 * h + e] - shift[m][h];
+                ssum[m][h] += d;
+                ssq[m][h] = fmaf(d, d, ssq[m][h]);
+              }
+            }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) count += j * 8 + 2 * t < valid_px ? 2.f : 0.f;
+    }
+  }
+  if constexpr (kPass == 0) {
+    // Per thread and slot (count, mean, M2); merged over the group's lanes, then over
+    // the slots of a group (more than 8 channels), then over the warps.
+    fusedepi::Moments mo[kMT][2];
+#pragma unroll
+    for (int m = 0; m < kMT; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mo[m][h] = {0.f, 0.f, 0.f};
+        if (count > 0.f)
+          mo[m][h] = {count, shift[m][h] + ssum[m][h] / count,
+                      fmaxf(ssq[m][h] - ssum[m][h] * ssum[m][h] / count, 0.f)};
+#pragma unroll
+        for (int o = 1; o < 4 * kGroupLanes; o <<= 1) {
+          const fusedepi::Moments other = {__shfl_xor_sync(0xffffffffu, mo[m][h].n, o),
+                                           __shfl_xor_sync(0xffffffffu, mo[m][h].mean, o),
+                                           __shfl_xor_sync(0xffffffffu, mo[m][h].m2, o)};
+          mo[m][h] = fusedepi::merge(mo[m][h], other);
+        }
+      }
+    if (t == 0 && g % kGroupLanes == 0) {
+#pragma unroll
+      for (int m = 0; m < kMT; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          fusedepi::Moments& slot = part[warp * kCtaGroups + (m * 16 + 8 * h + g) / kCpg];
+          slot = fusedepi::merge(slot, mo[m][h]);
+        }
+    }
+    __syncthreads();
+    for (int grp = threadIdx.x; grp < kCtaGroups; grp += blockDim.x) {
+      fusedepi::Moments m = {0.f, 0.f, 0.f};
+      for (int w = 0; w < 8; ++w) m = fusedepi::merge(m, part[w * kCtaGroups + grp]);
+      float* dst = a.ws + ((n * kGroups + grp) * kTiles + tile_id) * 3;
+      dst[0] = m.n;
+      dst[1] = m.mean;
+      dst[2] = m.m2;
+    }
+  }
 }"""
 )

@@ -109,6 +109,11 @@ class Launcher:
         bn = next((s for s in self.spec.steps if s.name == "batchnorm_train"), None)
         self.running_stats = (bn.inputs[2], bn.inputs[3]) if bn is not None else ()
         self._ws_floats: dict[int, int] = {}
+        # The float32 direct conv with GroupNorm stores the pre-norm value in a buffer.
+        direct = cuda_templates.direct_plan(self.spec)
+        self.stores_pre_norm = (
+            self.lib.anchor_inside and direct.kind == "fma" and self.spec.reduction is not None
+        )
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         anchor_operands = list(inputs[: self.n_operands])
@@ -118,7 +123,7 @@ class Launcher:
             anchor_operands = [_aligned(t) for t in anchor_operands]
             x = anchor_operands[0]
             out = x.new_empty((x.shape[0], self.spec.channels, *self.spec.anchor.direct_out_hw()))
-            y = torch.empty_like(out) if self.spec.reduction is not None else out
+            y = torch.empty_like(out) if self.stores_pre_norm else out
         else:
             y = run_anchor(self.spec.anchor, anchor_operands).contiguous()
             if self.row_output:

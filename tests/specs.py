@@ -74,6 +74,16 @@ def direct_specs(dtype="float32"):
              Step("mul", inputs=(3,), operand=CHANNEL)),
             dtype, p * 4, 24, 11 * 256, "conv_groupnorm",
         ),
+        "direct_groupnorm_cpg16_16_channels": EpilogueSpec(  # one group spanning both 8-row halves
+            _direct(1, (16, 3, 3, 9, 256)),
+            (_bias(0), Step("tanh"), Step("groupnorm", consts=(1e-5,), inputs=(1, 2), groups=1)),
+            dtype, p * 3, 16, 9 * 256, "conv_groupnorm",
+        ),
+        "direct_groupnorm_cpg1": EpilogueSpec(  # a group per channel
+            _direct(0, (8, 3, 3, 10, 202)),
+            (_bias(0), Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=32), Step("relu")),
+            dtype, p, 32, 8 * 200, "conv_groupnorm",
+        ),
         "direct_groupnorm_cpg16_two_column_tiles": EpilogueSpec(  # 64 channels, width 448
             _direct(0, (2, 3, 3, 10, 450)),
             (_bias(0), Step("sigmoid"), Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=4), Step("gelu")),

@@ -239,14 +239,20 @@ class _ConvChain(nn.Module):
         return F.silu(self.gn(torch.sigmoid(self.conv(x) * 1.5))) * self.scale
 
 
+F32, HALF = (torch.float32,), (torch.bfloat16, torch.float16)
 DIRECT_CONVS = {
-    # name: (cin, cout, k, padding, groups, input shape); each exercises one tiling corner
-    "w5_like_partial_tiles": (8, 32, 3, 0, 8, (2, 8, 19, 450)),  # 3 row tiles, 2 column tiles
-    "k5_pad2_cout20_cpg4": (3, 20, 5, 2, 5, (3, 3, 9, 200)),  # output channels padded to 32
-    "cpg3_pad1": (4, 24, 3, 1, 8, (2, 4, 11, 256)),  # a statistics slot per channel
-    "cout64_cpg16": (2, 64, 3, 1, 4, (2, 2, 10, 250)),  # one row per block pass
-    "pointwise_only": (3, 16, 3, 1, 0, (2, 3, 7, 256)),  # no reduction: one kernel
+    # name: (cin, cout, k, padding, groups, input shape, dtypes); each exercises a tiling corner.
+    # float32 runs the FMA kernel; bf16/fp16 the tensor-core kernel (input channels in 8s).
+    "w5_like_partial_tiles": (8, 32, 3, 0, 8, (2, 8, 19, 450), F32 + HALF),  # 3 row, 2 column tiles
+    "k5_pad2_cout20_cpg4": (3, 20, 5, 2, 5, (3, 3, 9, 200), F32),  # output channels padded to 32
+    "cpg3_pad1": (4, 24, 3, 1, 8, (2, 4, 11, 256), F32),  # a statistics slot per channel
+    "cout64_cpg16": (2, 64, 3, 1, 4, (2, 2, 10, 250), F32),  # one row per block pass
+    "pointwise_only": (3, 16, 3, 1, 0, (2, 3, 7, 256), F32),  # no reduction: one kernel
+    "cin16_one_group": (16, 16, 3, 1, 1, (2, 16, 9, 256), HALF),  # a group over both 8-channel halves
+    "cpg1_pad0": (8, 32, 3, 0, 32, (3, 8, 10, 202), HALF),  # a group per channel
+    "cin8_pointwise": (8, 16, 3, 1, 0, (2, 8, 7, 256), HALF),  # no reduction: one pass
 }
+DIRECT_CASES = [(name, dtype) for name, case in DIRECT_CONVS.items() for dtype in case[-1]]
 
 
 def _kernels(model, *inputs):
@@ -256,10 +262,9 @@ def _kernels(model, *inputs):
     return out, [r.kernel for report in reports for r in report.records if r.status == "fused"]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32], ids=str)
-@pytest.mark.parametrize("name", list(DIRECT_CONVS))
+@pytest.mark.parametrize("name, dtype", DIRECT_CASES, ids=[f"{n}-{d}" for n, d in DIRECT_CASES])
 def test_direct_conv(name, dtype, exact_float32):
-    cin, cout, k, padding, groups, shape = DIRECT_CONVS[name]
+    cin, cout, k, padding, groups, shape, _ = DIRECT_CONVS[name]
     model = _ConvChain(cin, cout, k, padding, groups).cuda().to(dtype)
     x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
     ref, _ = float64_reference(model, x)

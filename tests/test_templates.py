@@ -79,18 +79,29 @@ def test_direct_conv_plans():
     [
         (dict(direct=()), "stride 1"),
         (dict(has_bias=True), "keeps its bias"),
-        (dict(dtype="bfloat16"), "float32 chains"),
     ],
 )
 def test_direct_conv_falls_back_to_the_library_conv(change, reason):
     from dataclasses import replace
 
     w5 = direct_specs()["w5_direct"]
-    anchor_change = {k: v for k, v in change.items() if k != "dtype"}
-    spec = replace(w5, anchor=replace(w5.anchor, **anchor_change), dtype=change.get("dtype", w5.dtype))
+    spec = replace(w5, anchor=replace(w5.anchor, **change))
     assert reason in cuda_templates.direct_plan(spec)
     assert not cuda_templates.kernel_name(spec, "sm90").startswith("direct")
     assert "fusedepi_anchor_inside() { return 0; }" in cuda_templates.render(spec, "sm90")
+
+
+def test_direct_conv_kinds():
+    w5_bf16 = direct_specs("bfloat16")["w5_direct"]
+    d = cuda_templates.direct_plan(w5_bf16)
+    assert d.kind == "mma" and (d.tile_h, d.tiles) == (16, 16)
+    source = cuda_templates.render(w5_bf16, "sm90")
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in source
+    assert source.index("_mma<0><<<") < source.index("_convfinal<<<") < source.index("_mma<1><<<")
+    assert "_apply<<<" not in source  # the output pass normalizes in registers
+    assert cuda_templates.direct_plan(direct_specs()["w5_direct"]).kind == "fma"
+    # 3 input channels do not fill a 16-byte chunk: bf16 runs the library conv
+    assert "multiples of 8" in cuda_templates.direct_plan(direct_specs("bfloat16")["direct_pointwise_k5_pad2"])
 
 
 def test_direct_conv_limits():
