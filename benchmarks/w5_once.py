@@ -1,11 +1,33 @@
-"""Runs workload 5 three times under fusedepi, for a profiler: python -m benchmarks.w5_once bf16"""
-import sys, torch
-from benchmarks.workloads import WORKLOADS
-from benchmarks.compare import _set_precision
-prec = sys.argv[1]
-w = WORKLOADS["5_conv_groupnorm"]; d = _set_precision(prec)
-m = w.make_model().cuda().to(d); x = torch.rand(w.input_shape, device="cuda", dtype=d)
-with torch.no_grad():
-    f = torch.compile(m, backend="fusedepi")
-    for _ in range(3): f(x)
+"""Compiles workload 5 with fusedepi and runs it three times: a short target for ncu.
+
+    ncu --kernel-name regex:directconv --launch-skip 2 --launch-count 2 \\
+        --section SpeedOfLight python -m benchmarks.w5_once bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .compare import PRECISIONS, _set_precision
+from .workloads import WORKLOADS
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("precision", choices=list(PRECISIONS))
+    args = parser.parse_args(argv)
+    workload = WORKLOADS["5_conv_groupnorm"]
+    dtype = _set_precision(args.precision)
+    model = workload.make_model().cuda().to(dtype)
+    x = torch.rand(workload.input_shape, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        fn = torch.compile(model, backend="fusedepi")
+        for _ in range(3):
+            fn(x)
     torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import torch
 from torch._functorch import config as functorch_config
+from torch._inductor import config as inductor_config
 from torch._guards import detect_fake_mode
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.decomposition import select_decomp_table
@@ -106,7 +107,11 @@ def fusedepi(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     # AOTAutograd's cache is keyed on the graph before our rewrite: a hit would hand
     # back whatever plain Inductor compiled for it. Inductor's FX graph cache stays on;
     # its key is the rewritten graph, which carries our specs.
-    with functorch_config.patch(enable_autograd_cache=False):
+    # Shape padding pads a matmul and slices its output when a microbenchmark says the
+    # padded one is faster, so whether a chain starts with a bare addmm would vary
+    # from run to run (seen: bf16 [14, 64] x [64, 96] + LayerNorm refused as
+    # "slice.Tensor is not in the vocabulary" in one run of three).
+    with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(shape_padding=False):
         return compile_fx(
             gm,
             example_inputs,
