@@ -373,12 +373,14 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
             mma="bf16" if spec.dtype == "bfloat16" else "f16", **shape
         )
         passes = [f"{name}_mma<0>", f"{name}_mma<1>"] if stats else [f"{name}_mma<1>"]
-    launches = []
+    # Raise the kernels' shared-memory limit once per device (idempotent, so a race is harmless).
+    launches = ["  static bool smem_ready[64] = {};", "  if (device >= 64 || !smem_ready[device]) {"]
     for fn in passes:
         launches += [
-            f"  err = cudaFuncSetAttribute({fn}, cudaFuncAttributeMaxDynamicSharedMemorySize, kConvSmem);",
-            "  if (err != cudaSuccess) return static_cast<int>(err);",
+            f"    err = cudaFuncSetAttribute({fn}, cudaFuncAttributeMaxDynamicSharedMemorySize, kConvSmem);",
+            "    if (err != cudaSuccess) return static_cast<int>(err);",
         ]
+    launches += ["    if (device < 64) smem_ready[device] = true;", "  }"]
     launches.append(f"  {passes[0]}<<<rows * kTiles, 256, kConvSmem, stream>>>(a);")
     middle, ws_floats = "", "0"
     if stats:
