@@ -135,8 +135,8 @@ MMA_MAX_COUT = 32  # weights live in registers as A fragments
 MMA_MAX_WEIGHT_REGS = 48  # m-tiles x k-steps x 4
 
 
-def direct_plan(spec: EpilogueSpec) -> DirectPlan | str:
-    """The direct-conv tiling for `spec`, or the reason the library conv runs instead."""
+def direct_plan(spec: EpilogueSpec, arch: str = "sm90") -> DirectPlan | str:
+    """The direct-conv tiling for `spec` on `arch`, or the reason the library conv runs instead."""
     anchor = spec.anchor
     if anchor.kind != "conv":
         return "not a convolution"
@@ -157,6 +157,8 @@ def direct_plan(spec: EpilogueSpec) -> DirectPlan | str:
         return f"output width {wo} leaves most of a {DIRECT_TILE_W}-column tile idle"
     if spec.dtype == "float32":
         return _fma_plan(spec, cin, kh, kw, ho, wo, col_tiles)
+    if int("".join(ch for ch in arch if ch.isdigit())) < 80:
+        return f"the tensor-core direct conv needs sm_80 or newer, not {arch}"
     return _mma_plan(spec, cin, kh, kw, ho, wo, col_tiles)
 
 
@@ -207,7 +209,7 @@ def _mma_plan(spec, cin, kh, kw, ho, wo, col_tiles) -> DirectPlan | str:
 def kernel_name(spec: EpilogueSpec, arch: str) -> str:
     """The spec's kernel name; "directconv" instead of "conv" when the kernel computes the conv."""
     name = spec.kernel_name(arch)
-    if isinstance(direct_plan(spec), DirectPlan):
+    if isinstance(direct_plan(spec, arch), DirectPlan):
         name = "direct" + name
     return name
 
@@ -259,7 +261,7 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
     """
     p = launch or plan(spec)
     _check_operands(spec, p)
-    direct = direct_plan(spec)
+    direct = direct_plan(spec, arch)
     if isinstance(direct, DirectPlan):
         return _render_direct(spec, arch, p, direct)
     name = spec.kernel_name(arch)

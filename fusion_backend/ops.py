@@ -110,7 +110,7 @@ class Launcher:
         self.running_stats = (bn.inputs[2], bn.inputs[3]) if bn is not None else ()
         self._ws_floats: dict[int, int] = {}
         # The float32 direct conv with GroupNorm stores the pre-norm value in a buffer.
-        direct = cuda_templates.direct_plan(self.spec)
+        direct = cuda_templates.direct_plan(self.spec, arch_of(device))
         self.stores_pre_norm = (
             self.lib.anchor_inside and direct.kind == "fma" and self.spec.reduction is not None
         )

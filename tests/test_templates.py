@@ -102,6 +102,10 @@ def test_direct_conv_kinds():
     assert cuda_templates.direct_plan(direct_specs()["w5_direct"]).kind == "fma"
     # 3 input channels do not fill a 16-byte chunk: bf16 runs the library conv
     assert "multiples of 8" in cuda_templates.direct_plan(direct_specs("bfloat16")["direct_pointwise_k5_pad2"])
+    # Turing has no m16n8k16 bf16/fp16 mma: its chains keep the library conv there
+    assert "sm_80" in cuda_templates.direct_plan(w5_bf16, "sm75")
+    assert cuda_templates.kernel_name(w5_bf16, "sm75").startswith("conv_")
+    assert cuda_templates.direct_plan(direct_specs()["w5_direct"], "sm75").kind == "fma"
 
 
 def test_direct_conv_limits():
