@@ -265,10 +265,7 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
     if isinstance(direct, DirectPlan):
         return _render_direct(spec, arch, p, direct)
     name = spec.kernel_name(arch)
-    steps = list(spec.steps)
     red = spec.reduction
-    split = steps.index(red) if red is not None else len(steps)
-    stages = _stages(steps, split)
     fields, bind = _fields(spec)
     apply_grid = _apply_grid(p)
     launches = []
@@ -317,7 +314,7 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
         assert red.name in ROW_REDUCTIONS
         middle, store = templates.TEAM_LOGSUMEXP, templates.STORE_ROW
     launches.append(f"  {name}_apply<<<{apply_grid}, kBlock, 0, stream>>>(a);")
-    return _kernel_file(spec, name, p, fields=fields, bind=bind, stages="\n".join(stages), middle=middle,
+    return _kernel_file(spec, name, p, fields=fields, bind=bind, stages=_stages(spec), middle=middle,
                         store=store, stats_kernels=stats_kernels, launches="\n".join(launches), ws_floats=ws_floats)
 
 
@@ -353,10 +350,8 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
     """The direct conv computes the anchor and stage0. With GroupNorm: fma stores the
     pre-norm value, convfinal merges the statistics and the apply kernel (stage1 only)
     normalizes it; mma runs a statistics pass, convfinal, then an output pass."""
-    name = kernel_name(spec, arch)
-    steps = list(spec.steps)
+    name = "direct" + spec.kernel_name(arch)  # as kernel_name(), without planning again
     red = spec.reduction
-    split = steps.index(red) if red is not None else len(steps)
     cin, kh, kw, hi, wi = spec.anchor.direct
     ho, wo = spec.anchor.direct_out_hw()
     pad_h, pad_w = spec.anchor.conv[1]
@@ -399,13 +394,16 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
     fields, bind = _fields(spec, direct=True)
     return _kernel_file(
         spec, name, p, stage0_done="true", anchor_inside=1, fields=fields, bind=bind,
-        stages="\n".join(_stages(steps, split)), middle=middle, store=templates.STORE_ELEMENTS,
+        stages=_stages(spec), middle=middle, store=templates.STORE_ELEMENTS,
         stats_kernels=conv, launches="\n".join(launches), ws_floats=ws_floats,
     )
 
-def _stages(steps: list, split: int) -> list[str]:
+
+def _stages(spec: EpilogueSpec) -> str:
     """stage0 (steps before the reduction, or all) and stage1 (the reduction's normalize
     and the steps after it) as device functions."""
+    steps, red = list(spec.steps), spec.reduction
+    split = steps.index(red) if red is not None else len(steps)
     # stage1 opens with the reduction's own normalize statement (none for logsumexp).
     stages = []
     for stage, extra, extra_args, comment, run in (
@@ -419,4 +417,4 @@ def _stages(steps: list, split: int) -> list[str]:
                 name=stage, extra=extra, extra_args=extra_args, comment=comment, loads=loads, statements=statements
             )
         )
-    return stages
+    return "\n".join(stages)
