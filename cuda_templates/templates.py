@@ -310,8 +310,8 @@ COLUMN_STATS_KERNELS = Template(
     r"""constexpr int kColV = $col_vec;
 constexpr int kColsPerBlock = 32 * kColV;
 constexpr int kRowWarps = 8;
-constexpr int kRowsPerThread = 64 / kColV;  // one batch: 64 values in registers per thread
-constexpr int kBatches = 4;                 // batches per block, merged as they come
+constexpr int kRowsPerThread = 32 / kColV;  // one batch: 32 values in registers per thread
+constexpr int kBatches = 8;                 // batches per block, merged as they come
 constexpr long long kRowsPerBatch = kRowWarps * kRowsPerThread;
 constexpr long long kRowsPerChunk = kRowsPerBatch * kBatches;
 // Workspace: [scale[C], shift[C]], then (mean, M2) per (row chunk, column).
@@ -319,31 +319,43 @@ constexpr long long kPartials = 2 * kChannels;
 
 // One block: kColsPerBlock columns x kRowsPerChunk rows -> (mean, M2) per column.
 // Each batch of rows is reduced two-pass in registers, then merged (Chan et al.).
-__global__ void __launch_bounds__(256) ${kernel}_colstats(Args a) {
+__global__ void __launch_bounds__(256, 2) ${kernel}_colstats(Args a) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long c0 = (long long)blockIdx.x * kColsPerBlock + lane * kColV;
+  // Out-of-range rows and columns read a valid element (row rows-1, column 0) and
+  // are left out of the sums: every load is unconditional, so they are all issued
+  // at once and stage0's per-column operands are loaded once, not once per row.
+  const bool col_ok = c0 < kChannels;
+  const long long c = col_ok ? c0 : 0;
   fusedepi::Moments acc[kColV];
 #pragma unroll
   for (int j = 0; j < kColV; ++j) acc[j] = {0.f, 0.f, 0.f};
   for (int b = 0; b < kBatches; ++b) {
     const long long r0 = (long long)blockIdx.y * kRowsPerChunk + b * kRowsPerBatch + warp;
+    if (r0 >= a.rows) break;
     float vals[kRowsPerThread][kColV];
+#pragma unroll
+    for (int t = 0; t < kRowsPerThread; ++t) {
+      const long long r = min(r0 + (long long)t * kRowWarps, a.rows - 1);
+      fusedepi::load_vec<T, kColV>(a.y + r * kChannels + c, vals[t]);
+    }
+#pragma unroll
+    for (int t = 0; t < kRowsPerThread; ++t) {
+      const long long r = min(r0 + (long long)t * kRowWarps, a.rows - 1);
+      stage0<kColV>(vals[t], static_cast<int>(c), r * kChannels + c, a);
+    }
     float s[kColV];
 #pragma unroll
     for (int j = 0; j < kColV; ++j) s[j] = 0.f;
     float n = 0.f;
 #pragma unroll
     for (int t = 0; t < kRowsPerThread; ++t) {
-      const long long r = r0 + (long long)t * kRowWarps;
-      if (r < a.rows && c0 < kChannels) {
-        fusedepi::load_vec<T, kColV>(a.y + r * kChannels + c0, vals[t]);
-        stage0<kColV>(vals[t], static_cast<int>(c0), r * kChannels + c0, a);
+      if (r0 + (long long)t * kRowWarps < a.rows) {
 #pragma unroll
         for (int j = 0; j < kColV; ++j) s[j] += vals[t][j];
         n += 1.f;
       }
     }
-    if (n == 0.f) break;
 #pragma unroll
     for (int j = 0; j < kColV; ++j) {
       const float mean = s[j] / n;
