@@ -4,6 +4,10 @@ Key = sha256(source, headers, nvcc command, nvcc version, arch, package version)
 Entries live in `<cache>/<key[:2]>/<key>/`; a build happens in a private temp
 directory through ninja and is installed with an atomic rename, under a per-key
 file lock that is re-checked once taken, so concurrent processes build once.
+Each library is installed with the sha256 of its bytes beside it (`kernel.so.sha256`,
+written last): an entry whose library is missing, truncated or altered fails that
+check and is rebuilt. A cache directory that cannot be written (read-only, full)
+gives one warning and a private temporary cache for the rest of the process.
 Loaded libraries are memoized per process.
 """
 
@@ -132,6 +136,61 @@ def _ninja_build(source: str, arch: str, nvcc: str, workdir: Path) -> Path:
     return workdir / LIBRARY
 
 
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _intact(library: Path) -> bool:
+    """The library exists and matches the digest written when it was installed."""
+    manifest = library.with_name(LIBRARY + ".sha256")
+    try:
+        return manifest.read_text().strip() == _digest(library)
+    except OSError:
+        return False
+
+
+def _build_into(source: str, name: str, arch: str, nvcc: str, key: str, cache_dir: Path) -> Path:
+    entry = Path(cache_dir) / key[:2] / key
+    library = entry / LIBRARY
+    if _intact(library):
+        return library
+    with _file_lock(entry.parent / f"{key}.lock"):
+        if _intact(library):  # another process built it while we waited
+            return library
+        if library.exists():
+            log.warning("fusedepi: cache entry %s is damaged (missing or wrong checksum); rebuilding", entry)
+        entry.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        log.info("fusedepi: compiling %s (%s)", name, key[:12])
+        with tempfile.TemporaryDirectory(dir=entry, prefix="build-") as tmp:
+            built = _ninja_build(source, arch, nvcc, Path(tmp))
+            digest = _digest(built)
+            shutil.copy(Path(tmp) / "kernel.cu", entry / "kernel.cu")
+            os.replace(built, library)
+            (Path(tmp) / "digest").write_text(digest)
+            os.replace(Path(tmp) / "digest", library.with_name(LIBRARY + ".sha256"))
+        log.info("fusedepi: compiled %s in %.1f s", name, time.perf_counter() - start)
+    return library
+
+
+_private_cache: Path | None = None
+_private_lock = threading.Lock()
+
+
+def _private_cache_dir(cache_dir: Path, err: OSError) -> Path:
+    """A temporary cache for this process, once the configured one failed to take a write."""
+    global _private_cache
+    with _private_lock:
+        if _private_cache is None:
+            _private_cache = Path(tempfile.mkdtemp(prefix="fusedepi-cache-"))
+            log.warning(
+                "fusedepi: cannot write the kernel cache %s (%s); using %s for this process, "
+                "so kernels are rebuilt in each new process. Set FUSEDEPI_CACHE_DIR to a writable directory.",
+                cache_dir, err, _private_cache,
+            )
+        return _private_cache
+
+
 def build(source: str, name: str, arch: str, cache_dir: Path) -> Path:
     """Returns the path of the compiled library for `source`, building it if needed.
 
@@ -139,29 +198,24 @@ def build(source: str, name: str, arch: str, cache_dir: Path) -> Path:
         source: complete .cu text.
         name: readable kernel name, for logs.
         arch: target like "sm90".
-        cache_dir: root of the on-disk cache.
+        cache_dir: root of the on-disk cache. If it cannot be written, the build goes
+            to a private temporary cache (one warning per process).
 
     Raises:
         CompileError: nvcc/ninja missing or failing.
     """
     nvcc = find_nvcc()
     key = cache_key(source, arch, nvcc)
-    entry = Path(cache_dir) / key[:2] / key
-    library = entry / LIBRARY
-    if library.exists():
-        return library
-    with _file_lock(entry.parent / f"{key}.lock"):
-        if library.exists():  # another process built it while we waited
-            return library
-        entry.mkdir(parents=True, exist_ok=True)
-        start = time.perf_counter()
-        log.info("fusedepi: compiling %s (%s)", name, key[:12])
-        with tempfile.TemporaryDirectory(dir=entry, prefix="build-") as tmp:
-            built = _ninja_build(source, arch, nvcc, Path(tmp))
-            shutil.copy(Path(tmp) / "kernel.cu", entry / "kernel.cu")
-            os.replace(built, library)
-        log.info("fusedepi: compiled %s in %.1f s", name, time.perf_counter() - start)
-    return library
+    try:
+        return _build_into(source, name, arch, nvcc, key, cache_dir)
+    except OSError as err:  # read-only or full cache directory
+        private = _private_cache_dir(Path(cache_dir), err)
+        if Path(cache_dir) == private:
+            raise CompileError(f"cannot write the temporary kernel cache {private}: {err}") from err
+        try:
+            return _build_into(source, name, arch, nvcc, key, private)
+        except OSError as again:
+            raise CompileError(f"cannot write the kernel cache {cache_dir} nor {private}: {again}") from again
 
 
 class Library:

@@ -84,8 +84,73 @@ def test_missing_nvcc_is_a_clear_error(monkeypatch, tmp_path):
 def test_library_interface_without_a_gpu(tmp_path):
     lib = cuda_templates.load(SOURCE, "k", "sm80", tmp_path)
     channels = SPEC.channels
-    # float32 column statistics: 4 columns x 16 rows a thread, 8 warps, 4 batches = 512 rows a chunk;
+    # float32 column statistics: 4 columns x 8 rows a thread, 8 warps, 8 batches = 512 rows a chunk;
     # the workspace holds mean and invstd per column, then (mean, M2) per (chunk, column).
     for rows in (1, 512, 513, 16384):
         assert lib.workspace_floats(rows) == 2 * channels + -(-rows // 512) * channels * 2
     lib.run([0] * 8, 0, 0, 0)  # zero rows: returns before touching the device
+
+
+def test_truncated_library_is_detected_and_rebuilt(tmp_path, count_builds, caplog):
+    library = compiler.build(SOURCE, "k", "sm80", tmp_path)
+    good = library.read_bytes()
+    library.write_bytes(good[: len(good) // 3])  # a build cut short, a disk error
+    with caplog.at_level("WARNING", logger="fusedepi"):
+        again = compiler.build(SOURCE, "k", "sm80", tmp_path)
+    assert again == library and len(count_builds) == 2
+    assert compiler._intact(again) and len(again.read_bytes()) > len(good) // 3
+    assert "damaged" in caplog.text
+    cuda_templates.load(SOURCE, "k", "sm80", tmp_path)  # loads
+
+
+def test_entry_without_its_checksum_is_rebuilt(tmp_path, count_builds):
+    library = compiler.build(SOURCE, "k", "sm80", tmp_path)
+    library.with_name("kernel.so.sha256").unlink()  # e.g. killed between install steps
+    compiler.build(SOURCE, "k", "sm80", tmp_path)
+    assert len(count_builds) == 2 and library.with_name("kernel.so.sha256").exists()
+
+
+def _fresh_private_cache(monkeypatch):
+    monkeypatch.setattr(compiler, "_private_cache", None)
+
+
+def test_unwritable_cache_falls_back_to_a_private_one(tmp_path, monkeypatch, caplog):
+    _fresh_private_cache(monkeypatch)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a cache "directory" below a regular file cannot be created (also as root)
+    with caplog.at_level("WARNING", logger="fusedepi"):
+        library = compiler.build(SOURCE, "k", "sm80", blocker / "cache")
+        compiler.build(SOURCE, "k", "sm80", blocker / "cache")
+    assert library.exists() and not str(library).startswith(str(blocker))
+    assert caplog.text.count("cannot write the kernel cache") == 1  # one warning per process
+
+
+def test_full_cache_falls_back_to_a_private_one(tmp_path, monkeypatch):
+    _fresh_private_cache(monkeypatch)
+    real = compiler._ninja_build
+
+    def no_space(source, arch, nvcc, workdir):
+        if str(workdir).startswith(str(tmp_path)):
+            raise OSError(28, "No space left on device")
+        return real(source, arch, nvcc, workdir)
+
+    monkeypatch.setattr(compiler, "_ninja_build", no_space)
+    library = compiler.build(SOURCE, "k", "sm80", tmp_path)
+    assert library.exists() and not str(library).startswith(str(tmp_path))
+
+
+def test_two_processes_build_once(tmp_path):
+    code = (
+        "import sys; from cuda_templates import compiler; real = compiler._ninja_build\n"
+        "def counted(*a):\n    print('built', flush=True); return real(*a)\n"
+        "compiler._ninja_build = counted\n"
+        f"print(compiler.build(open({str(tmp_path / 'src.cu')!r}).read(), 'k', 'sm80', {str(tmp_path / 'cache')!r}))"
+    )
+    (tmp_path / "src.cu").write_text(SOURCE)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    lines = [out.split() for out, _ in outs]
+    assert sum(line.count("built") for line in lines) == 1
+    assert lines[0][-1] == lines[1][-1]
