@@ -91,16 +91,40 @@ def _configure_logging(cfg: Config):
         logger.addHandler(handler)
 
 
-def fusedepi(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+def _inductor_patches(mode, options) -> dict:
+    """Inductor config for `torch.compile(..., mode=..., options=...)`, as Inductor reads them.
+
+    Raises:
+        RuntimeError: an unknown mode or option name (Inductor's own message).
+    """
+    from torch._inductor import list_mode_options, list_options
+
+    patches = dict(list_mode_options(mode)) if mode else {}
+    if options:
+        known = set(list_options())
+        unknown = sorted(k for k in options if k not in known)
+        if unknown:
+            raise RuntimeError(f"fusedepi: unknown Inductor options {unknown} (see torch._inductor.list_options())")
+        patches.update(options)
+    return patches
+
+
+def fusedepi(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=None, **kwargs):
     """The torch.compile backend: `torch.compile(model, backend="fusedepi")`.
 
     Args:
         gm: the graph Dynamo captured.
         example_inputs: its example inputs.
+        mode: `torch.compile`'s mode, applied to Inductor as Inductor applies it
+            ("reduce-overhead": CUDA graphs; the fused ops are capturable).
+        options: `torch.compile`'s options, Inductor config entries.
         **kwargs: passed to Inductor's `compile_fx` (e.g. `config_patches`).
     """
     cfg = load_config()
     _configure_logging(cfg)
+    patches = _inductor_patches(mode, options)
+    if patches:
+        kwargs["config_patches"] = {**patches, **kwargs.get("config_patches", {})}
     if cfg.disable_all:
         return compile_fx(gm, example_inputs, **kwargs)
     table, _ = _tables()
