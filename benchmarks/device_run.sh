@@ -5,6 +5,8 @@
 #   bash benchmarks/device_run.sh bench [args]   # benchmark only, args passed on
 #   bash benchmarks/device_run.sh all [args]     # GPU test tier, then the benchmark with args
 #   bash benchmarks/device_run.sh variants|anchors [args]  # kernel_variants.py / anchor_forms.py
+#   bash benchmarks/device_run.sh ncu SKIP COUNT WORKLOAD PRECISION [--eval]  # ncu on fusedepi's kernels
+#   bash benchmarks/device_run.sh warmprof WORKLOAD PRECISION BACKEND        # cProfile of a warm start
 # The benchmark makes fresh kernel and Inductor caches of its own, so its compile times are cold.
 # Logs and JSON go to $OUT (the device tool's output folder) or /tmp/fusedepi-out.
 set -uo pipefail
@@ -20,7 +22,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 status=0
 if [ "$what" = tests ] || [ "$what" = quick ] || [ "$what" = all ]; then
   [ "$what" = all ] && targs=() || targs=("$@")
-  FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider "${targs[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_production.py -p no:cacheprovider "${targs[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = quick ]; then
@@ -31,6 +33,17 @@ if [ "$what" = variants ]; then
 fi
 if [ "$what" = anchors ]; then
   python3 -m benchmarks.anchor_forms 2>&1 | tee "$OUT/anchor_forms.log"
+fi
+if [ "$what" = ncu ]; then
+  skip=$1 count=$2; shift 2
+  log="$OUT/ncu_$(echo "$*" | tr ' ' '_' | tr -d '-').log"
+  /usr/local/cuda/bin/ncu --kernel-name regex:_sm[0-9]+_ --launch-skip "$skip" --launch-count "$count" \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis --section WarpStateStats python3 -m benchmarks.once "$@" >"$log" 2>&1 || status=1
+  grep -E "_sm[0-9]+_|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Grid Size|Block Size|Stall|Issue Slots Busy|Waves Per SM" "$log" | grep -v "^==PROF==" | head -80
+fi
+if [ "$what" = warmprof ]; then
+  python3 -m benchmarks.warm_profile "$@" 2>&1 | tee "$OUT/warmprof_$(echo "$*" | tr ' ' '_').log" | head -75
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.compare --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^-- "

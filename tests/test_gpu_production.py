@@ -1,0 +1,188 @@
+"""GPU tier: production behaviour — dynamic batch sizes, CUDA graphs, streams and threads,
+inputs the kernels do not take, warm starts, a second GPU. Skipped without CUDA."""
+
+import copy
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+from benchmarks.workloads import ConvBiasScaleSigmoidGroupNorm, LinearGroupNormLeakyDouble, relative_error
+from cuda_templates import compiler
+from fusion_backend import fusedepi, ops
+from fusion_backend.backend import collect_reports
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def exact_float32():
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    torch._dynamo.reset()
+    yield
+    torch.set_float32_matmul_precision(old)
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty kernel cache and no loaded kernels; yields the list of kernel builds (nvcc runs)."""
+    monkeypatch.setenv("FUSEDEPI_CACHE_DIR", str(tmp_path / "kernels"))
+    ops.forget_loaded()
+    builds = []
+    real = compiler._ninja_build
+
+    def counting(*args):
+        builds.append(args[1])
+        return real(*args)
+
+    monkeypatch.setattr(compiler, "_ninja_build", counting)
+    yield builds
+    ops.forget_loaded()
+
+
+def _fused(reports):
+    return [r for report in reports for r in report.records if r.status == "fused"]
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return LinearGroupNormLeakyDouble(256, 512, 32).cuda().to(dtype)
+
+
+def _check(out, model, x, tol=1e-5):
+    ref = copy.deepcopy(model).double()(x.double())
+    err = relative_error(out, ref)
+    assert err <= tol, f"relative error {err:.3g}"
+
+
+def test_batch_sizes_share_one_kernel(fresh_cache):
+    model = _model()
+    compiled = torch.compile(model, backend=fusedepi, dynamic=True)
+    reports: list = []
+    with torch.no_grad(), collect_reports(reports):
+        for batch in (1, 7, 1024, 4097):
+            x = torch.rand(batch, 256, device="cuda")
+            _check(compiled(x), model, x)
+    assert _fused(reports) and len({r.spec for r in _fused(reports)}) == 1
+    assert len(fresh_cache) == 1, f"{len(fresh_cache)} kernel builds for one chain"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reduce_overhead_cuda_graphs(dtype, fresh_cache, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    launches = []
+    real_call = ops.Launcher.__call__
+    monkeypatch.setattr(ops.Launcher, "__call__", lambda self, inputs: (launches.append(1), real_call(self, inputs))[1])
+
+    model = _model(dtype)
+    counters.clear()
+    compiled = torch.compile(model, backend="fusedepi", mode="reduce-overhead")
+    reports: list = []
+    with torch.no_grad(), collect_reports(reports):
+        for step in range(5):  # warm-up, recording, then replays of the graph on new inputs
+            x = torch.rand(8, 256, device="cuda", dtype=dtype)
+            out = compiled(x).clone()
+            _check(out, model, x, 1e-5 if dtype == torch.float32 else 1e-2)
+    assert [r.fusion for r in _fused(reports)] == ["linear_groupnorm"]
+    assert not counters["inductor"]["cudagraph_skips"], "Inductor did not use CUDA graphs"
+    # Replays launch the captured kernels without calling into Python: only the
+    # warm-up and the recording ran the fused op's launcher.
+    assert 1 <= len(launches) <= 2, f"{len(launches)} launcher calls in 5 steps: no graph replay"
+
+
+def test_two_threads_two_streams(fresh_cache):
+    model = _model()
+    compiled = torch.compile(model, backend=fusedepi)
+    with torch.no_grad():
+        compiled(torch.rand(64, 256, device="cuda"))  # compile once, on this thread
+    errors, results = [], {}
+
+    def work(index):
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream), torch.no_grad():
+                for step in range(20):
+                    x = torch.rand(512 + index, 256, device="cuda")
+                    out = compiled(x)
+                stream.synchronize()
+                results[index] = (x, out)
+        except Exception as err:  # surfaced below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for x, out in results.values():
+        _check(out, model, x)
+
+
+@pytest.mark.parametrize(
+    "make_input, fused",
+    [
+        (lambda: torch.rand(64, 256, device="cuda", dtype=torch.float64), False),  # dtype not fused
+        (lambda: torch.rand(256, 64, device="cuda").t(), True),  # non-contiguous input: the GEMM takes it
+        (lambda: torch.rand(0, 256, device="cuda"), True),  # empty batch
+    ],
+    ids=["float64", "transposed", "empty"],
+)
+def test_inputs_outside_the_kernels(make_input, fused, fresh_cache):
+    x = make_input()
+    model = _model(x.dtype)
+    reports: list = []
+    with torch.no_grad(), collect_reports(reports):
+        out = torch.compile(model, backend=fusedepi)(x)
+        ref = model(x)
+    assert bool(_fused(reports)) == fused
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_channels_last_conv_input(fresh_cache):
+    torch.manual_seed(0)
+    model = ConvBiasScaleSigmoidGroupNorm(8, 32, 8).cuda()
+    x = torch.rand(4, 8, 40, 64, device="cuda").to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        out = torch.compile(model, backend=fusedepi)(x)
+        ref = copy.deepcopy(model).double()(x.double())
+    assert relative_error(out, ref) <= 1e-5
+
+
+def test_warm_start_runs_no_nvcc(tmp_path):
+    """A new process with a warm kernel cache compiles and runs the chain without building."""
+    code = (
+        "import torch; from cuda_templates import compiler; from fusion_backend import fusedepi;"
+        "from benchmarks.workloads import LinearGroupNormLeakyDouble, ConvBiasScaleSigmoidGroupNorm;"
+        "builds = []; real = compiler._ninja_build;"
+        "compiler._ninja_build = lambda *a: (builds.append(a[1]), real(*a))[1];"
+        "torch.manual_seed(0);"
+        "m1 = LinearGroupNormLeakyDouble(256, 512, 32).cuda(); m2 = ConvBiasScaleSigmoidGroupNorm(8, 32, 8).cuda();"
+        "torch.no_grad().__enter__();"
+        "torch.compile(m1, backend=fusedepi)(torch.rand(64, 256, device='cuda'));"
+        "torch.compile(m2, backend=fusedepi)(torch.rand(2, 8, 40, 64, device='cuda'));"
+        "torch.cuda.synchronize(); print('builds', len(builds))"
+    )
+    env = dict(os.environ, FUSEDEPI_CACHE_DIR=str(tmp_path / "kernels"))
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert runs[0].stdout.split()[-1] == "2"  # cold: one kernel per chain
+    assert runs[1].stdout.split()[-1] == "0"  # warm: none
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_second_gpu(fresh_cache):
+    model = _model().to("cuda:1")
+    x = torch.rand(300, 256, device="cuda:1")
+    with torch.no_grad(), torch.cuda.device(0):  # the current device is another GPU
+        out = torch.compile(model, backend=fusedepi)(x)
+    assert out.device == x.device
+    _check(out, model, x)
