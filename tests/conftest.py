@@ -3,6 +3,22 @@ import torch
 
 
 @pytest.fixture
+def count_builds(monkeypatch):
+    """Records every kernel build (one nvcc run each) in this process; yields the list of sources."""
+    from cuda_templates import compiler
+
+    calls = []
+    real = compiler._ninja_build
+
+    def counting(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compiler, "_ninja_build", counting)
+    return calls
+
+
+@pytest.fixture
 def cpu_reference(monkeypatch):
     """Lets the backend fuse CPU graphs (the fused op then runs its torch reference)."""
     monkeypatch.setenv("FUSEDEPI_CPU_REFERENCE", "1")

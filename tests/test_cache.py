@@ -18,19 +18,6 @@ SPEC = workload_specs("float32")["w1_bn_train"]
 SOURCE = cuda_templates.render(SPEC, "sm80")
 
 
-@pytest.fixture
-def count_builds(monkeypatch):
-    calls = []
-    real = compiler._ninja_build
-
-    def counting(*args, **kwargs):
-        calls.append(args)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(compiler, "_ninja_build", counting)
-    return calls
-
-
 def test_second_build_is_a_cache_hit(tmp_path, count_builds):
     first = compiler.build(SOURCE, "k", "sm80", tmp_path)
     second = compiler.build(SOURCE, "k", "sm80", tmp_path)

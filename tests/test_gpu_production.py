@@ -9,10 +9,8 @@ import threading
 
 import pytest
 import torch
-import torch.nn as nn
 
 from benchmarks.workloads import ConvBiasScaleSigmoidGroupNorm, LinearGroupNormLeakyDouble, relative_error
-from cuda_templates import compiler
 from fusion_backend import fusedepi, ops
 from fusion_backend.backend import collect_reports
 
@@ -30,19 +28,11 @@ def exact_float32():
 
 
 @pytest.fixture
-def fresh_cache(tmp_path, monkeypatch):
+def fresh_cache(tmp_path, monkeypatch, count_builds):
     """An empty kernel cache and no loaded kernels; yields the list of kernel builds (nvcc runs)."""
     monkeypatch.setenv("FUSEDEPI_CACHE_DIR", str(tmp_path / "kernels"))
     ops.forget_loaded()
-    builds = []
-    real = compiler._ninja_build
-
-    def counting(*args):
-        builds.append(args[1])
-        return real(*args)
-
-    monkeypatch.setattr(compiler, "_ninja_build", counting)
-    yield builds
+    yield count_builds
     ops.forget_loaded()
 
 
@@ -100,8 +90,9 @@ def test_reduce_overhead_cuda_graphs(dtype, fresh_cache, monkeypatch):
 def test_two_threads_two_streams(fresh_cache):
     model = _model()
     compiled = torch.compile(model, backend=fusedepi)
-    with torch.no_grad():
-        compiled(torch.rand(64, 256, device="cuda"))  # compile once, on this thread
+    with torch.no_grad():  # compile for both threads' shapes here: only the calls run concurrently
+        for rows in (512, 513):
+            compiled(torch.rand(rows, 256, device="cuda"))
     errors, results = [], {}
 
     def work(index):
