@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lowering.spec import FULL, ROW_REDUCTIONS, SEGMENT_NORMS, EpilogueSpec
+from lowering.spec import FULL, ROW_NORMS, ROW_REDUCTIONS, SEGMENT_NORMS, EpilogueSpec
 
 from . import templates
 from .snippets import cfloat, render_stage
@@ -94,7 +94,7 @@ def plan(spec: EpilogueSpec) -> Plan:
     if vecs <= MAX_BLOCK * BLOCK_TEAM_MAX_VECS:
         team = max(128, _pow2_at_least(_ceil_div(vecs, BLOCK_TEAM_MAX_VECS)))
         return Plan(seg_len, groups, vec, team, _ceil_div(vecs, team), 1, team)
-    if red is not None and red.name in ROW_REDUCTIONS:
+    if red is not None and red.name in ROW_REDUCTIONS + ROW_NORMS:
         limit = MAX_BLOCK * BLOCK_TEAM_MAX_VECS * vec
         raise NotRenderable(f"{red.name} over {seg_len} elements: one block holds at most {limit}")
     nvec = BLOCK_TEAM_MAX_VECS
@@ -299,7 +299,9 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
     elif red.name in SEGMENT_NORMS:
         eps = cfloat(red.consts[0])
         if p.chunks == 1:
-            middle = templates.TEAM_NORM.substitute(eps=eps, apply=templates.APPLY_STAGE1)
+            middle = templates.TEAM_NORM.substitute(
+                statistics=templates.TEAM_STATISTICS["moments"].substitute(eps=eps), apply=templates.APPLY_STAGE1
+            )
         else:
             middle = templates.CHUNK_NORM.substitute(
                 apply=templates.APPLY_STAGE1, stats_at="(a.ws + a.rows * kGroups * kChunks * 2)"
@@ -310,9 +312,18 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
                 f"  {name}_segfinal<<<(segments + 255) / 256, 256, 0, stream>>>(a);",
             ]
             ws_floats = "rows * kGroups * (kChunks * 2 + 2)"
+    elif red.name in ROW_NORMS:
+        if red.name == "rmsnorm":
+            statistics = templates.TEAM_STATISTICS["rmsnorm"].substitute(eps=cfloat(red.consts[0]))
+        else:
+            statistics = templates.TEAM_STATISTICS["softmax"].substitute(
+                finish="logf" if red.name == "log_softmax" else ""
+            )
+        middle = templates.TEAM_NORM.substitute(statistics=statistics, apply=templates.APPLY_STAGE1)
     else:
         assert red.name in ROW_REDUCTIONS
-        middle, store = templates.TEAM_LOGSUMEXP, templates.STORE_ROW
+        middle = templates.TEAM_ROW_REDUCE.substitute(reduce=templates.ROW_REDUCE[red.name])
+        store = templates.STORE_ROW
     launches.append(f"  {name}_apply<<<{apply_grid}, kBlock, 0, stream>>>(a);")
     return _kernel_file(spec, name, p, fields=fields, bind=bind, stages=_stages(spec), middle=middle,
                         store=store, stats_kernels=stats_kernels, launches="\n".join(launches), ws_floats=ws_floats)
@@ -408,7 +419,7 @@ def _stages(spec: EpilogueSpec) -> str:
     stages = []
     for stage, extra, extra_args, comment, run in (
         ("stage0", "", "", "Steps before the reduction (all of them when there is none).", steps[:split]),
-        ("stage1", ", float mean, float rstd", ", mean, rstd", "The reduction's normalize, then the steps after it.",
+        ("stage1", ", float s0, float s1", ", s0, s1", "The reduction's normalize, then the steps after it.",
          steps[split:]),
     ):
         loads, statements = render_stage(run)

@@ -6,8 +6,8 @@ snippet runs once per element `j` of a W-wide vector; tensor operands come from
 the element loop. Channel indices `c[W]` come from the vector's position in its
 row; `e0` (its flat index) is only used by residual loads. Reductions (group/layer
 norm statistics, logsumexp, BatchNorm batch statistics) are written by the
-templates; their entries here give the per-element normalize statement, with
-`mean` and `rstd` in scope.
+templates; their entries here give the per-element normalize statement, with the
+reduction's two statistics `s0` and `s1` in scope (see `templates.TEAM_STATISTICS`).
 """
 
 from __future__ import annotations
@@ -83,10 +83,16 @@ def _binary(symbol):
 
 
 def _affine_norm(step: Step, ops: Operands) -> str:
-    """Normalize with `mean` and `rstd` in scope (group or layer statistics)."""
+    """Normalize with the group or layer statistics s0 = mean, s1 = rstd in scope."""
     w = ops.param(step.inputs[0], CHANNEL, "1.f")
     b = ops.param(step.inputs[1], CHANNEL, "0.f")
-    return f"x = (x - mean) * rstd * {w} + {b};"
+    return f"x = (x - s0) * s1 * {w} + {b};"
+
+
+def _elu(step: Step, ops: Operands) -> str:
+    alpha, scale, input_scale = (cfloat(v) for v in step.consts)
+    # As ATen: the negative branch's coefficient is alpha * scale rounded to float.
+    return f"x = fusedepi::elu(x, {alpha} * {scale}, {scale}, {input_scale});"
 
 
 def _batchnorm_eval(step: Step, ops: Operands) -> str:
@@ -112,15 +118,35 @@ SNIPPETS = {
     "silu": _call("fusedepi::silu<kFastMath>"),
     "sigmoid": _call("fusedepi::sigmoid<kFastMath>"),
     "tanh": _call("tanhf"),
+    "mish": _call("fusedepi::mish"),
+    "hardswish": _call("fusedepi::hardswish"),
+    "hardsigmoid": _call("fusedepi::hardsigmoid"),
+    "clamp": lambda s, ops: f"x = fusedepi::clamp(x, {cfloat(s.consts[0])}, {cfloat(s.consts[1])});",
+    "elu": _elu,
+    "softplus": lambda s, ops: f"x = fusedepi::softplus(x, {cfloat(s.consts[0])}, {cfloat(s.consts[1])});",
+    "abs": _call("fabsf"),
+    "exp": _call("expf"),
+    "log": _call("logf"),
+    "neg": lambda s, ops: "x = -x;",
     "add": _binary("+"),
     "sub": _binary("-"),
     "mul": _binary("*"),
     "div": _binary("/"),
+    "maximum": lambda s, ops: f"x = fusedepi::maximum(x, {ops.operand(s)});",
+    "minimum": lambda s, ops: f"x = fusedepi::minimum(x, {ops.operand(s)});",
     "groupnorm": _affine_norm,
     "layernorm": _affine_norm,
+    "rmsnorm": lambda s, ops: "x = x * s1;",  # s1 = rsqrt(mean(x^2) + eps)
+    "softmax": lambda s, ops: "x = expf(x - s0) / s1;",  # s0 = row max, s1 = sum of exp(x - s0)
+    "log_softmax": lambda s, ops: "x = x - s0 - s1;",  # s1 = log of that sum
     "batchnorm_eval": _batchnorm_eval,
     "batchnorm_train": _batchnorm_train,
+    # Row reductions: computed by templates.ROW_REDUCE; the steps after them see the row's value.
     "logsumexp": lambda s, ops: "",
+    "sum": lambda s, ops: "",
+    "mean": lambda s, ops: "",
+    "amax": lambda s, ops: "",
+    "amin": lambda s, ops: "",
 }
 
 

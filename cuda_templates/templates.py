@@ -182,35 +182,66 @@ __device__ __forceinline__ void $name(float (&v)[W], int pos, long long e0, cons
 """
 )
 
-# Group/layer statistics computed inside the team, then stage1; $eps.
+# Statistics of a segment computed inside the team, then $apply (stage1 with the
+# statistics s0, s1 in scope). $statistics is one of TEAM_STATISTICS.
 TEAM_NORM = Template(
     r"""  {
-    float s = 0.f;
-#pragma unroll
-    for (int k = 0; k < kNV; ++k)
-      if (valid(p, k))
-#pragma unroll
-        for (int j = 0; j < kV; ++j) s += v[k][j];
-    const float mean = fusedepi::team_sum<kTeam>(s) / static_cast<float>(kL);
-    float q = 0.f;
-#pragma unroll
-    for (int k = 0; k < kNV; ++k)
-      if (valid(p, k))
-#pragma unroll
-        for (int j = 0; j < kV; ++j) q += (v[k][j] - mean) * (v[k][j] - mean);
-    const float var = fusedepi::team_sum<kTeam>(q) / static_cast<float>(kL);
-    const float rstd = rsqrtf(fmaxf(var, 0.f) + $eps);
+$statistics
 $apply
   }"""
 )
+
+# Sum over this thread's live elements of $term (an expression in `e`).
+def _thread_sum(var: str, term: str) -> str:
+    return f"""    float {var} = 0.f;
+#pragma unroll
+    for (int k = 0; k < kNV; ++k)
+      if (valid(p, k))
+#pragma unroll
+        for (int j = 0; j < kV; ++j) {{
+          const float e = v[k][j];
+          {var} += {term};
+        }}"""
+
+
+# Per reduction: code that leaves its two statistics in `s0`, `s1` for stage1.
+# Placeholder: $eps (groupnorm, layernorm, rmsnorm).
+TEAM_STATISTICS = {
+    # (mean, rstd), two passes over registers: group and layer norm. The mean is taken
+    # relative to the segment's first element, so a constant segment (a clamp can make
+    # one) has its mean exactly and normalizes to exactly 0, as eager's Welford does.
+    "moments": Template(
+        "    const float shift = fusedepi::team_first<kTeam>(v[0][0]);\n"
+        + _thread_sum("s", "e - shift")
+        + "\n    const float s0 = shift + fusedepi::team_sum<kTeam>(s) / static_cast<float>(kL);\n"
+        + _thread_sum("q", "(e - s0) * (e - s0)")
+        + "\n    const float var = fusedepi::team_sum<kTeam>(q) / static_cast<float>(kL);"
+        + "\n    const float s1 = rsqrtf(fmaxf(var, 0.f) + $eps);"
+    ),
+    # s1 = rsqrt(mean(x^2) + eps), as the decomposed RMSNorm computes it.
+    "rmsnorm": Template(
+        _thread_sum("q", "e * e")
+        + "\n    const float s0 = 0.f;"
+        + "\n    const float s1 = rsqrtf(fusedepi::team_sum<kTeam>(q) / static_cast<float>(kL) + $eps);"
+    ),
+    # s0 = row max, s1 = sum of exp(x - s0) (softmax) or its log (log_softmax). A NaN
+    # is skipped by fmaxf but reaches every output through the sum, as in eager.
+    "softmax": Template(
+        "    float mx = -INFINITY;\n#pragma unroll\n    for (int k = 0; k < kNV; ++k)\n      if (valid(p, k))\n"
+        "#pragma unroll\n        for (int j = 0; j < kV; ++j) mx = fmaxf(mx, v[k][j]);\n"
+        "    const float s0 = fusedepi::team_max<kTeam>(mx);\n"
+        + _thread_sum("s", "expf(e - s0)")
+        + "\n    const float s1 = $finish(fusedepi::team_sum<kTeam>(s));"
+    ),
+}
 
 # Normalize by the (mean, rstd) per segment that earlier kernels left in the
 # workspace at $stats_at (a float* expression).
 CHUNK_NORM = Template(
     r"""  {
     const float* stats = $stats_at + p.seg * 2;
-    const float mean = stats[0];
-    const float rstd = stats[1];
+    const float s0 = stats[0];  // mean
+    const float s1 = stats[1];  // rstd
 $apply
   }"""
 )
@@ -218,26 +249,48 @@ $apply
 # stage1 (the reduction's normalize, then the steps after it) on every live vector.
 APPLY_STAGE1 = r"""#pragma unroll
     for (int k = 0; k < kNV; ++k)
-      if (valid(p, k)) stage1<kV>(v[k], p.rowpos + offset_of(p, k), p.seg * kL + offset_of(p, k), a, mean, rstd);"""
+      if (valid(p, k)) stage1<kV>(v[k], p.rowpos + offset_of(p, k), p.seg * kL + offset_of(p, k), a, s0, s1);"""
 
 # BatchNorm (training): stage1 opens with its normalize, which reads the column
 # kernels' scale/shift from the workspace, so no segment statistics are in scope.
 BATCH_NORM_APPLY = (
-    "  {\n    const float mean = 0.f, rstd = 0.f;  // BatchNorm reads its own statistics\n"
+    "  {\n    const float s0 = 0.f, s1 = 0.f;  // BatchNorm reads its own statistics\n"
     + APPLY_STAGE1
     + "\n  }"
 )
 
 
-# Row logsumexp inside the team, then stage1 on the row's value.
-TEAM_LOGSUMEXP = r"""  // fmaxf skips NaN; a NaN still reaches the result through the sum of exps.
-  float mx = -INFINITY;
+# A row reduction inside the team (one of ROW_REDUCE, which leaves `row`), then
+# stage1 on the row's value. Placeholder: $reduce.
+TEAM_ROW_REDUCE = Template(
+    r"""$reduce
+  float rowv[1] = {row};
+  stage1<1>(rowv, 0, p.seg, a, 0.f, 0.f);
+  row = rowv[0];"""
+)
+
+
+def _row_fold(init: str, combine: str) -> str:
+    """Folds this thread's live elements `e` into `acc` from `init` with `combine`."""
+    return f"""  float acc = {init};
 #pragma unroll
   for (int k = 0; k < kNV; ++k)
     if (valid(p, k))
 #pragma unroll
-      for (int j = 0; j < kV; ++j) mx = fmaxf(mx, v[k][j]);
-  mx = fusedepi::team_max<kTeam>(mx);
+      for (int j = 0; j < kV; ++j) {{
+        const float e = v[k][j];
+        acc = {combine};
+      }}"""
+
+
+# amax/amin: fmaxf/fminf skip NaN, so NaNs are counted apart; any NaN gives NaN, as eager.
+_NAN_COUNT = _row_fold("0.f", "acc + (isnan(e) ? 1.f : 0.f)").replace("acc", "nans")
+
+ROW_REDUCE = {
+    # fmaxf skips NaN; a NaN still reaches the result through the sum of exps.
+    "logsumexp": _row_fold("-INFINITY", "fmaxf(acc, e)")
+    + """
+  const float mx = fusedepi::team_max<kTeam>(acc);
   const float shift = isinf(mx) ? 0.f : mx;
   float s = 0.f;
 #pragma unroll
@@ -246,10 +299,14 @@ TEAM_LOGSUMEXP = r"""  // fmaxf skips NaN; a NaN still reaches the result throug
 #pragma unroll
       for (int j = 0; j < kV; ++j) s += expf(v[k][j] - shift);
   s = fusedepi::team_sum<kTeam>(s);
-  float row = logf(s) + shift;
-  float rowv[1] = {row};
-  stage1<1>(rowv, 0, p.seg, a, 0.f, 0.f);
-  row = rowv[0];"""
+  float row = logf(s) + shift;""",
+    "sum": _row_fold("0.f", "acc + e") + "\n  float row = fusedepi::team_sum<kTeam>(acc);",
+    "mean": _row_fold("0.f", "acc + e") + "\n  float row = fusedepi::team_sum<kTeam>(acc) / static_cast<float>(kL);",
+    "amax": _row_fold("-INFINITY", "fmaxf(acc, e)") + "\n" + _NAN_COUNT
+    + "\n  float row = fusedepi::team_sum<kTeam>(nans) > 0.f ? NAN : fusedepi::team_max<kTeam>(acc);",
+    "amin": _row_fold("-INFINITY", "fmaxf(acc, -e)") + "\n" + _NAN_COUNT
+    + "\n  float row = fusedepi::team_sum<kTeam>(nans) > 0.f ? NAN : -fusedepi::team_max<kTeam>(acc);",
+}
 
 STORE_ROW = r"""  if (p.live && p.lane == 0) a.out[p.seg] = fusedepi::from_float<T>(row);"""
 
@@ -265,13 +322,15 @@ SEGMENT_STATS_KERNEL = Template(
   float v[kNV][kV];
   load_stage0(a, p, v);
   const float n = static_cast<float>(min(kChunkLen, kL - (long long)p.first));
+  // Relative to the chunk's first element: a constant chunk gets its mean exactly.
+  const float shift = fusedepi::team_first<kBlock>(v[0][0]);
   float s = 0.f;
 #pragma unroll
   for (int k = 0; k < kNV; ++k)
     if (valid(p, k))
 #pragma unroll
-      for (int j = 0; j < kV; ++j) s += v[k][j];
-  const float mean = fusedepi::block_sum<kBlock>(s) / n;
+      for (int j = 0; j < kV; ++j) s += v[k][j] - shift;
+  const float mean = shift + fusedepi::block_sum<kBlock>(s) / n;
   float q = 0.f;
 #pragma unroll
   for (int k = 0; k < kNV; ++k)

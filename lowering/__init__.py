@@ -22,6 +22,18 @@ HELD_BACK_OPS = (
     aten.silu,
     aten.leaky_relu,
     aten.logsumexp,
+    aten.mish,
+    aten.hardswish,
+    aten.hardsigmoid,
+    aten.hardtanh,
+    aten.clamp,
+    aten.elu,
+    aten.celu,
+    aten.softplus,
+    aten._softmax,
+    aten._log_softmax,
+    aten.amax,
+    aten.amin,
 )
 
 __all__ = [

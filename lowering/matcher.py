@@ -27,20 +27,18 @@ from .spec import (
     NAMED_STEPS,
     ONE,
     REDUCTIONS,
+    ROW_REDUCTIONS,
     SCALAR,
     SELF,
     Anchor,
     EpilogueSpec,
     Step,
 )
+from .vocabulary import POINTWISE_FORMS, Refuse
 
 aten = torch.ops.aten
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
-class Refuse(Exception):
-    """A step (or anchor) that exists but cannot be fused exactly; the message says why."""
 
 
 @dataclass
@@ -137,29 +135,16 @@ def _name(node: Node) -> str:
 
 # ---------------------------------------------------------------- unary steps
 
-_UNARY = {
-    aten.relu.default: "relu",
-    aten.silu.default: "silu",
-    aten.sigmoid.default: "sigmoid",
-    aten.tanh.default: "tanh",
-}
-
 
 def _match_unary(state: _State, user: Node):
-    if user.target in _UNARY:
-        return _Match(Step(_UNARY[user.target]), [user], user)
-    if user.target is aten.gelu.default:
-        approximate = _arg(user, 1, "approximate", "none")
-        name = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
-        if name is None:
-            raise Refuse(f"gelu: unknown approximate={approximate!r}")
-        return _Match(Step(name), [user], user)
-    if user.target is aten.leaky_relu.default:
-        slope = _arg(user, 1, "negative_slope", 0.01)
-        if not isinstance(slope, (int, float)):
-            raise Refuse(f"leaky_relu: negative_slope {slope!r} is not a constant")
-        return _Match(Step("leaky_relu", consts=(float(slope),)), [user], user)
-    return None
+    """One-node pointwise steps: the forms listed in the vocabulary table."""
+    build = POINTWISE_FORMS.get(user.target)
+    if build is None:
+        return None
+    if user.args[0] is not state.node:
+        raise Refuse(f"{_name(user)}: the chain's value is not its input")
+    step = build(lambda index, name, default=None: _arg(user, index, name, default))
+    return _Match(step, [user], user)
 
 
 def _match_silu_pair(state: _State, _user: Node):
@@ -176,6 +161,34 @@ def _match_silu_pair(state: _State, _user: Node):
     return _Match(Step("silu"), [sig, mul], mul)
 
 
+def _only(node: Node, target) -> Node | None:
+    """The single user of `node` if it calls `target`."""
+    users = list(node.users)
+    return users[0] if len(users) == 1 and users[0].target == target else None
+
+
+def _match_rms_norm(state: _State, _user: Node):
+    """x * rsqrt(mean(x ** 2, dim=-1, keepdim=True) + eps): what nn.RMSNorm and
+    F.rms_norm decompose to (a weight is a `mul` step after it)."""
+    users = list(state.node.users)
+    if len(users) != 2:
+        return None
+    pow_ = next((u for u in users if u.target is aten.pow.Tensor_Scalar), None)
+    mul = next((u for u in users if u.target is aten.mul.Tensor), None)
+    if pow_ is None or mul is None or pow_.args[1] != 2:
+        return None
+    mean = _only(pow_, aten.mean.dim)
+    add = mean and (_only(mean, aten.add.Scalar) or _only(mean, aten.add.Tensor))
+    rsqrt = add and _only(add, aten.rsqrt.default)
+    if rsqrt is None or set(mul.args[:2]) != {state.node, rsqrt} or not _arg(mean, 2, "keepdim", False):
+        return None
+    eps = add.args[1]
+    if isinstance(eps, Node) or _arg(mean, 3, "dtype") is not None:
+        return None
+    _require_features(state, "RMSNorm", mean.args[1])
+    return _Match(Step("rmsnorm", consts=(float(eps),)), [pow_, mean, add, rsqrt, mul], mul)
+
+
 # --------------------------------------------------------------- binary steps
 
 _BINARY = {
@@ -187,6 +200,8 @@ _BINARY = {
     aten.mul.Scalar: "mul",
     aten.div.Tensor: "div",
     aten.div.Scalar: "div",
+    aten.maximum.default: "maximum",
+    aten.minimum.default: "minimum",
 }
 
 
@@ -287,6 +302,15 @@ def _require_2d_features(state: _State, what: str):
         raise Refuse(f"{what}: only supported on a 2-D [rows, features] matmul output")
 
 
+def _require_features(state: _State, what: str, dims):
+    """Refuses unless `dims` is exactly the feature (last) dim of a linear output."""
+    ndim = _val(state.node).dim()
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    if state.conv or state.reduced or [d % ndim for d in dims] != [ndim - 1] or state.channel_axis != ndim - 1:
+        raise Refuse(f"{what} over dims {dims} of a {ndim}-D {'conv' if state.conv else 'linear'} output: "
+                     "only the feature dim of a linear output")
+
+
 def _match_group_norm(state: _State, user: Node):
     if user.target is not aten.native_group_norm.default:
         return None
@@ -338,18 +362,54 @@ def _match_batch_norm(state: _State, user: Node):
     return _Match(step, consumed, items[0], extra=[items[3], items[4]])
 
 
+def _match_softmax(state: _State, user: Node):
+    name = {aten._softmax.default: "softmax", aten._log_softmax.default: "log_softmax"}.get(user.target)
+    if name is None:
+        return None
+    if user.args[2]:
+        raise Refuse(f"{name}: half_to_float")
+    _require_features(state, name, user.args[1])
+    return _Match(Step(name), [user], user)
+
+
 # ----------------------------------------------------------------- reductions
 
+# aten op -> (step, index of its dims argument, its name)
+_ROW_REDUCTIONS = {
+    aten.logsumexp.default: ("logsumexp", "dim"),
+    aten.sum.dim_IntList: ("sum", "dim"),
+    aten.mean.dim: ("mean", "dim"),
+    aten.amax.default: ("amax", "dim"),
+    aten.amin.default: ("amin", "dim"),
+}
+# Reductions that also return indices: fused when only the values are used.
+_VALUE_AND_INDEX = {aten.max.dim: "amax", aten.min.dim: "amin"}
 
-def _match_logsumexp(state: _State, user: Node):
-    if user.target is not aten.logsumexp.default:
+
+def _match_row_reduction(state: _State, user: Node):
+    """A reduction along the features of a 2-D linear output: one value per row."""
+    if user.target in _VALUE_AND_INDEX:
+        name = _VALUE_AND_INDEX[user.target]
+        items = _getitems(user)
+        _unused(items, (1,), name)
+        if 0 not in items:
+            raise Refuse(f"{name}: values unused")
+        consumed, result = [user, items[0]], items[0]
+    elif user.target in _ROW_REDUCTIONS:
+        name = _ROW_REDUCTIONS[user.target][0]
+        consumed, result = [user], user
+        if name in ("sum", "mean") and _arg(user, 3, "dtype") is not None:
+            raise Refuse(f"{name} with dtype={_arg(user, 3, 'dtype')}")
+    else:
         return None
-    val = _val(state.node)
-    dims = [d % val.dim() for d in _arg(user, 1, "dim")]
+    dims = _arg(user, 1, "dim", [])
     keepdim = bool(_arg(user, 2, "keepdim", False))
-    if state.conv or val.dim() != 2 or dims != [1]:
-        raise Refuse(f"logsumexp over dims {dims} of a {val.dim()}-D value: only the feature dim of 2-D")
-    return _Match(Step("logsumexp", keepdim=keepdim), [user], user)
+    if isinstance(dims, int):
+        dims = [dims]
+    val = _val(state.node)
+    if state.conv or val.dim() != 2 or [d % val.dim() for d in dims] != [1]:
+        raise Refuse(f"{name} over dims {list(dims)} of a {val.dim()}-D value: only the feature dim of 2-D")
+    return _Match(Step(name, keepdim=keepdim), consumed, result)
 
 
 # ---------------------------------------------------------------------- views
@@ -367,18 +427,21 @@ def _match_view(state: _State, user: Node):
     return _Match(None, [user], user)
 
 
-# Ordered: multi-node forms first (see the module docstring); `_extend` relies on
-# `_match_silu_pair` being first.
+# Ordered: multi-node forms first (see the module docstring).
 STEP_MATCHERS: list[Callable] = [
     _match_silu_pair,
+    _match_rms_norm,
     _match_view,
     _match_unary,
     _match_binary,
     _match_group_norm,
     _match_layer_norm,
     _match_batch_norm,
-    _match_logsumexp,
+    _match_softmax,
+    _match_row_reduction,
 ]
+# Forms that consume a value with several users (the value feeds more than one of their nodes).
+MULTI_NODE = STEP_MATCHERS[:2]
 
 
 # -------------------------------------------------------------------- anchors
@@ -399,11 +462,9 @@ def _match_anchor(node: Node, direct_conv: bool = True):
         return Anchor("mm"), list(node.args[:2])
     if node.target is aten.convolution.default:
         x, w, b, stride, padding, dilation, transposed, out_pad, groups = node.args
-        if transposed:
-            raise Refuse("transposed convolution")
         conv = (tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(out_pad), groups)
         operands = [x, w] + ([b] if b is not None else [])
-        direct = _direct_conv(x, w, conv) if direct_conv else ()
+        direct = _direct_conv(x, w, conv) if direct_conv and not transposed else ()
         return Anchor("conv", has_bias=b is not None, conv=conv, direct=direct), operands
     return None
 
@@ -505,12 +566,12 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
         return "value is also a graph output (e.g. saved for backward)"
     if len(users) > 1:
         # Only a multi-node form may consume a value with several users.
-        match = _match_silu_pair(state, users[0])
+        match = next((m for m in (f(state, users[0]) for f in MULTI_NODE) if m is not None), None)
         if match is None:
             return f"value has {len(users)} consumers ({', '.join(u.name for u in users)})"
     else:
         match = next(
-            (m for m in (f(state, users[0]) for f in STEP_MATCHERS[1:]) if m is not None), None
+            (m for m in (f(state, users[0]) for f in STEP_MATCHERS[len(MULTI_NODE):]) if m is not None), None
         )
         if match is None:
             return f"{_name(users[0])} is not in the vocabulary"
@@ -528,7 +589,7 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
         _check_dtype(state, match.result)
         state.chain.steps.append(step)
         state.chain.extra.extend(match.extra)
-        state.reduced = state.reduced or step.name == "logsumexp"
+        state.reduced = state.reduced or step.name in ROW_REDUCTIONS
     state.chain.nodes.extend(match.consumed)
     state.node = match.result
     return None

@@ -152,10 +152,15 @@ def _tuples(value):
     return value
 
 
-# Steps whose statistics span several elements. Row reductions shrink the output.
-ROW_REDUCTIONS = ("logsumexp",)
+# Steps whose statistics span several elements.
+# Row reductions shrink the output to one value per row (of a 2-D linear output).
+ROW_REDUCTIONS = ("logsumexp", "sum", "mean", "amax", "amin")
+# Normalized by (mean, rstd) per segment: a group of channels, or the whole row;
+# segments longer than a block are split over several blocks.
 SEGMENT_NORMS = ("groupnorm", "layernorm")
-REDUCTIONS = SEGMENT_NORMS + ROW_REDUCTIONS + ("batchnorm_train",)
+# Normalized by two statistics of the whole row, which one team of threads holds.
+ROW_NORMS = ("rmsnorm", "softmax", "log_softmax")
+REDUCTIONS = SEGMENT_NORMS + ROW_NORMS + ROW_REDUCTIONS + ("batchnorm_train",)
 # A fusion is named after its anchor family and the first of these steps it holds,
 # or "pointwise": linear_groupnorm, conv_batchnorm_eval, linear_pointwise, ...
 NAMED_STEPS = REDUCTIONS + ("batchnorm_eval",)

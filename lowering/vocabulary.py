@@ -8,6 +8,7 @@ compute, and are what the op runs on the CPU.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -15,6 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from .spec import CHANNEL, FULL, ONE, SCALAR, SELF, Step
+
+
+class Refuse(Exception):
+    """A step (or anchor) that exists but cannot be fused exactly; the message says why."""
+
+
+# Reads argument (index, name, default) of the graph node being matched.
+ArgReader = Callable[[int, str, object], object]
 
 
 @dataclass(frozen=True)
@@ -26,10 +35,16 @@ class StepKind:
         reference: computes the step in plain torch:
             (x, step, params) -> x, where params are the op's tensors after the
             anchor operands. Steps with extra outputs return (x, [extra, ...]).
+        forms: for one-node pointwise steps, the aten ops that read as this step
+            (the chain's value is argument 0), each with a function that builds the
+            Step from the node's arguments (raising Refuse where it cannot be exact).
+            Multi-node forms, binary steps, norms and reductions need the graph
+            around them and are matched in `matcher.py`.
     """
 
     name: str
     reference: Callable
+    forms: tuple = ()
 
 
 def _param(params, index):
@@ -70,20 +85,118 @@ def _batchnorm_train(x, step, params):
     return out, [new_rm, new_rv]
 
 
+def _rmsnorm(x, step, params):
+    # The form nn.RMSNorm / F.rms_norm decompose to (weight, if any, is a `mul` step after).
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + step.consts[0])
+
+
+def _number(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Refuse(f"{what} {value!r} is not a constant number")
+    return float(value)
+
+
+def _gelu_form(arg: ArgReader) -> Step:
+    approximate = arg(1, "approximate", "none")
+    name = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
+    if name is None:
+        raise Refuse(f"gelu: unknown approximate={approximate!r}")
+    return Step(name)
+
+
+def _clamp_form(names: tuple, defaults: tuple):
+    """clamp(x, min, max), hardtanh(x, min_val, max_val): a bound that is None is infinite."""
+
+    def build(arg: ArgReader) -> Step:
+        lo = arg(1, names[0], defaults[0])
+        hi = arg(2, names[1], defaults[1])
+        lo = -math.inf if lo is None else _number(lo, "clamp: min")
+        hi = math.inf if hi is None else _number(hi, "clamp: max")
+        return Step("clamp", consts=(lo, hi))
+
+    return build
+
+
+def _one_bound(which: str):
+    def build(arg: ArgReader) -> Step:
+        bound = _number(arg(1, which, None), f"clamp_{which}")
+        return Step("clamp", consts=(bound, math.inf) if which == "min" else (-math.inf, bound))
+
+    return build
+
+
+def _unary(name: str, *ops) -> tuple:
+    return tuple((op, lambda arg, name=name: Step(name)) for op in ops)
+
+
+def _elu_consts(x_alpha, x_scale, x_input_scale) -> tuple:
+    return tuple(_number(v, "elu: parameter") for v in (x_alpha, x_scale, x_input_scale))
+
+
+def _elu(x, step, params):
+    alpha, scale, input_scale = step.consts
+    return torch.ops.aten.elu(x, alpha, scale, input_scale)
+
+
+aten = torch.ops.aten
+
 VOCABULARY: dict[str, StepKind] = {
     kind.name: kind
     for kind in [
-        StepKind("relu", lambda x, s, p: torch.relu(x)),
-        StepKind("gelu", lambda x, s, p: F.gelu(x)),
-        StepKind("gelu_tanh", lambda x, s, p: F.gelu(x, approximate="tanh")),
-        StepKind("leaky_relu", lambda x, s, p: F.leaky_relu(x, s.consts[0])),
-        StepKind("silu", lambda x, s, p: F.silu(x)),
-        StepKind("sigmoid", lambda x, s, p: torch.sigmoid(x)),
-        StepKind("tanh", lambda x, s, p: torch.tanh(x)),
+        # ------------------------------------------------------------ pointwise
+        StepKind("relu", lambda x, s, p: torch.relu(x), _unary("relu", aten.relu.default)),
+        StepKind("gelu", lambda x, s, p: F.gelu(x), ((aten.gelu.default, _gelu_form),)),
+        StepKind("gelu_tanh", lambda x, s, p: F.gelu(x, approximate="tanh")),  # a form of gelu
+        StepKind(
+            "leaky_relu",
+            lambda x, s, p: F.leaky_relu(x, s.consts[0]),
+            ((aten.leaky_relu.default,
+              lambda arg: Step("leaky_relu", consts=(_number(arg(1, "negative_slope", 0.01), "leaky_relu: slope"),))),),
+        ),
+        StepKind("silu", lambda x, s, p: F.silu(x), _unary("silu", aten.silu.default)),  # and x * sigmoid(x)
+        StepKind("sigmoid", lambda x, s, p: torch.sigmoid(x), _unary("sigmoid", aten.sigmoid.default)),
+        StepKind("tanh", lambda x, s, p: torch.tanh(x), _unary("tanh", aten.tanh.default)),
+        StepKind("mish", lambda x, s, p: F.mish(x), _unary("mish", aten.mish.default)),
+        StepKind("hardswish", lambda x, s, p: F.hardswish(x), _unary("hardswish", aten.hardswish.default)),
+        StepKind("hardsigmoid", lambda x, s, p: F.hardsigmoid(x), _unary("hardsigmoid", aten.hardsigmoid.default)),
+        StepKind(
+            "clamp",  # also hardtanh, relu6, clamp_min/clamp_max (min/max against a scalar)
+            lambda x, s, p: torch.clamp(x, s.consts[0], s.consts[1]),
+            (
+                (aten.clamp.default, _clamp_form(("min", "max"), (None, None))),
+                (aten.hardtanh.default, _clamp_form(("min_val", "max_val"), (-1.0, 1.0))),
+                (aten.clamp_min.default, _one_bound("min")),
+                (aten.clamp_max.default, _one_bound("max")),
+            ),
+        ),
+        StepKind(
+            "elu",  # also selu (its constants) and celu (input_scale = 1 / alpha)
+            _elu,
+            (
+                (aten.elu.default, lambda arg: Step("elu", consts=_elu_consts(
+                    arg(1, "alpha", 1.0), arg(2, "scale", 1.0), arg(3, "input_scale", 1.0)))),
+                (aten.celu.default, lambda arg: Step("elu", consts=_elu_consts(
+                    arg(1, "alpha", 1.0), 1.0, 1.0 / _number(arg(1, "alpha", 1.0), "celu: alpha")))),
+            ),
+        ),
+        StepKind(
+            "softplus",
+            lambda x, s, p: F.softplus(x, s.consts[0], s.consts[1]),
+            ((aten.softplus.default, lambda arg: Step("softplus", consts=(
+                _number(arg(1, "beta", 1.0), "softplus: beta"), _number(arg(2, "threshold", 20.0), "softplus: threshold")))),),
+        ),
+        StepKind("abs", lambda x, s, p: torch.abs(x), _unary("abs", aten.abs.default)),
+        StepKind("exp", lambda x, s, p: torch.exp(x), _unary("exp", aten.exp.default)),
+        StepKind("log", lambda x, s, p: torch.log(x), _unary("log", aten.log.default)),
+        StepKind("neg", lambda x, s, p: torch.neg(x), _unary("neg", aten.neg.default)),
+        # --------------------------------- binary: operand kinds in spec.py, matched in matcher.py
         StepKind("add", _binary(torch.add)),
         StepKind("sub", _binary(torch.sub)),
         StepKind("mul", _binary(torch.mul)),
         StepKind("div", _binary(torch.div)),
+        StepKind("maximum", _binary(torch.maximum)),
+        StepKind("minimum", _binary(torch.minimum)),
+        # ---------------------------------------------------------- normalizations
         StepKind(
             "groupnorm",
             lambda x, s, p: F.group_norm(
@@ -96,6 +209,7 @@ VOCABULARY: dict[str, StepKind] = {
                 x, (x.shape[-1],), _param(p, s.inputs[0]), _param(p, s.inputs[1]), s.consts[0]
             ),
         ),
+        StepKind("rmsnorm", _rmsnorm),
         StepKind(
             "batchnorm_eval",
             lambda x, s, p: F.batch_norm(
@@ -109,9 +223,19 @@ VOCABULARY: dict[str, StepKind] = {
             ),
         ),
         StepKind("batchnorm_train", _batchnorm_train),
+        StepKind("softmax", lambda x, s, p: torch.softmax(x, dim=-1)),
+        StepKind("log_softmax", lambda x, s, p: torch.log_softmax(x, dim=-1)),
+        # ----------------------------------------- row reductions (feature dim of 2-D)
         StepKind("logsumexp", lambda x, s, p: torch.logsumexp(x, dim=1, keepdim=s.keepdim)),
+        StepKind("sum", lambda x, s, p: torch.sum(x, dim=1, keepdim=s.keepdim)),
+        StepKind("mean", lambda x, s, p: torch.mean(x, dim=1, keepdim=s.keepdim)),
+        StepKind("amax", lambda x, s, p: torch.amax(x, dim=1, keepdim=s.keepdim)),
+        StepKind("amin", lambda x, s, p: torch.amin(x, dim=1, keepdim=s.keepdim)),
     ]
 }
+
+# aten op -> the builder of its Step, from every entry's `forms`.
+POINTWISE_FORMS: dict = {op: build for kind in VOCABULARY.values() for op, build in kind.forms}
 
 
 def run_reference(x: torch.Tensor, steps, params) -> list[torch.Tensor]:

@@ -115,3 +115,31 @@ def awkward_specs(dtype="float32"):
             LINEAR, (Step("logsumexp", keepdim=False), Step("silu")), dtype, (), 100, 1, "linear_logsumexp",
         ),
     }
+
+
+def vocabulary_specs(dtype="float32"):
+    """Every pointwise step in one chain, and each row norm and row reduction once."""
+    p = (dtype,)
+    pointwise = (
+        Step("mish"), Step("hardswish"), Step("hardsigmoid"), Step("clamp", consts=(-0.5, float("inf"))),
+        Step("elu", consts=(1.6732632423543772, 1.0507009873554805, 1.0)), Step("softplus", consts=(2.0, 20.0)),
+        Step("abs"), Step("exp"), Step("log"), Step("neg"), Step("maximum", inputs=(0,), operand=ONE),
+        Step("minimum", inputs=(1,), operand=CHANNEL),
+    )
+    specs = {
+        "pointwise_vocabulary": EpilogueSpec(LINEAR, pointwise, dtype, p * 2, 264, 1, "linear_pointwise"),
+        "rmsnorm_weight": EpilogueSpec(
+            LINEAR, (Step("rmsnorm", consts=(1e-6,)), Step("mul", inputs=(0,), operand=CHANNEL), Step("silu")),
+            dtype, p, 4096, 1, "linear_rmsnorm",
+        ),
+    }
+    for name in ("softmax", "log_softmax"):
+        specs[f"{name}_row"] = EpilogueSpec(
+            LINEAR, (Step("gelu"), Step(name), Step("mul", consts=(3.0,), operand=SCALAR)), dtype, (), 1000, 1,
+            f"linear_{name}",
+        )
+    for name in ("sum", "mean", "amax", "amin"):
+        specs[f"{name}_row"] = EpilogueSpec(
+            LINEAR, (Step("relu"), Step(name, keepdim=True), Step("sigmoid")), dtype, (), 2056, 1, f"linear_{name}",
+        )
+    return specs

@@ -126,6 +126,38 @@ __device__ __forceinline__ float silu(float x) {
   else return x / (1.f + expf(-x));
 }
 
+__device__ __forceinline__ float mish(float x) { return x * tanhf(log1pf(expf(x))); }
+
+// std::max / std::min as ATen's kernels use them: a NaN first operand comes through.
+__device__ __forceinline__ float std_max(float a, float b) { return a < b ? b : a; }
+__device__ __forceinline__ float std_min(float a, float b) { return b < a ? b : a; }
+
+__device__ __forceinline__ float hardswish(float x) { return x * std_min(std_max(x + 3.f, 0.f), 6.f) / 6.f; }
+
+__device__ __forceinline__ float hardsigmoid(float x) { return std_min(std_max(x + 3.f, 0.f), 6.f) / 6.f; }
+
+// clamp / hardtanh / clamp_min / clamp_max: NaN propagates; an absent bound is infinite.
+__device__ __forceinline__ float clamp(float x, float lo, float hi) {
+  return isnan(x) ? x : fminf(fmaxf(x, lo), hi);
+}
+
+// elu / selu / celu: negcoef = alpha * scale, poscoef = scale.
+__device__ __forceinline__ float elu(float x, float negcoef, float poscoef, float input_scale) {
+  return x > 0.f ? x * poscoef : expm1f(x * input_scale) * negcoef;
+}
+
+__device__ __forceinline__ float softplus(float x, float beta, float threshold) {
+  return x * beta > threshold ? x : log1pf(expf(x * beta)) / beta;
+}
+
+// torch.maximum / torch.minimum: NaN in either operand gives NaN.
+__device__ __forceinline__ float maximum(float a, float b) {
+  return (isnan(a) || isnan(b)) ? __int_as_float(0x7fc00000) : fmaxf(a, b);
+}
+__device__ __forceinline__ float minimum(float a, float b) {
+  return (isnan(a) || isnan(b)) ? __int_as_float(0x7fc00000) : fminf(a, b);
+}
+
 // -------------------------------------------------------------- reductions
 
 template <int kWidth>
@@ -176,6 +208,20 @@ template <int kTeam>
 __device__ __forceinline__ float team_max(float v) {
   if constexpr (kTeam > 32) return block_max<kTeam>(v);
   else return team_max_warp<kTeam>(v);
+}
+
+// The value `v` of the team's first thread, for every thread of the team.
+template <int kTeam>
+__device__ __forceinline__ float team_first(float v) {
+  if constexpr (kTeam > 32) {
+    __shared__ float first;
+    __syncthreads();  // a previous call may still be reading `first`
+    if (threadIdx.x == 0) first = v;
+    __syncthreads();
+    return first;
+  } else {
+    return __shfl_sync(0xffffffffu, v, 0, kTeam);
+  }
 }
 
 // Chan et al.'s merge of two (count, mean, M2) summaries.

@@ -1,0 +1,212 @@
+"""GPU-free: every vocabulary step in each form a model can spell it, fused and
+checked against eager through the plain-torch reference (FUSEDEPI_CPU_REFERENCE=1).
+"""
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from helpers import Chain, compile_records, steps_of
+
+pytestmark = pytest.mark.usefixtures("cpu_reference")
+
+SELU_ALPHA = 1.6732632423543772848170429916717
+SELU_SCALE = 1.0507009873554804934193349852946
+
+# (id, fn on the linear's output, expected steps, expected constants of the last step or None)
+POINTWISE = [
+    ("mish", F.mish, ["mish"], None),
+    ("hardswish", F.hardswish, ["hardswish"], None),
+    ("hardsigmoid", F.hardsigmoid, ["hardsigmoid"], None),
+    ("hardtanh", lambda x: F.hardtanh(x, -0.5, 2.0), ["clamp"], [-0.5, 2.0]),
+    ("hardtanh_default", F.hardtanh, ["clamp"], [-1.0, 1.0]),
+    ("relu6", F.relu6, ["clamp"], [0.0, 6.0]),
+    ("clamp", lambda x: torch.clamp(x, -0.3, 0.4), ["clamp"], [-0.3, 0.4]),
+    ("clamp_min", lambda x: torch.clamp(x, min=0.1), ["clamp"], [0.1, float("inf")]),
+    ("clamp_max", lambda x: x.clamp(max=0.2), ["clamp"], [float("-inf"), 0.2]),
+    ("elu", lambda x: F.elu(x, 0.7), ["elu"], [0.7, 1.0, 1.0]),
+    ("selu", F.selu, ["elu"], [SELU_ALPHA, SELU_SCALE, 1.0]),
+    ("celu", lambda x: F.celu(x, 1.3), ["elu"], [1.3, 1.0, 1.0 / 1.3]),
+    ("softplus", lambda x: F.softplus(x, 2.0, 1.5), ["softplus"], [2.0, 1.5]),
+    ("softplus_default", F.softplus, ["softplus"], [1.0, 20.0]),
+    ("abs", torch.abs, ["abs"], None),
+    ("exp", lambda x: torch.exp(x * 0.1), ["mul", "exp"], None),
+    ("log", lambda x: torch.log(torch.sigmoid(x)), ["sigmoid", "log"], None),
+    ("neg", lambda x: -torch.tanh(x), ["tanh", "neg"], None),
+    ("maximum_scalar", lambda x: torch.maximum(x, torch.tensor(0.1)), ["maximum"], None),
+    ("minimum_scalar", lambda x: torch.minimum(torch.tensor(-0.1), x), ["minimum"], None),
+]
+
+
+@pytest.mark.parametrize("fn, steps, consts", [c[1:] for c in POINTWISE], ids=[c[0] for c in POINTWISE])
+def test_pointwise_forms(fn, steps, consts):
+    model = Chain(fn, bias=False)
+    x = torch.randn(4, 16)
+    out, fused, refused = compile_records(model, x)
+    assert fused, refused
+    assert steps_of(fused[0]) == steps
+    if consts is not None:
+        assert json.loads(fused[0].spec)["steps"][-1]["consts"] == pytest.approx(consts)
+    torch.testing.assert_close(out, model(x))
+
+
+def test_maximum_with_a_per_channel_tensor():
+    floor = torch.randn(32)
+    model = Chain(lambda x: torch.maximum(x, floor))
+    x = torch.randn(4, 16)
+    out, fused, _ = compile_records(model, x)
+    assert json.loads(fused[0].spec)["steps"][-1]["operand"] == "channel"
+    torch.testing.assert_close(out, model(x))
+
+
+REDUCTIONS = [
+    ("sum", lambda x: x.sum(1, keepdim=True), "sum", (4, 1)),
+    ("sum_neg_dim", lambda x: x.sum(-1), "sum", (4,)),
+    ("mean", lambda x: x.mean(-1), "mean", (4,)),
+    ("amax", lambda x: x.amax(1, keepdim=True), "amax", (4, 1)),
+    ("amin", lambda x: x.amin(1), "amin", (4,)),
+    ("max_dim", lambda x: x.max(dim=1)[0], "amax", (4,)),
+    ("min_dim_keepdim", lambda x: torch.min(x, 1, keepdim=True).values, "amin", (4, 1)),
+    ("logsumexp", lambda x: torch.logsumexp(x, -1), "logsumexp", (4,)),
+]
+
+
+@pytest.mark.parametrize("fn, step, shape", [c[1:] for c in REDUCTIONS], ids=[c[0] for c in REDUCTIONS])
+def test_row_reductions_then_pointwise(fn, step, shape):
+    model = Chain(lambda x: torch.sigmoid(fn(F.gelu(x)) * 2.0))
+    x = torch.randn(4, 16)
+    out, fused, refused = compile_records(model, x)
+    assert fused, refused
+    assert steps_of(fused[0]) == ["gelu", step, "mul", "sigmoid"]
+    assert fused[0].fusion == f"linear_{step}"
+    assert out.shape == shape
+    torch.testing.assert_close(out, model(x))
+
+
+def test_max_with_indices_used_is_refused():
+    model = Chain(lambda x: torch.max(x, dim=1).indices.float())
+    x = torch.randn(4, 16)
+    out, fused, refused = compile_records(model, x)
+    assert not fused and "amax: output 1" in refused[0].reason
+    torch.testing.assert_close(out, model(x))
+
+
+def test_sum_with_dtype_is_refused():
+    model = Chain(lambda x: x.sum(1, dtype=torch.float64))
+    x = torch.randn(4, 16)
+    out, fused, refused = compile_records(model, x)
+    assert not fused and "dtype" in refused[0].reason
+    torch.testing.assert_close(out, model(x))
+
+
+@pytest.mark.parametrize("name", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("dim", [1, -1])
+def test_softmax_over_features(name, dim):
+    fn = getattr(F, name)
+    model = Chain(lambda x: fn(x, dim=dim) * 3.0)
+    x = torch.randn(4, 16)
+    out, fused, _ = compile_records(model, x)
+    assert steps_of(fused[0]) == [name, "mul"] and fused[0].fusion == f"linear_{name}"
+    torch.testing.assert_close(out, model(x))
+
+
+def test_softmax_over_rows_is_refused():
+    model = Chain(lambda x: F.softmax(x, dim=0))
+    x = torch.randn(4, 16)
+    out, fused, refused = compile_records(model, x)
+    assert not fused and "softmax over dims [0]" in refused[0].reason
+    torch.testing.assert_close(out, model(x))
+
+
+def test_softmax_on_3d_linear_output():
+    model = Chain(lambda x: F.softmax(x, dim=-1))
+    x = torch.randn(2, 3, 16)
+    out, fused, _ = compile_records(model, x)
+    assert steps_of(fused[0]) == ["softmax"]
+    torch.testing.assert_close(out, model(x))
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("eps", [None, 1e-5])
+def test_rmsnorm(affine, eps):
+    norm = nn.RMSNorm(32, eps=eps, elementwise_affine=affine)
+    if affine:
+        nn.init.uniform_(norm.weight, 0.5, 1.5)
+    model = Chain(nn.Sequential(norm, nn.SiLU()))
+    x = torch.randn(4, 16)
+    out, fused, refused = compile_records(model, x)
+    assert fused, refused
+    assert steps_of(fused[0]) == ["rmsnorm"] + (["mul"] if affine else []) + ["silu"]
+    expected_eps = torch.finfo(torch.float32).eps if eps is None else eps
+    assert json.loads(fused[0].spec)["steps"][0]["consts"] == pytest.approx([expected_eps])
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_functional_rms_norm():
+    model = Chain(lambda x: F.rms_norm(x, (32,), eps=1e-6))
+    x = torch.randn(4, 16)
+    out, fused, _ = compile_records(model, x)
+    assert steps_of(fused[0]) == ["rmsnorm"]
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_two_reductions_stop_the_chain():
+    model = Chain(lambda x: F.softmax(F.layer_norm(x, (32,)), dim=-1))
+    x = torch.randn(4, 16)
+    out, fused, _ = compile_records(model, x)
+    assert steps_of(fused[0]) == ["layernorm"]
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_dropout_eval_is_identity_and_training_is_refused():
+    model = Chain(nn.Sequential(nn.Dropout(0.5), nn.ReLU()))
+    x = torch.randn(4, 16)
+    out, fused, _ = compile_records(model.eval(), x)
+    assert steps_of(fused[0]) == ["relu"]
+    torch.testing.assert_close(out, model(x))
+    # Training dropout decomposes to a random mask (bool) times the value: refused there.
+    _, fused, refused = compile_records(model.train(), x)
+    assert not fused and "operand gt has dtype torch.bool" in refused[0].reason
+
+
+class ConvChain(nn.Module):
+    def __init__(self, conv, fn):
+        super().__init__()
+        self.conv, self.fn = conv, fn
+
+    def forward(self, x):
+        return self.fn(self.conv(x))
+
+
+CONVS = [
+    ("conv1d", lambda: nn.Conv1d(3, 8, 3, padding=1), (2, 3, 20)),
+    ("conv1d_stride2", lambda: nn.Conv1d(3, 8, 5, stride=2), (2, 3, 21)),
+    ("conv3d", lambda: nn.Conv3d(3, 8, 3), (2, 3, 6, 7, 8)),
+    ("conv2d_dilated", lambda: nn.Conv2d(3, 8, 3, dilation=2, padding=1), (2, 3, 11, 9)),
+    ("conv_transpose2d", lambda: nn.ConvTranspose2d(3, 8, 3, stride=2), (2, 3, 5, 6)),
+    ("conv_transpose3d", lambda: nn.ConvTranspose3d(3, 8, 2), (2, 3, 3, 4, 5)),
+]
+
+
+@pytest.mark.parametrize("make, shape", [c[1:] for c in CONVS], ids=[c[0] for c in CONVS])
+def test_conv_anchors_with_groupnorm(make, shape):
+    torch.manual_seed(0)
+    model = ConvChain(make(), nn.Sequential(nn.GroupNorm(4, 8), nn.Hardswish()))
+    x = torch.randn(shape)
+    out, fused, refused = compile_records(model, x)
+    assert fused, refused
+    assert steps_of(fused[0]) == ["add", "groupnorm", "hardswish"]  # the conv bias moves into the epilogue
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_matmul_with_nd_input_and_no_bias():
+    w = torch.randn(16, 32)
+    model = Chain(lambda x: F.mish(x @ w))
+    model.linear = nn.Identity()
+    x = torch.randn(2, 3, 16)
+    out, fused, refused = compile_records(model, x)
+    assert fused and steps_of(fused[0]) == ["mish"], refused
+    torch.testing.assert_close(out, model(x))
