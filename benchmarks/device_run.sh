@@ -7,6 +7,7 @@
 #   bash benchmarks/device_run.sh variants|anchors [args]  # kernel_variants.py / anchor_forms.py
 #   bash benchmarks/device_run.sh ncu SKIP COUNT WORKLOAD PRECISION [--eval]  # ncu on fusedepi's kernels
 #   bash benchmarks/device_run.sh warmprof WORKLOAD PRECISION BACKEND        # cProfile of a warm start
+#   bash benchmarks/device_run.sh fuzz MODELS FIRST WORKERS SECONDS [SEED]   # GPU differential fuzzer
 # The benchmark makes fresh kernel and Inductor caches of its own, so its compile times are cold.
 # Logs and JSON go to $OUT (the device tool's output folder) or /tmp/fusedepi-out.
 set -uo pipefail
@@ -44,6 +45,13 @@ if [ "$what" = ncu ]; then
 fi
 if [ "$what" = warmprof ]; then
   python3 -m benchmarks.warm_profile "$@" 2>&1 | tee "$OUT/warmprof_$(echo "$*" | tr ' ' '_').log" | head -75
+fi
+if [ "$what" = fuzz ]; then
+  models=$1 first=$2 workers=$3 limit=$4 seed=${5:-0}
+  FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 tests/fuzzer.py --device cuda \
+    --models "$models" --first "$first" --workers "$workers" --seed "$seed" --time-limit "$limit" \
+    --json "$OUT/fuzz_${seed}_${first}_${models}.json" 2>&1 | grep -v -i warn | tee "$OUT/fuzz_${seed}_${first}.log" | tail -60
+  status=${PIPESTATUS[0]}
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m benchmarks.compare --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^-- "

@@ -1,0 +1,570 @@
+"""Differential fuzzer: random anchor + epilogue models, fusedepi against eager.
+
+Model `index` of seed `seed` is a pure function of the two (`make_case`), so any
+finding reruns alone (`--only INDEX`) and becomes a named regression test. Each
+model is checked three ways: fusedepi's output against a float64 copy of the model
+(the error budget), eager's output against the same copy (what "as accurate as
+eager" means for an ill-conditioned chain), and whether the chain was fused.
+
+    python tests/fuzzer.py --device cpu --models 300            # the rewrite, via references
+    python tests/fuzzer.py --device cuda --models 2000 --workers 12 --json fuzz.json
+
+On CPU the fused op runs its plain-torch reference (FUSEDEPI_CPU_REFERENCE=1): this
+checks matching and rewriting. On CUDA it runs the rendered kernels.
+
+Forward passes run under `torch.no_grad()`: graphs that save values for backward
+are refused by design (README, limitations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# Relative error budget against float64, as in the GPU tests.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
+# A result within the budget, or no worse than this many times eager's own error, passes.
+EAGER_SLACK = 4.0
+
+
+@dataclass
+class Case:
+    """One random model, as plain data.
+
+    Attributes:
+        index, seed: where it comes from (`make_case(seed, index)`).
+        anchor: {"kind": "linear" | "conv" | "conv_transpose", ...sizes}.
+        steps: the chain after the anchor, each {"op": name, ...arguments}.
+        dtype: "float32", "bfloat16" or "float16".
+        training: the model's mode (BatchNorm uses batch statistics when True).
+        in_vocabulary: every step is one the vocabulary claims to fuse.
+    """
+
+    index: int
+    seed: int
+    anchor: dict
+    steps: list
+    dtype: str
+    training: bool
+    in_vocabulary: bool = True
+
+
+# ------------------------------------------------------------------ generation
+
+POINTWISE = [
+    "relu", "gelu", "gelu_tanh", "leaky_relu", "silu", "silu_spelled", "sigmoid", "tanh", "mish", "hardswish",
+    "hardsigmoid", "hardtanh", "relu6", "clamp", "clamp_min", "clamp_max", "elu", "selu", "celu", "softplus", "abs",
+    "neg", "exp", "log",
+]
+BINARY = ["add", "sub", "mul", "div", "maximum", "minimum"]
+# Steps with statistics over several elements: at most one per chain.
+NORMS_LINEAR = ["groupnorm", "layernorm", "rmsnorm", "batchnorm", "softmax", "log_softmax"]
+NORMS_CONV = ["groupnorm", "batchnorm"]
+ROW_REDUCTIONS = ["logsumexp", "sum", "mean", "amax", "amin", "max_values"]
+# Not in the vocabulary: the chain must stop there, and the model still match eager.
+OUTSIDE = ["cos", "pow3", "dropout_train"]
+# Values after these are in (0, 1] or (0, inf): `log` only follows them.
+POSITIVE = {"sigmoid", "exp", "softplus", "softmax"}
+# Values after these are bounded: `exp` only follows them (so it cannot overflow).
+BOUNDED = {"sigmoid", "tanh", "hardsigmoid", "hardtanh", "relu6", "clamp", "softmax", "log_softmax_bounded"}
+
+WIDTHS = [1, 3, 7, 16, 33, 64, 100, 127, 255, 256, 384, 513, 1000, 2048, 4100]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _anchor(rng: random.Random, device: str) -> dict:
+    kind = rng.choices(["linear", "conv", "conv_transpose"], weights=[6, 3, 1])[0]
+    if kind == "linear":
+        lead = rng.choice([[rng.randint(1, 70)], [rng.randint(1, 70)], [rng.randint(1, 5), rng.randint(1, 9)]])
+        return {"kind": kind, "lead": lead, "in": rng.randint(1, 300), "out": rng.choice(WIDTHS),
+                "bias": rng.random() < 0.8}
+    dims = rng.choice([1, 2, 2, 2, 3]) if kind == "conv" else rng.choice([2, 3])
+    low, high = {1: (4, 40), 2: (3, 24), 3: (3, 9)}[dims]
+    kernel, dilation = rng.choice([1, 2, 3]), rng.choice([1, 1, 2]) if kind == "conv" else 1
+    low = max(low, dilation * (kernel - 1) + 1)  # the output is at least 1 wide
+    return {
+        "kind": kind, "dims": dims, "batch": rng.randint(1, 4), "in": rng.randint(1, 8),
+        "out": rng.choice([2, 4, 6, 8, 12, 16, 24, 32]), "spatial": [rng.randint(low, high) for _ in range(dims)],
+        "kernel": kernel, "stride": rng.choice([1, 1, 2]), "padding": rng.choice([0, 1]),
+        "dilation": dilation, "bias": rng.random() < 0.8,
+    }
+
+
+def _step(rng: random.Random, ctx: dict) -> dict:
+    """One random step valid for the chain's current value (`ctx`)."""
+    channels = ctx["channels"]
+    choices = [("pointwise", 10), ("binary", 6)]
+    if not ctx["reduced"] and not ctx["has_reduction"]:
+        choices.append(("norm", 4))
+        if ctx["row_reducible"]:
+            choices.append(("reduction", 3))
+    if ctx["allow_outside"]:
+        choices.append(("outside", 1))
+    family = rng.choices([c for c, _ in choices], weights=[w for _, w in choices])[0]
+    if family == "pointwise":
+        ops = [o for o in POINTWISE if (o != "log" or ctx["last"] in POSITIVE) and (o != "exp" or ctx["last"] in BOUNDED)]
+        op = rng.choice(ops)
+        step = {"op": op}
+        if op == "leaky_relu":
+            step["slope"] = rng.choice([0.01, 0.2, -0.3, 1.5])
+        elif op in ("hardtanh", "clamp"):
+            lo = round(rng.uniform(-2, 0.5), 3)
+            step["lo"], step["hi"] = lo, round(lo + rng.uniform(0.1, 3), 3)
+        elif op in ("clamp_min", "clamp_max"):
+            step["bound"] = round(rng.uniform(-1, 1), 3)
+        elif op in ("elu", "celu"):
+            step["alpha"] = rng.choice([1.0, 0.5, 1.7])
+        elif op == "softplus":
+            step["beta"], step["threshold"] = rng.choice([1.0, 2.0, 0.5]), rng.choice([20.0, 1.0, 5.0])
+        return step
+    if family == "binary":
+        op = rng.choice(BINARY)
+        operands = ["channel", "one"] if op in ("maximum", "minimum") else ["scalar", "scalar", "channel", "one", "self"]
+        if not ctx["reduced"] and op not in ("maximum", "minimum"):
+            operands.append("full")
+        if ctx["reduced"]:
+            operands = [o for o in operands if o not in ("channel", "full")] or ["one"]
+        operand = rng.choice(operands)
+        step = {"op": op, "operand": operand, "reverse": rng.random() < 0.3 and operand != "self"}
+        if operand == "scalar":
+            step["value"] = round(rng.choice([-1, 1]) * rng.uniform(0.5, 2.0), 3)
+        return step
+    if family == "norm":
+        if ctx["nd_linear"]:  # [B, T, N]: only norms over the last dim keep their meaning
+            op = rng.choice(["layernorm", "rmsnorm", "softmax", "log_softmax"])
+        else:
+            op = rng.choice(NORMS_LINEAR if ctx["kind"] == "linear" else NORMS_CONV)
+        step = {"op": op, "eps": rng.choice([1e-5, 1e-6, 1e-3])}
+        if op == "groupnorm":
+            step["groups"] = rng.choice(_divisors(channels))
+            step["affine"] = rng.random() < 0.8
+        elif op in ("layernorm", "rmsnorm"):
+            step["affine"] = rng.random() < 0.7
+        elif op == "batchnorm":
+            step["momentum"] = rng.choice([0.1, 0.3])
+        return step
+    if family == "reduction":
+        return {"op": rng.choice(ROW_REDUCTIONS), "keepdim": rng.random() < 0.5}
+    return {"op": rng.choice(OUTSIDE)}
+
+
+def make_case(seed: int, index: int, device: str = "cpu") -> Case:
+    """The `index`-th random model of `seed` (a pure function of the two and `device`)."""
+    rng = random.Random(f"{seed}/{index}/{device}")
+    anchor = _anchor(rng, device)
+    linear = anchor["kind"] == "linear"
+    ctx = {
+        "kind": "linear" if linear else "conv",
+        "channels": anchor["out"],
+        "reduced": False,
+        "has_reduction": False,
+        "row_reducible": linear and len(anchor["lead"]) == 1,
+        "nd_linear": linear and len(anchor["lead"]) > 1,
+        "allow_outside": rng.random() < 0.1,
+        "last": "",
+    }
+    steps, in_vocabulary = [], True
+    for _ in range(rng.randint(1, 8)):
+        step = _step(rng, ctx)
+        steps.append(step)
+        op = step["op"]
+        ctx["last"] = "softmax" if op == "softmax" else op
+        if op in OUTSIDE:
+            in_vocabulary = False
+            ctx["allow_outside"] = False
+        if op in NORMS_LINEAR + ROW_REDUCTIONS:
+            ctx["has_reduction"] = True
+        if op in ROW_REDUCTIONS:
+            ctx["reduced"] = True
+    if device == "cuda":
+        dtype = rng.choices(["float32", "bfloat16", "float16"], weights=[5, 3, 2])[0]
+    else:
+        dtype = rng.choices(["float32", "bfloat16"], weights=[4, 1])[0]
+    return Case(index, seed, anchor, steps, dtype, training=rng.random() < 0.4, in_vocabulary=in_vocabulary)
+
+
+# -------------------------------------------------------------------- models
+
+
+class FuzzStep(nn.Module):
+    """One step of a Case, with its tensors registered so `.to()` and `.double()` reach them."""
+
+    def __init__(self, spec: dict, channels: int, channel_shape: list, value_shape: list, gen: torch.Generator):
+        super().__init__()
+        self.spec = dict(spec)
+        op = spec["op"]
+        self.norm = None
+        if op in BINARY and spec["operand"] in ("channel", "one"):
+            shape = channel_shape if spec["operand"] == "channel" else []
+            t = torch.rand(shape, generator=gen) + 0.5  # away from zero: `div` stays well conditioned
+            t = t * torch.where(torch.rand(shape, generator=gen) < 0.3, -1.0, 1.0)
+            self.register_buffer("operand", t)
+        if op == "groupnorm":
+            self.norm = nn.GroupNorm(spec["groups"], channels, eps=spec["eps"], affine=spec["affine"])
+        elif op == "layernorm":
+            self.norm = nn.LayerNorm(channels, eps=spec["eps"], elementwise_affine=spec["affine"])
+        elif op == "rmsnorm":
+            self.norm = nn.RMSNorm(channels, eps=spec["eps"], elementwise_affine=spec["affine"])
+        elif op == "batchnorm":
+            cls = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[len(value_shape)]
+            self.norm = cls(channels, eps=spec["eps"], momentum=spec["momentum"])
+            with torch.no_grad():
+                self.norm.running_mean.copy_(torch.randn(channels, generator=gen) * 0.1)
+                self.norm.running_var.copy_(torch.rand(channels, generator=gen) + 0.5)
+        if self.norm is not None:
+            with torch.no_grad():
+                for p in self.norm.parameters():
+                    p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+
+    def forward(self, x, residual):
+        s, op = self.spec, self.spec["op"]
+        if self.norm is not None:
+            return self.norm(x)
+        if op in BINARY:
+            other = {"scalar": s.get("value"), "self": x, "full": residual}.get(s["operand"])
+            if other is None:
+                other = self.operand
+            if op == "maximum":
+                return torch.maximum(x, other)
+            if op == "minimum":
+                return torch.minimum(other, x)
+            a, b = (other, x) if s["reverse"] else (x, other)
+            return {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}[op](a, b)
+        if op in ROW_REDUCTIONS:
+            keep = s["keepdim"]
+            if op == "max_values":
+                return torch.max(x, dim=1, keepdim=keep).values
+            return {"logsumexp": torch.logsumexp, "sum": torch.sum, "mean": torch.mean, "amax": torch.amax,
+                    "amin": torch.amin}[op](x, 1, keepdim=keep)
+        return _pointwise(op, s, x)
+
+
+def _pointwise(op: str, s: dict, x):
+    simple = {
+        "relu": F.relu, "gelu": F.gelu, "silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "mish": F.mish,
+        "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid, "relu6": F.relu6, "selu": F.selu, "abs": torch.abs,
+        "neg": torch.neg, "exp": torch.exp, "log": torch.log, "cos": torch.cos,
+    }
+    if op in simple:
+        return simple[op](x)
+    if op == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if op == "leaky_relu":
+        return F.leaky_relu(x, s["slope"])
+    if op == "silu_spelled":
+        return x * torch.sigmoid(x)
+    if op == "hardtanh":
+        return F.hardtanh(x, s["lo"], s["hi"])
+    if op == "clamp":
+        return torch.clamp(x, s["lo"], s["hi"])
+    if op == "clamp_min":
+        return torch.clamp(x, min=s["bound"])
+    if op == "clamp_max":
+        return torch.clamp(x, max=s["bound"])
+    if op == "elu":
+        return F.elu(x, s["alpha"])
+    if op == "celu":
+        return F.celu(x, s["alpha"])
+    if op == "softplus":
+        return F.softplus(x, s["beta"], s["threshold"])
+    if op == "softmax":
+        return F.softmax(x, dim=-1)
+    if op == "log_softmax":
+        return F.log_softmax(x, dim=-1)
+    if op == "pow3":
+        return x.pow(3)
+    if op == "dropout_train":
+        return F.dropout(x, 0.5, training=True)
+    raise ValueError(f"unknown fuzz step {op!r}")
+
+
+class FuzzModel(nn.Module):
+    """anchor -> steps; a residual input feeds the `full` operands."""
+
+    def __init__(self, case: Case):
+        super().__init__()
+        gen = torch.Generator().manual_seed(hash((case.seed, case.index)) & 0xFFFFFFFF)
+        torch.manual_seed(gen.initial_seed())
+        a = case.anchor
+        if a["kind"] == "linear":
+            self.anchor = nn.Linear(a["in"], a["out"], bias=a["bias"])
+            value_shape = a["lead"] + [a["out"]]
+            channel_shape = [a["out"]]
+        else:
+            transposed = a["kind"] == "conv_transpose"
+            cls = {(1, False): nn.Conv1d, (2, False): nn.Conv2d, (3, False): nn.Conv3d,
+                   (2, True): nn.ConvTranspose2d, (3, True): nn.ConvTranspose3d}[(a["dims"], transposed)]
+            kwargs = dict(stride=a["stride"], padding=a["padding"], bias=a["bias"])
+            if not transposed:
+                kwargs["dilation"] = a["dilation"]
+            self.anchor = cls(a["in"], a["out"], a["kernel"], **kwargs)
+            with torch.no_grad():
+                probe = self.anchor(torch.zeros([1, a["in"]] + a["spatial"]))
+            value_shape = [a["batch"]] + list(probe.shape[1:])
+            channel_shape = [a["out"]] + [1] * a["dims"]
+        self.value_shape = value_shape
+        self.steps = nn.ModuleList(FuzzStep(s, a["out"], channel_shape, value_shape, gen) for s in case.steps)
+
+    def forward(self, x, residual):
+        x = self.anchor(x)
+        for step in self.steps:
+            x = step(x, residual)
+        return x
+
+
+def make_inputs(case: Case, model: FuzzModel, device: str) -> tuple:
+    gen = torch.Generator().manual_seed((hash((case.seed, case.index)) + 1) & 0xFFFFFFFF)
+    a = case.anchor
+    shape = a["lead"] + [a["in"]] if a["kind"] == "linear" else [a["batch"], a["in"]] + a["spatial"]
+    dtype = getattr(torch, case.dtype)
+    x = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    residual = torch.randn(model.value_shape, generator=gen).to(device=device, dtype=dtype)
+    return x, residual
+
+
+# ------------------------------------------------------------------- checking
+
+
+def error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| over the reference's finite elements (float64).
+
+    inf where a non-finite reference value (NaN, +-inf) is not reproduced exactly,
+    or where a finite reference value comes out non-finite.
+    """
+    out, ref = out.double(), ref.double()
+    if out.shape != ref.shape:
+        return math.inf
+    finite = torch.isfinite(ref)
+    same_special = (out == ref) | (torch.isnan(out) & torch.isnan(ref))
+    if not bool(same_special[~finite].all()) or not bool(torch.isfinite(out[finite]).all()):
+        return math.inf
+    diff = (out[finite] - ref[finite]).norm().item()
+    scale = ref[finite].norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+@dataclass
+class Result:
+    """What happened to one Case."""
+
+    index: int
+    fusion: str  # "full" (one fused op covers the chain), "partial", "none"; "" after an error
+    check: str  # "ok", "mismatch", "ill_conditioned" (Inductor is as far off) or "error" (an exception)
+    in_vocabulary: bool
+    dtype: str
+    anchor: str
+    steps: list
+    err: float = 0.0  # fusedepi vs float64
+    eager_err: float = 0.0  # eager vs float64
+    inductor_err: float = 0.0  # plain Inductor vs float64, measured only when fusedepi's is out of budget
+    reason: str = ""  # why the chain stopped or was refused
+    finding: str = ""  # what failed the check
+    fused_steps: list = field(default_factory=list)
+
+
+def _inductor_error(base: nn.Module, case: Case, x, residual, ref, device: str, dtype) -> float:
+    model = copy.deepcopy(base).to(device=device, dtype=dtype)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend="inductor")(x, residual)
+    return error(out, ref)
+
+
+def _records(reports):
+    return [r for report in reports for r in report.records]
+
+
+def run_case(case: Case, device: str) -> Result:
+    """Compiles and runs one Case; compares it with eager and a float64 copy."""
+    from fusion_backend import fusedepi
+    from fusion_backend.backend import collect_reports
+
+    dtype = getattr(torch, case.dtype)
+    base = FuzzModel(case).train(case.training)
+    model = copy.deepcopy(base).to(device=device, dtype=dtype)
+    eager_model = copy.deepcopy(model)
+    ref_model = copy.deepcopy(base).to(device=device, dtype=torch.float64)
+    x, residual = make_inputs(case, base, device)
+    steps = [s["op"] for s in case.steps]
+    anchor = case.anchor["kind"] + (f"{case.anchor['dims']}d" if "dims" in case.anchor else "")
+    result = Result(case.index, "", "ok", case.in_vocabulary, case.dtype, anchor, steps)
+    torch._dynamo.reset()
+    reports: list = []
+    dropout = "dropout_train" in steps
+    try:
+        with torch.no_grad():
+            torch.manual_seed(0)
+            ref = ref_model(x.double(), residual.double())
+            torch.manual_seed(0)
+            eager = eager_model(x, residual)
+            with collect_reports(reports):
+                torch.manual_seed(0)
+                out = torch.compile(model, backend=fusedepi)(x, residual)
+    except Exception as err:  # a crash is a finding, whatever it is
+        result.check, result.finding = "error", f"{type(err).__name__}: {str(err)[:300]}"
+        return result
+    records = _records(reports)
+    fused = [r for r in records if r.status == "fused"]
+    refused = [r for r in records if r.status == "refused"]
+    result.fused_steps = [[s["name"] for s in json.loads(r.spec)["steps"]] for r in fused]
+    if dropout:
+        # Random masks differ between runs: only the shape and the fusion report are checked.
+        result.err = 0.0 if out.shape == eager.shape else math.inf
+    else:
+        result.err, result.eager_err = error(out, ref), error(eager, ref)
+        for name, ours in model.named_buffers():  # BatchNorm running stats
+            if ours.dtype.is_floating_point:
+                theirs = ref_model.get_buffer(name)
+                result.err = max(result.err, error(ours, theirs))
+                result.eager_err = max(result.eager_err, error(eager_model.get_buffer(name), theirs))
+    if result.err > TOLERANCE[case.dtype] and result.err > EAGER_SLACK * result.eager_err:
+        # Is it the chain's conditioning, which plain Inductor meets too (its own
+        # reduction order, say), or ours? Inductor runs only for these few.
+        result.inductor_err = _inductor_error(base, case, x, residual, ref, device, dtype)
+        ours_only = result.err > EAGER_SLACK * result.inductor_err
+        result.check = "mismatch" if ours_only else "ill_conditioned"
+        result.finding = (f"error {result.err:.3g}, eager's {result.eager_err:.3g}, "
+                          f"Inductor's {result.inductor_err:.3g}")
+    if fused and len(fused) == 1 and fused[0].stop == "end of the graph" and not refused:
+        result.fusion = "full"
+    elif fused:
+        result.fusion = "partial"
+        result.reason = fused[0].stop if fused[0].stop != "end of the graph" else refused[0].reason
+    else:
+        result.fusion = "none"
+        result.reason = refused[0].reason if refused else "no candidate chain"
+    return result
+
+
+# ------------------------------------------------------------------- driving
+
+
+def _setup_worker(device: str):
+    torch.set_float32_matmul_precision("highest")  # float32 means float32: no TF32
+    torch.backends.cudnn.allow_tf32 = False
+    if device == "cpu":
+        os.environ["FUSEDEPI_CPU_REFERENCE"] = "1"
+    import logging
+
+    logging.getLogger("fusedepi").setLevel(logging.ERROR)  # refusals are counted, not printed
+
+
+def _work(args):
+    seed, index, device = args
+    return asdict(run_case(make_case(seed, index, device), device))
+
+
+def normalize_reason(reason: str) -> str:
+    """A refusal reason without node names and numbers, for counting."""
+    reason = re.sub(r"\b[a-z_]+_\d+\b", "<node>", reason)
+    reason = re.sub(r"\(([a-z_0-9]+(, )?)+\)", "(<nodes>)", reason)
+    return re.sub(r"-?\d+(\.\d+)?(e-?\d+)?", "#", reason)[:110]
+
+
+def summarize(results: list[dict]) -> dict:
+    """Counts: models tried, fused, partial, refused by reason, mismatches, errors."""
+    fusion = collections.Counter(r["fusion"] for r in results if r["check"] != "error")
+    checks = collections.Counter(r["check"] for r in results)
+    inside = [r for r in results if r["in_vocabulary"]]
+    inside_fused = sum(r["fusion"] == "full" for r in inside)
+    reasons = collections.Counter(normalize_reason(r["reason"]) for r in results if r["fusion"] in ("partial", "none"))
+    return {
+        "models": len(results),
+        "fusion": dict(fusion),
+        "checks": dict(checks),
+        "in_vocabulary": len(inside),
+        "in_vocabulary_fully_fused": inside_fused,
+        "in_vocabulary_fused_share": inside_fused / len(inside) if inside else 0.0,
+        "any_fusion": fusion["full"] + fusion["partial"],
+        "reasons": dict(reasons.most_common()),
+        "findings": [r for r in results if r["check"] in ("mismatch", "error")],
+    }
+
+
+def run(seed: int, indices, device: str, workers: int = 1, progress=None, time_limit=None) -> list[dict]:
+    """Runs the cases `indices` of `seed`; returns their results (as dicts), in index order.
+
+    Args:
+        workers: processes, each compiling its own models (kernel builds run in parallel).
+        progress: print a progress line every this many models, and each finding as it comes.
+        time_limit: seconds; models not finished by then are left out (the count says so).
+    """
+    jobs = [(seed, i, device) for i in indices]
+    results = []
+    start = time.time()
+    if workers <= 1:
+        _setup_worker(device)
+        it = map(_work, jobs)
+        pool = None
+    else:
+        import multiprocessing
+
+        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_setup_worker, initargs=(device,))
+        it = pool.imap_unordered(_work, jobs)
+    try:
+        for n, res in enumerate(it, 1):
+            results.append(res)
+            if progress and res["check"] in ("mismatch", "error"):
+                print("FINDING", json.dumps(res), flush=True)
+            if progress and (n % progress == 0 or n == len(jobs)):
+                bad = sum(r["check"] in ("mismatch", "error") for r in results)
+                print(f"[fuzz] {n}/{len(jobs)} models, {bad} findings, {time.time() - start:.0f} s", flush=True)
+            if time_limit is not None and time.time() - start > time_limit:
+                print(f"[fuzz] time limit: stopping after {n} of {len(jobs)} models", flush=True)
+                break
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    return sorted(results, key=lambda r: r["index"])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--models", type=int, default=300)
+    parser.add_argument("--first", type=int, default=0, help="index of the first model")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", type=int, nargs="*", help="run just these model indices, and show them")
+    parser.add_argument("--workers", type=int, default=1, help="processes (each compiles its own models)")
+    parser.add_argument("--json", help="write every result and the summary here")
+    parser.add_argument("--time-limit", type=float, help="seconds; stop there and report what finished")
+    args = parser.parse_args(argv)
+    indices = args.only if args.only else range(args.first, args.first + args.models)
+    if args.only:
+        for i in indices:
+            print(json.dumps(asdict(make_case(args.seed, i, args.device))))
+    results = run(args.seed, indices, args.device, args.workers, progress=max(1, len(indices) // 20),
+                  time_limit=args.time_limit)
+    summary = summarize(results)
+    print(json.dumps({k: v for k, v in summary.items() if k != "findings"}, indent=1))
+    print(f"{len(summary['findings'])} findings (printed above as they came)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"seed": args.seed, "device": args.device, "summary": summary,
+                                               "results": results}, indent=1))
+    return 1 if summary["findings"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
