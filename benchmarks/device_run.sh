@@ -8,6 +8,7 @@
 #   bash benchmarks/device_run.sh ncu SKIP COUNT WORKLOAD PRECISION [--eval]  # ncu on fusedepi's kernels
 #   bash benchmarks/device_run.sh warmprof WORKLOAD PRECISION BACKEND        # cProfile of a warm start
 #   bash benchmarks/device_run.sh fuzz MODELS FIRST WORKERS SECONDS [SEED]   # GPU differential fuzzer
+#   bash benchmarks/device_run.sh fuzzbench N SEED [MODE]                    # N fused random models vs Inductor
 # The benchmark makes fresh kernel and Inductor caches of its own, so its compile times are cold.
 # Logs and JSON go to $OUT (the device tool's output folder) or /tmp/fusedepi-out.
 set -uo pipefail
@@ -51,6 +52,13 @@ if [ "$what" = fuzz ]; then
   FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 tests/fuzzer.py --device cuda \
     --models "$models" --first "$first" --workers "$workers" --seed "$seed" --time-limit "$limit" \
     --json "$OUT/fuzz_${seed}_${first}_${models}.json" 2>&1 | grep -v -i warn | tee "$OUT/fuzz_${seed}_${first}.log" | tail -60
+  status=${PIPESTATUS[0]}
+fi
+if [ "$what" = fuzzbench ]; then
+  mode=${3:-default}
+  margs=(); [ "$mode" = default ] || margs=(--mode "$mode")
+  FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 tests/fuzzer.py --bench "$1" --seed "$2" \
+    "${margs[@]}" --json "$OUT/fuzzbench_$2_$1_$mode.json" 2>&1 | grep -v -i warn | tee "$OUT/fuzzbench_$mode.log" | tail -70
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -135,14 +135,15 @@ class Launcher:
         ws_floats = self._ws_floats.get(rows)
         if ws_floats is None:
             ws_floats = self._ws_floats[rows] = self.lib.workspace_floats(rows)
-        ws = y.new_empty(max(ws_floats, 1), dtype=torch.float32)
+        # Pointwise chains need no workspace: a null pointer, and no allocation per call.
+        ws = y.new_empty(ws_floats, dtype=torch.float32) if ws_floats > 0 else None
         pointers = [y.data_ptr(), out.data_ptr()]
         pointers += [t.data_ptr() for t in extras]
         pointers += [t.data_ptr() for t in params]
-        pointers.append(ws.data_ptr())
+        pointers.append(ws.data_ptr() if ws is not None else 0)
         if self.lib.anchor_inside:
             pointers += [t.data_ptr() for t in anchor_operands]
-        self.lib.run(pointers, rows, self.device_index, torch.cuda.current_stream(y.device).cuda_stream)
+        self.lib.run(pointers, rows, self.device_index, torch._C._cuda_getCurrentRawStream(self.device_index))
         return [out] + extras
 
 

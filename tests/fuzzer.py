@@ -8,6 +8,7 @@ eager" means for an ill-conditioned chain), and whether the chain was fused.
 
     python tests/fuzzer.py --device cpu --models 300            # the rewrite, via references
     python tests/fuzzer.py --device cuda --models 2000 --workers 12 --json fuzz.json
+    python tests/fuzzer.py --bench 50                           # speed against Inductor (CUDA)
 
 On CPU the fused op runs its plain-torch reference (FUSEDEPI_CPU_REFERENCE=1): this
 checks matching and rewriting. On CUDA it runs the rendered kernels.
@@ -540,6 +541,85 @@ def run(seed: int, indices, device: str, workers: int = 1, progress=None, time_l
     return sorted(results, key=lambda r: r["index"])
 
 
+# ------------------------------------------------------------------ benchmark
+
+BENCH_ROWS = 8192  # rows of a linear model's input in benchmark mode
+BENCH_IMAGES = 32  # images of a conv model's input
+
+
+def scale_case(case: Case) -> Case:
+    """The same model with a batch large enough that its time is GPU work, not launch overhead."""
+    anchor = dict(case.anchor)
+    if anchor["kind"] == "linear":
+        anchor["lead"] = [BENCH_ROWS] if len(anchor["lead"]) == 1 else [BENCH_ROWS // 64, 64]
+    else:
+        anchor["batch"] = BENCH_IMAGES
+    return Case(case.index, case.seed, anchor, case.steps, case.dtype, case.training, case.in_vocabulary)
+
+
+def bench(seed: int, count: int, first: int = 0, progress: bool = True, mode: str | None = None) -> dict:
+    """Times `count` random models that fusedepi fuses whole (on CUDA), against Inductor.
+
+    Models are scaled with `scale_case`; out-of-vocabulary and partly fused ones are
+    skipped. `mode` is torch.compile's, for both backends ("reduce-overhead": CUDA
+    graphs, which take the per-call CPU cost out). Returns the rows and the
+    distribution of Inductor ms / fusedepi ms.
+    """
+    from triton.testing import do_bench
+
+    from fusion_backend import fusedepi
+    from fusion_backend.backend import collect_reports
+
+    _setup_worker("cuda")
+    rows, index = [], first
+    while len(rows) < count:
+        case = scale_case(make_case(seed, index, "cuda"))
+        index += 1
+        if not case.in_vocabulary or "dropout_train" in [s["op"] for s in case.steps]:
+            continue
+        dtype = getattr(torch, case.dtype)
+        base = FuzzModel(case).train(case.training)
+        x, residual = make_inputs(case, base, "cuda")
+        times = {}
+        with torch.no_grad():
+            for backend in ("fusedepi", "inductor"):
+                model = copy.deepcopy(base).to(device="cuda", dtype=dtype)
+                torch._dynamo.reset()
+                reports: list = []
+                with collect_reports(reports):
+                    fn = torch.compile(model, backend=fusedepi if backend == "fusedepi" else "inductor", mode=mode)
+                    for _ in range(3):  # CUDA graphs record on the second call
+                        fn(x, residual)
+                if backend == "fusedepi":
+                    records = _records(reports)
+                    fused = [r for r in records if r.status == "fused"]
+                    if len(fused) != 1 or fused[0].stop != "end of the graph" or len(records) != 1:
+                        break
+                    kernel = fused[0].kernel
+                times[backend] = do_bench(lambda: fn(x, residual), warmup=25, rep=200, return_mode="median")
+        if len(times) < 2:
+            continue
+        row = {"index": case.index, "dtype": case.dtype, "anchor": case.anchor["kind"], "kernel": kernel,
+               "fusedepi_ms": times["fusedepi"], "inductor_ms": times["inductor"],
+               "ratio": times["inductor"] / times["fusedepi"]}
+        rows.append(row)
+        if progress:
+            print(f"[bench] {len(rows)}/{count} model {case.index} {case.dtype} {kernel}: "
+                  f"fusedepi {row['fusedepi_ms']:.4f} ms, Inductor {row['inductor_ms']:.4f} ms, "
+                  f"ratio {row['ratio']:.2f}", flush=True)
+    ratios = sorted(r["ratio"] for r in rows)
+    summary = {
+        "models": len(rows),
+        "min": ratios[0],
+        "p10": ratios[len(ratios) // 10],
+        "median": ratios[len(ratios) // 2],
+        "max": ratios[-1],
+        "geomean": math.exp(sum(math.log(r) for r in ratios) / len(ratios)),
+        "slower_than_inductor": sum(r < 1.0 for r in ratios),
+    }
+    return {"rows": rows, "summary": summary}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -550,7 +630,16 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=1, help="processes (each compiles its own models)")
     parser.add_argument("--json", help="write every result and the summary here")
     parser.add_argument("--time-limit", type=float, help="seconds; stop there and report what finished")
+    parser.add_argument("--bench", type=int, metavar="N",
+                        help="instead: time N wholly fused models (scaled up) against Inductor, CUDA only")
+    parser.add_argument("--mode", help="torch.compile mode for --bench, e.g. reduce-overhead")
     args = parser.parse_args(argv)
+    if args.bench:
+        out = bench(args.seed, args.bench, args.first, mode=args.mode)
+        print(json.dumps(out["summary"], indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+        return 0
     indices = args.only if args.only else range(args.first, args.first + args.models)
     if args.only:
         for i in indices:
