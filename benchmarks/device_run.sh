@@ -9,6 +9,7 @@
 #   bash benchmarks/device_run.sh warmprof WORKLOAD PRECISION BACKEND        # cProfile of a warm start
 #   bash benchmarks/device_run.sh fuzz MODELS FIRST WORKERS SECONDS [SEED]   # GPU differential fuzzer
 #   bash benchmarks/device_run.sh fuzzbench N SEED [MODE]                    # N fused random models vs Inductor
+#   bash benchmarks/device_run.sh callprof                                   # CPU time of one compiled call
 # The benchmark makes fresh kernel and Inductor caches of its own, so its compile times are cold.
 # Logs and JSON go to $OUT (the device tool's output folder) or /tmp/fusedepi-out.
 set -uo pipefail
@@ -53,6 +54,9 @@ if [ "$what" = fuzz ]; then
     --models "$models" --first "$first" --workers "$workers" --seed "$seed" --time-limit "$limit" \
     --json "$OUT/fuzz_${seed}_${first}_${models}.json" 2>&1 | grep -v -i warn | tee "$OUT/fuzz_${seed}_${first}.log" | tail -60
   status=${PIPESTATUS[0]}
+fi
+if [ "$what" = callprof ]; then
+  python3 -m benchmarks.call_profile 2>&1 | grep -v -i warn | tee "$OUT/callprof.log" | head -70
 fi
 if [ "$what" = fuzzbench ]; then
   mode=${3:-default}

@@ -38,15 +38,27 @@ def reference(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
     return run_reference(y, parsed.steps, list(inputs[n:]))
 
 
-@torch.library.custom_op("fusedepi::chain", mutates_args=())
+# A plain `torch.library.Library` op, not `torch.library.custom_op`: the latter's
+# per-call wrappers (output aliasing check, autograd wrapper, redispatch) cost about
+# 50 us of CPU per call on an H200 host (benchmarks/call_profile.py), more than the
+# GPU time of a small chain. Nothing is lost: the outputs are always new tensors, and
+# the op has no autograd formula because it only goes into graphs that need none
+# (forward graphs whose chains save nothing for backward, run without grad).
+_LIB = torch.library.Library("fusedepi", "DEF")
+_LIB.define("chain(Tensor[] inputs, str spec) -> Tensor[]")
+
+
 def chain(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
     """Runs a fused chain; `spec` is an `EpilogueSpec` as JSON. This body serves CPU tensors."""
     return reference(inputs, spec)
 
 
-@chain.register_fake
 def _chain_fake(inputs, spec):
     return reference(inputs, spec)
+
+
+_LIB.impl("chain", chain, "CPU")
+torch.library.register_fake("fusedepi::chain", _chain_fake, lib=_LIB)
 
 
 _specs: dict[str, EpilogueSpec] = {}
@@ -164,6 +176,8 @@ def launcher_for(spec: str, device: torch.device) -> Launcher:
     return launcher
 
 
-@chain.register_kernel("cuda")
 def _chain_cuda(inputs, spec):
     return launcher_for(spec, inputs[0].device)(inputs)
+
+
+_LIB.impl("chain", _chain_cuda, "CUDA")
