@@ -89,6 +89,8 @@ class _State:
     conv: bool
     channel_axis: int = 1
     reduced: bool = False  # a row reduction has shrunk the value to one per row
+    dtype: torch.dtype | None = None  # the value's dtype: the chain's, or float32 while widened
+    widened_at: tuple | None = None  # the walk's state where a bf16/fp16 value went to float32
 
 
 @dataclass
@@ -97,6 +99,7 @@ class _Match:
     consumed: list  # nodes of this step, in graph order
     result: Node  # the node holding the step's value
     extra: list = field(default_factory=list)
+    dtype: torch.dtype | None = None  # a dtype conversion (no step): the value's new dtype
 
 
 def _arg(node: Node, index: int, name: str, default=None):
@@ -123,9 +126,8 @@ def _only_user(state: _State) -> Node | None:
 
 def _check_dtype(state: _State, node: Node):
     val = _val(node)
-    want = _val(state.chain.anchor).dtype
-    if isinstance(val, torch.Tensor) and val.dtype != want:
-        raise Refuse(f"{_name(node)}: result dtype {val.dtype} differs from the chain's {want}")
+    if isinstance(val, torch.Tensor) and val.dtype != state.dtype:
+        raise Refuse(f"{_name(node)}: result dtype {val.dtype} differs from the chain's {state.dtype}")
 
 
 def _name(node: Node) -> str:
@@ -412,6 +414,28 @@ def _match_row_reduction(state: _State, user: Node):
     return _Match(Step(name, keepdim=keepdim), consumed, result)
 
 
+# ---------------------------------------------------------------- conversions
+
+_CONVERTS = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
+
+
+def _match_convert(state: _State, user: Node):
+    """bf16/fp16 -> float32 and back: decompositions (RMSNorm's, for one) compute in
+    float32 between two conversions. The epilogue computes in float32 throughout, so
+    both are no-ops for it; a chain that would end in float32 is cut back (`_extend`)."""
+    if user.target not in _CONVERTS:
+        return None
+    val = _val(user)
+    if user.target is aten._to_copy.default and set(user.kwargs) - {"dtype"}:
+        raise Refuse(f"_to_copy with {sorted(set(user.kwargs) - {'dtype'})}")
+    chain_dtype = _val(state.chain.anchor).dtype
+    if state.dtype != torch.float32 and val.dtype == torch.float32:
+        return _Match(None, [user], user, dtype=torch.float32)
+    if state.dtype == torch.float32 and chain_dtype != torch.float32 and val.dtype == chain_dtype:
+        return _Match(None, [user], user, dtype=chain_dtype)
+    raise Refuse(f"conversion from {state.dtype} to {val.dtype} would round inside the chain")
+
+
 # ---------------------------------------------------------------------- views
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -439,6 +463,7 @@ STEP_MATCHERS: list[Callable] = [
     _match_batch_norm,
     _match_softmax,
     _match_row_reduction,
+    _match_convert,
 ]
 # Forms that consume a value with several users (the value feeds more than one of their nodes).
 MULTI_NODE = STEP_MATCHERS[:2]
@@ -508,7 +533,7 @@ def _start(node: Node, anchor: Anchor, operands, allow_cpu: bool) -> _State:
     for s in shape[2:]:
         inner *= s
     chain = Chain(anchor=node, operands=operands, nodes=[node])
-    return _State(node=node, chain=chain, channels=shape[1], inner=inner, conv=conv)
+    return _State(node=node, chain=chain, channels=shape[1], inner=inner, conv=conv, dtype=val.dtype)
 
 
 def _fold_bias(state: _State, anchor: Anchor, gemm_bias: bool) -> Anchor | None:
@@ -552,7 +577,23 @@ def _extend(state: _State, disabled: frozenset) -> str:
             stop = str(err)
         if stop is not None:
             del state.chain.params[n_params:]
+            if state.widened_at is not None:  # the fused op returns the chain's dtype: cut back
+                _restore(state, state.widened_at)
+                stop = f"{stop} (while widened to float32, so the chain ends before the conversion)"
             return stop
+
+
+def _snapshot(state: _State) -> tuple:
+    c = state.chain
+    return (len(c.steps), len(c.nodes), len(c.params), len(c.extra), c.view, state.node,
+            state.channel_axis, state.reduced, state.dtype)
+
+
+def _restore(state: _State, snap: tuple):
+    c = state.chain
+    n_steps, n_nodes, n_params, n_extra, c.view, state.node, state.channel_axis, state.reduced, state.dtype = snap
+    del c.steps[n_steps:], c.nodes[n_nodes:], c.params[n_params:], c.extra[n_extra:]
+    state.widened_at = None
 
 
 def _extend_once(state: _State, disabled: frozenset) -> str | None:
@@ -576,7 +617,13 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
         if match is None:
             return f"{_name(users[0])} is not in the vocabulary"
     step = match.step
-    if step is None:  # a view: regroups rows, re-applied after the fused op
+    if match.dtype is not None:  # a conversion: no step, the value's dtype changes
+        if match.dtype == torch.float32:
+            state.widened_at = _snapshot(state)
+        else:
+            state.widened_at = None
+        state.dtype = match.dtype
+    elif step is None:  # a view: regroups rows, re-applied after the fused op
         state.chain.view = match.result
         state.channel_axis = _val(match.result).dim() - 1
     else:

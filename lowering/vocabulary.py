@@ -86,8 +86,10 @@ def _batchnorm_train(x, step, params):
 
 
 def _rmsnorm(x, step, params):
-    # The form nn.RMSNorm / F.rms_norm decompose to (weight, if any, is a `mul` step after).
-    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + step.consts[0])
+    # The form nn.RMSNorm / F.rms_norm decompose to (weight, if any, is a `mul` step
+    # after), in float32 as they compute it for bf16/fp16 inputs.
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + step.consts[0])).to(x.dtype)
 
 
 def _number(value, what: str) -> float:

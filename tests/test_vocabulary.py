@@ -210,3 +210,35 @@ def test_matmul_with_nd_input_and_no_bias():
     out, fused, refused = compile_records(model, x)
     assert fused and steps_of(fused[0]) == ["mish"], refused
     torch.testing.assert_close(out, model(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_rmsnorm_in_half_precision_reads_through_the_float32_conversions(dtype):
+    model = Chain(nn.Sequential(nn.RMSNorm(32), nn.GELU())).to(dtype)
+    x = torch.randn(4, 16, dtype=dtype)
+    out, fused, refused = compile_records(model, x)
+    assert fused, refused
+    assert steps_of(fused[0]) == ["rmsnorm", "mul", "gelu"]
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, model(x), atol=2e-2, rtol=2e-2)
+
+
+def test_chain_ending_in_float32_is_cut_back_before_the_conversion():
+    # The graph's result is float32: the fused op returns bf16, so the chain ends at the relu.
+    model = Chain(lambda x: torch.sigmoid(torch.relu(x).float())).to(torch.bfloat16)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    out, fused, refused = compile_records(model, x)
+    assert steps_of(fused[0]) == ["relu"]
+    assert "while widened to float32" in fused[0].stop
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, model(x))
+
+
+def test_narrowing_inside_a_float32_chain_is_refused():
+    model = Chain(lambda x: torch.relu(x).to(torch.bfloat16).float() * 2.0)
+    x = torch.randn(4, 16)
+    out, fused, refused = compile_records(model, x)
+    assert steps_of(fused[0]) == ["relu"] and "would round inside the chain" in fused[0].stop
+    # Inductor, which runs the rest, drops the bf16 round trip (it does not emulate
+    # precision casts by default): equal to eager within bf16 rounding only.
+    torch.testing.assert_close(out, model(x), atol=1e-2, rtol=1e-2)
