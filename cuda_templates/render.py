@@ -149,7 +149,6 @@ def direct_plan(spec: EpilogueSpec, arch: str = "sm90") -> DirectPlan | str:
         return f"{red.name} after a direct conv is not implemented"
     cin, kh, kw, _, _ = anchor.direct
     ho, wo = anchor.direct_out_hw()
-    cout = spec.channels
     if ho * wo != spec.inner or ho < 1 or wo < 1:
         return f"output {ho}x{wo} does not match the chain's {spec.inner} elements per channel"
     col_tiles = _ceil_div(wo, DIRECT_TILE_W)

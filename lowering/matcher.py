@@ -376,13 +376,13 @@ def _match_softmax(state: _State, user: Node):
 
 # ----------------------------------------------------------------- reductions
 
-# aten op -> (step, index of its dims argument, its name)
+# aten op -> step; each takes (value, dims, keepdim, ...).
 _ROW_REDUCTIONS = {
-    aten.logsumexp.default: ("logsumexp", "dim"),
-    aten.sum.dim_IntList: ("sum", "dim"),
-    aten.mean.dim: ("mean", "dim"),
-    aten.amax.default: ("amax", "dim"),
-    aten.amin.default: ("amin", "dim"),
+    aten.logsumexp.default: "logsumexp",
+    aten.sum.dim_IntList: "sum",
+    aten.mean.dim: "mean",
+    aten.amax.default: "amax",
+    aten.amin.default: "amin",
 }
 # Reductions that also return indices: fused when only the values are used.
 _VALUE_AND_INDEX = {aten.max.dim: "amax", aten.min.dim: "amin"}
@@ -398,7 +398,7 @@ def _match_row_reduction(state: _State, user: Node):
             raise Refuse(f"{name}: values unused")
         consumed, result = [user, items[0]], items[0]
     elif user.target in _ROW_REDUCTIONS:
-        name = _ROW_REDUCTIONS[user.target][0]
+        name = _ROW_REDUCTIONS[user.target]
         consumed, result = [user], user
         if name in ("sum", "mean") and _arg(user, 3, "dtype") is not None:
             raise Refuse(f"{name} with dtype={_arg(user, 3, 'dtype')}")

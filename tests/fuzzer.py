@@ -94,7 +94,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _anchor(rng: random.Random, device: str) -> dict:
+def _anchor(rng: random.Random) -> dict:
     kind = rng.choices(["linear", "conv", "conv_transpose"], weights=[6, 3, 1])[0]
     if kind == "linear":
         lead = rng.choice([[rng.randint(1, 70)], [rng.randint(1, 70)], [rng.randint(1, 5), rng.randint(1, 9)]])
@@ -173,7 +173,7 @@ def _step(rng: random.Random, ctx: dict) -> dict:
 def make_case(seed: int, index: int, device: str = "cpu") -> Case:
     """The `index`-th random model of `seed` (a pure function of the two and `device`)."""
     rng = random.Random(f"{seed}/{index}/{device}")
-    anchor = _anchor(rng, device)
+    anchor = _anchor(rng)
     linear = anchor["kind"] == "linear"
     ctx = {
         "kind": "linear" if linear else "conv",

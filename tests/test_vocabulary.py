@@ -113,11 +113,20 @@ def test_softmax_over_features(name, dim):
     torch.testing.assert_close(out, model(x))
 
 
-def test_softmax_over_rows_is_refused():
-    model = Chain(lambda x: F.softmax(x, dim=0))
+OVER_ROWS = [
+    ("softmax", lambda x: F.softmax(x, dim=0)),
+    ("logsumexp", lambda x: torch.logsumexp(x, dim=0)),
+    ("sum", lambda x: x.sum(0)),
+    ("amax", lambda x: x.amax(0, keepdim=True)),
+]
+
+
+@pytest.mark.parametrize("name, fn", OVER_ROWS, ids=[c[0] for c in OVER_ROWS])
+def test_reductions_over_rows_are_refused(name, fn):
+    model = Chain(fn)
     x = torch.randn(4, 16)
     out, fused, refused = compile_records(model, x)
-    assert not fused and "softmax over dims [0]" in refused[0].reason
+    assert not fused and f"{name} over dims [0]" in refused[0].reason
     torch.testing.assert_close(out, model(x))
 
 
