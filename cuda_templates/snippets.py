@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from lowering.spec import CHANNEL, FULL, ONE, SCALAR, SELF, Step
+from lowering.spec import CHANNEL, FULL, ONE, ROW_REDUCTIONS, SCALAR, SELF, Step
 
 
 def cfloat(value: float) -> str:
@@ -141,12 +141,8 @@ SNIPPETS = {
     "log_softmax": lambda s, ops: "x = x - s0 - s1;",  # s1 = log of that sum
     "batchnorm_eval": _batchnorm_eval,
     "batchnorm_train": _batchnorm_train,
-    # Row reductions: computed by templates.ROW_REDUCE; the steps after them see the row's value.
-    "logsumexp": lambda s, ops: "",
-    "sum": lambda s, ops: "",
-    "mean": lambda s, ops: "",
-    "amax": lambda s, ops: "",
-    "amin": lambda s, ops: "",
+    # Row reductions are computed by templates.ROW_REDUCE; the steps after them see the row's value.
+    **{name: (lambda s, ops: "") for name in ROW_REDUCTIONS},
 }
 
 

@@ -191,17 +191,13 @@ $apply
   }"""
 )
 
-# Sum over this thread's live elements of $term (an expression in `e`).
-def _thread_sum(var: str, term: str) -> str:
-    return f"""    float {var} = 0.f;
-#pragma unroll
-    for (int k = 0; k < kNV; ++k)
-      if (valid(p, k))
-#pragma unroll
-        for (int j = 0; j < kV; ++j) {{
-          const float e = v[k][j];
-          {var} += {term};
-        }}"""
+def _fold(var: str, init: str, update: str, indent: str = "    ") -> str:
+    """C++ that folds this thread's live elements `e` into a new float `var`: it starts
+    at `init` and becomes `update` (an expression in `var` and `e`) for each element."""
+    lines = [f"float {var} = {init};", "#pragma unroll", "for (int k = 0; k < kNV; ++k)", "  if (valid(p, k))",
+             "#pragma unroll", "    for (int j = 0; j < kV; ++j) {", "      const float e = v[k][j];",
+             f"      {var} = {update};", "    }"]
+    return "\n".join(line if line.startswith("#") else indent + line for line in lines)
 
 
 # Per reduction: code that leaves its two statistics in `s0`, `s1` for stage1.
@@ -212,25 +208,24 @@ TEAM_STATISTICS = {
     # one) has its mean exactly and normalizes to exactly 0, as eager's Welford does.
     "moments": Template(
         "    const float shift = fusedepi::team_first<kTeam>(v[0][0]);\n"
-        + _thread_sum("s", "e - shift")
+        + _fold("s", "0.f", "s + (e - shift)")
         + "\n    const float s0 = shift + fusedepi::team_sum<kTeam>(s) / static_cast<float>(kL);\n"
-        + _thread_sum("q", "(e - s0) * (e - s0)")
+        + _fold("q", "0.f", "q + (e - s0) * (e - s0)")
         + "\n    const float var = fusedepi::team_sum<kTeam>(q) / static_cast<float>(kL);"
         + "\n    const float s1 = rsqrtf(fmaxf(var, 0.f) + $eps);"
     ),
     # s1 = rsqrt(mean(x^2) + eps), as the decomposed RMSNorm computes it.
     "rmsnorm": Template(
-        _thread_sum("q", "e * e")
+        _fold("q", "0.f", "q + e * e")
         + "\n    const float s0 = 0.f;"
         + "\n    const float s1 = rsqrtf(fusedepi::team_sum<kTeam>(q) / static_cast<float>(kL) + $eps);"
     ),
     # s0 = row max, s1 = sum of exp(x - s0) (softmax) or its log (log_softmax). A NaN
     # is skipped by fmaxf but reaches every output through the sum, as in eager.
     "softmax": Template(
-        "    float mx = -INFINITY;\n#pragma unroll\n    for (int k = 0; k < kNV; ++k)\n      if (valid(p, k))\n"
-        "#pragma unroll\n        for (int j = 0; j < kV; ++j) mx = fmaxf(mx, v[k][j]);\n"
-        "    const float s0 = fusedepi::team_max<kTeam>(mx);\n"
-        + _thread_sum("s", "expf(e - s0)")
+        _fold("mx", "-INFINITY", "fmaxf(mx, e)")
+        + "\n    const float s0 = fusedepi::team_max<kTeam>(mx);\n"
+        + _fold("s", "0.f", "s + expf(e - s0)")
         + "\n    const float s1 = $finish(fusedepi::team_sum<kTeam>(s));"
     ),
 }
@@ -270,42 +265,24 @@ TEAM_ROW_REDUCE = Template(
 )
 
 
-def _row_fold(init: str, combine: str) -> str:
-    """Folds this thread's live elements `e` into `acc` from `init` with `combine`."""
-    return f"""  float acc = {init};
-#pragma unroll
-  for (int k = 0; k < kNV; ++k)
-    if (valid(p, k))
-#pragma unroll
-      for (int j = 0; j < kV; ++j) {{
-        const float e = v[k][j];
-        acc = {combine};
-      }}"""
+# amax/amin: fmaxf skips NaN, so NaNs are counted apart; any NaN gives NaN, as eager.
+_NAN_COUNT = _fold("nans", "0.f", "nans + (isnan(e) ? 1.f : 0.f)", "  ")
 
-
-# amax/amin: fmaxf/fminf skip NaN, so NaNs are counted apart; any NaN gives NaN, as eager.
-_NAN_COUNT = _row_fold("0.f", "acc + (isnan(e) ? 1.f : 0.f)").replace("acc", "nans")
-
+# Per row reduction: code that leaves the row's value in `row`.
 ROW_REDUCE = {
     # fmaxf skips NaN; a NaN still reaches the result through the sum of exps.
-    "logsumexp": _row_fold("-INFINITY", "fmaxf(acc, e)")
-    + """
-  const float mx = fusedepi::team_max<kTeam>(acc);
-  const float shift = isinf(mx) ? 0.f : mx;
-  float s = 0.f;
-#pragma unroll
-  for (int k = 0; k < kNV; ++k)
-    if (valid(p, k))
-#pragma unroll
-      for (int j = 0; j < kV; ++j) s += expf(v[k][j] - shift);
-  s = fusedepi::team_sum<kTeam>(s);
-  float row = logf(s) + shift;""",
-    "sum": _row_fold("0.f", "acc + e") + "\n  float row = fusedepi::team_sum<kTeam>(acc);",
-    "mean": _row_fold("0.f", "acc + e") + "\n  float row = fusedepi::team_sum<kTeam>(acc) / static_cast<float>(kL);",
-    "amax": _row_fold("-INFINITY", "fmaxf(acc, e)") + "\n" + _NAN_COUNT
-    + "\n  float row = fusedepi::team_sum<kTeam>(nans) > 0.f ? NAN : fusedepi::team_max<kTeam>(acc);",
-    "amin": _row_fold("-INFINITY", "fmaxf(acc, -e)") + "\n" + _NAN_COUNT
-    + "\n  float row = fusedepi::team_sum<kTeam>(nans) > 0.f ? NAN : -fusedepi::team_max<kTeam>(acc);",
+    "logsumexp": _fold("m", "-INFINITY", "fmaxf(m, e)", "  ")
+    + "\n  const float mx = fusedepi::team_max<kTeam>(m);"
+    + "\n  const float shift = isinf(mx) ? 0.f : mx;\n"
+    + _fold("s", "0.f", "s + expf(e - shift)", "  ")
+    + "\n  float row = logf(fusedepi::team_sum<kTeam>(s)) + shift;",
+    "sum": _fold("s", "0.f", "s + e", "  ") + "\n  float row = fusedepi::team_sum<kTeam>(s);",
+    "mean": _fold("s", "0.f", "s + e", "  ")
+    + "\n  float row = fusedepi::team_sum<kTeam>(s) / static_cast<float>(kL);",
+    "amax": _fold("m", "-INFINITY", "fmaxf(m, e)", "  ") + "\n" + _NAN_COUNT
+    + "\n  float row = fusedepi::team_sum<kTeam>(nans) > 0.f ? NAN : fusedepi::team_max<kTeam>(m);",
+    "amin": _fold("m", "-INFINITY", "fmaxf(m, -e)", "  ") + "\n" + _NAN_COUNT
+    + "\n  float row = fusedepi::team_sum<kTeam>(nans) > 0.f ? NAN : -fusedepi::team_max<kTeam>(m);",
 }
 
 STORE_ROW = r"""  if (p.live && p.lane == 0) a.out[p.seg] = fusedepi::from_float<T>(row);"""
