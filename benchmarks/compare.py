@@ -3,6 +3,7 @@
     python -m benchmarks.compare            # every workload x precision x mode
     python -m benchmarks.compare --quick    # a small subset, under two minutes
     python -m benchmarks.compare --json results.json --warm-start
+    python -m benchmarks.compare --backward  # training steps: forward + backward
 
 Forward passes under torch.no_grad(); "train" means the module is in training
 mode (BatchNorm uses batch statistics and updates its running stats). Times are
@@ -266,6 +267,58 @@ def cuda_graph_rows(batch: int, precisions) -> list[dict]:
     return rows
 
 
+def backward_rows(workloads, precisions, providers) -> list[dict]:
+    """Training steps (forward + backward with a fixed upstream gradient) per provider,
+    modules in training mode; errors of the output and of the anchor's weight gradient
+    against float64."""
+    from fusion_backend.backend import collect_reports
+
+    rows = []
+    for name in workloads:
+        workload = WORKLOADS[name]
+        for precision in precisions:
+            print(f"-- backward {name} {precision}", flush=True)
+            dtype = _set_precision(precision)
+            base = workload.make_model().cuda().to(dtype).train()
+            x = torch.rand(workload.input_shape, device="cuda", dtype=dtype)
+            ref = copy.deepcopy(base).double()
+            ref_out = ref(x.double())
+            upstream = torch.randn_like(ref_out)
+            ref_out.backward(upstream)
+            ref_grad = next(ref.parameters()).grad
+            ref_out, ref = ref_out.detach(), None
+            grad_in = upstream.to(dtype)
+            for provider in providers:
+                torch._dynamo.reset()
+                model = copy.deepcopy(base)
+                reports: list = []
+                with collect_reports(reports):
+                    fn = _compile(provider, model)
+                    out = fn(x)
+                    out.backward(grad_in)
+                row = dict(workload=name, precision=precision, provider=provider,
+                           rel_err=relative_error(out.detach(), ref_out),
+                           grad_rel_err=relative_error(next(model.parameters()).grad, ref_grad))
+                out = None
+
+                def step():
+                    model.zero_grad(set_to_none=True)
+                    fn(x).backward(grad_in)
+
+                row["ms"] = _bench(step)
+                if provider == "fusedepi":
+                    row["fused"] = ",".join(r.fusion for rep in reports for r in rep.records if r.status == "fused")
+                rows.append(row)
+                print(f"--   {provider:<10} {row['ms']:.3f} ms", flush=True)
+                fn = model = None
+                torch.cuda.empty_cache()
+    for r in rows:
+        inductor = [q["ms"] for q in rows if q["provider"] == "inductor" and q["workload"] == r["workload"]
+                    and q["precision"] == r["precision"]]
+        r["vs_inductor"] = inductor[0] / r["ms"] if inductor else None
+    return rows
+
+
 def _fmt(v, spec):
     return "" if v is None else format(v, spec)
 
@@ -307,6 +360,8 @@ def main(argv=None):
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--profile", action="store_true", help="print each provider's top CUDA kernels")
     parser.add_argument("--warm-start", action="store_true", help="time a new process with a warm kernel cache")
+    parser.add_argument("--backward", action="store_true",
+                        help="only time training steps (forward + backward) of eager, Inductor and fusedepi")
     parser.add_argument("--cuda-graphs", type=int, metavar="BATCH",
                         help="only time workloads 2-4 at this batch size with and without mode='reduce-overhead'")
     args = parser.parse_args(argv)
@@ -320,10 +375,14 @@ def main(argv=None):
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-bench-"))
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  caches "
           f"{os.environ['FUSEDEPI_CACHE_DIR']} {os.environ['TORCHINDUCTOR_CACHE_DIR']}")
-    if args.cuda_graphs:
+    if args.cuda_graphs or args.backward:
         from tabulate import tabulate
 
-        rows = cuda_graph_rows(args.cuda_graphs, args.precisions)
+        if args.backward:
+            providers = [p for p in args.providers if p != "inductor-max-autotune"]
+            rows = backward_rows(args.workloads, args.precisions, providers)
+        else:
+            rows = cuda_graph_rows(args.cuda_graphs, args.precisions)
         print(tabulate(rows, headers="keys", floatfmt=".4f"))
         if args.json:
             with open(args.json, "w") as handle:

@@ -8,6 +8,8 @@
 #   bash benchmarks/device_run.sh ncu SKIP COUNT WORKLOAD PRECISION [--eval]  # ncu on fusedepi's kernels
 #   bash benchmarks/device_run.sh warmprof WORKLOAD PRECISION BACKEND        # cProfile of a warm start
 #   bash benchmarks/device_run.sh fuzz MODELS FIRST WORKERS SECONDS [SEED]   # GPU differential fuzzer
+#   bash benchmarks/device_run.sh fuzzgrad MODELS FIRST WORKERS SECONDS [SEED]  # the same with backward
+#   bash benchmarks/device_run.sh backward [args]                            # training-step benchmark
 #   bash benchmarks/device_run.sh fuzzbench N SEED [MODE]                    # N fused random models vs Inductor
 #   bash benchmarks/device_run.sh callprof                                   # CPU time of one compiled call
 # The benchmark makes fresh kernel and Inductor caches of its own, so its compile times are cold.
@@ -25,7 +27,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 status=0
 if [ "$what" = tests ] || [ "$what" = quick ] || [ "$what" = all ]; then
   [ "$what" = all ] && targs=() || targs=("$@")
-  FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_production.py -p no:cacheprovider "${targs[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_production.py tests/test_training.py tests/test_multi_gpu.py -p no:cacheprovider "${targs[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = quick ]; then
@@ -48,12 +50,17 @@ fi
 if [ "$what" = warmprof ]; then
   python3 -m benchmarks.warm_profile "$@" 2>&1 | tee "$OUT/warmprof_$(echo "$*" | tr ' ' '_').log" | head -75
 fi
-if [ "$what" = fuzz ]; then
+if [ "$what" = fuzz ] || [ "$what" = fuzzgrad ]; then
   models=$1 first=$2 workers=$3 limit=$4 seed=${5:-0}
+  gargs=(); [ "$what" = fuzzgrad ] && gargs=(--grad)
   FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 tests/fuzzer.py --device cuda \
-    --models "$models" --first "$first" --workers "$workers" --seed "$seed" --time-limit "$limit" \
-    --json "$OUT/fuzz_${seed}_${first}_${models}.json" 2>&1 | grep -v -i warn | tee "$OUT/fuzz_${seed}_${first}.log" | tail -60
+    --models "$models" --first "$first" --workers "$workers" --seed "$seed" --time-limit "$limit" "${gargs[@]}" \
+    --json "$OUT/${what}_${seed}_${first}_${models}.json" 2>&1 | grep -v -i warn | tee "$OUT/${what}_${seed}_${first}.log" | tail -60
   status=${PIPESTATUS[0]}
+fi
+if [ "$what" = backward ]; then
+  python3 -m benchmarks.compare --backward --json "$OUT/backward.json" "$@" 2>&1 | tee "$OUT/backward.log" | grep -v "^-- "
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = callprof ]; then
   python3 -m benchmarks.call_profile 2>&1 | grep -v -i warn | tee "$OUT/callprof.log" | head -70

@@ -140,6 +140,8 @@ def direct_plan(spec: EpilogueSpec, arch: str = "sm90") -> DirectPlan | str:
     anchor = spec.anchor
     if anchor.kind != "conv":
         return "not a convolution"
+    if spec.saves:
+        return "values saved for backward (the library conv's output is one of them or precedes them)"
     if not anchor.direct:
         return "not 2-D with stride 1, dilation 1 and groups 1 (or disabled)"
     if anchor.has_bias:
@@ -216,8 +218,9 @@ def kernel_name(spec: EpilogueSpec, arch: str) -> str:
 def _fields(spec: EpilogueSpec, direct: bool = False) -> tuple[str, str]:
     """Args fields and their bindings from the pointer array.
 
-    Pointer order: y, out, extra outputs (x0, x1), tensor inputs (p0, ...), workspace,
-    then, for the direct conv, x and weight (y is then the conv kernel's output).
+    Pointer order: y, out, BatchNorm's new running stats (x0, x1), saved values
+    (sv0, ...), tensor inputs (p0, ...), workspace, then, for the direct conv, x and
+    weight (y is then the conv kernel's output).
     """
     fields, bind = [], ["  a.y = static_cast<const T*>(ptrs[0]);", "  a.out = static_cast<T*>(ptrs[1]);"]
     slot = 2
@@ -228,6 +231,11 @@ def _fields(spec: EpilogueSpec, direct: bool = False) -> tuple[str, str]:
             fields.append(f"  {rtype}* __restrict__ {name};  // [channels] new running stat")
             bind.append(f"  a.{name} = static_cast<{rtype}*>(ptrs[{slot}]);")
             slot += 1
+    for i, save in enumerate(spec.saves):
+        ctype = CTYPES[save.dtype]
+        fields.append(f"  {ctype}* __restrict__ sv{i};  // saved {save.what}")
+        bind.append(f"  a.sv{i} = static_cast<{ctype}*>(ptrs[{slot}]);")
+        slot += 1
     for i, dtype in enumerate(spec.param_dtypes):
         ctype = CTYPES[dtype]
         fields.append(f"  const {ctype}* __restrict__ p{i};  // tensor input {i}")
@@ -242,6 +250,20 @@ def _fields(spec: EpilogueSpec, direct: bool = False) -> tuple[str, str]:
         bind.append(f"  a.w = static_cast<const T*>(ptrs[{slot + 2}]);")
         bind.append("  a.mid = static_cast<T*>(ptrs[0]);")
     return "\n".join(fields), "\n".join(bind)
+
+
+def _save_stats(spec: EpilogueSpec, mean: str, rstd: str, index: str, guard: str = "") -> str:
+    """Writes the normalization's statistics to the saved outputs that ask for them."""
+    values = {"mean": mean, "rstd": rstd}
+    writes = [
+        f"a.sv{i}[{index}] = fusedepi::from_float<{CTYPES[s.dtype]}>({values[s.what]});"
+        for i, s in enumerate(spec.saves)
+        if s.what in values
+    ]
+    if not writes:
+        return ""
+    body = " ".join(writes)
+    return f"    if ({guard}) {{ {body} }}" if guard else f"  {body}"
 
 
 def _check_operands(spec: EpilogueSpec, p: Plan):
@@ -287,6 +309,7 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
             weight=f"fusedepi::to_float(a.p{red.inputs[0]}[c])" if red.inputs[0] >= 0 else "1.f",
             bias=f"fusedepi::to_float(a.p{red.inputs[1]}[c])" if red.inputs[1] >= 0 else "0.f",
             rstat_type=CTYPES[spec.param_dtypes[red.inputs[2]]],
+            save_stats=_save_stats(spec, "m.mean", "invstd", "c"),
         )
         launches += [
             f"  {name}_colstats<<<dim3((kChannels + kColsPerBlock - 1) / kColsPerBlock, "
@@ -299,13 +322,17 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
         eps = cfloat(red.consts[0])
         if p.chunks == 1:
             middle = templates.TEAM_NORM.substitute(
-                statistics=templates.TEAM_STATISTICS["moments"].substitute(eps=eps), apply=templates.APPLY_STAGE1
+                statistics=templates.TEAM_STATISTICS["moments"].substitute(eps=eps),
+                save_stats=_save_stats(spec, "s0", "s1", "p.seg", "p.live && p.lane == 0"),
+                apply=templates.APPLY_STAGE1,
             )
         else:
             middle = templates.CHUNK_NORM.substitute(
                 apply=templates.APPLY_STAGE1, stats_at="(a.ws + a.rows * kGroups * kChunks * 2)"
             )
-            stats_kernels = templates.SEGMENT_STATS_KERNEL.substitute(kernel=name, eps=eps)
+            stats_kernels = templates.SEGMENT_STATS_KERNEL.substitute(
+                kernel=name, eps=eps, save_stats=_save_stats(spec, "mean", "rstd", "seg")
+            )
             launches += [
                 f"  {name}_segstats<<<segments * kChunks, kBlock, 0, stream>>>(a);",
                 f"  {name}_segfinal<<<(segments + 255) / 256, 256, 0, stream>>>(a);",
@@ -318,7 +345,7 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
             statistics = templates.TEAM_STATISTICS["softmax"].substitute(
                 finish="logf" if red.name == "log_softmax" else ""
             )
-        middle = templates.TEAM_NORM.substitute(statistics=statistics, apply=templates.APPLY_STAGE1)
+        middle = templates.TEAM_NORM.substitute(statistics=statistics, save_stats="", apply=templates.APPLY_STAGE1)
     else:
         assert red.name in ROW_REDUCTIONS
         middle = templates.TEAM_ROW_REDUCE.substitute(reduce=templates.ROW_REDUCE[red.name])
@@ -414,17 +441,31 @@ def _stages(spec: EpilogueSpec) -> str:
     and the steps after it) as device functions."""
     steps, red = list(spec.steps), spec.reduction
     split = steps.index(red) if red is not None else len(steps)
+    # A value saved after `at` steps is stored after step at - 1 of its stage; at 0 it
+    # is the anchor output itself, which the launcher returns.
+    # A silu's sigmoid is stored from the silu step's input.
+    saves_after: list[dict] = [{}, {}]
+    sigmoids_at: list[dict] = [{}, {}]
+    for slot, save in enumerate(spec.saves):
+        if save.what == "value" and save.at > 0:
+            stage, index = (0, save.at - 1) if save.at <= split else (1, save.at - 1 - split)
+            saves_after[stage].setdefault(index, []).append((slot, CTYPES[save.dtype]))
+        elif save.what == "sigmoid":
+            stage, index = (0, save.at) if save.at < split else (1, save.at - split)
+            sigmoids_at[stage].setdefault(index, []).append((slot, CTYPES[save.dtype]))
     # stage1 opens with the reduction's own normalize statement (none for logsumexp).
     stages = []
-    for stage, extra, extra_args, comment, run in (
-        ("stage0", "", "", "Steps before the reduction (all of them when there is none).", steps[:split]),
+    for stage, extra, extra_args, comment, run, saves, sigmoids in (
+        ("stage0", "", "", "Steps before the reduction (all of them when there is none).", steps[:split],
+         saves_after[0], sigmoids_at[0]),
         ("stage1", ", float s0, float s1", ", s0, s1", "The reduction's normalize, then the steps after it.",
-         steps[split:]),
+         steps[split:], saves_after[1], sigmoids_at[1]),
     ):
-        loads, statements = render_stage(run)
+        loads, statements, stores = render_stage(run, saves, sigmoids)
         stages.append(
             templates.STAGE_FUNCTION.substitute(
-                name=stage, extra=extra, extra_args=extra_args, comment=comment, loads=loads, statements=statements
+                name=stage, extra=extra, extra_args=extra_args, comment=comment, loads=loads,
+                statements=statements, stores=stores,
             )
         )
     return "\n".join(stages)

@@ -146,12 +146,37 @@ SNIPPETS = {
 }
 
 
-def render_stage(steps) -> tuple[str, str]:
-    """(loads, statements) for a run of steps applied to each element `x`."""
+def render_stage(steps, saves_after=None, sigmoids_at=None) -> tuple[str, str, str]:
+    """(loads, statements, stores) for a run of steps applied to each element `x`.
+
+    Args:
+        saves_after: {i: [(slot, C type), ...]}: after step i, the value goes to the
+            saved output `a.sv<slot>` (collected per vector, written when `save`);
+            a 16-bit saved value is rounded to its type in every kernel that runs the
+            stage, so statistics and later steps see what backward will.
+        sigmoids_at: {i: [(slot, C type), ...]}: the sigmoid of step i's input (a silu)
+            goes to `a.sv<slot>`.
+    """
+    saves_after = saves_after or {}
     ops = Operands()
-    lines = []
-    for step in steps:
+    lines, declared, stores = [], [], []
+
+    def keep(slot, ctype, value):
+        declared.append(f"  float sv{slot}v[W];")
+        lines.append(f"    sv{slot}v[j] = {value};  // saved")
+        stores.append(f"  if (save) fusedepi::store_vec<{ctype}, W>(a.sv{slot} + e0, sv{slot}v);")
+
+    for i, step in enumerate(steps):
+        for slot, ctype in (sigmoids_at or {}).get(i, ()):
+            keep(slot, ctype, "fusedepi::sigmoid<kFastMath>(x)")
         statement = SNIPPETS[step.name](step, ops)
         if statement:
             lines.append(f"    {statement}  // {step.name}")
-    return ops.render_loads(), "\n".join(lines)
+        for slot, ctype in saves_after.get(i, ()):
+            if ctype != "float":
+                # Rounded as eager holds it, for every later step too: backward gets
+                # this value with statistics taken from it, as in eager.
+                lines.append(f"    x = fusedepi::to_float(fusedepi::from_float<{ctype}>(x));  // saved: rounded")
+            keep(slot, ctype, "x")
+    loads = "\n".join(filter(None, [ops.render_loads()] + declared))
+    return loads, "\n".join(lines), "\n".join(stores)

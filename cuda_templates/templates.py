@@ -23,7 +23,8 @@ from string import Template
 #   $fast_math      "true" for bf16/fp16 chains (see fusedepi::sigmoid)
 #   $stage0_done    "true" when the direct conv kernel already applied stage0 to y
 #   $anchor_inside  1 when this library computes the anchor (direct conv), else 0
-#   $fields         Args fields for extra outputs (x0, x1) and tensor inputs (p0, ...)
+#   $fields         Args fields for extra outputs (BatchNorm's running stats x0, x1;
+#                   saved values sv0, ...) and tensor inputs (p0, ...)
 #   $stages         the two STAGE_FUNCTIONs: stage0 (steps before the reduction, or
 #                   all steps) and stage1 (the reduction's normalize and the steps after)
 #   $middle         code between load and store: the reduction and normalize, if any
@@ -95,7 +96,8 @@ __device__ __forceinline__ bool valid(const Place& p, int k) { return p.live && 
 
 // Loads this thread's share of the segment and applies stage0; masked lanes hold 0.
 // All loads are issued before any arithmetic, so they are in flight together.
-__device__ __forceinline__ void load_stage0(const Args& a, const Place& p, float (&v)[kNV][kV]) {
+// save: this kernel writes the values stage0 saves (one kernel of those that run it).
+__device__ __forceinline__ void load_stage0(const Args& a, const Place& p, float (&v)[kNV][kV], bool save) {
 #pragma unroll
   for (int k = 0; k < kNV; ++k) {
     if (valid(p, k)) {
@@ -108,7 +110,7 @@ __device__ __forceinline__ void load_stage0(const Args& a, const Place& p, float
   if constexpr (!kStage0Done) {
 #pragma unroll
     for (int k = 0; k < kNV; ++k)
-      if (valid(p, k)) stage0<kV>(v[k], p.rowpos + offset_of(p, k), p.seg * kL + offset_of(p, k), a);
+      if (valid(p, k)) stage0<kV>(v[k], p.rowpos + offset_of(p, k), p.seg * kL + offset_of(p, k), a, save);
   }
 }
 
@@ -117,7 +119,7 @@ $stats_kernels
 __global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) {
   const Place p = place(a);
   float v[kNV][kV];
-  load_stage0(a, p, v);
+  load_stage0(a, p, v, true);
 $middle
 $store
 }
@@ -157,13 +159,14 @@ $launches
 # A run of steps on a vector of W elements at position `pos` of its row and flat
 # index e0. Placeholders: $name, $comment, $extra (more parameters), $extra_args (their
 # names, to pass on), $loads (operand loads, once per vector), $statements (on `x`,
-# once per element).
+# once per element), $stores (writes of the saved values, under `save`).
 STAGE_FUNCTION = Template(
     r"""// $comment
 // ${name}_at: the same with the elements' channels given (the direct conv knows them,
 // which lets the compiler load each per-channel operand once).
 template <int W>
-__device__ __forceinline__ void ${name}_at(float (&v)[W], const int (&c)[W], long long e0, const Args& a$extra) {
+__device__ __forceinline__ void ${name}_at(float (&v)[W], const int (&c)[W], long long e0, const Args& a$extra,
+                                           bool save = false) {
 $loads
 #pragma unroll
   for (int j = 0; j < W; ++j) {
@@ -171,13 +174,15 @@ $loads
 $statements
     v[j] = x;
   }
+$stores
 }
 
 template <int W>
-__device__ __forceinline__ void $name(float (&v)[W], int pos, long long e0, const Args& a$extra) {
+__device__ __forceinline__ void $name(float (&v)[W], int pos, long long e0, const Args& a$extra,
+                                      bool save = false) {
   int c[W];
   fusedepi::channels_of<W, kInner>(pos, c);
-  ${name}_at<W>(v, c, e0, a$extra_args);
+  ${name}_at<W>(v, c, e0, a$extra_args, save);
 }
 """
 )
@@ -187,6 +192,7 @@ __device__ __forceinline__ void $name(float (&v)[W], int pos, long long e0, cons
 TEAM_NORM = Template(
     r"""  {
 $statistics
+$save_stats
 $apply
   }"""
 )
@@ -244,7 +250,7 @@ $apply
 # stage1 (the reduction's normalize, then the steps after it) on every live vector.
 APPLY_STAGE1 = r"""#pragma unroll
     for (int k = 0; k < kNV; ++k)
-      if (valid(p, k)) stage1<kV>(v[k], p.rowpos + offset_of(p, k), p.seg * kL + offset_of(p, k), a, s0, s1);"""
+      if (valid(p, k)) stage1<kV>(v[k], p.rowpos + offset_of(p, k), p.seg * kL + offset_of(p, k), a, s0, s1, true);"""
 
 # BatchNorm (training): stage1 opens with its normalize, which reads the column
 # kernels' scale/shift from the workspace, so no segment statistics are in scope.
@@ -260,7 +266,7 @@ BATCH_NORM_APPLY = (
 TEAM_ROW_REDUCE = Template(
     r"""$reduce
   float rowv[1] = {row};
-  stage1<1>(rowv, 0, p.seg, a, 0.f, 0.f);
+  stage1<1>(rowv, 0, p.seg, a, 0.f, 0.f, p.live && p.lane == 0);
   row = rowv[0];"""
 )
 
@@ -292,12 +298,13 @@ STORE_ELEMENTS = r"""#pragma unroll
     if (valid(p, k)) fusedepi::store_vec<T, kV>(a.out + p.seg * kL + offset_of(p, k), v[k]);"""
 
 # Partial (mean, M2) of one chunk of a segment, for segments too long for one block,
-# then (mean, rstd) per segment. Placeholders: $kernel, $eps.
+# then (mean, rstd) per segment. Placeholders: $kernel, $eps, $save_stats (writes
+# `mean`, `rstd` of segment `seg` to the saved outputs, or nothing).
 SEGMENT_STATS_KERNEL = Template(
     r"""__global__ void __launch_bounds__(kBlock) ${kernel}_segstats(Args a) {
   const Place p = place(a);
   float v[kNV][kV];
-  load_stage0(a, p, v);
+  load_stage0(a, p, v, false);
   const float n = static_cast<float>(min(kChunkLen, kL - (long long)p.first));
   // Relative to the chunk's first element: a constant chunk gets its mean exactly.
   const float shift = fusedepi::team_first<kBlock>(v[0][0]);
@@ -332,8 +339,10 @@ __global__ void __launch_bounds__(256) ${kernel}_segfinal(Args a) {
     m = fusedepi::merge(m, {n, part[0], part[1]});
   }
   float* stats = a.ws + a.rows * kGroups * kChunks * 2 + seg * 2;
-  stats[0] = m.mean;
-  stats[1] = rsqrtf(fmaxf(m.m2 / static_cast<float>(kL), 0.f) + $eps);
+  const float mean = m.mean, rstd = rsqrtf(fmaxf(m.m2 / static_cast<float>(kL), 0.f) + $eps);
+  stats[0] = mean;
+  stats[1] = rstd;
+$save_stats
 }"""
 )
 
@@ -341,7 +350,8 @@ __global__ void __launch_bounds__(256) ${kernel}_segfinal(Args a) {
 # Placeholders: $kernel, $col_vec (columns per thread), $momentum, $eps,
 # $running_mean / $running_var (float loads of the old running stats at channel `c`),
 # $weight / $bias (the affine parameters at `c`, or 1 and 0), $rstat_type (C type of
-# the running stats).
+# the running stats), $save_stats (writes `m.mean`, `invstd` of channel `c` to the
+# saved outputs, or nothing).
 COLUMN_STATS_KERNELS = Template(
     r"""constexpr int kColV = $col_vec;
 constexpr int kColsPerBlock = 32 * kColV;
@@ -443,6 +453,7 @@ __global__ void __launch_bounds__(256) ${kernel}_colfinal(Args a) {
   const float momentum = $momentum;
   a.x0[c] = fusedepi::from_float<$rstat_type>(momentum * m.mean + (1.f - momentum) * $running_mean);
   a.x1[c] = fusedepi::from_float<$rstat_type>(momentum * (m.m2 / (m.n - 1.f)) + (1.f - momentum) * $running_var);
+$save_stats
 }"""
 )
 

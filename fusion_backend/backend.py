@@ -3,7 +3,9 @@
 Inductor's `compile_fx` runs AOTAutograd with Inductor's decompositions minus
 `lowering.HELD_BACK_OPS`, so the matcher sees those ops whole. Our inner compile
 step rewrites matched chains into fused ops, decomposes whatever held-back ops
-remain, and hands the graph to Inductor's own inner compile.
+remain, and hands the graph to Inductor's own inner compile. In training, a pass
+over the joint graph first marks the chains' nodes so that backward gets their
+values from the fused op rather than recomputing them (`KeepChainValues`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
 from torch._guards import detect_fake_mode
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.checkpoint import CheckpointPolicy
 
-from lowering import HELD_BACK_OPS
+from lowering import HELD_BACK_OPS, match_graph
 
 from .config import Config, load_config
 from .rewrite import Report, rewrite
@@ -70,6 +74,41 @@ def collect_reports(into: list):
     finally:
         with _sinks_lock:
             _sinks.remove(into)
+
+
+class KeepChainValues(CustomGraphPass):
+    """Joint-graph pass (before the forward/backward partition): marks the nodes of
+    every chain the rewrite will fuse MUST_SAVE.
+
+    The partitioner would otherwise recompute cheap pointwise values in backward from
+    an earlier saved one, in Inductor's code, whose rounding is not the fused kernel's:
+    a recomputed input of amax no longer equals the maximum the fused op found, and a
+    recomputed bf16 value no longer matches the statistics taken from the fused op's
+    (seen by the fuzzer: gradients off by 20x eager's error, or inf). Marked, backward
+    reads what the fused op returns, as eager reads what its forward saved.
+    """
+
+    def __init__(self, cfg: Config, then=None):
+        self.cfg, self.then = cfg, then
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.then is not None:
+            self.then(graph)
+        try:
+            tf32 = torch.get_float32_matmul_precision() != "highest"
+            chains, _ = match_graph(graph, self.cfg.disabled, self.cfg.cpu_reference, matmul_tf32=tf32)
+        except Exception as err:  # the rewrite will meet and report the same failure
+            log.debug("fusedepi: joint-graph matching failed: %s", err)
+            return
+        for chain in chains:
+            for node in chain.nodes[1:]:
+                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+    def uuid(self):
+        from importlib.metadata import version
+
+        then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else repr(self.then)
+        return f"fusedepi-keep-chain-values-{version('fusedepi')}-{sorted(self.cfg.disabled)}-{then}"
 
 
 def _inner_compile(gm, example_inputs, *, cfg: Config, **kwargs):
@@ -135,7 +174,10 @@ def fusedepi(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=Non
     # padded one is faster, so whether a chain starts with a bare addmm would vary
     # from run to run (seen: bf16 [14, 64] x [64, 96] + LayerNorm refused as
     # "slice.Tensor is not in the vocabulary" in one run of three).
-    with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(shape_padding=False):
+    keep = KeepChainValues(cfg, then=inductor_config.joint_custom_post_pass)
+    with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(
+        shape_padding=False, joint_custom_post_pass=keep
+    ):
         return compile_fx(
             gm,
             example_inputs,

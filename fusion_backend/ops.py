@@ -35,7 +35,7 @@ def reference(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
     parsed = _parse(spec)
     n = parsed.anchor.n_operands
     y = run_anchor(parsed.anchor, list(inputs[:n]))
-    return run_reference(y, parsed.steps, list(inputs[n:]))
+    return run_reference(y, parsed.steps, list(inputs[n:]), parsed.saves)
 
 
 # A plain `torch.library.Library` op, not `torch.library.custom_op`: the latter's
@@ -121,6 +121,7 @@ class Launcher:
         bn = next((s for s in self.spec.steps if s.name == "batchnorm_train"), None)
         self.running_stats = (bn.inputs[2], bn.inputs[3]) if bn is not None else ()
         self._ws_floats: dict[int, int] = {}
+        self.saves = [(save, getattr(torch, save.dtype)) for save in self.spec.saves]
         # The float32 direct conv with GroupNorm stores the pre-norm value in a buffer.
         direct = cuda_templates.direct_plan(self.spec, arch_of(device))
         self.stores_pre_norm = (
@@ -144,6 +145,12 @@ class Launcher:
                 out = torch.empty_like(y)
         rows = y.shape[0]
         extras = [torch.empty_like(params[i]) for i in self.running_stats]
+        # The anchor output itself (saved after 0 steps) is the library's output, y.
+        extras += [
+            y.view(save.sized(rows)) if save.what == "value" and save.at == 0
+            else y.new_empty(save.sized(rows), dtype=dtype)
+            for save, dtype in self.saves
+        ]
         ws_floats = self._ws_floats.get(rows)
         if ws_floats is None:
             ws_floats = self._ws_floats[rows] = self.lib.workspace_floats(rows)

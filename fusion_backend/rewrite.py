@@ -67,7 +67,7 @@ def _replace(graph: torch.fx.Graph, chain: Chain, spec: str) -> None:
             result = graph.call_function(aten.view.default, (outs[0], chain.view.args[1]))
             result.meta["val"] = chain.final.meta["val"]
     chain.final.replace_all_uses_with(result)
-    for node, out in zip(chain.extra, outs[1:]):
+    for node, out in zip(chain.extra + chain.saved, outs[1:]):
         node.replace_all_uses_with(out)
     for node in reversed(chain.nodes):
         graph.erase_node(node)

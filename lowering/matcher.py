@@ -3,8 +3,10 @@
 Matching happens at one level: the aten graph that Inductor's AOTAutograd pass
 produces with the decomposition table from `lowering/__init__.py`, which keeps
 the ops below intact. Each anchor (addmm, mm, convolution) starts a chain; the
-chain grows one step at a time through `STEP_MATCHERS` while the current value
-has no other consumer. Where it stops, and why, is recorded.
+chain grows one step at a time through `STEP_MATCHERS`. Where it stops, and why,
+is recorded. A value the graph also uses elsewhere (in a training graph, what
+backward needs: the matmul output, a norm's statistics, an activation's input)
+does not stop the chain: the fused op returns it as well (`Save`).
 
 Priority rule of the step table: multi-node forms come before the single-node
 forms they contain (`x * sigmoid(x)` is tried before `sigmoid` and `mul`), so the
@@ -32,6 +34,7 @@ from .spec import (
     SELF,
     Anchor,
     EpilogueSpec,
+    Save,
     Step,
 )
 from .vocabulary import POINTWISE_FORMS, Refuse
@@ -52,7 +55,9 @@ class Chain:
         steps: the epilogue steps.
         nodes: every node the fused op replaces, anchor first.
         final: the node whose value the fused op's first output replaces.
-        extra: nodes replaced by the fused op's further outputs, in order.
+        extra: nodes replaced by BatchNorm's running-stat outputs, in order.
+        saved: nodes replaced by the outputs that `saves` describe, in order.
+        saves: the `Save` of each node in `saved`.
         view: the last view node the chain went through (its shape is re-applied).
         stop: why the chain ended where it did.
     """
@@ -64,6 +69,8 @@ class Chain:
     nodes: list = field(default_factory=list)
     final: Node | None = None
     extra: list = field(default_factory=list)
+    saved: list = field(default_factory=list)
+    saves: list = field(default_factory=list)
     view: Node | None = None
     stop: str = ""
     spec: EpilogueSpec | None = None
@@ -91,6 +98,7 @@ class _State:
     reduced: bool = False  # a row reduction has shrunk the value to one per row
     dtype: torch.dtype | None = None  # the value's dtype: the chain's, or float32 while widened
     widened_at: tuple | None = None  # the walk's state where a bf16/fp16 value went to float32
+    order: dict = field(default_factory=dict)  # node -> position in the graph
 
 
 @dataclass
@@ -100,6 +108,9 @@ class _Match:
     result: Node  # the node holding the step's value
     extra: list = field(default_factory=list)
     dtype: torch.dtype | None = None  # a dtype conversion (no step): the value's new dtype
+    # Values of the step used elsewhere besides its result: a norm's "mean"/"rstd",
+    # silu's "sigmoid" of its input -> the node.
+    stats: dict = field(default_factory=dict)
 
 
 def _arg(node: Node, index: int, name: str, default=None):
@@ -115,13 +126,27 @@ def _val(node):
 def _add_param(state: _State, node: Node | None) -> int:
     if node is None:
         return -1
+    if _derived_from_chain(state, node):
+        raise Refuse(f"operand {node.name} is computed from the chain's own values")
     state.chain.params.append(node)
     return len(state.chain.params) - 1
 
 
-def _only_user(state: _State) -> Node | None:
-    users = list(state.node.users)
-    return users[0] if len(users) == 1 else None
+def _derived_from_chain(state: _State, node: Node) -> bool:
+    """Whether `node` depends on a node of the chain (it cannot then be an input of
+    the fused op, which would feed its own input). Nodes before the anchor cannot."""
+    chain_nodes = set(state.chain.nodes)
+    start = state.order.get(state.chain.anchor, -1)
+    seen, stack = set(), [node]
+    while stack:
+        top = stack.pop()
+        if top in chain_nodes:
+            return True
+        if top in seen or state.order.get(top, start + 1) <= start:
+            continue
+        seen.add(top)
+        stack.extend(top.all_input_nodes)
+    return False
 
 
 def _check_dtype(state: _State, node: Node):
@@ -150,17 +175,17 @@ def _match_unary(state: _State, user: Node):
 
 
 def _match_silu_pair(state: _State, _user: Node):
-    """x * sigmoid(x), in either operand order: the current value has two users."""
-    users = list(state.node.users)
-    if len(users) != 2:
-        return None
-    sig = next((u for u in users if u.target is aten.sigmoid.default), None)
-    mul = next((u for u in users if u.target is aten.mul.Tensor), None)
-    if sig is None or mul is None or set(mul.args[:2]) != {state.node, sig}:
-        return None
-    if len(sig.users) != 1:
-        return None
-    return _Match(Step("silu"), [sig, mul], mul)
+    """x * sigmoid(x), in either operand order: two of the current value's users.
+    A sigmoid also used elsewhere (saved for backward) is returned as well."""
+    x = state.node
+    for sig in x.users:
+        if sig.target is not aten.sigmoid.default:
+            continue
+        mul = next((u for u in sig.users if u.target is aten.mul.Tensor and set(u.args[:2]) == {x, sig}), None)
+        if mul is not None and len(mul.args) == 2:
+            stats = {"sigmoid": sig} if len(sig.users) > 1 else {}
+            return _Match(Step("silu"), [sig, mul], mul, stats=stats)
+    return None
 
 
 def _only(node: Node, target) -> Node | None:
@@ -173,16 +198,12 @@ def _match_rms_norm(state: _State, _user: Node):
     """x * rsqrt(mean(x ** 2, dim=-1, keepdim=True) + eps): what nn.RMSNorm and
     F.rms_norm decompose to (a weight is a `mul` step after it)."""
     users = list(state.node.users)
-    if len(users) != 2:
-        return None
-    pow_ = next((u for u in users if u.target is aten.pow.Tensor_Scalar), None)
-    mul = next((u for u in users if u.target is aten.mul.Tensor), None)
-    if pow_ is None or mul is None or pow_.args[1] != 2:
-        return None
-    mean = _only(pow_, aten.mean.dim)
+    pow_ = next((u for u in users if u.target is aten.pow.Tensor_Scalar and u.args[1] == 2), None)
+    mean = pow_ and _only(pow_, aten.mean.dim)
     add = mean and (_only(mean, aten.add.Scalar) or _only(mean, aten.add.Tensor))
     rsqrt = add and _only(add, aten.rsqrt.default)
-    if rsqrt is None or set(mul.args[:2]) != {state.node, rsqrt} or not _arg(mean, 2, "keepdim", False):
+    mul = rsqrt and _only(rsqrt, aten.mul.Tensor)
+    if mul is None or set(mul.args[:2]) != {state.node, rsqrt} or not _arg(mean, 2, "keepdim", False):
         return None
     eps = add.args[1]
     if isinstance(eps, Node) or _arg(mean, 3, "dtype") is not None:
@@ -283,19 +304,20 @@ def _getitems(node: Node) -> dict[int, Node]:
 def _unused(items: dict[int, Node], indices, what: str):
     for i in indices:
         if i in items and items[i].users:
-            raise Refuse(f"{what}: output {i} (statistics) is used elsewhere, e.g. saved for backward")
+            raise Refuse(f"{what}: output {i} is used elsewhere")
 
 
-def _normalized(user: Node, what: str, stats=(1, 2)):
-    """The getitem users of a norm node: (items by index, nodes the step consumes).
+def _normalized(user: Node, what: str):
+    """The getitem users of a norm node: (items by index, nodes the step consumes,
+    statistics used elsewhere as {"mean": node, "rstd": node}).
 
-    Raises Refuse unless output 0 is used and the statistics outputs `stats` are not.
+    Raises Refuse unless output 0 is used.
     """
     items = _getitems(user)
-    _unused(items, stats, what)
     if 0 not in items:
         raise Refuse(f"{what}: normalized output unused")
-    return items, [user] + sorted(items.values(), key=lambda n: n.args[1])
+    stats = {name: items[i] for i, name in ((1, "mean"), (2, "rstd")) if i in items and items[i].users}
+    return items, [user] + sorted(items.values(), key=lambda n: n.args[1]), stats
 
 
 def _require_2d_features(state: _State, what: str):
@@ -324,9 +346,10 @@ def _match_group_norm(state: _State, user: Node):
         raise Refuse(f"GroupNorm: expects {channels} channels, chain has {state.channels}")
     if not isinstance(groups, int) or channels % groups:
         raise Refuse(f"GroupNorm: {groups} groups do not divide {channels} channels")
-    items, consumed = _normalized(user, "GroupNorm")
+    items, consumed, stats = _normalized(user, "GroupNorm")
     inputs = (_add_param(state, weight), _add_param(state, bias))
-    return _Match(Step("groupnorm", consts=(float(eps),), inputs=inputs, groups=groups), consumed, items[0])
+    step = Step("groupnorm", consts=(float(eps),), inputs=inputs, groups=groups)
+    return _Match(step, consumed, items[0], stats=stats)
 
 
 def _match_layer_norm(state: _State, user: Node):
@@ -335,9 +358,9 @@ def _match_layer_norm(state: _State, user: Node):
     shape, weight, bias, eps = user.args[1], user.args[2], user.args[3], user.args[4]
     if state.conv or list(shape) != [state.channels] or state.channel_axis != _val(state.node).dim() - 1:
         raise Refuse(f"LayerNorm: normalized_shape {list(shape)} is not the feature dim alone")
-    items, consumed = _normalized(user, "LayerNorm")
+    items, consumed, stats = _normalized(user, "LayerNorm")
     inputs = (_add_param(state, weight), _add_param(state, bias))
-    return _Match(Step("layernorm", consts=(float(eps),), inputs=inputs), consumed, items[0])
+    return _Match(Step("layernorm", consts=(float(eps),), inputs=inputs), consumed, items[0], stats=stats)
 
 
 def _match_batch_norm(state: _State, user: Node):
@@ -350,8 +373,10 @@ def _match_batch_norm(state: _State, user: Node):
         return None
     if state.channel_axis != 1:
         raise Refuse("BatchNorm: channels are not the matmul's feature dim")
-    items, consumed = _normalized(user, "BatchNorm")
+    items, consumed, stats = _normalized(user, "BatchNorm")
     if not training:
+        if stats:
+            raise Refuse("BatchNorm (eval): statistics outputs used elsewhere")
         inputs = tuple(_add_param(state, n) for n in (weight, bias, rmean, rvar))
         return _Match(Step("batchnorm_eval", consts=(float(eps),), inputs=inputs), consumed, items[0])
     _require_2d_features(state, "BatchNorm (training)")
@@ -361,7 +386,7 @@ def _match_batch_norm(state: _State, user: Node):
         raise Refuse("BatchNorm (training): running statistics are not written back")
     inputs = tuple(_add_param(state, n) for n in (weight, bias, rmean, rvar))
     step = Step("batchnorm_train", consts=(float(momentum), float(eps)), inputs=inputs)
-    return _Match(step, consumed, items[0], extra=[items[3], items[4]])
+    return _Match(step, consumed, items[0], extra=[items[3], items[4]], stats=stats)
 
 
 def _match_softmax(state: _State, user: Node):
@@ -547,6 +572,12 @@ def _fold_bias(state: _State, anchor: Anchor, gemm_bias: bool) -> Anchor | None:
     float32 chains when `gemm_bias` (TF32 allowed) is set. Results do not depend on it.
     """
     chain = state.chain
+    if len(chain.anchor.users) > 1:
+        # The graph also uses the anchor's output (saved for backward): the library
+        # adds the bias, so that value is the library's own output, rounded once as
+        # in eager (a folded bias would round the product, then the sum, and a
+        # backward that branches on its sign, as leaky_relu's does, would see it).
+        return None
     if anchor.kind == "addmm" and gemm_bias and _val(chain.anchor).dtype == torch.float32:
         try:  # broadcast like any operand: [N] and [1, N] per column, [M, N] in full
             kind = _operand_kind(state, chain.operands[0])
@@ -570,13 +601,13 @@ def _extend(state: _State, disabled: frozenset) -> str:
     A step that refuses ends the chain before it; the steps before it still fuse.
     """
     while True:
-        n_params = len(state.chain.params)
+        n_params, n_saved = len(state.chain.params), len(state.chain.saved)
         try:
             stop = _extend_once(state, disabled)
         except Refuse as err:
             stop = str(err)
         if stop is not None:
-            del state.chain.params[n_params:]
+            del state.chain.params[n_params:], state.chain.saved[n_saved:], state.chain.saves[n_saved:]
             if state.widened_at is not None:  # the fused op returns the chain's dtype: cut back
                 _restore(state, state.widened_at)
                 stop = f"{stop} (while widened to float32, so the chain ends before the conversion)"
@@ -585,38 +616,88 @@ def _extend(state: _State, disabled: frozenset) -> str:
 
 def _snapshot(state: _State) -> tuple:
     c = state.chain
-    return (len(c.steps), len(c.nodes), len(c.params), len(c.extra), c.view, state.node,
+    return (len(c.steps), len(c.nodes), len(c.params), len(c.extra), len(c.saved), c.view, state.node,
             state.channel_axis, state.reduced, state.dtype)
 
 
 def _restore(state: _State, snap: tuple):
     c = state.chain
-    n_steps, n_nodes, n_params, n_extra, c.view, state.node, state.channel_axis, state.reduced, state.dtype = snap
+    (n_steps, n_nodes, n_params, n_extra, n_saved, c.view, state.node, state.channel_axis, state.reduced,
+     state.dtype) = snap
     del c.steps[n_steps:], c.nodes[n_nodes:], c.params[n_params:], c.extra[n_extra:]
+    del c.saved[n_saved:], c.saves[n_saved:]
     state.widened_at = None
+
+
+def _next_step(state: _State, users: list) -> _Match | str:
+    """The step that continues the chain through one of `users` (multi-node forms
+    first, then each user in graph order), or why none does."""
+    n_params = len(state.chain.params)
+    first_refusal = None
+    for matchers, candidates in ((MULTI_NODE, users[:1]), (STEP_MATCHERS[len(MULTI_NODE):], users)):
+        for user in candidates:
+            for matcher in matchers:
+                del state.chain.params[n_params:]
+                try:
+                    match = matcher(state, user)
+                except Refuse as err:
+                    first_refusal = first_refusal or str(err)
+                    break
+                if match is not None:
+                    return match
+    if first_refusal is not None:
+        return first_refusal
+    if len(users) == 1:
+        return f"{_name(users[0])} is not in the vocabulary"
+    return f"none of the value's consumers ({', '.join(u.name for u in users)}) is in the vocabulary"
+
+
+def _save(state: _State, node: Node, what: str, per_row: int) -> str | None:
+    """Makes the fused op return `node` too; returns why it cannot, or None."""
+    val = _val(node)
+    shape = list(val.shape)
+    if per_row and not all(isinstance(d, int) for d in shape[1:]):
+        return f"{node.name} is used elsewhere and its shape {shape} is dynamic beyond the batch"
+    if val.dtype not in DTYPES:
+        return f"{node.name} is used elsewhere and has dtype {val.dtype}"
+    at = len(state.chain.steps) if what in ("value", "sigmoid") else 0
+    shape = ([-1] + shape[1:]) if per_row else shape
+    state.chain.saves.append(Save(what, DTYPES[val.dtype], tuple(shape), per_row, at))
+    state.chain.saved.append(node)
+    return None
 
 
 def _extend_once(state: _State, disabled: frozenset) -> str | None:
     """Adds one step to the chain; returns why it cannot, or None."""
     users = list(state.node.users)
     if not users:
-        return "value is a graph output or unused"
-    if [u.op for u in users] == ["output"]:
+        return "value is unused"
+    inside = [u for u in users if u.op != "output"]
+    if not inside:
         return "end of the graph"
-    if any(u.op == "output" for u in users):
-        return "value is also a graph output (e.g. saved for backward)"
-    if len(users) > 1:
-        # Only a multi-node form may consume a value with several users.
-        match = next((m for m in (f(state, users[0]) for f in MULTI_NODE) if m is not None), None)
-        if match is None:
-            return f"value has {len(users)} consumers ({', '.join(u.name for u in users)})"
-    else:
-        match = next(
-            (m for m in (f(state, users[0]) for f in STEP_MATCHERS[len(MULTI_NODE):]) if m is not None), None
-        )
-        if match is None:
-            return f"{_name(users[0])} is not in the vocabulary"
+    match = _next_step(state, inside)
+    if isinstance(match, str):
+        return match
     step = match.step
+    if step is not None:
+        if step.name in disabled:
+            return f"step {step.name} disabled by FUSEDEPI_DISABLE"
+        if step.name in REDUCTIONS and any(s.name in REDUCTIONS for s in state.chain.steps):
+            return f"{step.name}: only one reduction per fused kernel"
+        if state.reduced and step.operand in (CHANNEL, FULL):
+            return f"{step.name}: per-channel or full operand after a row reduction"
+        _check_dtype(state, match.result)
+    if any(u not in match.consumed for u in users):
+        why = _save(state, state.node, "value", 1 if state.reduced else state.channels * state.inner)
+        if why is not None:
+            return why
+    for what, node in match.stats.items():
+        # Per (row, group) for GroupNorm, per row for LayerNorm, per channel for BatchNorm;
+        # silu's sigmoid is element-wise.
+        per_row = {"groupnorm": step.groups, "layernorm": 1, "silu": state.channels * state.inner}
+        why = _save(state, node, what, per_row.get(step.name, 0))
+        if why is not None:
+            return why
     if match.dtype is not None:  # a conversion: no step, the value's dtype changes
         if match.dtype == torch.float32:
             state.widened_at = _snapshot(state)
@@ -627,13 +708,6 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
         state.chain.view = match.result
         state.channel_axis = _val(match.result).dim() - 1
     else:
-        if step.name in disabled:
-            return f"step {step.name} disabled by FUSEDEPI_DISABLE"
-        if step.name in REDUCTIONS and any(s.name in REDUCTIONS for s in state.chain.steps):
-            return f"{step.name}: only one reduction per fused kernel"
-        if state.reduced and step.operand in (CHANNEL, FULL):
-            return f"{step.name}: per-channel or full operand after a row reduction"
-        _check_dtype(state, match.result)
         state.chain.steps.append(step)
         state.chain.extra.extend(match.extra)
         state.reduced = state.reduced or step.name in ROW_REDUCTIONS
@@ -657,6 +731,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
         (chains, refusals): chains to rewrite, and candidates that were refused.
     """
     chains, refusals = [], []
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for node in list(graph.nodes):
         try:
             found = _match_anchor(node, direct_conv="direct_conv" not in disabled)
@@ -668,6 +743,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
         anchor, operands = found
         try:
             state = _start(node, anchor, operands, allow_cpu)
+            state.order = order
             folded = _fold_bias(state, anchor, matmul_tf32)
             stop = _extend(state, disabled)
         except Refuse as err:
@@ -681,6 +757,9 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
             continue
         # A trailing view carries no step: re-applied after the fused op, it stays in the graph.
         chain.final = state.node
+        # A save of the final value (the chain was cut back to it) is the result itself.
+        kept = [i for i, n in enumerate(chain.saved) if n is not chain.final]
+        chain.saved, chain.saves = [chain.saved[i] for i in kept], [chain.saves[i] for i in kept]
         val = _val(chain.anchor)
         fusion = _fusion_name(anchor, chain.steps)
         if fusion in disabled:
@@ -694,6 +773,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
             channels=state.channels,
             inner=state.inner,
             fusion=fusion,
+            saves=tuple(chain.saves),
         )
         chains.append(chain)
     return chains, refusals

@@ -79,6 +79,40 @@ class Step:
 
 
 @dataclass(frozen=True)
+class Save:
+    """A value the fused op also returns because the graph uses it elsewhere (in a
+    training graph: saved for backward): the chain's value after `at` steps, or the
+    statistics of the chain's normalization.
+
+    Attributes:
+        what: "value"; "mean" / "rstd" of the normalization (GroupNorm and LayerNorm
+            per segment, BatchNorm per channel, whose "rstd" is 1/sqrt(var + eps));
+            or "sigmoid": the sigmoid of a silu step's input (`x * sigmoid(x)`).
+        at: for "value", how many steps had been applied (0: the anchor output
+            itself); for "sigmoid", the index of the silu step.
+        dtype: the output's dtype.
+        shape: the output's shape with the batch dim as -1 (as is when `per_row` is 0).
+        per_row: output elements per row of the anchor output (0: a fixed shape,
+            BatchNorm's per-channel statistics).
+    """
+
+    what: str
+    dtype: str
+    shape: tuple
+    per_row: int
+    at: int = 0
+
+    def sized(self, rows):
+        """The output's shape for `rows` anchor rows."""
+        if not self.per_row:
+            return tuple(self.shape)
+        rest = 1
+        for s in self.shape[1:]:
+            rest *= s
+        return (rows * self.per_row // max(rest, 1),) + tuple(self.shape[1:])
+
+
+@dataclass(frozen=True)
 class EpilogueSpec:
     """A whole fused chain: anchor, steps and the layout they run on.
 
@@ -95,6 +129,8 @@ class EpilogueSpec:
         inner: spatial elements per channel (1 for linear).
         fusion: the fusion's name (anchor family + kind of reduction), used by
             `FUSEDEPI_DISABLE` and `explain`.
+        saves: values the fused op returns after its result and BatchNorm's new
+            running statistics, in order.
     """
 
     anchor: Anchor
@@ -104,6 +140,7 @@ class EpilogueSpec:
     channels: int
     inner: int
     fusion: str = ""
+    saves: tuple = ()
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
@@ -118,9 +155,11 @@ class EpilogueSpec:
             Step(**{**s, "consts": tuple(s["consts"]), "inputs": tuple(s["inputs"])})
             for s in data.pop("steps")
         )
+        saves = tuple(Save(**{**s, "shape": tuple(s["shape"])}) for s in data.pop("saves", ()))
         return EpilogueSpec(
             anchor=Anchor(**anchor),
             steps=steps,
+            saves=saves,
             param_dtypes=tuple(data.pop("param_dtypes")),
             **data,
         )
@@ -142,6 +181,8 @@ class EpilogueSpec:
     def kernel_name(self, arch: str) -> str:
         """A readable name built from the spec, e.g. addmm_groupnorm_silu_mul_f32_sm90."""
         parts = [self.anchor.kind] + [s.name for s in self.steps]
+        if self.saves:
+            parts.append(f"saves{len(self.saves)}")
         short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}[self.dtype]
         return "_".join(parts + [short, arch])
 

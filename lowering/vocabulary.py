@@ -45,6 +45,7 @@ class StepKind:
     name: str
     reference: Callable
     forms: tuple = ()
+    statistics: Callable | None = None
 
 
 def _param(params, index):
@@ -83,6 +84,25 @@ def _batchnorm_train(x, step, params):
     new_rm, new_rv = rm.clone(), rv.clone()
     out = F.batch_norm(x, new_rm, new_rv, w, b, training=True, momentum=momentum, eps=eps)
     return out, [new_rm, new_rv]
+
+
+def _batchnorm_statistics(x, step, params):
+    w, b, rm, rv = (_param(params, i) for i in step.inputs)
+    out = torch.ops.aten._native_batch_norm_legit_functional(x, w, b, rm, rv, True, *step.consts)
+    return out[1], out[2]
+
+
+def _group_norm_statistics(x, step, params):
+    inner = x[0, 0].numel() if x.dim() > 2 else 1
+    w, b = (_param(params, i) for i in step.inputs)
+    out = torch.ops.aten.native_group_norm(x, w, b, x.shape[0], x.shape[1], inner, step.groups, step.consts[0])
+    return out[1], out[2]
+
+
+def _layer_norm_statistics(x, step, params):
+    w, b = (_param(params, i) for i in step.inputs)
+    out = torch.ops.aten.native_layer_norm(x, [x.shape[-1]], w, b, step.consts[0])
+    return out[1], out[2]
 
 
 def _rmsnorm(x, step, params):
@@ -204,12 +224,14 @@ VOCABULARY: dict[str, StepKind] = {
             lambda x, s, p: F.group_norm(
                 x, s.groups, _param(p, s.inputs[0]), _param(p, s.inputs[1]), s.consts[0]
             ),
+            statistics=_group_norm_statistics,
         ),
         StepKind(
             "layernorm",
             lambda x, s, p: F.layer_norm(
                 x, (x.shape[-1],), _param(p, s.inputs[0]), _param(p, s.inputs[1]), s.consts[0]
             ),
+            statistics=_layer_norm_statistics,
         ),
         StepKind("rmsnorm", _rmsnorm),
         StepKind(
@@ -224,7 +246,7 @@ VOCABULARY: dict[str, StepKind] = {
                 eps=s.consts[0],
             ),
         ),
-        StepKind("batchnorm_train", _batchnorm_train),
+        StepKind("batchnorm_train", _batchnorm_train, statistics=_batchnorm_statistics),
         StepKind("softmax", lambda x, s, p: torch.softmax(x, dim=-1)),
         StepKind("log_softmax", lambda x, s, p: torch.log_softmax(x, dim=-1)),
         # ----------------------------------------- row reductions (feature dim of 2-D)
@@ -240,18 +262,36 @@ VOCABULARY: dict[str, StepKind] = {
 POINTWISE_FORMS: dict = {op: build for kind in VOCABULARY.values() for op, build in kind.forms}
 
 
-def run_reference(x: torch.Tensor, steps, params) -> list[torch.Tensor]:
+def run_reference(x: torch.Tensor, steps, params, saves=()) -> list[torch.Tensor]:
     """Applies `steps` to the anchor output `x` in plain torch.
 
+    Args:
+        saves: `Save`s: intermediates to return as well.
+
     Returns:
-        [out, *extra_outputs] (extra outputs: BatchNorm's new running stats).
+        [out, *BatchNorm's new running stats, *saves].
     """
+    rows = x.shape[0]
     extras: list[torch.Tensor] = []
+    values, stats = [x], {}
     for step in steps:
-        result = VOCABULARY[step.name].reference(x, step, params)
+        kind = VOCABULARY[step.name]
+        if kind.statistics is not None and any(s.what != "value" for s in saves):
+            stats["mean"], stats["rstd"] = kind.statistics(x, step, params)
+        result = kind.reference(x, step, params)
         if isinstance(result, tuple):
             x, more = result
             extras.extend(more)
         else:
             x = result
-    return [x] + extras
+        values.append(x)
+    saved = []
+    for s in saves:
+        if s.what == "value":
+            t = values[s.at]
+        elif s.what == "sigmoid":
+            t = torch.sigmoid(values[s.at])
+        else:
+            t = stats[s.what]
+        saved.append(t.reshape(s.sized(rows)))
+    return [x] + extras + saved

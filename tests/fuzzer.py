@@ -13,8 +13,10 @@ eager" means for an ill-conditioned chain), and whether the chain was fused.
 On CPU the fused op runs its plain-torch reference (FUSEDEPI_CPU_REFERENCE=1): this
 checks matching and rewriting. On CUDA it runs the rendered kernels.
 
-Forward passes run under `torch.no_grad()`: graphs that save values for backward
-are refused by design (README, limitations).
+Forward passes run under `torch.no_grad()`; with `--grad` each model also runs
+backward (inputs and parameters require gradients, the upstream gradient is random),
+and its input and parameter gradients are checked like the output: then the fused
+chains return what backward needs as well.
 """
 
 from __future__ import annotations
@@ -384,20 +386,47 @@ class Result:
     fused_steps: list = field(default_factory=list)
 
 
-def _inductor_error(base: nn.Module, case: Case, x, residual, ref, device: str, dtype) -> float:
+def _outputs(model: nn.Module, fn, x, residual, upstream) -> list[torch.Tensor]:
+    """[output, BatchNorm running stats...], and with an `upstream` gradient also the
+    gradients of x, the residual and every parameter (zeros where there is none)."""
+    torch.manual_seed(0)  # dropout masks
+    if upstream is None:
+        with torch.no_grad():
+            out = fn(x, residual)
+        grads = []
+    else:
+        inputs = [t.detach().clone().requires_grad_() for t in (x, residual)]
+        out = fn(*inputs)
+        out.backward(upstream.to(out.dtype))
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs + list(model.parameters())]
+    buffers = [b for b in model.buffers() if b.dtype.is_floating_point]
+    return [out.detach()] + buffers + grads
+
+
+def _worst(ours: list, eager: list, ref: list, tol: float) -> tuple[int, float, float]:
+    """(index, our error, eager's error) of the tensor furthest outside the budget."""
+    pairs = [(error(o, r), error(e, r)) for o, e, r in zip(ours, eager, ref)]
+    index = max(range(len(pairs)), key=lambda i: pairs[i][0] / max(EAGER_SLACK * pairs[i][1], tol))
+    return index, pairs[index][0], pairs[index][1]
+
+
+def _inductor_error(base: nn.Module, case: Case, x, residual, ref, device: str, dtype, upstream, index) -> float:
     model = copy.deepcopy(base).to(device=device, dtype=dtype)
     torch._dynamo.reset()
-    with torch.no_grad():
-        out = torch.compile(model, backend="inductor")(x, residual)
-    return error(out, ref)
+    outs = _outputs(model, torch.compile(model, backend="inductor"), x, residual, upstream)
+    return error(outs[index], ref[index])
 
 
 def _records(reports):
     return [r for report in reports for r in report.records]
 
 
-def run_case(case: Case, device: str) -> Result:
-    """Compiles and runs one Case; compares it with eager and a float64 copy."""
+def run_case(case: Case, device: str, grad: bool = False) -> Result:
+    """Compiles and runs one Case; compares it with eager and a float64 copy.
+
+    Args:
+        grad: also run backward and compare the gradients.
+    """
     from fusion_backend import fusedepi
     from fusion_backend.backend import collect_reports
 
@@ -413,15 +442,17 @@ def run_case(case: Case, device: str) -> Result:
     torch._dynamo.reset()
     reports: list = []
     dropout = "dropout_train" in steps
+    upstream = None
     try:
-        with torch.no_grad():
-            torch.manual_seed(0)
-            ref = ref_model(x.double(), residual.double())
-            torch.manual_seed(0)
-            eager = eager_model(x, residual)
-            with collect_reports(reports):
-                torch.manual_seed(0)
-                out = torch.compile(model, backend=fusedepi)(x, residual)
+        if grad:
+            with torch.no_grad():
+                shape = ref_model(x.double(), residual.double()).shape
+            gen = torch.Generator().manual_seed(case.index)
+            upstream = torch.randn(shape, generator=gen, dtype=torch.float64).to(device)
+        refs = _outputs(ref_model, ref_model, x.double(), residual.double(), upstream)
+        eagers = _outputs(eager_model, eager_model, x, residual, upstream)
+        with collect_reports(reports):
+            outs = _outputs(model, torch.compile(model, backend=fusedepi), x, residual, upstream)
     except Exception as err:  # a crash is a finding, whatever it is
         result.check, result.finding = "error", f"{type(err).__name__}: {str(err)[:300]}"
         return result
@@ -429,23 +460,22 @@ def run_case(case: Case, device: str) -> Result:
     fused = [r for r in records if r.status == "fused"]
     refused = [r for r in records if r.status == "refused"]
     result.fused_steps = [[s["name"] for s in json.loads(r.spec)["steps"]] for r in fused]
+    worst = 0
     if dropout:
         # Random masks differ between runs: only the shape and the fusion report are checked.
-        result.err = 0.0 if out.shape == eager.shape else math.inf
+        result.err = 0.0 if outs[0].shape == eagers[0].shape else math.inf
     else:
-        result.err, result.eager_err = error(out, ref), error(eager, ref)
-        for name, ours in model.named_buffers():  # BatchNorm running stats
-            if ours.dtype.is_floating_point:
-                theirs = ref_model.get_buffer(name)
-                result.err = max(result.err, error(ours, theirs))
-                result.eager_err = max(result.eager_err, error(eager_model.get_buffer(name), theirs))
+        worst, result.err, result.eager_err = _worst(outs, eagers, refs, TOLERANCE[case.dtype])
     if result.err > TOLERANCE[case.dtype] and result.err > EAGER_SLACK * result.eager_err:
         # Is it the chain's conditioning, which plain Inductor meets too (its own
         # reduction order, say), or ours? Inductor runs only for these few.
-        result.inductor_err = _inductor_error(base, case, x, residual, ref, device, dtype)
-        ours_only = result.err > EAGER_SLACK * result.inductor_err
+        result.inductor_err = _inductor_error(base, case, x, residual, refs, device, dtype, upstream, worst)
+        # Where eager float32 has no correct digit left (error >= 1: a division by
+        # rounding noise, say), no float32 result can be held to it.
+        ours_only = result.err > EAGER_SLACK * result.inductor_err and result.eager_err < 1
         result.check = "mismatch" if ours_only else "ill_conditioned"
-        result.finding = (f"error {result.err:.3g}, eager's {result.eager_err:.3g}, "
+        what = "output" if worst == 0 else f"output {worst} (buffers, then gradients of x, residual, parameters)"
+        result.finding = (f"{what}: error {result.err:.3g}, eager's {result.eager_err:.3g}, "
                           f"Inductor's {result.inductor_err:.3g}")
     if fused and len(fused) == 1 and fused[0].stop == "end of the graph" and not refused:
         result.fusion = "full"
@@ -472,8 +502,8 @@ def _setup_worker(device: str):
 
 
 def _work(args):
-    seed, index, device = args
-    return asdict(run_case(make_case(seed, index, device), device))
+    seed, index, device, grad = args
+    return asdict(run_case(make_case(seed, index, device), device, grad))
 
 
 def normalize_reason(reason: str) -> str:
@@ -503,15 +533,17 @@ def summarize(results: list[dict]) -> dict:
     }
 
 
-def run(seed: int, indices, device: str, workers: int = 1, progress=None, time_limit=None) -> list[dict]:
+def run(seed: int, indices, device: str, workers: int = 1, progress=None, time_limit=None,
+        grad: bool = False) -> list[dict]:
     """Runs the cases `indices` of `seed`; returns their results (as dicts), in index order.
 
     Args:
+        grad: also run backward and check the gradients (`run_case`).
         workers: processes, each compiling its own models (kernel builds run in parallel).
         progress: print a progress line every this many models, and each finding as it comes.
         time_limit: seconds; models not finished by then are left out (the count says so).
     """
-    jobs = [(seed, i, device) for i in indices]
+    jobs = [(seed, i, device, grad) for i in indices]
     results = []
     start = time.time()
     if workers <= 1:
@@ -633,6 +665,7 @@ def main(argv=None):
     parser.add_argument("--bench", type=int, metavar="N",
                         help="instead: time N wholly fused models (scaled up) against Inductor, CUDA only")
     parser.add_argument("--mode", help="torch.compile mode for --bench, e.g. reduce-overhead")
+    parser.add_argument("--grad", action="store_true", help="also run backward and check the gradients")
     args = parser.parse_args(argv)
     if args.bench:
         out = bench(args.seed, args.bench, args.first, mode=args.mode)
@@ -645,12 +678,13 @@ def main(argv=None):
         for i in indices:
             print(json.dumps(asdict(make_case(args.seed, i, args.device))))
     results = run(args.seed, indices, args.device, args.workers, progress=max(1, len(indices) // 20),
-                  time_limit=args.time_limit)
+                  time_limit=args.time_limit, grad=args.grad)
     summary = summarize(results)
     print(json.dumps({k: v for k, v in summary.items() if k != "findings"}, indent=1))
     print(f"{len(summary['findings'])} findings (printed above as they came)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"seed": args.seed, "device": args.device, "summary": summary,
+        Path(args.json).write_text(json.dumps({"seed": args.seed, "device": args.device, "grad": args.grad,
+                                               "summary": summary,
                                                "results": results}, indent=1))
     return 1 if summary["findings"] else 0
 

@@ -143,3 +143,39 @@ def vocabulary_specs(dtype="float32"):
             LINEAR, (Step("relu"), Step(name, keepdim=True), Step("sigmoid")), dtype, (), 2056, 1, f"linear_{name}",
         )
     return specs
+
+
+def training_specs(dtype="float32"):
+    """The workloads as a training graph has them: they also return what backward needs
+    (the anchor output, values after some steps, normalization statistics). Saves after
+    a folded bias do not come from the matcher (it keeps the bias of an anchor output
+    used elsewhere) but cover stores from stage0."""
+    from dataclasses import replace
+
+    from lowering.spec import Save
+
+    w = workload_specs(dtype)
+    stat = "float32"
+
+    def value(at, channels, per_row=None):
+        per_row = channels if per_row is None else per_row
+        return Save("value", dtype, (-1, channels if per_row == channels else 1), per_row, at)
+
+    def stats(kind, per_row, shape, sdtype=dtype):
+        return Save(kind, sdtype, shape, per_row)
+
+    return {
+        "train_w1_bn": replace(w["w1_bn_train"], saves=(
+            value(0, 4096), value(2, 4096), stats("mean", 0, (4096,), stat), stats("rstd", 0, (4096,), stat))),
+        "train_w2_logsumexp": replace(w["w2_logsumexp"], saves=(value(1, 8192), value(2, 8192, per_row=1))),
+        "train_w3_groupnorm": replace(w["w3_groupnorm"], saves=(
+            value(1, 8192), stats("mean", 512, (-1, 512)), stats("rstd", 512, (-1, 512)))),
+        "train_w4_groupnorm_silu": replace(w["w4_groupnorm_silu"], saves=(
+            value(2, 8192), stats("mean", 256, (-1, 256)), stats("rstd", 256, (-1, 256)),
+            Save("sigmoid", dtype, (-1, 8192), 8192, 2), Save("sigmoid", dtype, (-1, 8192), 8192, 4))),
+        "train_w5_conv_groupnorm": replace(w["w5_conv_groupnorm"], saves=(
+            Save("value", dtype, (-1, 32, 254, 254), 32 * 254 * 254, 1),
+            stats("mean", 8, (-1, 8)), stats("rstd", 8, (-1, 8)))),
+        "train_layernorm_residual": replace(awkward_specs(dtype)["layernorm_residual"], saves=(
+            value(2, 513), value(4, 513, per_row=513), stats("mean", 1, (-1, 1), stat), stats("rstd", 1, (-1, 1), stat))),
+    }

@@ -171,9 +171,17 @@ def test_warm_start_runs_no_nvcc(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_second_gpu(fresh_cache):
-    model = _model().to("cuda:1")
-    x = torch.rand(300, 256, device="cuda:1")
-    with torch.no_grad(), torch.cuda.device(0):  # the current device is another GPU
-        out = torch.compile(model, backend=fusedepi)(x)
-    assert out.device == x.device
-    _check(out, model, x)
+    # The same chain on cuda:0 and cuda:1: one build, the kernel loaded on each device,
+    # and each call launched on its tensors' device whatever the current device is.
+    model = _model()
+    outs = {}
+    for index in (0, 1):
+        dev = f"cuda:{index}"
+        local = copy.deepcopy(model).to(dev)
+        x = torch.rand(300, 256, device=dev)
+        with torch.no_grad(), torch.cuda.device(1 - index):  # the current device is the other GPU
+            outs[index] = torch.compile(local, backend=fusedepi)(x)
+        assert outs[index].device == x.device
+        _check(outs[index], local, x)
+    assert len(fresh_cache) == 1
+    assert {key[1] for key in ops._launchers} >= {0, 1}

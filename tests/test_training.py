@@ -1,0 +1,128 @@
+"""Training through fused chains: gradients and optimizer steps against eager.
+
+A forward graph that requires gradients keeps values for backward (the matmul
+output, normalization statistics, activation inputs); the fused op returns them
+as extra outputs, and Inductor compiles the backward graph. Each check runs on
+the CPU (the fused op's torch reference: the graph surgery and the partition) and,
+with the `gpu` marker, on CUDA (the kernels).
+"""
+
+import copy
+
+import pytest
+import torch
+
+from fusion_backend import backend, fusedepi
+from helpers import SMALL_WORKLOADS
+
+aten = torch.ops.aten
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture
+def on_device(request, monkeypatch):
+    """Sets up `device` for a test: CPU graphs fuse through the reference; CUDA runs strict float32."""
+    device = request.param
+    if device == "cpu":
+        monkeypatch.setenv("FUSEDEPI_CPU_REFERENCE", "1")
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    torch._dynamo.reset()
+    yield device
+    torch.set_float32_matmul_precision(old)
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def inner_graphs(monkeypatch):
+    """(is_backward, [node targets]) of every graph handed to Inductor after the rewrite."""
+    graphs = []
+    real = backend.compile_fx_inner
+
+    def spy(gm, example_inputs, **kwargs):
+        graphs.append((kwargs.get("is_backward", False), [n.target for n in gm.graph.nodes]))
+        return real(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(backend, "compile_fx_inner", spy)
+    return graphs
+
+
+def _close(got, eager, ref, what):
+    """`got` is as close to the float64 `ref` as eager float32 is (4x), or within 1e-5 of its norm."""
+    d_got = (got.double() - ref).norm().item()
+    d_eager = (eager.double() - ref).norm().item()
+    norm = ref.norm().item()
+    assert d_got <= max(1e-5 * norm, 4 * d_eager), f"{what}: error {d_got:.3g}, eager's {d_eager:.3g}, norm {norm:.3g}"
+
+
+def _three(name, device):
+    """The workload three ways: to compile, eager float32 and eager float64."""
+    factory, shape, fusion = SMALL_WORKLOADS[name]
+    torch.manual_seed(0)
+    model = factory().to(device)
+    return model, copy.deepcopy(model), copy.deepcopy(model).double(), shape, fusion
+
+
+@pytest.mark.parametrize("on_device", DEVICES, indirect=True)
+@pytest.mark.parametrize("name", list(SMALL_WORKLOADS))
+def test_gradients_match_eager(name, on_device, inner_graphs):
+    model, eager, ref, shape, fusion = _three(name, on_device)
+    x = torch.rand(shape, device=on_device)
+    inputs = [x.clone().requires_grad_(), x.clone().requires_grad_(), x.double().requires_grad_()]
+    reports: list = []
+    with backend.collect_reports(reports):
+        out = torch.compile(model, backend=fusedepi)(inputs[0])
+    outs = [out, eager(inputs[1]), ref(inputs[2])]
+    upstream = torch.randn_like(outs[2])
+    for o in outs:
+        o.backward(upstream.to(o.dtype))
+
+    fused = [r for report in reports for r in report.records if r.status == "fused"]
+    assert [r.fusion for r in fused] == [fusion]
+    assert '"saves":[{' in fused[0].spec  # the chain returns what backward needs
+    assert on_device == "cpu" or fused[0].kernel != "reference (cpu)"
+    _close(out, outs[1], outs[2], "output")
+    _close(inputs[0].grad, inputs[1].grad, inputs[2].grad, "input grad")
+    for (pname, p), pe, pr in zip(model.named_parameters(), eager.parameters(), ref.parameters()):
+        _close(p.grad, pe.grad, pr.grad, f"grad of {pname}")
+    for (bname, b), be, br in zip(model.named_buffers(), eager.buffers(), ref.buffers()):
+        if b.is_floating_point():
+            _close(b, be, br, bname)
+        else:
+            assert torch.equal(b, be), bname
+
+    # Backward does not recompute the matrix op: a linear's backward holds exactly its
+    # two gradient GEMMs (input and weight), a conv's no forward convolution.
+    (forward,) = [targets for is_bwd, targets in inner_graphs if not is_bwd]
+    (backward_,) = [targets for is_bwd, targets in inner_graphs if is_bwd]
+    assert torch.ops.fusedepi.chain.default in forward
+    assert aten.addmm.default not in backward_ and aten.convolution.default not in backward_
+    if fusion.startswith("linear"):
+        assert backward_.count(aten.mm.default) == 2
+
+
+@pytest.mark.parametrize("on_device", DEVICES, indirect=True)
+@pytest.mark.parametrize("name", ["1_train", "3", "5"])
+def test_twenty_optimizer_steps_track_eager(name, on_device):
+    model, eager, ref, shape, _ = _three(name, on_device)
+    compiled = torch.compile(model, backend=fusedepi)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.rand(shape, generator=gen) for _ in range(20)]
+    runs = []
+    for net, fn, dtype in ((model, compiled, torch.float32), (eager, eager, torch.float32), (ref, ref, torch.float64)):
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        for xb in batches:
+            out = fn(xb.to(on_device, dtype))
+            loss = (out - 0.5).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        runs.append(torch.stack(losses))
+    _close(runs[0], runs[1], runs[2], "losses")
+    for (pname, p), pe, pr in zip(model.named_parameters(), eager.parameters(), ref.parameters()):
+        _close(p.detach(), pe.detach(), pr.detach(), pname)
+    for (bname, b), be, br in zip(model.named_buffers(), eager.buffers(), ref.buffers()):
+        if b.is_floating_point():
+            _close(b, be, br, bname)
