@@ -694,7 +694,8 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
     for what, node in match.stats.items():
         # Per (row, group) for GroupNorm, per row for LayerNorm, per channel for BatchNorm;
         # silu's sigmoid is element-wise.
-        per_row = {"groupnorm": step.groups, "layernorm": 1, "silu": state.channels * state.inner}
+        per_row = {"groupnorm": step.groups, "layernorm": 1,
+                   "silu": 1 if state.reduced else state.channels * state.inner}
         why = _save(state, node, what, per_row.get(step.name, 0))
         if why is not None:
             return why

@@ -320,6 +320,20 @@ def test_fuzz_regressions(seed, index, exact_float32):
     assert result.check == "ok" and result.fusion == "full", result
 
 
+# Findings of the GPU fuzzer with --grad (seed 0), rerun with backward on the kernels
+# (545 and 940 are ill-conditioned: LayerNorm over one feature).
+GRAD_REGRESSIONS = [(0, 138), (0, 545), (0, 698), (0, 716), (0, 787), (0, 940), (0, 975)]
+
+
+@pytest.mark.parametrize("seed, index", GRAD_REGRESSIONS, ids=[f"seed{s}-model{i}" for s, i in GRAD_REGRESSIONS])
+def test_gradient_fuzz_regressions(seed, index, exact_float32):
+    import fuzzer
+
+    result = fuzzer.run_case(fuzzer.make_case(seed, index, "cuda"), "cuda", grad=True)
+    assert result.check in ("ok", "ill_conditioned"), result
+    assert result.fusion in ("full", "partial"), result
+
+
 def test_fuzz_sample(exact_float32):
     """Forty random models of a seed the long GPU fuzz run does not use."""
     import fuzzer
