@@ -339,13 +339,16 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
             ]
             ws_floats = "rows * kGroups * (kChunks * 2 + 2)"
     elif red.name in ROW_NORMS:
+        save_stats = ""
         if red.name == "rmsnorm":
             statistics = templates.TEAM_STATISTICS["rmsnorm"].substitute(eps=cfloat(red.consts[0]))
+            save_stats = _save_stats(spec, "s0", "s1", "p.seg", "p.live && p.lane == 0")
         else:
             statistics = templates.TEAM_STATISTICS["softmax"].substitute(
                 finish="logf" if red.name == "log_softmax" else ""
             )
-        middle = templates.TEAM_NORM.substitute(statistics=statistics, save_stats="", apply=templates.APPLY_STAGE1)
+        middle = templates.TEAM_NORM.substitute(statistics=statistics, save_stats=save_stats,
+                                                apply=templates.APPLY_STAGE1)
     else:
         assert red.name in ROW_REDUCTIONS
         middle = templates.TEAM_ROW_REDUCE.substitute(reduce=templates.ROW_REDUCE[red.name])

@@ -78,14 +78,17 @@ def collect_reports(into: list):
 
 class KeepChainValues(CustomGraphPass):
     """Joint-graph pass (before the forward/backward partition): marks the nodes of
-    every chain the rewrite will fuse MUST_SAVE.
+    the chains the rewrite will fuse MUST_SAVE where a recomputation would not match.
 
-    The partitioner would otherwise recompute cheap pointwise values in backward from
-    an earlier saved one, in Inductor's code, whose rounding is not the fused kernel's:
-    a recomputed input of amax no longer equals the maximum the fused op found, and a
-    recomputed bf16 value no longer matches the statistics taken from the fused op's
-    (seen by the fuzzer: gradients off by 20x eager's error, or inf). Marked, backward
-    reads what the fused op returns, as eager reads what its forward saved.
+    The partitioner recomputes cheap pointwise values in backward from an earlier
+    saved one, in Inductor's code, whose rounding is not the fused kernel's: a
+    recomputed input of amax/amin no longer equals the extremum the fused op found,
+    and a recomputed bf16/fp16 value (Inductor keeps it in float32) no longer matches
+    the statistics taken from the fused op's rounded one (seen by the fuzzer:
+    gradients off by 20x eager's error, or inf). Those chains are marked, and backward
+    reads what the fused op returns, as eager reads what its forward saved. Other
+    float32 chains stay recomputable: an ulp of difference is harmless there, and
+    saving fewer values moves fewer bytes.
     """
 
     def __init__(self, cfg: Config, then=None):
@@ -101,7 +104,8 @@ class KeepChainValues(CustomGraphPass):
             log.debug("fusedepi: joint-graph matching failed: %s", err)
             return
         for chain in chains:
-            for node in chain.nodes[1:]:
+            exact = chain.spec.dtype != "float32" or any(s.name in ("amax", "amin") for s in chain.spec.steps)
+            for node in chain.nodes[1:] if exact else ():
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
     def uuid(self):

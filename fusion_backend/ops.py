@@ -145,9 +145,10 @@ class Launcher:
                 out = torch.empty_like(y)
         rows = y.shape[0]
         extras = [torch.empty_like(params[i]) for i in self.running_stats]
-        # The anchor output itself (saved after 0 steps) is the library's output, y.
+        # The anchor output itself (saved after 0 steps) is the library's output, y
+        # (converted when the graph saved it widened to float32).
         extras += [
-            y.view(save.sized(rows)) if save.what == "value" and save.at == 0
+            y.view(save.sized(rows)).to(dtype) if save.what == "value" and save.at == 0
             else y.new_empty(save.sized(rows), dtype=dtype)
             for save, dtype in self.saves
         ]

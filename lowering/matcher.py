@@ -196,20 +196,22 @@ def _only(node: Node, target) -> Node | None:
 
 def _match_rms_norm(state: _State, _user: Node):
     """x * rsqrt(mean(x ** 2, dim=-1, keepdim=True) + eps): what nn.RMSNorm and
-    F.rms_norm decompose to (a weight is a `mul` step after it)."""
+    F.rms_norm decompose to (a weight is a `mul` step after it). An rsqrt also used
+    elsewhere (saved for backward) is returned as the step's "rstd"."""
     users = list(state.node.users)
     pow_ = next((u for u in users if u.target is aten.pow.Tensor_Scalar and u.args[1] == 2), None)
     mean = pow_ and _only(pow_, aten.mean.dim)
     add = mean and (_only(mean, aten.add.Scalar) or _only(mean, aten.add.Tensor))
     rsqrt = add and _only(add, aten.rsqrt.default)
-    mul = rsqrt and _only(rsqrt, aten.mul.Tensor)
+    mul = rsqrt and next((u for u in rsqrt.users if u.target is aten.mul.Tensor and u in users), None)
     if mul is None or set(mul.args[:2]) != {state.node, rsqrt} or not _arg(mean, 2, "keepdim", False):
         return None
     eps = add.args[1]
     if isinstance(eps, Node) or _arg(mean, 3, "dtype") is not None:
         return None
     _require_features(state, "RMSNorm", mean.args[1])
-    return _Match(Step("rmsnorm", consts=(float(eps),)), [pow_, mean, add, rsqrt, mul], mul)
+    stats = {"rstd": rsqrt} if len(rsqrt.users) > 1 else {}
+    return _Match(Step("rmsnorm", consts=(float(eps),)), [pow_, mean, add, rsqrt, mul], mul, stats=stats)
 
 
 # --------------------------------------------------------------- binary steps
@@ -694,7 +696,7 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
     for what, node in match.stats.items():
         # Per (row, group) for GroupNorm, per row for LayerNorm, per channel for BatchNorm;
         # silu's sigmoid is element-wise.
-        per_row = {"groupnorm": step.groups, "layernorm": 1,
+        per_row = {"groupnorm": step.groups, "layernorm": 1, "rmsnorm": 1,
                    "silu": 1 if state.reduced else state.channels * state.inner}
         why = _save(state, node, what, per_row.get(step.name, 0))
         if why is not None:

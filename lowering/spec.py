@@ -86,7 +86,8 @@ class Save:
 
     Attributes:
         what: "value"; "mean" / "rstd" of the normalization (GroupNorm and LayerNorm
-            per segment, BatchNorm per channel, whose "rstd" is 1/sqrt(var + eps));
+            per segment, BatchNorm per channel, whose "rstd" is 1/sqrt(var + eps);
+            RMSNorm's "rstd" is rsqrt(mean(x^2) + eps) per row);
             or "sigmoid": the sigmoid of a silu step's input (`x * sigmoid(x)`).
         at: for "value", how many steps had been applied (0: the anchor output
             itself); for "sigmoid", the index of the silu step.

@@ -105,6 +105,11 @@ def _layer_norm_statistics(x, step, params):
     return out[1], out[2]
 
 
+def _rmsnorm_statistics(x, step, params):
+    xf = x.float()
+    return None, torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + step.consts[0])
+
+
 def _rmsnorm(x, step, params):
     # The form nn.RMSNorm / F.rms_norm decompose to (weight, if any, is a `mul` step
     # after), in float32 as they compute it for bf16/fp16 inputs.
@@ -233,7 +238,7 @@ VOCABULARY: dict[str, StepKind] = {
             ),
             statistics=_layer_norm_statistics,
         ),
-        StepKind("rmsnorm", _rmsnorm),
+        StepKind("rmsnorm", _rmsnorm, statistics=_rmsnorm_statistics),
         StepKind(
             "batchnorm_eval",
             lambda x, s, p: F.batch_norm(
@@ -293,5 +298,6 @@ def run_reference(x: torch.Tensor, steps, params, saves=()) -> list[torch.Tensor
             t = torch.sigmoid(values[s.at])
         else:
             t = stats[s.what]
-        saved.append(t.reshape(s.sized(rows)))
+        # A value saved while widened to float32 (RMSNorm's decomposition) is float32.
+        saved.append(t.to(getattr(torch, s.dtype)).reshape(s.sized(rows)))
     return [x] + extras + saved

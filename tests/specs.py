@@ -176,6 +176,9 @@ def training_specs(dtype="float32"):
         "train_w5_conv_groupnorm": replace(w["w5_conv_groupnorm"], saves=(
             Save("value", dtype, (-1, 32, 254, 254), 32 * 254 * 254, 1),
             stats("mean", 8, (-1, 8)), stats("rstd", 8, (-1, 8)))),
+        "train_rmsnorm_widened": replace(vocabulary_specs(dtype)["rmsnorm_weight"], saves=(
+            Save("value", stat, (-1, 4096), 4096, 0), Save("rstd", stat, (-1, 1), 1),
+            Save("value", stat, (-1, 4096), 4096, 1), Save("sigmoid", dtype, (-1, 4096), 4096, 2))),
         "train_layernorm_residual": replace(awkward_specs(dtype)["layernorm_residual"], saves=(
             value(2, 513), value(4, 513, per_row=513), stats("mean", 1, (-1, 1), stat), stats("rstd", 1, (-1, 1), stat))),
     }

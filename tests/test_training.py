@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn as nn
 
 from fusion_backend import backend, fusedepi
 from helpers import SMALL_WORKLOADS
@@ -99,6 +100,29 @@ def test_gradients_match_eager(name, on_device, inner_graphs):
     assert aten.addmm.default not in backward_ and aten.convolution.default not in backward_
     if fusion.startswith("linear"):
         assert backward_.count(aten.mm.default) == 2
+
+
+@pytest.mark.parametrize("on_device", DEVICES, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_gradients(dtype, on_device):
+    # RMSNorm decomposes to float32 math between two conversions for bf16: the
+    # anchor output and the normalized value are saved widened, its rsqrt per row.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 256), nn.RMSNorm(256), nn.GELU()).to(on_device, dtype)
+    eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+    x = torch.rand(16, 48, device=on_device, dtype=dtype)
+    reports: list = []
+    with backend.collect_reports(reports):
+        out = torch.compile(model, backend=fusedepi)(x)
+    outs = [out, eager(x), ref(x.double())]
+    upstream = torch.randn_like(outs[2])
+    for o in outs:
+        o.backward(upstream.to(o.dtype))
+    fused = [r for report in reports for r in report.records if r.status == "fused"]
+    assert [r.fusion for r in fused] == ["linear_rmsnorm"] and '"what":"rstd"' in fused[0].spec
+    _close(out, outs[1], outs[2], "output")
+    for (pname, p), pe, pr in zip(model.named_parameters(), eager.parameters(), ref.parameters()):
+        _close(p.grad, pe.grad, pr.grad, f"grad of {pname}")
 
 
 @pytest.mark.parametrize("on_device", DEVICES, indirect=True)
