@@ -446,13 +446,17 @@ def _stages(spec: EpilogueSpec) -> str:
     split = steps.index(red) if red is not None else len(steps)
     # A value saved after `at` steps is stored after step at - 1 of its stage; at 0 it
     # is the anchor output itself, which the launcher returns.
-    # A silu's sigmoid is stored from the silu step's input.
+    # A silu's sigmoid is stored from the silu step's input. A 16-bit value saved
+    # before the reduction is rounded in registers, so the statistics (amax's maximum,
+    # a norm's mean) are those of the value backward reads, as in eager; later values
+    # keep float32, as Inductor does (a rounded tiny softplus fed log's gradient a
+    # factor 12 off eager's in float16).
     saves_after: list[dict] = [{}, {}]
     sigmoids_at: list[dict] = [{}, {}]
     for slot, save in enumerate(spec.saves):
         if save.what == "value" and save.at > 0:
             stage, index = (0, save.at - 1) if save.at <= split else (1, save.at - 1 - split)
-            saves_after[stage].setdefault(index, []).append((slot, CTYPES[save.dtype]))
+            saves_after[stage].setdefault(index, []).append((slot, CTYPES[save.dtype], stage == 0 and red is not None))
         elif save.what == "sigmoid":
             stage, index = (0, save.at) if save.at < split else (1, save.at - split)
             sigmoids_at[stage].setdefault(index, []).append((slot, CTYPES[save.dtype]))

@@ -150,10 +150,10 @@ def render_stage(steps, saves_after=None, sigmoids_at=None) -> tuple[str, str, s
     """(loads, statements, stores) for a run of steps applied to each element `x`.
 
     Args:
-        saves_after: {i: [(slot, C type), ...]}: after step i, the value goes to the
-            saved output `a.sv<slot>` (collected per vector, written when `save`);
-            a 16-bit saved value is rounded to its type in every kernel that runs the
-            stage, so statistics and later steps see what backward will.
+        saves_after: {i: [(slot, C type, round), ...]}: after step i, the value goes
+            to the saved output `a.sv<slot>` (collected per vector, written when
+            `save`); with `round`, a 16-bit value is also rounded in registers, in
+            every kernel that runs the stage.
         sigmoids_at: {i: [(slot, C type), ...]}: the sigmoid of step i's input (a silu)
             goes to `a.sv<slot>`.
     """
@@ -172,8 +172,8 @@ def render_stage(steps, saves_after=None, sigmoids_at=None) -> tuple[str, str, s
         statement = SNIPPETS[step.name](step, ops)
         if statement:
             lines.append(f"    {statement}  // {step.name}")
-        for slot, ctype in saves_after.get(i, ()):
-            if ctype != "float":
+        for slot, ctype, rounded in saves_after.get(i, ()):
+            if rounded and ctype != "float":
                 # Rounded as eager holds it, for every later step too: backward gets
                 # this value with statistics taken from it, as in eager.
                 lines.append(f"    x = fusedepi::to_float(fusedepi::from_float<{ctype}>(x));  // saved: rounded")

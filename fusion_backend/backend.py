@@ -76,6 +76,23 @@ def collect_reports(into: list):
             _sinks.remove(into)
 
 
+def _backward_nodes(graph: torch.fx.Graph) -> frozenset:
+    """The backward's nodes in a joint graph: those that depend on an incoming gradient
+    (`tangents_*`), and those only they use (mish's backward takes sigmoid(x) of the
+    forward's x, a silu pair to the matcher unless it knows)."""
+    seen: set = set()
+    stack = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+    while stack:
+        node = stack.pop()
+        if node not in seen and node.op != "output":
+            seen.add(node)
+            stack.extend(node.users)
+    for node in reversed(graph.nodes):
+        if node.op == "call_function" and node.users and all(u in seen for u in node.users):
+            seen.add(node)
+    return frozenset(seen)
+
+
 class KeepChainValues(CustomGraphPass):
     """Joint-graph pass (before the forward/backward partition): marks the nodes of
     the chains the rewrite will fuse MUST_SAVE where a recomputation would not match.
@@ -99,7 +116,8 @@ class KeepChainValues(CustomGraphPass):
             self.then(graph)
         try:
             tf32 = torch.get_float32_matmul_precision() != "highest"
-            chains, _ = match_graph(graph, self.cfg.disabled, self.cfg.cpu_reference, matmul_tf32=tf32)
+            chains, _ = match_graph(graph, self.cfg.disabled, self.cfg.cpu_reference, matmul_tf32=tf32,
+                                    backward=_backward_nodes(graph))
         except Exception as err:  # the rewrite will meet and report the same failure
             log.debug("fusedepi: joint-graph matching failed: %s", err)
             return

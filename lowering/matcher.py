@@ -99,6 +99,7 @@ class _State:
     dtype: torch.dtype | None = None  # the value's dtype: the chain's, or float32 while widened
     widened_at: tuple | None = None  # the walk's state where a bf16/fp16 value went to float32
     order: dict = field(default_factory=dict)  # node -> position in the graph
+    backward: frozenset = frozenset()  # a joint graph's backward nodes: users, never steps
 
 
 @dataclass
@@ -130,6 +131,11 @@ def _add_param(state: _State, node: Node | None) -> int:
         raise Refuse(f"operand {node.name} is computed from the chain's own values")
     state.chain.params.append(node)
     return len(state.chain.params) - 1
+
+
+def _forward_users(state: _State, node: Node) -> list:
+    """The users of `node` that may continue a chain (in a joint graph, not backward's)."""
+    return [u for u in node.users if u not in state.backward]
 
 
 def _derived_from_chain(state: _State, node: Node) -> bool:
@@ -178,10 +184,11 @@ def _match_silu_pair(state: _State, _user: Node):
     """x * sigmoid(x), in either operand order: two of the current value's users.
     A sigmoid also used elsewhere (saved for backward) is returned as well."""
     x = state.node
-    for sig in x.users:
+    for sig in _forward_users(state, x):
         if sig.target is not aten.sigmoid.default:
             continue
-        mul = next((u for u in sig.users if u.target is aten.mul.Tensor and set(u.args[:2]) == {x, sig}), None)
+        mul = next((u for u in _forward_users(state, sig)
+                    if u.target is aten.mul.Tensor and set(u.args[:2]) == {x, sig}), None)
         if mul is not None and len(mul.args) == 2:
             stats = {"sigmoid": sig} if len(sig.users) > 1 else {}
             return _Match(Step("silu"), [sig, mul], mul, stats=stats)
@@ -198,7 +205,7 @@ def _match_rms_norm(state: _State, _user: Node):
     """x * rsqrt(mean(x ** 2, dim=-1, keepdim=True) + eps): what nn.RMSNorm and
     F.rms_norm decompose to (a weight is a `mul` step after it). An rsqrt also used
     elsewhere (saved for backward) is returned as the step's "rstd"."""
-    users = list(state.node.users)
+    users = _forward_users(state, state.node)
     pow_ = next((u for u in users if u.target is aten.pow.Tensor_Scalar and u.args[1] == 2), None)
     mean = pow_ and _only(pow_, aten.mean.dim)
     add = mean and (_only(mean, aten.add.Scalar) or _only(mean, aten.add.Tensor))
@@ -674,7 +681,7 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
     users = list(state.node.users)
     if not users:
         return "value is unused"
-    inside = [u for u in users if u.op != "output"]
+    inside = [u for u in _forward_users(state, state.node) if u.op != "output"]
     if not inside:
         return "end of the graph"
     match = _next_step(state, inside)
@@ -719,7 +726,8 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
     return None
 
 
-def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, matmul_tf32=False):
+def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, matmul_tf32=False,
+                backward=frozenset()):
     """Finds every fusible chain in `graph`.
 
     Args:
@@ -729,6 +737,8 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
             the plain-torch reference; used to test the rewrite without a GPU).
         matmul_tf32: float32 matmuls may use TF32 (`torch.get_float32_matmul_precision()`
             is not "highest"); only decides whether a GEMM bias moves into the epilogue.
+        backward: in a joint forward/backward graph, the backward's nodes: they use
+            chain values (which are then saved) but never continue a chain.
 
     Returns:
         (chains, refusals): chains to rewrite, and candidates that were refused.
@@ -746,7 +756,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
         anchor, operands = found
         try:
             state = _start(node, anchor, operands, allow_cpu)
-            state.order = order
+            state.order, state.backward = order, backward
             folded = _fold_bias(state, anchor, matmul_tf32)
             stop = _extend(state, disabled)
         except Refuse as err:

@@ -8,6 +8,7 @@ with the `gpu` marker, on CUDA (the kernels).
 """
 
 import copy
+import json
 
 import pytest
 import torch
@@ -123,6 +124,24 @@ def test_rmsnorm_gradients(dtype, on_device):
     _close(out, outs[1], outs[2], "output")
     for (pname, p), pe, pr in zip(model.named_parameters(), eager.parameters(), ref.parameters()):
         _close(p.grad, pe.grad, pr.grad, f"grad of {pname}")
+
+
+def test_backward_reads_the_saved_input_of_amin(monkeypatch):
+    # amin's backward compares its input with the minimum: recomputed by Inductor from
+    # the GEMM output, the input would not equal the minimum the fused op found (GPU
+    # fuzzer, seed 0, model 2409: gradient inf). The joint-graph pass keeps it saved,
+    # though mish's backward holds a sigmoid(x) * x of its own that looks like a silu.
+    monkeypatch.setenv("FUSEDEPI_CPU_REFERENCE", "1")
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(32, 64), nn.Mish(), nn.GELU(approximate="tanh"), nn.SiLU())
+    reports: list = []
+    with backend.collect_reports(reports):
+        out = torch.compile(lambda x: torch.amin(model(x), dim=1), backend=fusedepi)(torch.rand(8, 32))
+    out.sum().backward()
+    (fused,) = [r for report in reports for r in report.records if r.status == "fused"]
+    saves = json.loads(fused.spec)["saves"]
+    assert ("value", 3) in [(s["what"], s["at"]) for s in saves]  # silu's output, amin's input
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("on_device", DEVICES, indirect=True)
