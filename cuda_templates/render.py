@@ -141,7 +141,7 @@ def direct_plan(spec: EpilogueSpec, arch: str = "sm90") -> DirectPlan | str:
     if anchor.kind != "conv":
         return "not a convolution"
     if spec.saves:
-        return "values saved for backward (the library conv's output is one of them or precedes them)"
+        return "it returns values saved for backward, and the direct conv does not write the conv output"
     if not anchor.direct:
         return "not 2-D with stride 1, dilation 1 and groups 1 (or disabled)"
     if anchor.has_bias:

@@ -188,7 +188,8 @@ __device__ __forceinline__ void $name(float (&v)[W], int pos, long long e0, cons
 )
 
 # Statistics of a segment computed inside the team, then $apply (stage1 with the
-# statistics s0, s1 in scope). $statistics is one of TEAM_STATISTICS.
+# statistics s0, s1 in scope). $statistics is one of TEAM_STATISTICS; $save_stats
+# writes s0 / s1 to the saved outputs that ask for them, or is empty.
 TEAM_NORM = Template(
     r"""  {
 $statistics

@@ -112,8 +112,9 @@ class KeepChainValues(CustomGraphPass):
         self.cfg, self.then = cfg, then
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        if self.then is not None:
-            self.then(graph)
+        # A pass the user set runs first (torch 2.13 also takes a list of passes).
+        for then in self.then if isinstance(self.then, (list, tuple)) else [self.then] if self.then else []:
+            then(graph)
         try:
             tf32 = torch.get_float32_matmul_precision() != "highest"
             chains, _ = match_graph(graph, self.cfg.disabled, self.cfg.cpu_reference, matmul_tf32=tf32,
@@ -129,7 +130,8 @@ class KeepChainValues(CustomGraphPass):
     def uuid(self):
         from importlib.metadata import version
 
-        then = self.then.uuid() if isinstance(self.then, CustomGraphPass) else repr(self.then)
+        thens = self.then if isinstance(self.then, (list, tuple)) else [self.then]
+        then = [t.uuid() if isinstance(t, CustomGraphPass) else repr(t) for t in thens]
         return f"fusedepi-keep-chain-values-{version('fusedepi')}-{sorted(self.cfg.disabled)}-{then}"
 
 

@@ -41,9 +41,10 @@ def reference(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
 # A plain `torch.library.Library` op, not `torch.library.custom_op`: the latter's
 # per-call wrappers (output aliasing check, autograd wrapper, redispatch) cost about
 # 50 us of CPU per call on an H200 host (benchmarks/call_profile.py), more than the
-# GPU time of a small chain. Nothing is lost: the outputs are always new tensors, and
-# the op has no autograd formula because it only goes into graphs that need none
-# (forward graphs whose chains save nothing for backward, run without grad).
+# GPU time of a small chain. Nothing is lost: the outputs never alias the inputs or
+# each other, and the op has no autograd formula because it only goes into graphs
+# that need none: inference graphs, and the forward half of a training graph, whose
+# backward AOTAutograd has already split off (it reads the values the op returns).
 _LIB = torch.library.Library("fusedepi", "DEF")
 _LIB.define("chain(Tensor[] inputs, str spec) -> Tensor[]")
 

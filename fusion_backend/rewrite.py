@@ -6,6 +6,7 @@ that fails is left to Inductor with one warning (or raises under FUSEDEPI_STRICT
 
 from __future__ import annotations
 
+import copy
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -67,6 +68,8 @@ def _replace(graph: torch.fx.Graph, chain: Chain, spec: str) -> None:
             result = graph.call_function(aten.view.default, (outs[0], chain.view.args[1]))
             result.meta["val"] = chain.final.meta["val"]
     chain.final.replace_all_uses_with(result)
+    for node in chain.same_as_result:
+        node.replace_all_uses_with(outs[0])
     for node, out in zip(chain.extra + chain.saved, outs[1:]):
         node.replace_all_uses_with(out)
     for node in reversed(chain.nodes):
@@ -77,11 +80,17 @@ def _stable_topological_sort(graph: torch.fx.Graph) -> None:
     """Moves producers up to their first use, keeping every other node where it is.
 
     The fused op is inserted at the chain's last node, but users of its extra
-    outputs (BatchNorm running stats, e.g. a dtype cast) may sit earlier; this
-    pulls the op and its not-yet-defined inputs ahead of them. Only pure nodes
-    are referenced before definition, so no side effect moves.
+    outputs (BatchNorm running stats, values saved for backward) may sit earlier;
+    this pulls the op and its not-yet-defined inputs ahead of them. Nodes with side
+    effects (`copy_` into buffers) are never referenced, so they do not move; a
+    random op computing an input may now draw before another random op, which
+    Inductor's own random numbers do not follow eager's order either.
+
+    Raises:
+        RuntimeError: the graph has a cycle (fused ops waiting for each other).
     """
     placed: set = set()
+    waiting: set = set()  # nodes whose inputs are being placed: met again unplaced, a cycle
     cursor = next(iter(graph.nodes))
     for node in list(graph.nodes):
         stack = [node]
@@ -92,6 +101,9 @@ def _stable_topological_sort(graph: torch.fx.Graph) -> None:
                 continue
             missing = [i for i in top.all_input_nodes if i not in placed]
             if missing:
+                if top in waiting:
+                    raise RuntimeError(f"the rewritten graph has a cycle through {top.name}")
+                waiting.add(top)
                 stack.extend(missing)
                 continue
             stack.pop()
@@ -128,7 +140,8 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
     for refusal in refusals:
         log.info("fusedepi: not fused at %s: %s", refusal.anchor, refusal.reason)
         report.records.append(Record("refused", refusal.anchor, refusal.nodes, reason=refusal.reason))
-    changed = False
+    backup = copy.deepcopy(gm.graph) if chains else None
+    fused = []
     for chain in chains:
         spec = chain.spec.to_json()
         names = [n.name for n in chain.nodes]
@@ -155,14 +168,27 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
                 Record("refused", chain.anchor.name, names, chain.spec.fusion, reason=f"kernel build failed: {first}")
             )
             continue
-        _replace(gm.graph, chain, spec)
-        changed = True
-        log.info("fusedepi: fused %s at %s (%s)", chain.spec.fusion, chain.anchor.name, kernel)
         report.records.append(
             Record("fused", chain.anchor.name, names, chain.spec.fusion, kernel=kernel, stop=chain.stop, spec=spec)
         )
-    if changed:
-        _stable_topological_sort(gm.graph)
-        gm.graph.lint()
+        fused.append((chain, spec, kernel))
+    if fused:
+        try:
+            for chain, spec, kernel in fused:
+                _replace(gm.graph, chain, spec)
+                log.info("fusedepi: fused %s at %s (%s)", chain.spec.fusion, chain.anchor.name, kernel)
+            _stable_topological_sort(gm.graph)
+            gm.graph.lint()
+        except Exception as err:  # a surgery bug must not stop the user's model: undo it all
+            if cfg.strict:
+                raise FusionError(f"fusedepi: rewriting the graph failed: {err}") from err
+            log.warning("fusedepi: rewriting the graph failed (%s: %s); it goes to Inductor unfused",
+                        type(err).__name__, err)
+            gm.graph = backup
+            report.records = [
+                r if r.status != "fused" else Record("refused", r.anchor, r.nodes, r.fusion,
+                                                     reason=f"graph rewrite failed: {err}")
+                for r in report.records
+            ]
         gm.recompile()
     return report

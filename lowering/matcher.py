@@ -10,8 +10,9 @@ does not stop the chain: the fused op returns it as well (`Save`).
 
 Priority rule of the step table: multi-node forms come before the single-node
 forms they contain (`x * sigmoid(x)` is tried before `sigmoid` and `mul`), so the
-longest reading of the graph wins. Chains never overlap: every epilogue node has
-exactly one producer in the chain.
+longest reading of the graph wins. Chains never overlap: a node belongs to one chain
+at most, and chains whose inputs depend on each other's values are dropped
+(`_drop_cycles`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class Chain:
         extra: nodes replaced by BatchNorm's running-stat outputs, in order.
         saved: nodes replaced by the outputs that `saves` describe, in order.
         saves: the `Save` of each node in `saved`.
+        same_as_result: nodes used elsewhere that hold the result itself (before a
+            trailing view): replaced by the fused op's first output.
         view: the last view node the chain went through (its shape is re-applied).
         stop: why the chain ended where it did.
     """
@@ -71,6 +74,7 @@ class Chain:
     extra: list = field(default_factory=list)
     saved: list = field(default_factory=list)
     saves: list = field(default_factory=list)
+    same_as_result: list = field(default_factory=list)
     view: Node | None = None
     stop: str = ""
     spec: EpilogueSpec | None = None
@@ -100,6 +104,7 @@ class _State:
     widened_at: tuple | None = None  # the walk's state where a bf16/fp16 value went to float32
     order: dict = field(default_factory=dict)  # node -> position in the graph
     backward: frozenset = frozenset()  # a joint graph's backward nodes: users, never steps
+    claimed: set = field(default_factory=set)  # nodes of the chains matched before this one
 
 
 @dataclass
@@ -138,21 +143,25 @@ def _forward_users(state: _State, node: Node) -> list:
     return [u for u in node.users if u not in state.backward]
 
 
-def _derived_from_chain(state: _State, node: Node) -> bool:
-    """Whether `node` depends on a node of the chain (it cannot then be an input of
-    the fused op, which would feed its own input). Nodes before the anchor cannot."""
-    chain_nodes = set(state.chain.nodes)
-    start = state.order.get(state.chain.anchor, -1)
+def _depends_on(node: Node, targets: set, order: dict, start: int) -> bool:
+    """Whether `node` is one of `targets` or computed from one; nodes at or before
+    graph position `start` (the earliest target) are not followed."""
     seen, stack = set(), [node]
     while stack:
         top = stack.pop()
-        if top in chain_nodes:
+        if top in targets:
             return True
-        if top in seen or state.order.get(top, start + 1) <= start:
+        if top in seen or order.get(top, start + 1) <= start:
             continue
         seen.add(top)
         stack.extend(top.all_input_nodes)
     return False
+
+
+def _derived_from_chain(state: _State, node: Node) -> bool:
+    """Whether `node` depends on a node of the chain (it cannot then be an input of
+    the fused op, which would feed its own input)."""
+    return _depends_on(node, set(state.chain.nodes), state.order, state.order.get(state.chain.anchor, -1))
 
 
 def _check_dtype(state: _State, node: Node):
@@ -688,6 +697,9 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
     if isinstance(match, str):
         return match
     step = match.step
+    taken = next((n for n in match.consumed if n in state.claimed), None)
+    if taken is not None:
+        return f"{taken.name} belongs to another fused chain"
     if step is not None:
         if step.name in disabled:
             return f"step {step.name} disabled by FUSEDEPI_DISABLE"
@@ -745,6 +757,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
     """
     chains, refusals = [], []
     order = {n: i for i, n in enumerate(graph.nodes)}
+    claimed: set = set()
     for node in list(graph.nodes):
         try:
             found = _match_anchor(node, direct_conv="direct_conv" not in disabled)
@@ -756,7 +769,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
         anchor, operands = found
         try:
             state = _start(node, anchor, operands, allow_cpu)
-            state.order, state.backward = order, backward
+            state.order, state.backward, state.claimed = order, backward, claimed
             folded = _fold_bias(state, anchor, matmul_tf32)
             stop = _extend(state, disabled)
         except Refuse as err:
@@ -770,10 +783,17 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
             continue
         # A trailing view carries no step: re-applied after the fused op, it stays in the graph.
         chain.final = state.node
-        # A save of the final value (the chain was cut back to it) is the result itself.
-        kept = [i for i, n in enumerate(chain.saved) if n is not chain.final]
-        chain.saved, chain.saves = [chain.saved[i] for i in kept], [chain.saves[i] for i in kept]
+        # A saved value that is the result itself (the final node, the chain cut back to
+        # it, or the result before a trailing view) is the fused op's first output.
         val = _val(chain.anchor)
+        same = [
+            i for i, (n, s) in enumerate(zip(chain.saved, chain.saves))
+            if n is chain.final or (s.what == "value" and s.at == len(chain.steps) and _val(n).dtype == val.dtype
+                                    and _val(n).dim() == val.dim() and list(_val(n).shape[1:]) == list(val.shape[1:]))
+        ]
+        chain.same_as_result = [chain.saved[i] for i in same if chain.saved[i] is not chain.final]
+        chain.saved = [n for i, n in enumerate(chain.saved) if i not in same]
+        chain.saves = [s for i, s in enumerate(chain.saves) if i not in same]
         fusion = _fusion_name(anchor, chain.steps)
         if fusion in disabled:
             refusals.append(Refusal(node.name, names, f"fusion {fusion} disabled by FUSEDEPI_DISABLE"))
@@ -789,4 +809,38 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
             saves=tuple(chain.saves),
         )
         chains.append(chain)
-    return chains, refusals
+        claimed.update(chain.nodes)
+    return _drop_cycles(chains, refusals, order), refusals
+
+
+def _drop_cycles(chains: list, refusals: list, order: dict) -> list:
+    """Drops chains until no two depend on each other's values through their inputs
+    (two matmuls whose chains meet: each fused op would wait for the other's output).
+    The later chain of a cycle goes first."""
+    while True:
+        nodes = [set(c.nodes) for c in chains]
+        firsts = [order.get(c.anchor, 0) for c in chains]
+        deps = [
+            {j for j in range(len(chains)) if j != i and any(
+                _depends_on(x, nodes[j], order, firsts[j]) for x in list(c.operands) + list(c.params))}
+            for i, c in enumerate(chains)
+        ]
+        cyclic = [i for i in range(len(chains)) if _reaches(deps, i, i)]
+        if not cyclic:
+            return chains
+        drop = max(cyclic, key=lambda i: firsts[i])
+        c = chains.pop(drop)
+        refusals.append(Refusal(c.anchor.name, [n.name for n in c.nodes],
+                                "its inputs and another fused chain's depend on each other's values"))
+
+
+def _reaches(deps: list, start: int, goal: int) -> bool:
+    seen, stack = set(), list(deps[start])
+    while stack:
+        top = stack.pop()
+        if top == goal:
+            return True
+        if top not in seen:
+            seen.add(top)
+            stack.extend(deps[top])
+    return False

@@ -281,7 +281,7 @@ def run_reference(x: torch.Tensor, steps, params, saves=()) -> list[torch.Tensor
     values, stats = [x], {}
     for step in steps:
         kind = VOCABULARY[step.name]
-        if kind.statistics is not None and any(s.what != "value" for s in saves):
+        if kind.statistics is not None and any(s.what in ("mean", "rstd") for s in saves):
             stats["mean"], stats["rstd"] = kind.statistics(x, step, params)
         result = kind.reference(x, step, params)
         if isinstance(result, tuple):

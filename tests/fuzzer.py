@@ -471,8 +471,9 @@ def run_case(case: Case, device: str, grad: bool = False) -> Result:
         # reduction order, say), or ours? Inductor runs only for these few.
         result.inductor_err = _inductor_error(base, case, x, residual, refs, device, dtype, upstream, worst)
         # Where eager float32 has no correct digit left (error >= 1: a division by
-        # rounding noise, say), no float32 result can be held to it.
-        ours_only = result.err > EAGER_SLACK * result.inductor_err and result.eager_err < 1
+        # rounding noise, say), no finite float32 result can be held to it.
+        hopeless = 1 <= result.eager_err and math.isfinite(result.err)
+        ours_only = result.err > EAGER_SLACK * result.inductor_err and not hopeless
         result.check = "mismatch" if ours_only else "ill_conditioned"
         what = "output" if worst == 0 else f"output {worst} (buffers, then gradients of x, residual, parameters)"
         result.finding = (f"{what}: error {result.err:.3g}, eager's {result.eager_err:.3g}, "

@@ -109,6 +109,25 @@ def test_matcher_crash_leaves_the_graph_to_inductor(monkeypatch, caplog):
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_graph_surgery_failure_is_undone(strict, monkeypatch, caplog):
+    def crash(graph):
+        raise RuntimeError("surgery bug")
+
+    monkeypatch.setattr(rewrite_module, "_stable_topological_sort", crash)
+    model, x, _ = _workload("3")
+    if strict:
+        monkeypatch.setenv("FUSEDEPI_STRICT", "1")
+        with pytest.raises(Exception, match="rewriting the graph failed"):
+            compile_records(model, x)
+        return
+    with caplog.at_level(logging.WARNING, logger="fusedepi"):
+        out, fused, refused = compile_records(model, x)
+    assert not fused and "graph rewrite failed: surgery bug" in refused[-1].reason
+    assert any("rewriting the graph failed" in r.getMessage() for r in caplog.records)
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
 def test_cpu_chains_are_not_fused_without_the_reference_switch(monkeypatch):
     monkeypatch.delenv("FUSEDEPI_CPU_REFERENCE")
     model, x, _ = _workload("3")

@@ -332,7 +332,7 @@ def test_gradient_fuzz_regressions(seed, index, exact_float32):
     import fuzzer
 
     result = fuzzer.run_case(fuzzer.make_case(seed, index, "cuda"), "cuda", grad=True)
-    assert result.check in ("ok", "ill_conditioned"), result
+    assert result.check == ("ill_conditioned" if index in (545, 940) else "ok"), result
     assert result.fusion in ("full", "partial"), result
 
 

@@ -164,6 +164,62 @@ def test_value_used_elsewhere_is_returned_too():
     torch.testing.assert_close(out, model(x))
 
 
+class TwoChainsMeet(nn.Module):
+    """Two matmuls whose chains meet: SwiGLU's silu(gate) * up, and
+    tanh(relu(a) + b) with b also used elsewhere."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.a, self.b, self.down = nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        if self.form == "swiglu":
+            return self.down(F.silu(self.a(x)) * self.b(x))
+        b = self.b(x)
+        return torch.tanh(torch.relu(self.a(x)) + b), b.sum()
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("form", ["swiglu", "residual"])
+def test_chains_never_share_a_node(form, grad):
+    torch.manual_seed(0)
+    model = TwoChainsMeet(form)
+    x = torch.randn(4, 16)
+    out, fused, refused = compile_records(model, x, grad=grad)
+    names = [name for r in fused for name in r.nodes]
+    assert fused and len(names) == len(set(names))  # no node in two fused ops
+    assert any("belongs to another fused chain" in (r.stop or r.reason) for r in fused + refused)
+    for got, want in zip(out if isinstance(out, tuple) else [out], model(x) if form != "swiglu" else [model(x)]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_chains_that_would_wait_for_each_other_are_not_both_fused():
+    # relu(a) + cos(relu(b)) and relu(b) * sin(relu(a)): each chain's operand is
+    # computed from the other chain's value.
+    torch.manual_seed(0)
+    lin_a, lin_b = nn.Linear(16, 32), nn.Linear(16, 32)
+
+    def f(x):
+        ra, rb = torch.relu(lin_a(x)), torch.relu(lin_b(x))
+        return ra + torch.cos(rb), rb * torch.sin(ra)
+
+    x = torch.randn(4, 16)
+    out, fused, refused = compile_records(f, x)
+    assert len(fused) == 1
+    assert any("depend on each other's values" in r.reason for r in refused)
+    for got, want in zip(out, f(x)):
+        torch.testing.assert_close(got, want)
+
+
+def test_result_before_a_trailing_view_is_not_saved_twice():
+    model = Chain(lambda y: torch.relu(y).view(-1, 2, 32), k=16, n=64)
+    x = torch.randn(8, 16)
+    out, fused, _ = compile_records(model, x, grad=True)
+    assert json.loads(fused[0].spec)["saves"] == []  # backward reads the result itself
+    torch.testing.assert_close(out, model(x))
+
+
 def test_grad_mode_returns_what_backward_needs():
     model = Chain(nn.Sequential(nn.GroupNorm(4, 32), nn.GELU()))
     x = torch.randn(4, 16)

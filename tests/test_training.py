@@ -135,13 +135,15 @@ def test_backward_reads_the_saved_input_of_amin(monkeypatch):
     torch._dynamo.reset()
     model = nn.Sequential(nn.Linear(32, 64), nn.Mish(), nn.GELU(approximate="tanh"), nn.SiLU())
     reports: list = []
-    with backend.collect_reports(reports):
-        out = torch.compile(lambda x: torch.amin(model(x), dim=1), backend=fusedepi)(torch.rand(8, 32))
-    out.sum().backward()
+    try:
+        with backend.collect_reports(reports):
+            out = torch.compile(lambda x: torch.amin(model(x), dim=1), backend=fusedepi)(torch.rand(8, 32))
+        out.sum().backward()
+    finally:
+        torch._dynamo.reset()
     (fused,) = [r for report in reports for r in report.records if r.status == "fused"]
     saves = json.loads(fused.spec)["saves"]
     assert ("value", 3) in [(s["what"], s["at"]) for s in saves]  # silu's output, amin's input
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("on_device", DEVICES, indirect=True)
