@@ -810,26 +810,32 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
         )
         chains.append(chain)
         claimed.update(chain.nodes)
-    return _drop_cycles(chains, refusals, order), refusals
+    return _drop_cycles(chains, refusals, list(order)), refusals
 
 
-def _drop_cycles(chains: list, refusals: list, order: dict) -> list:
+def _drop_cycles(chains: list, refusals: list, nodes: list) -> list:
     """Drops chains until no two depend on each other's values through their inputs
     (two matmuls whose chains meet: each fused op would wait for the other's output).
-    The later chain of a cycle goes first."""
+    The later chain of a cycle goes first. One pass over the graph per round: each
+    node gets the set (a bit mask) of chains whose nodes it is or is computed from."""
     while True:
-        nodes = [set(c.nodes) for c in chains]
-        firsts = [order.get(c.anchor, 0) for c in chains]
-        deps = [
-            {j for j in range(len(chains)) if j != i and any(
-                _depends_on(x, nodes[j], order, firsts[j]) for x in list(c.operands) + list(c.params))}
-            for i, c in enumerate(chains)
-        ]
+        owner = {n: 1 << i for i, c in enumerate(chains) for n in c.nodes}
+        reach: dict = {}
+        for node in nodes:
+            mask = owner.get(node, 0)
+            for source in node.all_input_nodes:
+                mask |= reach.get(source, 0)
+            reach[node] = mask
+        deps = []
+        for i, c in enumerate(chains):
+            mask = 0
+            for source in list(c.operands) + list(c.params):
+                mask |= reach.get(source, 0)
+            deps.append({j for j in range(len(chains)) if j != i and mask >> j & 1})
         cyclic = [i for i in range(len(chains)) if _reaches(deps, i, i)]
         if not cyclic:
             return chains
-        drop = max(cyclic, key=lambda i: firsts[i])
-        c = chains.pop(drop)
+        c = chains.pop(max(cyclic))  # chains are in graph order: the later one
         refusals.append(Refusal(c.anchor.name, [n.name for n in c.nodes],
                                 "its inputs and another fused chain's depend on each other's values"))
 
