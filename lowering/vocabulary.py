@@ -93,7 +93,7 @@ def _batchnorm_statistics(x, step, params):
 
 
 def _group_norm_statistics(x, step, params):
-    inner = x[0, 0].numel() if x.dim() > 2 else 1
+    inner = math.prod(x.shape[2:])
     w, b = (_param(params, i) for i in step.inputs)
     out = torch.ops.aten.native_group_norm(x, w, b, x.shape[0], x.shape[1], inner, step.groups, step.consts[0])
     return out[1], out[2]
