@@ -140,7 +140,6 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
     for refusal in refusals:
         log.info("fusedepi: not fused at %s: %s", refusal.anchor, refusal.reason)
         report.records.append(Record("refused", refusal.anchor, refusal.nodes, reason=refusal.reason))
-    backup = copy.deepcopy(gm.graph) if chains else None
     fused = []
     for chain in chains:
         spec = chain.spec.to_json()
@@ -173,6 +172,7 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
         )
         fused.append((chain, spec, kernel))
     if fused:
+        backup = copy.deepcopy(gm.graph)  # the surgery below is undone as a whole on failure
         try:
             for chain, spec, kernel in fused:
                 _replace(gm.graph, chain, spec)

@@ -65,11 +65,10 @@ def _three(name, device):
     return model, copy.deepcopy(model), copy.deepcopy(model).double(), shape, fusion
 
 
-@pytest.mark.parametrize("on_device", DEVICES, indirect=True)
-@pytest.mark.parametrize("name", list(SMALL_WORKLOADS))
-def test_gradients_match_eager(name, on_device, inner_graphs):
-    model, eager, ref, shape, fusion = _three(name, on_device)
-    x = torch.rand(shape, device=on_device)
+def _forward_backward(model, eager, ref, x):
+    """Runs `model` compiled, `eager` and the float64 `ref` on copies of `x` that
+    require gradients, then backward with one random upstream gradient; checks the
+    outputs and every gradient. Returns the fused records."""
     inputs = [x.clone().requires_grad_(), x.clone().requires_grad_(), x.double().requires_grad_()]
     reports: list = []
     with backend.collect_reports(reports):
@@ -78,15 +77,21 @@ def test_gradients_match_eager(name, on_device, inner_graphs):
     upstream = torch.randn_like(outs[2])
     for o in outs:
         o.backward(upstream.to(o.dtype))
+    _close(*outs, "output")
+    _close(*(t.grad for t in inputs), "input grad")
+    for (pname, p), pe, pr in zip(model.named_parameters(), eager.parameters(), ref.parameters()):
+        _close(p.grad, pe.grad, pr.grad, f"grad of {pname}")
+    return [r for report in reports for r in report.records if r.status == "fused"]
 
-    fused = [r for report in reports for r in report.records if r.status == "fused"]
+
+@pytest.mark.parametrize("on_device", DEVICES, indirect=True)
+@pytest.mark.parametrize("name", list(SMALL_WORKLOADS))
+def test_gradients_match_eager(name, on_device, inner_graphs):
+    model, eager, ref, shape, fusion = _three(name, on_device)
+    fused = _forward_backward(model, eager, ref, torch.rand(shape, device=on_device))
     assert [r.fusion for r in fused] == [fusion]
     assert '"saves":[{' in fused[0].spec  # the chain returns what backward needs
     assert on_device == "cpu" or fused[0].kernel != "reference (cpu)"
-    _close(out, outs[1], outs[2], "output")
-    _close(inputs[0].grad, inputs[1].grad, inputs[2].grad, "input grad")
-    for (pname, p), pe, pr in zip(model.named_parameters(), eager.parameters(), ref.parameters()):
-        _close(p.grad, pe.grad, pr.grad, f"grad of {pname}")
     for (bname, b), be, br in zip(model.named_buffers(), eager.buffers(), ref.buffers()):
         if b.is_floating_point():
             _close(b, be, br, bname)
@@ -111,19 +116,8 @@ def test_rmsnorm_gradients(dtype, on_device):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(48, 256), nn.RMSNorm(256), nn.GELU()).to(on_device, dtype)
     eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
-    x = torch.rand(16, 48, device=on_device, dtype=dtype)
-    reports: list = []
-    with backend.collect_reports(reports):
-        out = torch.compile(model, backend=fusedepi)(x)
-    outs = [out, eager(x), ref(x.double())]
-    upstream = torch.randn_like(outs[2])
-    for o in outs:
-        o.backward(upstream.to(o.dtype))
-    fused = [r for report in reports for r in report.records if r.status == "fused"]
+    fused = _forward_backward(model, eager, ref, torch.rand(16, 48, device=on_device, dtype=dtype))
     assert [r.fusion for r in fused] == ["linear_rmsnorm"] and '"what":"rstd"' in fused[0].spec
-    _close(out, outs[1], outs[2], "output")
-    for (pname, p), pe, pr in zip(model.named_parameters(), eager.parameters(), ref.parameters()):
-        _close(p.grad, pe.grad, pr.grad, f"grad of {pname}")
 
 
 def test_backward_reads_the_saved_input_of_amin(monkeypatch):
