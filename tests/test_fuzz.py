@@ -5,6 +5,7 @@ The GPU tier is the same fuzzer with `--device cuda` (benchmarks/device_run.sh f
 """
 
 import math
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -64,6 +65,48 @@ def test_ill_conditioned_chain_is_told_apart_from_a_mismatch():
     result = fuzzer.run_case(case, "cpu")
     assert result.check == "ill_conditioned", result
     assert result.err <= fuzzer.EAGER_SLACK * result.inductor_err
+
+
+def test_model_eager_rejects_is_rejected_alike():
+    # Found by the GPU fuzzer (seed 0, model 2568 of the CUDA draw): GroupNorm in
+    # training with one value a group; eager raises, so must the compiled model.
+    result = fuzzer.run_case(fuzzer.make_case(0, 2568, "cuda"), "cpu", grad=True)
+    assert result.check == "rejected", result
+    assert "Expected more than 1 value" in result.reason
+    assert not fuzzer.summarize([asdict(result)])["findings"]
+
+
+@pytest.mark.parametrize("again", [False, True], ids=["once", "on-every-draw"])
+def test_excess_over_eager_counts_when_it_comes_back_on_other_inputs(monkeypatch, again):
+    # Where eager's own error shows the model amplifies rounding, an excess on one input
+    # draw alone is the chain's conditioning (GPU fuzzer models 1704, 2930); on every
+    # draw, a mismatch.
+    draws = []
+    make_inputs = fuzzer.make_inputs
+
+    def inputs(case, model, device, draw=0):
+        draws.append(draw)
+        return make_inputs(case, model, device, draw)
+
+    def worst(ours, eager, ref, tol):  # eager amplifies (1e-4 > 16 ulps); ours 10x over eager's
+        return 0, (1e-3 if again or draws[-1] == 0 else 1e-4), 1e-4
+
+    monkeypatch.setattr(fuzzer, "make_inputs", inputs)
+    monkeypatch.setattr(fuzzer, "_worst", worst)
+    monkeypatch.setattr(fuzzer, "_inductor_error", lambda *args: 1e-4)
+    result = fuzzer.run_case(fuzzer.make_case(0, 3), "cpu")
+    assert result.check == ("mismatch" if again else "ill_conditioned"), result
+    assert draws == ([0, 1] if again else [0, 1, 2])
+
+
+def test_excess_over_a_well_conditioned_eager_is_a_mismatch_at_once(monkeypatch):
+    draws = []
+    make_inputs = fuzzer.make_inputs
+    monkeypatch.setattr(fuzzer, "make_inputs", lambda *a, **k: draws.append(1) or make_inputs(*a, **k))
+    monkeypatch.setattr(fuzzer, "_worst", lambda *args: (0, 1e-4, 1e-7))  # eager within 16 ulps
+    monkeypatch.setattr(fuzzer, "_inductor_error", lambda *args: 1e-7)
+    result = fuzzer.run_case(fuzzer.make_case(0, 3), "cpu")
+    assert result.check == "mismatch" and len(draws) == 1, result
 
 
 CI_GRAD_MODELS = 60  # with backward: about two minutes on two cores
