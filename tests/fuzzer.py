@@ -7,8 +7,8 @@ model is checked three ways: fusedepi's output against a float64 copy of the mod
 eager" means for an ill-conditioned chain), and whether the chain was fused.
 
 An error over the budget and over 4x eager's is a mismatch only if it is ours: if
-Inductor without our kernels is as far off, or (where eager's own error shows the
-model amplifies rounding) the excess does not come back on other random inputs, the
+plain Inductor is as far off, or (where eager's own error is a good share of the
+budget) the excess does not come back on two other random draws of the inputs, the
 model is "ill_conditioned". A model eager refuses to run must fail alike ("rejected").
 
     python tests/fuzzer.py --device cpu --models 300            # the rewrite, via references
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import copy
 import json
 import math
@@ -52,9 +51,9 @@ if str(ROOT) not in sys.path:
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
 # A result within the budget, or no worse than this many times eager's own error, passes.
 EAGER_SLACK = 4.0
-# Eager's error above 16 unit roundoffs of the dtype: the model amplifies rounding
+# Eager's own error above this share of the budget: the model amplifies rounding
 # (`run_case` then asks an excess over eager to come back on other inputs).
-AMPLIFYING = {"float32": 16 * 2.0**-24, "bfloat16": 16 * 2.0**-8, "float16": 16 * 2.0**-11}
+AMPLIFYING = 0.25
 
 
 @dataclass
@@ -393,7 +392,7 @@ class Result:
     steps: list
     err: float = 0.0  # fusedepi vs float64
     eager_err: float = 0.0  # eager vs float64
-    inductor_err: float = 0.0  # without our kernels (`_inductor_error`), measured only when fusedepi's is out of budget
+    inductor_err: float = 0.0  # plain Inductor vs float64, measured only when fusedepi's is out of budget
     reason: str = ""  # why the chain stopped or was refused
     finding: str = ""  # what failed the check
     fused_steps: list = field(default_factory=list)
@@ -424,36 +423,10 @@ def _worst(ours: list, eager: list, ref: list, tol: float) -> tuple[int, float, 
 
 
 def _inductor_error(base: nn.Module, case: Case, x, residual, ref, device: str, dtype, upstream, index) -> float:
-    """The error of output `index` without our kernels: the larger of plain Inductor's
-    and fusedepi's with every fusion off (the same graph, decompositions and partition
-    as the fused run, minus the fused ops). On GPU model 1704 (seed 0) plain Inductor
-    measured 7.9e-6 or 3.6e-5 depending on what the process compiled before, and
-    fusedepi with fusions off 3.6e-5, as with them on: the excess was Inductor's."""
-    from fusion_backend import fusedepi
-
-    errors = []
-    for backend, disable in (("inductor", None), (fusedepi, "all")):
-        model = copy.deepcopy(base).to(device=device, dtype=dtype)
-        torch._dynamo.reset()
-        with _env("FUSEDEPI_DISABLE", disable):
-            outs = _outputs(model, torch.compile(model, backend=backend), x, residual, upstream)
-        errors.append(error(outs[index], ref[index]))
-    return max(errors)
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str | None):
-    """Sets (or, with None, leaves alone) one environment variable for the block."""
-    saved = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if value is not None and saved is None:
-            del os.environ[name]
-        elif value is not None:
-            os.environ[name] = saved
+    model = copy.deepcopy(base).to(device=device, dtype=dtype)
+    torch._dynamo.reset()
+    outs = _outputs(model, torch.compile(model, backend="inductor"), x, residual, upstream)
+    return error(outs[index], ref[index])
 
 
 def _records(reports):
@@ -491,7 +464,11 @@ def run_case(case: Case, device: str, grad: bool = False, draw: int = 0) -> Resu
             upstream = torch.randn(shape, generator=gen, dtype=torch.float64).to(device)
         refs = _outputs(ref_model, ref_model, x.double(), residual.double(), upstream)
         eagers = _outputs(eager_model, eager_model, x, residual, upstream)
-    except Exception as eager_err:  # the model itself is invalid (BatchNorm of one value, say)
+    except Exception as err:  # the model itself is invalid (BatchNorm of one value, say)
+        eager_err = err
+    else:
+        eager_err = None
+    if eager_err is not None:  # (outside the handler: fusedepi's exception must not chain to eager's)
         return _rejected(result, eager_err, model, x, residual, upstream)
     try:
         with collect_reports(reports):
@@ -511,24 +488,27 @@ def run_case(case: Case, device: str, grad: bool = False, draw: int = 0) -> Resu
     else:
         worst, result.err, result.eager_err = _worst(outs, eagers, refs, tol)
     if result.err > tol and result.err > EAGER_SLACK * result.eager_err:
-        # Is it the chain's conditioning, which Inductor meets too without our kernels
-        # (its own reduction order, say), or ours? Inductor runs only for these few.
+        # Is it the chain's conditioning, which plain Inductor meets too (its own
+        # reduction order, say), or ours? Inductor runs only for these few.
         result.inductor_err = _inductor_error(base, case, x, residual, refs, device, dtype, upstream, worst)
         # Where eager float32 has no correct digit left (error >= 1: a division by
         # rounding noise, say), no finite float32 result can be held to it.
         hopeless = 1 <= result.eager_err and math.isfinite(result.err)
         ours_only = result.err > EAGER_SLACK * result.inductor_err and not hopeless
-        if ours_only and draw == 0 and result.eager_err > AMPLIFYING[case.dtype] and math.isfinite(result.err):
-            # Eager's own error says the model amplifies rounding, and then which
-            # implementation's rounding lands worst changes from input to input (on GPU
-            # model 1704, fusedepi was 4.9x eager's error on one draw, 1.0-2.0x on three
-            # others; on CPU model 2930, Inductor 12x on one, 0.2-1.6x on others). The
-            # excess counts only if it comes back on one of two other draws.
-            ours_only = any(run_case(case, device, grad, d).check == "mismatch" for d in (1, 2))
+        again = ""
+        if ours_only and draw == 0 and result.eager_err > AMPLIFYING * tol and math.isfinite(result.err):
+            # Eager's own error is a good share of the budget: the model amplifies
+            # rounding, and which implementation's rounding lands worst changes from
+            # input to input (GPU model 2930: 6.5x eager's error on one draw of four,
+            # 0.4-0.9x on the others; CPU: Inductor 12x on one, 0.2-1.6x on others).
+            # The excess counts unless it is gone on both of two other draws.
+            others = [run_case(case, device, grad, d) for d in (1, 2)]
+            ours_only = any(r.check in ("mismatch", "error") for r in others)
+            again = "; other draws: " + ", ".join(f"{r.check} ({r.err:.3g})" for r in others)
         result.check = "mismatch" if ours_only else "ill_conditioned"
         what = "output" if worst == 0 else f"output {worst} (buffers, then gradients of x, residual, parameters)"
         result.finding = (f"{what}: error {result.err:.3g}, eager's {result.eager_err:.3g}, "
-                          f"Inductor's (without our kernels) {result.inductor_err:.3g}")
+                          f"Inductor's {result.inductor_err:.3g}{again}")
     if fused and len(fused) == 1 and fused[0].stop == "end of the graph" and not refused:
         result.fusion = "full"
     elif fused:
@@ -540,6 +520,15 @@ def run_case(case: Case, device: str, grad: bool = False, draw: int = 0) -> Resu
     return result
 
 
+def _innermost(err: BaseException) -> BaseException:
+    """The exception at the bottom of a chain (Dynamo wraps the model's own in its own)."""
+    seen = {id(err)}
+    while (err.__cause__ or err.__context__) is not None and id(err.__cause__ or err.__context__) not in seen:
+        err = err.__cause__ or err.__context__
+        seen.add(id(err))
+    return err
+
+
 def _rejected(result: Result, eager_err: Exception, model, x, residual, upstream) -> Result:
     """A model eager refuses to run: fusedepi must refuse it too, with the same exception type."""
     from fusion_backend import fusedepi
@@ -548,10 +537,11 @@ def _rejected(result: Result, eager_err: Exception, model, x, residual, upstream
     try:
         _outputs(model, torch.compile(model, backend=fusedepi), x, residual, upstream)
     except Exception as err:
-        if type(err) is type(eager_err) or type(eager_err).__name__ in str(err):
+        inner = _innermost(err)
+        if type(inner) is type(eager_err) and str(eager_err) == str(inner):
             result.check, result.reason = "rejected", f"{type(eager_err).__name__}: {str(eager_err)[:200]}"
             return result
-        result.finding = f"eager raises {type(eager_err).__name__}, fusedepi {type(err).__name__}: {str(err)[:200]}"
+        result.finding = f"eager raises {type(eager_err).__name__}, fusedepi {type(inner).__name__}: {str(inner)[:200]}"
     else:
         result.finding = f"eager raises {type(eager_err).__name__}: {str(eager_err)[:200]}; fusedepi runs"
     result.check = "error"
