@@ -80,6 +80,8 @@ def plan(spec: EpilogueSpec) -> Plan:
     row = spec.channels * spec.inner
     if red is not None and red.name == "groupnorm":
         groups = red.groups
+    elif red is not None and red.name == "batchnorm_train" and spec.inner > 1:
+        groups = spec.channels  # a conv's BatchNorm: partial statistics per (row, channel)
     else:
         groups = 1
     seg_len = row // groups
@@ -296,12 +298,8 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
     if red is None:
         middle = ""
     elif red.name == "batchnorm_train":
-        if spec.inner != 1:
-            raise NotRenderable("BatchNorm (training) statistics: only for [rows, features]")
-        vmax = 16 // ITEMSIZE[spec.dtype]
-        stats_kernels = templates.COLUMN_STATS_KERNELS.substitute(
+        finish = dict(
             kernel=name,
-            col_vec=vmax if spec.channels % vmax == 0 else 1,
             momentum=cfloat(red.consts[0]),
             eps=cfloat(red.consts[1]),
             running_mean=f"fusedepi::to_float(a.p{red.inputs[2]}[c])",
@@ -311,12 +309,25 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
             rstat_type=CTYPES[spec.param_dtypes[red.inputs[2]]],
             save_stats=_save_stats(spec, "m.mean", "invstd", "c"),
         )
-        launches += [
-            f"  {name}_colstats<<<dim3((kChannels + kColsPerBlock - 1) / kColsPerBlock, "
-            f"(rows + kRowsPerChunk - 1) / kRowsPerChunk), 256, 0, stream>>>(a);",
-            f"  {name}_colfinal<<<(kChannels + 31) / 32, dim3(32, 8), 0, stream>>>(a);",
-        ]
-        ws_floats = "kPartials + (rows + kRowsPerChunk - 1) / kRowsPerChunk * kChannels * 2"
+        finish = templates.BATCH_NORM_FINISH.substitute(**finish)
+        if spec.inner == 1:  # [rows, features]: partials per (row chunk, column)
+            vmax = 16 // ITEMSIZE[spec.dtype]
+            stats_kernels = templates.COLUMN_STATS_KERNELS.substitute(
+                kernel=name, col_vec=vmax if spec.channels % vmax == 0 else 1, finish=finish
+            )
+            launches += [
+                f"  {name}_colstats<<<dim3((kChannels + kColsPerBlock - 1) / kColsPerBlock, "
+                f"(rows + kRowsPerChunk - 1) / kRowsPerChunk), 256, 0, stream>>>(a);",
+                f"  {name}_colfinal<<<(kChannels + 31) / 32, dim3(32, 8), 0, stream>>>(a);",
+            ]
+            ws_floats = "kPartials + (rows + kRowsPerChunk - 1) / kRowsPerChunk * kChannels * 2"
+        else:  # a conv's [rows, channels, inner]: partials per (row, channel, chunk)
+            stats_kernels = templates.CHANNEL_STATS_KERNELS.substitute(kernel=name, finish=finish)
+            launches += [
+                f"  {name}_segparts<<<{apply_grid}, kBlock, 0, stream>>>(a);",
+                f"  {name}_chanfinal<<<kChannels, 256, 0, stream>>>(a);",
+            ]
+            ws_floats = "kPartials + rows * kGroups * kChunks * 2"
         middle = templates.BATCH_NORM_APPLY
     elif red.name in SEGMENT_NORMS:
         eps = cfloat(red.consts[0])

@@ -348,11 +348,7 @@ $save_stats
 )
 
 # BatchNorm (training) statistics per column of a [rows, channels] output.
-# Placeholders: $kernel, $col_vec (columns per thread), $momentum, $eps,
-# $running_mean / $running_var (float loads of the old running stats at channel `c`),
-# $weight / $bias (the affine parameters at `c`, or 1 and 0), $rstat_type (C type of
-# the running stats), $save_stats (writes `m.mean`, `invstd` of channel `c` to the
-# saved outputs, or nothing).
+# Placeholders: $kernel, $col_vec (columns per thread), $finish (BATCH_NORM_FINISH).
 COLUMN_STATS_KERNELS = Template(
     r"""constexpr int kColV = $col_vec;
 constexpr int kColsPerBlock = 32 * kColV;
@@ -446,7 +442,77 @@ __global__ void __launch_bounds__(256) ${kernel}_colfinal(Args a) {
   __syncthreads();
   if (threadIdx.y != 0 || c >= kChannels) return;
   for (int w = 1; w < 8; ++w) m = fusedepi::merge(m, sm[w][threadIdx.x]);
-  // Normalize as one FMA: x * scale + shift, scale = invstd * weight.
+$finish
+}"""
+)
+
+# BatchNorm (training) statistics per channel of a conv's [rows, channels, inner]
+# output, whose segments (kGroups = channels) are the (row, channel) planes: `segparts`
+# leaves (mean, M2) per (segment, chunk) in the plan's own thread mapping, then one
+# block per channel merges its rows' partials. Placeholders: $kernel, $finish.
+CHANNEL_STATS_KERNELS = Template(
+    r"""// Workspace: [scale[C], shift[C]], then (mean, M2) per (row, channel, chunk).
+constexpr long long kPartials = 2 * kChannels;
+
+__global__ void __launch_bounds__(kBlock) ${kernel}_segparts(Args a) {
+  const Place p = place(a);
+  float v[kNV][kV];
+  load_stage0(a, p, v, false);
+  const float n = static_cast<float>(min(kChunkLen, kL - (long long)p.first));
+  // Relative to the part's first element: a constant plane gets its mean exactly.
+  const float shift = fusedepi::team_first<kTeam>(v[0][0]);
+  float s = 0.f;
+#pragma unroll
+  for (int k = 0; k < kNV; ++k)
+    if (valid(p, k))
+#pragma unroll
+      for (int j = 0; j < kV; ++j) s += v[k][j] - shift;
+  const float mean = shift + fusedepi::team_sum<kTeam>(s) / n;
+  float q = 0.f;
+#pragma unroll
+  for (int k = 0; k < kNV; ++k)
+    if (valid(p, k))
+#pragma unroll
+      for (int j = 0; j < kV; ++j) q += (v[k][j] - mean) * (v[k][j] - mean);
+  q = fusedepi::team_sum<kTeam>(q);
+  if (p.live && p.lane == 0) {
+    float* part = a.ws + kPartials + (p.seg * kChunks + p.first / kChunkLen) * 2;
+    part[0] = mean;
+    part[1] = q;
+  }
+}
+
+// One block per channel: merges the (row, chunk) partials of the channel.
+__global__ void __launch_bounds__(256) ${kernel}_chanfinal(Args a) {
+  const long long c = blockIdx.x;
+  fusedepi::Moments m = {0.f, 0.f, 0.f};
+  for (long long i = threadIdx.x; i < a.rows * kChunks; i += 256) {
+    const long long r = i / kChunks, t = i % kChunks;
+    const float n = static_cast<float>(min(kChunkLen, kL - t * kChunkLen));
+    const float* part = a.ws + kPartials + ((r * kGroups + c) * kChunks + t) * 2;
+    m = fusedepi::merge(m, {n, part[0], part[1]});
+  }
+  __shared__ fusedepi::Moments sm[256];
+  sm[threadIdx.x] = m;
+  __syncthreads();
+  for (int o = 128; o > 0; o >>= 1) {
+    if (threadIdx.x < o) sm[threadIdx.x] = fusedepi::merge(sm[threadIdx.x], sm[threadIdx.x + o]);
+    __syncthreads();
+  }
+  if (threadIdx.x != 0) return;
+  m = sm[0];
+$finish
+}"""
+)
+
+# The end of both BatchNorm (training) statistics kernels, with the channel's merged
+# moments `m`: the normalize scale/shift to the workspace, the new running stats.
+# Placeholders: $momentum, $eps, $running_mean / $running_var (float loads of the old
+# running stats at channel `c`), $weight / $bias (the affine parameters at `c`, or 1
+# and 0), $rstat_type (C type of the running stats), $save_stats (writes `m.mean`,
+# `invstd` of channel `c` to the saved outputs, or nothing).
+BATCH_NORM_FINISH = Template(
+    r"""  // Normalize as one FMA: x * scale + shift, scale = invstd * weight.
   const float invstd = 1.f / sqrtf(m.m2 / m.n + $eps);
   const float scale = invstd * $weight;
   a.ws[c] = scale;
@@ -454,8 +520,7 @@ __global__ void __launch_bounds__(256) ${kernel}_colfinal(Args a) {
   const float momentum = $momentum;
   a.x0[c] = fusedepi::from_float<$rstat_type>(momentum * m.mean + (1.f - momentum) * $running_mean);
   a.x1[c] = fusedepi::from_float<$rstat_type>(momentum * (m.m2 / (m.n - 1.f)) + (1.f - momentum) * $running_var);
-$save_stats
-}"""
+$save_stats"""
 )
 
 # Direct 2-D convolution (stride 1, dilation 1, groups 1) that applies stage0 to each

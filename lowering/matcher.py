@@ -338,12 +338,6 @@ def _normalized(user: Node, what: str):
     return items, [user] + sorted(items.values(), key=lambda n: n.args[1]), stats
 
 
-def _require_2d_features(state: _State, what: str):
-    val = _val(state.node)
-    if state.conv or val.dim() != 2:
-        raise Refuse(f"{what}: only supported on a 2-D [rows, features] matmul output")
-
-
 def _require_features(state: _State, what: str, dims):
     """Refuses unless `dims` is exactly the feature (last) dim of a linear output."""
     ndim = _val(state.node).dim()
@@ -397,7 +391,11 @@ def _match_batch_norm(state: _State, user: Node):
             raise Refuse("BatchNorm (eval): statistics outputs used elsewhere")
         inputs = tuple(_add_param(state, n) for n in (weight, bias, rmean, rvar))
         return _Match(Step("batchnorm_eval", consts=(float(eps),), inputs=inputs), consumed, items[0])
-    _require_2d_features(state, "BatchNorm (training)")
+    # Statistics per channel over the rows (and a conv's spatial positions).
+    if state.reduced or (not state.conv and _val(state.node).dim() != 2):
+        raise Refuse("BatchNorm (training): only on a 2-D [rows, features] matmul output or a conv output")
+    if _val(rmean).shape[0] != state.channels:
+        raise Refuse(f"BatchNorm: expects {_val(rmean).shape[0]} channels, chain has {state.channels}")
     if not isinstance(momentum, float):
         raise Refuse(f"BatchNorm: unsupported momentum={momentum!r} (only a constant float)")
     if 3 not in items or 4 not in items:

@@ -117,6 +117,19 @@ def awkward_specs(dtype="float32"):
     }
 
 
+def conv_batchnorm_specs(dtype="float32"):
+    """BatchNorm (training) after a conv, per-channel statistics over (rows, inner):
+    planes short enough for a few lanes, one block, or several blocks a plane."""
+    p = (dtype,)
+    bn = Step("batchnorm_train", consts=(0.1, 1e-5), inputs=(0, 1, 2, 3))
+    return {
+        f"conv_batchnorm_train_{inner}": EpilogueSpec(
+            CONV, (Step("hardswish"), bn, Step("relu")), dtype, p * 4, channels, inner, "conv_batchnorm_train",
+        )
+        for channels, inner in ((16, 24), (6, 1000), (32, 254 * 254))
+    }
+
+
 def vocabulary_specs(dtype="float32"):
     """Every pointwise step in one chain, and each row norm and row reduction once."""
     p = (dtype,)

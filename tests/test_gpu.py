@@ -169,7 +169,12 @@ AWKWARD = {
     ),
     "conv_groupnorm_odd_spatial": (_ConvGroupNormRelu, [(2, 3, 33, 33)], True, "conv_groupnorm"),
     "conv_batchnorm_eval": (_ConvBatchNormEvalSilu, [(2, 3, 33, 33)], False, "conv_batchnorm_eval"),
+    "conv_batchnorm_train": (_ConvBatchNormEvalSilu, [(2, 3, 33, 33)], True, "conv_batchnorm_train"),
 }
+
+# BatchNorm (training) after a 3x3 conv: planes of 9 (a few lanes each), 961 (a block)
+# and 88804 elements (several blocks a plane), over 2, 5 and 2 images.
+CONV_BATCHNORM = {"in5x5": (2, 3, 5, 5), "in33x33": (5, 3, 33, 33), "in300x300": (2, 3, 300, 300)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -187,6 +192,24 @@ def test_awkward_shapes(name, dtype, exact_float32):
     assert out.shape == ref.shape
     err = relative_error(out, ref)
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(CONV_BATCHNORM))
+def test_conv_batchnorm_train_output_and_running_stats(name, dtype, exact_float32):
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, momentum=0.3), nn.Hardswish()).cuda().train()
+    _randomize_bn(model)
+    model = model.to(dtype)
+    x = torch.rand(CONV_BATCHNORM[name], device="cuda", dtype=dtype) * 2 - 1
+    ref, ref_model = float64_reference(model, x)
+    with torch.no_grad():
+        out, fused = compile_and_run(model, x)
+    assert fused == ["conv_batchnorm_train"]
+    assert relative_error(out, ref) <= TOLERANCE[dtype]
+    for name_ in ("running_mean", "running_var"):
+        ours, want = getattr(model[1], name_), getattr(ref_model[1], name_)
+        assert relative_error(ours, want) <= TOLERANCE[dtype], name_
+    assert int(model[1].num_batches_tracked) == 1
 
 
 def test_nan_and_inf_propagate_like_eager(exact_float32):

@@ -106,6 +106,39 @@ def test_batchnorm_train_and_eval_are_different_fusions():
     assert steps_of(train[0]) == ["batchnorm_train"] and steps_of(evl[0]) == ["batchnorm_eval"]
 
 
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_conv_batchnorm_train_is_fused_with_running_stats_as_eager(dims):
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims](3, 8, 3)
+    norm = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}[dims](8, momentum=0.3)
+    model = nn.Sequential(conv, norm, nn.ReLU()).train()
+    eager = copy.deepcopy(model)
+    x = torch.randn((3, 3) + (7,) * dims)
+    out, fused, refused = compile_records(model, x)
+    assert [r.fusion for r in fused] == ["conv_batchnorm_train"] and not refused
+    assert steps_of(fused[0]) == ["add", "batchnorm_train", "relu"]  # the conv bias folded
+    torch.testing.assert_close(out, eager(x))
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(model[1], name), getattr(eager[1], name))
+
+
+def test_batchnorm_train_after_a_row_reduction_is_refused():
+    class SumThenBatchNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.bn = nn.Linear(16, 32), nn.BatchNorm1d(1)
+
+        def forward(self, x):
+            return self.bn(self.linear(x).sum(1, keepdim=True))
+
+    model = SumThenBatchNorm().train()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 16)
+    out, fused, refused = compile_records(model, x)
+    assert [steps_of(r) for r in fused] == [["sum"]] and "BatchNorm (training): only on" in fused[0].stop
+    torch.testing.assert_close(out, eager(x))
+    torch.testing.assert_close(model.bn.running_var, eager.bn.running_var)
+
+
 def test_batchnorm_momentum_none_runs_as_eager():
     # The cumulative average reads num_batches_tracked as a Python number: Dynamo
     # breaks the graph there, so the BatchNorm runs outside any fused chain.

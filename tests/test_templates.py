@@ -9,7 +9,14 @@ import cuda_templates
 from cuda_templates.render import plan
 from cuda_templates.snippets import SNIPPETS, cfloat
 from lowering import VOCABULARY, EpilogueSpec
-from specs import awkward_specs, direct_specs, training_specs, vocabulary_specs, workload_specs
+from specs import (
+    awkward_specs,
+    conv_batchnorm_specs,
+    direct_specs,
+    training_specs,
+    vocabulary_specs,
+    workload_specs,
+)
 
 DTYPES = ["float32", "bfloat16", "float16"]
 ALL_SPECS = {
@@ -17,7 +24,7 @@ ALL_SPECS = {
     for dtype in DTYPES
     for name, spec in {
         **workload_specs(dtype), **awkward_specs(dtype), **direct_specs(dtype), **vocabulary_specs(dtype),
-        **training_specs(dtype),
+        **training_specs(dtype), **conv_batchnorm_specs(dtype),
     }.items()
 }
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

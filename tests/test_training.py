@@ -120,6 +120,20 @@ def test_rmsnorm_gradients(dtype, on_device):
     assert [r.fusion for r in fused] == ["linear_rmsnorm"] and '"what":"rstd"' in fused[0].spec
 
 
+@pytest.mark.parametrize("on_device", DEVICES, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_batchnorm_train_gradients(dtype, on_device):
+    # The conv's BatchNorm saves its batch mean and invstd per channel for backward.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16), nn.SiLU()).to(on_device, dtype)
+    eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+    fused = _forward_backward(model, eager, ref, torch.rand(4, 3, 20, 20, device=on_device, dtype=dtype))
+    assert [r.fusion for r in fused] == ["conv_batchnorm_train"]
+    assert '"what":"mean"' in fused[0].spec and '"what":"rstd"' in fused[0].spec
+    for name in ("running_mean", "running_var"):
+        _close(getattr(model[1], name), getattr(eager[1], name), getattr(ref[1], name), name)
+
+
 def test_backward_reads_the_saved_input_of_amin(monkeypatch):
     # amin's backward compares its input with the minimum: recomputed by Inductor from
     # the GEMM output, the input would not equal the minimum the fused op found (GPU
