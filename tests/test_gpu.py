@@ -137,7 +137,7 @@ class _ConvGroupNormRelu(nn.Module):
         return torch.relu(self.gn(self.conv(x)))
 
 
-class _ConvBatchNormEvalSilu(nn.Module):
+class _ConvBatchNormSilu(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv, self.bn = nn.Conv2d(3, 16, 3, stride=2), nn.BatchNorm2d(16)
@@ -168,13 +168,19 @@ AWKWARD = {
         "linear_batchnorm_train",
     ),
     "conv_groupnorm_odd_spatial": (_ConvGroupNormRelu, [(2, 3, 33, 33)], True, "conv_groupnorm"),
-    "conv_batchnorm_eval": (_ConvBatchNormEvalSilu, [(2, 3, 33, 33)], False, "conv_batchnorm_eval"),
-    "conv_batchnorm_train": (_ConvBatchNormEvalSilu, [(2, 3, 33, 33)], True, "conv_batchnorm_train"),
+    "conv_batchnorm_eval": (_ConvBatchNormSilu, [(2, 3, 33, 33)], False, "conv_batchnorm_eval"),
+    "conv_batchnorm_train": (_ConvBatchNormSilu, [(2, 3, 33, 33)], True, "conv_batchnorm_train"),
 }
 
-# BatchNorm (training) after a 3x3 conv: planes of 9 (a few lanes each), 961 (a block)
-# and 88804 elements (several blocks a plane), over 2, 5 and 2 images.
-CONV_BATCHNORM = {"in5x5": (2, 3, 5, 5), "in33x33": (5, 3, 33, 33), "in300x300": (2, 3, 300, 300)}
+# BatchNorm (training) after a conv: (conv, input shape). Planes of 9 elements (16
+# lanes each; 3 images x 5 channels leave a team of the block idle), 4 (conv1d: one
+# lane, one vector), 961 (a block) and 88804 elements (several blocks a plane).
+CONV_BATCHNORM = {
+    "in5x5_c5": (lambda: nn.Conv2d(3, 5, 3), (3, 3, 5, 5)),
+    "conv1d_l6": (lambda: nn.Conv1d(3, 8, 3), (7, 3, 6)),
+    "in33x33": (lambda: nn.Conv2d(3, 8, 3), (5, 3, 33, 33)),
+    "in300x300": (lambda: nn.Conv2d(3, 8, 3), (2, 3, 300, 300)),
+}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -197,10 +203,15 @@ def test_awkward_shapes(name, dtype, exact_float32):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", list(CONV_BATCHNORM))
 def test_conv_batchnorm_train_output_and_running_stats(name, dtype, exact_float32):
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, momentum=0.3), nn.Hardswish()).cuda().train()
-    _randomize_bn(model)
+    factory, shape = CONV_BATCHNORM[name]
+    conv = factory()
+    norm = (nn.BatchNorm1d if len(shape) == 3 else nn.BatchNorm2d)(conv.out_channels, momentum=0.3)
+    model = nn.Sequential(conv, norm, nn.Hardswish()).cuda().train()
+    with torch.no_grad():
+        norm.running_mean.uniform_(-1, 1)
+        norm.running_var.uniform_(0.5, 2)
     model = model.to(dtype)
-    x = torch.rand(CONV_BATCHNORM[name], device="cuda", dtype=dtype) * 2 - 1
+    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
     ref, ref_model = float64_reference(model, x)
     with torch.no_grad():
         out, fused = compile_and_run(model, x)

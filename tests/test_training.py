@@ -122,12 +122,14 @@ def test_rmsnorm_gradients(dtype, on_device):
 
 @pytest.mark.parametrize("on_device", DEVICES, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_conv_batchnorm_train_gradients(dtype, on_device):
-    # The conv's BatchNorm saves its batch mean and invstd per channel for backward.
+@pytest.mark.parametrize("size", [20, 300], ids=["planes_of_324", "planes_of_88804"])
+def test_conv_batchnorm_train_gradients(size, dtype, on_device):
+    # The conv's BatchNorm saves its batch mean and invstd per channel for backward
+    # (planes of 324 elements: a warp each; of 88804: several blocks a plane).
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16), nn.SiLU()).to(on_device, dtype)
     eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
-    fused = _forward_backward(model, eager, ref, torch.rand(4, 3, 20, 20, device=on_device, dtype=dtype))
+    fused = _forward_backward(model, eager, ref, torch.rand(2, 3, size, size, device=on_device, dtype=dtype))
     assert [r.fusion for r in fused] == ["conv_batchnorm_train"]
     assert '"what":"mean"' in fused[0].spec and '"what":"rstd"' in fused[0].spec
     for name in ("running_mean", "running_var"):
