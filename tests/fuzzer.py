@@ -384,7 +384,7 @@ class Result:
     fusion: str  # "full" (one fused op covers the chain), "partial", "none"; "" after an error
     # "ok", "mismatch", "ill_conditioned" (Inductor is as far off, or the excess does
     # not come back on other inputs), "rejected" (eager raises for this model, and so
-    # does fusedepi, with the same exception type) or "error" (any other exception)
+    # does fusedepi, the same exception and message) or "error" (any other exception)
     check: str
     in_vocabulary: bool
     dtype: str
@@ -523,14 +523,17 @@ def run_case(case: Case, device: str, grad: bool = False, draw: int = 0) -> Resu
 def _innermost(err: BaseException) -> BaseException:
     """The exception at the bottom of a chain (Dynamo wraps the model's own in its own)."""
     seen = {id(err)}
-    while (err.__cause__ or err.__context__) is not None and id(err.__cause__ or err.__context__) not in seen:
-        err = err.__cause__ or err.__context__
-        seen.add(id(err))
-    return err
+    while True:
+        inner = err.__cause__ or err.__context__
+        if inner is None or id(inner) in seen:
+            return err
+        seen.add(id(inner))
+        err = inner
 
 
 def _rejected(result: Result, eager_err: Exception, model, x, residual, upstream) -> Result:
-    """A model eager refuses to run: fusedepi must refuse it too, with the same exception type."""
+    """A model eager refuses to run: fusedepi must refuse it too, with the same exception
+    (type and message) at the bottom of whatever Dynamo wraps it in."""
     from fusion_backend import fusedepi
 
     torch._dynamo.reset()
