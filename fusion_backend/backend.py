@@ -135,7 +135,19 @@ class KeepChainValues(CustomGraphPass):
         return f"fusedepi-keep-chain-values-{version('fusedepi')}-{sorted(self.cfg.disabled)}-{then}"
 
 
+def _inductor_decompositions():
+    """Inductor's table minus the held-back ops, by reference (see `_inner_compile`)."""
+    return _tables()[0]
+
+
 def _inner_compile(gm, example_inputs, *, cfg: Config, **kwargs):
+    # compile_fx hands our table to the inner compile wrapped in an object that
+    # Inductor's FX graph cache pickles into its key; the table holds functions that do
+    # not pickle, and every compile bypassed the cache (a warm start redid Inductor's
+    # codegen). A module-level function pickles by name. Inductor uses it only to check
+    # that no op has both a fallback and a decomposition.
+    if "get_decomp_fn" in kwargs:
+        kwargs["get_decomp_fn"] = _inductor_decompositions
     if not kwargs.get("is_backward", False):
         report = rewrite(gm, cfg)
         with _sinks_lock:

@@ -85,3 +85,27 @@ def test_dynamic_spatial_sizes_are_refused_with_the_reason():
     refused = [r for report in reports for r in report.records if r.status == "refused"]
     assert "are dynamic; only the batch size may vary" in refused[0].reason
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_inductor_graph_cache_serves_a_second_compile(grad, monkeypatch, tmp_path):
+    """A new compile of the same model (as in a new process) loads Inductor's compiled
+    graphs from its FX graph cache, as plain Inductor does: a warm start pays no codegen."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    factory, shape, fusion = SMALL_WORKLOADS["3"]
+    torch.manual_seed(0)
+    model, x = factory(), torch.rand(shape, requires_grad=grad)
+    hits = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        counters.clear()
+        reports: list = []
+        with torch.set_grad_enabled(grad), collect_reports(reports):
+            out = torch.compile(model, backend="fusedepi")(x)
+            if grad:
+                out.sum().backward()
+        assert [r.fusion for r in _fused(reports)] == [fusion]
+        assert counters["inductor"]["fxgraph_cache_bypass"] == 0
+        hits.append(counters["inductor"]["fxgraph_cache_hit"])
+    graphs = 2 if grad else 1  # forward (+ backward)
+    assert hits == [0, graphs]
