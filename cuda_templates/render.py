@@ -323,6 +323,9 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
             ws_floats = "kPartials + (rows + kRowsPerChunk - 1) / kRowsPerChunk * kChannels * 2"
         else:  # a conv's [rows, channels, inner]: partials per (row, channel, chunk)
             stats_kernels = templates.CHANNEL_STATS_KERNELS.substitute(kernel=name, finish=finish)
+            stats_kernels += "\n\n" + templates.PARTIAL_MOMENTS_KERNEL.substitute(
+                kernel=name, parts_at="(a.ws + kPartials)"
+            )
             launches += [
                 f"  {name}_segparts<<<{apply_grid}, kBlock, 0, stream>>>(a);",
                 f"  {name}_chanfinal<<<kChannels, 256, 0, stream>>>(a);",
@@ -341,11 +344,12 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
             middle = templates.CHUNK_NORM.substitute(
                 apply=templates.APPLY_STAGE1, stats_at="(a.ws + a.rows * kGroups * kChunks * 2)"
             )
-            stats_kernels = templates.SEGMENT_STATS_KERNEL.substitute(
+            stats_kernels = templates.PARTIAL_MOMENTS_KERNEL.substitute(kernel=name, parts_at="a.ws")
+            stats_kernels += "\n\n" + templates.SEGMENT_FINAL_KERNEL.substitute(
                 kernel=name, eps=eps, save_stats=_save_stats(spec, "mean", "rstd", "seg")
             )
             launches += [
-                f"  {name}_segstats<<<segments * kChunks, kBlock, 0, stream>>>(a);",
+                f"  {name}_segparts<<<segments * kChunks, kBlock, 0, stream>>>(a);",
                 f"  {name}_segfinal<<<(segments + 255) / 256, 256, 0, stream>>>(a);",
             ]
             ws_floats = "rows * kGroups * (kChunks * 2 + 2)"

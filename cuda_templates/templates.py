@@ -298,38 +298,45 @@ STORE_ELEMENTS = r"""#pragma unroll
   for (int k = 0; k < kNV; ++k)
     if (valid(p, k)) fusedepi::store_vec<T, kV>(a.out + p.seg * kL + offset_of(p, k), v[k]);"""
 
-# Partial (mean, M2) of one chunk of a segment, for segments too long for one block,
-# then (mean, rstd) per segment. Placeholders: $kernel, $eps, $save_stats (writes
-# `mean`, `rstd` of segment `seg` to the saved outputs, or nothing).
-SEGMENT_STATS_KERNEL = Template(
-    r"""__global__ void __launch_bounds__(kBlock) ${kernel}_segstats(Args a) {
+# Partial (mean, M2) of each (segment, chunk) in the apply kernel's thread mapping (a
+# team of lanes or a block per segment, kChunks blocks per segment when it is long),
+# at $parts_at (a float* expression) + (segment * kChunks + chunk) * 2.
+# Placeholders: $kernel, $parts_at.
+PARTIAL_MOMENTS_KERNEL = Template(
+    r"""__global__ void __launch_bounds__(kBlock) ${kernel}_segparts(Args a) {
   const Place p = place(a);
   float v[kNV][kV];
   load_stage0(a, p, v, false);
   const float n = static_cast<float>(min(kChunkLen, kL - (long long)p.first));
-  // Relative to the chunk's first element: a constant chunk gets its mean exactly.
-  const float shift = fusedepi::team_first<kBlock>(v[0][0]);
+  // Relative to the part's first element: a constant part gets its mean exactly.
+  const float shift = fusedepi::team_first<kTeam>(v[0][0]);
   float s = 0.f;
 #pragma unroll
   for (int k = 0; k < kNV; ++k)
     if (valid(p, k))
 #pragma unroll
       for (int j = 0; j < kV; ++j) s += v[k][j] - shift;
-  const float mean = shift + fusedepi::block_sum<kBlock>(s) / n;
+  const float mean = shift + fusedepi::team_sum<kTeam>(s) / n;
   float q = 0.f;
 #pragma unroll
   for (int k = 0; k < kNV; ++k)
     if (valid(p, k))
 #pragma unroll
       for (int j = 0; j < kV; ++j) q += (v[k][j] - mean) * (v[k][j] - mean);
-  q = fusedepi::block_sum<kBlock>(q);
-  if (threadIdx.x == 0 && p.live) {
-    a.ws[blockIdx.x * 2] = mean;
-    a.ws[blockIdx.x * 2 + 1] = q;
+  q = fusedepi::team_sum<kTeam>(q);
+  if (p.live && p.lane == 0) {
+    float* part = $parts_at + (p.seg * kChunks + p.first / kChunkLen) * 2;
+    part[0] = mean;
+    part[1] = q;
   }
-}
+}"""
+)
 
-// One thread per segment: merges its chunks' partials into (mean, rstd).
+# (mean, rstd) per segment from PARTIAL_MOMENTS_KERNEL's partials at a.ws, for
+# segments too long for one block. Placeholders: $kernel, $eps, $save_stats (writes
+# `mean`, `rstd` of segment `seg` to the saved outputs, or nothing).
+SEGMENT_FINAL_KERNEL = Template(
+    r"""// One thread per segment: merges its chunks' partials into (mean, rstd).
 __global__ void __launch_bounds__(256) ${kernel}_segfinal(Args a) {
   const long long seg = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (seg >= a.rows * kGroups) return;
@@ -453,34 +460,6 @@ $finish
 CHANNEL_STATS_KERNELS = Template(
     r"""// Workspace: [scale[C], shift[C]], then (mean, M2) per (row, channel, chunk).
 constexpr long long kPartials = 2 * kChannels;
-
-__global__ void __launch_bounds__(kBlock) ${kernel}_segparts(Args a) {
-  const Place p = place(a);
-  float v[kNV][kV];
-  load_stage0(a, p, v, false);
-  const float n = static_cast<float>(min(kChunkLen, kL - (long long)p.first));
-  // Relative to the part's first element: a constant plane gets its mean exactly.
-  const float shift = fusedepi::team_first<kTeam>(v[0][0]);
-  float s = 0.f;
-#pragma unroll
-  for (int k = 0; k < kNV; ++k)
-    if (valid(p, k))
-#pragma unroll
-      for (int j = 0; j < kV; ++j) s += v[k][j] - shift;
-  const float mean = shift + fusedepi::team_sum<kTeam>(s) / n;
-  float q = 0.f;
-#pragma unroll
-  for (int k = 0; k < kNV; ++k)
-    if (valid(p, k))
-#pragma unroll
-      for (int j = 0; j < kV; ++j) q += (v[k][j] - mean) * (v[k][j] - mean);
-  q = fusedepi::team_sum<kTeam>(q);
-  if (p.live && p.lane == 0) {
-    float* part = a.ws + kPartials + (p.seg * kChunks + p.first / kChunkLen) * 2;
-    part[0] = mean;
-    part[1] = q;
-  }
-}
 
 // One block per channel: merges the (row, chunk) partials of the channel.
 __global__ void __launch_bounds__(256) ${kernel}_chanfinal(Args a) {
