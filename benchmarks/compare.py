@@ -27,7 +27,9 @@ import time
 
 import torch
 
-from .workloads import WORKLOADS, relative_error
+from .workloads import EXTRA_WORKLOADS, WORKLOADS, relative_error
+
+ALL_WORKLOADS = {**WORKLOADS, **EXTRA_WORKLOADS}
 
 PRECISIONS = {
     # name: (dtype, float32 matmul precision, cuDNN TF32)
@@ -68,11 +70,11 @@ def _library_ms(model, x) -> float:
     return _bench(lambda: conv(x))
 
 
-def _floor_ms(model, library_ms: float, bytes_ms: float) -> float:
-    """The hardware floor: for a GEMM workload the larger of the library GEMM and the
-    minimum bytes over copy bandwidth; for the conv workload only the bytes (fusedepi
-    computes that conv itself, so cuDNN's time is no floor)."""
-    return max(library_ms, bytes_ms) if hasattr(model, "linear") else bytes_ms
+def _floor_ms(workload, library_ms: float, bytes_ms: float) -> float:
+    """The hardware floor: the larger of the library GEMM/conv and the minimum bytes
+    over copy bandwidth; only the bytes where fusedepi computes the conv itself
+    (workload 5's direct conv), so that cuDNN's time is no floor."""
+    return bytes_ms if workload.computes_anchor else max(library_ms, bytes_ms)
 
 
 def _min_bytes(model, x, out) -> int:
@@ -153,7 +155,7 @@ def run_cell(workload, precision, training, providers, copy_gbs, profile=False):
                 provider=provider,
                 ms=ms,
                 library_ms=lib_ms,
-                floor_ms=_floor_ms(base, lib_ms, _min_bytes(base, x, out) / copy_gbs / 1e6),
+                floor_ms=_floor_ms(workload, lib_ms, _min_bytes(base, x, out) / copy_gbs / 1e6),
                 compile_s=compile_s,
                 rel_err=err,
             )
@@ -210,7 +212,7 @@ def warm_start(workload_name, precision, training, backend) -> tuple[float, floa
     """
     code = (
         "import time, torch; t = time.perf_counter();"
-        "from benchmarks.workloads import WORKLOADS; from benchmarks.compare import _set_precision;"
+        "from benchmarks.compare import ALL_WORKLOADS as WORKLOADS, _set_precision;"
         f"w = WORKLOADS[{workload_name!r}]; d = _set_precision({precision!r});"
         f"m = w.make_model().cuda().to(d).train({training}); x = torch.rand(w.input_shape, device='cuda', dtype=d);"
         "t = time.perf_counter();"
@@ -247,7 +249,7 @@ def cuda_graph_rows(batch: int, precisions) -> list[dict]:
     in a loop, which includes the CPU side that CUDA graphs remove."""
     rows = []
     for name in ("2_linear_logsumexp", "3_linear_groupnorm_leaky", "4_linear_groupnorm_swish"):
-        workload = WORKLOADS[name]
+        workload = ALL_WORKLOADS[name]
         for precision in precisions:
             dtype = _set_precision(precision)
             base = workload.make_model().cuda().to(dtype)
@@ -275,7 +277,7 @@ def backward_rows(workloads, precisions, providers) -> list[dict]:
 
     rows = []
     for name in workloads:
-        workload = WORKLOADS[name]
+        workload = ALL_WORKLOADS[name]
         for precision in precisions:
             print(f"-- backward {name} {precision}", flush=True)
             dtype = _set_precision(precision)
@@ -353,7 +355,7 @@ def print_table(rows):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="workloads 3 and 5, bf16, train: under two minutes")
-    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(ALL_WORKLOADS))
     parser.add_argument("--precisions", nargs="*", default=list(PRECISIONS), choices=list(PRECISIONS))
     parser.add_argument("--modes", nargs="*", default=["train", "eval"], choices=["train", "eval"])
     parser.add_argument("--providers", nargs="*", default=PROVIDERS, choices=PROVIDERS)
@@ -392,7 +394,7 @@ def main(argv=None):
     print(f"copy bandwidth: {copy_gbs:.0f} GB/s (read + write)")
     rows = []
     for name in args.workloads:
-        workload = WORKLOADS[name]
+        workload = ALL_WORKLOADS[name]
         for precision in args.precisions:
             for mode in args.modes:
                 if mode == "eval" and not workload.has_batchnorm and "train" in args.modes:

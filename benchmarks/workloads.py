@@ -81,6 +81,18 @@ class ConvBiasScaleSigmoidGroupNorm(nn.Module):
         return self.gn(torch.sigmoid(x))
 
 
+class ConvBnRelu(nn.Module):
+    """Beyond the five: Conv2d(64->64, k3, pad 1) -> BatchNorm2d -> ReLU (a ResNet block's start)."""
+
+    def __init__(self, c=64):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+        self.bn = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return F.relu(self.bn(self.conv(x)))
+
+
 @dataclass(frozen=True)
 class Workload:
     """A workload: how to build its model and its input, and the fusion it should get."""
@@ -90,6 +102,7 @@ class Workload:
     input_shape: tuple
     fusion: str
     has_batchnorm: bool = False
+    computes_anchor: bool = False  # fusedepi computes the conv itself (the direct conv)
 
 
 WORKLOADS = {
@@ -99,14 +112,23 @@ WORKLOADS = {
         Workload("2_linear_logsumexp", LinearLogsumexpActs, (1024, 8192), "linear_logsumexp"),
         Workload("3_linear_groupnorm_leaky", LinearGroupNormLeakyDouble, (1024, 8192), "linear_groupnorm"),
         Workload("4_linear_groupnorm_swish", LinearGroupNormSwishScale, (1024, 8192), "linear_groupnorm"),
-        Workload("5_conv_groupnorm", ConvBiasScaleSigmoidGroupNorm, (128, 8, 256, 256), "conv_groupnorm"),
+        Workload("5_conv_groupnorm", ConvBiasScaleSigmoidGroupNorm, (128, 8, 256, 256), "conv_groupnorm",
+                 computes_anchor=True),
+    ]
+}
+
+# Benchmarked on request (`compare --workloads ...`), not part of the definition of done.
+EXTRA_WORKLOADS = {
+    w.name: w
+    for w in [
+        Workload("6_conv_bn_relu", ConvBnRelu, (32, 64, 56, 56), "conv_batchnorm_train", True),
     ]
 }
 
 
 def expected_fusion(workload: Workload, training: bool) -> str:
     if workload.has_batchnorm and not training:
-        return "linear_batchnorm_eval"
+        return workload.fusion.replace("_train", "_eval")
     return workload.fusion
 
 
