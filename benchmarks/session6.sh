@@ -17,4 +17,8 @@ case ${1:-tests} in
       --modes train --providers inductor fusedepi --warm-start --json "$OUT/warm.json" 2>&1 | grep -v "^-- " | tee "$OUT/warm.log"
     python3 -m benchmarks.warm_profile 3_linear_groupnorm_leaky bf16 fusedepi --top 40 2>&1 | tee "$OUT/warmprof.log" | head -60
     ;;
+  prof6)  # where workload 6's time goes, kernel by kernel
+    bash benchmarks/device_run.sh bench --workloads 6_conv_bn_relu --precisions bf16 fp32-tf32 \
+      --providers inductor fusedepi --profile
+    ;;
 esac

@@ -41,6 +41,7 @@ from .spec import (
 from .vocabulary import POINTWISE_FORMS, Refuse
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -228,6 +229,102 @@ def _match_rms_norm(state: _State, _user: Node):
     _require_features(state, "RMSNorm", mean.args[1])
     stats = {"rstd": rsqrt} if len(rsqrt.users) > 1 else {}
     return _Match(Step("rmsnorm", consts=(float(eps),)), [pow_, mean, add, rsqrt, mul], mul, stats=stats)
+
+
+def _match_instance_norm(state: _State, _user: Node):
+    """InstanceNorm without running statistics, as AOTAutograd decomposes it: the conv
+    output [N, C, *spatial] viewed as [1, N*C, *spatial], var_mean over every dim but 1
+    (biased), (x - mean) * rsqrt(var + eps), then for `affine` a mul and an add by the
+    weight and bias repeated N times and unsqueezed, and a view back. 16-bit values are
+    widened to float32 for the statistics and rounded once before the view back. This is
+    GroupNorm with one channel per group, and becomes that step."""
+    x = state.node
+    xval = _val(x)
+    if not state.conv or state.reduced or state.channel_axis != 1 or xval.dim() < 3:
+        return None
+    view = next((u for u in _forward_users(state, x) if u.target in _VIEWS and _instance_view(_val(u), xval)), None)
+    if view is None:
+        return None
+    n = xval.shape[0]
+    if not isinstance(n, int):
+        raise Refuse("InstanceNorm with a dynamic batch size (its decomposition bakes the batch into views)")
+    widened = xval.dtype != torch.float32
+    stats_in = view
+    if widened:  # the statistics read a float32 copy; the normalize promotes
+        stats_in = next((u for u in view.users if u.target is prims.convert_element_type.default
+                         and u.args[1] == torch.float32), None)
+        if stats_in is None:
+            return None
+    var_mean = next((u for u in stats_in.users if u.target is aten.var_mean.correction), None)
+    sub = next((u for u in view.users if u.target is aten.sub.Tensor and u.args[0] is view), None)
+    if var_mean is None or sub is None:
+        return None
+    ndim = xval.dim()
+    dims = _arg(var_mean, 1, "dim")
+    if (dims is None or sorted(d % ndim for d in dims) != [0, *range(2, ndim)]
+            or var_mean.kwargs.get("correction") != 0 or not var_mean.kwargs.get("keepdim", False)):
+        return None
+    items = _getitems(var_mean)
+    var, mean = items.get(0), items.get(1)
+    add = var is not None and (_only(var, aten.add.Tensor) or _only(var, aten.add.Scalar))
+    rsqrt = add and _only(add, aten.rsqrt.default)
+    mul = _only(sub, aten.mul.Tensor)
+    if not rsqrt or mul is None or sub.args[1] is not mean or set(mul.args[:2]) != {sub, rsqrt}:
+        return None
+    eps = add.args[1]
+    if isinstance(eps, Node):
+        return None
+    expected_users = {view: 2, stats_in: 1 if widened else 2, mean: 1, rsqrt: 1, sub: 1, mul: 1}
+    if any(len(node.users) != count for node, count in expected_users.items()):
+        raise Refuse("InstanceNorm: its statistics or intermediate values are used elsewhere "
+                     "(saved for backward); it fuses in graphs without gradients only")
+    consumed = [view] + ([stats_in] if widened else []) + [var_mean, var, mean, add, rsqrt, sub, mul]
+    value, weight, bias = mul, None, None
+    scaled = _only(value, aten.mul.Tensor)
+    weight = scaled is not None and _repeated_channel_param(scaled, value, n, state.channels, ndim)
+    if weight:
+        shifted = _only(scaled, aten.add.Tensor)
+        bias = shifted is not None and _repeated_channel_param(shifted, scaled, n, state.channels, ndim)
+        if not bias:
+            return None
+        consumed += [scaled, shifted]
+        value = shifted
+    if widened:
+        value = _only(value, prims.convert_element_type.default)
+        if value is None or value.args[1] != xval.dtype:
+            return None
+        consumed.append(value)
+    back = next((u for u in value.users if u.target in _VIEWS), None)
+    if back is None or len(value.users) != 1 or list(_val(back).shape) != list(xval.shape):
+        return None
+    inputs = (_add_param(state, weight or None), _add_param(state, bias or None))
+    step = Step("groupnorm", consts=(float(eps),), inputs=inputs, groups=state.channels)
+    return _Match(step, consumed + [back], back)
+
+
+def _instance_view(val, xval) -> bool:
+    """Whether `val` is `xval` [N, C, *spatial] viewed as [1, N*C, *spatial]."""
+    if val is None or val.dim() != xval.dim() or val.shape[0] != 1 or list(val.shape[2:]) != list(xval.shape[2:]):
+        return False
+    n, c = xval.shape[0], xval.shape[1]
+    return isinstance(n, int) and val.shape[1] == n * c or not isinstance(n, int) and str(val.shape[1]) == str(n * c)
+
+
+def _repeated_channel_param(node: Node, value: Node, n: int, channels: int, ndim: int):
+    """The [C] parameter p when `node` is value (op) unsqueeze^k(repeat(p, [n])), the
+    per-(image, channel) operand of InstanceNorm's decomposition; else None."""
+    if len(node.args) != 2 or node.args[0] is not value or not isinstance(node.args[1], Node):
+        return None
+    operand = node.args[1]
+    for _ in range(ndim - 2):
+        if operand.target is not aten.unsqueeze.default or operand.args[1] != -1:
+            return None
+        operand = operand.args[0]
+    if operand.target is not aten.repeat.default or list(operand.args[1]) != [n]:
+        return None
+    param = operand.args[0]
+    val = _val(param)
+    return param if isinstance(val, torch.Tensor) and list(val.shape) == [channels] else None
 
 
 # --------------------------------------------------------------- binary steps
@@ -487,6 +584,9 @@ def _match_view(state: _State, user: Node):
     if user.target not in _VIEWS:
         return None
     val = _val(user)
+    if state.conv and not state.reduced and _instance_view(val, _val(state.node)):
+        raise Refuse(f"view to {list(val.shape)} (InstanceNorm's form) not followed by the InstanceNorm "
+                     "that fuses: biased statistics of its input, without running statistics")
     if state.conv or state.reduced or val.shape[-1] != state.channels or not _is_contiguous(val):
         raise Refuse(f"view to {list(val.shape)} changes the feature layout")
     return _Match(None, [user], user)
@@ -496,6 +596,7 @@ def _match_view(state: _State, user: Node):
 STEP_MATCHERS: list[Callable] = [
     _match_silu_pair,
     _match_rms_norm,
+    _match_instance_norm,
     _match_view,
     _match_unary,
     _match_binary,
@@ -507,7 +608,7 @@ STEP_MATCHERS: list[Callable] = [
     _match_convert,
 ]
 # Forms that consume a value with several users (the value feeds more than one of their nodes).
-MULTI_NODE = STEP_MATCHERS[:2]
+MULTI_NODE = STEP_MATCHERS[:3]
 
 
 # -------------------------------------------------------------------- anchors

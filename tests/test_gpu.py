@@ -170,6 +170,20 @@ AWKWARD = {
     "conv_groupnorm_odd_spatial": (_ConvGroupNormRelu, [(2, 3, 33, 33)], True, "conv_groupnorm"),
     "conv_batchnorm_eval": (_ConvBatchNormSilu, [(2, 3, 33, 33)], False, "conv_batchnorm_eval"),
     "conv_batchnorm_train": (_ConvBatchNormSilu, [(2, 3, 33, 33)], True, "conv_batchnorm_train"),
+    # InstanceNorm: GroupNorm with one channel per group; the direct conv (2-D, stride 1)
+    # and the library conv (3-D) behind it.
+    "conv2d_instancenorm": (
+        lambda: nn.Sequential(nn.Conv2d(8, 16, 3), nn.InstanceNorm2d(16, affine=True), nn.GELU()),
+        [(2, 8, 12, 258)],
+        True,
+        "conv_groupnorm",
+    ),
+    "conv3d_instancenorm": (
+        lambda: nn.Sequential(nn.Conv3d(3, 8, 3), nn.InstanceNorm3d(8), nn.SiLU()),
+        [(2, 3, 9, 10, 11)],
+        True,
+        "conv_groupnorm",
+    ),
 }
 
 # BatchNorm (training) after a conv: (conv, input shape). Planes of 9 elements (16

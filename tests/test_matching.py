@@ -121,6 +121,68 @@ def test_conv_batchnorm_train_is_fused_with_running_stats_as_eager(dims):
         torch.testing.assert_close(getattr(model[1], name), getattr(eager[1], name))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("affine", [False, True], ids=["plain", "affine"])
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_instance_norm_is_groupnorm_with_a_channel_per_group(dims, affine, dtype):
+    torch.manual_seed(dims)
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims](3, 8, 3)
+    norm = {1: nn.InstanceNorm1d, 2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d}[dims](8, eps=1e-3, affine=affine)
+    model = nn.Sequential(conv, norm, nn.GELU()).to(dtype)
+    if affine:
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-1.0, 1.0)
+    x = torch.rand((2, 3) + (6, 7, 5)[:dims], dtype=dtype)
+    out, fused, refused = compile_records(model, x)
+    assert [r.fusion for r in fused] == ["conv_groupnorm"] and not refused
+    assert steps_of(fused[0]) == ["add", "groupnorm", "gelu"]
+    step = json.loads(fused[0].spec)["steps"][1]
+    assert step["groups"] == 8 and step["consts"] == [1e-3] and (min(step["inputs"]) >= 0) == affine
+    # bf16: eager rounds the conv output before its bias, the fused chain adds it in float32.
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    ref = copy.deepcopy(model).double()(x.double())
+    assert ((out.double() - ref).norm() / ref.norm()).item() < tol
+
+
+def test_instance_norm_saved_for_backward_is_refused_with_the_reason():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.InstanceNorm2d(8, affine=True), nn.ReLU())
+    x = torch.rand(2, 3, 9, 9, requires_grad=True)
+    out, fused, refused = compile_records(model, x, grad=True)
+    assert not fused and "InstanceNorm" in refused[0].reason and "backward" in refused[0].reason
+    out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_instance_norm_with_running_stats_is_refused_and_runs_as_eager(train):
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.InstanceNorm2d(8, track_running_stats=True), nn.ReLU())
+    model.train(train)
+    eager = copy.deepcopy(model)
+    x = torch.rand(2, 3, 9, 9)
+    out, fused, refused = compile_records(model, x)
+    assert not fused and "InstanceNorm" in refused[0].reason
+    torch.testing.assert_close(out, eager(x))
+    torch.testing.assert_close(model[1].running_mean, eager[1].running_mean)
+
+
+def test_instance_norm_with_a_dynamic_batch_is_refused():
+    from fusion_backend import fusedepi
+    from fusion_backend.backend import collect_reports
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.InstanceNorm2d(8), nn.ReLU())
+    torch._dynamo.reset()
+    reports: list = []
+    with torch.no_grad(), collect_reports(reports):
+        compiled = torch.compile(model, backend=fusedepi)
+        for batch in (2, 3):
+            x = torch.rand(batch, 3, 9, 9)
+            torch.testing.assert_close(compiled(x), model(x))
+    first, second = (report.records for report in reports)
+    assert [r.status for r in first] == ["fused"]
+    assert [r.status for r in second] == ["refused"] and "dynamic batch" in second[0].reason
+
+
 def test_batchnorm_train_after_a_row_reduction_is_refused():
     class SumThenBatchNorm(nn.Module):
         def __init__(self):
