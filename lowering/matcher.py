@@ -274,11 +274,35 @@ def _match_instance_norm(state: _State, _user: Node):
     eps = add.args[1]
     if isinstance(eps, Node):
         return None
-    expected_users = {view: 2, stats_in: 1 if widened else 2, mean: 1, rsqrt: 1, sub: 1, mul: 1}
-    if any(len(node.users) != count for node, count in expected_users.items()):
-        raise Refuse("InstanceNorm: its statistics or intermediate values are used elsewhere "
-                     "(saved for backward); it fuses in graphs without gradients only")
+    # A training graph's forward saves the mean and the rsqrt for backward, as they are
+    # ([1, N*C, 1, ...]) or squeezed to [N*C]: GroupNorm's per-(image, group)
+    # statistics in the same order, which the fused op returns.
+    stats = {}
+    for what, node, inside in (("mean", mean, sub), ("rstd", rsqrt, mul)):
+        others = [u for u in _forward_users(state, node) if u is not inside]
+        if not others:
+            continue
+        if all(u.op == "output" for u in others):
+            stats[what] = node
+            continue
+        squeeze = others[0]
+        if (len(others) > 1 or squeeze.target is not aten.squeeze.dims
+                or sorted(d % ndim for d in squeeze.args[1]) != [0, *range(2, ndim)]):
+            raise Refuse(f"InstanceNorm: its {what} is used elsewhere other than squeezed for backward")
+        stats[what] = squeeze
+    in_backward = any(u in state.backward for node in (x, view, mean, rsqrt) for u in node.users)
+    if widened and (stats or in_backward or len(_forward_users(state, x)) > 1):
+        # A training graph (its joint graph, or a forward that keeps the input or the
+        # statistics for backward). Backward would recompute the 16-bit chain's values
+        # in float32 where the fused op rounded them, and KeepChainValues cannot keep
+        # InstanceNorm's float32 intermediates, which the fused op does not return.
+        raise Refuse("InstanceNorm on bf16/fp16 in a training graph (its input or statistics "
+                     "are kept for backward)")
+    expected_users = {view: 2, stats_in: 1 if widened else 2, sub: 1, mul: 1}
+    if any(len(_forward_users(state, node)) != count for node, count in expected_users.items()):
+        raise Refuse("InstanceNorm: an intermediate value is used elsewhere")
     consumed = [view] + ([stats_in] if widened else []) + [var_mean, var, mean, add, rsqrt, sub, mul]
+    consumed += [node for node in stats.values() if node not in consumed]
     value, weight, bias = mul, None, None
     scaled = _only(value, aten.mul.Tensor)
     weight = scaled is not None and _repeated_channel_param(scaled, value, n, state.channels, ndim)
@@ -299,7 +323,7 @@ def _match_instance_norm(state: _State, _user: Node):
         return None
     inputs = (_add_param(state, weight or None), _add_param(state, bias or None))
     step = Step("groupnorm", consts=(float(eps),), inputs=inputs, groups=state.channels)
-    return _Match(step, consumed + [back], back)
+    return _Match(step, consumed + [back], back, stats=stats)
 
 
 def _instance_view(val, xval) -> bool:

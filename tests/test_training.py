@@ -136,6 +136,26 @@ def test_conv_batchnorm_train_gradients(size, dtype, on_device):
         _close(getattr(model[1], name), getattr(eager[1], name), getattr(ref[1], name), name)
 
 
+@pytest.mark.parametrize("on_device", DEVICES, indirect=True)
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_instance_norm_gradients(dims, on_device):
+    # InstanceNorm is GroupNorm with a channel per group: where the partitioner keeps
+    # its mean and rsqrt for backward ([1, N*C, 1, ...]), the fused op returns them.
+    torch.manual_seed(dims)
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims](3, 8, 3)
+    norm = {1: nn.InstanceNorm1d, 2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d}[dims](8, affine=True)
+    model = nn.Sequential(conv, norm, nn.SiLU()).to(on_device)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-1.0, 1.0)
+    eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+    x = torch.rand((2, 3) + (9, 8, 7)[:dims], device=on_device)
+    fused = _forward_backward(model, eager, ref, x)
+    assert [r.fusion for r in fused] == ["conv_groupnorm"]
+    if dims > 1:  # the 1-D graph recomputes the statistics in backward
+        assert '"what":"mean"' in fused[0].spec and '"what":"rstd"' in fused[0].spec
+
+
 def test_backward_reads_the_saved_input_of_amin(monkeypatch):
     # amin's backward compares its input with the minimum: recomputed by Inductor from
     # the GEMM output, the input would not equal the minimum the fused op found (GPU
