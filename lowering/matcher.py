@@ -298,7 +298,9 @@ def _match_instance_norm(state: _State, _user: Node):
         # InstanceNorm's float32 intermediates, which the fused op does not return.
         raise Refuse("InstanceNorm on bf16/fp16 in a training graph (its input or statistics "
                      "are kept for backward)")
-    expected_users = {view: 2, stats_in: 1 if widened else 2, sub: 1, mul: 1}
+    expected_users = {view: 2, sub: 1, mul: 1}  # view: the statistics' input (or its widening) and sub
+    if widened:
+        expected_users[stats_in] = 1
     if any(len(_forward_users(state, node)) != count for node, count in expected_users.items()):
         raise Refuse("InstanceNorm: an intermediate value is used elsewhere")
     consumed = [view] + ([stats_in] if widened else []) + [var_mean, var, mean, add, rsqrt, sub, mul]
