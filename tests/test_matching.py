@@ -145,6 +145,41 @@ def test_instance_norm_is_groupnorm_with_a_channel_per_group(dims, affine, dtype
     assert ((out.double() - ref).norm() / ref.norm()).item() < tol
 
 
+class _AroundInstanceNorm(nn.Module):
+    """conv -> a step before -> InstanceNorm2d -> a step after, with a residual input."""
+
+    def __init__(self, before, after):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.InstanceNorm2d(8, affine=True)
+        self.scale = nn.Parameter(torch.rand(8, 1, 1) + 0.5)
+        self.before, self.after = before, after
+
+    def forward(self, x, residual):
+        y = self.conv(x)
+        y = {"none": y, "relu": torch.relu(y), "mul_channel": y * self.scale, "sigmoid": torch.sigmoid(y)}[self.before]
+        y = self.norm(y)
+        return {"none": y, "gelu": F.gelu(y), "add_residual": y + residual, "mul_scalar": y * 3.0}[self.after]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("after", ["none", "gelu", "add_residual", "mul_scalar"])
+@pytest.mark.parametrize("before", ["none", "relu", "mul_channel", "sigmoid"])
+def test_instance_norm_inside_a_longer_chain(before, after, grad):
+    torch.manual_seed(0)
+    model = _AroundInstanceNorm(before, after)
+    eager = copy.deepcopy(model)
+    x, residual = torch.rand(2, 3, 6, 5), torch.rand(2, 8, 6, 5)
+    out, fused, refused = compile_records(model, x.clone().requires_grad_(grad), residual, grad=grad)
+    assert [r.fusion for r in fused] == ["conv_groupnorm"] and not refused
+    want = ["add"] + {"none": [], "relu": ["relu"], "mul_channel": ["mul"], "sigmoid": ["sigmoid"]}[before]
+    want += ["groupnorm"] + {"none": [], "gelu": ["gelu"], "add_residual": ["add"], "mul_scalar": ["mul"]}[after]
+    if grad:
+        want = want[1:]  # backward keeps the conv output itself, so its bias stays in the conv
+    assert steps_of(fused[0]) == want
+    torch.testing.assert_close(out, eager(x, residual), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dims", [1, 2])
 def test_instance_norm_in_a_bf16_training_graph_is_refused_with_the_reason(dims):
     conv = {1: nn.Conv1d, 2: nn.Conv2d}[dims](3, 8, 3)
