@@ -232,7 +232,8 @@ def _match_rms_norm(state: _State, _user: Node):
 
 
 def _match_instance_norm(state: _State, _user: Node):
-    """InstanceNorm without running statistics, as AOTAutograd decomposes it: the conv
+    """InstanceNorm without running statistics, as AOTAutograd decomposes it (with
+    running statistics in eval mode: `_instance_norm_eval`): the conv
     output [N, C, *spatial] viewed as [1, N*C, *spatial], var_mean over every dim but 1
     (biased), (x - mean) * rsqrt(var + eps), then for `affine` a mul and an add by the
     weight and bias repeated N times and unsqueezed, and a view back. 16-bit values are
@@ -248,6 +249,9 @@ def _match_instance_norm(state: _State, _user: Node):
     n = xval.shape[0]
     if not isinstance(n, int):
         raise Refuse("InstanceNorm with a dynamic batch size (its decomposition bakes the batch into views)")
+    bn = next((u for u in view.users if u.target is aten._native_batch_norm_legit_no_training.default), None)
+    if bn is not None:
+        return _instance_norm_eval(state, xval, view, bn, n)
     widened = xval.dtype != torch.float32
     stats_in = view
     if widened:  # the statistics read a float32 copy; the normalize promotes
@@ -328,6 +332,35 @@ def _match_instance_norm(state: _State, _user: Node):
     return _Match(step, consumed + [back], back, stats=stats)
 
 
+def _instance_norm_eval(state: _State, xval, view: Node, bn: Node, n: int):
+    """InstanceNorm with running statistics, in eval mode: a BatchNorm (eval) of the
+    [1, N*C, ...] view whose parameters are the [C] ones repeated N times. Per channel
+    it is BatchNorm's eval affine, and becomes the `batchnorm_eval` step."""
+    items = _getitems(bn)
+    if len(view.users) != 1 or any(node.users for i, node in items.items() if i != 0) or 0 not in items:
+        raise Refuse("InstanceNorm (eval): its input or statistics are used elsewhere")
+    value = items[0]
+    back = next(iter(value.users), None)
+    if len(value.users) != 1 or back.target not in _VIEWS or list(_val(back).shape) != list(xval.shape):
+        return None
+    params = [None if arg is None else _unrepeated(arg, n, state.channels) for arg in bn.args[1:5]]
+    if any(p is None for p, arg in zip(params, bn.args[1:5]) if arg is not None):
+        return None
+    eps = bn.args[6]
+    inputs = tuple(_add_param(state, p) for p in params)
+    consumed = [view, bn] + sorted(items.values(), key=lambda node: node.args[1]) + [back]
+    return _Match(Step("batchnorm_eval", consts=(float(eps),), inputs=inputs), consumed, back)
+
+
+def _unrepeated(node: Node, n: int, channels: int):
+    """p when `node` is repeat(p, [n]) of a [C] parameter p, else None."""
+    if not isinstance(node, Node) or node.target is not aten.repeat.default or list(node.args[1]) != [n]:
+        return None
+    param = node.args[0]
+    val = _val(param)
+    return param if isinstance(val, torch.Tensor) and list(val.shape) == [channels] else None
+
+
 def _instance_view(val, xval) -> bool:
     """Whether `val` is `xval` [N, C, *spatial] viewed as [1, N*C, *spatial]."""
     if val is None or val.dim() != xval.dim() or val.shape[0] != 1 or list(val.shape[2:]) != list(xval.shape[2:]):
@@ -346,11 +379,7 @@ def _repeated_channel_param(node: Node, value: Node, n: int, channels: int, ndim
         if operand.target is not aten.unsqueeze.default or operand.args[1] != -1:
             return None
         operand = operand.args[0]
-    if operand.target is not aten.repeat.default or list(operand.args[1]) != [n]:
-        return None
-    param = operand.args[0]
-    val = _val(param)
-    return param if isinstance(val, torch.Tensor) and list(val.shape) == [channels] else None
+    return _unrepeated(operand, n, channels)
 
 
 # --------------------------------------------------------------- binary steps
@@ -611,8 +640,9 @@ def _match_view(state: _State, user: Node):
         return None
     val = _val(user)
     if state.conv and not state.reduced and _instance_view(val, _val(state.node)):
-        raise Refuse(f"view to {list(val.shape)} (InstanceNorm's form) not followed by the InstanceNorm "
-                     "that fuses: biased statistics of its input, without running statistics")
+        raise Refuse(f"view to {list(val.shape)} (InstanceNorm's form) not followed by an InstanceNorm "
+                     "that fuses: statistics of its input without running statistics, or running "
+                     "statistics in eval mode")
     if state.conv or state.reduced or val.shape[-1] != state.channels or not _is_contiguous(val):
         raise Refuse(f"view to {list(val.shape)} changes the feature layout")
     return _Match(None, [user], user)

@@ -178,6 +178,13 @@ AWKWARD = {
         True,
         "conv_groupnorm",
     ),
+    "conv2d_instancenorm_running_stats_eval": (
+        lambda: nn.Sequential(nn.Conv2d(8, 16, 3), nn.InstanceNorm2d(16, affine=True, track_running_stats=True),
+                              nn.GELU()),
+        [(2, 8, 12, 40)],
+        False,
+        "conv_batchnorm_eval",
+    ),
     "conv3d_instancenorm": (
         lambda: nn.Sequential(nn.Conv3d(3, 8, 3), nn.InstanceNorm3d(8), nn.SiLU()),
         [(2, 3, 9, 10, 11)],

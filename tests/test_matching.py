@@ -192,10 +192,28 @@ def test_instance_norm_in_a_bf16_training_graph_is_refused_with_the_reason(dims)
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
-@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-def test_instance_norm_with_running_stats_is_refused_and_runs_as_eager(train):
+@pytest.mark.parametrize("affine", [False, True], ids=["plain", "affine"])
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_instance_norm_with_running_stats_in_eval_is_batchnorm_eval(dims, affine):
+    torch.manual_seed(dims)
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims](3, 8, 3)
+    norm_cls = {1: nn.InstanceNorm1d, 2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d}[dims]
+    norm = norm_cls(8, eps=1e-3, affine=affine, track_running_stats=True)
+    with torch.no_grad():
+        norm.running_mean.uniform_(-0.5, 0.5)
+        norm.running_var.uniform_(0.5, 1.5)
+    model = nn.Sequential(conv, norm, nn.SiLU()).eval()
+    x = torch.rand((2, 3) + (6, 7, 5)[:dims])
+    out, fused, refused = compile_records(model, x)
+    assert [r.fusion for r in fused] == ["conv_batchnorm_eval"] and not refused
+    step = json.loads(fused[0].spec)["steps"][1]
+    assert step["name"] == "batchnorm_eval" and step["consts"] == [1e-3]
+    assert (min(step["inputs"][:2]) >= 0) == affine and min(step["inputs"][2:]) >= 0
+    torch.testing.assert_close(out, model(x))
+
+
+def test_instance_norm_with_running_stats_in_training_is_refused_and_runs_as_eager():
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.InstanceNorm2d(8, track_running_stats=True), nn.ReLU())
-    model.train(train)
     eager = copy.deepcopy(model)
     x = torch.rand(2, 3, 9, 9)
     out, fused, refused = compile_records(model, x)
