@@ -246,9 +246,7 @@ def _match_instance_norm(state: _State, _user: Node):
     view = next((u for u in _forward_users(state, x) if u.target in _VIEWS and _instance_view(_val(u), xval)), None)
     if view is None:
         return None
-    n = xval.shape[0]
-    if not isinstance(n, int):
-        raise Refuse("InstanceNorm with a dynamic batch size (its decomposition bakes the batch into views)")
+    n = xval.shape[0]  # an int, or the symbolic batch size after Dynamo made it dynamic
     bn = next((u for u in view.users if u.target is aten._native_batch_norm_legit_no_training.default), None)
     if bn is not None:
         return _instance_norm_eval(state, xval, view, bn, n)
@@ -325,14 +323,14 @@ def _match_instance_norm(state: _State, _user: Node):
             return None
         consumed.append(value)
     back = next((u for u in value.users if u.target in _VIEWS), None)
-    if back is None or len(value.users) != 1 or list(_val(back).shape) != list(xval.shape):
+    if back is None or len(value.users) != 1 or not _same_shape(_val(back).shape, xval.shape):
         return None
     inputs = (_add_param(state, weight or None), _add_param(state, bias or None))
     step = Step("groupnorm", consts=(float(eps),), inputs=inputs, groups=state.channels)
     return _Match(step, consumed + [back], back, stats=stats)
 
 
-def _instance_norm_eval(state: _State, xval, view: Node, bn: Node, n: int):
+def _instance_norm_eval(state: _State, xval, view: Node, bn: Node, n):
     """InstanceNorm with running statistics, in eval mode: a BatchNorm (eval) of the
     [1, N*C, ...] view whose parameters are the [C] ones repeated N times. Per channel
     it is BatchNorm's eval affine, and becomes the `batchnorm_eval` step."""
@@ -341,7 +339,7 @@ def _instance_norm_eval(state: _State, xval, view: Node, bn: Node, n: int):
         raise Refuse("InstanceNorm (eval): its input or statistics are used elsewhere")
     value = items[0]
     back = next(iter(value.users), None)
-    if len(value.users) != 1 or back.target not in _VIEWS or list(_val(back).shape) != list(xval.shape):
+    if len(value.users) != 1 or back.target not in _VIEWS or not _same_shape(_val(back).shape, xval.shape):
         return None
     params = [None if arg is None else _unrepeated(arg, n, state.channels) for arg in bn.args[1:5]]
     if any(p is None for p, arg in zip(params, bn.args[1:5]) if arg is not None):
@@ -352,24 +350,38 @@ def _instance_norm_eval(state: _State, xval, view: Node, bn: Node, n: int):
     return _Match(Step("batchnorm_eval", consts=(float(eps),), inputs=inputs), consumed, back)
 
 
-def _unrepeated(node: Node, n: int, channels: int):
+def _unrepeated(node: Node, n, channels: int):
     """p when `node` is repeat(p, [n]) of a [C] parameter p, else None."""
-    if not isinstance(node, Node) or node.target is not aten.repeat.default or list(node.args[1]) != [n]:
+    if not isinstance(node, Node) or node.target is not aten.repeat.default or len(node.args[1]) != 1:
+        return None
+    times = node.args[1][0]
+    if not _same_size(_val(times) if isinstance(times, Node) else times, n):
         return None
     param = node.args[0]
     val = _val(param)
     return param if isinstance(val, torch.Tensor) and list(val.shape) == [channels] else None
 
 
+def _same_size(a, b) -> bool:
+    """a == b for sizes that may be symbolic (the batch size), without adding a guard:
+    symbolic sizes are equal when they print the same expression."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return not isinstance(a, int) and not isinstance(b, int) and str(a) == str(b)
+
+
+def _same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(_same_size(x, y) for x, y in zip(a, b))
+
+
 def _instance_view(val, xval) -> bool:
     """Whether `val` is `xval` [N, C, *spatial] viewed as [1, N*C, *spatial]."""
-    if val is None or val.dim() != xval.dim() or val.shape[0] != 1 or list(val.shape[2:]) != list(xval.shape[2:]):
+    if val is None or val.dim() != xval.dim() or not _same_size(val.shape[0], 1):
         return False
-    n, c = xval.shape[0], xval.shape[1]
-    return isinstance(n, int) and val.shape[1] == n * c or not isinstance(n, int) and str(val.shape[1]) == str(n * c)
+    return _same_shape(val.shape[2:], xval.shape[2:]) and _same_size(val.shape[1], xval.shape[0] * xval.shape[1])
 
 
-def _repeated_channel_param(node: Node, value: Node, n: int, channels: int, ndim: int):
+def _repeated_channel_param(node: Node, value: Node, n, channels: int, ndim: int):
     """The [C] parameter p when `node` is value (op) unsqueeze^k(repeat(p, [n])), the
     per-(image, channel) operand of InstanceNorm's decomposition; else None."""
     if len(node.args) != 2 or node.args[0] is not value or not isinstance(node.args[1], Node):
