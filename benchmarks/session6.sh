@@ -2,8 +2,12 @@
 # The sixth session's device calls (kept so that RESULTS.md's numbers can be rerun).
 #   bash benchmarks/session6.sh tests   # GPU tier + the graph-cache test on the device's torch
 #   bash benchmarks/session6.sh bench   # conv BatchNorm workload; warm starts of 3 and 5
+#   bash benchmarks/session6.sh prof6   # workload 6 kernel by kernel
+#   bash benchmarks/session6.sh unrun   # what this session could not run: the InstanceNorm GPU
+#                                       # tests, then the forward fuzzer on the final code (< 600 s)
 set -uo pipefail
 OUT=${OUT:-/tmp/fusedepi-out}
+mkdir -p "$OUT"
 case ${1:-tests} in
   tests)
     bash benchmarks/device_run.sh tests
@@ -16,6 +20,12 @@ case ${1:-tests} in
     python3 -m benchmarks.compare --workloads 3_linear_groupnorm_leaky 5_conv_groupnorm --precisions bf16 \
       --modes train --providers inductor fusedepi --warm-start --json "$OUT/warm.json" 2>&1 | grep -v "^-- " | tee "$OUT/warm.log"
     python3 -m benchmarks.warm_profile 3_linear_groupnorm_leaky bf16 fusedepi --top 40 2>&1 | tee "$OUT/warmprof.log" | head -60
+    ;;
+  unrun)
+    python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || exit 1
+    FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_training.py -k "instancenorm or instance_norm" \
+      -p no:cacheprovider 2>&1 | tail -5
+    bash benchmarks/device_run.sh fuzz 1200 2000 16 240 0 2>&1 | tail -30
     ;;
   prof6)  # where workload 6's time goes, kernel by kernel
     bash benchmarks/device_run.sh bench --workloads 6_conv_bn_relu --precisions bf16 fp32-tf32 \
