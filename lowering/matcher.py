@@ -243,13 +243,15 @@ def _match_instance_norm(state: _State, _user: Node):
     xval = _val(x)
     if not state.conv or state.reduced or state.channel_axis != 1 or xval.dim() < 3:
         return None
+    n = xval.shape[0]  # an int, or the symbolic batch size after Dynamo made it dynamic
     view = next((u for u in _forward_users(state, x) if u.target in _VIEWS and _instance_view(_val(u), xval)), None)
     if view is None:
-        return None
-    n = xval.shape[0]  # an int, or the symbolic batch size after Dynamo made it dynamic
+        if not _same_size(n, 1):
+            return None
+        view = x  # one image: the views are identities, which the decomposition leaves out
     bn = next((u for u in view.users if u.target is aten._native_batch_norm_legit_no_training.default), None)
-    if bn is not None:
-        return _instance_norm_eval(state, xval, view, bn, n)
+    if bn is not None:  # (with one image, `_match_batch_norm` reads it as it is)
+        return _instance_norm_eval(state, xval, view, bn, n) if view is not x else None
     widened = xval.dtype != torch.float32
     stats_in = view
     if widened:  # the statistics read a float32 copy; the normalize promotes
@@ -300,12 +302,15 @@ def _match_instance_norm(state: _State, _user: Node):
         # InstanceNorm's float32 intermediates, which the fused op does not return.
         raise Refuse("InstanceNorm on bf16/fp16 in a training graph (its input or statistics "
                      "are kept for backward)")
-    expected_users = {view: 2, sub: 1, mul: 1}  # view: the statistics' input (or its widening) and sub
+    # The view: the statistics' input (or its widening) and sub. Without a view, other
+    # users of the chain's value are the walk's to handle (it returns the value too).
+    expected_users = {sub: 1, mul: 1} if view is x else {view: 2, sub: 1, mul: 1}
     if widened:
         expected_users[stats_in] = 1
     if any(len(_forward_users(state, node)) != count for node, count in expected_users.items()):
         raise Refuse("InstanceNorm: an intermediate value is used elsewhere")
-    consumed = [view] + ([stats_in] if widened else []) + [var_mean, var, mean, add, rsqrt, sub, mul]
+    consumed = ([] if view is x else [view]) + ([stats_in] if widened else [])
+    consumed += [var_mean, var, mean, add, rsqrt, sub, mul]
     consumed += [node for node in stats.values() if node not in consumed]
     value, weight, bias = mul, None, None
     scaled = _only(value, aten.mul.Tensor)
@@ -322,12 +327,16 @@ def _match_instance_norm(state: _State, _user: Node):
         if value is None or value.args[1] != xval.dtype:
             return None
         consumed.append(value)
-    back = next((u for u in value.users if u.target in _VIEWS), None)
-    if back is None or len(value.users) != 1 or not _same_shape(_val(back).shape, xval.shape):
-        return None
+    if view is x:
+        back = value
+    else:
+        back = next((u for u in value.users if u.target in _VIEWS), None)
+        if back is None or len(value.users) != 1 or not _same_shape(_val(back).shape, xval.shape):
+            return None
+        consumed.append(back)
     inputs = (_add_param(state, weight or None), _add_param(state, bias or None))
     step = Step("groupnorm", consts=(float(eps),), inputs=inputs, groups=state.channels)
-    return _Match(step, consumed + [back], back, stats=stats)
+    return _Match(step, consumed, back, stats=stats)
 
 
 def _instance_norm_eval(state: _State, xval, view: Node, bn: Node, n):

@@ -67,6 +67,8 @@ class Case:
         dtype: "float32", "bfloat16" or "float16".
         training: the model's mode (BatchNorm uses batch statistics when True).
         in_vocabulary: every step is one the vocabulary claims to fuse.
+        generation: the generator's vocabulary (`CONV_NORMS`); models of generation 1
+            stay what they were when results and regression tests recorded them.
     """
 
     index: int
@@ -76,6 +78,7 @@ class Case:
     dtype: str
     training: bool
     in_vocabulary: bool = True
+    generation: int = 1
 
 
 # ------------------------------------------------------------------ generation
@@ -89,6 +92,9 @@ BINARY = ["add", "sub", "mul", "div", "maximum", "minimum"]
 # Steps with statistics over several elements: at most one per chain.
 NORMS_LINEAR = ["groupnorm", "layernorm", "rmsnorm", "batchnorm", "softmax", "log_softmax"]
 NORMS_CONV = ["groupnorm", "batchnorm"]
+# Norms after a conv, by generator generation: a later generation draws more kinds
+# without changing what an earlier one draws (the sixth session added InstanceNorm).
+CONV_NORMS = {1: NORMS_CONV, 2: NORMS_CONV + ["instancenorm"]}
 ROW_REDUCTIONS = ["logsumexp", "sum", "mean", "amax", "amin", "max_values"]
 # Not in the vocabulary: the chain must stop there, and the model still match eager.
 OUTSIDE = ["cos", "pow3", "dropout_train"]
@@ -165,7 +171,7 @@ def _step(rng: random.Random, ctx: dict) -> dict:
         if ctx["nd_linear"]:  # [B, T, N]: only norms over the last dim keep their meaning
             op = rng.choice(["layernorm", "rmsnorm", "softmax", "log_softmax"])
         else:
-            op = rng.choice(NORMS_LINEAR if ctx["kind"] == "linear" else NORMS_CONV)
+            op = rng.choice(NORMS_LINEAR if ctx["kind"] == "linear" else CONV_NORMS[ctx["generation"]])
         step = {"op": op, "eps": rng.choice([1e-5, 1e-6, 1e-3])}
         if op == "groupnorm":
             step["groups"] = rng.choice(_divisors(channels))
@@ -174,14 +180,17 @@ def _step(rng: random.Random, ctx: dict) -> dict:
             step["affine"] = rng.random() < 0.7
         elif op == "batchnorm":
             step["momentum"] = rng.choice([0.1, 0.3])
+        elif op == "instancenorm":
+            step["affine"], step["running"] = rng.random() < 0.6, rng.random() < 0.3
         return step
     if family == "reduction":
         return {"op": rng.choice(ROW_REDUCTIONS), "keepdim": rng.random() < 0.5}
     return {"op": rng.choice(OUTSIDE)}
 
 
-def make_case(seed: int, index: int, device: str = "cpu") -> Case:
-    """The `index`-th random model of `seed` (a pure function of the two and `device`)."""
+def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1) -> Case:
+    """The `index`-th random model of `seed` (a pure function of the two, `device` and
+    the generator's `generation`)."""
     rng = random.Random(f"{seed}/{index}/{device}")
     anchor = _anchor(rng)
     linear = anchor["kind"] == "linear"
@@ -194,6 +203,7 @@ def make_case(seed: int, index: int, device: str = "cpu") -> Case:
         "nd_linear": linear and len(anchor["lead"]) > 1,
         "allow_outside": rng.random() < 0.1,
         "last": "",
+        "generation": generation,
     }
     steps, in_vocabulary = [], True
     for _ in range(rng.randint(1, 8)):
@@ -204,7 +214,7 @@ def make_case(seed: int, index: int, device: str = "cpu") -> Case:
         if op in OUTSIDE:
             in_vocabulary = False
             ctx["allow_outside"] = False
-        if op in NORMS_LINEAR + ROW_REDUCTIONS:
+        if op in NORMS_LINEAR + ROW_REDUCTIONS + ["instancenorm"]:
             ctx["has_reduction"] = True
         if op in ROW_REDUCTIONS:
             ctx["reduced"] = True
@@ -212,7 +222,8 @@ def make_case(seed: int, index: int, device: str = "cpu") -> Case:
         dtype = rng.choices(["float32", "bfloat16", "float16"], weights=[5, 3, 2])[0]
     else:
         dtype = rng.choices(["float32", "bfloat16"], weights=[4, 1])[0]
-    return Case(index, seed, anchor, steps, dtype, training=rng.random() < 0.4, in_vocabulary=in_vocabulary)
+    return Case(index, seed, anchor, steps, dtype, training=rng.random() < 0.4, in_vocabulary=in_vocabulary,
+                generation=generation)
 
 
 # -------------------------------------------------------------------- models
@@ -243,6 +254,13 @@ class FuzzStep(nn.Module):
             with torch.no_grad():
                 self.norm.running_mean.copy_(torch.randn(channels, generator=gen) * 0.1)
                 self.norm.running_var.copy_(torch.rand(channels, generator=gen) + 0.5)
+        elif op == "instancenorm":
+            cls = {3: nn.InstanceNorm1d, 4: nn.InstanceNorm2d, 5: nn.InstanceNorm3d}[len(value_shape)]
+            self.norm = cls(channels, eps=spec["eps"], affine=spec["affine"], track_running_stats=spec["running"])
+            if spec["running"]:
+                with torch.no_grad():
+                    self.norm.running_mean.copy_(torch.randn(channels, generator=gen) * 0.1)
+                    self.norm.running_var.copy_(torch.rand(channels, generator=gen) + 0.5)
         if self.norm is not None:
             with torch.no_grad():
                 for p in self.norm.parameters():
@@ -565,8 +583,8 @@ def _setup_worker(device: str):
 
 
 def _work(args):
-    seed, index, device, grad = args
-    return asdict(run_case(make_case(seed, index, device), device, grad))
+    seed, index, device, grad, generation = args
+    return asdict(run_case(make_case(seed, index, device, generation), device, grad))
 
 
 def normalize_reason(reason: str) -> str:
@@ -598,7 +616,7 @@ def summarize(results: list[dict]) -> dict:
 
 
 def run(seed: int, indices, device: str, workers: int = 1, progress=None, time_limit=None,
-        grad: bool = False) -> list[dict]:
+        grad: bool = False, generation: int = 1) -> list[dict]:
     """Runs the cases `indices` of `seed`; returns their results (as dicts), in index order.
 
     Args:
@@ -606,8 +624,9 @@ def run(seed: int, indices, device: str, workers: int = 1, progress=None, time_l
         workers: processes, each compiling its own models (kernel builds run in parallel).
         progress: print a progress line every this many models, and each finding as it comes.
         time_limit: seconds; models not finished by then are left out (the count says so).
+        generation: the generator's vocabulary (`make_case`).
     """
-    jobs = [(seed, i, device, grad) for i in indices]
+    jobs = [(seed, i, device, grad, generation) for i in indices]
     results = []
     start = time.time()
     if workers <= 1:
@@ -650,7 +669,8 @@ def scale_case(case: Case) -> Case:
         anchor["lead"] = [BENCH_ROWS] if len(anchor["lead"]) == 1 else [BENCH_ROWS // 64, 64]
     else:
         anchor["batch"] = BENCH_IMAGES
-    return Case(case.index, case.seed, anchor, case.steps, case.dtype, case.training, case.in_vocabulary)
+    return Case(case.index, case.seed, anchor, case.steps, case.dtype, case.training, case.in_vocabulary,
+                case.generation)
 
 
 def bench(seed: int, count: int, first: int = 0, progress: bool = True, mode: str | None = None) -> dict:
@@ -730,6 +750,8 @@ def main(argv=None):
                         help="instead: time N wholly fused models (scaled up) against Inductor, CUDA only")
     parser.add_argument("--mode", help="torch.compile mode for --bench, e.g. reduce-overhead")
     parser.add_argument("--grad", action="store_true", help="also run backward and check the gradients")
+    parser.add_argument("--generation", type=int, choices=sorted(CONV_NORMS), default=1,
+                        help="the generator's vocabulary: 2 also draws InstanceNorm after convs")
     args = parser.parse_args(argv)
     if args.bench:
         out = bench(args.seed, args.bench, args.first, mode=args.mode)
@@ -740,14 +762,15 @@ def main(argv=None):
     indices = args.only if args.only else range(args.first, args.first + args.models)
     if args.only:
         for i in indices:
-            print(json.dumps(asdict(make_case(args.seed, i, args.device))))
+            print(json.dumps(asdict(make_case(args.seed, i, args.device, args.generation))))
     results = run(args.seed, indices, args.device, args.workers, progress=max(1, len(indices) // 20),
-                  time_limit=args.time_limit, grad=args.grad)
+                  time_limit=args.time_limit, grad=args.grad, generation=args.generation)
     summary = summarize(results)
     print(json.dumps({k: v for k, v in summary.items() if k != "findings"}, indent=1))
     print(f"{len(summary['findings'])} findings (printed above as they came)")
     if args.json:
         Path(args.json).write_text(json.dumps({"seed": args.seed, "device": args.device, "grad": args.grad,
+                                               "generation": args.generation,
                                                "summary": summary,
                                                "results": results}, indent=1))
     return 1 if summary["findings"] else 0

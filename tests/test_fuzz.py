@@ -37,6 +37,38 @@ def test_generator_covers_every_step_kind():
     assert wanted <= ops, wanted - ops
 
 
+def _instance_norm_models(count: int) -> list[int]:
+    """Indices of generation-2 models (seed 0, CPU draw) with an InstanceNorm step."""
+    found = []
+    for index in range(10_000):
+        if any(s["op"] == "instancenorm" for s in fuzzer.make_case(0, index, "cpu", generation=2).steps):
+            found.append(index)
+            if len(found) == count:
+                return found
+    return found
+
+
+def test_generation_1_is_unchanged_by_later_vocabulary():
+    # Recorded results and regression tests name models of generation 1.
+    for index in range(500):
+        case = fuzzer.make_case(0, index, "cuda")
+        assert case.generation == 1 and all(s["op"] != "instancenorm" for s in case.steps)
+    ops = {s["op"] for i in range(400) for s in fuzzer.make_case(0, i, "cpu", generation=2).steps}
+    assert "instancenorm" in ops
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+def test_cpu_fuzz_of_instance_norm_chains(grad):
+    # Generation 2 draws InstanceNorm (1-D/2-D/3-D, affine or not, with or without
+    # running statistics) inside random chains.
+    indices = _instance_norm_models(24 if not grad else 12)
+    results = fuzzer.run(seed=0, indices=indices, device="cpu", grad=grad, generation=2)
+    summary = fuzzer.summarize(results)
+    assert not summary["findings"], summary["findings"][:3]
+    fused = [r for r in results if r["fusion"] == "full"]
+    assert len(fused) >= len(indices) // 2, summary["reasons"]
+
+
 def test_cases_and_models_are_reproducible():
     a, b = fuzzer.make_case(7, 11), fuzzer.make_case(7, 11)
     assert a == b and a != fuzzer.make_case(7, 12)

@@ -145,6 +145,19 @@ def test_instance_norm_is_groupnorm_with_a_channel_per_group(dims, affine, dtype
     assert ((out.double() - ref).norm() / ref.norm()).item() < tol
 
 
+@pytest.mark.parametrize("running_stats", [False, True], ids=["input_stats", "running_stats_eval"])
+def test_instance_norm_of_one_image(running_stats):
+    # With one image the decomposition's views are identities and are left out
+    # (CPU fuzzer, generation 2, model 307).
+    torch.manual_seed(0)
+    norm = nn.InstanceNorm1d(4, eps=1e-3, track_running_stats=running_stats)
+    model = nn.Sequential(nn.Conv1d(8, 4, 1, stride=2, padding=1, bias=False), norm).eval()
+    x = torch.rand(1, 8, 39)
+    out, fused, refused = compile_records(model, x)
+    assert not refused and steps_of(fused[0]) == ["batchnorm_eval" if running_stats else "groupnorm"]
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
 class _AroundInstanceNorm(nn.Module):
     """conv -> a step before -> InstanceNorm2d -> a step after, with a residual input."""
 
