@@ -7,8 +7,8 @@
 #   bash benchmarks/device_run.sh variants|anchors [args]  # kernel_variants.py / anchor_forms.py
 #   bash benchmarks/device_run.sh ncu SKIP COUNT WORKLOAD PRECISION [--eval]  # ncu on fusedepi's kernels
 #   bash benchmarks/device_run.sh warmprof WORKLOAD PRECISION BACKEND        # cProfile of a warm start
-#   bash benchmarks/device_run.sh fuzz MODELS FIRST WORKERS SECONDS [SEED]   # GPU differential fuzzer
-#   bash benchmarks/device_run.sh fuzzgrad MODELS FIRST WORKERS SECONDS [SEED]  # the same with backward
+#   bash benchmarks/device_run.sh fuzz MODELS FIRST WORKERS SECONDS [SEED [GENERATION]]  # GPU differential fuzzer
+#   bash benchmarks/device_run.sh fuzzgrad MODELS FIRST WORKERS SECONDS [SEED [GENERATION]]  # the same with backward
 #   bash benchmarks/device_run.sh backward [args]                            # training-step benchmark
 #   bash benchmarks/device_run.sh fuzzbench N SEED [MODE]                    # N fused random models vs Inductor
 #   bash benchmarks/device_run.sh callprof                                   # CPU time of one compiled call
@@ -51,10 +51,11 @@ if [ "$what" = warmprof ]; then
   python3 -m benchmarks.warm_profile "$@" 2>&1 | tee "$OUT/warmprof_$(echo "$*" | tr ' ' '_').log" | head -75
 fi
 if [ "$what" = fuzz ] || [ "$what" = fuzzgrad ]; then
-  models=$1 first=$2 workers=$3 limit=$4 seed=${5:-0}
+  models=$1 first=$2 workers=$3 limit=$4 seed=${5:-0} generation=${6:-1}
   gargs=(); [ "$what" = fuzzgrad ] && gargs=(--grad)
   FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 tests/fuzzer.py --device cuda \
     --models "$models" --first "$first" --workers "$workers" --seed "$seed" --time-limit "$limit" "${gargs[@]}" \
+    --generation "$generation" \
     --json "$OUT/${what}_${seed}_${first}_${models}.json" 2>&1 | grep -v -i warn | tee "$OUT/${what}_${seed}_${first}.log" | tail -60
   status=${PIPESTATUS[0]}
 fi

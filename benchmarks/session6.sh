@@ -25,7 +25,7 @@ case ${1:-tests} in
     python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || exit 1
     FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_training.py -k "instancenorm or instance_norm" \
       -p no:cacheprovider 2>&1 | tail -5
-    bash benchmarks/device_run.sh fuzz 1200 2000 16 240 0 2>&1 | tail -30
+    bash benchmarks/device_run.sh fuzz 1200 0 16 240 0 2 2>&1 | tail -30  # generation 2: with InstanceNorm
     ;;
   prof6)  # where workload 6's time goes, kernel by kernel
     bash benchmarks/device_run.sh bench --workloads 6_conv_bn_relu --precisions bf16 fp32-tf32 \
