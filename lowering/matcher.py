@@ -295,7 +295,8 @@ def _match_instance_norm(state: _State, _user: Node):
             raise Refuse(f"InstanceNorm: its {what} is used elsewhere other than squeezed for backward")
         stats[what] = squeeze
     in_backward = any(u in state.backward for node in (x, view, mean, rsqrt) for u in node.users)
-    if widened and (stats or in_backward or len(_forward_users(state, x)) > 1):
+    x_elsewhere = [u for u in _forward_users(state, x) if u not in (view, stats_in, sub)]
+    if widened and (stats or in_backward or x_elsewhere):
         # A training graph (its joint graph, or a forward that keeps the input or the
         # statistics for backward). Backward would recompute the 16-bit chain's values
         # in float32 where the fused op rounded them, and KeepChainValues cannot keep
@@ -318,10 +319,11 @@ def _match_instance_norm(state: _State, _user: Node):
     if weight:
         shifted = _only(scaled, aten.add.Tensor)
         bias = shifted is not None and _repeated_channel_param(shifted, scaled, n, state.channels, ndim)
-        if not bias:
-            return None
-        consumed += [scaled, shifted]
-        value = shifted
+        if bias:  # the affine: else the mul is the walk's next step, not part of the norm
+            consumed += [scaled, shifted]
+            value = shifted
+        else:
+            weight = None
     if widened:
         value = _only(value, prims.convert_element_type.default)
         if value is None or value.args[1] != xval.dtype:
@@ -360,13 +362,19 @@ def _instance_norm_eval(state: _State, xval, view: Node, bn: Node, n):
 
 
 def _unrepeated(node: Node, n, channels: int):
-    """p when `node` is repeat(p, [n]) of a [C] parameter p, else None."""
-    if not isinstance(node, Node) or node.target is not aten.repeat.default or len(node.args[1]) != 1:
+    """p when `node` is repeat(p, [n]) of a [C] parameter p (p itself for one image,
+    whose repeat the decomposition leaves out), else None."""
+    if not isinstance(node, Node):
         return None
-    times = node.args[1][0]
-    if not _same_size(_val(times) if isinstance(times, Node) else times, n):
+    if node.target is aten.repeat.default and len(node.args[1]) == 1:
+        times = node.args[1][0]
+        if not _same_size(_val(times) if isinstance(times, Node) else times, n):
+            return None
+        param = node.args[0]
+    elif _same_size(n, 1):
+        param = node
+    else:
         return None
-    param = node.args[0]
     val = _val(param)
     return param if isinstance(val, torch.Tensor) and list(val.shape) == [channels] else None
 

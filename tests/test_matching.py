@@ -158,6 +158,25 @@ def test_instance_norm_of_one_image(running_stats):
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_instance_norm_of_one_image_keeps_its_affine_and_widening(dtype):
+    # One image: no repeat of the weight and bias either, and a bf16 graph widens the
+    # conv output itself (whose two users are then the widening and the normalize).
+    torch.manual_seed(0)
+    norm = nn.InstanceNorm2d(8, affine=True)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), norm, nn.GELU()).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-1.0, 1.0)
+    x = torch.rand(1, 3, 9, 9, dtype=dtype)
+    out, fused, refused = compile_records(model, x)
+    assert not refused and steps_of(fused[0])[-2:] == ["groupnorm", "gelu"]
+    assert min(json.loads(fused[0].spec)["steps"][-2]["inputs"]) >= 0  # the affine folded into the norm
+    ref = copy.deepcopy(model).double()(x.double())
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    assert ((out.double() - ref).norm() / ref.norm()).item() < tol
+
+
 class _AroundInstanceNorm(nn.Module):
     """conv -> a step before -> InstanceNorm2d -> a step after, with a residual input."""
 
