@@ -249,7 +249,7 @@ def cuda_graph_rows(batch: int, precisions) -> list[dict]:
     in a loop, which includes the CPU side that CUDA graphs remove."""
     rows = []
     for name in ("2_linear_logsumexp", "3_linear_groupnorm_leaky", "4_linear_groupnorm_swish"):
-        workload = ALL_WORKLOADS[name]
+        workload = WORKLOADS[name]
         for precision in precisions:
             dtype = _set_precision(precision)
             base = workload.make_model().cuda().to(dtype)

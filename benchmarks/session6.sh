@@ -22,9 +22,7 @@ case ${1:-tests} in
     python3 -m benchmarks.warm_profile 3_linear_groupnorm_leaky bf16 fusedepi --top 40 2>&1 | tee "$OUT/warmprof.log" | head -60
     ;;
   unrun)
-    python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || exit 1
-    FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_training.py -k "instancenorm or instance_norm" \
-      -p no:cacheprovider 2>&1 | tail -5
+    bash benchmarks/device_run.sh tests -k "instancenorm or instance_norm" 2>&1 | tail -8
     bash benchmarks/device_run.sh fuzz 1200 0 16 240 0 2 2>&1 | tail -30  # generation 2: with InstanceNorm
     ;;
   prof6)  # where workload 6's time goes, kernel by kernel

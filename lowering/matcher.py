@@ -313,7 +313,7 @@ def _match_instance_norm(state: _State, _user: Node):
     consumed = ([] if view is x else [view]) + ([stats_in] if widened else [])
     consumed += [var_mean, var, mean, add, rsqrt, sub, mul]
     consumed += [node for node in stats.values() if node not in consumed]
-    value, weight, bias = mul, None, None
+    value, bias = mul, None
     scaled = _only(value, aten.mul.Tensor)
     weight = scaled is not None and _repeated_channel_param(scaled, value, n, state.channels, ndim)
     if weight:

@@ -214,7 +214,7 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1) -
         if op in OUTSIDE:
             in_vocabulary = False
             ctx["allow_outside"] = False
-        if op in NORMS_LINEAR + ROW_REDUCTIONS + ["instancenorm"]:
+        if op in NORMS_LINEAR + CONV_NORMS[generation] + ROW_REDUCTIONS:
             ctx["has_reduction"] = True
         if op in ROW_REDUCTIONS:
             ctx["reduced"] = True
