@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The seventh session's device calls (kept so that RESULTS.md's numbers can be rerun).
+#   bash benchmarks/session7.sh profile   # the sixth session's unrun GPU tests and fuzz (generation 2),
+#                                         # then ncu (full set) on workload 5's kernels, bf16 and float32
+set -uo pipefail
+OUT=${OUT:-/tmp/fusedepi-out}
+mkdir -p "$OUT"
+NCU=/usr/local/cuda/bin/ncu
+ncu_w5() {  # precision: full ncu report of one call's three kernels, as text pages
+  local p=$1
+  FUSEDEPI_CACHE_DIR=/tmp/fusedepi-cache $NCU --kernel-name regex:_sm[0-9]+_ --launch-skip 3 --launch-count 3 \
+    --set full -f -o "$OUT/w5_$p" python3 -m benchmarks.once 5_conv_groupnorm "$p" >"$OUT/ncu_run_$p.log" 2>&1
+  $NCU --import "$OUT/w5_$p.ncu-rep" --page details >"$OUT/w5_$p.details.txt" 2>&1
+  $NCU --import "$OUT/w5_$p.ncu-rep" --page source --csv --print-source sass >"$OUT/w5_$p.sass.csv" 2>&1
+  grep -E "_sm[0-9]+_|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|Executed Ipc A" \
+    "$OUT/w5_$p.details.txt" | head -40
+}
+case ${1:-profile} in
+  profile)
+    bash benchmarks/device_run.sh tests -k "instancenorm or instance_norm" 2>&1 | tail -8
+    bash benchmarks/device_run.sh fuzz 1200 0 16 200 0 2 2>&1 | tail -30  # generation 2: with InstanceNorm
+    ncu_w5 bf16
+    ncu_w5 fp32-highest
+    ;;
+esac
