@@ -2,6 +2,7 @@
 # The seventh session's device calls (kept so that RESULTS.md's numbers can be rerun).
 #   bash benchmarks/session7.sh profile   # the sixth session's unrun GPU tests and fuzz (generation 2),
 #                                         # then ncu (full set) on workload 5's kernels, bf16 and float32
+#   bash benchmarks/session7.sh w5        # the GPU tests of convs and sigmoids, then workload 5 against Inductor
 set -uo pipefail
 OUT=${OUT:-/tmp/fusedepi-out}
 mkdir -p "$OUT"
@@ -21,5 +22,10 @@ case ${1:-profile} in
     bash benchmarks/device_run.sh fuzz 1200 0 16 200 0 2 2>&1 | tail -30  # generation 2: with InstanceNorm
     ncu_w5 bf16
     ncu_w5 fp32-highest
+    ;;
+  w5)
+    bash benchmarks/device_run.sh tests -k "direct or conv or swish or sigmoid or silu" 2>&1 | tail -12
+    bash benchmarks/device_run.sh bench --workloads 5_conv_groupnorm \
+      --providers inductor inductor-max-autotune fusedepi --profile 2>&1 | tail -40
     ;;
 esac

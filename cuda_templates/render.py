@@ -477,17 +477,15 @@ def _stages(spec: EpilogueSpec) -> str:
             sigmoids_at[stage].setdefault(index, []).append((slot, CTYPES[save.dtype]))
     # stage1 opens with the reduction's own normalize statement (none for logsumexp).
     stages = []
-    for stage, extra, extra_args, comment, run, saves, sigmoids in (
-        ("stage0", "", "", "Steps before the reduction (all of them when there is none).", steps[:split],
+    for stage, extra, comment, run, saves, sigmoids in (
+        ("stage0", "", "Steps before the reduction (all of them when there is none).", steps[:split],
          saves_after[0], sigmoids_at[0]),
-        ("stage1", ", float s0, float s1", ", s0, s1", "The reduction's normalize, then the steps after it.",
+        ("stage1", ", float s0, float s1", "The reduction's normalize, then the steps after it.",
          steps[split:], saves_after[1], sigmoids_at[1]),
     ):
-        loads, statements, stores = render_stage(run, saves, sigmoids)
         stages.append(
             templates.STAGE_FUNCTION.substitute(
-                name=stage, extra=extra, extra_args=extra_args, comment=comment, loads=loads,
-                statements=statements, stores=stores,
+                name=stage, extra=extra, comment=comment, **render_stage(run, saves, sigmoids)
             )
         )
     return "\n".join(stages)

@@ -36,14 +36,19 @@ class Operands:
 
     def __init__(self):
         self._loads: dict[str, str] = {}
+        self._channel: dict[str, str] = {}  # per-channel operand -> its pointer
+
+    def _per_channel(self, name: str, pointer: str) -> str:
+        self._channel[name] = pointer
+        self._loads[name] = f"float {name}[W];\n  fusedepi::load_channel<W, kInner>({pointer}, c, {name});"
+        return f"{name}[j]"
 
     def param(self, index: int, kind: str = CHANNEL, default: str = "1.f") -> str:
         if index < 0:
             return default
         name = f"pv{index}"
         if kind == CHANNEL:
-            self._loads[name] = f"float {name}[W];\n  fusedepi::load_channel<W, kInner>(a.p{index}, c, {name});"
-            return f"{name}[j]"
+            return self._per_channel(name, f"a.p{index}")
         if kind == FULL:
             self._loads[name] = f"float {name}[W];\n  fusedepi::load_full<W>(a.p{index}, e0, {name});"
             return f"{name}[j]"
@@ -53,11 +58,7 @@ class Operands:
 
     def batch_stats(self) -> tuple[str, str]:
         """BatchNorm (training) scale and shift, left per channel in the workspace."""
-        self._loads["bn_scale"] = "float bn_scale[W];\n  fusedepi::load_channel<W, kInner>(a.ws, c, bn_scale);"
-        self._loads["bn_shift"] = (
-            "float bn_shift[W];\n  fusedepi::load_channel<W, kInner>(a.ws + kChannels, c, bn_shift);"
-        )
-        return "bn_scale[j]", "bn_shift[j]"
+        return self._per_channel("bn_scale", "a.ws"), self._per_channel("bn_shift", "a.ws + kChannels")
 
     def operand(self, step: Step) -> str:
         if step.operand == SCALAR:
@@ -68,6 +69,20 @@ class Operands:
 
     def render_loads(self, indent: str = "  ") -> str:
         return "\n".join(indent + load for load in self._loads.values())
+
+    def render_channel(self, indent: str = "  ") -> tuple[str, str, str]:
+        """For a caller that knows the vector's one channel `c`: (the fields of a struct
+        `k` holding the per-channel operands, their loads into `k`, and the stage's
+        loads with those operands taken from `k`)."""
+        fields = "\n".join(f"{indent}float {name};" for name in self._channel)
+        fill = "\n".join(
+            f"{indent}k.{name} = fusedepi::to_float(({pointer})[c]);" for name, pointer in self._channel.items()
+        )
+        loads = "\n".join(
+            indent + (f"float {name}[W];\n{indent}fusedepi::fill<W>({name}, k.{name});" if name in self._channel else load)
+            for name, load in self._loads.items()
+        )
+        return fields, fill, loads
 
 
 def _call(fn):
@@ -146,8 +161,10 @@ SNIPPETS = {
 }
 
 
-def render_stage(steps, saves_after=None, sigmoids_at=None) -> tuple[str, str, str]:
-    """(loads, statements, stores) for a run of steps applied to each element `x`.
+def render_stage(steps, saves_after=None, sigmoids_at=None) -> dict[str, str]:
+    """The parts of a run of steps applied to each element `x`: `loads`, `statements`,
+    `stores`, and for a caller that gives the vector's one channel, `chan_fields`,
+    `chan_fill` and `chan_loads` (see `Operands.render_channel`).
 
     Args:
         saves_after: {i: [(slot, C type, round), ...]}: after step i, the value goes
@@ -178,5 +195,12 @@ def render_stage(steps, saves_after=None, sigmoids_at=None) -> tuple[str, str, s
                 # this value with statistics taken from it, as in eager.
                 lines.append(f"    x = fusedepi::to_float(fusedepi::from_float<{ctype}>(x));  // saved: rounded")
             keep(slot, ctype, "x")
-    loads = "\n".join(filter(None, [ops.render_loads()] + declared))
-    return loads, "\n".join(lines), "\n".join(stores)
+    chan_fields, chan_fill, chan_loads = ops.render_channel()
+    return {
+        "loads": "\n".join(filter(None, [ops.render_loads()] + declared)),
+        "statements": "\n".join(lines),
+        "stores": "\n".join(stores),
+        "chan_fields": chan_fields,
+        "chan_fill": chan_fill,
+        "chan_loads": "\n".join(filter(None, [chan_loads] + declared)),
+    }

@@ -157,16 +157,18 @@ $launches
 )
 
 # A run of steps on a vector of W elements at position `pos` of its row and flat
-# index e0. Placeholders: $name, $comment, $extra (more parameters), $extra_args (their
-# names, to pass on), $loads (operand loads, once per vector), $statements (on `x`,
-# once per element), $stores (writes of the saved values, under `save`).
+# index e0. Placeholders: $name, $comment, $extra (more parameters), $loads (operand
+# loads, once per vector), $statements (on `x`, once per element), $stores (writes of
+# the saved values, under `save`), and for the direct conv's variant, whose vector lies in one channel: $chan_fields (the stage's
+# per-channel operands of one channel), $chan_fill (their loads into `k` for channel
+# `c`), $chan_loads ($loads with those operands taken from `k`).
 STAGE_FUNCTION = Template(
     r"""// $comment
-// ${name}_at: the same with the elements' channels given (the direct conv knows them,
-// which lets the compiler load each per-channel operand once).
 template <int W>
-__device__ __forceinline__ void ${name}_at(float (&v)[W], const int (&c)[W], long long e0, const Args& a$extra,
-                                           bool save = false) {
+__device__ __forceinline__ void $name(float (&v)[W], int pos, long long e0, const Args& a$extra,
+                                      bool save = false) {
+  int c[W];
+  fusedepi::channels_of<W, kInner>(pos, c);
 $loads
 #pragma unroll
   for (int j = 0; j < W; ++j) {
@@ -177,13 +179,31 @@ $statements
 $stores
 }
 
-template <int W>
-__device__ __forceinline__ void $name(float (&v)[W], int pos, long long e0, const Args& a$extra,
-                                      bool save = false) {
-  int c[W];
-  fusedepi::channels_of<W, kInner>(pos, c);
-  ${name}_at<W>(v, c, e0, a$extra_args, save);
+// ${name}'s per-channel operands for one channel: the direct conv, which knows its
+// vectors' channel, loads them once per channel and runs ${name}_at on each vector.
+struct ${name}_chan {
+$chan_fields
+};
+
+__device__ __forceinline__ ${name}_chan ${name}_chan_of(const Args& a, int c) {
+  ${name}_chan k;
+$chan_fill
+  return k;
 }
+
+template <int W>
+__device__ __forceinline__ void ${name}_at(float (&v)[W], const ${name}_chan& k, long long e0, const Args& a$extra,
+                                           bool save = false) {
+$chan_loads
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    float x = v[j];
+$statements
+    v[j] = x;
+  }
+$stores
+}
+
 """
 )
 
@@ -617,25 +637,23 @@ __global__ void __launch_bounds__(256, 2) ${kernel}_conv(Args a) {
     }
 
     // Epilogue on the registers: stage0 (which starts with the folded conv bias), store;
-    // the values as stored feed the statistics.
+    // the values as stored feed the statistics. Per-channel operands once per channel.
 #pragma unroll
-    for (int s = 0; s < 2; ++s)
+    for (int o = 0; o < 8; ++o) {
+      const int co = cg * 8 + o;
+      if (kCoPad != kCout && co >= kCout) continue;
+      const stage0_chan k0 = stage0_chan_of(a, co);
 #pragma unroll
-      for (int p = 0; p < 4; p += kOV) {
-        const int ow = ow0 + 128 * s + 4 * lane + p;
-        if (ow >= kWo) continue;
+      for (int s = 0; s < 2; ++s)
 #pragma unroll
-        for (int o = 0; o < 8; ++o) {
-          const int co = cg * 8 + o;
-          if (kCoPad != kCout && co >= kCout) continue;
+        for (int p = 0; p < 4; p += kOV) {
+          const int ow = ow0 + 128 * s + 4 * lane + p;
+          if (ow >= kWo) continue;
           float v[kOV];
 #pragma unroll
           for (int j = 0; j < kOV; ++j) v[j] = acc[s][p + j][o];
           const long long e0 = n * kChannels * kInner + co * kInner + oh * kWo + ow;
-          int ch[kOV];
-#pragma unroll
-          for (int j = 0; j < kOV; ++j) ch[j] = co;
-          stage0_at<kOV>(v, ch, e0, a);
+          stage0_at<kOV>(v, k0, e0, a);
 #pragma unroll
           for (int j = 0; j < kOV; ++j) {  // statistics of the values as stored
             v[j] = fusedepi::to_float(fusedepi::from_float<T>(v[j]));
@@ -643,7 +661,7 @@ __global__ void __launch_bounds__(256, 2) ${kernel}_conv(Args a) {
           }
           fusedepi::store_vec<T, kOV>($dst + e0, v);
         }
-      }
+    }
     if constexpr (kConvStats) {
       // (count, mean, M2) of each slot over the warp's row: two passes over registers.
 #pragma unroll
@@ -881,21 +899,26 @@ __global__ void __launch_bounds__(256, 2) ${kernel}_mma(Args a) {  // 256 thread
       }
 
     // acc[m][j]: channels m*16 + g (e = 0, 1) and + 8 (e = 2, 3), columns j*8 + 2t + (e & 1).
+    // Per-channel operands are loaded once per channel and row, not per pair. Columns
+    // past the image's edge run the stages too (no branches), at a clamped position so
+    // that residual loads stay inside the tensor; the statistics and the stores leave
+    // them out.
 #pragma unroll
     for (int m = 0; m < kMT; ++m)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int ow = ow0 + warp * 32 + j * 8 + 2 * t;
-        if (ow >= kWo) continue;
+      for (int h = 0; h < 2; ++h) {
+        const int co = m * 16 + 8 * h + g;
+        const stage0_chan k0 = stage0_chan_of(a, co);
+        stage1_chan k1;
+        if constexpr (kPass == 1 && kConvStats) k1 = stage1_chan_of(a, co);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int co = m * 16 + 8 * h + g;
+        for (int j = 0; j < 4; ++j) {
+          const int ow = min(ow0 + warp * 32 + j * 8 + 2 * t, kWo - 2);
           const long long e0 = n * kChannels * kInner + co * kInner + oh * kWo + ow;
-          const int ch[2] = {co, co};
           float v[2] = {acc[m][j][2 * h], acc[m][j][2 * h + 1]};
-          stage0_at<2>(v, ch, e0, a);
+          stage0_at<2>(v, k0, e0, a);
           if constexpr (kPass == 1) {
-            if constexpr (kConvStats) stage1_at<2>(v, ch, e0, a, gmean[m][h], grstd[m][h]);
+            if constexpr (kConvStats) stage1_at<2>(v, k1, e0, a, gmean[m][h], grstd[m][h]);
             fusedepi::store_vec<T, 2>(staged + co * kOutStride + j * 8 + 2 * t, v);
           }
           acc[m][j][2 * h] = v[0];
@@ -919,21 +942,26 @@ __global__ void __launch_bounds__(256, 2) ${kernel}_mma(Args a) {  // 256 thread
     }
     if constexpr (kPass == 0) {
       // Shifted sums per slot over this thread's valid columns, all rows of the block.
+      // The shift is a value of the data: column 2t of the first row, valid whenever any
+      // of this thread's columns is (a thread without one leaves count 0).
+      if (rr == 0)
+#pragma unroll
+        for (int m = 0; m < kMT; ++m)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) shift[m][h] = acc[m][0][2 * h];
 #pragma unroll
       for (int m = 0; m < kMT; ++m)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
           for (int j = 0; j < 4; ++j)
-            if (j * 8 + 2 * t < valid_px) {
-              if (count == 0.f && j == 0) shift[m][h] = acc[m][0][2 * h];  // a value of the data
+            if (j * 8 + 2 * t < valid_px)
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
                 const float d = acc[m][j][2 * h + e] - shift[m][h];
                 ssum[m][h] += d;
                 ssq[m][h] = fmaf(d, d, ssq[m][h]);
               }
-            }
 #pragma unroll
       for (int j = 0; j < 4; ++j) count += j * 8 + 2 * t < valid_px ? 2.f : 0.f;
     }

@@ -158,7 +158,7 @@ def test_saved_values_are_stored_where_the_spec_says():
     # its statistics (1, 2) and each silu's sigmoid (3, 4).
     spec = training_specs("bfloat16")["train_w4_groupnorm_silu"]
     source = cuda_templates.render(spec, "sm90")
-    stage1 = source[source.index("void stage1_at"):source.index("void stage1(")]
+    stage1 = source[source.index("void stage1("):source.index("struct stage1_chan")]
     marks = ["// groupnorm", "sv0v[j] = x;", "sv3v[j] = fusedepi::sigmoid", "// silu", "// mul",
              "sv4v[j] = fusedepi::sigmoid", "x = fusedepi::silu"]
     positions = [stage1.index(m) for m in marks[:-1]] + [stage1.rindex(marks[-1])]
@@ -169,7 +169,7 @@ def test_saved_values_are_stored_where_the_spec_says():
     # W3 saves the value after its folded bias, before the statistics: rounded in
     # registers (every kernel running stage0), stored only where `save` is set.
     source = cuda_templates.render(training_specs("bfloat16")["train_w3_groupnorm"], "sm90")
-    stage0 = source[source.index("void stage0_at"):source.index("void stage0(")]
+    stage0 = source[source.index("void stage0("):source.index("struct stage0_chan")]
     assert stage0.index("// add") < stage0.index("saved: rounded") < stage0.index("sv0v[j] = x;")
     assert "if (save) fusedepi::store_vec<__nv_bfloat16, W>(a.sv0 + e0, sv0v);" in stage0
     assert "load_stage0(a, p, v, true);" in source

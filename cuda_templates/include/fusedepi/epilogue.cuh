@@ -87,6 +87,13 @@ __device__ __forceinline__ void load_channel(const P* __restrict__ p, const int 
   }
 }
 
+// W copies of one value (a per-channel operand loaded once for its channel).
+template <int W>
+__device__ __forceinline__ void fill(float (&out)[W], float x) {
+#pragma unroll
+  for (int j = 0; j < W; ++j) out[j] = x;
+}
+
 // Loads W elements of a tensor shaped like the chain's value (a residual).
 template <int W, typename P>
 __device__ __forceinline__ void load_full(const P* __restrict__ p, long long e0, float (&out)[W]) {
@@ -111,18 +118,28 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 
 __device__ __forceinline__ float leaky_relu(float x, float slope) { return x > 0.f ? x : x * slope; }
 
+// 1 / (1 + e^-x) on the special-function unit: ex2.approx and rcp.approx (a few
+// ulp). Unlike __expf, a power of two below 2^-126 flushes to 0 instead of taking
+// __expf's subnormal path (three more instructions per element); 1 + e^-x cannot
+// tell the two apart. A sum over 2^126 gives 0, as __fdividef does.
+__device__ __forceinline__ float sigmoid_approx(float x) {
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * -1.44269504088896341f));
+  return __fdividef(1.f, 1.f + e);
+}
+
 // kFast: hardware exp and divide (a few ulp), for chains whose output is bf16/fp16,
 // where rounding to 8 or 11 mantissa bits hides the difference. float32 chains use
 // the IEEE forms, as eager does.
 template <bool kFast>
 __device__ __forceinline__ float sigmoid(float x) {
-  if constexpr (kFast) return __fdividef(1.f, 1.f + __expf(-x));
+  if constexpr (kFast) return sigmoid_approx(x);
   else return 1.f / (1.f + expf(-x));
 }
 
 template <bool kFast>
 __device__ __forceinline__ float silu(float x) {
-  if constexpr (kFast) return x * __fdividef(1.f, 1.f + __expf(-x));
+  if constexpr (kFast) return x * sigmoid_approx(x);
   else return x / (1.f + expf(-x));
 }
 
