@@ -761,6 +761,9 @@ constexpr int kColTiles = (kWo + kTW - 1) / kTW;
 constexpr int kTiles = (kHo + kTH - 1) / kTH * kColTiles;
 constexpr int kTileChunks = kInRows * kInCols * kCC;
 constexpr int kCtaGroups = kCout / kCpg;
+// Input rows start 16-byte aligned and a tile's 8-column vectors lie wholly inside or
+// outside the image: the tile is staged in 16-byte loads (the launcher aligns x).
+constexpr bool kVecStage = kWi % 8 == 0 && kPadW % 8 == 0;
 constexpr int kGroupLanes = kCpg < 8 ? kCpg : 8;  // lanes (by row g) whose channels share a group
 constexpr int kOutStride = 40;                  // staged output row: 32 columns + 8 (no bank conflicts)
 constexpr int kStageOut = 8 * kCout * kOutStride * (int)sizeof(T);  // per block, bytes
@@ -801,21 +804,59 @@ __global__ void __launch_bounds__(256, 2) ${kernel}_mma(Args a) {  // 256 thread
 
   // Input tile, channels innermost, zero outside the image.
   const T* xn = a.x + n * kCin * kHi * kWi;
-  constexpr int kStageIters = (kTileChunks + 255) / 256;
-#pragma unroll 4
-  for (int it = 0; it < kStageIters; ++it) {  // unrolled so that several iterations' loads are in flight
-    const int i = it * 256 + threadIdx.x;
-    if (i >= kTileChunks) break;
-    const int c = i % kInCols, rc = i / kInCols, cc = rc % kCC, r = rc / kCC;
-    const int ih = oh0 - kPadH + r, iw = ow0 - kPadW + c;
-    const bool in = ih >= 0 && ih < kHi && iw >= 0 && iw < kWi;
-    const T* src = xn + ((long long)cc * 8 * kHi + (in ? ih : 0)) * kWi + (in ? iw : 0);
-    T v[8];
+  if constexpr (kVecStage) {
+    // 8 columns x 8 channels at a time: eight 16-byte loads (one per channel), a
+    // transpose in registers (one byte_perm per output word), eight 16-byte stores.
+    constexpr int kCV = (kInCols + 7) / 8;  // 8-column vectors per tile row
+    constexpr int kUnits = kInRows * kCV * kCC;
+    constexpr int kUnitIters = (kUnits + 255) / 256;
+#pragma unroll 3
+    for (int it = 0; it < kUnitIters; ++it) {
+      const int i = it * 256 + threadIdx.x;
+      if (i >= kUnits) break;
+      const int cv = i % kCV, rc = i / kCV, cc = rc % kCC, r = rc / kCC;
+      const int ih = oh0 - kPadH + r, iw = ow0 - kPadW + 8 * cv;
+      const bool in = ih >= 0 && ih < kHi && iw >= 0 && iw < kWi;  // all 8 columns, or none
+      const T* src = xn + ((long long)cc * 8 * kHi + (in ? ih : 0)) * kWi + (in ? iw : 0);
+      unsigned w[8][4];  // [channel][column pair]
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = in ? src[(long long)j * kHi * kWi] : fusedepi::from_float<T>(0.f);
-    uint4 u;
-    memcpy(&u, v, 16);
-    tile[(r * kInCols + c) * kCC + cc] = u;
+      for (int j = 0; j < 8; ++j) {
+        const uint4 u = in ? *reinterpret_cast<const uint4*>(src + (long long)j * kHi * kWi) : make_uint4(0u, 0u, 0u, 0u);
+        w[j][0] = u.x;
+        w[j][1] = u.y;
+        w[j][2] = u.z;
+        w[j][3] = u.w;
+      }
+#pragma unroll
+      for (int col = 0; col < 8; ++col) {
+        const int c = 8 * cv + col;
+        if (c >= kInCols) break;
+        const unsigned sel = col & 1 ? 0x7632u : 0x5410u;  // the pair's high or low half
+        uint4 u;
+        u.x = __byte_perm(w[0][col / 2], w[1][col / 2], sel);
+        u.y = __byte_perm(w[2][col / 2], w[3][col / 2], sel);
+        u.z = __byte_perm(w[4][col / 2], w[5][col / 2], sel);
+        u.w = __byte_perm(w[6][col / 2], w[7][col / 2], sel);
+        tile[(r * kInCols + c) * kCC + cc] = u;
+      }
+    }
+  } else {
+    constexpr int kStageIters = (kTileChunks + 255) / 256;
+#pragma unroll 4
+    for (int it = 0; it < kStageIters; ++it) {  // unrolled so that several iterations' loads are in flight
+      const int i = it * 256 + threadIdx.x;
+      if (i >= kTileChunks) break;
+      const int c = i % kInCols, rc = i / kInCols, cc = rc % kCC, r = rc / kCC;
+      const int ih = oh0 - kPadH + r, iw = ow0 - kPadW + c;
+      const bool in = ih >= 0 && ih < kHi && iw >= 0 && iw < kWi;
+      const T* src = xn + ((long long)cc * 8 * kHi + (in ? ih : 0)) * kWi + (in ? iw : 0);
+      T v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = in ? src[(long long)j * kHi * kWi] : fusedepi::from_float<T>(0.f);
+      uint4 u;
+      memcpy(&u, v, 16);
+      tile[(r * kInCols + c) * kCC + cc] = u;
+    }
   }
   if (threadIdx.x == 0) tile[kTileChunks] = make_uint4(0u, 0u, 0u, 0u);
   if constexpr (kPass == 0)
@@ -852,11 +893,16 @@ __global__ void __launch_bounds__(256, 2) ${kernel}_mma(Args a) {  // 256 thread
   const unsigned tile_base = static_cast<unsigned>(__cvta_generic_to_shared(tile));
   const unsigned zero_addr = tile_base + 16u * kTileChunks;
 
-  float gmean[kMT][2], grstd[kMT][2];  // pass 1: statistics of this thread's channels' groups
+  // This thread's channels' operands (pass 1: and their groups' statistics), loaded once.
+  stage0_chan chan0[kMT][2];
+  stage1_chan chan1[kMT][2];
+  float gmean[kMT][2], grstd[kMT][2];
 #pragma unroll
   for (int m = 0; m < kMT; ++m)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      chan0[m][h] = stage0_chan_of(a, m * 16 + 8 * h + g);
+      if constexpr (kPass == 1 && kConvStats) chan1[m][h] = stage1_chan_of(a, m * 16 + 8 * h + g);
       gmean[m][h] = 0.f;
       grstd[m][h] = 0.f;
       if constexpr (kPass == 1 && kConvStats) {
@@ -908,9 +954,8 @@ __global__ void __launch_bounds__(256, 2) ${kernel}_mma(Args a) {  // 256 thread
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int co = m * 16 + 8 * h + g;
-        const stage0_chan k0 = stage0_chan_of(a, co);
-        stage1_chan k1;
-        if constexpr (kPass == 1 && kConvStats) k1 = stage1_chan_of(a, co);
+        const stage0_chan& k0 = chan0[m][h];
+        const stage1_chan& k1 = chan1[m][h];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int ow = min(ow0 + warp * 32 + j * 8 + 2 * t, kWo - 2);
