@@ -23,6 +23,17 @@ case ${1:-profile} in
     ncu_w5 bf16
     ncu_w5 fp32-highest
     ;;
+  stalls)  # why workload 5's bf16 passes wait: warp states, pipes and memory of one call's kernels
+    FUSEDEPI_CACHE_DIR=/tmp/fusedepi-cache python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+    FUSEDEPI_CACHE_DIR=/tmp/fusedepi-cache $NCU --kernel-name regex:_mma --launch-skip 2 --launch-count 2 \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+      --section ComputeWorkloadAnalysis --metrics smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_lg_throttle,smsp__pcsamp_warps_issue_stalled_mio_throttle,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_math_pipe_throttle,smsp__pcsamp_warps_issue_stalled_wait,smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_membar,smsp__pcsamp_warps_issue_stalled_drain,smsp__pcsamp_warps_issue_stalled_not_selected,smsp__pcsamp_warps_issue_stalled_selected,smsp__pcsamp_warps_issue_stalled_dispatch_stall,smsp__pcsamp_warps_issue_stalled_no_instructions,smsp__pcsamp_warps_issue_stalled_sleeping,smsp__pcsamp_warps_issue_stalled_tex_throttle,smsp__pcsamp_warps_issue_stalled_imc_miss,smsp__pcsamp_warps_issue_stalled_branch_resolving \
+      python3 -m benchmarks.once 5_conv_groupnorm bf16 >"$OUT/stalls.txt" 2>&1
+    grep -E "_mma<|Duration|Throughput|pcsamp|Pipe|Eligible|Issued Warp|L2 Hit|Mem Busy|Max Bandwidth|Mem Pipes" "$OUT/stalls.txt" | head -90
+    ;;
+  w5bf16)  # workload 5 at bf16, fusedepi alone, kernel by kernel
+    bash benchmarks/device_run.sh bench --workloads 5_conv_groupnorm --precisions bf16 --providers fusedepi --profile 2>&1 | tail -8
+    ;;
   w5)
     bash benchmarks/device_run.sh tests -k "direct or conv or swish or sigmoid or silu" 2>&1 | tail -12
     bash benchmarks/device_run.sh bench --workloads 5_conv_groupnorm \
