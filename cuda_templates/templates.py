@@ -156,12 +156,24 @@ $launches
 """
 )
 
+# The body both stage variants share: the steps on each element, then the saves.
+_STAGE_LOOP = r"""#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    float x = v[j];
+$statements
+    v[j] = x;
+  }
+$stores
+}
+"""
+
 # A run of steps on a vector of W elements at position `pos` of its row and flat
 # index e0. Placeholders: $name, $comment, $extra (more parameters), $loads (operand
 # loads, once per vector), $statements (on `x`, once per element), $stores (writes of
-# the saved values, under `save`), and for the direct conv's variant, whose vector lies in one channel: $chan_fields (the stage's
-# per-channel operands of one channel), $chan_fill (their loads into `k` for channel
-# `c`), $chan_loads ($loads with those operands taken from `k`).
+# the saved values, under `save`), and for the direct conv's variant, whose vector
+# lies in one channel: $chan_fields (the stage's per-channel operands of one channel),
+# $chan_fill (their loads into `k` for channel `c`), $chan_loads ($loads with those
+# operands taken from `k`).
 STAGE_FUNCTION = Template(
     r"""// $comment
 template <int W>
@@ -170,15 +182,7 @@ __device__ __forceinline__ void $name(float (&v)[W], int pos, long long e0, cons
   int c[W];
   fusedepi::channels_of<W, kInner>(pos, c);
 $loads
-#pragma unroll
-  for (int j = 0; j < W; ++j) {
-    float x = v[j];
-$statements
-    v[j] = x;
-  }
-$stores
-}
-
+""" + _STAGE_LOOP + r"""
 // ${name}'s per-channel operands for one channel: the direct conv, which knows its
 // vectors' channel, loads them once per channel and runs ${name}_at on each vector.
 struct ${name}_chan {
@@ -195,16 +199,7 @@ template <int W>
 __device__ __forceinline__ void ${name}_at(float (&v)[W], const ${name}_chan& k, long long e0, const Args& a$extra,
                                            bool save = false) {
 $chan_loads
-#pragma unroll
-  for (int j = 0; j < W; ++j) {
-    float x = v[j];
-$statements
-    v[j] = x;
-  }
-$stores
-}
-
-"""
+""" + _STAGE_LOOP + "\n"
 )
 
 # Statistics of a segment computed inside the team, then $apply (stage1 with the
