@@ -109,3 +109,58 @@ def test_inductor_graph_cache_serves_a_second_compile(grad, monkeypatch, tmp_pat
         hits.append(counters["inductor"]["fxgraph_cache_hit"])
     graphs = 2 if grad else 1  # forward (+ backward)
     assert hits == [0, graphs]
+
+
+def _fused_calls(monkeypatch) -> list:
+    """Counts runs of the fused op on real tensors (its CPU kernel runs the reference)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from fusion_backend import ops
+
+    calls, reference = [], ops.reference
+
+    def counted(inputs, spec):
+        if not any(isinstance(t, FakeTensor) for t in inputs):
+            calls.append(spec)
+        return reference(inputs, spec)
+
+    monkeypatch.setattr(ops, "reference", counted)
+    return calls
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_autograd_cache_serves_our_rewrite_and_only_ours(grad, monkeypatch, tmp_path):
+    """AOTAutograd's cache keys on the graph before our rewrite; our pass's uuid in its
+    key keeps plain Inductor's entry and ours apart, and a change of config misses."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    calls = _fused_calls(monkeypatch)
+    factory, shape, fusion = SMALL_WORKLOADS["3"]
+    torch.manual_seed(0)
+    model, x = factory(), torch.rand(shape, requires_grad=grad)
+
+    def compile_and_run(backend):
+        torch._dynamo.reset()
+        counters.clear()
+        calls.clear()
+        with torch.set_grad_enabled(grad):
+            out = torch.compile(model, backend=backend)(x)
+            if grad:
+                out.sum().backward()
+        torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+        return counters["aot_autograd"]["autograd_cache_hit"], len(calls)
+
+    assert compile_and_run("inductor") == (0, 0)
+    assert compile_and_run("fusedepi") == (0, 1)  # not Inductor's entry
+    assert compile_and_run("fusedepi") == (1, 1)  # ours, fused
+    assert compile_and_run("inductor") == (1, 0)  # Inductor's own, unfused
+    monkeypatch.setenv("FUSEDEPI_DISABLE", fusion)
+    assert compile_and_run("fusedepi") == (0, 0)  # another config: another key
+    monkeypatch.delenv("FUSEDEPI_DISABLE")
+    # While reports are collected, the rewrite must run: no cache hit.
+    torch._dynamo.reset()
+    counters.clear()
+    reports: list = []
+    with torch.set_grad_enabled(grad), collect_reports(reports):
+        torch.compile(model, backend="fusedepi")(x)
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 0
+    assert [r.fusion for r in _fused(reports)] == [fusion]
