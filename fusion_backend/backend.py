@@ -11,11 +11,9 @@ values from the fused op rather than recomputing them (`KeepChainValues`).
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import threading
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 from torch._functorch import config as functorch_config
@@ -27,7 +25,6 @@ from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-import cuda_templates
 from lowering import HELD_BACK_OPS, match_graph
 
 from .config import Config, load_config
@@ -131,43 +128,11 @@ class KeepChainValues(CustomGraphPass):
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
     def uuid(self):
-        # Inductor's FX graph cache and AOTAutograd's cache both key on this: it stands
-        # for everything that decides our rewrite besides the graph, the precision
-        # settings and the device, which those keys hold already.
+        from importlib.metadata import version
+
         thens = self.then if isinstance(self.then, (list, tuple)) else [self.then]
         then = [t.uuid() if isinstance(t, CustomGraphPass) else repr(t) for t in thens]
-        return (f"fusedepi-keep-chain-values-{_code_digest()}-{sorted(self.cfg.disabled)}"
-                f"-cpu{int(self.cfg.cpu_reference)}-strict{int(self.cfg.strict)}-{_nvcc_identity()}-{then}")
-
-
-@functools.lru_cache(maxsize=1)
-def _nvcc_identity() -> str:
-    """Which nvcc builds our kernels: a chain whose build failed runs unfused, and a
-    cached graph must not keep it so once a working nvcc is there."""
-    try:
-        nvcc = cuda_templates.compiler.find_nvcc()
-    except cuda_templates.CompileError:
-        return "no-nvcc"
-    return f"{nvcc}:{cuda_templates.compiler.nvcc_version(nvcc)}"
-
-
-@functools.lru_cache(maxsize=1)
-def _code_digest() -> str:
-    """The package version and a hash of its sources: an editable install keeps its
-    version while the matcher or the templates change."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        digest = hashlib.sha256(version("fusedepi").encode())
-    except PackageNotFoundError:
-        digest = hashlib.sha256(b"source")
-    root = Path(__file__).resolve().parent.parent
-    for package in ("fusion_backend", "lowering", "cuda_templates"):
-        for path in sorted((root / package).rglob("*")):
-            if path.suffix in (".py", ".cuh"):
-                digest.update(str(path.relative_to(root)).encode())
-                digest.update(path.read_bytes())
-    return digest.hexdigest()[:20]
+        return f"fusedepi-keep-chain-values-{version('fusedepi')}-{sorted(self.cfg.disabled)}-{then}"
 
 
 def _inductor_decompositions():
@@ -238,21 +203,15 @@ def fusedepi(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=Non
     if cfg.disable_all:
         return compile_fx(gm, example_inputs, **kwargs)
     table, _ = _tables()
-    # AOTAutograd's cache keys on the graph before our rewrite. Its key also holds
-    # Inductor's custom passes, and so `KeepChainValues.uuid()`: our code and config.
-    # So a hit is a graph that our same code rewrote, never plain Inductor's artifact.
-    # A hit skips the rewrite, and with it the fusion report: while reports are
-    # collected (`explain`), that cache is off. Inductor's FX graph cache stays on;
+    # AOTAutograd's cache is keyed on the graph before our rewrite: a hit would hand
+    # back whatever plain Inductor compiled for it. Inductor's FX graph cache stays on;
     # its key is the rewritten graph, which carries our specs.
     # Shape padding pads a matmul and slices its output when a microbenchmark says the
     # padded one is faster, so whether a chain starts with a bare addmm would vary
     # from run to run (seen: bf16 [14, 64] x [64, 96] + LayerNorm refused as
     # "slice.Tensor is not in the vocabulary" in one run of three).
     keep = KeepChainValues(cfg, then=inductor_config.joint_custom_post_pass)
-    with _sinks_lock:
-        reporting = bool(_sinks)
-    autograd_cache = functorch_config.enable_autograd_cache and not reporting
-    with functorch_config.patch(enable_autograd_cache=autograd_cache), inductor_config.patch(
+    with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(
         shape_padding=False, joint_custom_post_pass=keep
     ):
         return compile_fx(
