@@ -28,7 +28,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from lowering import HELD_BACK_OPS, match_graph
 
 from .config import Config, load_config
-from .rewrite import Report, rewrite
+from .rewrite import Report, matmul_allows_tf32, rewrite
 
 log = logging.getLogger("fusedepi")
 
@@ -116,7 +116,7 @@ class KeepChainValues(CustomGraphPass):
         for then in self.then if isinstance(self.then, (list, tuple)) else [self.then] if self.then else []:
             then(graph)
         try:
-            tf32 = torch.get_float32_matmul_precision() != "highest"
+            tf32 = matmul_allows_tf32()
             chains, _ = match_graph(graph, self.cfg.disabled, self.cfg.cpu_reference, matmul_tf32=tf32,
                                     backward=_backward_nodes(graph))
         except Exception as err:  # the rewrite will meet and report the same failure

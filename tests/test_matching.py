@@ -461,18 +461,27 @@ def test_bare_anchor_with_bias_is_not_a_fusion(model, shape):
     ("high", torch.float32, True),
     ("highest", torch.float32, False),
     ("high", torch.bfloat16, False),
+    ("tf32", torch.float32, True),  # torch.backends.cuda.matmul.fp32_precision, the newer API
+    ("ieee", torch.float32, False),
 ])
 def test_gemm_bias_moves_into_the_epilogue_only_under_tf32(precision, dtype, folded):
     import json
 
-    old = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
+    newer = precision in ("tf32", "ieee")
+    old = torch.backends.cuda.matmul.fp32_precision if newer else torch.get_float32_matmul_precision()
+    if newer:
+        torch.backends.cuda.matmul.fp32_precision = precision
+    else:
+        torch.set_float32_matmul_precision(precision)
     try:
         model = Chain(torch.relu).to(dtype)
         x = torch.randn(4, 16, dtype=dtype)
         out, fused, _ = compile_records(model, x)
     finally:
-        torch.set_float32_matmul_precision(old)
+        if newer:
+            torch.backends.cuda.matmul.fp32_precision = old
+        else:
+            torch.set_float32_matmul_precision(old)
     spec = json.loads(fused[0].spec)
     assert spec["anchor"]["kind"] == ("mm" if folded else "addmm")
     assert steps_of(fused[0]) == (["add", "relu"] if folded else ["relu"])
