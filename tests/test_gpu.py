@@ -307,7 +307,7 @@ DIRECT_CONVS = {
     "cpg1_pad0": (8, 32, 3, 0, 32, (3, 8, 10, 202), HALF),  # a group per channel
     "cin8_pointwise": (8, 16, 3, 1, 0, (2, 8, 7, 256), HALF),  # no reduction: one pass
     # Input width and padding in 8s: the tensor-core kernel stages its tile in 16-byte vectors.
-    "vec_stage_cin16_two_column_tiles": (16, 16, 3, 0, 2, (2, 16, 19, 456), HALF),  # 2 chunks, 2x2 tiles
+    "vec_stage_cin16_two_column_tiles": (16, 16, 3, 0, 2, (2, 16, 19, 456), HALF),  # 2 chunks, 3 row x 2 column tiles
     "vec_stage_pad8": (8, 16, 3, 8, 4, (2, 8, 5, 240), HALF),  # vectors and rows wholly in the padding
 }
 DIRECT_CASES = [(name, dtype) for name, case in DIRECT_CONVS.items() for dtype in case[-1]]
