@@ -403,8 +403,8 @@ def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", an
 
 def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str:
     """The direct conv computes the anchor and stage0. With GroupNorm: fma stores the
-    pre-norm value, convfinal merges the statistics and the apply kernel (stage1 only)
-    normalizes it; mma runs a statistics pass, convfinal, then an output pass."""
+    pre-norm value and, in the same launch, normalizes it an image at a time (stage1);
+    mma runs a statistics pass, convfinal, then an output pass."""
     name = "direct" + spec.kernel_name(arch)  # as kernel_name(), without planning again
     red = spec.reduction
     cin, kh, kw, hi, wi = spec.anchor.direct
@@ -417,7 +417,8 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
                  cpg=spec.channels // red.groups if stats else 1)
     if d.kind == "fma":
         conv = templates.DIRECT_CONV_KERNELS.substitute(
-            copad=d.copad, out_vec=d.out_vec, dst="a.mid" if stats else "a.out", **shape
+            copad=d.copad, out_vec=d.out_vec, dst="a.mid" if stats else "a.out", eps=eps,
+            apply_vec=_apply_vec(d, ho, wo), **shape
         )
         passes = [f"{name}_conv"]
     else:
@@ -433,18 +434,37 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
             "    if (err != cudaSuccess) return static_cast<int>(err);",
         ]
     launches += ["    if (device < 64) smem_ready[device] = true;", "  }"]
-    launches.append(f"  {passes[0]}<<<rows * kTiles, 256, kConvSmem, stream>>>(a);")
     middle, ws_floats = "", "0"
-    if stats:
+    if d.kind == "fma" and stats:  # one launch: conv tiles, and the normalize `lag` tickets behind
+        launches += [
+            "  static int sms[64] = {};",
+            "  if (device < 64 && sms[device] == 0) {",
+            "    err = cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device);",
+            "    if (err != cudaSuccess) return static_cast<int>(err);",
+            "  }",
+            "  // The blocks that run at once (two a multiprocessor), rounded up to whole images,",
+            "  // and one image more: a normalize then rarely waits. At least one image (see the kernel).",
+            "  const long long items = rows * kTiles;",
+            "  const long long resident = 2LL * (device < 64 ? sms[device] : 132);",
+            "  long long lag = ((resident + kTiles - 1) / kTiles + 1) * kTiles;",
+            "  lag = lag < items ? lag : items;",
+            "  err = cudaMemsetAsync(conv_counters(a), 0, (1 + rows) * sizeof(int), stream);",
+            "  if (err != cudaSuccess) return static_cast<int>(err);",
+            f"  {passes[0]}<<<items + lag, 256, kConvSmem, stream>>>(a, static_cast<int>(lag));",
+        ]
+        ws_floats = "rows * kGroups * (kTiles * 3 + 2) + 1 + rows"
+    elif d.kind == "fma":
+        launches.append(f"  {passes[0]}<<<rows * kTiles, 256, kConvSmem, stream>>>(a, 0);")
+    else:
+        launches.append(f"  {passes[0]}<<<rows * kTiles, 256, kConvSmem, stream>>>(a);")
+    if d.kind == "mma" and stats:
         conv += "\n\n" + templates.CONV_FINAL_KERNEL.substitute(kernel=name, eps=eps)
         middle = templates.CHUNK_NORM.substitute(
             apply=templates.APPLY_STAGE1, stats_at="(a.ws + a.rows * kGroups * kTiles * 3)"
         )
         launches.append(f"  {name}_convfinal<<<(segments + 255) / 256, 256, 0, stream>>>(a);")
-        if d.kind == "fma":  # normalize the stored pre-norm value
-            launches.append(f"  {name}_apply<<<{_apply_grid(p)}, kBlock, 0, stream>>>(a);")
-        else:  # recompute the conv, normalize in registers
-            launches.append(f"  {passes[1]}<<<rows * kTiles, 256, kConvSmem, stream>>>(a);")
+        # recompute the conv, normalize in registers
+        launches.append(f"  {passes[1]}<<<rows * kTiles, 256, kConvSmem, stream>>>(a);")
         ws_floats = "rows * kGroups * (kTiles * 3 + 2)"
     fields, bind = _fields(spec, direct=True)
     return _kernel_file(
@@ -452,6 +472,14 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
         stages=_stages(spec), middle=middle, store=templates.STORE_ELEMENTS,
         stats_kernels=conv, launches="\n".join(launches), ws_floats=ws_floats,
     )
+
+
+def _apply_vec(d: DirectPlan, ho: int, wo: int) -> int:
+    """Elements per access of the fused normalize: a tile's run per channel is kTH whole
+    rows (one column tile) or kTW columns of a row, and every run starts a multiple of it."""
+    if _ceil_div(wo, DIRECT_TILE_W) == 1:
+        return next(v for v in (4, 2, 1) if (d.tile_h * wo) % v == 0 and (ho * wo) % v == 0)
+    return next(v for v in (4, 2, 1) if wo % v == 0)
 
 
 def _stages(spec: EpilogueSpec) -> str:

@@ -526,12 +526,21 @@ $save_stats"""
 # shared memory do not conflict): 64 float accumulators per thread. FMA in float32
 # throughout (no TF32), whatever the dtype.
 # With GroupNorm ($stats true) it writes stage0's result to `mid` and (n, mean, M2)
-# per (image, group, tile) to the workspace; `convfinal` merges them into (mean, rstd)
-# per segment and the apply kernel normalizes `mid` into `out`. Without a reduction
-# it writes `out` directly. Placeholders: $kernel, $cin, $cout, $copad (output channels
-# padded to 8 x a power of two), $kh, $kw, $pad_h, $pad_w, $in_h, $in_w, $out_h, $out_w,
-# $tile_h (output rows per block), $out_vec (elements per store, divides $out_w),
-# $stats, $cpg (channels per group), $dst (`a.mid` or `a.out`).
+# per (image, group, tile) to the workspace, and the same launch normalizes `mid` into
+# `out` an image at a time, overlapping the (compute-bound) conv of later images with
+# the (memory-bound) normalize of earlier ones. Blocks take tickets in launch order
+# (an atomic counter, so the order is that of running blocks, not of blockIdx):
+# ticket t computes conv tile t, then normalizes tile t - lag. The block that
+# finishes an image's last conv tile merges its partials into (mean, rstd) per
+# group and releases the image; a normalize waits for that release. Every tile
+# of the image it waits for holds a smaller ticket (lag >= tiles per image), so its
+# block is already running and never waits on a later one: no deadlock.
+# Without a reduction it writes `out` directly, one tile per block.
+# Placeholders: $kernel, $cin, $cout, $copad (output channels padded to 8 x a power
+# of two), $kh, $kw, $pad_h, $pad_w, $in_h, $in_w, $out_h, $out_w, $tile_h (output
+# rows per block), $out_vec (elements per store, divides $out_w), $apply_vec
+# (elements per normalize access), $stats, $cpg (channels per group), $dst (`a.mid`
+# or `a.out`).
 DIRECT_CONV_KERNELS = Template(
     r"""constexpr int kCin = $cin, kCout = $cout, kCoPad = $copad;
 constexpr int kKH = $kh, kKW = $kw, kPadH = $pad_h, kPadW = $pad_w;
@@ -556,15 +565,29 @@ constexpr int kConvSmem =
     (int)(sizeof(float) * (kCin * kInRows * kSW + kTaps * kCoPad) + sizeof(fusedepi::Moments) * 8 * kSlots);
 static_assert(kCog * kRowsAtOnce == 8 && kTH % kRowsAtOnce == 0, "8 warps tile channels x rows");
 static_assert(kWo % kOV == 0 && 4 % kOV == 0, "stores stay inside a row");
+// The normalize of one tile: per channel, one run of kTH whole rows (one column
+// tile: the run is contiguous) or kTH runs of kTW columns, in vectors of kAV.
+constexpr int kAV = $apply_vec;
+constexpr int kRuns = kColTiles == 1 ? 1 : kTH;
+constexpr int kRunVecs = (kColTiles == 1 ? kTH * kWo : kTW) / kAV;
+constexpr int kLaneVecs = (kRuns * kRunVecs + 31) / 32;  // vectors per lane and channel
+constexpr int kApplyBatch = kLaneVecs < 16 ? kLaneVecs : 16;  // in flight per lane (64 KB a block)
+static_assert((kColTiles == 1 ? kTH * kWo : kTW) % kAV == 0, "see render._apply_vec");
 
-__global__ void __launch_bounds__(256, 2) ${kernel}_conv(Args a) {
+// Workspace layout with GroupNorm: partials [rows][groups][tiles][3], then (mean,
+// rstd) [rows][groups][2], then int counters: tickets, then one per image (finished
+// conv tiles; kTiles + 1 once its statistics are out).
+__host__ __device__ __forceinline__ float* conv_stats(const Args& a) { return a.ws + a.rows * kGroups * kTiles * 3; }
+__host__ __device__ __forceinline__ int* conv_counters(const Args& a) {
+  return reinterpret_cast<int*>(a.ws + a.rows * kGroups * (kTiles * 3 + 2));
+}
+
+__device__ __forceinline__ void ${kernel}_conv_tile(const Args& a, const long long n, const int tile) {
   extern __shared__ float4 conv_smem[];
   float* xs = reinterpret_cast<float*>(conv_smem);  // [kCin][kInRows][kSW]
   float* wsm = xs + kCin * kInRows * kSW;            // [tap][kCoPad]
   fusedepi::Moments* part = reinterpret_cast<fusedepi::Moments*>(wsm + kTaps * kCoPad);  // [warp][slot]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const long long n = blockIdx.x / kTiles;
-  const int tile = blockIdx.x % kTiles;
   const int oh0 = tile / kColTiles * kTH, ow0 = tile % kColTiles * kTW;
 
   // The input tile, zero outside the image (padding), and the weights, in float.
@@ -701,6 +724,91 @@ __global__ void __launch_bounds__(256, 2) ${kernel}_conv(Args a) {
       dst[1] = m.mean;
       dst[2] = m.m2;
     }
+  }
+}
+
+// Normalizes one tile of `mid` into `out` (stage1), once its image is released.
+__device__ __forceinline__ void ${kernel}_apply_tile(const Args& a, const long long n, const int tile) {
+  __shared__ float gstat[kGroups * 2];  // this image's (mean, rstd) per group
+  if (threadIdx.x == 0) fusedepi::wait_above(conv_counters(a) + 1 + n, kTiles);
+  __syncthreads();
+  for (int i = threadIdx.x; i < kGroups * 2; i += blockDim.x) gstat[i] = __ldcg(conv_stats(a) + n * kGroups * 2 + i);
+  __syncthreads();
+  const int oh0 = tile / kColTiles * kTH, ow0 = tile % kColTiles * kTW;
+  const int rows_here = min(kTH, kHo - oh0);
+  const int runs = kColTiles == 1 ? 1 : rows_here;
+  const int run_len = kColTiles == 1 ? rows_here * kWo : min(kTW, kWo - ow0);
+  // Each warp takes whole channels (their operands loaded once); its lanes stride over
+  // the channel's runs in vectors, kApplyBatch vectors in flight per lane.
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int co = warp; co < kCout; co += 8) {
+    const stage1_chan k1 = stage1_chan_of(a, co);
+    const float mean = gstat[co / kCpg * 2], rstd = gstat[co / kCpg * 2 + 1];
+    const long long base = n * kChannels * kInner + (long long)co * kInner + (long long)oh0 * kWo + ow0;
+    const float* src = a.mid + base;
+    float* dst = a.out + base;
+#pragma unroll 1
+    for (int j0 = 0; j0 < kLaneVecs; j0 += kApplyBatch) {
+      float v[kApplyBatch][kAV];
+      int at[kApplyBatch];  // offset from base (0 for a lane past the end: loaded, not stored)
+      bool ok[kApplyBatch];
+#pragma unroll
+      for (int b = 0; b < kApplyBatch; ++b) {  // all loads first, so that they are in flight together
+        const int i = (j0 + b) * 32 + lane;
+        if constexpr (kColTiles == 1) {  // one contiguous run
+          ok[b] = i * kAV < run_len;
+          at[b] = ok[b] ? i * kAV : 0;
+        } else {
+          const int run = i / kRunVecs, off = i % kRunVecs * kAV;
+          ok[b] = run < runs && off < run_len;
+          at[b] = ok[b] ? run * kWo + off : 0;
+        }
+        fusedepi::load_vec_cg<kAV>(src + at[b], v[b]);
+      }
+#pragma unroll
+      for (int b = 0; b < kApplyBatch; ++b) {
+        stage1_at<kAV>(v[b], k1, base + at[b], a, mean, rstd, true);
+        if (ok[b]) fusedepi::store_vec_cs<kAV>(dst + at[b], v[b]);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(256, 2) ${kernel}_conv(Args a, int lag) {
+  if constexpr (!kConvStats) {
+    ${kernel}_conv_tile(a, blockIdx.x / kTiles, blockIdx.x % kTiles);
+  } else {
+    __shared__ int ticket, last;
+    int* const counters = conv_counters(a);
+    if (threadIdx.x == 0) ticket = atomicAdd(counters, 1);
+    __syncthreads();
+    const long long t = ticket, items = a.rows * kTiles;
+    if (t < items) {
+      const long long n = t / kTiles;
+      ${kernel}_conv_tile(a, n, static_cast<int>(t % kTiles));
+      __threadfence();  // this thread's stores of mid and partials, before the count
+      __syncthreads();
+      if (threadIdx.x == 0) last = atomicAdd(counters + 1 + n, 1) == kTiles - 1;
+      __syncthreads();
+      if (last) {  // every tile of image n is out: merge its partials, release the image
+        __threadfence();
+        for (int g = threadIdx.x; g < kGroups; g += blockDim.x) {
+          fusedepi::Moments m = {0.f, 0.f, 0.f};
+          for (int k = 0; k < kTiles; ++k) {
+            const float* part = a.ws + ((n * kGroups + g) * kTiles + k) * 3;
+            m = fusedepi::merge(m, {__ldcg(part), __ldcg(part + 1), __ldcg(part + 2)});
+          }
+          float* stats = conv_stats(a) + (n * kGroups + g) * 2;
+          stats[0] = m.mean;
+          stats[1] = rsqrtf(fmaxf(m.m2 / m.n, 0.f) + $eps);
+        }
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) atomicAdd(counters + 1 + n, 1);
+      }
+    }
+    const long long u = t - lag;
+    if (u >= 0 && u < items) ${kernel}_apply_tile(a, u / kTiles, static_cast<int>(u % kTiles));
   }
 }
 """

@@ -309,6 +309,10 @@ DIRECT_CONVS = {
     # Input width and padding in 8s: the tensor-core kernel stages its tile in 16-byte vectors.
     "vec_stage_cin16_two_column_tiles": (16, 16, 3, 0, 2, (2, 16, 19, 456), HALF),  # 2 chunks, 3 row x 2 column tiles
     "vec_stage_pad8": (8, 16, 3, 8, 4, (2, 8, 5, 240), HALF),  # vectors and rows wholly in the padding
+    # More conv tiles than the ~300 blocks that run at once: the float32 kernel's normalize
+    # of earlier images then runs beside (and waits for) the conv of later ones.
+    "many_images_two_column_tiles": (8, 32, 3, 0, 8, (96, 8, 19, 450), F32 + HALF),  # 576 tiles
+    "many_images_pair_runs": (4, 24, 3, 1, 8, (200, 4, 11, 250), F32),  # 400 tiles; normalize in pairs
 }
 DIRECT_CASES = [(name, dtype) for name, case in DIRECT_CONVS.items() for dtype in case[-1]]
 

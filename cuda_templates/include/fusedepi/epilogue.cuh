@@ -33,6 +33,46 @@ __device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&out)[V
   for (int j = 0; j < V; ++j) out[j] = to_float(pk.v[j]);
 }
 
+// Float loads through L2 only (ld.global.cg): for data other blocks of the same
+// launch wrote, which this SM's L1 may hold a stale copy of.
+template <int V>
+__device__ __forceinline__ void load_vec_cg(const float* __restrict__ p, float (&out)[V]) {
+  static_assert(V == 1 || V == 2 || V == 4, "1, 2 or 4 floats");
+  if constexpr (V == 4) {
+    const float4 t = __ldcg(reinterpret_cast<const float4*>(p));
+    out[0] = t.x, out[1] = t.y, out[2] = t.z, out[3] = t.w;
+  } else if constexpr (V == 2) {
+    const float2 t = __ldcg(reinterpret_cast<const float2*>(p));
+    out[0] = t.x, out[1] = t.y;
+  } else {
+    out[0] = __ldcg(p);
+  }
+}
+
+// Float stores marked evict-first (st.global.cs): for output no kernel reads back.
+template <int V>
+__device__ __forceinline__ void store_vec_cs(float* __restrict__ p, const float (&in)[V]) {
+  static_assert(V == 1 || V == 2 || V == 4, "1, 2 or 4 floats");
+  if constexpr (V == 4) {
+    __stcs(reinterpret_cast<float4*>(p), make_float4(in[0], in[1], in[2], in[3]));
+  } else if constexpr (V == 2) {
+    __stcs(reinterpret_cast<float2*>(p), make_float2(in[0], in[1]));
+  } else {
+    __stcs(p, in[0]);
+  }
+}
+
+// Waits until the int at p exceeds `target` (ld.acquire.gpu: the writes the other
+// block made before its release are visible to this thread afterwards).
+__device__ __forceinline__ void wait_above(const int* p, int target) {
+  int v;
+  while (true) {
+    asm volatile("ld.acquire.gpu.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    if (v > target) return;
+    __nanosleep(128);
+  }
+}
+
 template <typename T, int V>
 __device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&in)[V]) {
   Pack<T, V> pk;
