@@ -590,7 +590,10 @@ __device__ __forceinline__ void ${kernel}_conv_tile(const Args& a, const long lo
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int oh0 = tile / kColTiles * kTH, ow0 = tile % kColTiles * kTW;
 
-  // The input tile, zero outside the image (padding), and the weights, in float.
+  // The input tile, zero outside the image (padding), and the weights. Copied with
+  // cp.async (sm_80+; zero-filled where the source is outside), so that all of a
+  // thread's copies are in flight at once rather than a round trip per row.
+  static_assert(sizeof(T) == 4, "the FMA direct conv is float32 only (render.direct_plan)");
   const T* xn = a.x + n * kCin * kHi * kWi;
   for (int r = warp; r < kCin * kInRows; r += 8) {
     const int ci = r / kInRows, ih = oh0 - kPadH + r % kInRows;
@@ -599,13 +602,15 @@ __device__ __forceinline__ void ${kernel}_conv_tile(const Args& a, const long lo
 #pragma unroll
     for (int k = 0; k < (kSW + 31) / 32; ++k) {
       const int col = k * 32 + lane, iw = ow0 - kPadW + col;
-      if (col < kSW) xs[r * kSW + col] = row_in && iw >= 0 && iw < kWi ? fusedepi::to_float(src[iw]) : 0.f;
+      const bool in = row_in && iw >= 0 && iw < kWi;
+      if (col < kSW) fusedepi::copy_async4(xs + r * kSW + col, in ? src + iw : src, in);
     }
   }
   for (int i = threadIdx.x; i < kTaps * kCoPad; i += blockDim.x) {
     const int co = i % kCoPad, tap = i / kCoPad;
-    wsm[i] = co < kCout ? fusedepi::to_float(a.w[co * kTaps + tap]) : 0.f;
+    fusedepi::copy_async4(wsm + i, a.w + (co < kCout ? co * kTaps + tap : 0), co < kCout);
   }
+  fusedepi::copy_async_wait();
   if constexpr (kConvStats)
     for (int i = threadIdx.x; i < 8 * kSlots; i += blockDim.x) part[i] = {0.f, 0.f, 0.f};
   __syncthreads();

@@ -62,6 +62,24 @@ __device__ __forceinline__ void store_vec_cs(float* __restrict__ p, const float 
   }
 }
 
+// 4 bytes from global to shared memory, or 4 zero bytes where !valid (src is then not
+// read, but must be a valid address). cp.async on sm_80+, a plain copy before; the
+// copies are complete after copy_async_wait() (then a barrier makes them visible).
+__device__ __forceinline__ void copy_async4(float* dst, const float* src, bool valid) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(src), "r"(valid ? 4 : 0) : "memory");
+#else
+  *dst = valid ? *src : 0.f;
+#endif
+}
+
+__device__ __forceinline__ void copy_async_wait() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
 // Waits until the int at p exceeds `target` (ld.acquire.gpu: the writes the other
 // block made before its release are visible to this thread afterwards).
 __device__ __forceinline__ void wait_above(const int* p, int target) {
