@@ -5,6 +5,9 @@
 #                                     # branch's direct-conv GPU tests
 #   bash benchmarks/session8.sh w5f32 # direct-conv GPU tests, then workload 5 at float32, fusedepi alone
 #   bash benchmarks/session8.sh ncuf32 # ncu (full set) on workload 5's float32 kernel: warp states, memory
+#   bash benchmarks/session8.sh tests  # the whole GPU tier (tests/*, -m gpu)
+#   bash benchmarks/session8.sh table  # workload 5, every precision, against eager and Inductor
+#   bash benchmarks/session8.sh twophase # direct-conv + W5 GPU tests, W5 fusedepi at bf16 and fp32
 set -uo pipefail
 OUT=${OUT:-/tmp/fusedepi-out}
 mkdir -p "$OUT"
@@ -32,5 +35,17 @@ case ${1:-ab} in
       "$OUT/w5f32.details.txt" | head -60
     /usr/local/cuda/bin/ncu --import "$OUT/w5f32.ncu-rep" --page raw --csv 2>/dev/null \
       | python3 -c "import csv,sys; r=list(csv.reader(sys.stdin)); h,v=r[0],r[2]; [print(a,b) for a,b in zip(h,v) if 'pcsamp_warps_issue_stalled' in a and not a.endswith('not_issued') and b not in ('0','')]"
+    ;;
+  tests)
+    bash benchmarks/device_run.sh tests 2>&1 | tail -15
+    ;;
+  table)
+    bash benchmarks/device_run.sh bench --workloads 5_conv_groupnorm \
+      --providers eager inductor inductor-max-autotune fusedepi --profile 2>&1 | grep -v "^\s*[0-9.]* ms  x" | tail -22
+    ;;
+  twophase)
+    bash benchmarks/device_run.sh tests -k "direct or 5_conv" 2>&1 | tail -4
+    bash benchmarks/device_run.sh bench --workloads 5_conv_groupnorm --precisions bf16 fp32-highest \
+      --providers fusedepi --profile 2>&1 | tail -12
     ;;
 esac

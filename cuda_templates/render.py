@@ -158,9 +158,12 @@ def direct_plan(spec: EpilogueSpec, arch: str = "sm90") -> DirectPlan | str:
     col_tiles = _ceil_div(wo, DIRECT_TILE_W)
     if wo < DIRECT_MIN_COLUMN_USE * col_tiles * DIRECT_TILE_W:
         return f"output width {wo} leaves most of a {DIRECT_TILE_W}-column tile idle"
+    sm = int("".join(ch for ch in arch if ch.isdigit()))
+    if red is not None and sm < 70:
+        return f"the direct conv's GroupNorm phases synchronize with ld.acquire (sm_70 or newer, not {arch})"
     if spec.dtype == "float32":
         return _fma_plan(spec, cin, kh, kw, ho, wo, col_tiles)
-    if int("".join(ch for ch in arch if ch.isdigit())) < 80:
+    if sm < 80:
         return f"the tensor-core direct conv needs sm_80 or newer, not {arch}"
     return _mma_plan(spec, cin, kh, kw, ho, wo, col_tiles)
 
@@ -402,9 +405,10 @@ def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", an
 
 
 def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str:
-    """The direct conv computes the anchor and stage0. With GroupNorm: fma stores the
-    pre-norm value and, in the same launch, normalizes it an image at a time (stage1);
-    mma runs a statistics pass, convfinal, then an output pass."""
+    """The direct conv computes the anchor and stage0. With GroupNorm, one launch of
+    two phases (templates.TWO_PHASE_KERNEL): fma stores the pre-norm value, then
+    normalizes it (stage1); mma computes the statistics, then recomputes the conv and
+    writes the output."""
     name = "direct" + spec.kernel_name(arch)  # as kernel_name(), without planning again
     red = spec.reduction
     cin, kh, kw, hi, wi = spec.anchor.direct
@@ -417,55 +421,54 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
                  cpg=spec.channels // red.groups if stats else 1)
     if d.kind == "fma":
         conv = templates.DIRECT_CONV_KERNELS.substitute(
-            copad=d.copad, out_vec=d.out_vec, dst="a.mid" if stats else "a.out", eps=eps,
-            apply_vec=_apply_vec(d, ho, wo), **shape
+            copad=d.copad, out_vec=d.out_vec, dst="a.mid" if stats else "a.out", apply_vec=_apply_vec(d, ho, wo),
+            **shape
         )
-        passes = [f"{name}_conv"]
+        phases = (f"{name}_conv_tile(a, n, tile);", f"{name}_apply_tile(a, n, tile);")
+        single = f"{name}_conv"
     else:
         conv = templates.DIRECT_CONV_MMA_KERNELS.substitute(
             mma="bf16" if spec.dtype == "bfloat16" else "f16", **shape
         )
-        passes = [f"{name}_mma<0>", f"{name}_mma<1>"] if stats else [f"{name}_mma<1>"]
-    # Raise the kernels' shared-memory limit once per device (idempotent, so a race is harmless).
-    launches = ["  static bool smem_ready[64] = {};", "  if (device >= 64 || !smem_ready[device]) {"]
-    for fn in passes:
-        launches += [
-            f"    err = cudaFuncSetAttribute({fn}, cudaFuncAttributeMaxDynamicSharedMemorySize, kConvSmem);",
-            "    if (err != cudaSuccess) return static_cast<int>(err);",
-        ]
-    launches += ["    if (device < 64) smem_ready[device] = true;", "  }"]
-    middle, ws_floats = "", "0"
-    if d.kind == "fma" and stats:  # one launch: conv tiles, and the normalize `lag` tickets behind
+        phases = (f"{name}_mma_tile<0>(a, n, tile);", f"{name}_mma_tile<1>(a, n, tile);")
+        single = f"{name}_mma"
+    if stats:  # one launch of two phases; its workspace ends in the ticket and image counters
+        conv += "\n\n" + templates.TWO_PHASE_KERNEL.substitute(
+            kernel=name, eps=eps, phase1=phases[0], phase2=phases[1]
+        )
+        fn = f"{name}_twophase"
+        ws_floats = "rows * kGroups * (kTiles * 3 + 2) + 1 + rows"
+    else:
+        fn, ws_floats = single, "0"
+    # Raise the kernel's shared-memory limit once per device (idempotent, so a race is harmless).
+    launches = [
+        "  static bool smem_ready[64] = {};",
+        "  if (device >= 64 || !smem_ready[device]) {",
+        f"    err = cudaFuncSetAttribute({fn}, cudaFuncAttributeMaxDynamicSharedMemorySize, kConvSmem);",
+        "    if (err != cudaSuccess) return static_cast<int>(err);",
+        "    if (device < 64) smem_ready[device] = true;",
+        "  }",
+    ]
+    if stats:
         launches += [
             "  static int sms[64] = {};",
             "  if (device < 64 && sms[device] == 0) {",
             "    err = cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device);",
             "    if (err != cudaSuccess) return static_cast<int>(err);",
             "  }",
-            "  // The blocks that run at once (two a multiprocessor), rounded up to whole images,",
-            "  // and one image more: a normalize then rarely waits. At least one image (see the kernel).",
+            "  // lag: the blocks that run at once (two a multiprocessor) in whole images, and one",
+            "  // image more, so that phase 2 rarely waits; at most every tile (small batches).",
             "  const long long items = rows * kTiles;",
             "  const long long resident = 2LL * (device < 64 ? sms[device] : 132);",
             "  long long lag = ((resident + kTiles - 1) / kTiles + 1) * kTiles;",
             "  lag = lag < items ? lag : items;",
             "  err = cudaMemsetAsync(conv_counters(a), 0, (1 + rows) * sizeof(int), stream);",
             "  if (err != cudaSuccess) return static_cast<int>(err);",
-            f"  {passes[0]}<<<items + lag, 256, kConvSmem, stream>>>(a, static_cast<int>(lag));",
+            f"  {fn}<<<items + lag, 256, kConvSmem, stream>>>(a, static_cast<int>(lag));",
         ]
-        ws_floats = "rows * kGroups * (kTiles * 3 + 2) + 1 + rows"
-    elif d.kind == "fma":
-        launches.append(f"  {passes[0]}<<<rows * kTiles, 256, kConvSmem, stream>>>(a, 0);")
     else:
-        launches.append(f"  {passes[0]}<<<rows * kTiles, 256, kConvSmem, stream>>>(a);")
-    if d.kind == "mma" and stats:
-        conv += "\n\n" + templates.CONV_FINAL_KERNEL.substitute(kernel=name, eps=eps)
-        middle = templates.CHUNK_NORM.substitute(
-            apply=templates.APPLY_STAGE1, stats_at="(a.ws + a.rows * kGroups * kTiles * 3)"
-        )
-        launches.append(f"  {name}_convfinal<<<(segments + 255) / 256, 256, 0, stream>>>(a);")
-        # recompute the conv, normalize in registers
-        launches.append(f"  {passes[1]}<<<rows * kTiles, 256, kConvSmem, stream>>>(a);")
-        ws_floats = "rows * kGroups * (kTiles * 3 + 2)"
+        launches.append(f"  {fn}<<<rows * kTiles, 256, kConvSmem, stream>>>(a);")
+    middle = ""
     fields, bind = _fields(spec, direct=True)
     return _kernel_file(
         spec, name, p, stage0_done="true", anchor_inside=1, fields=fields, bind=bind,

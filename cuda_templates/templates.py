@@ -517,6 +517,81 @@ BATCH_NORM_FINISH = Template(
 $save_stats"""
 )
 
+# Workspace of a direct conv with GroupNorm, and its two accessors (host and device).
+_CONV_WORKSPACE = r"""// Workspace layout with GroupNorm: partials [rows][groups][tiles][3], then (mean,
+// rstd) [rows][groups][2], then int counters: tickets, then one per image (finished
+// first-phase tiles; kTiles + 1 once its statistics are out).
+__host__ __device__ __forceinline__ float* conv_stats(const Args& a) { return a.ws + a.rows * kGroups * kTiles * 3; }
+__host__ __device__ __forceinline__ int* conv_counters(const Args& a) {
+  return reinterpret_cast<int*>(a.ws + a.rows * kGroups * (kTiles * 3 + 2));
+}
+"""
+
+# A direct conv with GroupNorm as ONE launch of two phases. Phase 1 of a tile leaves
+# (n, mean, M2) partials per (image, group, tile); phase 2 needs its image's (mean,
+# rstd). Blocks take tickets in the order they start (an atomic counter that the
+# launcher zeroes with the image counters): ticket t runs phase 1 of tile t, then
+# phase 2 of tile t - lag. The block that finishes an image's last phase-1 tile merges
+# its partials into (mean, rstd) and releases the image; phase 2 waits for the
+# release. lag >= tiles per image, so every tile a wait depends on holds a smaller
+# ticket: its block has started and waits on nothing before it counts, so the launch
+# cannot deadlock, whichever blocks are resident. The phases of different images
+# overlap: the compute of one with the memory traffic or the stores of the other,
+# and neither waits for the other's tail. Placeholders: $kernel, $eps, $phase1 and
+# $phase2 (statements running a tile (n, tile) of each phase).
+TWO_PHASE_KERNEL = Template(
+    r"""__global__ void __launch_bounds__(256, 2) ${kernel}_twophase(Args a, int lag) {
+  __shared__ int ticket, last;
+  int* const counters = conv_counters(a);
+  if (threadIdx.x == 0) ticket = atomicAdd(counters, 1);
+  __syncthreads();
+  const long long t = ticket, items = a.rows * kTiles;
+  if (t < items) {
+    const long long n = t / kTiles;
+    {
+      const int tile = static_cast<int>(t % kTiles);
+      $phase1
+    }
+    // Every thread's stores (phase-1 output, partials), then the count; thread 0 fences
+    // again after the barrier, so that the others' stores are ordered before its atomic.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      last = atomicAdd(counters + 1 + n, 1) == kTiles - 1;
+    }
+    __syncthreads();
+    if (last) {  // every tile of image n is out: merge its partials, release the image
+      __threadfence();
+      for (int g = threadIdx.x; g < kGroups; g += blockDim.x) {
+        fusedepi::Moments m = {0.f, 0.f, 0.f};
+        for (int k = 0; k < kTiles; ++k) {
+          const float* part = a.ws + ((n * kGroups + g) * kTiles + k) * 3;
+          m = fusedepi::merge(m, {__ldcg(part), __ldcg(part + 1), __ldcg(part + 2)});
+        }
+        float* stats = conv_stats(a) + (n * kGroups + g) * 2;
+        stats[0] = m.mean;
+        stats[1] = rsqrtf(fmaxf(m.m2 / m.n, 0.f) + $eps);
+      }
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(counters + 1 + n, 1);
+      }
+    }
+  }
+  const long long u = t - lag;
+  if (u >= 0 && u < items) {
+    const long long n = u / kTiles;
+    const int tile = static_cast<int>(u % kTiles);
+    if (threadIdx.x == 0) fusedepi::wait_above(counters + 1 + n, kTiles);
+    __syncthreads();  // with thread 0's acquire: the image's writes are visible to the block
+    $phase2
+  }
+}"""
+)
+
 # Direct 2-D convolution (stride 1, dilation 1, groups 1) that applies stage0 to each
 # output vector while it is in registers: for convs with few input channels, whose
 # cost is the output's bytes, so writing it once, with the epilogue applied, is the
@@ -526,16 +601,10 @@ $save_stats"""
 # shared memory do not conflict): 64 float accumulators per thread. FMA in float32
 # throughout (no TF32), whatever the dtype.
 # With GroupNorm ($stats true) it writes stage0's result to `mid` and (n, mean, M2)
-# per (image, group, tile) to the workspace, and the same launch normalizes `mid` into
-# `out` an image at a time, overlapping the (compute-bound) conv of later images with
-# the (memory-bound) normalize of earlier ones. Blocks take tickets in launch order
-# (an atomic counter, so the order is that of running blocks, not of blockIdx):
-# ticket t computes conv tile t, then normalizes tile t - lag. The block that
-# finishes an image's last conv tile merges its partials into (mean, rstd) per
-# group and releases the image; a normalize waits for that release. Every tile
-# of the image it waits for holds a smaller ticket (lag >= tiles per image), so its
-# block is already running and never waits on a later one: no deadlock.
-# Without a reduction it writes `out` directly, one tile per block.
+# per (image, group, tile) to the workspace, and the same launch (TWO_PHASE_KERNEL:
+# conv_tile, then apply_tile) normalizes `mid` into `out` an image at a time, so the
+# (compute-bound) conv of later images overlaps the (memory-bound) normalize of
+# earlier ones. Without a reduction ${kernel}_conv writes `out` directly.
 # Placeholders: $kernel, $cin, $cout, $copad (output channels padded to 8 x a power
 # of two), $kh, $kw, $pad_h, $pad_w, $in_h, $in_w, $out_h, $out_w, $tile_h (output
 # rows per block), $out_vec (elements per store, divides $out_w), $apply_vec
@@ -548,7 +617,7 @@ constexpr int kHi = $in_h, kWi = $in_w, kHo = $out_h, kWo = $out_w;
 constexpr int kTH = $tile_h;                     // output rows per block
 constexpr int kTW = 256;                         // output columns per block
 constexpr int kOV = $out_vec;                    // elements per store
-constexpr bool kConvStats = $stats;              // GroupNorm partials for convfinal
+constexpr bool kConvStats = $stats;              // GroupNorm: two phases (TWO_PHASE_KERNEL)
 constexpr int kCpg = $cpg;                       // channels per group
 constexpr int kCog = kCoPad / 8;                 // 8-channel slices: one per warp
 constexpr int kRowsAtOnce = 8 / kCog;            // output rows the 8 warps share out
@@ -574,14 +643,7 @@ constexpr int kLaneVecs = (kRuns * kRunVecs + 31) / 32;  // vectors per lane and
 constexpr int kApplyBatch = kLaneVecs < 16 ? kLaneVecs : 16;  // in flight per lane (64 KB a block)
 static_assert((kColTiles == 1 ? kTH * kWo : kTW) % kAV == 0, "see render._apply_vec");
 
-// Workspace layout with GroupNorm: partials [rows][groups][tiles][3], then (mean,
-// rstd) [rows][groups][2], then int counters: tickets, then one per image (finished
-// conv tiles; kTiles + 1 once its statistics are out).
-__host__ __device__ __forceinline__ float* conv_stats(const Args& a) { return a.ws + a.rows * kGroups * kTiles * 3; }
-__host__ __device__ __forceinline__ int* conv_counters(const Args& a) {
-  return reinterpret_cast<int*>(a.ws + a.rows * kGroups * (kTiles * 3 + 2));
-}
-
+""" + _CONV_WORKSPACE + r"""
 __device__ __forceinline__ void ${kernel}_conv_tile(const Args& a, const long long n, const int tile) {
   extern __shared__ float4 conv_smem[];
   float* xs = reinterpret_cast<float*>(conv_smem);  // [kCin][kInRows][kSW]
@@ -732,11 +794,9 @@ __device__ __forceinline__ void ${kernel}_conv_tile(const Args& a, const long lo
   }
 }
 
-// Normalizes one tile of `mid` into `out` (stage1), once its image is released.
+// Normalizes one tile of `mid` into `out` (stage1); its image's statistics are out.
 __device__ __forceinline__ void ${kernel}_apply_tile(const Args& a, const long long n, const int tile) {
   __shared__ float gstat[kGroups * 2];  // this image's (mean, rstd) per group
-  if (threadIdx.x == 0) fusedepi::wait_above(conv_counters(a) + 1 + n, kTiles);
-  __syncthreads();
   for (int i = threadIdx.x; i < kGroups * 2; i += blockDim.x) gstat[i] = __ldcg(conv_stats(a) + n * kGroups * 2 + i);
   __syncthreads();
   const int oh0 = tile / kColTiles * kTH, ow0 = tile % kColTiles * kTW;
@@ -779,61 +839,10 @@ __device__ __forceinline__ void ${kernel}_apply_tile(const Args& a, const long l
   }
 }
 
-__global__ void __launch_bounds__(256, 2) ${kernel}_conv(Args a, int lag) {
-  if constexpr (!kConvStats) {
-    ${kernel}_conv_tile(a, blockIdx.x / kTiles, blockIdx.x % kTiles);
-  } else {
-    __shared__ int ticket, last;
-    int* const counters = conv_counters(a);
-    if (threadIdx.x == 0) ticket = atomicAdd(counters, 1);
-    __syncthreads();
-    const long long t = ticket, items = a.rows * kTiles;
-    if (t < items) {
-      const long long n = t / kTiles;
-      ${kernel}_conv_tile(a, n, static_cast<int>(t % kTiles));
-      __threadfence();  // this thread's stores of mid and partials, before the count
-      __syncthreads();
-      if (threadIdx.x == 0) last = atomicAdd(counters + 1 + n, 1) == kTiles - 1;
-      __syncthreads();
-      if (last) {  // every tile of image n is out: merge its partials, release the image
-        __threadfence();
-        for (int g = threadIdx.x; g < kGroups; g += blockDim.x) {
-          fusedepi::Moments m = {0.f, 0.f, 0.f};
-          for (int k = 0; k < kTiles; ++k) {
-            const float* part = a.ws + ((n * kGroups + g) * kTiles + k) * 3;
-            m = fusedepi::merge(m, {__ldcg(part), __ldcg(part + 1), __ldcg(part + 2)});
-          }
-          float* stats = conv_stats(a) + (n * kGroups + g) * 2;
-          stats[0] = m.mean;
-          stats[1] = rsqrtf(fmaxf(m.m2 / m.n, 0.f) + $eps);
-        }
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) atomicAdd(counters + 1 + n, 1);
-      }
-    }
-    const long long u = t - lag;
-    if (u >= 0 && u < items) ${kernel}_apply_tile(a, u / kTiles, static_cast<int>(u % kTiles));
-  }
+__global__ void __launch_bounds__(256, 2) ${kernel}_conv(Args a) {  // no reduction: the conv alone
+  ${kernel}_conv_tile(a, blockIdx.x / kTiles, blockIdx.x % kTiles);
 }
 """
-)
-
-# One thread per (image, group): merges the conv blocks' (n, mean, M2) partials into
-# (mean, rstd), after kTiles is defined by a direct-conv template. Placeholders: $kernel, $eps.
-CONV_FINAL_KERNEL = Template(
-    r"""__global__ void __launch_bounds__(256) ${kernel}_convfinal(Args a) {
-  const long long seg = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (seg >= a.rows * kGroups) return;
-  fusedepi::Moments m = {0.f, 0.f, 0.f};
-  for (int t = 0; t < kTiles; ++t) {
-    const float* part = a.ws + (seg * kTiles + t) * 3;
-    m = fusedepi::merge(m, {part[0], part[1], part[2]});
-  }
-  float* stats = a.ws + a.rows * kGroups * kTiles * 3 + seg * 2;
-  stats[0] = m.mean;
-  stats[1] = rsqrtf(fmaxf(m.m2 / m.n, 0.f) + $eps);
-}"""
 )
 
 # Direct 2-D convolution on tensor cores for bf16/fp16 chains (mma.sync m16n8k16,
@@ -845,11 +854,12 @@ CONV_FINAL_KERNEL = Template(
 # 32 columns of a row (4 n-tiles) for all channels (kCout / 16 m-tiles).
 # GroupNorm recomputes instead of storing the pre-norm value: pass 0 computes the
 # conv and stage0, keeps shifted sums per thread and channel slot over the block's
-# rows, and leaves (n, mean, M2) per (image, group, tile); convfinal merges them;
-# pass 1 computes the conv again and applies stage0, the normalize and stage1, stages
-# each warp's outputs in shared memory and writes whole row segments of `out`. Input
-# is read twice, the output written once, and nothing is rounded to 16 bits before
-# the end. Without a reduction, pass 1 alone runs.
+# rows, and leaves (n, mean, M2) per (image, group, tile); pass 1 computes the conv
+# again and applies stage0, the normalize and stage1, stages each warp's outputs in
+# shared memory and writes whole row segments of `out`. The two passes run as the
+# phases of one TWO_PHASE_KERNEL launch. Input is read twice, the output written once,
+# and nothing is rounded to 16 bits before the end. Without a reduction, pass 1 alone
+# runs (${kernel}_mma).
 # Placeholders: $kernel, $mma ("bf16" or "f16"), $cin, $cout, $kh, $kw, $pad_h, $pad_w,
 # $in_h, $in_w, $out_h, $out_w, $tile_h, $stats, $cpg.
 DIRECT_CONV_MMA_KERNELS = Template(
@@ -879,6 +889,8 @@ constexpr int kConvSmem =
     (int)(16 * (kTileChunks + 1) + sizeof(fusedepi::Moments) * 8 * kCtaGroups) + kStageOut;
 static_assert(kCin % 8 == 0 && kCout % 16 == 0 && kWo % 2 == 0, "see render.direct_plan");
 
+""" + _CONV_WORKSPACE + r"""
+
 __device__ __forceinline__ unsigned pack_pair(float lo, float hi) {
   const T h[2] = {fusedepi::from_float<T>(lo), fusedepi::from_float<T>(hi)};
   unsigned u;
@@ -898,16 +910,14 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4],
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-template <int kPass>  // 0: GroupNorm statistics only; 1: the output
-__global__ void __launch_bounds__(256, 2) ${kernel}_mma(Args a) {  // 256 threads: kTW / 32 warps
+template <int kPass>  // 0: GroupNorm statistics only; 1: the output. 256 threads: kTW / 32 warps
+__device__ __forceinline__ void ${kernel}_mma_tile(const Args& a, const long long n, const int tile_id) {
   extern __shared__ uint4 mma_smem[];
   uint4* tile = mma_smem;  // [kInRows][kInCols][kCC], 8 channels per entry; then one zero entry
   fusedepi::Moments* part = reinterpret_cast<fusedepi::Moments*>(mma_smem + kTileChunks + 1);  // [warp][group]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   // Pass 1 stages each warp's [kCout][32] outputs here, then writes whole row segments.
   T* staged = reinterpret_cast<T*>(reinterpret_cast<char*>(part + 8 * kCtaGroups)) + warp * kCout * kOutStride;
-  const long long n = blockIdx.x / kTiles;
-  const int tile_id = blockIdx.x % kTiles;
   const int oh0 = tile_id / kColTiles * kTH, ow0 = tile_id % kColTiles * kTW;
 
   // Input tile, channels innermost, zero outside the image.
@@ -1014,9 +1024,10 @@ __global__ void __launch_bounds__(256, 2) ${kernel}_mma(Args a) {  // 256 thread
       gmean[m][h] = 0.f;
       grstd[m][h] = 0.f;
       if constexpr (kPass == 1 && kConvStats) {
-        const float* st = a.ws + a.rows * kGroups * kTiles * 3 + (n * kGroups + (m * 16 + 8 * h + g) / kCpg) * 2;
-        gmean[m][h] = st[0];
-        grstd[m][h] = st[1];
+        // Through L2 (__ldcg): other blocks of this launch wrote them.
+        const float* st = conv_stats(a) + (n * kGroups + (m * 16 + 8 * h + g) / kCpg) * 2;
+        gmean[m][h] = __ldcg(st);
+        grstd[m][h] = __ldcg(st + 1);
       }
     }
   __syncthreads();
@@ -1158,5 +1169,9 @@ __global__ void __launch_bounds__(256, 2) ${kernel}_mma(Args a) {  // 256 thread
       dst[2] = m.m2;
     }
   }
+}
+
+__global__ void __launch_bounds__(256, 2) ${kernel}_mma(Args a) {  // no reduction: the output pass alone
+  ${kernel}_mma_tile<1>(a, blockIdx.x / kTiles, blockIdx.x % kTiles);
 }"""
 )

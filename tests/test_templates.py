@@ -82,6 +82,7 @@ def test_direct_conv_plans():
     # float32: one launch computes the conv and normalizes earlier images (after the counters' reset)
     launches = source[source.index("extern \"C\" int fusedepi_run"):]
     assert "cudaMemsetAsync(conv_counters(a)" in launches and launches.count("<<<") == 1
+    assert "_twophase<<<" in launches and "_conv_tile(a, n, tile);" in source and "_apply_tile(a, n, tile);" in source
     pointwise = cuda_templates.render(direct_specs()["direct_pointwise_k5_pad2"], "sm90")
     assert "_apply<<<" not in pointwise and "_conv<<<" in pointwise  # one kernel writes `out`
     assert cuda_templates.direct_plan(direct_specs()["direct_pointwise_k5_pad2"]).copad == 32  # 20 -> 32
@@ -110,8 +111,10 @@ def test_direct_conv_kinds():
     assert d.kind == "mma" and (d.tile_h, d.tiles) == (16, 16)
     source = cuda_templates.render(w5_bf16, "sm90")
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in source
-    assert source.index("_mma<0><<<") < source.index("_convfinal<<<") < source.index("_mma<1><<<")
-    assert "_apply<<<" not in source  # the output pass normalizes in registers
+    # one launch: statistics pass (phase 1), then the output pass (phase 2), which normalizes in registers
+    launches = source[source.index('extern "C" int fusedepi_run'):]
+    assert launches.count("<<<") == 1 and "_twophase<<<" in launches
+    assert "_mma_tile<0>(a, n, tile);" in source and "_mma_tile<1>(a, n, tile);" in source
     assert cuda_templates.direct_plan(direct_specs()["w5_direct"]).kind == "fma"
     # 3 input channels do not fill a 16-byte chunk: bf16 runs the library conv
     assert "multiples of 8" in cuda_templates.direct_plan(direct_specs("bfloat16")["direct_pointwise_k5_pad2"])
@@ -119,6 +122,9 @@ def test_direct_conv_kinds():
     assert "sm_80" in cuda_templates.direct_plan(w5_bf16, "sm75")
     assert cuda_templates.kernel_name(w5_bf16, "sm75").startswith("conv_")
     assert cuda_templates.direct_plan(direct_specs()["w5_direct"], "sm75").kind == "fma"
+    # The two GroupNorm phases synchronize through ld.acquire: not before Volta
+    assert "sm_70" in cuda_templates.direct_plan(direct_specs()["w5_direct"], "sm61")
+    assert cuda_templates.direct_plan(direct_specs()["direct_pointwise_k5_pad2"], "sm61").kind == "fma"
 
 
 def test_direct_conv_limits():

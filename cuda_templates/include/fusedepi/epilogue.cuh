@@ -49,7 +49,8 @@ __device__ __forceinline__ void load_vec_cg(const float* __restrict__ p, float (
   }
 }
 
-// Float stores marked evict-first (st.global.cs): for output no kernel reads back.
+// Float stores marked evict-first (st.global.cs): for a final output, which no block of
+// the same launch reads (a cache hint only).
 template <int V>
 __device__ __forceinline__ void store_vec_cs(float* __restrict__ p, const float (&in)[V]) {
   static_assert(V == 1 || V == 2 || V == 4, "1, 2 or 4 floats");
