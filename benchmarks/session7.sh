@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The seventh session's device calls (kept so that RESULTS.md's numbers can be rerun).
+# (Kernel names as of that session: the eighth session renamed the mma kernels to *_twophase / *_onephase.)
 #   bash benchmarks/session7.sh profile   # the sixth session's unrun GPU tests and fuzz (generation 2),
 #                                         # then ncu (full set) on workload 5's kernels, bf16 and float32
 #   bash benchmarks/session7.sh w5        # the GPU tests of convs and sigmoids, then workload 5 against Inductor

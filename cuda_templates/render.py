@@ -425,21 +425,21 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
             **shape
         )
         phases = (f"{name}_conv_tile(a, n, tile);", f"{name}_apply_tile(a, n, tile);")
-        single = f"{name}_conv"
     else:
         conv = templates.DIRECT_CONV_MMA_KERNELS.substitute(
             mma="bf16" if spec.dtype == "bfloat16" else "f16", **shape
         )
         phases = (f"{name}_mma_tile<0>(a, n, tile);", f"{name}_mma_tile<1>(a, n, tile);")
-        single = f"{name}_mma"
     if stats:  # one launch of two phases; its workspace ends in the ticket and image counters
         conv += "\n\n" + templates.TWO_PHASE_KERNEL.substitute(
             kernel=name, eps=eps, phase1=phases[0], phase2=phases[1]
         )
         fn = f"{name}_twophase"
         ws_floats = "rows * kGroups * (kTiles * 3 + 2) + 1 + rows"
-    else:
-        fn, ws_floats = single, "0"
+    else:  # the conv alone (fma), or the output pass alone (mma)
+        single = phases[0] if d.kind == "fma" else phases[1]
+        conv += "\n\n" + templates.ONE_PHASE_KERNEL.substitute(kernel=name, phase=single)
+        fn, ws_floats = f"{name}_onephase", "0"
     # Raise the kernel's shared-memory limit once per device (idempotent, so a race is harmless).
     launches = [
         "  static bool smem_ready[64] = {};",

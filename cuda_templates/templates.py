@@ -592,6 +592,16 @@ TWO_PHASE_KERNEL = Template(
 }"""
 )
 
+# A direct conv without a reduction: one block per tile. Placeholders: $kernel, $phase
+# (the statements computing tile (n, tile) and writing `out`).
+ONE_PHASE_KERNEL = Template(
+    r"""__global__ void __launch_bounds__(256, 2) ${kernel}_onephase(Args a) {
+  const long long n = blockIdx.x / kTiles;
+  const int tile = static_cast<int>(blockIdx.x % kTiles);
+  $phase
+}"""
+)
+
 # Direct 2-D convolution (stride 1, dilation 1, groups 1) that applies stage0 to each
 # output vector while it is in registers: for convs with few input channels, whose
 # cost is the output's bytes, so writing it once, with the epilogue applied, is the
@@ -604,7 +614,7 @@ TWO_PHASE_KERNEL = Template(
 # per (image, group, tile) to the workspace, and the same launch (TWO_PHASE_KERNEL:
 # conv_tile, then apply_tile) normalizes `mid` into `out` an image at a time, so the
 # (compute-bound) conv of later images overlaps the (memory-bound) normalize of
-# earlier ones. Without a reduction ${kernel}_conv writes `out` directly.
+# earlier ones. Without a reduction conv_tile writes `out` directly (ONE_PHASE_KERNEL).
 # Placeholders: $kernel, $cin, $cout, $copad (output channels padded to 8 x a power
 # of two), $kh, $kw, $pad_h, $pad_w, $in_h, $in_w, $out_h, $out_w, $tile_h (output
 # rows per block), $out_vec (elements per store, divides $out_w), $apply_vec
@@ -838,10 +848,6 @@ __device__ __forceinline__ void ${kernel}_apply_tile(const Args& a, const long l
     }
   }
 }
-
-__global__ void __launch_bounds__(256, 2) ${kernel}_conv(Args a) {  // no reduction: the conv alone
-  ${kernel}_conv_tile(a, blockIdx.x / kTiles, blockIdx.x % kTiles);
-}
 """
 )
 
@@ -859,7 +865,7 @@ __global__ void __launch_bounds__(256, 2) ${kernel}_conv(Args a) {  // no reduct
 # shared memory and writes whole row segments of `out`. The two passes run as the
 # phases of one TWO_PHASE_KERNEL launch. Input is read twice, the output written once,
 # and nothing is rounded to 16 bits before the end. Without a reduction, pass 1 alone
-# runs (${kernel}_mma).
+# runs (ONE_PHASE_KERNEL).
 # Placeholders: $kernel, $mma ("bf16" or "f16"), $cin, $cout, $kh, $kw, $pad_h, $pad_w,
 # $in_h, $in_w, $out_h, $out_w, $tile_h, $stats, $cpg.
 DIRECT_CONV_MMA_KERNELS = Template(
@@ -1169,9 +1175,5 @@ __device__ __forceinline__ void ${kernel}_mma_tile(const Args& a, const long lon
       dst[2] = m.m2;
     }
   }
-}
-
-__global__ void __launch_bounds__(256, 2) ${kernel}_mma(Args a) {  // no reduction: the output pass alone
-  ${kernel}_mma_tile<1>(a, blockIdx.x / kTiles, blockIdx.x % kTiles);
 }"""
 )

@@ -68,6 +68,9 @@ def direct_specs(dtype="float32"):
             _direct(2, (3, 5, 5, 9, 200)), (_bias(0), Step("relu"), Step("mul", consts=(2.0,), operand=SCALAR)),
             dtype, p, 20, 9 * 200, "conv_pointwise",
         ),
+        "direct_pointwise_cin8": EpilogueSpec(  # no reduction, 8 input channels: bf16/fp16 take the tensor cores
+            _direct(1, (8, 3, 3, 7, 256)), (_bias(0), Step("sigmoid")), dtype, p, 16, 7 * 256, "conv_pointwise",
+        ),
         "direct_groupnorm_cpg3": EpilogueSpec(  # 3 channels per group: a statistics slot per channel
             _direct(1, (4, 3, 3, 11, 256)),
             (_bias(0), Step("groupnorm", consts=(1e-5,), inputs=(1, 2), groups=8), Step("silu"),

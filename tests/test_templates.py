@@ -84,7 +84,8 @@ def test_direct_conv_plans():
     assert "cudaMemsetAsync(conv_counters(a)" in launches and launches.count("<<<") == 1
     assert "_twophase<<<" in launches and "_conv_tile(a, n, tile);" in source and "_apply_tile(a, n, tile);" in source
     pointwise = cuda_templates.render(direct_specs()["direct_pointwise_k5_pad2"], "sm90")
-    assert "_apply<<<" not in pointwise and "_conv<<<" in pointwise  # one kernel writes `out`
+    assert "_apply<<<" not in pointwise and "_onephase<<<" in pointwise  # one kernel writes `out`
+    assert "_conv_tile(a, n, tile);" in pointwise and "_twophase" not in pointwise
     assert cuda_templates.direct_plan(direct_specs()["direct_pointwise_k5_pad2"]).copad == 32  # 20 -> 32
 
 
