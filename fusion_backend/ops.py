@@ -7,6 +7,7 @@ tracing) and the CUDA one (library GEMM/conv, then the rendered epilogue kernels
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from lowering import EpilogueSpec, run_reference
 from lowering.spec import Anchor
 
 aten = torch.ops.aten
+log = logging.getLogger("fusedepi")
 
 
 def run_anchor(anchor: Anchor, operands: list[torch.Tensor]) -> torch.Tensor:
@@ -169,10 +171,12 @@ class Launcher:
 
 
 def forget_loaded() -> None:
-    """Drops this process's loaded kernels; the next call finds them in the disk cache."""
+    """Drops this process's loaded kernels (and failed builds); the next call finds them
+    in the disk cache or builds them again."""
     with _kernels_lock:
         _kernels.clear()
         _launchers.clear()
+        _unbuilt.clear()
 
 
 def launcher_for(spec: str, device: torch.device) -> Launcher:
@@ -185,8 +189,29 @@ def launcher_for(spec: str, device: torch.device) -> Launcher:
     return launcher
 
 
+# (spec, device index) whose kernel could not be built when first called: the reference runs.
+_unbuilt: set[tuple] = set()
+
+
 def _chain_cuda(inputs, spec):
-    return launcher_for(spec, inputs[0].device)(inputs)
+    device = inputs[0].device
+    if (spec, device.index) not in _unbuilt:
+        try:
+            return launcher_for(spec, device)(inputs)
+        except (cuda_templates.NotRenderable, cuda_templates.CompileError) as err:
+            # The backend builds every kernel while compiling, and falls back to Inductor
+            # there; a build can still happen here, on a device of another architecture
+            # than the one compiled for, or after the loaded kernels were dropped.
+            from .config import load_config
+
+            if load_config().strict:
+                raise
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            log.warning("fusedepi: could not build the kernel of %s on cuda:%s (%s); this chain runs "
+                        "its plain-torch reference from now on. Set FUSEDEPI_STRICT=1 to raise instead.",
+                        _parse(spec).fusion, device.index, first)
+            _unbuilt.add((spec, device.index))
+    return reference(inputs, spec)
 
 
 _LIB.impl("chain", _chain_cuda, "CUDA")

@@ -164,3 +164,47 @@ def test_explain_reports_and_restores_buffers(capsys):
     assert "linear_batchnorm_train" in printed and "why not fused" in printed
     torch.testing.assert_close(model[1].running_mean, before)
     assert model[1].num_batches_tracked.item() == 0
+
+
+def _recorded_chain_call(monkeypatch):
+    """(inputs, spec, outputs) of one call of the fused op, from a CPU compile."""
+    from fusion_backend import ops
+
+    calls, original = [], ops.reference
+    monkeypatch.setattr(ops, "reference", lambda inputs, spec: calls.append((inputs, spec)) or original(inputs, spec))
+    model, x, _ = _workload("4")
+    _, fused, _ = compile_records(model, x)
+    assert fused and calls
+    inputs, spec = calls[-1]
+    return inputs, spec, original(inputs, spec)
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["fallback", "strict"])
+def test_build_failure_at_call_time(strict, monkeypatch, caplog):
+    # A kernel built at call time (another device's architecture, dropped kernels) that
+    # fails: the chain runs its reference with one warning, or raises in strict mode.
+    from fusion_backend import ops
+
+    inputs, spec, expected = _recorded_chain_call(monkeypatch)
+    attempts = []
+
+    def failing_launcher(spec, device):
+        attempts.append(device)
+        raise cuda_templates.CompileError("nvcc failed: simulated")
+
+    monkeypatch.setattr(ops, "launcher_for", failing_launcher)
+    monkeypatch.setattr(ops, "_unbuilt", set())
+    if strict:
+        monkeypatch.setenv("FUSEDEPI_STRICT", "1")
+        with pytest.raises(cuda_templates.CompileError):
+            ops._chain_cuda(inputs, spec)
+        return
+    with caplog.at_level(logging.WARNING, logger="fusedepi"):
+        first = ops._chain_cuda(inputs, spec)
+        second = ops._chain_cuda(inputs, spec)
+    warnings = [r for r in caplog.records if r.name == "fusedepi" and r.levelno == logging.WARNING]
+    assert len(attempts) == 1 and len(warnings) == 1 and "plain-torch reference" in warnings[0].getMessage()
+    for out in (first, second):
+        assert len(out) == len(expected)
+        for got, want in zip(out, expected):
+            torch.testing.assert_close(got, want)
