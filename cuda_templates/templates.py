@@ -521,6 +521,9 @@ $save_stats"""
 _CONV_WORKSPACE = r"""// Workspace layout with GroupNorm: partials [rows][groups][tiles][3], then (mean,
 // rstd) [rows][groups][2], then int counters: tickets, then one per image (finished
 // first-phase tiles; kTiles + 1 once its statistics are out).
+__device__ __forceinline__ float* conv_part(const Args& a, long long n, long long g, int tile) {
+  return a.ws + ((n * kGroups + g) * kTiles + tile) * 3;
+}
 __host__ __device__ __forceinline__ float* conv_stats(const Args& a) { return a.ws + a.rows * kGroups * kTiles * 3; }
 __host__ __device__ __forceinline__ int* conv_counters(const Args& a) {
   return reinterpret_cast<int*>(a.ws + a.rows * kGroups * (kTiles * 3 + 2));
@@ -566,7 +569,7 @@ TWO_PHASE_KERNEL = Template(
       for (int g = threadIdx.x; g < kGroups; g += blockDim.x) {
         fusedepi::Moments m = {0.f, 0.f, 0.f};
         for (int k = 0; k < kTiles; ++k) {
-          const float* part = a.ws + ((n * kGroups + g) * kTiles + k) * 3;
+          const float* part = conv_part(a, n, g, k);
           m = fusedepi::merge(m, {__ldcg(part), __ldcg(part + 1), __ldcg(part + 2)});
         }
         float* stats = conv_stats(a) + (n * kGroups + g) * 2;
@@ -796,7 +799,7 @@ __device__ __forceinline__ void ${kernel}_conv_tile(const Args& a, const long lo
       for (int w = 0; w < 8; ++w)
         for (int l = 0; l < kSlots; ++l)
           if ((w % kCog * 8 + l * kSlotCh) / kCpg == g) m = fusedepi::merge(m, part[w * kSlots + l]);
-      float* dst = a.ws + ((n * kGroups + g) * kTiles + tile) * 3;
+      float* dst = conv_part(a, n, g, tile);
       dst[0] = m.n;
       dst[1] = m.mean;
       dst[2] = m.m2;
@@ -1169,7 +1172,7 @@ __device__ __forceinline__ void ${kernel}_mma_tile(const Args& a, const long lon
     for (int grp = threadIdx.x; grp < kCtaGroups; grp += blockDim.x) {
       fusedepi::Moments m = {0.f, 0.f, 0.f};
       for (int w = 0; w < 8; ++w) m = fusedepi::merge(m, part[w * kCtaGroups + grp]);
-      float* dst = a.ws + ((n * kGroups + grp) * kTiles + tile_id) * 3;
+      float* dst = conv_part(a, n, grp, tile_id);
       dst[0] = m.n;
       dst[1] = m.mean;
       dst[2] = m.m2;
