@@ -8,6 +8,7 @@
 #   bash benchmarks/session8.sh tests  # the whole GPU tier (tests/*, -m gpu)
 #   bash benchmarks/session8.sh table  # workload 5, every precision, against eager and Inductor
 #   bash benchmarks/session8.sh twophase # direct-conv + W5 GPU tests, W5 fusedepi at bf16 and fp32
+#   bash benchmarks/session8.sh tf32   # (branch w5-tf32) the TF32 direct conv: its GPU tests, then W5 at TF32
 set -uo pipefail
 OUT=${OUT:-/tmp/fusedepi-out}
 mkdir -p "$OUT"
@@ -47,5 +48,10 @@ case ${1:-ab} in
     bash benchmarks/device_run.sh tests -k "direct or 5_conv" 2>&1 | tail -4
     bash benchmarks/device_run.sh bench --workloads 5_conv_groupnorm --precisions bf16 fp32-highest \
       --providers fusedepi --profile 2>&1 | tail -12
+    ;;
+  tf32)
+    bash benchmarks/device_run.sh tests -k "tf32 or direct or 5_conv" 2>&1 | tail -6
+    bash benchmarks/device_run.sh bench --workloads 5_conv_groupnorm --precisions fp32-tf32 fp32-highest \
+      --providers inductor inductor-max-autotune fusedepi --profile 2>&1 | grep -v "^\s*[0-9.]* ms  x" | tail -14
     ;;
 esac

@@ -116,8 +116,9 @@ class DirectPlan:
     """How the direct-conv kernel tiles the output.
 
     Attributes:
-        kind: "fma" (float32, CUDA cores, GroupNorm through a stored pre-norm value)
-            or "mma" (bf16/fp16 tensor cores, GroupNorm by recomputing the conv).
+        kind: "fma" (float32, CUDA cores, GroupNorm through a stored pre-norm value),
+            "mma" (bf16/fp16 tensor cores, GroupNorm by recomputing the conv) or
+            "tf32" (float32 where TF32 is allowed: tensor cores, pre-norm value stored).
         tile_h: output rows per block.
         copad: output channels padded to 8 x a power of two (fma: 8 warps split them).
         out_vec: elements per store (divides the output width).
@@ -134,11 +135,20 @@ class DirectPlan:
 
 
 MMA_MAX_COUT = 32  # weights live in registers as A fragments
+MMA_INSTRUCTIONS = {  # per dtype: float32 chains take the tensor cores in TF32 only where allowed
+    "bfloat16": "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+    "float16": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+    "float32": "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32",
+}
 MMA_MAX_WEIGHT_REGS = 48  # m-tiles x k-steps x 4
 
 
-def direct_plan(spec: EpilogueSpec, arch: str = "sm90") -> DirectPlan | str:
-    """The direct-conv tiling for `spec` on `arch`, or the reason the library conv runs instead."""
+def direct_plan(spec: EpilogueSpec, arch: str = "sm90", conv_tf32: bool = False) -> DirectPlan | str:
+    """The direct-conv tiling for `spec` on `arch`, or the reason the library conv runs instead.
+
+    conv_tf32: a float32 conv may use TF32 (`torch.backends.cudnn.allow_tf32`): the
+        tensor-core kernel in TF32 where its shape fits, else exact float32 FMA.
+    """
     anchor = spec.anchor
     if anchor.kind != "conv":
         return "not a convolution"
@@ -162,6 +172,10 @@ def direct_plan(spec: EpilogueSpec, arch: str = "sm90") -> DirectPlan | str:
     if red is not None and sm < 70:
         return f"the direct conv's GroupNorm phases synchronize with ld.acquire (sm_70 or newer, not {arch})"
     if spec.dtype == "float32":
+        if conv_tf32 and sm >= 80:
+            tf32 = _mma_plan(spec, cin, kh, kw, ho, wo, col_tiles)
+            if isinstance(tf32, DirectPlan):
+                return tf32
         return _fma_plan(spec, cin, kh, kw, ho, wo, col_tiles)
     if sm < 80:
         return f"the tensor-core direct conv needs sm_80 or newer, not {arch}"
@@ -191,33 +205,42 @@ def _fma_plan(spec, cin, kh, kw, ho, wo, col_tiles) -> DirectPlan | str:
 
 
 def _mma_plan(spec, cin, kh, kw, ho, wo, col_tiles) -> DirectPlan | str:
+    """bf16/fp16 ("mma": weights in registers, GroupNorm by recomputing) or float32 under
+    TF32 ("tf32": weights in shared memory, the pre-norm value stored as by "fma")."""
     cout, red = spec.channels, spec.reduction
-    if cin % 8 or cout % 16 or cout > MMA_MAX_COUT:
+    tf32 = spec.dtype == "float32"
+    ce = 16 // ITEMSIZE[spec.dtype]  # channels per 16-byte chunk
+    if cin % ce or cout % 16 or cout > MMA_MAX_COUT:
         return (f"{cin} -> {cout} channels (the tensor-core direct conv takes input channels in "
-                f"multiples of 8, output channels in multiples of 16 up to {MMA_MAX_COUT})")
+                f"multiples of {ce}, output channels in multiples of 16 up to {MMA_MAX_COUT})")
     if wo % 2:
         return f"odd output width {wo} (the tensor-core direct conv stores pairs)"
     cpg = cout // red.groups if red is not None else 1
     if cpg & (cpg - 1):
         return f"{cpg} channels per group (the tensor-core direct conv takes powers of two)"
-    chunks = kh * kw * cin // 8
-    if cout // 16 * _ceil_div(chunks, 2) * 4 > MMA_MAX_WEIGHT_REGS:
+    chunks = kh * kw * cin // ce
+    frags = cout // 16 * _ceil_div(chunks, 2) * 4  # A-fragment registers a lane
+    if not tf32 and frags > MMA_MAX_WEIGHT_REGS:
         return f"{cout}x{cin}x{kh}x{kw} weights do not fit the registers of the tensor-core direct conv"
     groups = cout // cpg
     for tile_h in (16, 8, 4, 2, 1):  # tall tiles spread the weight and halo loads over more rows
-        staged = 8 * cout * 40 * ITEMSIZE[spec.dtype]  # pass 1's output staging
-        smem = 16 * ((tile_h + kh - 1) * (DIRECT_TILE_W + kw - 1) * (cin // 8) + 1) + 12 * 8 * groups + staged
+        staged = 0 if tf32 else 8 * cout * 40 * ITEMSIZE[spec.dtype]  # pass 1's output staging
+        weights = 32 * 4 * frags if tf32 else 0  # TF32: A fragments in shared memory
+        smem = 16 * ((tile_h + kh - 1) * (DIRECT_TILE_W + kw - 1) * (cin // ce) + 1) + weights + 12 * 8 * groups + staged
         if smem <= DIRECT_SMEM_BUDGET:
-            return DirectPlan("mma", tile_h, cout, 2, smem, _ceil_div(ho, tile_h) * col_tiles)
+            return DirectPlan("tf32" if tf32 else "mma", tile_h, cout, 2, smem, _ceil_div(ho, tile_h) * col_tiles)
     return f"the input tile of {cin} channels does not fit {DIRECT_SMEM_BUDGET // 1024} KiB of shared memory"
 
 
-def kernel_name(spec: EpilogueSpec, arch: str) -> str:
-    """The spec's kernel name; "directconv" instead of "conv" when the kernel computes the conv."""
-    name = spec.kernel_name(arch)
-    if isinstance(direct_plan(spec, arch), DirectPlan):
-        name = "direct" + name
-    return name
+def kernel_name(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> str:
+    """The spec's kernel name; "directconv" instead of "conv" when the kernel computes the
+    conv, and "_tf32" at the end when it does so in TF32."""
+    direct = direct_plan(spec, arch, conv_tf32)
+    return _direct_name(spec, arch, direct) if isinstance(direct, DirectPlan) else spec.kernel_name(arch)
+
+
+def _direct_name(spec: EpilogueSpec, arch: str, d: DirectPlan) -> str:
+    return "direct" + spec.kernel_name(arch) + ("_tf32" if d.kind == "tf32" else "")
 
 
 def _fields(spec: EpilogueSpec, direct: bool = False) -> tuple[str, str]:
@@ -277,17 +300,18 @@ def _check_operands(spec: EpilogueSpec, p: Plan):
             raise NotRenderable(f"{step.name}: residual dtype differs from the chain's")
 
 
-def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None) -> str:
+def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32: bool = False) -> str:
     """The complete .cu source for `spec`, compiled for `arch` (e.g. "sm90").
 
     Args:
         spec: the chain.
         arch: target architecture.
         launch: a thread mapping other than `plan(spec)`'s (for measuring variants).
+        conv_tf32: a float32 direct conv may compute in TF32 (see direct_plan).
     """
     p = launch or plan(spec)
     _check_operands(spec, p)
-    direct = direct_plan(spec, arch)
+    direct = direct_plan(spec, arch, conv_tf32)
     if isinstance(direct, DirectPlan):
         return _render_direct(spec, arch, p, direct)
     name = spec.kernel_name(arch)
@@ -406,10 +430,10 @@ def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", an
 
 def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str:
     """The direct conv computes the anchor and stage0. With GroupNorm, one launch of
-    two phases (templates.TWO_PHASE_KERNEL): fma stores the pre-norm value, then
-    normalizes it (stage1); mma computes the statistics, then recomputes the conv and
+    two phases (templates.TWO_PHASE_KERNEL): fma and tf32 store the pre-norm value, then
+    normalize it (stage1); mma computes the statistics, then recomputes the conv and
     writes the output."""
-    name = "direct" + spec.kernel_name(arch)  # as kernel_name(), without planning again
+    name = _direct_name(spec, arch, d)
     red = spec.reduction
     cin, kh, kw, hi, wi = spec.anchor.direct
     ho, wo = spec.anchor.direct_out_hw()
@@ -419,25 +443,29 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
     shape = dict(kernel=name, cin=cin, cout=spec.channels, kh=kh, kw=kw, pad_h=pad_h, pad_w=pad_w,
                  in_h=hi, in_w=wi, out_h=ho, out_w=wo, tile_h=d.tile_h, stats="true" if stats else "false",
                  cpg=spec.channels // red.groups if stats else 1)
+    # fma and tf32 store the pre-norm value; phase 2 normalizes it (NORMALIZE_TILE)
+    normalize = ""
+    if stats and d.kind in ("fma", "tf32"):
+        normalize = templates.NORMALIZE_TILE.substitute(kernel=name, apply_vec=_apply_vec(d, ho, wo))
     if d.kind == "fma":
         conv = templates.DIRECT_CONV_KERNELS.substitute(
-            copad=d.copad, out_vec=d.out_vec, dst="a.mid" if stats else "a.out", apply_vec=_apply_vec(d, ho, wo),
-            **shape
+            copad=d.copad, out_vec=d.out_vec, dst="a.mid" if stats else "a.out", normalize=normalize, **shape
         )
         phases = (f"{name}_conv_tile(a, n, tile);", f"{name}_apply_tile(a, n, tile);")
     else:
-        conv = templates.DIRECT_CONV_MMA_KERNELS.substitute(
-            mma="bf16" if spec.dtype == "bfloat16" else "f16", **shape
-        )
-        phases = (f"{name}_mma_tile<0>(a, n, tile);", f"{name}_mma_tile<1>(a, n, tile);")
+        conv = templates.DIRECT_CONV_MMA_KERNELS.substitute(mma=MMA_INSTRUCTIONS[spec.dtype], normalize=normalize, **shape)
+        if d.kind == "tf32":
+            phases = (f"{name}_mma_tile<2>(a, n, tile);", f"{name}_apply_tile(a, n, tile);", f"{name}_mma_tile<1>(a, n, tile);")
+        else:
+            phases = (f"{name}_mma_tile<0>(a, n, tile);", f"{name}_mma_tile<1>(a, n, tile);")
     if stats:  # one launch of two phases; its workspace ends in the ticket and image counters
         conv += "\n\n" + templates.TWO_PHASE_KERNEL.substitute(
             kernel=name, eps=eps, phase1=phases[0], phase2=phases[1]
         )
         fn = f"{name}_twophase"
         ws_floats = "rows * kGroups * (kTiles * 3 + 2) + 1 + rows"
-    else:  # the conv alone (fma), or the output pass alone (mma)
-        single = phases[0] if d.kind == "fma" else phases[1]
+    else:  # the conv alone (fma), or the output pass alone (mma, tf32)
+        single = phases[0] if d.kind == "fma" else phases[-1]
         conv += "\n\n" + templates.ONE_PHASE_KERNEL.substitute(kernel=name, phase=single)
         fn, ws_floats = f"{name}_onephase", "0"
     # Raise the kernel's shared-memory limit once per device (idempotent, so a race is harmless).

@@ -605,6 +605,67 @@ ONE_PHASE_KERNEL = Template(
 }"""
 )
 
+# Phase 2 of a direct conv that stored its pre-norm value in `mid` (float32: the FMA
+# conv, or the TF32 tensor-core conv): ${kernel}_apply_tile normalizes one tile into
+# `out` (stage1). Placeholders: $kernel, $apply_vec (elements per access, see
+# render._apply_vec).
+NORMALIZE_TILE = Template(
+    r"""// The normalize of one tile: per channel, one run of kTH whole rows (one column
+// tile: the run is contiguous) or kTH runs of kTW columns, in vectors of kAV.
+constexpr int kAV = $apply_vec;
+constexpr int kRuns = kColTiles == 1 ? 1 : kTH;
+constexpr int kRunVecs = (kColTiles == 1 ? kTH * kWo : kTW) / kAV;
+constexpr int kLaneVecs = (kRuns * kRunVecs + 31) / 32;  // vectors per lane and channel
+constexpr int kApplyBatch = kLaneVecs < 16 ? kLaneVecs : 16;  // in flight per lane (64 KB a block)
+static_assert((kColTiles == 1 ? kTH * kWo : kTW) % kAV == 0, "see render._apply_vec");
+
+// Normalizes one tile of `mid` into `out` (stage1); its image's statistics are out.
+__device__ __forceinline__ void ${kernel}_apply_tile(const Args& a, const long long n, const int tile) {
+  __shared__ float gstat[kGroups * 2];  // this image's (mean, rstd) per group
+  for (int i = threadIdx.x; i < kGroups * 2; i += blockDim.x) gstat[i] = __ldcg(conv_stats(a) + n * kGroups * 2 + i);
+  __syncthreads();
+  const int oh0 = tile / kColTiles * kTH, ow0 = tile % kColTiles * kTW;
+  const int rows_here = min(kTH, kHo - oh0);
+  const int runs = kColTiles == 1 ? 1 : rows_here;
+  const int run_len = kColTiles == 1 ? rows_here * kWo : min(kTW, kWo - ow0);
+  // Each warp takes whole channels (their operands loaded once); its lanes stride over
+  // the channel's runs in vectors, kApplyBatch vectors in flight per lane.
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int co = warp; co < kCout; co += 8) {
+    const stage1_chan k1 = stage1_chan_of(a, co);
+    const float mean = gstat[co / kCpg * 2], rstd = gstat[co / kCpg * 2 + 1];
+    const long long base = n * kChannels * kInner + (long long)co * kInner + (long long)oh0 * kWo + ow0;
+    const float* src = a.mid + base;
+    float* dst = a.out + base;
+#pragma unroll 1
+    for (int j0 = 0; j0 < kLaneVecs; j0 += kApplyBatch) {
+      float v[kApplyBatch][kAV];
+      int at[kApplyBatch];  // offset from base (0 for a lane past the end: loaded, not stored)
+      bool ok[kApplyBatch];
+#pragma unroll
+      for (int b = 0; b < kApplyBatch; ++b) {  // all loads first, so that they are in flight together
+        const int i = (j0 + b) * 32 + lane;
+        if constexpr (kColTiles == 1) {  // one contiguous run
+          ok[b] = i * kAV < run_len;
+          at[b] = ok[b] ? i * kAV : 0;
+        } else {
+          const int run = i / kRunVecs, off = i % kRunVecs * kAV;
+          ok[b] = run < runs && off < run_len;
+          at[b] = ok[b] ? run * kWo + off : 0;
+        }
+        fusedepi::load_vec_cg<kAV>(src + at[b], v[b]);
+      }
+#pragma unroll
+      for (int b = 0; b < kApplyBatch; ++b) {
+        stage1_at<kAV>(v[b], k1, base + at[b], a, mean, rstd, true);
+        if (ok[b]) fusedepi::store_vec_cs<kAV>(dst + at[b], v[b]);
+      }
+    }
+  }
+}
+"""
+)
+
 # Direct 2-D convolution (stride 1, dilation 1, groups 1) that applies stage0 to each
 # output vector while it is in registers: for convs with few input channels, whose
 # cost is the output's bytes, so writing it once, with the epilogue applied, is the
@@ -620,9 +681,9 @@ ONE_PHASE_KERNEL = Template(
 # earlier ones. Without a reduction conv_tile writes `out` directly (ONE_PHASE_KERNEL).
 # Placeholders: $kernel, $cin, $cout, $copad (output channels padded to 8 x a power
 # of two), $kh, $kw, $pad_h, $pad_w, $in_h, $in_w, $out_h, $out_w, $tile_h (output
-# rows per block), $out_vec (elements per store, divides $out_w), $apply_vec
-# (elements per normalize access), $stats, $cpg (channels per group), $dst (`a.mid`
-# or `a.out`).
+# rows per block), $out_vec (elements per store, divides $out_w), $stats, $cpg
+# (channels per group), $dst (`a.mid` or `a.out`), $normalize (NORMALIZE_TILE with
+# GroupNorm, else nothing).
 DIRECT_CONV_KERNELS = Template(
     r"""constexpr int kCin = $cin, kCout = $cout, kCoPad = $copad;
 constexpr int kKH = $kh, kKW = $kw, kPadH = $pad_h, kPadW = $pad_w;
@@ -647,14 +708,6 @@ constexpr int kConvSmem =
     (int)(sizeof(float) * (kCin * kInRows * kSW + kTaps * kCoPad) + sizeof(fusedepi::Moments) * 8 * kSlots);
 static_assert(kCog * kRowsAtOnce == 8 && kTH % kRowsAtOnce == 0, "8 warps tile channels x rows");
 static_assert(kWo % kOV == 0 && 4 % kOV == 0, "stores stay inside a row");
-// The normalize of one tile: per channel, one run of kTH whole rows (one column
-// tile: the run is contiguous) or kTH runs of kTW columns, in vectors of kAV.
-constexpr int kAV = $apply_vec;
-constexpr int kRuns = kColTiles == 1 ? 1 : kTH;
-constexpr int kRunVecs = (kColTiles == 1 ? kTH * kWo : kTW) / kAV;
-constexpr int kLaneVecs = (kRuns * kRunVecs + 31) / 32;  // vectors per lane and channel
-constexpr int kApplyBatch = kLaneVecs < 16 ? kLaneVecs : 16;  // in flight per lane (64 KB a block)
-static_assert((kColTiles == 1 ? kTH * kWo : kTW) % kAV == 0, "see render._apply_vec");
 
 """ + _CONV_WORKSPACE + r"""
 __device__ __forceinline__ void ${kernel}_conv_tile(const Args& a, const long long n, const int tile) {
@@ -807,55 +860,12 @@ __device__ __forceinline__ void ${kernel}_conv_tile(const Args& a, const long lo
   }
 }
 
-// Normalizes one tile of `mid` into `out` (stage1); its image's statistics are out.
-__device__ __forceinline__ void ${kernel}_apply_tile(const Args& a, const long long n, const int tile) {
-  __shared__ float gstat[kGroups * 2];  // this image's (mean, rstd) per group
-  for (int i = threadIdx.x; i < kGroups * 2; i += blockDim.x) gstat[i] = __ldcg(conv_stats(a) + n * kGroups * 2 + i);
-  __syncthreads();
-  const int oh0 = tile / kColTiles * kTH, ow0 = tile % kColTiles * kTW;
-  const int rows_here = min(kTH, kHo - oh0);
-  const int runs = kColTiles == 1 ? 1 : rows_here;
-  const int run_len = kColTiles == 1 ? rows_here * kWo : min(kTW, kWo - ow0);
-  // Each warp takes whole channels (their operands loaded once); its lanes stride over
-  // the channel's runs in vectors, kApplyBatch vectors in flight per lane.
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int co = warp; co < kCout; co += 8) {
-    const stage1_chan k1 = stage1_chan_of(a, co);
-    const float mean = gstat[co / kCpg * 2], rstd = gstat[co / kCpg * 2 + 1];
-    const long long base = n * kChannels * kInner + (long long)co * kInner + (long long)oh0 * kWo + ow0;
-    const float* src = a.mid + base;
-    float* dst = a.out + base;
-#pragma unroll 1
-    for (int j0 = 0; j0 < kLaneVecs; j0 += kApplyBatch) {
-      float v[kApplyBatch][kAV];
-      int at[kApplyBatch];  // offset from base (0 for a lane past the end: loaded, not stored)
-      bool ok[kApplyBatch];
-#pragma unroll
-      for (int b = 0; b < kApplyBatch; ++b) {  // all loads first, so that they are in flight together
-        const int i = (j0 + b) * 32 + lane;
-        if constexpr (kColTiles == 1) {  // one contiguous run
-          ok[b] = i * kAV < run_len;
-          at[b] = ok[b] ? i * kAV : 0;
-        } else {
-          const int run = i / kRunVecs, off = i % kRunVecs * kAV;
-          ok[b] = run < runs && off < run_len;
-          at[b] = ok[b] ? run * kWo + off : 0;
-        }
-        fusedepi::load_vec_cg<kAV>(src + at[b], v[b]);
-      }
-#pragma unroll
-      for (int b = 0; b < kApplyBatch; ++b) {
-        stage1_at<kAV>(v[b], k1, base + at[b], a, mean, rstd, true);
-        if (ok[b]) fusedepi::store_vec_cs<kAV>(dst + at[b], v[b]);
-      }
-    }
-  }
-}
-"""
+$normalize"""
 )
 
 # Direct 2-D convolution on tensor cores for bf16/fp16 chains (mma.sync m16n8k16,
-# float32 accumulate): out^T = W x im2col(x)^T with the weights (A) held in registers
+# float32 accumulate), and for float32 chains where TF32 is allowed (m16n8k8 TF32,
+# inputs rounded to TF32 as they are staged, weights' fragments in shared memory): out^T = W x im2col(x)^T with the weights (A) held in registers
 # and im2col columns (B) read from an input tile in shared memory by ldmatrix. The
 # tile is stored pixel-major with 8 input channels (16 bytes) per chunk, so one
 # ldmatrix row is one pixel's 8 channels of one tap: k runs over (tap, channel).
@@ -868,9 +878,11 @@ __device__ __forceinline__ void ${kernel}_apply_tile(const Args& a, const long l
 # shared memory and writes whole row segments of `out`. The two passes run as the
 # phases of one TWO_PHASE_KERNEL launch. Input is read twice, the output written once,
 # and nothing is rounded to 16 bits before the end. Without a reduction, pass 1 alone
-# runs (ONE_PHASE_KERNEL).
-# Placeholders: $kernel, $mma ("bf16" or "f16"), $cin, $cout, $kh, $kw, $pad_h, $pad_w,
-# $in_h, $in_w, $out_h, $out_w, $tile_h, $stats, $cpg.
+# runs (ONE_PHASE_KERNEL). TF32 does not recompute: pass 2 stores stage0's value to
+# `mid` and leaves the partials (as the FMA conv does), and NORMALIZE_TILE is phase 2.
+# Placeholders: $kernel, $mma (the mma.sync instruction), $cin, $cout, $kh, $kw, $pad_h,
+# $pad_w, $in_h, $in_w, $out_h, $out_w, $tile_h, $stats, $cpg, $normalize
+# (NORMALIZE_TILE for TF32 with GroupNorm, else nothing).
 DIRECT_CONV_MMA_KERNELS = Template(
     r"""constexpr int kCin = $cin, kCout = $cout;
 constexpr int kKH = $kh, kKW = $kw, kPadH = $pad_h, kPadW = $pad_w;
@@ -880,9 +892,11 @@ constexpr int kTW = 256;                         // output columns per block: 8 
 constexpr bool kConvStats = $stats;              // GroupNorm: pass 0 leaves partials
 constexpr int kCpg = $cpg;                       // channels per group (a power of two)
 constexpr int kMT = kCout / 16;                  // m-tiles of 16 output channels
-constexpr int kCC = kCin / 8;                    // 16-byte channel chunks per pixel
-constexpr int kKChunks = kKH * kKW * kCC;         // k / 8
-constexpr int kKSteps = (kKChunks + 1) / 2;       // mma k = 16: two chunks per step
+constexpr bool kTF32 = sizeof(T) == 4;           // float32: m16n8k8 TF32, A fragments in shared memory
+constexpr int kCE = 16 / (int)sizeof(T);         // channels per 16-byte chunk (8, or 4 for TF32)
+constexpr int kCC = kCin / kCE;                  // 16-byte channel chunks per pixel
+constexpr int kKChunks = kKH * kKW * kCC;         // k / kCE
+constexpr int kKSteps = (kKChunks + 1) / 2;       // two chunks per mma k-step (k16, or k8 for TF32)
 constexpr int kInRows = kTH + kKH - 1, kInCols = kTW + kKW - 1;
 constexpr int kColTiles = (kWo + kTW - 1) / kTW;
 constexpr int kTiles = (kHo + kTH - 1) / kTH * kColTiles;
@@ -890,13 +904,17 @@ constexpr int kTileChunks = kInRows * kInCols * kCC;
 constexpr int kCtaGroups = kCout / kCpg;
 // Input rows start 16-byte aligned and a tile's 8-column vectors lie wholly inside or
 // outside the image: the tile is staged in 16-byte loads (the launcher aligns x).
-constexpr bool kVecStage = kWi % 8 == 0 && kPadW % 8 == 0;
+constexpr bool kVecStage = !kTF32 && kWi % 8 == 0 && kPadW % 8 == 0;
 constexpr int kGroupLanes = kCpg < 8 ? kCpg : 8;  // lanes (by row g) whose channels share a group
 constexpr int kOutStride = 40;                  // staged output row: 32 columns + 8 (no bank conflicts)
-constexpr int kStageOut = 8 * kCout * kOutStride * (int)sizeof(T);  // per block, bytes
+// 16-bit outputs are staged per warp and written as whole row segments; float32
+// pairs fill 32-byte sectors (4 lanes) as they are.
+constexpr bool kStageOutput = !kTF32;
+constexpr int kStageOut = kStageOutput ? 8 * kCout * kOutStride * (int)sizeof(T) : 0;  // per block, bytes
+constexpr int kFragEntries = kTF32 ? kMT * kKSteps * 32 : 0;  // TF32 A fragments: [m][step][lane] x 16 bytes
 constexpr int kConvSmem =
-    (int)(16 * (kTileChunks + 1) + sizeof(fusedepi::Moments) * 8 * kCtaGroups) + kStageOut;
-static_assert(kCin % 8 == 0 && kCout % 16 == 0 && kWo % 2 == 0, "see render.direct_plan");
+    (int)(16 * (kTileChunks + 1 + kFragEntries) + sizeof(fusedepi::Moments) * 8 * kCtaGroups) + kStageOut;
+static_assert(kCin % kCE == 0 && kCout % 16 == 0 && kWo % 2 == 0, "see render.direct_plan");
 
 """ + _CONV_WORKSPACE + r"""
 
@@ -907,23 +925,35 @@ __device__ __forceinline__ unsigned pack_pair(float lo, float hi) {
   return u;
 }
 
+__device__ __forceinline__ unsigned to_tf32(float x) {  // round to nearest (ties away), as cuDNN
+  unsigned u;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(u) : "f"(x));
+  return u;
+}
+
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
-__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.$mma.$mma.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+// One k-step: 16x8 outputs += A (4 registers a lane) x B (2 registers a lane), for
+// both instructions (m16n8k16 bf16/fp16, m16n8k8 TF32), whose fragments have that shape.
+__device__ __forceinline__ void mma_step(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile("$mma {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
                "{%8, %9}, {%0, %1, %2, %3};"
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-template <int kPass>  // 0: GroupNorm statistics only; 1: the output. 256 threads: kTW / 32 warps
+// kPass 0: GroupNorm statistics only; 1: the output; 2 (TF32): stage0's value into
+// `mid`, and the statistics. 256 threads: kTW / 32 warps.
+template <int kPass>
 __device__ __forceinline__ void ${kernel}_mma_tile(const Args& a, const long long n, const int tile_id) {
+  constexpr bool kStats = kPass != 1;  // this pass leaves GroupNorm partials
   extern __shared__ uint4 mma_smem[];
-  uint4* tile = mma_smem;  // [kInRows][kInCols][kCC], 8 channels per entry; then one zero entry
-  fusedepi::Moments* part = reinterpret_cast<fusedepi::Moments*>(mma_smem + kTileChunks + 1);  // [warp][group]
+  uint4* tile = mma_smem;  // [kInRows][kInCols][kCC], kCE channels per entry; then one zero entry
+  uint4* frag = mma_smem + kTileChunks + 1;  // TF32: A fragments [m][step][lane]
+  fusedepi::Moments* part = reinterpret_cast<fusedepi::Moments*>(frag + kFragEntries);  // [warp][group]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   // Pass 1 stages each warp's [kCout][32] outputs here, then writes whole row segments.
   T* staged = reinterpret_cast<T*>(reinterpret_cast<char*>(part + 8 * kCtaGroups)) + warp * kCout * kOutStride;
@@ -976,38 +1006,66 @@ __device__ __forceinline__ void ${kernel}_mma_tile(const Args& a, const long lon
       const int c = i % kInCols, rc = i / kInCols, cc = rc % kCC, r = rc / kCC;
       const int ih = oh0 - kPadH + r, iw = ow0 - kPadW + c;
       const bool in = ih >= 0 && ih < kHi && iw >= 0 && iw < kWi;
-      const T* src = xn + ((long long)cc * 8 * kHi + (in ? ih : 0)) * kWi + (in ? iw : 0);
-      T v[8];
+      const T* src = xn + ((long long)cc * kCE * kHi + (in ? ih : 0)) * kWi + (in ? iw : 0);
+      T v[kCE];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = in ? src[(long long)j * kHi * kWi] : fusedepi::from_float<T>(0.f);
+      for (int j = 0; j < kCE; ++j) v[j] = in ? src[(long long)j * kHi * kWi] : fusedepi::from_float<T>(0.f);
       uint4 u;
-      memcpy(&u, v, 16);
+      if constexpr (kTF32) {
+        unsigned r4[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) r4[j] = to_tf32(fusedepi::to_float(v[j]));
+        u = make_uint4(r4[0], r4[1], r4[2], r4[3]);
+      } else {
+        memcpy(&u, v, 16);
+      }
       tile[(r * kInCols + c) * kCC + cc] = u;
     }
   }
   if (threadIdx.x == 0) tile[kTileChunks] = make_uint4(0u, 0u, 0u, 0u);
-  if constexpr (kPass == 0)
+  if constexpr (kStats)
     for (int i = threadIdx.x; i < 8 * kCtaGroups; i += blockDim.x) part[i] = {0.f, 0.f, 0.f};
 
-  // Weights as A fragments: row = output channel, k = (tap, input channel); zero past kKChunks.
-  unsigned wa[kMT][kKSteps][4];
-#pragma unroll
-  for (int m = 0; m < kMT; ++m)
-#pragma unroll
-    for (int s = 0; s < kKSteps; ++s)
+  // Weights as A fragments: row = output channel, k = (tap, input channel); zero past
+  // kKChunks. 16-bit: register q of lane (g, t) holds rows g (+8 for q odd), k 2t and
+  // 2t + 1 (+8 for q >= 2), in registers. TF32: row g (+8), k t (+4), one value a
+  // register, in shared memory (72 registers for workload 5 would not fit).
+  unsigned wa[kTF32 ? 1 : kMT][kTF32 ? 1 : kKSteps][4];
+  if constexpr (kTF32) {
+    for (int i = threadIdx.x; i < kFragEntries; i += blockDim.x) {
+      const int fl = i % 32, s = i / 32 % kKSteps, m = i / 32 / kKSteps, fg = fl >> 2, ft = fl & 3;
+      unsigned r4[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const int co = m * 16 + g + 8 * (q & 1), k0 = 2 * t + 8 * (q >> 1);
-        const int chunk = 2 * s + (k0 >> 3);
-        float w0 = 0.f, w1 = 0.f;
+        const int co = m * 16 + fg + 8 * (q & 1), chunk = 2 * s + (q >> 1);
+        float w = 0.f;
         if (chunk < kKChunks) {
-          const int tap = chunk / kCC, ci = chunk % kCC * 8 + (k0 & 7);
-          const T* wp = a.w + ((co * kCin + ci) * kKH + tap / kKW) * kKW + tap % kKW;
-          w0 = fusedepi::to_float(wp[0]);
-          w1 = fusedepi::to_float(wp[kKH * kKW]);
+          const int tap = chunk / kCC, ci = chunk % kCC * kCE + ft;
+          w = fusedepi::to_float(a.w[((co * kCin + ci) * kKH + tap / kKW) * kKW + tap % kKW]);
         }
-        wa[m][s][q] = pack_pair(w0, w1);
+        r4[q] = to_tf32(w);
       }
+      frag[i] = make_uint4(r4[0], r4[1], r4[2], r4[3]);
+    }
+  } else {
+#pragma unroll
+    for (int m = 0; m < kMT; ++m)
+#pragma unroll
+      for (int s = 0; s < kKSteps; ++s)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int co = m * 16 + g + 8 * (q & 1), k0 = 2 * t + 8 * (q >> 1);
+          const int chunk = 2 * s + (k0 >> 3);
+          float w0 = 0.f, w1 = 0.f;
+          if (chunk < kKChunks) {
+            const int tap = chunk / kCC, ci = chunk % kCC * 8 + (k0 & 7);
+            const T* wp = a.w + ((co * kCin + ci) * kKH + tap / kKW) * kKW + tap % kKW;
+            w0 = fusedepi::to_float(wp[0]);
+            w1 = fusedepi::to_float(wp[kKH * kKW]);
+          }
+          wa[m][s][q] = pack_pair(w0, w1);
+        }
+  }
   // This lane's ldmatrix row: matrix (lane / 8) = (chunk 2s + bit 0, n-tile + bit 1).
   const int mat = lane >> 3;
   int koff[kKSteps];
@@ -1067,8 +1125,15 @@ __device__ __forceinline__ void ${kernel}_mma_tile(const Args& a, const long lon
         ldmatrix_x4(b, addr);
 #pragma unroll
         for (int m = 0; m < kMT; ++m) {
-          mma_16816(acc[m][2 * jp], wa[m][s], b[0], b[1]);
-          mma_16816(acc[m][2 * jp + 1], wa[m][s], b[2], b[3]);
+          if constexpr (kTF32) {
+            const uint4 f = frag[(m * kKSteps + s) * 32 + lane];
+            const unsigned af[4] = {f.x, f.y, f.z, f.w};
+            mma_step(acc[m][2 * jp], af, b[0], b[1]);
+            mma_step(acc[m][2 * jp + 1], af, b[2], b[3]);
+          } else {
+            mma_step(acc[m][2 * jp], wa[m][s], b[0], b[1]);
+            mma_step(acc[m][2 * jp + 1], wa[m][s], b[2], b[3]);
+          }
         }
       }
 
@@ -1090,15 +1155,22 @@ __device__ __forceinline__ void ${kernel}_mma_tile(const Args& a, const long lon
           const long long e0 = n * kChannels * kInner + co * kInner + oh * kWo + ow;
           float v[2] = {acc[m][j][2 * h], acc[m][j][2 * h + 1]};
           stage0_at<2>(v, k0, e0, a);
+          const bool in_image = j * 8 + 2 * t < valid_px;  // the pair (the output width is even)
           if constexpr (kPass == 1) {
             if constexpr (kConvStats) stage1_at<2>(v, k1, e0, a, gmean[m][h], grstd[m][h]);
-            fusedepi::store_vec<T, 2>(staged + co * kOutStride + j * 8 + 2 * t, v);
+            if constexpr (kStageOutput) {
+              fusedepi::store_vec<T, 2>(staged + co * kOutStride + j * 8 + 2 * t, v);
+            } else if (in_image) {  // 4 lanes fill a 32-byte sector
+              fusedepi::store_vec<T, 2>(a.out + e0, v);
+            }
           }
+          if constexpr (kPass == 2)
+            if (in_image) fusedepi::store_vec<T, 2>(a.mid + e0, v);
           acc[m][j][2 * h] = v[0];
           acc[m][j][2 * h + 1] = v[1];
         }
       }
-    if constexpr (kPass == 1) {
+    if constexpr (kPass == 1 && kStageOutput) {
       // Each instruction writes two channels' 32 contiguous columns (one pair per lane).
       __syncwarp();
       const int col = 2 * (lane & 15);
@@ -1113,7 +1185,7 @@ __device__ __forceinline__ void ${kernel}_mma_tile(const Args& a, const long lon
       }
       __syncwarp();
     }
-    if constexpr (kPass == 0) {
+    if constexpr (kStats) {
       // Shifted sums per slot over this thread's valid columns, all rows of the block.
       // The shift is a value of the data: column 2t of the first row, valid whenever any
       // of this thread's columns is (a thread without one leaves count 0).
@@ -1139,7 +1211,7 @@ __device__ __forceinline__ void ${kernel}_mma_tile(const Args& a, const long lon
       for (int j = 0; j < 4; ++j) count += j * 8 + 2 * t < valid_px ? 2.f : 0.f;
     }
   }
-  if constexpr (kPass == 0) {
+  if constexpr (kStats) {
     // Per thread and slot (count, mean, M2); merged over the group's lanes, then over
     // the slots of a group (more than 8 channels), then over the warps.
     fusedepi::Moments mo[kMT][2];
@@ -1178,5 +1250,7 @@ __device__ __forceinline__ void ${kernel}_mma_tile(const Args& a, const long lon
       dst[2] = m.m2;
     }
   }
-}"""
+}
+
+$normalize"""
 )

@@ -77,25 +77,37 @@ def _parse(spec: str) -> EpilogueSpec:
     return parsed
 
 
+def conv_allows_tf32() -> bool:
+    """Whether float32 convolutions may use TF32 now, as eager's cuDNN call would read it:
+    `torch.backends.cudnn.allow_tf32` (on by default), or the newer
+    `torch.backends.cudnn.conv.fp32_precision`; torch refuses the older getter once the
+    two APIs were mixed."""
+    try:
+        return bool(torch.backends.cudnn.allow_tf32)
+    except RuntimeError:
+        return torch.backends.cudnn.conv.fp32_precision == "tf32"
+
+
 def arch_of(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm{major}{minor}"
 
 
-def kernel_for(spec: str, device: torch.device, cache_dir: Path) -> cuda_templates.Library:
-    """Renders, compiles (or finds in the cache) and loads the kernel for `spec`.
+def kernel_for(spec: str, device: torch.device, cache_dir: Path, conv_tf32: bool = False) -> cuda_templates.Library:
+    """Renders, compiles (or finds in the cache) and loads the kernel for `spec`
+    (conv_tf32: the variant for float32 convolutions that may use TF32).
 
     Raises:
         cuda_templates.NotRenderable: no template covers the spec.
         cuda_templates.CompileError: nvcc failed or is missing.
     """
     arch = arch_of(device)
-    key = (spec, arch, str(cache_dir))
+    key = (spec, arch, str(cache_dir), conv_tf32)
     lib = _kernels.get(key)
     if lib is None:
         parsed = _parse(spec)
-        source = cuda_templates.render(parsed, arch)
-        lib = cuda_templates.load(source, cuda_templates.kernel_name(parsed, arch), arch, cache_dir)
+        source = cuda_templates.render(parsed, arch, conv_tf32=conv_tf32)
+        lib = cuda_templates.load(source, cuda_templates.kernel_name(parsed, arch, conv_tf32), arch, cache_dir)
         with _kernels_lock:
             _kernels[key] = lib
     return lib
@@ -111,12 +123,12 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 class Launcher:
     """Runs one spec on one device; everything that does not change per call is fixed here."""
 
-    def __init__(self, spec: str, device: torch.device):
+    def __init__(self, spec: str, device: torch.device, conv_tf32: bool = False):
         from .config import load_config
 
         self.spec = _parse(spec)
         self.device_index = device.index
-        self.lib = kernel_for(spec, device, load_config().cache_dir)
+        self.lib = kernel_for(spec, device, load_config().cache_dir, conv_tf32)
         self.n_operands = self.spec.anchor.n_operands
         red = self.spec.reduction
         self.row_output = self.spec.row_output
@@ -125,10 +137,10 @@ class Launcher:
         self.running_stats = (bn.inputs[2], bn.inputs[3]) if bn is not None else ()
         self._ws_floats: dict[int, int] = {}
         self.saves = [(save, getattr(torch, save.dtype)) for save in self.spec.saves]
-        # The float32 direct conv with GroupNorm stores the pre-norm value in a buffer.
-        direct = cuda_templates.direct_plan(self.spec, arch_of(device))
+        # The float32 direct conv with GroupNorm (FMA or TF32) stores the pre-norm value in a buffer.
+        direct = cuda_templates.direct_plan(self.spec, arch_of(device), conv_tf32)
         self.stores_pre_norm = (
-            self.lib.anchor_inside and direct.kind == "fma" and self.spec.reduction is not None
+            self.lib.anchor_inside and direct.kind in ("fma", "tf32") and self.spec.reduction is not None
         )
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -179,11 +191,21 @@ def forget_loaded() -> None:
         _unbuilt.clear()
 
 
+def reads_conv_tf32(spec: str) -> bool:
+    """Whether the kernel of `spec` depends on conv_allows_tf32(): a float32 conv that
+    the direct kernel may compute."""
+    parsed = _parse(spec)
+    return parsed.dtype == "float32" and parsed.anchor.kind == "conv" and bool(parsed.anchor.direct)
+
+
 def launcher_for(spec: str, device: torch.device) -> Launcher:
-    key = (spec, device.index)
+    """The launcher of `spec` on `device`; for a float32 conv, of the variant that the
+    TF32 setting asks for now (eager's cuDNN reads it at every call too)."""
+    tf32 = reads_conv_tf32(spec) and conv_allows_tf32()
+    key = (spec, device.index, tf32)
     launcher = _launchers.get(key)
     if launcher is None:
-        launcher = Launcher(spec, device)
+        launcher = Launcher(spec, device, tf32)
         with _kernels_lock:
             _launchers[key] = launcher
     return launcher

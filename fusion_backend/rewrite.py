@@ -118,8 +118,9 @@ def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
     device = chain.anchor.meta["val"].device
     if device.type != "cuda":
         return "reference (cpu)"
-    ops.kernel_for(spec, device, cfg.cache_dir)
-    return cuda_templates.kernel_name(chain.spec, ops.arch_of(device))
+    tf32 = ops.reads_conv_tf32(spec) and ops.conv_allows_tf32()
+    ops.kernel_for(spec, device, cfg.cache_dir, tf32)
+    return cuda_templates.kernel_name(chain.spec, ops.arch_of(device), tf32)
 
 
 def matmul_allows_tf32() -> bool:

@@ -340,6 +340,40 @@ def test_direct_conv(name, dtype, exact_float32):
         torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
 
 
+# Cases whose shape the TF32 tensor-core kernel takes (input channels in 4s, output
+# channels in 16s up to 32, power-of-two channels per group).
+TF32_CASES = ["w5_like_partial_tiles", "many_images_two_column_tiles", "cin16_one_group", "cpg1_pad0",
+              "vec_stage_pad8", "cin8_pointwise"]
+
+
+@pytest.mark.parametrize("name", TF32_CASES)
+def test_direct_conv_tf32_and_the_setting_at_call_time(name, exact_float32):
+    # TF32 allowed for convolutions: the tensor-core kernel in TF32, at TF32's error.
+    # Then TF32 switched off without recompiling: the next call runs the exact FMA kernel.
+    from fusion_backend import ops
+
+    cin, cout, k, padding, groups, shape, _ = DIRECT_CONVS[name]
+    model = _ConvChain(cin, cout, k, padding, groups).cuda()
+    x = torch.rand(shape, device="cuda") * 2 - 1
+    ref, _ = float64_reference(model, x)
+    before = set(ops._launchers)
+    torch.backends.cudnn.allow_tf32 = True
+    with torch.no_grad():
+        fn = torch.compile(model, backend=fusedepi)
+        out, kernels = _kernels(model, x)
+        assert kernels and kernels[0].endswith("_tf32"), kernels
+        err = relative_error(out, ref)
+        assert err <= 2e-3, f"TF32 relative error {err:.3g} (seed {exact_float32})"
+        tf32_keys = set(ops._launchers) - before
+        torch.backends.cudnn.allow_tf32 = False
+        exact = fn(x)
+    exact_keys = set(ops._launchers) - before - tf32_keys
+    assert tf32_keys and all(key[2] for key in tf32_keys), tf32_keys
+    assert {key[0] for key in exact_keys if not key[2]} & {key[0] for key in tf32_keys}, exact_keys
+    err = relative_error(exact, ref)
+    assert err <= TOLERANCE[torch.float32], f"relative error {err:.3g} after TF32 was switched off"
+
+
 def test_direct_conv_disabled_runs_the_library_conv(monkeypatch, exact_float32):
     monkeypatch.setenv("FUSEDEPI_DISABLE", "direct_conv")
     workload = WORKLOADS["5_conv_groupnorm"]

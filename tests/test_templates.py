@@ -163,6 +163,39 @@ def test_nvcc_compiles(name, arch, tmp_path_factory):
     assert library.exists() and library.stat().st_size > 0
 
 
+TF32_SPECS = {f"{name}-tf32": spec for name, spec in direct_specs("float32").items()
+              if getattr(cuda_templates.direct_plan(spec, "sm90", conv_tf32=True), "kind", "") == "tf32"}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm80", "sm90a"])
+@pytest.mark.parametrize("name", list(TF32_SPECS))
+def test_nvcc_compiles_tf32_direct_convs(name, arch, tmp_path_factory):
+    spec = TF32_SPECS[name]
+    cache = tmp_path_factory.getbasetemp() / "kernel-cache"
+    source = cuda_templates.render(spec, arch, conv_tf32=True)
+    library = cuda_templates.build(source, cuda_templates.kernel_name(spec, arch, conv_tf32=True), arch, cache)
+    assert library.exists() and library.stat().st_size > 0
+
+
+def test_tf32_direct_conv_plans():
+    w5 = direct_specs()["w5_direct"]
+    d = cuda_templates.direct_plan(w5, "sm90", conv_tf32=True)
+    assert d.kind == "tf32" and d.tile_h == 8 and d.smem <= 110 * 1024  # two blocks per SM
+    assert cuda_templates.kernel_name(w5, "sm90", conv_tf32=True).endswith("_tf32")
+    source = cuda_templates.render(w5, "sm90", conv_tf32=True)
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in source and "cvt.rna.tf32.f32" in source
+    # phase 1 stores the pre-norm value, phase 2 normalizes it
+    assert "_mma_tile<2>(a, n, tile);" in source and "_apply_tile(a, n, tile);" in source
+    # exact float32 unless TF32 is allowed, and before sm_80
+    assert cuda_templates.direct_plan(w5, "sm90").kind == "fma"
+    assert cuda_templates.direct_plan(w5, "sm75", conv_tf32=True).kind == "fma"
+    # 3 input channels do not fill a 16-byte chunk of 4 floats: FMA
+    assert cuda_templates.direct_plan(direct_specs()["direct_pointwise_k5_pad2"], "sm90", conv_tf32=True).kind == "fma"
+    pointwise = cuda_templates.render(direct_specs()["direct_pointwise_cin8"], "sm90", conv_tf32=True)
+    assert "_mma_tile<1>(a, n, tile);" in pointwise and "_twophase" not in pointwise
+
+
 def test_saved_values_are_stored_where_the_spec_says():
     # W4 in training (bias, groupnorm | silu, mul, silu): groupnorm's output (slot 0),
     # its statistics (1, 2) and each silu's sigmoid (3, 4).
