@@ -478,17 +478,29 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
         "  }",
     ]
     if stats:
+        # fma and tf32 read back in phase 2 what phase 1 stored: bytes of `mid` a tile writes
+        mid_tile = spec.channels * d.tile_h * min(wo, DIRECT_TILE_W) * 4 if d.kind in ("fma", "tf32") else 0
         launches += [
-            "  static int sms[64] = {};",
+            "  static int sms[64] = {}, l2[64] = {};",
             "  if (device < 64 && sms[device] == 0) {",
+            "    err = cudaDeviceGetAttribute(&l2[device], cudaDevAttrL2CacheSize, device);",
+            "    if (err != cudaSuccess) return static_cast<int>(err);",
             "    err = cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device);",
             "    if (err != cudaSuccess) return static_cast<int>(err);",
             "  }",
             "  // lag: the blocks that run at once (two a multiprocessor) in whole images, and one",
             "  // image more, so that phase 2 rarely waits; at most every tile (small batches).",
+            "  // Where phase 2 reads back a stored pre-norm value, at most the whole images whose",
+            "  // values fill 3/4 of L2 (at least one image), so that the read hits L2: phase 2",
+            "  // then waits more often but reads far fewer bytes from memory.",
             "  const long long items = rows * kTiles;",
             "  const long long resident = 2LL * (device < 64 ? sms[device] : 132);",
             "  long long lag = ((resident + kTiles - 1) / kTiles + 1) * kTiles;",
+            f"  const long long mid_tile = {mid_tile}LL;",
+            "  if (mid_tile > 0 && device < 64) {",
+            "    const long long fit = (3LL * l2[device] / 4 / mid_tile + kTiles - 1) / kTiles * kTiles;",
+            "    lag = fit < lag ? (fit > kTiles ? fit : kTiles) : lag;",
+            "  }",
             "  lag = lag < items ? lag : items;",
             "  err = cudaMemsetAsync(conv_counters(a), 0, (1 + rows) * sizeof(int), stream);",
             "  if (err != cudaSuccess) return static_cast<int>(err);",

@@ -997,6 +997,25 @@ __device__ __forceinline__ void ${kernel}_mma_tile(const Args& a, const long lon
         tile[(r * kInCols + c) * kCC + cc] = u;
       }
     }
+  } else if constexpr (kTF32) {
+    // 4-byte asynchronous copies into the entries (zero outside the image): no register
+    // round trip, every copy of a thread in flight at once; the weights' fragments are
+    // built meanwhile. TF32 rounding happens on the B fragments after ldmatrix. A warp
+    // takes whole lines (tile row, chunk, channel) and its lanes consecutive columns.
+    float* const tile_f = reinterpret_cast<float*>(tile);
+    const int warp_s = threadIdx.x >> 5, lane_s = threadIdx.x & 31;
+    for (int line = warp_s; line < kInRows * kCC * kCE; line += 8) {
+      const int j = line % kCE, cc = line / kCE % kCC, r = line / kCE / kCC;
+      const int ih = oh0 - kPadH + r;
+      const bool row_in = ih >= 0 && ih < kHi;
+      const T* src = xn + ((long long)(cc * kCE + j) * kHi + (row_in ? ih : 0)) * kWi;
+      float* dst = tile_f + (r * kInCols * kCC + cc) * kCE + j;
+      for (int c = lane_s; c < kInCols; c += 32) {
+        const int iw = ow0 - kPadW + c;
+        const bool in = row_in && iw >= 0 && iw < kWi;
+        fusedepi::copy_async4(dst + c * kCC * kCE, reinterpret_cast<const float*>(in ? src + iw : src), in);
+      }
+    }
   } else {
     constexpr int kStageIters = (kTileChunks + 255) / 256;
 #pragma unroll 4
@@ -1011,14 +1030,7 @@ __device__ __forceinline__ void ${kernel}_mma_tile(const Args& a, const long lon
 #pragma unroll
       for (int j = 0; j < kCE; ++j) v[j] = in ? src[(long long)j * kHi * kWi] : fusedepi::from_float<T>(0.f);
       uint4 u;
-      if constexpr (kTF32) {
-        unsigned r4[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) r4[j] = to_tf32(fusedepi::to_float(v[j]));
-        u = make_uint4(r4[0], r4[1], r4[2], r4[3]);
-      } else {
-        memcpy(&u, v, 16);
-      }
+      memcpy(&u, v, 16);
       tile[(r * kInCols + c) * kCC + cc] = u;
     }
   }
@@ -1097,6 +1109,7 @@ __device__ __forceinline__ void ${kernel}_mma_tile(const Args& a, const long lon
         grstd[m][h] = __ldcg(st + 1);
       }
     }
+  if constexpr (kTF32) fusedepi::copy_async_wait();  // this thread's part of the tile
   __syncthreads();
 
   const int valid_px = min(32, kWo - ow0 - warp * 32);  // columns of this warp inside the image
@@ -1123,6 +1136,9 @@ __device__ __forceinline__ void ${kernel}_mma_tile(const Args& a, const long lon
             koff[s] >= 0 ? tile_base + 16u * ((rr * kInCols + px_lane + jp * 16) * kCC + koff[s]) : zero_addr;
         unsigned b[4];
         ldmatrix_x4(b, addr);
+        if constexpr (kTF32)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) b[q] = to_tf32(__uint_as_float(b[q]));
 #pragma unroll
         for (int m = 0; m < kMT; ++m) {
           if constexpr (kTF32) {

@@ -89,6 +89,21 @@ def test_direct_conv_plans():
     assert cuda_templates.direct_plan(direct_specs()["direct_pointwise_k5_pad2"]).copad == 32  # 20 -> 32
 
 
+def test_direct_conv_lag_keeps_the_stored_value_in_l2():
+    # Phase 2 of the FMA/TF32 kernels reads back what phase 1 stored: the launcher caps the
+    # lag at the images whose stored values fill 3/4 of L2. W5: 32 channels x 8 rows x 254
+    # columns x 4 bytes a tile; the bf16 kernel stores nothing and keeps the plain lag.
+    def mid_tile(spec, **kw):
+        launches = cuda_templates.render(spec, "sm90", **kw).split('extern "C" int fusedepi_run')[1]
+        return int(re.search(r"const long long mid_tile = (\d+)LL;", launches).group(1))
+
+    w5 = direct_specs()["w5_direct"]
+    assert mid_tile(w5) == mid_tile(w5, conv_tf32=True) == 32 * 8 * 254 * 4
+    assert mid_tile(direct_specs("bfloat16")["w5_direct"]) == 0
+    launches = cuda_templates.render(w5, "sm90").split('extern "C" int fusedepi_run')[1]
+    assert "cudaDevAttrL2CacheSize" in launches and "fit > kTiles ? fit : kTiles" in launches  # never under an image
+
+
 @pytest.mark.parametrize(
     "change, reason",
     [
