@@ -4,7 +4,8 @@
 #                                        # workload 5's TF32 kernel: warp states, memory
 #   (the phase-2 lag sweep in NOTES.md ran with a temporary FUSEDEPI_EXPERIMENT_LAG_IMAGES
 #   override in the launcher, since removed: the lag is now a rule, see render.py)
-#   bash benchmarks/session9.sh tf32     # direct-conv + W5 GPU tests, W5 at TF32 and fp32 vs Inductor
+#   bash benchmarks/session9.sh tf32     # direct-conv, W5, W3, fuzz and InstanceNorm GPU tests, then W5
+#                                        # at TF32 and fp32-highest against Inductor (one run)
 set -uo pipefail
 OUT=${OUT:-/tmp/fusedepi-out}
 mkdir -p "$OUT"
@@ -26,7 +27,8 @@ case ${1:-tf32} in
     rm -f "$OUT/w5tf32.ncu-rep"
     ;;
   tf32)
-    bash benchmarks/device_run.sh tests -k "tf32 or direct or 5_conv" 2>&1 | tail -4
+    git log --oneline -1 2>/dev/null
+    bash benchmarks/device_run.sh tests -k "${TESTS:-direct or 5_conv or 3_linear or fuzz or instance}" 2>&1 | tail -4
     bash benchmarks/device_run.sh bench --workloads 5_conv_groupnorm --precisions fp32-tf32 fp32-highest \
       --providers inductor inductor-max-autotune fusedepi --profile 2>&1 | grep -v "^\s*[0-9.]* ms  x" | tail -14
     ;;
