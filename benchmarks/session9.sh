@@ -27,7 +27,6 @@ case ${1:-tf32} in
     rm -f "$OUT/w5tf32.ncu-rep"
     ;;
   tf32)
-    git log --oneline -1 2>/dev/null
     bash benchmarks/device_run.sh tests -k "${TESTS:-direct or 5_conv or 3_linear or fuzz or instance}" 2>&1 | tail -4
     bash benchmarks/device_run.sh bench --workloads 5_conv_groupnorm --precisions fp32-tf32 fp32-highest \
       --providers inductor inductor-max-autotune fusedepi --profile 2>&1 | grep -v "^\s*[0-9.]* ms  x" | tail -14
