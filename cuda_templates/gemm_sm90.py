@@ -102,7 +102,13 @@ __global__ void __launch_bounds__(384, 1) gemm_kernel(const __grid_constant__ CU
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
 
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
-  const int m0 = blockIdx.y * kBM, n0 = blockIdx.x * kBN;
+  // Grouped raster: row tiles vary fastest within groups of kGroupM, so that a wave of
+  // CTAs reads a band of A and a few B tiles, which stay in L2 while they are shared.
+  constexpr int kGroupM = 8;
+  const int tiles_n = n_cols / kBN, tiles_m = gridDim.x / tiles_n;
+  const int pid = blockIdx.x, per_group = kGroupM * tiles_n, first_m = pid / per_group * kGroupM;
+  const int rows_in_group = min(tiles_m - first_m, kGroupM);
+  const int m0 = (first_m + pid % per_group % rows_in_group) * kBM, n0 = pid % per_group / rows_in_group * kBN;
   const int k_tiles = k / kBK;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -233,7 +239,7 @@ extern "C" int gemm_run(const void* a, const void* b, void* c, const float* gamm
     if (cudaFuncSetAttribute(gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess) return -4;
     ready = true;
   }
-  gemm_kernel<<<dim3(n / kBN, m / kBM), 384, kSmem, stream>>>(map_a, map_b, static_cast<__nv_bfloat16*>(c), gamma,
+  gemm_kernel<<<(m / kBM) * (n / kBN), 384, kSmem, stream>>>(map_a, map_b, static_cast<__nv_bfloat16*>(c), gamma,
                                                                beta, eps, n, k);
   return static_cast<int>(cudaGetLastError());
 }
