@@ -91,10 +91,20 @@ __device__ __forceinline__ void wgmma_256(float (&d)[128], uint64_t desc_a, uint
   $wgmma
 }
 
+// Grouped raster: row tiles vary fastest within groups of 8, so that the CTAs running
+// at once read a band of A and a few B tiles, which stay in L2 while they are shared.
+__device__ __forceinline__ void tile_origin(int tile, int tiles_m, int tiles_n, int& m0, int& n0) {
+  constexpr int kGroupM = 8;
+  const int per_group = kGroupM * tiles_n, first_m = tile / per_group * kGroupM;
+  const int rows_in_group = min(tiles_m - first_m, kGroupM);
+  m0 = (first_m + tile % per_group % rows_in_group) * kBM;
+  n0 = tile % per_group / rows_in_group * kBN;
+}
+
 __global__ void __launch_bounds__(384, 1) gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                                                       const __grid_constant__ CUtensorMap map_b,
                                                       __nv_bfloat16* __restrict__ c, const float* __restrict__ gamma,
-                                                      const float* __restrict__ beta, float eps, int n_cols, int k) {
+                                                      const float* __restrict__ beta, float eps, int m_rows, int n_cols, int k) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* tiles_a = smem;
@@ -102,13 +112,7 @@ __global__ void __launch_bounds__(384, 1) gemm_kernel(const __grid_constant__ CU
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
 
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
-  // Grouped raster: row tiles vary fastest within groups of kGroupM, so that a wave of
-  // CTAs reads a band of A and a few B tiles, which stay in L2 while they are shared.
-  constexpr int kGroupM = 8;
-  const int tiles_n = n_cols / kBN, tiles_m = gridDim.x / tiles_n;
-  const int pid = blockIdx.x, per_group = kGroupM * tiles_n, first_m = pid / per_group * kGroupM;
-  const int rows_in_group = min(tiles_m - first_m, kGroupM);
-  const int m0 = (first_m + pid % per_group % rows_in_group) * kBM, n0 = pid % per_group / rows_in_group * kBN;
+  const int tiles_n = n_cols / kBN, tiles_m = m_rows / kBM, n_tiles = tiles_m * tiles_n;
   const int k_tiles = k / kBK;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -119,89 +123,103 @@ __global__ void __launch_bounds__(384, 1) gemm_kernel(const __grid_constant__ CU
   }
   __syncthreads();
 
+  // Persistent: CTA b takes tiles b, b + gridDim.x, ...; the ring's stage and phase run
+  // on across tiles (`it` counts k-tiles over all of this CTA's tiles), so the producer
+  // loads the next tile while the consumers run the epilogue of this one.
   if (wg == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (tid == 0) {
-      for (int i = 0; i < k_tiles; ++i) {
-        const int s = i % kStages;
-        if (i >= kStages) mbar_wait(&empty[s], ((i / kStages) + 1) & 1);
-        mbar_expect_tx(&full[s], kTileA + kTileB);
-        tma_load_2d(tiles_a + s * kTileA, &map_a, &full[s], i * kBK, m0);
-        tma_load_2d(tiles_b + s * kTileB, &map_b, &full[s], i * kBK, n0);
+      int it = 0;
+      for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+        int m0, n0;
+        tile_origin(tile, tiles_m, tiles_n, m0, n0);
+        for (int i = 0; i < k_tiles; ++i, ++it) {
+          const int s = it % kStages;
+          if (it >= kStages) mbar_wait(&empty[s], ((it / kStages) + 1) & 1);
+          mbar_expect_tx(&full[s], kTileA + kTileB);
+          tma_load_2d(tiles_a + s * kTileA, &map_a, &full[s], i * kBK, m0);
+          tma_load_2d(tiles_b + s * kTileB, &map_b, &full[s], i * kBK, n0);
+        }
       }
     }
   } else {  // consumers: rows 64 * (wg - 1) .. + 64 of the tile
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-    float d[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) d[i] = 0.f;
     const int half = wg - 1;
-    for (int i = 0; i < k_tiles; ++i) {
-      const int s = i % kStages;
-      mbar_wait(&full[s], (i / kStages) & 1);
-      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-      const uint8_t* a = tiles_a + s * kTileA + half * 64 * 128;  // 64 rows of 128 bytes
-      const uint8_t* b = tiles_b + s * kTileB;
+    int it = 0;
+    for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+      int m0, n0;
+      tile_origin(tile, tiles_m, tiles_n, m0, n0);
+      float d[128];
 #pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk)  // 16 elements = 32 bytes along K within the swizzled row
-        wgmma_256(d, make_desc(a + kk * 32), make_desc(b + kk * 32), (i > 0 || kk > 0) ? 1 : 0);
-      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-      // Keep one group in flight: the previous k-tile's wgmma is done, free its stage.
-      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-      if (i > 0) mbar_arrive(&empty[(i - 1) % kStages]);
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+      for (int i = 0; i < 128; ++i) d[i] = 0.f;
+      for (int i = 0; i < k_tiles; ++i, ++it) {
+        const int s = it % kStages;
+        mbar_wait(&full[s], (it / kStages) & 1);
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        const uint8_t* a = tiles_a + s * kTileA + half * 64 * 128;  // 64 rows of 128 bytes
+        const uint8_t* b = tiles_b + s * kTileB;
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk)  // 16 elements = 32 bytes along K within the swizzled row
+          wgmma_256(d, make_desc(a + kk * 32), make_desc(b + kk * 32), (i > 0 || kk > 0) ? 1 : 0);
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        // Keep one group in flight: the previous k-tile's wgmma is done, free its stage.
+        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+        if (i > 0) mbar_arrive(&empty[(it - 1) % kStages]);
+      }
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+      mbar_arrive(&empty[(it - 1) % kStages]);  // the tile's last stage
 
-    const int warp = tid / 32, lane = tid % 32;
-    const int row = m0 + half * 64 + warp * 16 + lane / 4;  // and row + 8
-    const int col0 = n0 + 2 * (lane % 4);
-    if constexpr (kGroup == 0) {
+      const int warp = tid / 32, lane = tid % 32;
+      const int row = m0 + half * 64 + warp * 16 + lane / 4;  // and row + 8
+      const int col0 = n0 + 2 * (lane % 4);
+      if constexpr (kGroup == 0) {
 #pragma unroll
-      for (int j = 0; j < 32; ++j)
+        for (int j = 0; j < 32; ++j)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const __nv_bfloat162 v = __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-          *reinterpret_cast<__nv_bfloat162*>(c + (long long)(row + 8 * h) * n_cols + col0 + 8 * j) = v;
-        }
-    } else {
-      constexpr int kChunks = kG / 8;
-      constexpr float kInv = 1.f / kG;
-#pragma unroll
-      for (int g = 0; g < 32 / kChunks; ++g)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float sum = 0.f;
-#pragma unroll
-          for (int q = 0; q < kChunks; ++q) sum += d[4 * (g * kChunks + q) + 2 * h] + d[4 * (g * kChunks + q) + 2 * h + 1];
-          sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-          const float mean = sum * kInv;
-          float sq = 0.f;
-#pragma unroll
-          for (int q = 0; q < kChunks; ++q)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float x = d[4 * (g * kChunks + q) + 2 * h + e] - mean;
-              sq = fmaf(x, x, sq);
-            }
-          sq += __shfl_xor_sync(0xffffffffu, sq, 1);
-          sq += __shfl_xor_sync(0xffffffffu, sq, 2);
-          const float rstd = rsqrtf(sq * kInv + eps);
-#pragma unroll
-          for (int q = 0; q < kChunks; ++q) {
-            const int col = col0 + 8 * (g * kChunks + q);
-            float y[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              float x = (d[4 * (g * kChunks + q) + 2 * h + e] - mean) * rstd * gamma[col + e] + beta[col + e];
-              x = x > 0.f ? x : 0.01f * x;  // leaky_relu(0.01)
-              y[e] = x + x;                  // x + x
-            }
-            *reinterpret_cast<__nv_bfloat162*>(c + (long long)(row + 8 * h) * n_cols + col) =
-                __floats2bfloat162_rn(y[0], y[1]);
+          for (int h = 0; h < 2; ++h) {
+            const __nv_bfloat162 v = __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+            *reinterpret_cast<__nv_bfloat162*>(c + (long long)(row + 8 * h) * n_cols + col0 + 8 * j) = v;
           }
-        }
-    }
+      } else {
+        constexpr int kChunks = kG / 8;
+        constexpr float kInv = 1.f / kG;
+#pragma unroll
+        for (int g = 0; g < 32 / kChunks; ++g)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float sum = 0.f;
+#pragma unroll
+            for (int q = 0; q < kChunks; ++q) sum += d[4 * (g * kChunks + q) + 2 * h] + d[4 * (g * kChunks + q) + 2 * h + 1];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const float mean = sum * kInv;
+            float sq = 0.f;
+#pragma unroll
+            for (int q = 0; q < kChunks; ++q)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const float x = d[4 * (g * kChunks + q) + 2 * h + e] - mean;
+                sq = fmaf(x, x, sq);
+              }
+            sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+            sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+            const float rstd = rsqrtf(sq * kInv + eps);
+#pragma unroll
+            for (int q = 0; q < kChunks; ++q) {
+              const int col = col0 + 8 * (g * kChunks + q);
+              float y[2];
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                float x = (d[4 * (g * kChunks + q) + 2 * h + e] - mean) * rstd * gamma[col + e] + beta[col + e];
+                x = x > 0.f ? x : 0.01f * x;  // leaky_relu(0.01)
+                y[e] = x + x;                  // x + x
+              }
+              *reinterpret_cast<__nv_bfloat162*>(c + (long long)(row + 8 * h) * n_cols + col) =
+                  __floats2bfloat162_rn(y[0], y[1]);
+            }
+          }
+      }
+    }  // tiles
   }
 }
 
@@ -234,13 +252,17 @@ extern "C" int gemm_run(const void* a, const void* b, void* c, const float* gamm
   CUtensorMap map_a, map_b;
   if (int e = make_map(&map_a, a, m, k, kBM)) return e;
   if (int e = make_map(&map_b, b, n, k, kBN)) return e;
-  static bool ready = false;
-  if (!ready) {
+  static int sms = 0;
+  if (sms == 0) {
     if (cudaFuncSetAttribute(gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess) return -4;
-    ready = true;
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+      return -5;
   }
-  gemm_kernel<<<(m / kBM) * (n / kBN), 384, kSmem, stream>>>(map_a, map_b, static_cast<__nv_bfloat16*>(c), gamma,
-                                                               beta, eps, n, k);
+  const int tiles = (m / kBM) * (n / kBN);
+  gemm_kernel<<<tiles < sms ? tiles : sms, 384, kSmem, stream>>>(map_a, map_b, static_cast<__nv_bfloat16*>(c), gamma,
+                                                                 beta, eps, m, n, k);
   return static_cast<int>(cudaGetLastError());
 }
 """
