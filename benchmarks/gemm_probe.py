@@ -1,0 +1,97 @@
+"""PROTOTYPE probe (issue 5): the hand-written Hopper GEMM of `cuda_templates/gemm_sm90.py`
+against cuBLAS, plain and with workload 3's chain (GroupNorm -> leaky_relu -> x + x) on
+its accumulators. Needs an sm_90 GPU and nvcc.
+
+    python -m benchmarks.gemm_probe            # correctness against float64, then timings
+
+For each shape it prints the relative error against a float64 reference, the median ms
+of the kernel and of `torch.mm` (cuBLAS) at bf16, and their ratio.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from cuda_templates.gemm_sm90 import render_gemm_probe
+
+
+def build(group: int, workdir: Path) -> ctypes.CDLL:
+    src = workdir / f"gemm_g{group}.cu"
+    lib = workdir / f"gemm_g{group}.so"
+    src.write_text(render_gemm_probe(group))
+    cmd = ["nvcc", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC",
+           "-o", str(lib), str(src)]
+    subprocess.run(cmd, check=True)
+    dll = ctypes.CDLL(str(lib))
+    dll.gemm_run.restype = ctypes.c_int
+    dll.gemm_run.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float] + [ctypes.c_int] * 3 + [ctypes.c_void_p]
+    return dll
+
+
+def run(dll, a, b, c, gamma, beta, eps=1e-5):
+    m, k = a.shape
+    n = b.shape[0]
+    g = gamma.data_ptr() if gamma is not None else None
+    be = beta.data_ptr() if beta is not None else None
+    err = dll.gemm_run(a.data_ptr(), b.data_ptr(), c.data_ptr(), g, be, eps, m, n, k,
+                       torch.cuda.current_stream().cuda_stream)
+    if err:
+        raise RuntimeError(f"gemm_run returned {err}")
+    return c
+
+
+def reference(a, b, group, gamma, beta, eps=1e-5):
+    y = a.double() @ b.double().t()
+    if group == 0:
+        return y
+    m, n = y.shape
+    y = F.group_norm(y, n // group, gamma.double(), beta.double(), eps)
+    y = F.leaky_relu(y, 0.01)
+    return y + y
+
+
+def rel(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def main() -> int:
+    from triton.testing import do_bench
+
+    torch.manual_seed(0)
+    work = Path(tempfile.mkdtemp(prefix="gemm_probe_"))
+    libs = {g: build(g, work) for g in (0, 16, 32)}
+    shapes = [(256, 512, 128), (1024, 8192, 8192), (16384, 4096, 4096)]
+    ok = True
+    for m, n, k in shapes:
+        a = torch.rand(m, k, device="cuda", dtype=torch.bfloat16) * 2 - 1
+        b = (torch.rand(n, k, device="cuda", dtype=torch.bfloat16) * 2 - 1) / k**0.5
+        c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        gamma = torch.rand(n, device="cuda") + 0.5
+        beta = torch.rand(n, device="cuda") - 0.5
+        lib_ms = do_bench(lambda: torch.mm(a, b.t()))
+        for g, dll in libs.items():
+            gm, bt = (gamma, beta) if g else (None, None)
+            out = run(dll, a, b, c, gm, bt)
+            torch.cuda.synchronize()
+            err = rel(out, reference(a, b, g, gamma, beta))
+            ms = do_bench(lambda: run(dll, a, b, c, gm, bt))
+            good = err < 1e-2
+            ok &= good
+            what = "GEMM" if g == 0 else f"GEMM+GroupNorm({g} cols)+leaky+x+x"
+            print(f"{m}x{n}x{k} {what:34s} rel err {err:.2e} {'ok' if good else 'MISMATCH'}  "
+                  f"{ms:.4f} ms  cuBLAS mm {lib_ms:.4f} ms  ratio {ms / lib_ms:.3f}", flush=True)
+        if (m, n, k) == shapes[1]:
+            gn = lambda: F.leaky_relu(F.group_norm(torch.mm(a, b.t()), n // 16, gamma.bfloat16(), beta.bfloat16()), 0.01) * 2
+            print(f"  eager mm + group_norm + leaky + x+x: {do_bench(gn):.4f} ms", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""PROTOTYPE (issue 5, not wired into the lowering): a Hopper GEMM whose epilogue runs
+on the accumulators, for bf16 C[M, N] = A[M, K] @ B[N, K]^T with float32 accumulation.
+
+The question it answers first is whether a hand-written kernel reaches cuBLAS at the
+shapes of workloads 2-4 (1024 x 8192 x 8192); only then is it worth generating its
+epilogue from the spec. `benchmarks/gemm_probe.py` renders, builds, checks and times it.
+
+Structure (one CTA a 128 x 256 output tile, 384 threads):
+- warpgroup 0 is the producer: one thread issues bulk tensor copies (TMA) of a 128 x 64
+  tile of A and a 256 x 64 tile of B into a ring of kStages shared-memory stages
+  (128-byte swizzle), completing on the stage's `full` mbarrier;
+- warpgroups 1 and 2 are consumers: each multiplies its 64 rows of the A tile with the
+  B tile by `wgmma.mma_async` m64n256k16 (both operands from shared memory, K-major),
+  128 float32 accumulators a thread, and frees a stage (its `empty` mbarrier) once the
+  wgmma that read it is complete;
+- the epilogue reads the accumulators in wgmma's layout: for 8-column chunk j, a thread
+  holds rows r = 16 * warp + lane / 4 (and r + 8), columns 8j + 2 * (lane % 4) + {0, 1}.
+  A GroupNorm group of G columns (G a multiple of 8 dividing 256) lies in G / 8 chunks
+  of one row, spread over the 4 lanes of a quad: its statistics are the thread's values
+  plus two quad shuffles, in registers, two-pass.
+"""
+
+from __future__ import annotations
+
+from string import Template
+
+BLOCK_M, BLOCK_N, BLOCK_K, STAGES = 128, 256, 64, 4
+
+
+def _wgmma_asm() -> str:
+    """The inline-asm statement of one m64n256k16 bf16 wgmma (128 accumulators)."""
+    regs = ", ".join(f"%{i}" for i in range(128))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(128))
+    return (
+        "asm volatile(\n"
+        '      "{\\n.reg .pred p;\\nsetp.ne.b32 p, %130, 0;\\n"\n'
+        f'      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {{{regs}}}, %128, %129, p, 1, 1, 0, 0;\\n}}\\n"\n'
+        f"      : {outs}\n"
+        '      : "l"(desc_a), "l"(desc_b), "r"(scale_d));'
+    )
+
+
+GEMM_SM90 = Template(
+    r"""// PROTOTYPE: see cuda_templates/gemm_sm90.py. Rendered for G = $group (0: no GroupNorm).
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kBM = $bm, kBN = $bn, kBK = $bk, kStages = $stages;
+constexpr int kGroup = $group;  // GroupNorm columns a group (0: plain GEMM, bf16 out)
+constexpr int kTileA = kBM * kBK * 2, kTileB = kBN * kBK * 2;  // bytes a stage
+constexpr int kSmem = kStages * (kTileA + kTileB) + 1024;     // + alignment slack
+constexpr int kG = kGroup > 0 ? kGroup : 8;
+static_assert(kG % 8 == 0 && kBN % kG == 0, "a group lies in one tile");
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row atoms 1024 bytes apart.
+__device__ __forceinline__ uint64_t make_desc(const void* p) {
+  const uint64_t addr = smem_u32(p);
+  return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_256(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  $wgmma
+}
+
+// Grouped raster: row tiles vary fastest within groups of 8, so that the CTAs running
+// at once read a band of A and a few B tiles, which stay in L2 while they are shared.
+__device__ __forceinline__ void tile_origin(int tile, int tiles_m, int tiles_n, int& m0, int& n0) {
+  constexpr int kGroupM = 8;
+  const int per_group = kGroupM * tiles_n, first_m = tile / per_group * kGroupM;
+  const int rows_in_group = min(tiles_m - first_m, kGroupM);
+  m0 = (first_m + tile % per_group % rows_in_group) * kBM;
+  n0 = tile % per_group / rows_in_group * kBN;
+}
+
+__global__ void __launch_bounds__(384, 1) gemm_kernel(const __grid_constant__ CUtensorMap map_a,
+                                                      const __grid_constant__ CUtensorMap map_b,
+                                                      __nv_bfloat16* __restrict__ c, const float* __restrict__ gamma,
+                                                      const float* __restrict__ beta, float eps, int m_rows, int n_cols, int k) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* tiles_a = smem;
+  uint8_t* tiles_b = smem + kStages * kTileA;
+  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
+
+  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  const int tiles_n = n_cols / kBN, tiles_m = m_rows / kBM, n_tiles = tiles_m * tiles_n;
+  const int k_tiles = k / kBK;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 256);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  // Persistent: CTA b takes tiles b, b + gridDim.x, ...; the ring's stage and phase run
+  // on across tiles (`it` counts k-tiles over all of this CTA's tiles), so the producer
+  // loads the next tile while the consumers run the epilogue of this one.
+  if (wg == 0) {  // producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (tid == 0) {
+      int it = 0;
+      for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+        int m0, n0;
+        tile_origin(tile, tiles_m, tiles_n, m0, n0);
+        for (int i = 0; i < k_tiles; ++i, ++it) {
+          const int s = it % kStages;
+          if (it >= kStages) mbar_wait(&empty[s], ((it / kStages) + 1) & 1);
+          mbar_expect_tx(&full[s], kTileA + kTileB);
+          tma_load_2d(tiles_a + s * kTileA, &map_a, &full[s], i * kBK, m0);
+          tma_load_2d(tiles_b + s * kTileB, &map_b, &full[s], i * kBK, n0);
+        }
+      }
+    }
+  } else {  // consumers: rows 64 * (wg - 1) .. + 64 of the tile
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int half = wg - 1;
+    int it = 0;
+    for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+      int m0, n0;
+      tile_origin(tile, tiles_m, tiles_n, m0, n0);
+      float d[128];
+#pragma unroll
+      for (int i = 0; i < 128; ++i) d[i] = 0.f;
+      for (int i = 0; i < k_tiles; ++i, ++it) {
+        const int s = it % kStages;
+        mbar_wait(&full[s], (it / kStages) & 1);
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        const uint8_t* a = tiles_a + s * kTileA + half * 64 * 128;  // 64 rows of 128 bytes
+        const uint8_t* b = tiles_b + s * kTileB;
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk)  // 16 elements = 32 bytes along K within the swizzled row
+          wgmma_256(d, make_desc(a + kk * 32), make_desc(b + kk * 32), (i > 0 || kk > 0) ? 1 : 0);
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        // Keep one group in flight: the previous k-tile's wgmma is done, free its stage.
+        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+        if (i > 0) mbar_arrive(&empty[(it - 1) % kStages]);
+      }
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+      mbar_arrive(&empty[(it - 1) % kStages]);  // the tile's last stage
+
+      const int warp = tid / 32, lane = tid % 32;
+      const int row = m0 + half * 64 + warp * 16 + lane / 4;  // and row + 8
+      const int col0 = n0 + 2 * (lane % 4);
+      if constexpr (kGroup == 0) {
+#pragma unroll
+        for (int j = 0; j < 32; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const __nv_bfloat162 v = __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+            *reinterpret_cast<__nv_bfloat162*>(c + (long long)(row + 8 * h) * n_cols + col0 + 8 * j) = v;
+          }
+      } else {
+        constexpr int kChunks = kG / 8;
+        constexpr float kInv = 1.f / kG;
+#pragma unroll
+        for (int g = 0; g < 32 / kChunks; ++g)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float sum = 0.f;
+#pragma unroll
+            for (int q = 0; q < kChunks; ++q) sum += d[4 * (g * kChunks + q) + 2 * h] + d[4 * (g * kChunks + q) + 2 * h + 1];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const float mean = sum * kInv;
+            float sq = 0.f;
+#pragma unroll
+            for (int q = 0; q < kChunks; ++q)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const float x = d[4 * (g * kChunks + q) + 2 * h + e] - mean;
+                sq = fmaf(x, x, sq);
+              }
+            sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+            sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+            const float rstd = rsqrtf(sq * kInv + eps);
+#pragma unroll
+            for (int q = 0; q < kChunks; ++q) {
+              const int col = col0 + 8 * (g * kChunks + q);
+              float y[2];
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                float x = (d[4 * (g * kChunks + q) + 2 * h + e] - mean) * rstd * gamma[col + e] + beta[col + e];
+                x = x > 0.f ? x : 0.01f * x;  // leaky_relu(0.01)
+                y[e] = x + x;                  // x + x
+              }
+              *reinterpret_cast<__nv_bfloat162*>(c + (long long)(row + 8 * h) * n_cols + col) =
+                  __floats2bfloat162_rn(y[0], y[1]);
+            }
+          }
+      }
+    }  // tiles
+  }
+}
+
+int make_map(CUtensorMap* map, const void* base, int rows, int cols, int box_rows) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (encode == nullptr) {
+    cudaDriverEntryPointQueryResult q;
+    void* fn = nullptr;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      return -1;
+    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }
+  const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
+  const cuuint64_t strides[1] = {(cuuint64_t)cols * 2};
+  const cuuint32_t box[2] = {(cuuint32_t)kBK, (cuuint32_t)box_rows};
+  const cuuint32_t elem[2] = {1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, elem,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? 0 : -2;
+}
+
+}  // namespace
+
+// C[M, N] (bf16) = epilogue(A[M, K] @ B[N, K]^T); M, N, K multiples of the tile (probe only).
+extern "C" int gemm_run(const void* a, const void* b, void* c, const float* gamma, const float* beta, float eps,
+                        int m, int n, int k, cudaStream_t stream) {
+  if (m % kBM || n % kBN || k % kBK) return -3;
+  CUtensorMap map_a, map_b;
+  if (int e = make_map(&map_a, a, m, k, kBM)) return e;
+  if (int e = make_map(&map_b, b, n, k, kBN)) return e;
+  static int sms = 0;
+  if (sms == 0) {
+    if (cudaFuncSetAttribute(gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess) return -4;
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+      return -5;
+  }
+  const int tiles = (m / kBM) * (n / kBN);
+  gemm_kernel<<<tiles < sms ? tiles : sms, 384, kSmem, stream>>>(map_a, map_b, static_cast<__nv_bfloat16*>(c), gamma,
+                                                                 beta, eps, m, n, k);
+  return static_cast<int>(cudaGetLastError());
+}
+"""
+)
+
+
+def render_gemm_probe(group: int = 0) -> str:
+    """The prototype's source: a plain GEMM (group 0) or GEMM -> GroupNorm(group columns)
+    -> leaky_relu(0.01) -> x + x (workload 3's chain) with bf16 output."""
+    return GEMM_SM90.substitute(bm=BLOCK_M, bn=BLOCK_N, bk=BLOCK_K, stages=STAGES, group=group, wgmma=_wgmma_asm())
