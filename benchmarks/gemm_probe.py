@@ -11,7 +11,6 @@ of the kernel and of `torch.mm` (cuBLAS) at bf16, and their ratio.
 from __future__ import annotations
 
 import ctypes
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -19,16 +18,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import cuda_templates
 from cuda_templates.gemm_sm90 import render_gemm_probe
 
 
-def build(group: int, workdir: Path) -> ctypes.CDLL:
-    src = workdir / f"gemm_g{group}.cu"
-    lib = workdir / f"gemm_g{group}.so"
-    src.write_text(render_gemm_probe(group))
-    cmd = ["nvcc", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC",
-           "-o", str(lib), str(src)]
-    subprocess.run(cmd, check=True)
+def build(group: int, cache: Path) -> ctypes.CDLL:
+    """Compiles the prototype for sm_90a through the project's compiler (cached)."""
+    lib = cuda_templates.build(render_gemm_probe(group), f"gemm_probe_g{group}", "sm90a", cache)
     dll = ctypes.CDLL(str(lib))
     dll.gemm_run.restype = ctypes.c_int
     dll.gemm_run.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float] + [ctypes.c_int] * 3 + [ctypes.c_void_p]

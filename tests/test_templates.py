@@ -193,6 +193,20 @@ def test_nvcc_compiles_tf32_direct_convs(name, arch, tmp_path_factory):
     assert library.exists() and library.stat().st_size > 0
 
 
+@needs_nvcc
+@pytest.mark.parametrize("group", [0, 16, 32])
+def test_nvcc_compiles_the_gemm_prototype(group, tmp_path_factory):
+    # Issue 5's Hopper GEMM prototype (wgmma and TMA: sm_90a only); run by benchmarks/gemm_probe.py.
+    from cuda_templates.gemm_sm90 import render_gemm_probe
+
+    source = render_gemm_probe(group)
+    assert source.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 1
+    assert "%127}, %128, %129, p" in source  # 128 accumulators, then the two descriptors
+    cache = tmp_path_factory.getbasetemp() / "kernel-cache"
+    library = cuda_templates.build(source, f"gemm_probe_g{group}", "sm90a", cache)
+    assert library.exists() and library.stat().st_size > 0
+
+
 def test_tf32_direct_conv_plans():
     w5 = direct_specs()["w5_direct"]
     d = cuda_templates.direct_plan(w5, "sm90", conv_tf32=True)
