@@ -173,8 +173,12 @@ def test_template_headers_document_every_placeholder():
 @pytest.mark.parametrize("name", list(ALL_SPECS))
 def test_nvcc_compiles(name, arch, tmp_path_factory):
     spec = ALL_SPECS[name]
-    cache = tmp_path_factory.getbasetemp() / "kernel-cache"
-    library = cuda_templates.build(cuda_templates.render(spec, arch), cuda_templates.kernel_name(spec, arch), arch, cache)
+    _assert_builds(cuda_templates.render(spec, arch), cuda_templates.kernel_name(spec, arch), arch, tmp_path_factory)
+
+
+def _assert_builds(source, name, arch, tmp_path_factory):
+    """nvcc builds `source` into a non-empty library (a cache shared by the session's tests)."""
+    library = cuda_templates.build(source, name, arch, tmp_path_factory.getbasetemp() / "kernel-cache")
     assert library.exists() and library.stat().st_size > 0
 
 
@@ -187,10 +191,8 @@ TF32_SPECS = {f"{name}-tf32": spec for name, spec in direct_specs("float32").ite
 @pytest.mark.parametrize("name", list(TF32_SPECS))
 def test_nvcc_compiles_tf32_direct_convs(name, arch, tmp_path_factory):
     spec = TF32_SPECS[name]
-    cache = tmp_path_factory.getbasetemp() / "kernel-cache"
     source = cuda_templates.render(spec, arch, conv_tf32=True)
-    library = cuda_templates.build(source, cuda_templates.kernel_name(spec, arch, conv_tf32=True), arch, cache)
-    assert library.exists() and library.stat().st_size > 0
+    _assert_builds(source, cuda_templates.kernel_name(spec, arch, conv_tf32=True), arch, tmp_path_factory)
 
 
 @needs_nvcc
@@ -202,9 +204,7 @@ def test_nvcc_compiles_the_gemm_prototype(group, tmp_path_factory):
     source = render_gemm_probe(group)
     assert source.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 1
     assert "%127}, %128, %129, p" in source  # 128 accumulators, then the two descriptors
-    cache = tmp_path_factory.getbasetemp() / "kernel-cache"
-    library = cuda_templates.build(source, f"gemm_probe_g{group}", "sm90a", cache)
-    assert library.exists() and library.stat().st_size > 0
+    _assert_builds(source, f"gemm_probe_g{group}", "sm90a", tmp_path_factory)
 
 
 def test_tf32_direct_conv_plans():
