@@ -133,6 +133,12 @@ class DirectPlan:
     smem: int
     tiles: int
 
+    @property
+    def stores_pre_norm(self) -> bool:
+        """With GroupNorm, phase 1 stores the pre-norm value and phase 2 normalizes it
+        (fma, tf32); else ("mma") phase 2 recomputes the conv."""
+        return self.kind in ("fma", "tf32")
+
 
 MMA_MAX_COUT = 32  # weights live in registers as A fragments
 MMA_INSTRUCTIONS = {  # per dtype: float32 chains take the tensor cores in TF32 only where allowed
@@ -445,7 +451,7 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
                  cpg=spec.channels // red.groups if stats else 1)
     # fma and tf32 store the pre-norm value; phase 2 normalizes it (NORMALIZE_TILE)
     normalize = ""
-    if stats and d.kind in ("fma", "tf32"):
+    if stats and d.stores_pre_norm:
         normalize = templates.NORMALIZE_TILE.substitute(kernel=name, apply_vec=_apply_vec(d, ho, wo))
     if d.kind == "fma":
         conv = templates.DIRECT_CONV_KERNELS.substitute(
@@ -479,7 +485,7 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
     ]
     if stats:
         # fma and tf32 read back in phase 2 what phase 1 stored: bytes of `mid` a tile writes
-        mid_tile = spec.channels * d.tile_h * min(wo, DIRECT_TILE_W) * 4 if d.kind in ("fma", "tf32") else 0
+        mid_tile = spec.channels * d.tile_h * min(wo, DIRECT_TILE_W) * 4 if d.stores_pre_norm else 0
         launches += [
             "  static int sms[64] = {}, l2[64] = {};",
             "  if (device < 64 && sms[device] == 0) {",

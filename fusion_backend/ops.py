@@ -140,7 +140,7 @@ class Launcher:
         # The float32 direct conv with GroupNorm (FMA or TF32) stores the pre-norm value in a buffer.
         direct = cuda_templates.direct_plan(self.spec, arch_of(device), conv_tf32)
         self.stores_pre_norm = (
-            self.lib.anchor_inside and direct.kind in ("fma", "tf32") and self.spec.reduction is not None
+            self.lib.anchor_inside and direct.stores_pre_norm and self.spec.reduction is not None
         )
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
