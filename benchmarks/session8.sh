@@ -8,7 +8,8 @@
 #   bash benchmarks/session8.sh tests  # the whole GPU tier (tests/*, -m gpu)
 #   bash benchmarks/session8.sh table  # workload 5, every precision, against eager and Inductor
 #   bash benchmarks/session8.sh twophase # direct-conv + W5 GPU tests, W5 fusedepi at bf16 and fp32
-#   bash benchmarks/session8.sh tf32   # (branch w5-tf32) the TF32 direct conv: its GPU tests, then W5 at TF32
+#   bash benchmarks/session8.sh tf32   # the TF32 direct conv's first GPU run (ran in the ninth session on
+#                                      # branch w5-tf32, since merged; benchmarks/session9.sh tf32 is current)
 set -uo pipefail
 OUT=${OUT:-/tmp/fusedepi-out}
 mkdir -p "$OUT"

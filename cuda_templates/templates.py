@@ -865,7 +865,8 @@ $normalize"""
 
 # Direct 2-D convolution on tensor cores for bf16/fp16 chains (mma.sync m16n8k16,
 # float32 accumulate), and for float32 chains where TF32 is allowed (m16n8k8 TF32,
-# inputs rounded to TF32 as they are staged, weights' fragments in shared memory): out^T = W x im2col(x)^T with the weights (A) held in registers
+# the weights rounded to TF32 into fragments in shared memory, the inputs rounded after
+# ldmatrix): out^T = W x im2col(x)^T with the weights (A) held in registers
 # and im2col columns (B) read from an input tile in shared memory by ldmatrix. The
 # tile is stored pixel-major with 8 input channels (16 bytes) per chunk, so one
 # ldmatrix row is one pixel's 8 channels of one tap: k runs over (tap, channel).
@@ -1003,14 +1004,13 @@ __device__ __forceinline__ void ${kernel}_mma_tile(const Args& a, const long lon
     // built meanwhile. TF32 rounding happens on the B fragments after ldmatrix. A warp
     // takes whole lines (tile row, chunk, channel) and its lanes consecutive columns.
     float* const tile_f = reinterpret_cast<float*>(tile);
-    const int warp_s = threadIdx.x >> 5, lane_s = threadIdx.x & 31;
-    for (int line = warp_s; line < kInRows * kCC * kCE; line += 8) {
+    for (int line = warp; line < kInRows * kCC * kCE; line += 8) {
       const int j = line % kCE, cc = line / kCE % kCC, r = line / kCE / kCC;
       const int ih = oh0 - kPadH + r;
       const bool row_in = ih >= 0 && ih < kHi;
       const T* src = xn + ((long long)(cc * kCE + j) * kHi + (row_in ? ih : 0)) * kWi;
       float* dst = tile_f + (r * kInCols * kCC + cc) * kCE + j;
-      for (int c = lane_s; c < kInCols; c += 32) {
+      for (int c = lane; c < kInCols; c += 32) {
         const int iw = ow0 - kPadW + c;
         const bool in = row_in && iw >= 0 && iw < kWi;
         fusedepi::copy_async4(dst + c * kCC * kCE, reinterpret_cast<const float*>(in ? src + iw : src), in);
