@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ from cuda_templates.gemm_sm90 import render_gemm_probe
 
 
 def build(group: int, cache: Path) -> ctypes.CDLL:
-    """Compiles the prototype for sm_90a through the project's compiler (cached)."""
+    """Compiles the prototype for sm_90a through the project's compiler, into its kernel cache."""
     lib = cuda_templates.build(render_gemm_probe(group), f"gemm_probe_g{group}", "sm90a", cache)
     dll = ctypes.CDLL(str(lib))
     dll.gemm_run.restype = ctypes.c_int
@@ -61,8 +60,10 @@ def main() -> int:
     from triton.testing import do_bench
 
     torch.manual_seed(0)
-    work = Path(tempfile.mkdtemp(prefix="gemm_probe_"))
-    libs = {g: build(g, work) for g in (0, 16, 32)}
+    from fusion_backend.config import load_config
+
+    cache = load_config().cache_dir  # the kernels' cache (FUSEDEPI_CACHE_DIR)
+    libs = {g: build(g, cache) for g in (0, 16, 32)}
     shapes = [(256, 512, 128), (1024, 8192, 8192), (16384, 4096, 4096)]
     ok = True
     for m, n, k in shapes:
