@@ -9,6 +9,11 @@ Structure (one CTA a 128 x 256 output tile, 384 threads):
 - warpgroup 0 is the producer: one thread issues bulk tensor copies (TMA) of a 128 x 64
   tile of A and a 256 x 64 tile of B into a ring of kStages shared-memory stages
   (128-byte swizzle), completing on the stage's `full` mbarrier;
+- with a cluster of 2 (`cluster=2`), the two CTAs take vertically adjacent tiles of the same
+  columns, so they share the B tile: each loads one half of it and multicasts that half
+  into both CTAs' shared memory, halving B's L2 -> SM traffic. A stage is then free only
+  once the consumers of both CTAs are done with it, so every consumer warp arrives on the
+  `empty` barrier of both CTAs;
 - warpgroups 1 and 2 are consumers: each multiplies its 64 rows of the A tile with the
   B tile by `wgmma.mma_async` m64n256k16 (both operands from shared memory, K-major),
   128 float32 accumulators a thread, and frees a stage (its `empty` mbarrier) once the
@@ -41,7 +46,7 @@ def _wgmma_asm() -> str:
 
 
 GEMM_SM90 = Template(
-    r"""// PROTOTYPE: see cuda_templates/gemm_sm90.py. Rendered for G = $group (0: no GroupNorm).
+    r"""// PROTOTYPE: see cuda_templates/gemm_sm90.py. Rendered for G = $group (0: no GroupNorm), cluster $cluster.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -52,6 +57,8 @@ namespace {
 
 constexpr int kBM = $bm, kBN = $bn, kBK = $bk, kStages = $stages;
 constexpr int kGroup = $group;  // GroupNorm columns a group (0: plain GEMM, bf16 out)
+constexpr int kCluster = $cluster;  // CTAs a cluster along M, sharing (multicasting) the B tile
+constexpr int kConsumerWarps = 8;  // two consumer warpgroups
 constexpr int kTileA = kBM * kBK * 2, kTileB = kBN * kBK * 2;  // bytes a stage
 constexpr int kSmem = kStages * (kTileA + kTileB) + 1024;     // + alignment slack
 constexpr int kG = kGroup > 0 ? kGroup : 8;
@@ -66,19 +73,46 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
 __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+// Arrives on the barrier at `bar`'s offset in the shared memory of cluster CTA `cta`.
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, unsigned cta) {
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_u32(bar)),
+      "r"(cta)
+      : "memory");
 }
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
   asm volatile(
       "{\n.reg .pred done;\nwait_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra wait_%=;\n}\n" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r = 0;
+  if constexpr (kCluster > 1) asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {  // every thread of every CTA of the cluster
+  if constexpr (kCluster > 1) {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+  } else {
+    __syncthreads();
+  }
 }
 __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
       ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+// The same box written at the same offset into the shared memory of every CTA in `mask`,
+// completing bytes on each one's barrier at `bar`'s offset.
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                                      uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "h"(mask)
       : "memory");
 }
 // Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row atoms 1024 bytes apart.
@@ -91,17 +125,18 @@ __device__ __forceinline__ void wgmma_256(float (&d)[128], uint64_t desc_a, uint
   $wgmma
 }
 
-// Grouped raster: row tiles vary fastest within groups of 8, so that the CTAs running
-// at once read a band of A and a few B tiles, which stay in L2 while they are shared.
-__device__ __forceinline__ void tile_origin(int tile, int tiles_m, int tiles_n, int& m0, int& n0) {
-  constexpr int kGroupM = 8;
-  const int per_group = kGroupM * tiles_n, first_m = tile / per_group * kGroupM;
-  const int rows_in_group = min(tiles_m - first_m, kGroupM);
-  m0 = (first_m + tile % per_group % rows_in_group) * kBM;
-  n0 = tile % per_group / rows_in_group * kBN;
+// Grouped raster over units of kCluster vertically adjacent tiles (one a cluster): units
+// vary fastest along M within bands of 8 tiles, so that the clusters running at once read
+// a band of A and a few B tiles, which stay in L2 while they are shared.
+__device__ __forceinline__ void tile_origin(int unit, int units_m, int tiles_n, unsigned rank, int& m0, int& n0) {
+  constexpr int kGroupM = 8 / kCluster;
+  const int per_group = kGroupM * tiles_n, first_m = unit / per_group * kGroupM;
+  const int rows_in_group = min(units_m - first_m, kGroupM);
+  m0 = ((first_m + unit % per_group % rows_in_group) * kCluster + rank) * kBM;
+  n0 = unit % per_group / rows_in_group * kBN;
 }
 
-__global__ void __launch_bounds__(384, 1) gemm_kernel(const __grid_constant__ CUtensorMap map_a,
+__global__ void __launch_bounds__(384, 1) $cluster_attr gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                                                       const __grid_constant__ CUtensorMap map_b,
                                                       __nv_bfloat16* __restrict__ c, const float* __restrict__ gamma,
                                                       const float* __restrict__ beta, float eps, int m_rows, int n_cols, int k) {
@@ -112,43 +147,59 @@ __global__ void __launch_bounds__(384, 1) gemm_kernel(const __grid_constant__ CU
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
 
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
-  const int tiles_n = n_cols / kBN, tiles_m = m_rows / kBM, n_tiles = tiles_m * tiles_n;
+  const int tiles_n = n_cols / kBN, units_m = m_rows / (kBM * kCluster), n_units = units_m * tiles_n;
   const int k_tiles = k / kBK;
+  const unsigned rank = cluster_rank();
+  const int cluster = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 256);
+      mbar_init(&empty[s], kConsumerWarps * kCluster);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  cluster_sync();  // the peer's barriers are initialized before any multicast or remote arrive
 
-  // Persistent: CTA b takes tiles b, b + gridDim.x, ...; the ring's stage and phase run
+  // Persistent: cluster c takes units c, c + clusters, ...; the ring's stage and phase run
   // on across tiles (`it` counts k-tiles over all of this CTA's tiles), so the producer
-  // loads the next tile while the consumers run the epilogue of this one.
+  // loads the next tile while the consumers run the epilogue of this one. Both CTAs of a
+  // cluster run the same number of k-tiles, so their rings stay in step.
   if (wg == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (tid == 0) {
+      constexpr int kSliceB = kTileB / kCluster;  // bytes of B this CTA loads for the cluster
       int it = 0;
-      for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+      for (int unit = cluster; unit < n_units; unit += clusters) {
         int m0, n0;
-        tile_origin(tile, tiles_m, tiles_n, m0, n0);
+        tile_origin(unit, units_m, tiles_n, rank, m0, n0);
         for (int i = 0; i < k_tiles; ++i, ++it) {
           const int s = it % kStages;
           if (it >= kStages) mbar_wait(&empty[s], ((it / kStages) + 1) & 1);
-          mbar_expect_tx(&full[s], kTileA + kTileB);
+          mbar_expect_tx(&full[s], kTileA + kTileB);  // A, and all of B (both slices)
           tma_load_2d(tiles_a + s * kTileA, &map_a, &full[s], i * kBK, m0);
-          tma_load_2d(tiles_b + s * kTileB, &map_b, &full[s], i * kBK, n0);
+          if constexpr (kCluster > 1) {
+            tma_load_2d_multicast(tiles_b + s * kTileB + rank * kSliceB, &map_b, &full[s], i * kBK,
+                                  n0 + rank * (kBN / kCluster), (1 << kCluster) - 1);
+          } else {
+            tma_load_2d(tiles_b + s * kTileB, &map_b, &full[s], i * kBK, n0);
+          }
         }
       }
     }
   } else {  // consumers: rows 64 * (wg - 1) .. + 64 of the tile
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     const int half = wg - 1;
+    // A stage is free once every consumer warp of every CTA that reads it is done: one
+    // arrival a warp on the stage's barrier in each CTA of the cluster.
+    const auto release = [&](int s) {
+      __syncwarp();
+      if (tid % 32 == 0)
+        for (int cta = 0; cta < kCluster; ++cta) mbar_arrive_cluster(&empty[s], cta);
+    };
     int it = 0;
-    for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+    for (int unit = cluster; unit < n_units; unit += clusters) {
       int m0, n0;
-      tile_origin(tile, tiles_m, tiles_n, m0, n0);
+      tile_origin(unit, units_m, tiles_n, rank, m0, n0);
       float d[128];
 #pragma unroll
       for (int i = 0; i < 128; ++i) d[i] = 0.f;
@@ -164,10 +215,10 @@ __global__ void __launch_bounds__(384, 1) gemm_kernel(const __grid_constant__ CU
         asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
         // Keep one group in flight: the previous k-tile's wgmma is done, free its stage.
         asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-        if (i > 0) mbar_arrive(&empty[(it - 1) % kStages]);
+        if (i > 0) release((it - 1) % kStages);
       }
       asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-      mbar_arrive(&empty[(it - 1) % kStages]);  // the tile's last stage
+      release((it - 1) % kStages);  // the tile's last stage
 
       const int warp = tid / 32, lane = tid % 32;
       const int row = m0 + half * 64 + warp * 16 + lane / 4;  // and row + 8
@@ -221,6 +272,7 @@ __global__ void __launch_bounds__(384, 1) gemm_kernel(const __grid_constant__ CU
       }
     }  // tiles
   }
+  cluster_sync();  // no CTA leaves while its peer may still arrive on its barriers
 }
 
 int make_map(CUtensorMap* map, const void* base, int rows, int cols, int box_rows) {
@@ -248,20 +300,29 @@ int make_map(CUtensorMap* map, const void* base, int rows, int cols, int box_row
 // C[M, N] (bf16) = epilogue(A[M, K] @ B[N, K]^T); M, N, K multiples of the tile (probe only).
 extern "C" int gemm_run(const void* a, const void* b, void* c, const float* gamma, const float* beta, float eps,
                         int m, int n, int k, cudaStream_t stream) {
-  if (m % kBM || n % kBN || k % kBK) return -3;
+  if (m % (kBM * kCluster) || n % kBN || k % kBK) return -3;
   CUtensorMap map_a, map_b;
   if (int e = make_map(&map_a, a, m, k, kBM)) return e;
-  if (int e = make_map(&map_b, b, n, k, kBN)) return e;
-  static int sms = 0;
-  if (sms == 0) {
+  if (int e = make_map(&map_b, b, n, k, kBN / kCluster)) return e;
+  static int resident = 0;  // clusters that fit on the device at once (persistent grid)
+  if (resident == 0) {
     if (cudaFuncSetAttribute(gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess) return -4;
-    int device = 0;
+    int device = 0, sms = 0;
     if (cudaGetDevice(&device) != cudaSuccess ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
       return -5;
+    if constexpr (kCluster == 1) {
+      resident = sms;  // one CTA an SM (its shared memory)
+    } else {  // pairs of SMs in one GPC: fewer than sms / 2 where a GPC has an odd count
+      cudaLaunchConfig_t config = {};
+      config.gridDim = dim3(sms / kCluster * kCluster);
+      config.blockDim = dim3(384);
+      config.dynamicSmemBytes = kSmem;
+      if (cudaOccupancyMaxActiveClusters(&resident, gemm_kernel, &config) != cudaSuccess || resident == 0) return -6;
+    }
   }
-  const int tiles = (m / kBM) * (n / kBN);
-  gemm_kernel<<<tiles < sms ? tiles : sms, 384, kSmem, stream>>>(map_a, map_b, static_cast<__nv_bfloat16*>(c), gamma,
+  const int units = (m / (kBM * kCluster)) * (n / kBN);
+  gemm_kernel<<<(units < resident ? units : resident) * kCluster, 384, kSmem, stream>>>(map_a, map_b, static_cast<__nv_bfloat16*>(c), gamma,
                                                                  beta, eps, m, n, k);
   return static_cast<int>(cudaGetLastError());
 }
@@ -269,7 +330,12 @@ extern "C" int gemm_run(const void* a, const void* b, void* c, const float* gamm
 )
 
 
-def render_gemm_probe(group: int = 0) -> str:
+def render_gemm_probe(group: int = 0, cluster: int = 1) -> str:
     """The prototype's source: a plain GEMM (group 0) or GEMM -> GroupNorm(group columns)
-    -> leaky_relu(0.01) -> x + x (workload 3's chain) with bf16 output."""
-    return GEMM_SM90.substitute(bm=BLOCK_M, bn=BLOCK_N, bk=BLOCK_K, stages=STAGES, group=group, wgmma=_wgmma_asm())
+    -> leaky_relu(0.01) -> x + x (workload 3's chain) with bf16 output; `cluster` 2 pairs
+    CTAs that multicast the shared B tile (M must then be a multiple of 256)."""
+    if cluster not in (1, 2):
+        raise ValueError(f"cluster must be 1 or 2, not {cluster}")
+    attr = f"__cluster_dims__({cluster}, 1, 1)" if cluster > 1 else ""
+    return GEMM_SM90.substitute(bm=BLOCK_M, bn=BLOCK_N, bk=BLOCK_K, stages=STAGES, group=group, cluster=cluster,
+                                cluster_attr=attr, wgmma=_wgmma_asm())

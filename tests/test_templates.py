@@ -196,15 +196,23 @@ def test_nvcc_compiles_tf32_direct_convs(name, arch, tmp_path_factory):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("group", [0, 16, 32])
-def test_nvcc_compiles_the_gemm_prototype(group, tmp_path_factory):
+@pytest.mark.parametrize("group, cluster", [(0, 1), (16, 1), (32, 1), (0, 2), (16, 2)])
+def test_nvcc_compiles_the_gemm_prototype(group, cluster, tmp_path_factory):
     # Issue 5's Hopper GEMM prototype (wgmma and TMA: sm_90a only); run by benchmarks/gemm_probe.py.
     from cuda_templates.gemm_sm90 import render_gemm_probe
 
-    source = render_gemm_probe(group)
+    source = render_gemm_probe(group, cluster)
     assert source.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 1
     assert "%127}, %128, %129, p" in source  # 128 accumulators, then the two descriptors
-    _assert_builds(source, f"gemm_probe_g{group}", "sm90a", tmp_path_factory)
+    assert ("__cluster_dims__(2, 1, 1)" in source) == (cluster == 2)
+    _assert_builds(source, f"gemm_probe_g{group}_c{cluster}", "sm90a", tmp_path_factory)
+
+
+def test_gemm_prototype_refuses_other_cluster_sizes():
+    from cuda_templates.gemm_sm90 import render_gemm_probe
+
+    with pytest.raises(ValueError, match="cluster must be 1 or 2"):
+        render_gemm_probe(0, 4)
 
 
 def test_tf32_direct_conv_plans():
