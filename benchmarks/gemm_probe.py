@@ -5,7 +5,8 @@ its accumulators. Needs an sm_90 GPU and nvcc.
     python -m benchmarks.gemm_probe            # correctness against float64, then timings
 
 For each shape and variant (cluster 1: one CTA a tile; cluster 2: CTA pairs multicasting
-the shared B tile) it prints the relative error against a float64 reference, the median ms
+the shared B tile; direct: results stored from registers; tma: staged in shared memory and
+stored by TMA) it prints the relative error against a float64 reference, the median ms
 of the kernel and of `torch.mm` (cuBLAS) at bf16, and their ratio.
 """
 
@@ -22,9 +23,10 @@ import cuda_templates
 from cuda_templates.gemm_sm90 import render_gemm_probe
 
 
-def build(group: int, cluster: int, cache: Path) -> ctypes.CDLL:
+def build(group: int, cluster: int, store: str, cache: Path) -> ctypes.CDLL:
     """Compiles the prototype for sm_90a through the project's compiler, into its kernel cache."""
-    lib = cuda_templates.build(render_gemm_probe(group, cluster), f"gemm_probe_g{group}_c{cluster}", "sm90a", cache)
+    source = render_gemm_probe(group, cluster, store)
+    lib = cuda_templates.build(source, f"gemm_probe_g{group}_c{cluster}_{store}", "sm90a", cache)
     dll = ctypes.CDLL(str(lib))
     dll.gemm_run.restype = ctypes.c_int
     dll.gemm_run.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float] + [ctypes.c_int] * 3 + [ctypes.c_void_p]
@@ -64,7 +66,9 @@ def main() -> int:
     from fusion_backend.config import load_config
 
     cache = load_config().cache_dir  # the kernels' cache (FUSEDEPI_CACHE_DIR)
-    variants = [(0, 1), (0, 2), (16, 1), (16, 2), (32, 2)]  # (GroupNorm columns, cluster size)
+    # (GroupNorm columns, cluster size, epilogue store)
+    variants = [(0, 1, "direct"), (0, 2, "direct"), (0, 1, "tma"), (0, 2, "tma"), (16, 2, "direct"), (16, 2, "tma"),
+                (32, 2, "tma")]
     libs = {v: build(*v, cache) for v in variants}
     shapes = [(256, 512, 128), (1024, 8192, 8192), (16384, 4096, 4096)]
     ok = True
@@ -75,7 +79,7 @@ def main() -> int:
         gamma = torch.rand(n, device="cuda") + 0.5
         beta = torch.rand(n, device="cuda") - 0.5
         lib_ms = do_bench(lambda: torch.mm(a, b.t()))
-        for (g, cluster), dll in libs.items():
+        for (g, cluster, store), dll in libs.items():
             gm, bt = (gamma, beta) if g else (None, None)
             out = run(dll, a, b, c, gm, bt)
             torch.cuda.synchronize()
@@ -83,8 +87,8 @@ def main() -> int:
             ms = do_bench(lambda: run(dll, a, b, c, gm, bt))
             good = err < 1e-2
             ok &= good
-            what = ("GEMM" if g == 0 else f"GEMM+GroupNorm({g} cols)+leaky+x+x") + f" cluster {cluster}"
-            print(f"{m}x{n}x{k} {what:44s} rel err {err:.2e} {'ok' if good else 'MISMATCH'}  "
+            what = ("GEMM" if g == 0 else f"GEMM+GroupNorm({g} cols)+leaky+x+x") + f" cluster {cluster} {store}"
+            print(f"{m}x{n}x{k} {what:51s} rel err {err:.2e} {'ok' if good else 'MISMATCH'}  "
                   f"{ms:.4f} ms  cuBLAS mm {lib_ms:.4f} ms  ratio {ms / lib_ms:.3f}", flush=True)
         if (m, n, k) == shapes[1]:
             gn = lambda: F.leaky_relu(F.group_norm(torch.mm(a, b.t()), n // 16, gamma.bfloat16(), beta.bfloat16()), 0.01) * 2

@@ -22,14 +22,19 @@ Structure (one CTA a 128 x 256 output tile, 384 threads):
   holds rows r = 16 * warp + lane / 4 (and r + 8), columns 8j + 2 * (lane % 4) + {0, 1}.
   A GroupNorm group of G columns (G a multiple of 8 dividing 256) lies in G / 8 chunks
   of one row, spread over the 4 lanes of a quad: its statistics are the thread's values
-  plus two quad shuffles, in registers, two-pass.
+  plus two quad shuffles, in registers, two-pass;
+- `store="direct"` writes the results from registers to global memory (4-byte stores);
+  `store="tma"` writes them into a 128-byte-swizzled staging tile in shared memory (64 KB,
+  paid for with one ring stage: 3 instead of 4) that one thread then stores by TMA, so the
+  consumers start the next tile's wgmma while the copy drains.
 """
 
 from __future__ import annotations
 
 from string import Template
 
-BLOCK_M, BLOCK_N, BLOCK_K, STAGES = 128, 256, 64, 4
+BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
+STAGES = {"direct": 4, "tma": 3}  # ring stages by epilogue store; the TMA store's staging tile takes one
 
 
 def _wgmma_asm() -> str:
@@ -58,9 +63,11 @@ namespace {
 constexpr int kBM = $bm, kBN = $bn, kBK = $bk, kStages = $stages;
 constexpr int kGroup = $group;  // GroupNorm columns a group (0: plain GEMM, bf16 out)
 constexpr int kCluster = $cluster;  // CTAs a cluster along M, sharing (multicasting) the B tile
+constexpr bool kTmaStore = $tma_store;  // results staged in shared memory, stored by TMA
 constexpr int kConsumerWarps = 8;  // two consumer warpgroups
 constexpr int kTileA = kBM * kBK * 2, kTileB = kBN * kBK * 2;  // bytes a stage
-constexpr int kSmem = kStages * (kTileA + kTileB) + 1024;     // + alignment slack
+constexpr int kOut = kTmaStore ? kBM * kBN * 2 : 0;            // bf16 staging tile
+constexpr int kSmem = kStages * (kTileA + kTileB) + kOut + 1024;  // + alignment slack
 constexpr int kG = kGroup > 0 ? kGroup : 8;
 static_assert(kG % 8 == 0 && kBN % kG == 0, "a group lies in one tile");
 
@@ -73,19 +80,31 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
 __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
-// Arrives on the barrier at `bar`'s offset in the shared memory of cluster CTA `cta`.
+// Arrives on the barrier at `bar`'s offset in the shared memory of cluster CTA `cta`. The
+// default (CTA-scope) release, as CUTLASS's cluster barriers use: the cluster-scope form cost
+// the mainloop half its speed, and the stage's readers are wgmma's, ordered by wait_group.
 __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, unsigned cta) {
   asm volatile(
       "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_u32(bar)),
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_u32(bar)),
       "r"(cta)
       : "memory");
 }
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
   asm volatile(
       "{\n.reg .pred done;\nwait_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra wait_%=;\n}\n" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// A box of shared memory (dense, in the map's swizzle) to global memory, in a bulk group.
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_u32(src)), "r"(c0), "r"(c1)
+               : "memory");
 }
 __device__ __forceinline__ unsigned cluster_rank() {
   unsigned r = 0;
@@ -138,6 +157,7 @@ __device__ __forceinline__ void tile_origin(int unit, int units_m, int tiles_n, 
 
 __global__ void __launch_bounds__(384, 1) $cluster_attr gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                                                       const __grid_constant__ CUtensorMap map_b,
+                                                      const __grid_constant__ CUtensorMap map_c,  // kTmaStore only
                                                       __nv_bfloat16* __restrict__ c, const float* __restrict__ gamma,
                                                       const float* __restrict__ beta, float eps, int m_rows, int n_cols, int k) {
   extern __shared__ uint8_t smem_raw[];
@@ -223,14 +243,29 @@ __global__ void __launch_bounds__(384, 1) $cluster_attr gemm_kernel(const __grid
       const int warp = tid / 32, lane = tid % 32;
       const int row = m0 + half * 64 + warp * 16 + lane / 4;  // and row + 8
       const int col0 = n0 + 2 * (lane % 4);
+      // This warpgroup's 64 x 256 staging tile: four 64 x 64 boxes of 128-byte rows, the
+      // 16-byte chunk index XORed with row % 8 (TMA's 128-byte swizzle). A warp's 4-byte
+      // writes (8 rows x 4 lanes) then fall in 32 different banks.
+      uint8_t* staging = smem + kStages * (kTileA + kTileB) + half * (kOut / 2);
+      const auto put = [&](int h, int col, float y0, float y1) {  // rows row + 8h, columns col, col + 1
+        const __nv_bfloat162 v = __floats2bfloat162_rn(y0, y1);
+        if constexpr (kTmaStore) {
+          const int r = warp * 16 + lane / 4 + 8 * h, cl = col - n0;
+          const int chunk = (cl % 64 / 8) ^ (r % 8);
+          *reinterpret_cast<__nv_bfloat162*>(staging + cl / 64 * 8192 + r * 128 + chunk * 16 + cl % 8 * 2) = v;
+        } else {
+          *reinterpret_cast<__nv_bfloat162*>(c + (long long)(row + 8 * h) * n_cols + col) = v;
+        }
+      };
+      if constexpr (kTmaStore) {  // the previous tile's store has read the staging tile
+        if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+        named_barrier(1 + half, 128);
+      }
       if constexpr (kGroup == 0) {
 #pragma unroll
         for (int j = 0; j < 32; ++j)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const __nv_bfloat162 v = __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-            *reinterpret_cast<__nv_bfloat162*>(c + (long long)(row + 8 * h) * n_cols + col0 + 8 * j) = v;
-          }
+          for (int h = 0; h < 2; ++h) put(h, col0 + 8 * j, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
       } else {
         constexpr int kChunks = kG / 8;
         constexpr float kInv = 1.f / kG;
@@ -265,17 +300,28 @@ __global__ void __launch_bounds__(384, 1) $cluster_attr gemm_kernel(const __grid
                 x = x > 0.f ? x : 0.01f * x;  // leaky_relu(0.01)
                 y[e] = x + x;                  // x + x
               }
-              *reinterpret_cast<__nv_bfloat162*>(c + (long long)(row + 8 * h) * n_cols + col) =
-                  __floats2bfloat162_rn(y[0], y[1]);
+              put(h, col, y[0], y[1]);
             }
           }
       }
+      if constexpr (kTmaStore) {  // writes visible to the bulk copy, then one thread stores
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        named_barrier(1 + half, 128);
+        if (tid == 0) {
+#pragma unroll
+          for (int b = 0; b < kBN / 64; ++b) tma_store_2d(&map_c, staging + b * 8192, n0 + b * 64, m0 + half * 64);
+          asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        }
+      }
     }  // tiles
+    if constexpr (kTmaStore) {
+      if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    }
   }
   cluster_sync();  // no CTA leaves while its peer may still arrive on its barriers
 }
 
-int make_map(CUtensorMap* map, const void* base, int rows, int cols, int box_rows) {
+int make_map(CUtensorMap* map, const void* base, int rows, int cols, int box_rows, int box_cols) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (encode == nullptr) {
     cudaDriverEntryPointQueryResult q;
@@ -287,7 +333,7 @@ int make_map(CUtensorMap* map, const void* base, int rows, int cols, int box_row
   }
   const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
   const cuuint64_t strides[1] = {(cuuint64_t)cols * 2};
-  const cuuint32_t box[2] = {(cuuint32_t)kBK, (cuuint32_t)box_rows};
+  const cuuint32_t box[2] = {(cuuint32_t)box_cols, (cuuint32_t)box_rows};
   const cuuint32_t elem[2] = {1, 1};
   const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box, elem,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -301,9 +347,11 @@ int make_map(CUtensorMap* map, const void* base, int rows, int cols, int box_row
 extern "C" int gemm_run(const void* a, const void* b, void* c, const float* gamma, const float* beta, float eps,
                         int m, int n, int k, cudaStream_t stream) {
   if (m % (kBM * kCluster) || n % kBN || k % kBK) return -3;
-  CUtensorMap map_a, map_b;
-  if (int e = make_map(&map_a, a, m, k, kBM)) return e;
-  if (int e = make_map(&map_b, b, n, k, kBN / kCluster)) return e;
+  CUtensorMap map_a, map_b, map_c = {};
+  if (int e = make_map(&map_a, a, m, k, kBM, kBK)) return e;
+  if (int e = make_map(&map_b, b, n, k, kBN / kCluster, kBK)) return e;
+  if (kTmaStore)
+    if (int e = make_map(&map_c, c, m, n, 64, 64)) return e;
   static int resident = 0;  // clusters that fit on the device at once (persistent grid)
   if (resident == 0) {
     if (cudaFuncSetAttribute(gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess) return -4;
@@ -322,7 +370,7 @@ extern "C" int gemm_run(const void* a, const void* b, void* c, const float* gamm
     }
   }
   const int units = (m / (kBM * kCluster)) * (n / kBN);
-  gemm_kernel<<<(units < resident ? units : resident) * kCluster, 384, kSmem, stream>>>(map_a, map_b, static_cast<__nv_bfloat16*>(c), gamma,
+  gemm_kernel<<<(units < resident ? units : resident) * kCluster, 384, kSmem, stream>>>(map_a, map_b, map_c, static_cast<__nv_bfloat16*>(c), gamma,
                                                                  beta, eps, m, n, k);
   return static_cast<int>(cudaGetLastError());
 }
@@ -330,12 +378,16 @@ extern "C" int gemm_run(const void* a, const void* b, void* c, const float* gamm
 )
 
 
-def render_gemm_probe(group: int = 0, cluster: int = 1) -> str:
+def render_gemm_probe(group: int = 0, cluster: int = 1, store: str = "direct") -> str:
     """The prototype's source: a plain GEMM (group 0) or GEMM -> GroupNorm(group columns)
     -> leaky_relu(0.01) -> x + x (workload 3's chain) with bf16 output; `cluster` 2 pairs
-    CTAs that multicast the shared B tile (M must then be a multiple of 256)."""
+    CTAs that multicast the shared B tile (M must then be a multiple of 256); `store` is
+    "direct" (registers to global) or "tma" (staged in shared memory, stored by TMA)."""
     if cluster not in (1, 2):
         raise ValueError(f"cluster must be 1 or 2, not {cluster}")
+    if store not in STAGES:
+        raise ValueError(f"store must be one of {sorted(STAGES)}, not {store!r}")
     attr = f"__cluster_dims__({cluster}, 1, 1)" if cluster > 1 else ""
-    return GEMM_SM90.substitute(bm=BLOCK_M, bn=BLOCK_N, bk=BLOCK_K, stages=STAGES, group=group, cluster=cluster,
-                                cluster_attr=attr, wgmma=_wgmma_asm())
+    return GEMM_SM90.substitute(bm=BLOCK_M, bn=BLOCK_N, bk=BLOCK_K, stages=STAGES[store], group=group,
+                                cluster=cluster, cluster_attr=attr, tma_store="true" if store == "tma" else "false",
+                                wgmma=_wgmma_asm())

@@ -196,23 +196,28 @@ def test_nvcc_compiles_tf32_direct_convs(name, arch, tmp_path_factory):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("group, cluster", [(0, 1), (16, 1), (32, 1), (0, 2), (16, 2)])
-def test_nvcc_compiles_the_gemm_prototype(group, cluster, tmp_path_factory):
+@pytest.mark.parametrize(
+    "group, cluster, store", [(0, 1, "direct"), (16, 1, "direct"), (32, 2, "direct"), (0, 2, "tma"), (16, 2, "tma")]
+)
+def test_nvcc_compiles_the_gemm_prototype(group, cluster, store, tmp_path_factory):
     # Issue 5's Hopper GEMM prototype (wgmma and TMA: sm_90a only); run by benchmarks/gemm_probe.py.
     from cuda_templates.gemm_sm90 import render_gemm_probe
 
-    source = render_gemm_probe(group, cluster)
+    source = render_gemm_probe(group, cluster, store)
     assert source.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 1
     assert "%127}, %128, %129, p" in source  # 128 accumulators, then the two descriptors
     assert ("__cluster_dims__(2, 1, 1)" in source) == (cluster == 2)
-    _assert_builds(source, f"gemm_probe_g{group}_c{cluster}", "sm90a", tmp_path_factory)
+    assert ("kTmaStore = true" in source) == (store == "tma")
+    _assert_builds(source, f"gemm_probe_g{group}_c{cluster}_{store}", "sm90a", tmp_path_factory)
 
 
-def test_gemm_prototype_refuses_other_cluster_sizes():
+def test_gemm_prototype_refuses_unknown_variants():
     from cuda_templates.gemm_sm90 import render_gemm_probe
 
     with pytest.raises(ValueError, match="cluster must be 1 or 2"):
         render_gemm_probe(0, 4)
+    with pytest.raises(ValueError, match="store must be one of"):
+        render_gemm_probe(0, 1, "smem")
 
 
 def test_tf32_direct_conv_plans():
