@@ -27,6 +27,13 @@ Structure (one CTA a 128 x 256 output tile, 384 threads):
   `store="tma"` writes them into a 128-byte-swizzled staging tile in shared memory (64 KB,
   paid for with one ring stage: 3 instead of 4) that one thread then stores by TMA, so the
   consumers start the next tile's wgmma while the copy drains.
+
+Measured (H200, RESULTS.md tenth session): the plain GEMM is 0.99-1.09x cuBLAS with TMA
+stores, but with workload 3's chain on its accumulators it is 1.05-1.22x cuBLAS, slower
+than the shipped path (cuBLAS, then the one-pass epilogue kernel: 1.02-1.08x) in the same
+runs. The epilogue runs while no wgmma is in flight; a ping-pong schedule (each consumer
+warpgroup its own 128 x 128 tile, mainloops taking turns) was tried and measured
+1.28-1.30x cuBLAS for the plain GEMM, and is not kept.
 """
 
 from __future__ import annotations
@@ -80,9 +87,11 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
 __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
-// Arrives on the barrier at `bar`'s offset in the shared memory of cluster CTA `cta`. The
-// default (CTA-scope) release, as CUTLASS's cluster barriers use: the cluster-scope form cost
-// the mainloop half its speed, and the stage's readers are wgmma's, ordered by wait_group.
+// Arrives on the barrier at `bar`'s offset in the shared memory of cluster CTA `cta`, with
+// the default (CTA-scope) semantics, as CUTLASS's cluster barriers do. The stage's readers
+// are wgmma's, complete by wait_group before the arrive. The first version used
+// `.release.cluster` here and `.acquire.cluster` waits: 0.288 ms instead of 0.198 ms at
+// 1024 x 8192 x 8192, cluster 1 (RESULTS.md, tenth session).
 __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, unsigned cta) {
   asm volatile(
       "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
@@ -249,10 +258,12 @@ __global__ void __launch_bounds__(384, 1) $cluster_attr gemm_kernel(const __grid
       uint8_t* staging = smem + kStages * (kTileA + kTileB) + half * (kOut / 2);
       const auto put = [&](int h, int col, float y0, float y1) {  // rows row + 8h, columns col, col + 1
         const __nv_bfloat162 v = __floats2bfloat162_rn(y0, y1);
-        if constexpr (kTmaStore) {
+        if constexpr (kTmaStore) {  // st.shared: the aligned pointer's arithmetic hides the state space from nvcc
           const int r = warp * 16 + lane / 4 + 8 * h, cl = col - n0;
           const int chunk = (cl % 64 / 8) ^ (r % 8);
-          *reinterpret_cast<__nv_bfloat162*>(staging + cl / 64 * 8192 + r * 128 + chunk * 16 + cl % 8 * 2) = v;
+          asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(staging + cl / 64 * 8192 + r * 128 + chunk * 16 + cl % 8 * 2)),
+                       "r"(*reinterpret_cast<const uint32_t*>(&v))
+                       : "memory");
         } else {
           *reinterpret_cast<__nv_bfloat162*>(c + (long long)(row + 8 * h) * n_cols + col) = v;
         }
@@ -292,11 +303,13 @@ __global__ void __launch_bounds__(384, 1) $cluster_attr gemm_kernel(const __grid
             const float rstd = rsqrtf(sq * kInv + eps);
 #pragma unroll
             for (int q = 0; q < kChunks; ++q) {
-              const int col = col0 + 8 * (g * kChunks + q);
+              const int col = col0 + 8 * (g * kChunks + q);  // even: one 8-byte load of each parameter
+              const float2 ga = *reinterpret_cast<const float2*>(gamma + col), be = *reinterpret_cast<const float2*>(beta + col);
+              const float gs[2] = {ga.x, ga.y}, bs[2] = {be.x, be.y};
               float y[2];
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
-                float x = (d[4 * (g * kChunks + q) + 2 * h + e] - mean) * rstd * gamma[col + e] + beta[col + e];
+                float x = (d[4 * (g * kChunks + q) + 2 * h + e] - mean) * rstd * gs[e] + bs[e];
                 x = x > 0.f ? x : 0.01f * x;  // leaky_relu(0.01)
                 y[e] = x + x;                  // x + x
               }
