@@ -118,8 +118,10 @@ def main() -> int:
                   f"{ms:.4f} ms  cuBLAS mm {lib_ms:.4f} ms  ratio {ms / lib_ms:.3f}", flush=True)
         if m >= 1024:
             for backend, ms, err in compiled_chain(a, b, gamma, beta, group=16):
+                ok &= err < 1e-2
                 print(f"  {backend:8s} workload 3 (Linear, bias zeroed, GroupNorm({n // 16}) -> leaky -> x+x, bf16): "
-                      f"rel err {err:.2e}  {ms:.4f} ms  ratio to cuBLAS mm {ms / lib_ms:.3f}", flush=True)
+                      f"rel err {err:.2e} {'ok' if err < 1e-2 else 'MISMATCH'}  {ms:.4f} ms  "
+                      f"ratio to cuBLAS mm {ms / lib_ms:.3f}", flush=True)
     return 0 if ok else 1
 
 

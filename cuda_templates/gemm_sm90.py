@@ -29,7 +29,8 @@ Structure (one CTA a 128 x 256 output tile, 384 threads):
   consumers start the next tile's wgmma while the copy drains.
 
 Measured (H200, RESULTS.md tenth session): the plain GEMM is 0.99-1.09x cuBLAS with TMA
-stores, but with workload 3's chain on its accumulators it is 1.05-1.22x cuBLAS, slower
+stores (cluster 1), but with workload 3's chain on its accumulators it is 1.09-1.15x
+cuBLAS (the best variant of each run), slower
 than the shipped path (cuBLAS, then the one-pass epilogue kernel: 1.02-1.08x) in the same
 runs. The epilogue runs while no wgmma is in flight; a ping-pong schedule (each consumer
 warpgroup its own 128 x 128 tile, mainloops taking turns) was tried and measured
@@ -88,8 +89,10 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
 // Arrives on the barrier at `bar`'s offset in the shared memory of cluster CTA `cta`, with
-// the default (CTA-scope) semantics, as CUTLASS's cluster barriers do. The stage's readers
-// are wgmma's, complete by wait_group before the arrive. The first version used
+// the default (CTA-scope) semantics, as CUTLASS's cluster barriers do. Under the PTX
+// memory model that is weaker than cluster scope across CTAs; it relies on the hardware
+// behaviour CUTLASS's pipelines rely on. The stage's readers are wgmma's, complete by
+// wait_group before the arrive. The first version used
 // `.release.cluster` here and `.acquire.cluster` waits: 0.288 ms instead of 0.198 ms at
 // 1024 x 8192 x 8192, cluster 1 (RESULTS.md, tenth session).
 __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, unsigned cta) {
@@ -331,7 +334,7 @@ __global__ void __launch_bounds__(384, 1) $cluster_attr gemm_kernel(const __grid
       if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     }
   }
-  cluster_sync();  // no CTA leaves while its peer may still arrive on its barriers
+  if constexpr (kCluster > 1) cluster_sync();  // no CTA leaves while its peer may still arrive on its barriers
 }
 
 int make_map(CUtensorMap* map, const void* base, int rows, int cols, int box_rows, int box_cols) {

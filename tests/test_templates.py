@@ -197,7 +197,8 @@ def test_nvcc_compiles_tf32_direct_convs(name, arch, tmp_path_factory):
 
 @needs_nvcc
 @pytest.mark.parametrize(
-    "group, cluster, store", [(0, 1, "direct"), (16, 1, "direct"), (32, 2, "direct"), (0, 2, "tma"), (16, 2, "tma")]
+    "group, cluster, store",
+    [(0, 1, "direct"), (16, 1, "direct"), (0, 1, "tma"), (16, 1, "tma"), (32, 1, "tma"), (0, 2, "direct"), (16, 2, "tma")],
 )
 def test_nvcc_compiles_the_gemm_prototype(group, cluster, store, tmp_path_factory):
     # Issue 5's Hopper GEMM prototype (wgmma and TMA: sm_90a only); run by benchmarks/gemm_probe.py.
