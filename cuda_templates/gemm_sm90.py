@@ -29,9 +29,9 @@ Structure (one CTA a 128 x 256 output tile, 384 threads):
   consumers start the next tile's wgmma while the copy drains.
 
 Measured (H200, RESULTS.md tenth session): the plain GEMM is 0.99-1.09x cuBLAS with TMA
-stores (cluster 1), but with workload 3's chain on its accumulators it is 1.09-1.15x
+stores (cluster 1), but with workload 3's chain on its accumulators it is 1.04-1.17x
 cuBLAS (the best variant of each run), slower than the shipped path (cuBLAS, then the
-one-pass epilogue kernel: 1.02-1.08x) in the same runs. The epilogue runs while no wgmma
+one-pass epilogue kernel: 1.02-1.11x) in the same runs. The epilogue runs while no wgmma
 is in flight; a ping-pong schedule (each consumer warpgroup its own 128 x 128 tile,
 mainloops taking turns) was tried and measured 1.28-1.30x cuBLAS for the plain GEMM, and
 is not kept.
