@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import cuda_templates
+from benchmarks.workloads import LinearGroupNormLeakyDouble, relative_error
 from cuda_templates.gemm_sm90 import render_gemm_probe
 
 
@@ -60,10 +61,7 @@ def compiled_chain(a, b, gamma, beta, group):
     cuBLAS, then the fused epilogue kernel) and by Inductor: (backend, median ms, rel err)."""
     from triton.testing import do_bench
 
-    from benchmarks.workloads import LinearGroupNormLeakyDouble
-
-    m, k = a.shape
-    n = b.shape[0]
+    n, k = b.shape
     model = LinearGroupNormLeakyDouble(k, n, n // group).cuda().bfloat16()
     with torch.no_grad():
         model.linear.weight.copy_(b)
@@ -76,13 +74,9 @@ def compiled_chain(a, b, gamma, beta, group):
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=backend)
         with torch.no_grad():
-            err = rel(compiled(a), ref)
+            err = relative_error(compiled(a), ref)
             rows.append((backend, do_bench(lambda: compiled(a)), err))
     return rows
-
-
-def rel(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
 
 
 def main() -> int:
@@ -109,7 +103,7 @@ def main() -> int:
             gm, bt = (gamma, beta) if g else (None, None)
             out = run(dll, a, b, c, gm, bt)
             torch.cuda.synchronize()
-            err = rel(out, reference(a, b, g, gamma, beta))
+            err = relative_error(out, reference(a, b, g, gamma, beta))
             ms = do_bench(lambda: run(dll, a, b, c, gm, bt))
             good = err < 1e-2
             ok &= good
