@@ -28,7 +28,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from lowering import HELD_BACK_OPS, match_graph
 
 from .config import Config, load_config
-from .rewrite import Report, matmul_allows_tf32, rewrite
+from .ops import matmul_allows_tf32
+from .rewrite import Report, rewrite
 
 log = logging.getLogger("fusedepi")
 

@@ -77,6 +77,16 @@ def _parse(spec: str) -> EpilogueSpec:
     return parsed
 
 
+def matmul_allows_tf32() -> bool:
+    """Whether float32 matmuls may use TF32: `torch.set_float32_matmul_precision` or the
+    newer `torch.backends.cuda.matmul.fp32_precision`. Once the newer one has set TF32,
+    torch refuses to answer through the older one's getter."""
+    try:
+        return torch.get_float32_matmul_precision() != "highest"
+    except RuntimeError:
+        return torch.backends.cuda.matmul.fp32_precision == "tf32"
+
+
 def conv_allows_tf32() -> bool:
     """Whether float32 convolutions may use TF32 now, as eager's cuDNN call would read it:
     `torch.backends.cudnn.allow_tf32` (on by default), or the newer

@@ -123,16 +123,6 @@ def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
     return cuda_templates.kernel_name(chain.spec, ops.arch_of(device), tf32)
 
 
-def matmul_allows_tf32() -> bool:
-    """Whether float32 matmuls may use TF32: `torch.set_float32_matmul_precision` or the
-    newer `torch.backends.cuda.matmul.fp32_precision`. Once the newer one has set TF32,
-    torch refuses to answer through the older one's getter."""
-    try:
-        return torch.get_float32_matmul_precision() != "highest"
-    except RuntimeError:
-        return torch.backends.cuda.matmul.fp32_precision == "tf32"
-
-
 def rewrite(gm: GraphModule, cfg: Config) -> Report:
     """Fuses every chain it can in `gm`, in place.
 
@@ -141,7 +131,7 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
     """
     report = Report()
     try:
-        tf32 = matmul_allows_tf32()
+        tf32 = ops.matmul_allows_tf32()
         chains, refusals = match_graph(gm.graph, cfg.disabled, cfg.cpu_reference, matmul_tf32=tf32)
     except Exception as err:  # a matcher bug must not stop the user's model
         if cfg.strict:
