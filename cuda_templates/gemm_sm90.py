@@ -28,7 +28,7 @@ Structure (one CTA a 128 x 256 output tile, 384 threads):
   paid for with one ring stage: 3 instead of 4) that one thread then stores by TMA, so the
   consumers start the next tile's wgmma while the copy drains.
 
-Measured (H200, RESULTS.md tenth session): the plain GEMM is 0.99-1.09x cuBLAS with TMA
+Measured (H200, RESULTS.md tenth session): the plain GEMM is 0.97-1.09x cuBLAS with TMA
 stores (cluster 1), but with workload 3's chain on its accumulators it is 1.04-1.17x
 cuBLAS (the best variant of each run), slower than the shipped path (cuBLAS, then the
 one-pass epilogue kernel: 1.02-1.11x) in the same runs. The epilogue runs while no wgmma
