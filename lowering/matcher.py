@@ -763,6 +763,12 @@ def _start(node: Node, anchor: Anchor, operands, allow_cpu: bool) -> _State:
     return _State(node=node, chain=chain, channels=shape[1], inner=inner, conv=conv, dtype=val.dtype)
 
 
+def folds_gemm_bias(dtype: torch.dtype, matmul_tf32: bool) -> bool:
+    """Whether a GEMM's bias moves into the epilogue (the anchor becomes `mm`): float32
+    chains under TF32 only (`_fold_bias` says why)."""
+    return dtype == torch.float32 and matmul_tf32
+
+
 def _fold_bias(state: _State, anchor: Anchor, gemm_bias: bool) -> Anchor | None:
     """Moves the anchor's bias into the epilogue as its first step, where that is faster.
 
@@ -780,7 +786,7 @@ def _fold_bias(state: _State, anchor: Anchor, gemm_bias: bool) -> Anchor | None:
         # in eager (a folded bias would round the product, then the sum, and a
         # backward that branches on its sign, as leaky_relu's does, would see it).
         return None
-    if anchor.kind == "addmm" and gemm_bias and _val(chain.anchor).dtype == torch.float32:
+    if anchor.kind == "addmm" and folds_gemm_bias(_val(chain.anchor).dtype, gemm_bias):
         try:  # broadcast like any operand: [N] and [1, N] per column, [M, N] in full
             kind = _operand_kind(state, chain.operands[0])
         except Refuse:
