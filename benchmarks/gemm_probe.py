@@ -1,17 +1,23 @@
 """PROTOTYPE probe (issue 5): the hand-written Hopper GEMM of `cuda_templates/gemm_sm90.py`
-against cuBLAS, plain and with workload 3's chain (GroupNorm -> leaky_relu -> x + x) on
-its accumulators. Needs an sm_90 GPU and nvcc.
+against cuBLAS, plain and with two chains on its output tile: workload 3's (GroupNorm ->
+leaky_relu -> x + x) and workload 1's in eval mode (BatchNorm folded to a per-column
+affine -> gelu -> relu). Needs an sm_90 GPU and nvcc.
 
     python -m benchmarks.gemm_probe            # correctness against float64, then timings
 
-For each shape and variant (cluster 1: one CTA a tile; cluster 2: CTA pairs multicasting
-the shared B tile; direct: results stored from registers; tma: staged in shared memory and
-stored by TMA) it prints the relative error against a float64 reference, the median ms
-of the kernel and of `torch.mm` (cuBLAS) at bf16, and their ratio.
+For each shape and variant it prints the relative error against a float64 reference, the
+median ms of the kernel and of `torch.mm` (cuBLAS) at bf16, and their ratio. Variants:
+`tma` stages results in shared memory and stores them by TMA (`direct`: from registers);
+`regs` runs the epilogue in the consumer warps' registers, `warps` in the producer
+warpgroup's three spare warps from the staging tile, while the consumers go on to the
+next tile. At the two large shapes the workloads' modules (the probe's operands, bf16)
+are also compiled by fusedepi (its shipped path: cuBLAS, then the fused epilogue kernel)
+and by Inductor and timed in the same run.
 """
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import sys
 from pathlib import Path
@@ -20,14 +26,28 @@ import torch
 import torch.nn.functional as F
 
 import cuda_templates
-from benchmarks.workloads import LinearGroupNormLeakyDouble, relative_error
+from benchmarks.workloads import LinearBnGeluRelu, LinearGroupNormLeakyDouble, relative_error
 from cuda_templates.gemm_sm90 import render_gemm_probe
+from fusion_backend.backend import collect_reports
+
+ROUNDS = 7  # timing rounds (interleaved_ms)
+GROUP = 16  # workload 3's GroupNorm: 512 groups of 16 columns at N = 8192
+# (chain, GroupNorm columns, cluster, store, offload)
+VARIANTS = [
+    ("plain", 0, 1, "tma", False),
+    ("plain", 0, 1, "tma", True),
+    ("groupnorm", GROUP, 1, "tma", False),
+    ("groupnorm", GROUP, 1, "tma", True),
+    ("affine_gelu_relu", 0, 1, "tma", False),
+    ("affine_gelu_relu", 0, 1, "tma", True),
+]
 
 
-def build(group: int, cluster: int, store: str, cache: Path) -> ctypes.CDLL:
+def build(chain: str, group: int, cluster: int, store: str, offload: bool, cache: Path) -> ctypes.CDLL:
     """Compiles the prototype for sm_90a through the project's compiler, into its kernel cache."""
-    source = render_gemm_probe(group, cluster, store)
-    lib = cuda_templates.build(source, f"gemm_probe_g{group}_c{cluster}_{store}", "sm90a", cache)
+    source = render_gemm_probe(group, cluster, store, chain, offload)
+    name = f"gemm_probe_{chain}{group or ''}_c{cluster}_{store}{'_warps' if offload else ''}"
+    lib = cuda_templates.build(source, name, "sm90a", cache)
     dll = ctypes.CDLL(str(lib))
     dll.gemm_run.restype = ctypes.c_int
     dll.gemm_run.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float] + [ctypes.c_int] * 3 + [ctypes.c_void_p]
@@ -46,50 +66,83 @@ def run(dll, a, b, c, gamma, beta, eps=1e-5):
     return c
 
 
-def reference(a, b, group, gamma, beta, eps=1e-5):
+def reference(a, b, chain, gamma, beta, group=GROUP, eps=1e-5):
     y = a.double() @ b.double().t()
-    if group == 0:
+    if chain == "plain":
         return y
-    m, n = y.shape
-    y = F.group_norm(y, n // group, gamma.double(), beta.double(), eps)
+    if chain == "affine_gelu_relu":
+        return F.relu(F.gelu(y * gamma.double() + beta.double()))
+    y = F.group_norm(y, y.shape[1] // group, gamma.double(), beta.double(), eps)
     y = F.leaky_relu(y, 0.01)
     return y + y
 
 
-def compiled_chain(a, b, gamma, beta, group):
-    """Workload 3's module with the probe's operands, compiled by fusedepi (its shipped path:
-    cuBLAS, then the fused epilogue kernel) and by Inductor: (backend, median ms, rel err)."""
-    from triton.testing import do_bench
-
+def _modules(b, gamma, beta):
+    """Workloads 3 and 1 (eval) with the probe's weight, no Linear bias, and parameters that
+    give the prototype's gamma and beta: (chain, module)."""
     n, k = b.shape
-    model = LinearGroupNormLeakyDouble(k, n, n // group).cuda().bfloat16()
+    w3 = LinearGroupNormLeakyDouble(k, n, n // GROUP).cuda().bfloat16()
+    w1 = LinearBnGeluRelu(k, n).cuda().bfloat16().eval()
     with torch.no_grad():
-        model.linear.weight.copy_(b)
-        model.linear.bias.zero_()
-        model.gn.weight.copy_(gamma)
-        model.gn.bias.copy_(beta)
-    ref = reference(a, b, group, model.gn.weight.float(), model.gn.bias.float())
+        for model in (w3, w1):
+            model.linear.weight.copy_(b)
+            model.linear.bias.zero_()
+        w3.gn.weight.copy_(gamma)
+        w3.gn.bias.copy_(beta)
+        # BatchNorm eval: y * w / sqrt(var + eps) + (bias - mean * w / sqrt(var + eps)) = y * gamma + beta
+        w1.bn.running_var.fill_(1.0 - w1.bn.eps)
+        w1.bn.running_mean.zero_()
+        w1.bn.weight.copy_(gamma)
+        w1.bn.bias.copy_(beta)
+    return [("groupnorm", w3), ("affine_gelu_relu", w1)]
+
+
+def compiled_chains(a, b, gamma, beta):
+    """The workloads' modules with the probe's operands, compiled by fusedepi and by Inductor:
+    (chain, backend, a callable running it without autograd, rel err)."""
     rows = []
-    for backend in ("fusedepi", "inductor"):
-        torch._dynamo.reset()
-        compiled = torch.compile(model, backend=backend)
+    # Once a shape, not between the backends: their callables are timed in turn afterwards,
+    # and Dynamo keeps one entry a backend (it guards on the backend).
+    torch._dynamo.reset()
+    for chain, model in _modules(b, gamma, beta):
         with torch.no_grad():
-            err = relative_error(compiled(a), ref)
-            rows.append((backend, do_bench(lambda: compiled(a)), err))
+            ref = copy.deepcopy(model).double()(a.double())
+        for backend in ("fusedepi", "inductor"):
+            compiled = torch.compile(model, backend=backend)
+
+            def call(compiled=compiled):
+                with torch.no_grad():
+                    return compiled(a)
+
+            reports: list = []
+            with collect_reports(reports):
+                err = relative_error(call(), ref)
+            if backend == "fusedepi" and not any(r.status == "fused" for rep in reports for r in rep.records):
+                raise RuntimeError(f"fusedepi did not fuse the {chain} module")
+            rows.append((chain, backend, call, err))
     return rows
 
 
-def main() -> int:
+def interleaved_ms(fns: dict, rounds: int = ROUNDS) -> dict:
+    """Median ms of each callable over `rounds` rounds that time them all in turn (the
+    order rotating), so that a drift of the GPU's clocks during the run (2-5% between
+    back-to-back timings of one kernel) falls on every callable alike."""
     from triton.testing import do_bench
 
+    names = list(fns)
+    times: dict = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            times[name].append(do_bench(fns[name], warmup=10, rep=60))
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def main() -> int:
     torch.manual_seed(0)
     from fusion_backend.config import load_config
 
     cache = load_config().cache_dir  # the kernels' cache (FUSEDEPI_CACHE_DIR)
-    # (GroupNorm columns, cluster size, epilogue store)
-    variants = [(0, 1, "direct"), (0, 1, "tma"), (0, 2, "tma"), (16, 1, "direct"), (16, 1, "tma"), (16, 2, "tma"),
-                (32, 1, "tma")]
-    libs = {v: build(*v, cache) for v in variants}
+    libs = {v: build(*v, cache) for v in VARIANTS}
     shapes = [(256, 512, 128), (1024, 8192, 8192), (16384, 4096, 4096)]
     ok = True
     for m, n, k in shapes:
@@ -98,24 +151,30 @@ def main() -> int:
         c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         gamma = torch.rand(n, device="cuda") + 0.5
         beta = torch.rand(n, device="cuda") - 0.5
-        lib_ms = do_bench(lambda: torch.mm(a, b.t()))
-        for (g, cluster, store), dll in libs.items():
-            gm, bt = (gamma, beta) if g else (None, None)
-            out = run(dll, a, b, c, gm, bt)
+        fns = {"cuBLAS mm": lambda: torch.mm(a, b.t())}
+        lines = {}
+        for (chain, g, cluster, store, offload), dll in libs.items():
+            c.fill_(float("nan"))  # a tile the kernel does not write shows
+            out = run(dll, a, b, c, gamma, beta)
             torch.cuda.synchronize()
-            err = relative_error(out, reference(a, b, g, gamma, beta))
-            ms = do_bench(lambda: run(dll, a, b, c, gm, bt))
+            err = relative_error(out, reference(a, b, chain, gamma, beta))
             good = err < 1e-2
             ok &= good
-            what = ("GEMM" if g == 0 else f"GEMM+GroupNorm({g} cols)+leaky+x+x") + f" cluster {cluster} {store}"
-            print(f"{m}x{n}x{k} {what:51s} rel err {err:.2e} {'ok' if good else 'MISMATCH'}  "
-                  f"{ms:.4f} ms  cuBLAS mm {lib_ms:.4f} ms  ratio {ms / lib_ms:.3f}", flush=True)
+            what = f"{chain}{g or ''} c{cluster} {store} {'warps' if offload else 'regs'}"
+            fns[what] = lambda dll=dll: run(dll, a, b, c, gamma, beta)
+            lines[what] = f"{m}x{n}x{k} {what:34s} rel err {err:.2e} {'ok' if good else 'MISMATCH'}"
         if m >= 1024:
-            for backend, ms, err in compiled_chain(a, b, gamma, beta, group=16):
+            for chain, backend, call, err in compiled_chains(a, b, gamma, beta):
                 ok &= err < 1e-2
-                print(f"  {backend:8s} workload 3 (Linear, bias zeroed, GroupNorm({n // 16}) -> leaky -> x+x, bf16): "
-                      f"rel err {err:.2e} {'ok' if err < 1e-2 else 'MISMATCH'}  {ms:.4f} ms  "
-                      f"ratio to cuBLAS mm {ms / lib_ms:.3f}", flush=True)
+                what = f"{backend} {chain} module"
+                fns[what] = call
+                lines[what] = (f"{m}x{n}x{k} {what:34s} rel err {err:.2e} {'ok' if err < 1e-2 else 'MISMATCH'}"
+                               f" (Linear without bias)")
+        ms = interleaved_ms(fns)
+        lib = ms["cuBLAS mm"]
+        print(f"{m}x{n}x{k} cuBLAS mm {lib:.4f} ms (medians of {ROUNDS} interleaved rounds)", flush=True)
+        for what, line in lines.items():
+            print(f"{line}  {ms[what]:.4f} ms  ratio to cuBLAS mm {ms[what] / lib:.3f}", flush=True)
     return 0 if ok else 1
 
 

@@ -26,15 +26,26 @@ Structure (one CTA a 128 x 256 output tile, 384 threads):
 - `store="direct"` writes the results from registers to global memory (4-byte stores);
   `store="tma"` writes them into a 128-byte-swizzled staging tile in shared memory (64 KB,
   paid for with one ring stage: 3 instead of 4) that one thread then stores by TMA, so the
-  consumers start the next tile's wgmma while the copy drains.
+  consumers start the next tile's wgmma while the copy drains;
+- two chains besides the plain GEMM: workload 3's (GroupNorm -> leaky_relu -> x + x) and
+  workload 1's in eval mode (a per-column affine, i.e. BatchNorm with the Linear's bias
+  folded in, -> gelu (erf) -> relu);
+- `offload=True` (TMA store only): the consumers stage the tile's bf16 values and go on
+  to the next tile; warps 1-3 of the producer warpgroup (40 registers each) run the chain
+  on the staged tile in place and store it by TMA. Two named barriers hand the staging
+  tile over and back. The consumers run the epilogue of their last tile themselves. The
+  chain then sees the GEMM's bf16-rounded output, as eager's Linear hands it on (in
+  registers it sees the float32 accumulators).
 
-Measured (H200, RESULTS.md tenth session): the plain GEMM is 0.97-1.09x cuBLAS with TMA
-stores (cluster 1), but with workload 3's chain on its accumulators it is 1.04-1.17x
-cuBLAS (the best variant of each run), slower than the shipped path (cuBLAS, then the
-one-pass epilogue kernel: 1.02-1.11x) in the same runs. The epilogue runs while no wgmma
-is in flight; a ping-pong schedule (each consumer warpgroup its own 128 x 128 tile,
-mainloops taking turns) was tried and measured 1.28-1.30x cuBLAS for the plain GEMM, and
-is not kept.
+Measured (H200, bf16, RESULTS.md eleventh session; medians of 7 interleaved rounds, two
+runs): at 16384 x 4096 x 4096 the plain GEMM is 1.003-1.006x cuBLAS, workload 1's eval
+chain in the spare warps 1.050x (in registers 1.09-1.11x) against the shipped path's
+1.13x (cuBLAS, then the one-pass epilogue kernel) and Inductor's 1.17-1.18x, and workload
+3's chain in registers 1.03-1.04x against 1.10x. At 1024 x 8192 x 8192 (two tiles a CTA)
+the chains in registers are 1.03-1.06x against the shipped path's 1.05-1.17x; the spare
+warps lose there (the last tile's epilogue dominates). GroupNorm in the spare warps reads
+the staged group three times and loses to the registers' quad shuffles. Tried before and
+not kept: cluster-2 multicast of B (no gain) and a ping-pong schedule (1.28-1.30x cuBLAS).
 """
 
 from __future__ import annotations
@@ -69,7 +80,15 @@ GEMM_SM90 = Template(
 namespace {
 
 constexpr int kBM = $bm, kBN = $bn, kBK = $bk, kStages = $stages;
-constexpr int kGroup = $group;  // GroupNorm columns a group (0: plain GEMM, bf16 out)
+constexpr int kGroup = $group;  // GroupNorm columns a group (0: no GroupNorm)
+// 0: plain GEMM; 1: GroupNorm(kGroup columns) -> leaky_relu(0.01) -> x + x (workload 3);
+// 2: x * gamma[col] + beta[col] -> gelu (erf) -> relu (workload 1 in eval: BatchNorm folded).
+constexpr int kChain = $chain;
+// The epilogue runs in warps 1-3 of the producer warpgroup, from the staging tile, while
+// the consumers go on to the next tile's wgmma (the tile is handed over by named barriers);
+// the consumers run the epilogue of their last tile themselves, where no wgmma is left to
+// hide it under and eight warps finish it sooner than three.
+constexpr bool kOffload = $offload;
 constexpr int kCluster = $cluster;  // CTAs a cluster along M, sharing (multicasting) the B tile
 constexpr bool kTmaStore = $tma_store;  // results staged in shared memory, stored by TMA
 constexpr int kConsumerWarps = 8;  // two consumer warpgroups
@@ -78,6 +97,11 @@ constexpr int kOut = kTmaStore ? kBM * kBN * 2 : 0;            // bf16 staging t
 constexpr int kSmem = kStages * (kTileA + kTileB) + kOut + 1024;  // + alignment slack
 constexpr int kG = kGroup > 0 ? kGroup : 8;
 static_assert(kG % 8 == 0 && kBN % kG == 0, "a group lies in one tile");
+static_assert(!kOffload || (kTmaStore && kCluster == 1), "the epilogue warps read the staging tile");
+// Named barriers (0 is __syncthreads; 1, 2 are the consumer warpgroups'): the staging tile
+// is full (256 consumers arrive, 96 epilogue threads wait), it is free again (the reverse),
+// and the epilogue warps among themselves.
+constexpr int kBarFull = 3, kBarEmpty = 4, kBarEpi = 5, kHandoff = 256 + 96;
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -110,6 +134,34 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
 }
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// Arrives without waiting; the shared-memory writes before it are visible to the threads
+// that complete the barrier by bar.sync.
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ uint4 lds128(const void* p) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(smem_u32(p))
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void sts128(void* p, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(smem_u32(p)), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ float gelu_relu(float x) {  // relu(gelu(x)), gelu in its erf form
+  const float y = x * 0.5f * (1.f + erff(x * 0.70710678118654752f));
+  return y > 0.f ? y : 0.f;
+}
+__device__ __forceinline__ float2 unpack(uint32_t v) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+__device__ __forceinline__ uint32_t pack(float a, float b) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
 }
 // A box of shared memory (dense, in the map's swizzle) to global memory, in a bulk group.
 __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int c0, int c1) {
@@ -146,6 +198,91 @@ __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorM
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "h"(mask)
       : "memory");
 }
+// The 16-byte chunk `cc` (columns 8cc .. 8cc + 7) of row `r` of the 128 x 256 staging tile:
+// two 64-row halves (one a consumer warpgroup), each four 64 x 64 boxes of 128-byte rows,
+// the chunk index XORed with the row % 8 (TMA's 128-byte swizzle).
+__device__ __forceinline__ uint8_t* staged_chunk(uint8_t* staging, int r, int cc) {
+  return staging + (r >> 6) * 32768 + (cc >> 3) * 8192 + (r & 63) * 128 + (((cc & 7) ^ (r & 7)) << 4);
+}
+
+// The epilogue warps' share of a staged tile (thread `et` of 96), in place: the values are
+// the GEMM's bf16-rounded output, as eager's Linear hands them on.
+__device__ __forceinline__ void epilogue_warps_tile(uint8_t* staging, int et, int n0, const float* __restrict__ gamma,
+                                                    const float* __restrict__ beta, float eps) {
+  if constexpr (kChain == 2) {
+    for (int q = et; q < 128 * 32; q += 96) {  // a warp: the 32 chunks of one row
+      const int r = q >> 5, cc = q & 31;
+      uint8_t* p = staged_chunk(staging, r, cc);
+      uint4 v = lds128(p);
+      uint32_t* w = reinterpret_cast<uint32_t*>(&v);
+      const int col = n0 + cc * 8;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float4 s = __ldg(reinterpret_cast<const float4*>(gamma + col + 4 * h));
+        const float4 t = __ldg(reinterpret_cast<const float4*>(beta + col + 4 * h));
+        const float2 x0 = unpack(w[2 * h]), x1 = unpack(w[2 * h + 1]);
+        w[2 * h] = pack(gelu_relu(fmaf(x0.x, s.x, t.x)), gelu_relu(fmaf(x0.y, s.y, t.y)));
+        w[2 * h + 1] = pack(gelu_relu(fmaf(x1.x, s.z, t.z)), gelu_relu(fmaf(x1.y, s.w, t.w)));
+      }
+      sts128(p, v);
+    }
+  } else if constexpr (kChain == 1) {
+    constexpr int kChunks = kG / 8, kGroupsRow = kBN / kG;
+    constexpr float kInv = 1.f / kG;
+    for (int q = et; q < 128 * kGroupsRow; q += 96) {
+      const int r = q / kGroupsRow, g = q % kGroupsRow;
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        const uint4 v = lds128(staged_chunk(staging, r, g * kChunks + i));
+        const uint32_t* w = reinterpret_cast<const uint32_t*>(&v);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 x = unpack(w[e]);
+          sum += x.x + x.y;
+        }
+      }
+      const float mean = sum * kInv;
+      float sq = 0.f;
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        const uint4 v = lds128(staged_chunk(staging, r, g * kChunks + i));
+        const uint32_t* w = reinterpret_cast<const uint32_t*>(&v);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 x = unpack(w[e]);
+          sq = fmaf(x.x - mean, x.x - mean, sq);
+          sq = fmaf(x.y - mean, x.y - mean, sq);
+        }
+      }
+      const float rstd = rsqrtf(sq * kInv + eps);
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        uint8_t* p = staged_chunk(staging, r, g * kChunks + i);
+        uint4 v = lds128(p);
+        uint32_t* w = reinterpret_cast<uint32_t*>(&v);
+        const int col = n0 + (g * kChunks + i) * 8;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float4 ga = __ldg(reinterpret_cast<const float4*>(gamma + col + 4 * h));
+          const float4 be = __ldg(reinterpret_cast<const float4*>(beta + col + 4 * h));
+          const float gs[4] = {ga.x, ga.y, ga.z, ga.w}, bs[4] = {be.x, be.y, be.z, be.w};
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float2 x = unpack(w[2 * h + e]);
+            float y0 = (x.x - mean) * rstd * gs[2 * e] + bs[2 * e];
+            float y1 = (x.y - mean) * rstd * gs[2 * e + 1] + bs[2 * e + 1];
+            y0 = y0 > 0.f ? y0 : 0.01f * y0;
+            y1 = y1 > 0.f ? y1 : 0.01f * y1;
+            w[2 * h + e] = pack(y0 + y0, y1 + y1);
+          }
+        }
+        sts128(p, v);
+      }
+    }
+  }
+}
+
 // Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row atoms 1024 bytes apart.
 __device__ __forceinline__ uint64_t make_desc(const void* p) {
   const uint64_t addr = smem_u32(p);
@@ -217,6 +354,27 @@ __global__ void __launch_bounds__(384, 1) $cluster_attr gemm_kernel(const __grid
           }
         }
       }
+    } else if (kOffload && tid >= 32) {  // epilogue warps: every tile but the CTA's last
+      const int et = tid - 32;
+      uint8_t* staging = smem + kStages * (kTileA + kTileB);
+      for (int unit = cluster; unit + clusters < n_units; unit += clusters) {
+        int m0, n0;
+        tile_origin(unit, units_m, tiles_n, rank, m0, n0);
+        named_barrier(kBarFull, kHandoff);  // the consumers have staged the tile
+        epilogue_warps_tile(staging, et, n0, gamma, beta, eps);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // our writes, then the bulk copy's reads
+        named_barrier(kBarEpi, 96);
+        if (et == 0) {
+#pragma unroll
+          for (int b = 0; b < 8; ++b) tma_store_2d(&map_c, staging + b * 8192, n0 + b % 4 * 64, m0 + b / 4 * 64);
+          asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+          asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+        }
+        // The staging tile is free once the copy has read it (thread 0 arrives after its
+        // wait); the consumers wait for this before they stage their next tile.
+        named_arrive(kBarEmpty, kHandoff);
+      }
+      if (et == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     }
   } else {  // consumers: rows 64 * (wg - 1) .. + 64 of the tile
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
@@ -232,6 +390,8 @@ __global__ void __launch_bounds__(384, 1) $cluster_attr gemm_kernel(const __grid
     for (int unit = cluster; unit < n_units; unit += clusters) {
       int m0, n0;
       tile_origin(unit, units_m, tiles_n, rank, m0, n0);
+      const bool first = unit == cluster, last = unit + clusters >= n_units;
+      const bool hand_over = kOffload && !last;  // the epilogue warps take this tile
       float d[128];
 #pragma unroll
       for (int i = 0; i < 128; ++i) d[i] = 0.f;
@@ -271,15 +431,26 @@ __global__ void __launch_bounds__(384, 1) $cluster_attr gemm_kernel(const __grid
           *reinterpret_cast<__nv_bfloat162*>(c + (long long)(row + 8 * h) * n_cols + col) = v;
         }
       };
-      if constexpr (kTmaStore) {  // the previous tile's store has read the staging tile
+      if constexpr (kOffload) {  // the epilogue warps are done with the staging tile
+        if (!first) named_barrier(kBarEmpty, kHandoff);
+      } else if constexpr (kTmaStore) {  // the previous tile's store has read the staging tile
         if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
         named_barrier(1 + half, 128);
       }
-      if constexpr (kGroup == 0) {
+      if (kChain == 0 || hand_over) {
 #pragma unroll
         for (int j = 0; j < 32; ++j)
 #pragma unroll
           for (int h = 0; h < 2; ++h) put(h, col0 + 8 * j, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+      } else if (kChain == 2) {
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          const int col = col0 + 8 * j;
+          const float2 s = *reinterpret_cast<const float2*>(gamma + col), t = *reinterpret_cast<const float2*>(beta + col);
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            put(h, col, gelu_relu(fmaf(d[4 * j + 2 * h], s.x, t.x)), gelu_relu(fmaf(d[4 * j + 2 * h + 1], s.y, t.y)));
+        }
       } else {
         constexpr int kChunks = kG / 8;
         constexpr float kInv = 1.f / kG;
@@ -320,7 +491,9 @@ __global__ void __launch_bounds__(384, 1) $cluster_attr gemm_kernel(const __grid
             }
           }
       }
-      if constexpr (kTmaStore) {  // writes visible to the bulk copy, then one thread stores
+      if (hand_over) {
+        named_arrive(kBarFull, kHandoff);  // the tile is staged: the epilogue warps take it from here
+      } else if constexpr (kTmaStore) {  // writes visible to the bulk copy, then one thread stores
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         named_barrier(1 + half, 128);
         if (tid == 0) {
@@ -330,7 +503,7 @@ __global__ void __launch_bounds__(384, 1) $cluster_attr gemm_kernel(const __grid
         }
       }
     }  // tiles
-    if constexpr (kTmaStore) {
+    if constexpr (kTmaStore) {  // with kOffload, the last tile's store
       if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     }
   }
@@ -394,16 +567,36 @@ extern "C" int gemm_run(const void* a, const void* b, void* c, const float* gamm
 )
 
 
-def render_gemm_probe(group: int = 0, cluster: int = 1, store: str = "direct") -> str:
-    """The prototype's source: a plain GEMM (group 0) or GEMM -> GroupNorm(group columns)
-    -> leaky_relu(0.01) -> x + x (workload 3's chain) with bf16 output; `cluster` 2 pairs
-    CTAs that multicast the shared B tile (M must then be a multiple of 256); `store` is
-    "direct" (registers to global) or "tma" (staged in shared memory, stored by TMA)."""
+CHAINS = {"plain": 0, "groupnorm": 1, "affine_gelu_relu": 2}
+
+
+def render_gemm_probe(group: int = 0, cluster: int = 1, store: str = "direct", chain: str | None = None,
+                      offload: bool = False) -> str:
+    """The prototype's source for bf16 output.
+
+    Args:
+        group: GroupNorm columns a group (chain "groupnorm").
+        cluster: 2 pairs CTAs that multicast the shared B tile (M a multiple of 256).
+        store: "direct" (registers to global) or "tma" (staged in shared memory, stored by TMA).
+        chain: "plain" (the GEMM), "groupnorm" (GroupNorm(group columns) -> leaky_relu(0.01)
+            -> x + x, workload 3) or "affine_gelu_relu" (x * gamma[col] + beta[col] -> gelu ->
+            relu: workload 1 in eval, its BatchNorm and the Linear's bias folded into gamma
+            and beta); default "groupnorm" if group else "plain".
+        offload: the epilogue runs in the producer warpgroup's three spare warps, from the
+            staging tile (store "tma", cluster 1), instead of in the consumers' registers.
+    """
     if cluster not in (1, 2):
         raise ValueError(f"cluster must be 1 or 2, not {cluster}")
     if store not in STAGES:
         raise ValueError(f"store must be one of {sorted(STAGES)}, not {store!r}")
+    chain = chain or ("groupnorm" if group else "plain")
+    if chain not in CHAINS:
+        raise ValueError(f"chain must be one of {sorted(CHAINS)}, not {chain!r}")
+    if (chain == "groupnorm") != (group > 0):
+        raise ValueError(f"a group size goes with the groupnorm chain only (chain {chain!r}, group {group})")
+    if offload and (store != "tma" or cluster != 1):
+        raise ValueError("offload needs store='tma' and cluster 1: the epilogue warps read the staging tile")
     attr = f"__cluster_dims__({cluster}, 1, 1)" if cluster > 1 else ""
     return GEMM_SM90.substitute(bm=BLOCK_M, bn=BLOCK_N, bk=BLOCK_K, stages=STAGES[store], group=group,
                                 cluster=cluster, cluster_attr=attr, tma_store="true" if store == "tma" else "false",
-                                wgmma=_wgmma_asm())
+                                chain=CHAINS[chain], offload="true" if offload else "false", wgmma=_wgmma_asm())

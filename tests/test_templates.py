@@ -197,19 +197,25 @@ def test_nvcc_compiles_tf32_direct_convs(name, arch, tmp_path_factory):
 
 @needs_nvcc
 @pytest.mark.parametrize(
-    "group, cluster, store",
-    [(0, 1, "direct"), (16, 1, "direct"), (0, 1, "tma"), (16, 1, "tma"), (32, 1, "tma"), (0, 2, "direct"), (16, 2, "tma")],
+    "group, cluster, store, chain, offload",
+    [(0, 1, "direct", None, False), (16, 1, "direct", None, False), (0, 1, "tma", None, False),
+     (16, 1, "tma", None, False), (32, 1, "tma", None, False), (0, 2, "direct", None, False),
+     (16, 2, "tma", None, False), (0, 1, "tma", "affine_gelu_relu", False), (0, 1, "tma", "plain", True),
+     (16, 1, "tma", None, True), (0, 1, "tma", "affine_gelu_relu", True)],
 )
-def test_nvcc_compiles_the_gemm_prototype(group, cluster, store, tmp_path_factory):
+def test_nvcc_compiles_the_gemm_prototype(group, cluster, store, chain, offload, tmp_path_factory):
     # Issue 5's Hopper GEMM prototype (wgmma and TMA: sm_90a only); run by benchmarks/gemm_probe.py.
-    from cuda_templates.gemm_sm90 import render_gemm_probe
+    from cuda_templates.gemm_sm90 import CHAINS, render_gemm_probe
 
-    source = render_gemm_probe(group, cluster, store)
+    source = render_gemm_probe(group, cluster, store, chain, offload)
     assert source.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 1
     assert "%127}, %128, %129, p" in source  # 128 accumulators, then the two descriptors
     assert ("__cluster_dims__(2, 1, 1)" in source) == (cluster == 2)
     assert ("kTmaStore = true" in source) == (store == "tma")
-    _assert_builds(source, f"gemm_probe_g{group}_c{cluster}_{store}", "sm90a", tmp_path_factory)
+    assert f"kChain = {CHAINS[chain or ('groupnorm' if group else 'plain')]};" in source
+    assert ("kOffload = true" in source) == offload
+    name = f"gemm_probe_{chain or 'g'}{group}_c{cluster}_{store}{'_warps' if offload else ''}"
+    _assert_builds(source, name, "sm90a", tmp_path_factory)
 
 
 def test_gemm_prototype_refuses_unknown_variants():
@@ -219,6 +225,16 @@ def test_gemm_prototype_refuses_unknown_variants():
         render_gemm_probe(0, 4)
     with pytest.raises(ValueError, match="store must be one of"):
         render_gemm_probe(0, 1, "smem")
+    with pytest.raises(ValueError, match="chain must be one of"):
+        render_gemm_probe(0, 1, "tma", "softmax")
+    with pytest.raises(ValueError, match="group size goes with the groupnorm chain"):
+        render_gemm_probe(16, 1, "tma", "affine_gelu_relu")
+    with pytest.raises(ValueError, match="group size goes with the groupnorm chain"):
+        render_gemm_probe(0, 1, "tma", "groupnorm")
+    with pytest.raises(ValueError, match="offload needs store='tma' and cluster 1"):
+        render_gemm_probe(16, 1, "direct", None, True)
+    with pytest.raises(ValueError, match="offload needs store='tma' and cluster 1"):
+        render_gemm_probe(16, 2, "tma", None, True)
 
 
 def test_tf32_direct_conv_plans():
