@@ -4,6 +4,7 @@
 #                                         # against Inductor with kernel profiles, and the bias-fold A/B
 #   bash benchmarks/session11.sh gemm     # issue 5's GEMM prototype (python -m benchmarks.gemm_probe):
 #                                         # workloads 3 and 1-eval chains in registers or in the spare warps
+#   bash benchmarks/session11.sh w4       # workload 4 (bf16, TF32) against Inductor, three times in a row
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fusedepi-out}
@@ -18,6 +19,12 @@ case ${1:-survey} in
       --profile --json "$OUT/survey.json" 2>&1 | grep -v "^-- " | tee "$OUT/survey.log"
     python3 -m benchmarks.fold_ab --workloads "${W14[@]:1}" --precisions bf16 --providers inductor fusedepi \
       --profile --json "$OUT/fold_ab.json" 2>&1 | grep -v "^-- " | tee "$OUT/fold_ab.log"
+    ;;
+  w4)
+    for run in 1 2 3; do
+      python3 -m benchmarks.compare --workloads 4_linear_groupnorm_swish --precisions bf16 fp32-tf32 \
+        --providers inductor fusedepi --profile 2>&1 | grep -v "^-- " | tee "$OUT/w4_$run.log"
+    done
     ;;
   gemm)
     # A wrong barrier protocol hangs rather than fails: bound it.
