@@ -231,30 +231,24 @@ __device__ __forceinline__ void epilogue_warps_tile(uint8_t* staging, int et, in
     constexpr float kInv = 1.f / kG;
     for (int q = et; q < 128 * kGroupsRow; q += 96) {
       const int r = q / kGroupsRow, g = q % kGroupsRow;
-      float sum = 0.f;
+      const auto each_pair = [&](auto&& f) {  // the group's values in pairs, read from the staged tile
 #pragma unroll
-      for (int i = 0; i < kChunks; ++i) {
-        const uint4 v = lds128(staged_chunk(staging, r, g * kChunks + i));
-        const uint32_t* w = reinterpret_cast<const uint32_t*>(&v);
+        for (int i = 0; i < kChunks; ++i) {
+          const uint4 v = lds128(staged_chunk(staging, r, g * kChunks + i));
+          const uint32_t* w = reinterpret_cast<const uint32_t*>(&v);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 x = unpack(w[e]);
-          sum += x.x + x.y;
+          for (int e = 0; e < 4; ++e) {
+            f(unpack(w[e]));
+          }
         }
-      }
+      };
+      float sum = 0.f, sq = 0.f;
+      each_pair([&](float2 x) { sum += x.x + x.y; });
       const float mean = sum * kInv;
-      float sq = 0.f;
-#pragma unroll
-      for (int i = 0; i < kChunks; ++i) {
-        const uint4 v = lds128(staged_chunk(staging, r, g * kChunks + i));
-        const uint32_t* w = reinterpret_cast<const uint32_t*>(&v);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 x = unpack(w[e]);
-          sq = fmaf(x.x - mean, x.x - mean, sq);
-          sq = fmaf(x.y - mean, x.y - mean, sq);
-        }
-      }
+      each_pair([&](float2 x) {
+        sq = fmaf(x.x - mean, x.x - mean, sq);
+        sq = fmaf(x.y - mean, x.y - mean, sq);
+      });
       const float rstd = rsqrtf(sq * kInv + eps);
 #pragma unroll
       for (int i = 0; i < kChunks; ++i) {
