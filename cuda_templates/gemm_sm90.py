@@ -156,6 +156,12 @@ __device__ __forceinline__ float gelu_relu(float x) {  // relu(gelu(x)), gelu in
   const float y = x * 0.5f * (1.f + erff(x * 0.70710678118654752f));
   return y > 0.f ? y : 0.f;
 }
+// Workload 3's chain after its statistics: GroupNorm's normalize, leaky_relu(0.01), x + x.
+__device__ __forceinline__ float groupnorm_leaky_double(float x, float mean, float rstd, float g, float b) {
+  float y = (x - mean) * rstd * g + b;
+  y = y > 0.f ? y : 0.01f * y;
+  return y + y;
+}
 __device__ __forceinline__ float2 unpack(uint32_t v) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
 }
@@ -264,11 +270,8 @@ __device__ __forceinline__ void epilogue_warps_tile(uint8_t* staging, int et, in
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const float2 x = unpack(w[2 * h + e]);
-            float y0 = (x.x - mean) * rstd * gs[2 * e] + bs[2 * e];
-            float y1 = (x.y - mean) * rstd * gs[2 * e + 1] + bs[2 * e + 1];
-            y0 = y0 > 0.f ? y0 : 0.01f * y0;
-            y1 = y1 > 0.f ? y1 : 0.01f * y1;
-            w[2 * h + e] = pack(y0 + y0, y1 + y1);
+            w[2 * h + e] = pack(groupnorm_leaky_double(x.x, mean, rstd, gs[2 * e], bs[2 * e]),
+                                groupnorm_leaky_double(x.y, mean, rstd, gs[2 * e + 1], bs[2 * e + 1]));
           }
         }
         sts128(p, v);
@@ -476,11 +479,7 @@ __global__ void __launch_bounds__(384, 1) $cluster_attr gemm_kernel(const __grid
               const float gs[2] = {ga.x, ga.y}, bs[2] = {be.x, be.y};
               float y[2];
 #pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                float x = (d[4 * (g * kChunks + q) + 2 * h + e] - mean) * rstd * gs[e] + bs[e];
-                x = x > 0.f ? x : 0.01f * x;  // leaky_relu(0.01)
-                y[e] = x + x;                  // x + x
-              }
+              for (int e = 0; e < 2; ++e) y[e] = groupnorm_leaky_double(d[4 * (g * kChunks + q) + 2 * h + e], mean, rstd, gs[e], bs[e]);
               put(h, col, y[0], y[1]);
             }
           }
