@@ -1,126 +1,35 @@
-"""PROTOTYPE probe (issue 5): the hand-written Hopper GEMM of `cuda_templates/gemm_sm90.py`
-against cuBLAS, plain and with two chains on its output tile: workload 3's (GroupNorm ->
-leaky_relu -> x + x) and workload 1's in eval mode (BatchNorm folded to a per-column
-affine -> gelu -> relu). Needs an sm_90 GPU and nvcc.
+"""The in-kernel GEMM (issue 5) against the library GEMM path, Inductor and cuBLAS alone, on
+workloads 1 (eval), 3 and 4 at 16-bit precision. Needs an sm_90 GPU and nvcc.
 
-    python -m benchmarks.gemm_probe            # correctness against float64, then timings
+    python -m benchmarks.gemm_probe                  # bf16, the workloads' shapes
+    python -m benchmarks.gemm_probe --dtype float16
 
-For each shape and variant it prints the relative error against a float64 reference, the
-median ms of the kernel and of `torch.mm` (cuBLAS) at bf16, and their ratio. Variants:
-`tma` stages results in shared memory and stores them by TMA (`direct`: from registers);
-`regs` runs the epilogue in the consumer warps' registers, `warps` in the producer
-warpgroup's three spare warps from the staging tile, while the consumers go on to the
-next tile. At the two large shapes the workloads' modules (the probe's operands, bf16)
-are also compiled by fusedepi (its shipped path: cuBLAS, then the fused epilogue kernel)
-and by Inductor and timed in the same run.
+For each workload it compiles the module with fusedepi and with Inductor, checks both
+against a float64 reference and that fusedepi fused it, and prints the kernel it chose (the
+in-kernel GEMM where `gemm_plan` admits the chain; with `FUSEDEPI_DISABLE=direct_gemm` in
+the environment, always cuBLAS and then the fused epilogue kernel); then times them with `torch.addmm` (the library GEMM alone) in
+interleaved rounds and prints medians and ratios to the library GEMM. Run it once with and
+once without that setting to compare the two paths (Dynamo reuses one process's graph).
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
-import ctypes
+import os
 import sys
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-import cuda_templates
-from benchmarks.workloads import LinearBnGeluRelu, LinearGroupNormLeakyDouble, relative_error
-from cuda_templates.gemm_sm90 import render_gemm_probe
+from benchmarks.workloads import WORKLOADS, relative_error
 from fusion_backend.backend import collect_reports
 
 ROUNDS = 7  # timing rounds (interleaved_ms)
-GROUP = 16  # workload 3's GroupNorm: 512 groups of 16 columns at N = 8192
-# (chain, GroupNorm columns, cluster, store, offload)
-VARIANTS = [
-    ("plain", 0, 1, "tma", False),
-    ("plain", 0, 1, "tma", True),
-    ("groupnorm", GROUP, 1, "tma", False),
-    ("groupnorm", GROUP, 1, "tma", True),
-    ("affine_gelu_relu", 0, 1, "tma", False),
-    ("affine_gelu_relu", 0, 1, "tma", True),
-]
-
-
-def build(chain: str, group: int, cluster: int, store: str, offload: bool, cache: Path) -> ctypes.CDLL:
-    """Compiles the prototype for sm_90a through the project's compiler, into its kernel cache."""
-    source = render_gemm_probe(group, cluster, store, chain, offload)
-    name = f"gemm_probe_{chain}{group or ''}_c{cluster}_{store}{'_warps' if offload else ''}"
-    lib = cuda_templates.build(source, name, "sm90a", cache)
-    dll = ctypes.CDLL(str(lib))
-    dll.gemm_run.restype = ctypes.c_int
-    dll.gemm_run.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float] + [ctypes.c_int] * 3 + [ctypes.c_void_p]
-    return dll
-
-
-def run(dll, a, b, c, gamma, beta, eps=1e-5):
-    m, k = a.shape
-    n = b.shape[0]
-    g = gamma.data_ptr() if gamma is not None else None
-    be = beta.data_ptr() if beta is not None else None
-    err = dll.gemm_run(a.data_ptr(), b.data_ptr(), c.data_ptr(), g, be, eps, m, n, k,
-                       torch.cuda.current_stream().cuda_stream)
-    if err:
-        raise RuntimeError(f"gemm_run returned {err}")
-    return c
-
-
-def reference(a, b, chain, gamma, beta, group=GROUP, eps=1e-5):
-    y = a.double() @ b.double().t()
-    if chain == "plain":
-        return y
-    if chain == "affine_gelu_relu":
-        return F.relu(F.gelu(y * gamma.double() + beta.double()))
-    y = F.group_norm(y, y.shape[1] // group, gamma.double(), beta.double(), eps)
-    y = F.leaky_relu(y, 0.01)
-    return y + y
-
-
-def _modules(b, gamma, beta):
-    """Workloads 3 and 1 (eval) with the probe's weight, no Linear bias, and parameters that
-    give the prototype's gamma and beta: (chain, module)."""
-    n, k = b.shape
-    w3 = LinearGroupNormLeakyDouble(k, n, n // GROUP).cuda().bfloat16()
-    w1 = LinearBnGeluRelu(k, n).cuda().bfloat16().eval()
-    with torch.no_grad():
-        for model in (w3, w1):
-            model.linear.weight.copy_(b)
-            model.linear.bias.zero_()
-        w3.gn.weight.copy_(gamma)
-        w3.gn.bias.copy_(beta)
-        # BatchNorm eval: y * w / sqrt(var + eps) + (bias - mean * w / sqrt(var + eps)) = y * gamma + beta
-        w1.bn.running_var.fill_(1.0 - w1.bn.eps)
-        w1.bn.running_mean.zero_()
-        w1.bn.weight.copy_(gamma)
-        w1.bn.bias.copy_(beta)
-    return [("groupnorm", w3), ("affine_gelu_relu", w1)]
-
-
-def compiled_chains(a, b, gamma, beta):
-    """The workloads' modules with the probe's operands, compiled by fusedepi and by Inductor:
-    (chain, backend, a callable running it without autograd, rel err)."""
-    rows = []
-    # Once a shape, not between the backends: their callables are timed in turn afterwards,
-    # and Dynamo keeps one entry a backend (it guards on the backend).
-    torch._dynamo.reset()
-    for chain, model in _modules(b, gamma, beta):
-        with torch.no_grad():
-            ref = copy.deepcopy(model).double()(a.double())
-        for backend in ("fusedepi", "inductor"):
-            compiled = torch.compile(model, backend=backend)
-
-            def call(compiled=compiled):
-                with torch.no_grad():
-                    return compiled(a)
-
-            reports: list = []
-            with collect_reports(reports):
-                err = relative_error(call(), ref)
-            if backend == "fusedepi" and not any(r.status == "fused" for rep in reports for r in rep.records):
-                raise RuntimeError(f"fusedepi did not fuse the {chain} module")
-            rows.append((chain, backend, call, err))
-    return rows
+CASES = {  # name: (workload, eval mode)
+    "w1_eval": ("1_linear_bn_gelu_relu", True),
+    "w3": ("3_linear_groupnorm_leaky", False),
+    "w4": ("4_linear_groupnorm_swish", False),
+}
 
 
 def interleaved_ms(fns: dict, rounds: int = ROUNDS) -> dict:
@@ -137,44 +46,63 @@ def interleaved_ms(fns: dict, rounds: int = ROUNDS) -> dict:
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
-def main() -> int:
-    torch.manual_seed(0)
-    from fusion_backend.config import load_config
+def _compiled(model, x, backend: str):
+    """(callable, its first output, fusedepi's kernel names) of `model` compiled by `backend`."""
+    compiled = torch.compile(model, backend=backend)
+    reports: list = []
+    with torch.no_grad(), collect_reports(reports):
+        out = compiled(x)
 
-    cache = load_config().cache_dir  # the kernels' cache (FUSEDEPI_CACHE_DIR)
-    libs = {v: build(*v, cache) for v in VARIANTS}
-    shapes = [(256, 512, 128), (1024, 8192, 8192), (16384, 4096, 4096)]
+    def call():
+        with torch.no_grad():
+            return compiled(x)
+
+    kernels = [r.kernel for rep in reports for r in rep.records if r.status == "fused"]
+    return call, out, kernels
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
     ok = True
-    for m, n, k in shapes:
-        a = torch.rand(m, k, device="cuda", dtype=torch.bfloat16) * 2 - 1
-        b = (torch.rand(n, k, device="cuda", dtype=torch.bfloat16) * 2 - 1) / k**0.5
-        c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        gamma = torch.rand(n, device="cuda") + 0.5
-        beta = torch.rand(n, device="cuda") - 0.5
-        fns = {"cuBLAS mm": lambda: torch.mm(a, b.t())}
+    for case in args.cases:
+        workload_name, eval_mode = CASES[case]
+        workload = WORKLOADS[workload_name]
+        model = workload.make_model().cuda().to(dtype).train(not eval_mode)
+        if eval_mode:
+            with torch.no_grad():
+                model.bn.running_mean.uniform_(-0.5, 0.5)
+                model.bn.running_var.uniform_(0.5, 2)
+        x = torch.rand(workload.input_shape, device="cuda", dtype=dtype)
+        with torch.no_grad():
+            ref = copy.deepcopy(model).double()(x.double())
+        lin = model.linear
+        fns = {"library GEMM (addmm)": lambda: torch.addmm(lin.bias, x, lin.weight.t())}
         lines = {}
-        for (chain, g, cluster, store, offload), dll in libs.items():
-            c.fill_(float("nan"))  # a tile the kernel does not write shows
-            out = run(dll, a, b, c, gamma, beta)
-            torch.cuda.synchronize()
-            err = relative_error(out, reference(a, b, chain, gamma, beta))
-            good = err < 1e-2
+        torch._dynamo.reset()
+        in_kernel = "direct_gemm" not in os.environ.get("FUSEDEPI_DISABLE", "")
+        for backend in ("fusedepi", "inductor"):
+            call, out, kernels = _compiled(model, x, backend)
+            what = backend if backend == "inductor" else f"fusedepi {'in-kernel' if in_kernel else 'library'} GEMM"
+            err = relative_error(out, ref)
+            good = err <= 1e-2
+            if backend == "fusedepi":  # the in-kernel GEMM takes only the chains gemm_plan admits
+                good &= len(kernels) == 1 and (in_kernel or not kernels[0].startswith("wgmma"))
             ok &= good
-            what = f"{chain}{g or ''} c{cluster} {store} {'warps' if offload else 'regs'}"
-            fns[what] = lambda dll=dll: run(dll, a, b, c, gamma, beta)
-            lines[what] = f"{m}x{n}x{k} {what:34s} rel err {err:.2e} {'ok' if good else 'MISMATCH'}"
-        if m >= 1024:
-            for chain, backend, call, err in compiled_chains(a, b, gamma, beta):
-                ok &= err < 1e-2
-                what = f"{backend} {chain} module"
-                fns[what] = call
-                lines[what] = (f"{m}x{n}x{k} {what:34s} rel err {err:.2e} {'ok' if err < 1e-2 else 'MISMATCH'}"
-                               f" (Linear without bias)")
+            fns[what] = call
+            lines[what] = (f"{case} {args.dtype} {what:26s} rel err {err:.2e} {'ok' if good else 'MISMATCH'}"
+                           f" {kernels[0] if kernels else ''}")
         ms = interleaved_ms(fns)
-        lib = ms["cuBLAS mm"]
-        print(f"{m}x{n}x{k} cuBLAS mm {lib:.4f} ms (medians of {ROUNDS} interleaved rounds)", flush=True)
+        lib = ms["library GEMM (addmm)"]
+        m, k = x.shape
+        print(f"{case} {m}x{lin.out_features}x{k} {args.dtype} library GEMM (addmm) {lib:.4f} ms "
+              f"(medians of {ROUNDS} interleaved rounds)", flush=True)
         for what, line in lines.items():
-            print(f"{line}  {ms[what]:.4f} ms  ratio to cuBLAS mm {ms[what] / lib:.3f}", flush=True)
+            print(f"{line}\n    {ms[what]:.4f} ms  ratio to the library GEMM {ms[what] / lib:.3f}", flush=True)
     return 0 if ok else 1
 
 

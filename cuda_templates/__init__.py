@@ -1,16 +1,20 @@
 """CUDA templates: `EpilogueSpec` -> source -> compiled, cached library. No FX in here."""
 
 from .compiler import CompileError, Library, build, load
-from .render import DirectPlan, NotRenderable, Plan, direct_plan, kernel_name, plan, render
+from .render import (DirectPlan, GemmPlan, NotRenderable, Plan, build_arch, direct_plan, gemm_plan, kernel_name, plan,
+                     render)
 
 __all__ = [
     "CompileError",
     "DirectPlan",
+    "GemmPlan",
     "Library",
     "NotRenderable",
     "Plan",
     "build",
+    "build_arch",
     "direct_plan",
+    "gemm_plan",
     "kernel_name",
     "load",
     "plan",

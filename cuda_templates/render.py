@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lowering.spec import FULL, ROW_NORMS, ROW_REDUCTIONS, SEGMENT_NORMS, EpilogueSpec
+from lowering.spec import FULL, REDUCTIONS, ROW_NORMS, ROW_REDUCTIONS, SEGMENT_NORMS, EpilogueSpec
 
-from . import templates
+from . import gemm_sm90, templates
 from .snippets import cfloat, render_stage
 
 CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -238,23 +238,87 @@ def _mma_plan(spec, cin, kh, kw, ho, wo, col_tiles) -> DirectPlan | str:
     return f"the input tile of {cin} channels does not fit {DIRECT_SMEM_BUDGET // 1024} KiB of shared memory"
 
 
+@dataclass(frozen=True)
+class GemmPlan:
+    """The in-kernel GEMM's shape (cuda_templates/gemm_sm90.py).
+
+    Attributes:
+        k: the inner size.
+        group: GroupNorm columns a group (0: a pointwise chain, which runs in the
+            producer's spare warps where a CTA has gemm_sm90.WARPS_MIN_TILES tiles or more).
+    """
+
+    k: int
+    group: int
+    block_m: int = gemm_sm90.BLOCK_M
+    block_n: int = gemm_sm90.BLOCK_N
+
+    def name(self, spec: EpilogueSpec, arch: str) -> str:
+        return f"wgmma{self.block_m}x{self.block_n}_" + spec.kernel_name(arch + "a")
+
+
+def gemm_plan(spec: EpilogueSpec, arch: str) -> GemmPlan | str:
+    """The in-kernel GEMM for `spec` on `arch`, or the reason the library GEMM runs first."""
+    anchor = spec.anchor
+    if anchor.kind not in ("addmm", "mm"):
+        return "not a matrix product"
+    if not anchor.gemm:
+        return "not x @ w^T with a contiguous w (a Linear's weight) and a [N] bias (or disabled)"
+    if arch != "sm90":
+        return f"the in-kernel GEMM needs sm_90 (wgmma, TMA), not {arch}"
+    if spec.dtype not in gemm_sm90.WGMMA_TYPES:
+        return f"{spec.dtype}: the in-kernel GEMM takes bfloat16 and float16 (float32 runs on the library GEMM)"
+    if spec.saves:
+        return "it returns values saved for backward, and the in-kernel GEMM writes only the result"
+    (k,) = anchor.gemm
+    bn = gemm_sm90.BLOCK_N
+    if spec.channels % bn:
+        return f"N={spec.channels} is not a multiple of the in-kernel GEMM's {bn}-column tile"
+    if k % 8:
+        return f"K={k} is not a multiple of 8 (the bulk copies' 16-byte row pitch)"
+    costly = next((s.name for s in spec.steps if s.name not in gemm_sm90.CHEAP_STEPS), None)
+    if costly is not None and costly not in REDUCTIONS:
+        return (f"{costly}: chains with per-element transcendental or division steps run faster on the library "
+                "GEMM and the epilogue kernel (measured, RESULTS.md)")
+    red = spec.reduction
+    group = 0
+    if red is not None:
+        if red.name != "groupnorm":
+            return f"{red.name}: its statistics span more than the in-kernel GEMM's tile"
+        group = spec.channels // red.groups
+        if group % 8 or bn % group:
+            return f"GroupNorm groups of {group} columns (the in-kernel GEMM takes multiples of 8 dividing {bn})"
+    return GemmPlan(k, group)
+
+
 def kernel_name(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> str:
     """The spec's kernel name; "directconv" instead of "conv" when the kernel computes the
-    conv, and "_tf32" at the end when it does so in TF32."""
+    conv, and "_tf32" at the end when it does so in TF32; "wgmma128x256_" in front (the
+    tile) when it computes the GEMM, for the arch it is built for (sm90a)."""
+    gemm = gemm_plan(spec, arch)
+    if isinstance(gemm, GemmPlan):
+        return gemm.name(spec, arch)
     direct = direct_plan(spec, arch, conv_tf32)
     return _direct_name(spec, arch, direct) if isinstance(direct, DirectPlan) else spec.kernel_name(arch)
+
+
+def build_arch(spec: EpilogueSpec, arch: str) -> str:
+    """The architecture to compile `spec`'s kernel for: sm90a (wgmma, TMA) for the
+    in-kernel GEMM, else `arch`."""
+    return arch + "a" if isinstance(gemm_plan(spec, arch), GemmPlan) else arch
 
 
 def _direct_name(spec: EpilogueSpec, arch: str, d: DirectPlan) -> str:
     return "direct" + spec.kernel_name(arch) + ("_tf32" if d.kind == "tf32" else "")
 
 
-def _fields(spec: EpilogueSpec, direct: bool = False) -> tuple[str, str]:
+def _fields(spec: EpilogueSpec, direct: bool = False, gemm: bool = False) -> tuple[str, str]:
     """Args fields and their bindings from the pointer array.
 
     Pointer order: y, out, BatchNorm's new running stats (x0, x1), saved values
     (sv0, ...), tensor inputs (p0, ...), workspace, then, for the direct conv, x and
-    weight (y is then the conv kernel's output).
+    weight (y is then the conv kernel's output); for the in-kernel GEMM, the anchor's
+    operands: [bias,] x, and w [N, K] (the weight that mat2 transposes).
     """
     fields, bind = [], ["  a.y = static_cast<const T*>(ptrs[0]);", "  a.out = static_cast<T*>(ptrs[1]);"]
     slot = 2
@@ -283,6 +347,14 @@ def _fields(spec: EpilogueSpec, direct: bool = False) -> tuple[str, str]:
         bind.append(f"  a.x = static_cast<const T*>(ptrs[{slot + 1}]);")
         bind.append(f"  a.w = static_cast<const T*>(ptrs[{slot + 2}]);")
         bind.append("  a.mid = static_cast<T*>(ptrs[0]);")
+    if gemm:
+        fields += ["  const T* __restrict__ bias;  // [channels] added to the product (addmm; mm: null)",
+                   "  const T* __restrict__ x;     // [rows, K] row-major",
+                   "  const T* __restrict__ w;     // [channels, K] row-major"]
+        names = (["bias"] if spec.anchor.kind == "addmm" else []) + ["x", "w"]
+        bind += [f"  a.{name} = static_cast<const T*>(ptrs[{slot + 1 + i}]);" for i, name in enumerate(names)]
+        if spec.anchor.kind != "addmm":
+            bind.append("  a.bias = nullptr;")
     return "\n".join(fields), "\n".join(bind)
 
 
@@ -317,6 +389,9 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
     """
     p = launch or plan(spec)
     _check_operands(spec, p)
+    gemm = gemm_plan(spec, arch)
+    if isinstance(gemm, GemmPlan):
+        return _render_gemm(spec, arch, p, gemm)
     direct = direct_plan(spec, arch, conv_tf32)
     if isinstance(direct, DirectPlan):
         return _render_direct(spec, arch, p, direct)
@@ -413,8 +488,10 @@ def _apply_grid(p: Plan) -> str:
     return f"(segments + {teams - 1}) / {teams}"
 
 
-def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", anchor_inside=0, **parts) -> str:
+def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", anchor_inside=0, includes="",
+                 **parts) -> str:
     return templates.KERNEL_FILE.substitute(
+        includes=includes,
         kernel=name,
         spec=spec.to_json(),
         ctype=CTYPES[spec.dtype],
@@ -520,6 +597,27 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
         spec, name, p, stage0_done="true", anchor_inside=1, fields=fields, bind=bind,
         stages=_stages(spec), middle=middle, store=templates.STORE_ELEMENTS,
         stats_kernels=conv, launches="\n".join(launches), ws_floats=ws_floats,
+    )
+
+
+def _render_gemm(spec: EpilogueSpec, arch: str, p: Plan, g: GemmPlan) -> str:
+    """The in-kernel GEMM computes the anchor and the whole chain: one launch."""
+    name = g.name(spec, arch)
+    red = spec.reduction
+    gemm = gemm_sm90.GEMM_KERNELS.substitute(
+        kernel=name, bm=g.block_m, bn=g.block_n, bk=gemm_sm90.BLOCK_K, stages=gemm_sm90.STAGES, k=g.k,
+        bias="true" if spec.anchor.kind == "addmm" else "false", group=g.group,
+        eps=cfloat(red.consts[0]) if red is not None else "0.f",
+        row_reads="true" if any(s.operand == FULL for s in spec.steps) else "false",
+        warps_min_tiles=gemm_sm90.WARPS_MIN_TILES, wgmma=gemm_sm90.wgmma_asm(spec.dtype),
+    )
+    fields, bind = _fields(spec, gemm=True)
+    return _kernel_file(
+        spec, name, p, anchor_inside=1, includes='#include "fusedepi/hopper.cuh"\n', fields=fields, bind=bind,
+        stages=_stages(spec), middle="", store=templates.STORE_ELEMENTS, stats_kernels=gemm,
+        launches="  err = static_cast<cudaError_t>(gemm_launch(a, device, stream));\n"
+                 "  if (err != cudaSuccess) return static_cast<int>(err);",
+        ws_floats="0",
     )
 
 

@@ -117,7 +117,8 @@ def kernel_for(spec: str, device: torch.device, cache_dir: Path, conv_tf32: bool
     if lib is None:
         parsed = _parse(spec)
         source = cuda_templates.render(parsed, arch, conv_tf32=conv_tf32)
-        lib = cuda_templates.load(source, cuda_templates.kernel_name(parsed, arch, conv_tf32), arch, cache_dir)
+        name = cuda_templates.kernel_name(parsed, arch, conv_tf32)
+        lib = cuda_templates.load(source, name, cuda_templates.build_arch(parsed, arch), cache_dir)
         with _kernels_lock:
             _kernels[key] = lib
     return lib
@@ -147,16 +148,28 @@ class Launcher:
         self.running_stats = (bn.inputs[2], bn.inputs[3]) if bn is not None else ()
         self._ws_floats: dict[int, int] = {}
         self.saves = [(save, getattr(torch, save.dtype)) for save in self.spec.saves]
-        # The float32 direct conv with GroupNorm (FMA or TF32) stores the pre-norm value in a buffer.
+        # The library computes the anchor: the in-kernel GEMM, or the direct conv, whose
+        # float32 variants (FMA or TF32) with GroupNorm store the pre-norm value in a buffer.
+        self.gemm = self.lib.anchor_inside and isinstance(
+            cuda_templates.gemm_plan(self.spec, arch_of(device)), cuda_templates.GemmPlan)
         direct = cuda_templates.direct_plan(self.spec, arch_of(device), conv_tf32)
         self.stores_pre_norm = (
-            self.lib.anchor_inside and direct.stores_pre_norm and self.spec.reduction is not None
+            self.lib.anchor_inside and not self.gemm and direct.stores_pre_norm and self.spec.reduction is not None
         )
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         anchor_operands = list(inputs[: self.n_operands])
         params = [_aligned(p) for p in inputs[self.n_operands :]]
-        if self.lib.anchor_inside:
+        if self.gemm:
+            # In-kernel GEMM: x, and the weight w[N, K] that mat2 = w^T transposes, as the
+            # bulk copies read them (contiguous rows, 16-byte aligned).
+            w = anchor_operands[-1].t()
+            if not (w.is_contiguous() and w.data_ptr() % 16 == 0):
+                w = w.contiguous()
+            anchor_operands = [_aligned(t) for t in anchor_operands[:-1]] + [w]
+            x = anchor_operands[-2]
+            out = y = x.new_empty((x.shape[0], self.spec.channels))
+        elif self.lib.anchor_inside:
             # Direct conv: the library computes the anchor from x and the weight.
             anchor_operands = [_aligned(t) for t in anchor_operands]
             x = anchor_operands[0]

@@ -120,7 +120,12 @@ def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
         return "reference (cpu)"
     tf32 = ops.reads_conv_tf32(spec) and ops.conv_allows_tf32()
     ops.kernel_for(spec, device, cfg.cache_dir, tf32)
-    return cuda_templates.kernel_name(chain.spec, ops.arch_of(device), tf32)
+    arch = ops.arch_of(device)
+    name = cuda_templates.kernel_name(chain.spec, arch, tf32)
+    gemm = cuda_templates.gemm_plan(chain.spec, arch)
+    if chain.spec.anchor.kind != "conv" and isinstance(gemm, str):
+        name += f" (library GEMM first: {gemm})"
+    return name
 
 
 def rewrite(gm: GraphModule, cfg: Config) -> Report:

@@ -699,19 +699,22 @@ MULTI_NODE = STEP_MATCHERS[:3]
 # -------------------------------------------------------------------- anchors
 
 
-def _match_anchor(node: Node, direct_conv: bool = True):
+def _match_anchor(node: Node, direct_conv: bool = True, direct_gemm: bool = True):
     """Returns (Anchor, operand nodes) for an anchor node, else None.
 
     direct_conv: mark 2-D stride-1 convolutions as candidates for the in-kernel conv.
+    direct_gemm: mark x @ w^T products (a Linear's) as candidates for the in-kernel GEMM.
     """
     if node.op != "call_function":
         return None
     if node.target is aten.addmm.default:
         if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
             raise Refuse("addmm with alpha/beta != 1")
-        return Anchor("addmm"), list(node.args[:3])
+        gemm = _direct_gemm(*node.args[1:3], bias=node.args[0]) if direct_gemm else ()
+        return Anchor("addmm", gemm=gemm), list(node.args[:3])
     if node.target is aten.mm.default:
-        return Anchor("mm"), list(node.args[:2])
+        gemm = _direct_gemm(*node.args[:2]) if direct_gemm else ()
+        return Anchor("mm", gemm=gemm), list(node.args[:2])
     if node.target is aten.convolution.default:
         x, w, b, stride, padding, dilation, transposed, out_pad, groups = node.args
         conv = (tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(out_pad), groups)
@@ -719,6 +722,22 @@ def _match_anchor(node: Node, direct_conv: bool = True):
         direct = _direct_conv(x, w, conv) if direct_conv and not transposed else ()
         return Anchor("conv", has_bias=b is not None, conv=conv, direct=direct), operands
     return None
+
+
+def _direct_gemm(x: Node, wt: Node, bias: Node | None = None) -> tuple:
+    """(in_features,) for a product x[M, K] @ wt[K, N] whose wt is a contiguous [N, K]
+    transposed (a Linear's weight) and whose bias, if any, is [N]; else ()."""
+    xv, wv = _val(x), _val(wt)
+    if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor) or xv.dim() != 2 or wv.dim() != 2:
+        return ()
+    k, n = wv.shape
+    if not isinstance(k, int) or not isinstance(n, int) or tuple(wv.stride()) != (1, k):
+        return ()
+    if bias is not None:
+        bv = _val(bias)
+        if not isinstance(bv, torch.Tensor) or tuple(bv.shape) != (n,):
+            return ()
+    return (int(k),)
 
 
 def _direct_conv(x: Node, w: Node, conv: tuple) -> tuple:
@@ -792,7 +811,7 @@ def _fold_bias(state: _State, anchor: Anchor, gemm_bias: bool) -> Anchor | None:
         except Refuse:
             return None
         bias = chain.operands.pop(0)
-        folded = Anchor("mm")
+        folded = replace(anchor, kind="mm")
     elif anchor.kind == "conv" and anchor.has_bias:
         kind = CHANNEL  # a conv bias is [C], applied along dim 1
         bias = chain.operands.pop()
@@ -934,7 +953,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
 
     Args:
         graph: a post-AOTAutograd aten graph whose nodes carry meta["val"].
-        disabled: fusion names, step names and anchor forms ("direct_conv") not to use.
+        disabled: fusion names, step names and anchor forms ("direct_conv", "direct_gemm") not to use.
         allow_cpu: also match chains on CPU tensors (their fused op then runs
             the plain-torch reference; used to test the rewrite without a GPU).
         matmul_tf32: float32 matmuls may use TF32 (`torch.get_float32_matmul_precision()`
@@ -950,7 +969,8 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
     claimed: set = set()
     for node in list(graph.nodes):
         try:
-            found = _match_anchor(node, direct_conv="direct_conv" not in disabled)
+            found = _match_anchor(node, direct_conv="direct_conv" not in disabled,
+                                  direct_gemm="direct_gemm" not in disabled)
         except Refuse as err:
             refusals.append(Refusal(node.name, [node.name], str(err)))
             continue

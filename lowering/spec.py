@@ -32,12 +32,17 @@ class Anchor:
             is a candidate for the in-kernel direct convolution (2-D, stride 1,
             dilation 1, groups 1); empty otherwise. The renderer still decides
             whether the direct kernel covers it (else: the library conv runs first).
+        gemm: addmm/mm only: (in_features,) when the product is x[M, K] @ w[N, K]^T with
+            x 2-D and w contiguous (a Linear's transposed weight), and a bias, if any, of
+            shape [N]: a candidate for the in-kernel GEMM; empty otherwise. The renderer
+            decides whether the in-kernel GEMM covers it (else: the library GEMM runs first).
     """
 
     kind: str
     has_bias: bool = False
     conv: tuple = ()
     direct: tuple = ()
+    gemm: tuple = ()
 
     def direct_out_hw(self) -> tuple[int, int]:
         """Output (H, W) of a direct-conv candidate (stride 1, dilation 1)."""
@@ -152,6 +157,7 @@ class EpilogueSpec:
         anchor = data.pop("anchor")
         anchor["conv"] = _tuples(anchor["conv"])
         anchor["direct"] = _tuples(anchor.get("direct", ()))
+        anchor["gemm"] = _tuples(anchor.get("gemm", ()))
         steps = tuple(
             Step(**{**s, "consts": tuple(s["consts"]), "inputs": tuple(s["inputs"])})
             for s in data.pop("steps")
@@ -207,6 +213,7 @@ REDUCTIONS = SEGMENT_NORMS + ROW_NORMS + ROW_REDUCTIONS + ("batchnorm_train",)
 # or "pointwise": linear_groupnorm, conv_batchnorm_eval, linear_pointwise, ...
 NAMED_STEPS = REDUCTIONS + ("batchnorm_eval",)
 # Anchor forms FUSEDEPI_DISABLE can switch off: "direct_conv" keeps convolutions on
-# the library (cuDNN) with only the epilogue fused.
-ANCHOR_FORMS = ("direct_conv",)
+# the library (cuDNN), "direct_gemm" linear layers on the library GEMM (cuBLAS), with
+# only the epilogue fused.
+ANCHOR_FORMS = ("direct_conv", "direct_gemm")
 FUSION_NAMES = tuple(f"{family}_{kind}" for family in ("linear", "conv") for kind in NAMED_STEPS + ("pointwise",))

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchmarks.workloads import WORKLOADS, expected_fusion, relative_error
+from benchmarks.workloads import WORKLOADS, LinearGroupNormLeakyDouble, expected_fusion, relative_error
 from fusion_backend import fusedepi
 from fusion_backend.backend import collect_reports
 
@@ -412,6 +412,87 @@ def test_direct_conv_nan_and_zero_batch(exact_float32):
     assert kernels[0].startswith("directconv_")
     torch.testing.assert_close(out, eager, equal_nan=True, atol=1e-4, rtol=1e-4)
     assert empty.shape == (0, 16, 8, 256)
+
+
+class _LinearResidual(nn.Module):
+    """Linear without bias -> x * 0.5 + residual -> relu: a step that reads a tensor per element."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.linear = nn.Linear(k, n, bias=False)
+
+    def forward(self, x, residual):
+        return torch.relu(self.linear(x) * 0.5 + residual)
+
+
+class _GroupNormScale(nn.Module):
+    """Linear -> GroupNorm -> relu -> * weight[n] -> leaky_relu(0.2)."""
+
+    def __init__(self, k, n, groups):
+        super().__init__()
+        self.linear, self.gn = nn.Linear(k, n), nn.GroupNorm(groups, n)
+        self.weight = nn.Parameter(torch.rand(n) + 0.5)
+
+    def forward(self, x):
+        return F.leaky_relu(torch.relu(self.gn(self.linear(x))) * self.weight, 0.2)
+
+
+class _LinearClamp(nn.Module):
+    """Linear -> hardtanh(-0.5, 0.5) -> x * 3."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.linear = nn.Linear(k, n)
+
+    def forward(self, x):
+        return F.hardtanh(self.linear(x), -0.5, 0.5) * 3
+
+
+# The in-kernel GEMM: 16-bit Linear chains at and past its tile's edges (128 rows, 256
+# columns, 64 of K). name: (model factory, input shapes). 4224 rows x 16 column tiles give
+# every CTA of a 132-SM GPU at least 4 tiles: the pointwise chain then runs in the spare warps.
+GEMM_CASES = {
+    "w3_rows_and_k_past_the_tile": (lambda: LinearGroupNormLeakyDouble(264, 512, 32), [(1000, 264)]),
+    "groups_of_32_m3": (lambda: _GroupNormScale(520, 512, 16), [(3, 520)]),
+    "clamp_one_row": (lambda: _LinearClamp(256, 4096), [(1, 256)]),
+    "clamp_spare_warps": (lambda: _LinearClamp(256, 4096), [(5000, 256)]),
+    "residual_mm_rows_past_the_tile": (lambda: _LinearResidual(64, 256), [(1000, 64), (1000, 256)]),
+    "residual_mm_spare_warps": (lambda: _LinearResidual(72, 4096), [(4300, 72), (4300, 4096)]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(GEMM_CASES))
+def test_in_kernel_gemm(name, dtype, exact_float32):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the in-kernel GEMM is built for sm_90a")
+    factory, shapes = GEMM_CASES[name]
+    model = factory().cuda().to(dtype)
+    inputs = [torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1 for shape in shapes]
+    ref, _ = float64_reference(model, *inputs)
+    with torch.no_grad():
+        out, kernels = _kernels(model, *inputs)
+    assert len(kernels) == 1 and kernels[0].startswith("wgmma128x256_"), kernels
+    assert out.shape == ref.shape and out.dtype == dtype
+    err = relative_error(out, ref)
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32})"
+
+
+def test_in_kernel_gemm_disabled_and_zero_rows(monkeypatch, exact_float32):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the in-kernel GEMM is built for sm_90a")
+    model = LinearGroupNormLeakyDouble(264, 512, 32).cuda().bfloat16()
+    x = torch.rand(300, 264, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        out, kernels = _kernels(model, x)
+        empty, _ = _kernels(model, x[:0])
+        torch._dynamo.reset()
+        monkeypatch.setenv("FUSEDEPI_DISABLE", "direct_gemm")
+        library, library_kernels = _kernels(model, x)
+    assert kernels[0].startswith("wgmma") and library_kernels[0].startswith("addmm_"), (kernels, library_kernels)
+    assert empty.shape == (0, 512)
+    # Both round the product to bf16 before the chain; only the GEMMs' summation orders differ.
+    assert relative_error(out, library.double()) <= 1e-2
 
 
 # Findings of the GPU fuzzer (tests/fuzzer.py, `device_run.sh fuzz`), as (seed, index).

@@ -529,3 +529,39 @@ def test_direct_conv_can_be_disabled(monkeypatch):
     out, fused, _ = compile_records(model, x)
     assert json.loads(fused[0].spec)["anchor"]["direct"] == []
     torch.testing.assert_close(out, model(x))
+
+
+@pytest.mark.parametrize("shape", [(6, 24), (2, 3, 24)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_is_an_in_kernel_gemm_candidate(shape, bias):
+    import json
+
+    model = Chain(torch.relu, k=24, n=32, bias=bias)
+    x = torch.randn(shape)
+    out, fused, _ = compile_records(model, x)
+    anchor = json.loads(fused[0].spec)["anchor"]
+    assert anchor["kind"] == ("addmm" if bias else "mm") and anchor["gemm"] == [24]  # in_features
+    torch.testing.assert_close(out, model(x))
+
+
+def test_products_other_than_x_wt_use_the_library_gemm():
+    import json
+
+    w = torch.randn(24, 32)  # [K, N]: x @ w reads w along its rows, not as a Linear's transposed weight
+    bias = torch.randn(6, 32)  # a full [M, N] bias is not the in-kernel GEMM's per-column one
+    x = torch.randn(6, 24)
+    for fn in (lambda x: torch.relu(x @ w), lambda x: torch.relu(torch.addmm(bias, x, w.t().contiguous().t()))):
+        out, fused, _ = compile_records(fn, x)
+        assert json.loads(fused[0].spec)["anchor"]["gemm"] == []
+        torch.testing.assert_close(out, fn(x))
+
+
+def test_in_kernel_gemm_can_be_disabled(monkeypatch):
+    import json
+
+    monkeypatch.setenv("FUSEDEPI_DISABLE", "direct_gemm")
+    model = Chain(torch.relu, k=24, n=32)
+    x = torch.randn(6, 24)
+    out, fused, _ = compile_records(model, x)
+    assert json.loads(fused[0].spec)["anchor"]["gemm"] == []
+    torch.testing.assert_close(out, model(x))

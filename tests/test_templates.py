@@ -2,6 +2,7 @@
 
 import re
 import shutil
+from dataclasses import replace
 
 import pytest
 
@@ -9,8 +10,10 @@ import cuda_templates
 from cuda_templates.render import plan
 from cuda_templates.snippets import SNIPPETS, cfloat
 from lowering import VOCABULARY, EpilogueSpec
+from lowering.spec import SCALAR, Save, Step
 from specs import (
     awkward_specs,
+    gemm_specs,
     conv_batchnorm_specs,
     direct_specs,
     training_specs,
@@ -195,46 +198,63 @@ def test_nvcc_compiles_tf32_direct_convs(name, arch, tmp_path_factory):
     _assert_builds(source, cuda_templates.kernel_name(spec, arch, conv_tf32=True), arch, tmp_path_factory)
 
 
-@needs_nvcc
-@pytest.mark.parametrize(
-    "group, cluster, store, chain, offload",
-    [(0, 1, "direct", None, False), (16, 1, "direct", None, False), (0, 1, "tma", None, False),
-     (16, 1, "tma", None, False), (32, 1, "tma", None, False), (0, 2, "direct", None, False),
-     (16, 2, "tma", None, False), (0, 1, "tma", "affine_gelu_relu", False), (0, 1, "tma", "plain", True),
-     (16, 1, "tma", None, True), (0, 1, "tma", "affine_gelu_relu", True)],
-)
-def test_nvcc_compiles_the_gemm_prototype(group, cluster, store, chain, offload, tmp_path_factory):
-    # Issue 5's Hopper GEMM prototype (wgmma and TMA: sm_90a only); run by benchmarks/gemm_probe.py.
-    from cuda_templates.gemm_sm90 import CHAINS, render_gemm_probe
+GEMM_SPECS = {f"{name}-{dtype}": spec for dtype in ("bfloat16", "float16") for name, spec in gemm_specs(dtype).items()}
 
-    source = render_gemm_probe(group, cluster, store, chain, offload)
-    assert source.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 1
+
+@pytest.mark.parametrize("name", list(GEMM_SPECS))
+def test_in_kernel_gemm_plans_and_names(name):
+    spec = GEMM_SPECS[name]
+    g = cuda_templates.gemm_plan(spec, "sm90")
+    assert isinstance(g, cuda_templates.GemmPlan)
+    red = spec.reduction
+    assert g.group == (spec.channels // red.groups if red is not None else 0)
+    assert cuda_templates.build_arch(spec, "sm90") == "sm90a"
+    kernel = cuda_templates.kernel_name(spec, "sm90")
+    assert kernel.startswith("wgmma128x256_") and kernel.endswith("_sm90a")
+    source = cuda_templates.render(spec, "sm90")
+    assert source.count(f"wgmma.mma_async.sync.aligned.m64n256k16.f32.{'bf16' if spec.dtype == 'bfloat16' else 'f16'}") == 1
     assert "%127}, %128, %129, p" in source  # 128 accumulators, then the two descriptors
-    assert ("__cluster_dims__(2, 1, 1)" in source) == (cluster == 2)
-    assert ("kTmaStore = true" in source) == (store == "tma")
-    assert f"kChain = {CHAINS[chain or ('groupnorm' if group else 'plain')]};" in source
-    assert ("kOffload = true" in source) == offload
-    name = f"gemm_probe_{chain or 'g'}{group}_c{cluster}_{store}{'_warps' if offload else ''}"
-    _assert_builds(source, name, "sm90a", tmp_path_factory)
+    assert f"constexpr bool kBias = {'true' if spec.anchor.kind == 'addmm' else 'false'};" in source
+    assert ("constexpr bool kRowReads = true;" in source) == ("residual" in name)
+    assert "fusedepi_anchor_inside() { return 1; }" in source
+    # Elsewhere than sm_90 the library GEMM runs first, and the epilogue kernel follows.
+    assert "needs sm_90" in cuda_templates.gemm_plan(spec, "sm80")
+    assert "wgmma" not in cuda_templates.render(spec, "sm80")
 
 
-def test_gemm_prototype_refuses_unknown_variants():
-    from cuda_templates.gemm_sm90 import render_gemm_probe
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda s: replace(s, dtype="float32"), "takes bfloat16 and float16"),
+        (lambda s: replace(s, channels=8200, steps=s.steps[:1] + (replace(s.steps[1], groups=1025),) + s.steps[2:]),
+         "N=8200 is not a multiple"),
+        (lambda s: replace(s, anchor=replace(s.anchor, gemm=(255,))), "K=255 is not a multiple of 8"),
+        (lambda s: replace(s, anchor=replace(s.anchor, gemm=())), "not x @ w^T"),
+        (lambda s: replace(s, steps=(replace(s.steps[0], groups=2048),) + s.steps[1:]), "groups of 4 columns"),
+        (lambda s: replace(s, steps=(Step("logsumexp", keepdim=True),)), "logsumexp: its statistics span"),
+        (lambda s: replace(s, steps=(Step("layernorm", consts=(1e-5,), inputs=(-1, -1)),)), "layernorm"),
+        (lambda s: replace(s, saves=(Save("mean", "float32", (-1, 256), 256),)), "saved for backward"),
+        # Workloads 4 and 1 (eval): measured slower in the in-kernel GEMM.
+        (lambda s: replace(s, steps=s.steps[:1] + (Step("silu"),) + s.steps[2:]), "silu: chains with per-element"),
+        (lambda s: replace(s, steps=(Step("batchnorm_eval", consts=(1e-5,), inputs=(0, 1, 2, 3)), Step("gelu"))),
+         "batchnorm_eval: chains with per-element"),
+        (lambda s: replace(s, steps=s.steps + (Step("div", consts=(3.0,), operand=SCALAR),)), "div: chains"),
+    ],
+)
+def test_in_kernel_gemm_refusals_name_the_reason(change, reason):
+    spec = change(gemm_specs("bfloat16")["gemm_groupnorm32_mul"])
+    found = cuda_templates.gemm_plan(spec, "sm90")
+    assert isinstance(found, str) and reason in found
+    assert not cuda_templates.kernel_name(spec, "sm90").startswith("wgmma")
 
-    with pytest.raises(ValueError, match="cluster must be 1 or 2"):
-        render_gemm_probe(0, 4)
-    with pytest.raises(ValueError, match="store must be one of"):
-        render_gemm_probe(0, 1, "smem")
-    with pytest.raises(ValueError, match="chain must be one of"):
-        render_gemm_probe(0, 1, "tma", "softmax")
-    with pytest.raises(ValueError, match="group size goes with the groupnorm chain"):
-        render_gemm_probe(16, 1, "tma", "affine_gelu_relu")
-    with pytest.raises(ValueError, match="group size goes with the groupnorm chain"):
-        render_gemm_probe(0, 1, "tma", "groupnorm")
-    with pytest.raises(ValueError, match="offload needs store='tma' and cluster 1"):
-        render_gemm_probe(16, 1, "direct", None, True)
-    with pytest.raises(ValueError, match="offload needs store='tma' and cluster 1"):
-        render_gemm_probe(16, 2, "tma", None, True)
+
+@needs_nvcc
+@pytest.mark.parametrize("name", list(GEMM_SPECS))
+def test_nvcc_compiles_the_in_kernel_gemm(name, tmp_path_factory):
+    # wgmma and TMA: sm_90a only, as build_arch says.
+    spec = GEMM_SPECS[name]
+    source = cuda_templates.render(spec, "sm90")
+    _assert_builds(source, cuda_templates.kernel_name(spec, "sm90"), "sm90a", tmp_path_factory)
 
 
 def test_tf32_direct_conv_plans():
