@@ -6,10 +6,11 @@ workloads 1 (eval), 3 and 4 at 16-bit precision. Needs an sm_90 GPU and nvcc.
 
 For each workload it compiles the module with fusedepi and with Inductor, checks both
 against a float64 reference and that fusedepi fused it, and prints the kernel it chose (the
-in-kernel GEMM where `gemm_plan` admits the chain; with `FUSEDEPI_DISABLE=direct_gemm` in
-the environment, always cuBLAS and then the fused epilogue kernel); then times them with `torch.addmm` (the library GEMM alone) in
-interleaved rounds and prints medians and ratios to the library GEMM. Run it once with and
-once without that setting to compare the two paths (Dynamo reuses one process's graph).
+in-kernel GEMM where `FUSEDEPI_IN_KERNEL_GEMM=1` is set and `gemm_plan` admits the chain;
+else cuBLAS and then the fused epilogue kernel); then times them with `torch.addmm` (the
+library GEMM alone) in interleaved rounds and prints medians and ratios to the library GEMM.
+Run it once with and once without that setting to compare the two paths (Dynamo reuses
+one process's graph). `benchmarks/session12.sh probe` does both.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
         fns = {"library GEMM (addmm)": lambda: torch.addmm(lin.bias, x, lin.weight.t())}
         lines = {}
         torch._dynamo.reset()
-        in_kernel = "direct_gemm" not in os.environ.get("FUSEDEPI_DISABLE", "")
+        in_kernel = os.environ.get("FUSEDEPI_IN_KERNEL_GEMM", "") == "1"
         for backend in ("fusedepi", "inductor"):
             call, out, kernels = _compiled(model, x, backend)
             what = backend if backend == "inductor" else f"fusedepi {'in-kernel' if in_kernel else 'library'} GEMM"

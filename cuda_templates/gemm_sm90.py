@@ -1,6 +1,6 @@
 """The in-kernel GEMM for Hopper (sm_90a): out = chain(x @ w^T [+ bias]) in one launch, for
-16-bit linear layers whose chain has no statistics beyond one tile's rows (pointwise steps,
-and GroupNorm whose groups lie inside a tile). `render.py` decides when it applies
+16-bit linear layers whose chain has no statistics beyond one tile's rows (cheap pointwise
+steps, and GroupNorm whose groups lie inside a tile). `render.py` decides when it applies
 (`gemm_plan`) and renders it into `templates.KERNEL_FILE` with the spec's stage functions.
 
 Structure (one CTA an output tile of 128 x 256, persistent over tiles, 384 threads):
@@ -24,13 +24,15 @@ Structure (one CTA an output tile of 128 x 256, persistent over tiles, 384 threa
   the staging tile over (kBarFull) and back (kBarEmpty). The consumers run their last
   tile's chain themselves.
 
-Measured on an H200 at bf16 (benchmarks/RESULTS.md, eleventh session, as the prototype this
-was generalized from): the plain GEMM within 1.00-1.02x of cuBLAS; workload 1's eval chain
-1.05x cuBLAS in the spare warps (1.09-1.11x in registers) at 16384 x 4096 x 4096, where a
-CTA has 15-16 tiles; workload 3's chain 1.03-1.05x in registers. In the spare warps a chain
-lost at two tiles a CTA (1024 x 8192 x 8192: the last tile is exposed) and GroupNorm lost
-everywhere (three shared-memory passes a group), hence the rule above. Tried and dropped:
-a cluster of 2 multicasting the w tile (no gain), a ping-pong schedule (1.3x cuBLAS).
+Off by default (FUSEDEPI_IN_KERNEL_GEMM=1 turns it on): measured on an H200 at bf16
+(benchmarks/RESULTS.md, twelfth session), workload 3 ran at 1.07-1.09x the library GEMM
+through it and at 1.04-1.09x on the library path (cuBLAS, then the epilogue kernel), so it
+is not yet faster. Its kernel alone took 0.192 ms where cuBLAS's took 0.171-0.176 ms and the
+epilogue kernel 0.013 ms: at 1024 x 8192 x 8192 a CTA has two tiles and the chain of each is
+exposed. As the prototype it grew from (eleventh session): the plain GEMM within 1.00-1.02x
+of cuBLAS; a chain in the spare warps lost at two tiles a CTA, and GroupNorm there lost
+everywhere (three shared-memory passes a group), hence the placement rule above. Tried and
+dropped: a cluster of 2 multicasting the w tile (no gain), a ping-pong schedule (1.3x).
 """
 
 from __future__ import annotations
@@ -42,12 +44,12 @@ STAGES = 3  # ring stages; the 64 KB staging tile takes the place of a fourth
 WARPS_MIN_TILES = 4  # tiles a CTA from which a pointwise chain runs in the spare warps
 WGMMA_TYPES = {"bfloat16": "bf16", "float16": "f16"}
 # Steps whose per-element code is a few float32 operations: no transcendental function, no
-# division, at most per-column loads. The in-kernel GEMM takes chains of these only: on an
-# H200 (bf16, RESULTS.md twelfth session) workload 3's chain ran faster in it than on the
-# library GEMM + the epilogue kernel, while workload 4's (two silu) and workload 1's eval
-# chain (BatchNorm's per-element rsqrt and four parameters, gelu) ran slower; their epilogue
-# time, exposed at the end of each tile (or too long for the spare warps), outgrew the pass
-# over the GEMM's output that the library path pays.
+# division, at most per-column loads. The in-kernel GEMM takes chains of these only. On an
+# H200 (bf16, RESULTS.md twelfth session), workload 4's chain (two silu) ran at 1.14x the
+# library GEMM in it against 1.08-1.15x on the library path, and workload 1's eval chain
+# (BatchNorm's per-element rsqrt and four parameters, then gelu, in the spare warps) at
+# 1.20-1.23x against 1.19x: their epilogue, exposed at the end of each tile or too long for
+# the spare warps, costs more than the pass over the GEMM's output that it saves.
 CHEAP_STEPS = frozenset({"relu", "leaky_relu", "clamp", "maximum", "minimum", "abs", "neg", "add", "sub", "mul",
                          "groupnorm"})
 
@@ -70,7 +72,10 @@ def wgmma_asm(dtype: str) -> str:
 # The GEMM kernel and its launch, inside KERNEL_FILE (after Args and the stage functions).
 # Placeholders:
 #   $kernel     the kernel name (prefix of the __global__)
-#   $bm $bn $bk $stages   the tile and the ring's depth
+#   $bm         tile rows (BLOCK_M)
+#   $bn         tile columns (BLOCK_N)
+#   $bk         tile depth along K (BLOCK_K)
+#   $stages     the ring's depth (STAGES)
 #   $k          the GEMM's inner size (the Linear's in_features)
 #   $bias       "true" when the anchor is addmm: a.bias[N] is added before rounding
 #   $group      GroupNorm columns a group, 0 without statistics

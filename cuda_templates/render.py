@@ -263,7 +263,8 @@ def gemm_plan(spec: EpilogueSpec, arch: str) -> GemmPlan | str:
     if anchor.kind not in ("addmm", "mm"):
         return "not a matrix product"
     if not anchor.gemm:
-        return "not x @ w^T with a contiguous w (a Linear's weight) and a [N] bias (or disabled)"
+        return ("not x @ w^T with a contiguous w (a Linear's weight) and a [N] bias, "
+                "or the in-kernel GEMM is off (FUSEDEPI_IN_KERNEL_GEMM)")
     if arch != "sm90":
         return f"the in-kernel GEMM needs sm_90 (wgmma, TMA), not {arch}"
     if spec.dtype not in gemm_sm90.WGMMA_TYPES:

@@ -30,6 +30,9 @@ class Config:
         log_level: level of the "fusedepi" logger (FUSEDEPI_LOG_LEVEL).
         cpu_reference: fuse chains on CPU tensors too, running the plain-torch
             reference (FUSEDEPI_CPU_REFERENCE=1); for testing the rewrite.
+        in_kernel_gemm: 16-bit Linear chains of cheap steps run as one kernel that also
+            computes the GEMM, on sm_90 (FUSEDEPI_IN_KERNEL_GEMM=1; off by default: not yet
+            faster than the library GEMM and the epilogue kernel, README).
     """
 
     disabled: frozenset
@@ -38,6 +41,7 @@ class Config:
     strict: bool
     log_level: str
     cpu_reference: bool
+    in_kernel_gemm: bool = False
 
 
 def _default_cache_dir(env) -> Path:
@@ -71,4 +75,5 @@ def load_config(environ=None) -> Config:
         strict=env.get("FUSEDEPI_STRICT", "").lower() in _TRUE,
         log_level=level,
         cpu_reference=env.get("FUSEDEPI_CPU_REFERENCE", "").lower() in _TRUE,
+        in_kernel_gemm=env.get("FUSEDEPI_IN_KERNEL_GEMM", "").lower() in _TRUE,
     )

@@ -123,7 +123,7 @@ def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
     arch = ops.arch_of(device)
     name = cuda_templates.kernel_name(chain.spec, arch, tf32)
     gemm = cuda_templates.gemm_plan(chain.spec, arch)
-    if chain.spec.anchor.kind != "conv" and isinstance(gemm, str):
+    if chain.spec.anchor.gemm and isinstance(gemm, str):  # asked for (FUSEDEPI_IN_KERNEL_GEMM), not taken
         name += f" (library GEMM first: {gemm})"
     return name
 
@@ -137,7 +137,8 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
     report = Report()
     try:
         tf32 = ops.matmul_allows_tf32()
-        chains, refusals = match_graph(gm.graph, cfg.disabled, cfg.cpu_reference, matmul_tf32=tf32)
+        chains, refusals = match_graph(gm.graph, cfg.disabled, cfg.cpu_reference, matmul_tf32=tf32,
+                                       in_kernel_gemm=cfg.in_kernel_gemm)
     except Exception as err:  # a matcher bug must not stop the user's model
         if cfg.strict:
             raise FusionError(f"fusedepi: matching failed: {err}") from err

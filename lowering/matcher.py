@@ -699,7 +699,7 @@ MULTI_NODE = STEP_MATCHERS[:3]
 # -------------------------------------------------------------------- anchors
 
 
-def _match_anchor(node: Node, direct_conv: bool = True, direct_gemm: bool = True):
+def _match_anchor(node: Node, direct_conv: bool = True, direct_gemm: bool = False):
     """Returns (Anchor, operand nodes) for an anchor node, else None.
 
     direct_conv: mark 2-D stride-1 convolutions as candidates for the in-kernel conv.
@@ -948,18 +948,20 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
 
 
 def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, matmul_tf32=False,
-                backward=frozenset()):
+                backward=frozenset(), in_kernel_gemm=False):
     """Finds every fusible chain in `graph`.
 
     Args:
         graph: a post-AOTAutograd aten graph whose nodes carry meta["val"].
-        disabled: fusion names, step names and anchor forms ("direct_conv", "direct_gemm") not to use.
+        disabled: fusion names, step names and anchor forms ("direct_conv") not to use.
         allow_cpu: also match chains on CPU tensors (their fused op then runs
             the plain-torch reference; used to test the rewrite without a GPU).
         matmul_tf32: float32 matmuls may use TF32 (`torch.get_float32_matmul_precision()`
             is not "highest"); only decides whether a GEMM bias moves into the epilogue.
         backward: in a joint forward/backward graph, the backward's nodes: they use
             chain values (which are then saved) but never continue a chain.
+        in_kernel_gemm: mark Linear products as candidates for the in-kernel GEMM
+            (FUSEDEPI_IN_KERNEL_GEMM; off by default, see the README).
 
     Returns:
         (chains, refusals): chains to rewrite, and candidates that were refused.
@@ -970,7 +972,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
     for node in list(graph.nodes):
         try:
             found = _match_anchor(node, direct_conv="direct_conv" not in disabled,
-                                  direct_gemm="direct_gemm" not in disabled)
+                                  direct_gemm=in_kernel_gemm)
         except Refuse as err:
             refusals.append(Refusal(node.name, [node.name], str(err)))
             continue

@@ -213,7 +213,7 @@ REDUCTIONS = SEGMENT_NORMS + ROW_NORMS + ROW_REDUCTIONS + ("batchnorm_train",)
 # or "pointwise": linear_groupnorm, conv_batchnorm_eval, linear_pointwise, ...
 NAMED_STEPS = REDUCTIONS + ("batchnorm_eval",)
 # Anchor forms FUSEDEPI_DISABLE can switch off: "direct_conv" keeps convolutions on
-# the library (cuDNN), "direct_gemm" linear layers on the library GEMM (cuBLAS), with
-# only the epilogue fused.
-ANCHOR_FORMS = ("direct_conv", "direct_gemm")
+# the library (cuDNN) with only the epilogue fused. (The in-kernel GEMM is opt-in instead:
+# FUSEDEPI_IN_KERNEL_GEMM.)
+ANCHOR_FORMS = ("direct_conv",)
 FUSION_NAMES = tuple(f"{family}_{kind}" for family in ("linear", "conv") for kind in NAMED_STEPS + ("pointwise",))

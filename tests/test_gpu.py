@@ -463,9 +463,10 @@ GEMM_CASES = {
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("name", list(GEMM_CASES))
-def test_in_kernel_gemm(name, dtype, exact_float32):
+def test_in_kernel_gemm(name, dtype, exact_float32, monkeypatch):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the in-kernel GEMM is built for sm_90a")
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_GEMM", "1")
     factory, shapes = GEMM_CASES[name]
     model = factory().cuda().to(dtype)
     inputs = [torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1 for shape in shapes]
@@ -478,17 +479,18 @@ def test_in_kernel_gemm(name, dtype, exact_float32):
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32})"
 
 
-def test_in_kernel_gemm_disabled_and_zero_rows(monkeypatch, exact_float32):
+def test_in_kernel_gemm_is_opt_in_and_takes_zero_rows(monkeypatch, exact_float32):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the in-kernel GEMM is built for sm_90a")
     model = LinearGroupNormLeakyDouble(264, 512, 32).cuda().bfloat16()
     x = torch.rand(300, 264, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.delenv("FUSEDEPI_IN_KERNEL_GEMM", raising=False)
     with torch.no_grad():
+        library, library_kernels = _kernels(model, x)
+        torch._dynamo.reset()
+        monkeypatch.setenv("FUSEDEPI_IN_KERNEL_GEMM", "1")
         out, kernels = _kernels(model, x)
         empty, _ = _kernels(model, x[:0])
-        torch._dynamo.reset()
-        monkeypatch.setenv("FUSEDEPI_DISABLE", "direct_gemm")
-        library, library_kernels = _kernels(model, x)
     assert kernels[0].startswith("wgmma") and library_kernels[0].startswith("addmm_"), (kernels, library_kernels)
     assert empty.shape == (0, 512)
     # Both round the product to bf16 before the chain; only the GEMMs' summation orders differ.

@@ -533,9 +533,10 @@ def test_direct_conv_can_be_disabled(monkeypatch):
 
 @pytest.mark.parametrize("shape", [(6, 24), (2, 3, 24)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear_is_an_in_kernel_gemm_candidate(shape, bias):
+def test_linear_is_an_in_kernel_gemm_candidate(shape, bias, monkeypatch):
     import json
 
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_GEMM", "1")
     model = Chain(torch.relu, k=24, n=32, bias=bias)
     x = torch.randn(shape)
     out, fused, _ = compile_records(model, x)
@@ -544,9 +545,10 @@ def test_linear_is_an_in_kernel_gemm_candidate(shape, bias):
     torch.testing.assert_close(out, model(x))
 
 
-def test_products_other_than_x_wt_use_the_library_gemm():
+def test_products_other_than_x_wt_use_the_library_gemm(monkeypatch):
     import json
 
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_GEMM", "1")
     w = torch.randn(24, 32)  # [K, N]: x @ w reads w along its rows, not as a Linear's transposed weight
     bias = torch.randn(6, 32)  # a full [M, N] bias is not the in-kernel GEMM's per-column one
     x = torch.randn(6, 24)
@@ -556,10 +558,10 @@ def test_products_other_than_x_wt_use_the_library_gemm():
         torch.testing.assert_close(out, fn(x))
 
 
-def test_in_kernel_gemm_can_be_disabled(monkeypatch):
+def test_in_kernel_gemm_is_opt_in(monkeypatch):
     import json
 
-    monkeypatch.setenv("FUSEDEPI_DISABLE", "direct_gemm")
+    monkeypatch.delenv("FUSEDEPI_IN_KERNEL_GEMM", raising=False)
     model = Chain(torch.relu, k=24, n=32)
     x = torch.randn(6, 24)
     out, fused, _ = compile_records(model, x)

@@ -166,9 +166,12 @@ def test_constants_are_exact_float_conversions():
 def test_template_headers_document_every_placeholder():
     from cuda_templates import templates
 
-    documented = set(re.findall(r"#\s+\$(\w+)", open(templates.__file__).read()))
-    used = set(re.findall(r"\$\{?(\w+)", templates.KERNEL_FILE.template))
-    assert used <= documented
+    from cuda_templates import gemm_sm90
+
+    for module, template in ((templates, templates.KERNEL_FILE), (gemm_sm90, gemm_sm90.GEMM_KERNELS)):
+        documented = set(re.findall(r"#\s+\$(\w+)", open(module.__file__).read()))
+        used = set(re.findall(r"\$\{?(\w+)", template.template))
+        assert used and used <= documented, used - documented
 
 
 @needs_nvcc
