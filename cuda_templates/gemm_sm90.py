@@ -190,13 +190,6 @@ __device__ __forceinline__ void consumer_epilogue(float (&d)[128], uint8_t* stag
       d[4 * j + 2 * h + 1] = y.y;
     }
   }
-  if (hand_over) {
-#pragma unroll
-    for (int j = 0; j < 32; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) put(h, col0 + 8 * j, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-    return;
-  }
   const auto each_pair = [&](auto&& f) {  // f(h, j, pair): stage0 in place
 #pragma unroll
     for (int j = 0; j < 32; ++j)
@@ -209,10 +202,12 @@ __device__ __forceinline__ void consumer_epilogue(float (&d)[128], uint8_t* stag
       }
   };
   const auto flat = [&](int h, int col) { return (m0 + r0 + 8 * h) * kChannels + col; };
-  each_pair([&](int h, int j, float (&v)[2]) {
-    if (live(h)) stage0<2>(v, col0 + 8 * j, flat(h, col0 + 8 * j), a);
-  });
-  if constexpr (kGroup == 0) {
+  if (!hand_over) {
+    each_pair([&](int h, int j, float (&v)[2]) {
+      if (live(h)) stage0<2>(v, col0 + 8 * j, flat(h, col0 + 8 * j), a);
+    });
+  }
+  if (kGroup == 0 || hand_over) {
 #pragma unroll
     for (int j = 0; j < 32; ++j)
 #pragma unroll

@@ -163,10 +163,7 @@ class Launcher:
         if self.gemm:
             # In-kernel GEMM: x, and the weight w[N, K] that mat2 = w^T transposes, as the
             # bulk copies read them (contiguous rows, 16-byte aligned).
-            w = anchor_operands[-1].t()
-            if not (w.is_contiguous() and w.data_ptr() % 16 == 0):
-                w = w.contiguous()
-            anchor_operands = [_aligned(t) for t in anchor_operands[:-1]] + [w]
+            anchor_operands = [_aligned(t) for t in anchor_operands[:-1] + [anchor_operands[-1].t()]]
             x = anchor_operands[-2]
             out = y = x.new_empty((x.shape[0], self.spec.channels))
         elif self.lib.anchor_inside:
