@@ -190,22 +190,17 @@ __device__ __forceinline__ void consumer_epilogue(float (&d)[128], uint8_t* stag
       d[4 * j + 2 * h + 1] = y.y;
     }
   }
-  const auto each_pair = [&](auto&& f) {  // f(h, j, pair): stage0 in place
+  const auto flat = [&](int h, int col) { return (m0 + r0 + 8 * h) * kChannels + col; };
+  if (!hand_over) {
 #pragma unroll
     for (int j = 0; j < 32; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float v[2] = {d[4 * j + 2 * h], d[4 * j + 2 * h + 1]};
-        f(h, j, v);
+        if (live(h)) stage0<2>(v, col0 + 8 * j, flat(h, col0 + 8 * j), a);
         d[4 * j + 2 * h] = v[0];
         d[4 * j + 2 * h + 1] = v[1];
       }
-  };
-  const auto flat = [&](int h, int col) { return (m0 + r0 + 8 * h) * kChannels + col; };
-  if (!hand_over) {
-    each_pair([&](int h, int j, float (&v)[2]) {
-      if (live(h)) stage0<2>(v, col0 + 8 * j, flat(h, col0 + 8 * j), a);
-    });
   }
   if (kGroup == 0 || hand_over) {
 #pragma unroll
@@ -223,9 +218,7 @@ __device__ __forceinline__ void consumer_epilogue(float (&d)[128], uint8_t* stag
         float sum = 0.f;
 #pragma unroll
         for (int q = 0; q < kChunks; ++q) sum += d[4 * (g * kChunks + q) + 2 * h] + d[4 * (g * kChunks + q) + 2 * h + 1];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const float mean = sum * kInv;
+        const float mean = fusedepi::team_sum_warp<4>(sum) * kInv;
         float sq = 0.f;
 #pragma unroll
         for (int q = 0; q < kChunks; ++q)
@@ -234,9 +227,7 @@ __device__ __forceinline__ void consumer_epilogue(float (&d)[128], uint8_t* stag
             const float x = d[4 * (g * kChunks + q) + 2 * h + e] - mean;
             sq = fmaf(x, x, sq);
           }
-        sq += __shfl_xor_sync(0xffffffffu, sq, 1);
-        sq += __shfl_xor_sync(0xffffffffu, sq, 2);
-        const float rstd = rsqrtf(sq * kInv + $eps);
+        const float rstd = rsqrtf(fusedepi::team_sum_warp<4>(sq) * kInv + $eps);
 #pragma unroll
         for (int q = 0; q < kChunks; ++q) {
           const int j = g * kChunks + q, col = col0 + 8 * j;
@@ -346,14 +337,14 @@ __global__ void __launch_bounds__(384, 1) ${kernel}_gemm(const __grid_constant__
         if (!first) hop::named_sync<kBarEmpty, kHandoff>();
       } else {  // the previous tile's store has read the staging tile
         if (tid == 0) hop::bulk_wait_read();
-        asm volatile("bar.sync %0, 128;" ::"r"(1 + half) : "memory");
+        hop::named_sync<128>(1 + half);
       }
       consumer_epilogue(d, staging, half, tid, m0, n0, a, hand_over);
       if (hand_over) {
         hop::named_arrive<kBarFull, kHandoff>();  // the epilogue warps take it from here
       } else {  // writes visible to the bulk copy, then one thread stores
         hop::fence_async_shared();
-        asm volatile("bar.sync %0, 128;" ::"r"(1 + half) : "memory");
+        hop::named_sync<128>(1 + half);
         if (tid == 0) store_staged(&map_c, staging, a, m0, n0, half, 1);
       }
     }

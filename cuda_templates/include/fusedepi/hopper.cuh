@@ -51,6 +51,11 @@ template <int kId, int kThreads>
 __device__ __forceinline__ void named_sync() {
   asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
 }
+// The same with the id known at run time only (one barrier a consumer warpgroup).
+template <int kThreads>
+__device__ __forceinline__ void named_sync(int id) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(kThreads) : "memory");
+}
 template <int kId, int kThreads>
 __device__ __forceinline__ void named_arrive() {
   asm volatile("bar.arrive %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
