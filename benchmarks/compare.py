@@ -163,8 +163,10 @@ def run_cell(workload, precision, training, providers, copy_gbs, profile=False):
                 fused = [r for rep in reports for r in rep.records if r.status == "fused"]
                 row["fused"] = ",".join(r.fusion for r in fused)
                 if fused:
-                    kernel = fused[0].kernel
-                    epi = _epilogue_ms(lambda: fn(x), kernel)
+                    kernel = fused[0].kernel.split(" (")[0]  # the name without explain's note
+                    # The in-kernel GEMM's file: its epilogue kernel runs alone only after
+                    # the library GEMM; the GEMM kernel has no epilogue pass to time.
+                    epi = _epilogue_ms(lambda: fn(x), kernel + "_apply" if kernel.startswith("wgmma") else kernel)
                     if epi:
                         # A direct conv reads x and computes the anchor itself; else the
                         # kernels read the library's anchor output.

@@ -1,16 +1,16 @@
 """The in-kernel GEMM (issue 5) against the library GEMM path, Inductor and cuBLAS alone, on
-workloads 1 (eval), 3 and 4 at 16-bit precision. Needs an sm_90 GPU and nvcc.
+workloads 1 (eval; also at workloads 2-4's shape), 3 and 4 at 16-bit precision. Needs an sm_90 GPU and nvcc.
 
     python -m benchmarks.gemm_probe                  # bf16, the workloads' shapes
     python -m benchmarks.gemm_probe --dtype float16
 
 For each workload it compiles the module with fusedepi and with Inductor, checks both
 against a float64 reference and that fusedepi fused it, and prints the kernel it chose (the
-in-kernel GEMM where `FUSEDEPI_IN_KERNEL_GEMM=1` is set and `gemm_plan` admits the chain;
-else cuBLAS and then the fused epilogue kernel); then times them with `torch.addmm` (the
-library GEMM alone) in interleaved rounds and prints medians and ratios to the library GEMM.
-Run it once with and once without that setting to compare the two paths (Dynamo reuses
-one process's graph). `benchmarks/session12.sh probe` does both.
+in-kernel GEMM, or cuBLAS and then the fused epilogue kernel, as FUSEDEPI_IN_KERNEL_GEMM
+and `gemm_plan` decide); then times them with `torch.addmm` (the library GEMM alone) in
+interleaved rounds and prints medians and ratios to the library GEMM. Run it once with
+FUSEDEPI_IN_KERNEL_GEMM=1 and once with =0 to compare the two paths (Dynamo reuses one
+process's graph). `benchmarks/session13.sh gemm` does both.
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ from benchmarks.workloads import WORKLOADS, relative_error
 from fusion_backend.backend import collect_reports
 
 ROUNDS = 7  # timing rounds (interleaved_ms)
-CASES = {  # name: (workload, eval mode)
-    "w1_eval": ("1_linear_bn_gelu_relu", True),
-    "w3": ("3_linear_groupnorm_leaky", False),
-    "w4": ("4_linear_groupnorm_swish", False),
+CASES = {  # name: (workload, eval mode, (in_features, out_features, rows) where not the workload's)
+    "w1_eval": ("1_linear_bn_gelu_relu", True, None),
+    "w3": ("3_linear_groupnorm_leaky", False, None),
+    "w4": ("4_linear_groupnorm_swish", False, None),
+    # Workload 1's eval chain at workloads 2-4's shape: two tiles a CTA, so the consumers run it.
+    "w1_eval_1024": ("1_linear_bn_gelu_relu", True, (8192, 8192, 1024)),
 }
 
 
@@ -71,28 +73,31 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     ok = True
     for case in args.cases:
-        workload_name, eval_mode = CASES[case]
+        workload_name, eval_mode, shape = CASES[case]
         workload = WORKLOADS[workload_name]
-        model = workload.make_model().cuda().to(dtype).train(not eval_mode)
+        model = (workload.make_model(*shape[:2]) if shape else workload.make_model()).cuda().to(dtype)
+        model.train(not eval_mode)
         if eval_mode:
             with torch.no_grad():
                 model.bn.running_mean.uniform_(-0.5, 0.5)
                 model.bn.running_var.uniform_(0.5, 2)
-        x = torch.rand(workload.input_shape, device="cuda", dtype=dtype)
+        x = torch.rand((shape[2], shape[0]) if shape else workload.input_shape, device="cuda", dtype=dtype)
         with torch.no_grad():
             ref = copy.deepcopy(model).double()(x.double())
         lin = model.linear
         fns = {"library GEMM (addmm)": lambda: torch.addmm(lin.bias, x, lin.weight.t())}
         lines = {}
         torch._dynamo.reset()
-        in_kernel = os.environ.get("FUSEDEPI_IN_KERNEL_GEMM", "") == "1"
+        setting = os.environ.get("FUSEDEPI_IN_KERNEL_GEMM", "") or "auto"
         for backend in ("fusedepi", "inductor"):
             call, out, kernels = _compiled(model, x, backend)
-            what = backend if backend == "inductor" else f"fusedepi {'in-kernel' if in_kernel else 'library'} GEMM"
+            chosen = "in-kernel" if kernels and kernels[0].startswith("wgmma") and "library GEMM first" not in kernels[0] \
+                else "library"
+            what = backend if backend == "inductor" else f"fusedepi {chosen} GEMM"
             err = relative_error(out, ref)
             good = err <= 1e-2
-            if backend == "fusedepi":  # the in-kernel GEMM takes only the chains gemm_plan admits
-                good &= len(kernels) == 1 and (in_kernel or not kernels[0].startswith("wgmma"))
+            if backend == "fusedepi":  # FUSEDEPI_IN_KERNEL_GEMM=0: never the in-kernel GEMM
+                good &= len(kernels) == 1 and (setting not in ("0", "off") or chosen == "library")
             ok &= good
             fns[what] = call
             lines[what] = (f"{case} {args.dtype} {what:26s} rel err {err:.2e} {'ok' if good else 'MISMATCH'}"

@@ -1,6 +1,7 @@
 """CUDA templates: `EpilogueSpec` -> source -> compiled, cached library. No FX in here."""
 
 from .compiler import CompileError, Library, build, load
+from .gemm_sm90 import fills_gpu
 from .render import (DirectPlan, GemmPlan, NotRenderable, Plan, build_arch, direct_plan, gemm_plan, kernel_name, plan,
                      render)
 
@@ -14,6 +15,7 @@ __all__ = [
     "build",
     "build_arch",
     "direct_plan",
+    "fills_gpu",
     "gemm_plan",
     "kernel_name",
     "load",

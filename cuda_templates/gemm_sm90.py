@@ -19,20 +19,21 @@ Structure (one CTA an output tile of 128 x 256, persistent over tiles, 384 threa
   TMA (rows past M are not written), so the next tile's wgmma starts while the copy drains;
 - pointwise chains have a second placement, chosen at run time where a CTA has at least
   `WARPS_MIN_TILES` tiles (its epilogue then hides under the next tile's wgmma): the
-  consumers stage the rounded tile and go on; warps 1-3 of the producer warpgroup (40
-  registers each) run stage0 on the staged tile in place and store it. Named barriers hand
+  consumers stage the rounded tile and go on; warps 1-3 of the producer warpgroup (72
+  registers each, to hold their 8 columns' operands) run stage0 on the staged tile in
+  place and store it. Named barriers hand
   the staging tile over (kBarFull) and back (kBarEmpty). The consumers run their last
   tile's chain themselves.
 
-Off by default (FUSEDEPI_IN_KERNEL_GEMM=1 turns it on): measured on an H200 at bf16
-(benchmarks/RESULTS.md, twelfth session), workload 3 ran at 1.07-1.09x the library GEMM
-through it and at 1.04-1.09x on the library path (cuBLAS, then the epilogue kernel), so it
-is not yet faster. Its kernel alone took 0.192 ms where cuBLAS's took 0.171-0.176 ms and the
-epilogue kernel 0.013 ms: at 1024 x 8192 x 8192 a CTA has two tiles and the chain of each is
-exposed. As the prototype it grew from (eleventh session): the plain GEMM within 1.00-1.02x
-of cuBLAS; a chain in the spare warps lost at two tiles a CTA, and GroupNorm there lost
-everywhere (three shared-memory passes a group), hence the placement rule above. Tried and
-dropped: a cluster of 2 multicasting the w tile (no gain), a ping-pong schedule (1.3x).
+Which chains and calls take it (FUSEDEPI_IN_KERNEL_GEMM, README "In-kernel GEMM"): by
+default pointwise chains at calls whose rows fill the GPU (`fills_gpu`); the launcher runs
+the library GEMM and this file's epilogue kernel on the other calls. Measured on an H200
+at bf16 (benchmarks/RESULTS.md, thirteenth session): workload 1's eval chain at
+1.09-1.10x the library GEMM through it, against 1.17-1.19x on the library path; GroupNorm
+chains are not faster through it (workload 3: 1.07-1.09x against 1.04-1.09x, twelfth
+session: at 1024 x 8192 x 8192 a CTA has two tiles and the chain of each is exposed), so
+they take it only with FUSEDEPI_IN_KERNEL_GEMM=1. Tried and dropped: a cluster of 2
+multicasting the w tile (no gain), a ping-pong schedule (1.3x).
 """
 
 from __future__ import annotations
@@ -44,14 +45,29 @@ STAGES = 3  # ring stages; the 64 KB staging tile takes the place of a fourth
 WARPS_MIN_TILES = 4  # tiles a CTA from which a pointwise chain runs in the spare warps
 WGMMA_TYPES = {"bfloat16": "bf16", "float16": "f16"}
 # Steps whose per-element code is a few float32 operations: no transcendental function, no
-# division, at most per-column loads. The in-kernel GEMM takes chains of these only. On an
-# H200 (bf16, RESULTS.md twelfth session), workload 4's chain (two silu) ran at 1.14x the
-# library GEMM in it against 1.08-1.15x on the library path, and workload 1's eval chain
-# (BatchNorm's per-element rsqrt and four parameters, then gelu, in the spare warps) at
-# 1.20-1.23x against 1.19x: their epilogue, exposed at the end of each tile or too long for
-# the spare warps, costs more than the pass over the GEMM's output that it saves.
+# division, at most per-column loads. A GroupNorm chain (which the consumers run, exposed
+# at the end of each tile) takes these only: on an H200 (bf16, RESULTS.md twelfth
+# session), workload 4's chain (two silu) ran at 1.14x the library GEMM in it against
+# 1.08-1.15x on the library path. Pointwise chains take any step.
 CHEAP_STEPS = frozenset({"relu", "leaky_relu", "clamp", "maximum", "minimum", "abs", "neg", "add", "sub", "mul",
                          "groupnorm"})
+
+
+# FUSEDEPI_IN_KERNEL_GEMM=auto: the in-kernel GEMM runs where its tiles give every SM one
+# at least and keep the last wave this full; else cuBLAS (which picks its tile per shape)
+# runs first and the chain follows. Measured at two shapes only (RESULTS.md, thirteenth
+# session: 2048 and 256 tiles on 132 SMs, both 97% full).
+MIN_WAVE_USE = 0.75
+
+
+def fills_gpu(rows: int, channels: int, sms: int) -> bool:
+    """Whether a [rows, channels] output gives the in-kernel GEMM's persistent CTAs on
+    `sms` SMs enough tiles (FUSEDEPI_IN_KERNEL_GEMM=auto)."""
+    tiles = -(-rows // BLOCK_M) * (channels // BLOCK_N)
+    if tiles < sms:
+        return False
+    waves = -(-tiles // sms)
+    return tiles >= MIN_WAVE_USE * waves * sms
 
 
 def wgmma_asm(dtype: str) -> str:
@@ -142,10 +158,15 @@ __device__ __forceinline__ void store_staged(const CUtensorMap* map, uint8_t* st
 }
 
 // The epilogue warps' share of a staged tile (thread `et` of 96), in place: stage0 on the
-// rounded values, 8 columns at a time.
+// rounded values, 8 columns at a time. A warp takes the 32 chunks of a row, so a thread
+// keeps its 8 columns (chunk et % 32) for the whole tile and loads their operands once.
 __device__ __forceinline__ void warps_stage0(uint8_t* staging, int et, int m0, int n0, const Args& a) {
-  for (int q = et; q < kBM * (kBN / 8); q += 96) {  // a warp: the 32 chunks of one row
-    const int r = q / (kBN / 8), cc = q % (kBN / 8);
+  static_assert(kBN / 8 == 32 && 96 % 32 == 0, "a thread's chunk is the same on every row");
+  const int cc = et % 32, col = n0 + cc * 8;
+  stage0_chan k[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) k[e] = stage0_chan_of(a, col + e);
+  for (int r = et / 32; r < kBM; r += 3) {
     const long long row = m0 + r;
     if (kRowReads && row >= a.rows) continue;
     uint8_t* p = staged_chunk(staging, r, cc);
@@ -158,8 +179,7 @@ __device__ __forceinline__ void warps_stage0(uint8_t* staging, int et, int m0, i
       x[2 * e] = f.x;
       x[2 * e + 1] = f.y;
     }
-    const int col = n0 + cc * 8;
-    stage0<8>(x, col, row * kChannels + col, a);
+    stage0_cols<8>(x, k, row * kChannels + col, a);
 #pragma unroll
     for (int e = 0; e < 4; ++e) w[e] = hop::pack2<T>(x[2 * e], x[2 * e + 1]);
     hop::sts128(p, v);
@@ -191,16 +211,20 @@ __device__ __forceinline__ void consumer_epilogue(float (&d)[128], uint8_t* stag
     }
   }
   const auto flat = [&](int h, int col) { return (m0 + r0 + 8 * h) * kChannels + col; };
+  // The chain's per-column operands: loaded once for a column pair, used for both rows.
   if (!hand_over) {
 #pragma unroll
-    for (int j = 0; j < 32; ++j)
+    for (int j = 0; j < 32; ++j) {
+      const int col = col0 + 8 * j;
+      const stage0_chan k[2] = {stage0_chan_of(a, col), stage0_chan_of(a, col + 1)};
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float v[2] = {d[4 * j + 2 * h], d[4 * j + 2 * h + 1]};
-        if (live(h)) stage0<2>(v, col0 + 8 * j, flat(h, col0 + 8 * j), a);
+        if (live(h)) stage0_cols<2>(v, k, flat(h, col), a);
         d[4 * j + 2 * h] = v[0];
         d[4 * j + 2 * h + 1] = v[1];
       }
+    }
   }
   if (kGroup == 0 || hand_over) {
 #pragma unroll
@@ -212,30 +236,36 @@ __device__ __forceinline__ void consumer_epilogue(float (&d)[128], uint8_t* stag
     constexpr int kChunks = kG / 8;
     constexpr float kInv = 1.f / kG;
 #pragma unroll
-    for (int g = 0; g < 32 / kChunks; ++g)
+    for (int g = 0; g < 32 / kChunks; ++g) {
+      float mean[2], rstd[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float sum = 0.f;
 #pragma unroll
         for (int q = 0; q < kChunks; ++q) sum += d[4 * (g * kChunks + q) + 2 * h] + d[4 * (g * kChunks + q) + 2 * h + 1];
-        const float mean = fusedepi::team_sum_warp<4>(sum) * kInv;
+        mean[h] = fusedepi::team_sum_warp<4>(sum) * kInv;
         float sq = 0.f;
 #pragma unroll
         for (int q = 0; q < kChunks; ++q)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float x = d[4 * (g * kChunks + q) + 2 * h + e] - mean;
+            const float x = d[4 * (g * kChunks + q) + 2 * h + e] - mean[h];
             sq = fmaf(x, x, sq);
           }
-        const float rstd = rsqrtf(fusedepi::team_sum_warp<4>(sq) * kInv + $eps);
+        rstd[h] = rsqrtf(fusedepi::team_sum_warp<4>(sq) * kInv + $eps);
+      }
 #pragma unroll
-        for (int q = 0; q < kChunks; ++q) {
-          const int j = g * kChunks + q, col = col0 + 8 * j;
+      for (int q = 0; q < kChunks; ++q) {
+        const int j = g * kChunks + q, col = col0 + 8 * j;
+        const stage1_chan k[2] = {stage1_chan_of(a, col), stage1_chan_of(a, col + 1)};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
           float v[2] = {d[4 * j + 2 * h], d[4 * j + 2 * h + 1]};
-          if (live(h)) stage1<2>(v, col, flat(h, col), a, mean, rstd);
+          if (live(h)) stage1_cols<2>(v, k, flat(h, col), a, mean[h], rstd[h]);
           put(h, col, v[0], v[1]);
         }
       }
+    }
   }
 }
 
@@ -246,6 +276,11 @@ __global__ void __launch_bounds__(384, 1) ${kernel}_gemm(const __grid_constant__
                                                          const __grid_constant__ CUtensorMap map_c,  // out [rows, kChannels]
                                                          const Args a) {
   constexpr bool kWarps = kOffload && kGroup == 0;
+  // Registers a thread: the epilogue warps keep their 8 columns' operands (more with
+  // kWarps). The consumers' setmaxnreg.inc waits until the producer's dec has freed what
+  // it asks for, out of the 168 a thread that the launch gave 384 threads: more hangs.
+  constexpr int kProducerRegs = kWarps ? 72 : 40, kConsumerRegs = kWarps ? 216 : 232;
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168, "the CTA's registers");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* tiles_a = smem;
@@ -268,7 +303,7 @@ __global__ void __launch_bounds__(384, 1) ${kernel}_gemm(const __grid_constant__
   // across tiles (`it` counts k-tiles over all of this CTA's tiles), so the producer loads
   // the next tile while the consumers run the epilogue of this one.
   if (wg == 0) {  // producer
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    hop::regs_dec<kProducerRegs>();
     if (tid == 0) {
       int it = 0;
       for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
@@ -302,7 +337,7 @@ __global__ void __launch_bounds__(384, 1) ${kernel}_gemm(const __grid_constant__
       if (et == 0) hop::bulk_wait();
     }
   } else {  // consumers: rows 64 * (wg - 1) .. + 64 of the tile
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    hop::regs_inc<kConsumerRegs>();
     const int half = wg - 1;
     const auto release = [&](int s) {  // one arrival a warp
       __syncwarp();

@@ -271,17 +271,17 @@ def gemm_plan(spec: EpilogueSpec, arch: str) -> GemmPlan | str:
         return f"{spec.dtype}: the in-kernel GEMM takes bfloat16 and float16 (float32 runs on the library GEMM)"
     if spec.saves:
         return "it returns values saved for backward, and the in-kernel GEMM writes only the result"
-    (k,) = anchor.gemm
+    k = anchor.gemm[0]
     bn = gemm_sm90.BLOCK_N
     if spec.channels % bn:
         return f"N={spec.channels} is not a multiple of the in-kernel GEMM's {bn}-column tile"
     if k % 8:
         return f"K={k} is not a multiple of 8 (the bulk copies' 16-byte row pitch)"
-    costly = next((s.name for s in spec.steps if s.name not in gemm_sm90.CHEAP_STEPS), None)
-    if costly is not None and costly not in REDUCTIONS:
-        return (f"{costly}: chains with per-element transcendental or division steps run faster on the library "
-                "GEMM and the epilogue kernel (measured, RESULTS.md)")
     red = spec.reduction
+    costly = next((s.name for s in spec.steps if s.name not in gemm_sm90.CHEAP_STEPS), None)
+    if red is not None and costly is not None and costly not in REDUCTIONS:
+        return (f"{costly}: GroupNorm chains with per-element transcendental or division steps run faster on the "
+                "library GEMM and the epilogue kernel (measured, RESULTS.md)")
     group = 0
     if red is not None:
         if red.name != "groupnorm":
@@ -613,12 +613,28 @@ def _render_gemm(spec: EpilogueSpec, arch: str, p: Plan, g: GemmPlan) -> str:
         warps_min_tiles=gemm_sm90.WARPS_MIN_TILES, wgmma=gemm_sm90.wgmma_asm(spec.dtype),
     )
     fields, bind = _fields(spec, gemm=True)
+    # The file's epilogue kernel covers the calls where the launcher runs the library GEMM
+    # first (FUSEDEPI_IN_KERNEL_GEMM=auto, rows too few to fill the GPU with tiles): a
+    # group lies in one tile, so one team a segment, as the library path's kernel.
+    middle = ""
+    if red is not None:
+        assert p.chunks == 1, "gemm_plan admits groups of at most one tile"
+        middle = templates.TEAM_NORM.substitute(
+            statistics=templates.TEAM_STATISTICS["moments"].substitute(eps=cfloat(red.consts[0])),
+            save_stats="", apply=templates.APPLY_STAGE1,
+        )
+    launches = [
+        "  if (a.x == nullptr) {  // the launcher ran the library GEMM into y: the chain alone",
+        f"    {name}_apply<<<{_apply_grid(p)}, kBlock, 0, stream>>>(a);",
+        "  } else {",
+        "    err = static_cast<cudaError_t>(gemm_launch(a, device, stream));",
+        "    if (err != cudaSuccess) return static_cast<int>(err);",
+        "  }",
+    ]
     return _kernel_file(
         spec, name, p, anchor_inside=1, includes='#include "fusedepi/hopper.cuh"\n', fields=fields, bind=bind,
-        stages=_stages(spec), middle="", store=templates.STORE_ELEMENTS, stats_kernels=gemm,
-        launches="  err = static_cast<cudaError_t>(gemm_launch(a, device, stream));\n"
-                 "  if (err != cudaSuccess) return static_cast<int>(err);",
-        ws_floats="0",
+        stages=_stages(spec), middle=middle, store=templates.STORE_ELEMENTS, stats_kernels=gemm,
+        launches="\n".join(launches), ws_floats="0",
     )
 
 

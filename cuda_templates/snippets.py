@@ -13,6 +13,7 @@ reduction's two statistics `s0` and `s1` in scope (see `templates.TEAM_STATISTIC
 from __future__ import annotations
 
 import math
+import re
 
 from lowering.spec import CHANNEL, FULL, ONE, ROW_REDUCTIONS, SCALAR, SELF, Step
 
@@ -27,6 +28,10 @@ def cfloat(value: float) -> str:
     return f"static_cast<float>({value.hex()})"
 
 
+_OPERAND_AT_J = re.compile(r"(pv[0-9]+)\[j\]")  # a per-channel operand's element j, in a derived value
+_FIELD = r"k.\1"  # ... that operand's field of the channel struct `k`
+
+
 class Operands:
     """Collects the loads a stage needs; renders them ahead of its element loop.
 
@@ -37,6 +42,7 @@ class Operands:
     def __init__(self):
         self._loads: dict[str, str] = {}
         self._channel: dict[str, str] = {}  # per-channel operand -> its pointer
+        self._derived: dict[str, str] = {}  # per-channel value -> its expression of operands
 
     def _per_channel(self, name: str, pointer: str) -> str:
         self._channel[name] = pointer
@@ -56,6 +62,13 @@ class Operands:
         self._loads[name] = f"const float {name} = fusedepi::to_float(a.p{index}[0]);"
         return name
 
+    def derived(self, name: str, expr: str) -> str:
+        """A value computed from per-channel operands (`pvN[j]` in `expr`): once per
+        vector element here, once per channel where the caller knows the channels."""
+        self._derived[name] = expr
+        self._loads[name] = f"float {name}[W];\n#pragma unroll\n  for (int j = 0; j < W; ++j) {name}[j] = {expr};"
+        return f"{name}[j]"
+
     def batch_stats(self) -> tuple[str, str]:
         """BatchNorm (training) scale and shift, left per channel in the workspace."""
         return self._per_channel("bn_scale", "a.ws"), self._per_channel("bn_shift", "a.ws + kChannels")
@@ -70,19 +83,29 @@ class Operands:
     def render_loads(self, indent: str = "  ") -> str:
         return "\n".join(indent + load for load in self._loads.values())
 
-    def render_channel(self, indent: str = "  ") -> tuple[str, str, str]:
-        """For a caller that knows the vector's one channel `c`: (the fields of a struct
-        `k` holding the per-channel operands, their loads into `k`, and the stage's
-        loads with those operands taken from `k`)."""
-        fields = "\n".join(f"{indent}float {name};" for name in self._channel)
-        fill = "\n".join(
-            f"{indent}k.{name} = fusedepi::to_float(({pointer})[c]);" for name, pointer in self._channel.items()
-        )
-        loads = "\n".join(
-            indent + (f"float {name}[W];\n{indent}fusedepi::fill<W>({name}, k.{name});" if name in self._channel else load)
-            for name, load in self._loads.items()
-        )
-        return fields, fill, loads
+    def render_channel(self, indent: str = "  ") -> dict[str, str]:
+        """For callers that know the channels: `chan_fields` (the fields of a struct `k`
+        holding one channel's operands and derived values), `chan_fill` (their loads into
+        `k` for channel `c`), `chan_loads` (the stage's loads, every element of the vector
+        in channel `k`) and `cols_loads` (element j in channel `k[j]`)."""
+        per_channel = list(self._channel) + list(self._derived)
+        fields = "\n".join(f"{indent}float {name};" for name in per_channel)
+        fill = [f"{indent}k.{name} = fusedepi::to_float(({pointer})[c]);" for name, pointer in self._channel.items()]
+        fill += [f"{indent}k.{name} = {_OPERAND_AT_J.sub(_FIELD, expr)};" for name, expr in self._derived.items()]
+        one, cols = [], []
+        for name, load in self._loads.items():
+            if name in per_channel:
+                one.append(f"float {name}[W];\n{indent}fusedepi::fill<W>({name}, k.{name});")
+                cols.append(f"float {name}[W];\n#pragma unroll\n{indent}for (int j = 0; j < W; ++j) {name}[j] = k[j].{name};")
+            else:
+                one.append(load)
+                cols.append(load)
+        return {
+            "chan_fields": fields,
+            "chan_fill": "\n".join(fill),
+            "chan_loads": "\n".join(indent + line for line in one),
+            "cols_loads": "\n".join(indent + line for line in cols),
+        }
 
 
 def _call(fn):
@@ -115,8 +138,10 @@ def _batchnorm_eval(step: Step, ops: Operands) -> str:
     b = ops.param(step.inputs[1], CHANNEL, "0.f")
     rm, rv = ops.param(step.inputs[2]), ops.param(step.inputs[3])
     # rsqrtf (2 ulp), as eager's GroupNorm kernels use: an IEEE sqrt and divide per
-    # element made this the slowest step of the chain.
-    return f"x = (x - {rm}) * rsqrtf({rv} + {cfloat(step.consts[0])}) * {w} + {b};"
+    # element made this the slowest step of the chain. Once per channel where the caller
+    # knows the channels (the same value: the statement is unchanged).
+    rstd = ops.derived(f"bnrs{step.inputs[3]}", f"rsqrtf({rv} + {cfloat(step.consts[0])})")
+    return f"x = (x - {rm}) * {rstd} * {w} + {b};"
 
 
 def _batchnorm_train(step: Step, ops: Operands) -> str:
@@ -195,12 +220,13 @@ def render_stage(steps, saves_after=None, sigmoids_at=None) -> dict[str, str]:
                 # this value with statistics taken from it, as in eager.
                 lines.append(f"    x = fusedepi::to_float(fusedepi::from_float<{ctype}>(x));  // saved: rounded")
             keep(slot, ctype, "x")
-    chan_fields, chan_fill, chan_loads = ops.render_channel()
+    chan = ops.render_channel()
     return {
         "loads": "\n".join(filter(None, [ops.render_loads()] + declared)),
         "statements": "\n".join(lines),
         "stores": "\n".join(stores),
-        "chan_fields": chan_fields,
-        "chan_fill": chan_fill,
-        "chan_loads": "\n".join(filter(None, [chan_loads] + declared)),
+        "chan_fields": chan["chan_fields"],
+        "chan_fill": chan["chan_fill"],
+        "chan_loads": "\n".join(filter(None, [chan["chan_loads"]] + declared)),
+        "cols_loads": "\n".join(filter(None, [chan["cols_loads"]] + declared)),
     }

@@ -171,10 +171,11 @@ $stores
 # A run of steps on a vector of W elements at position `pos` of its row and flat
 # index e0. Placeholders: $name, $comment, $extra (more parameters), $loads (operand
 # loads, once per vector), $statements (on `x`, once per element), $stores (writes of
-# the saved values, under `save`), and for the direct conv's variant, whose vector
-# lies in one channel: $chan_fields (the stage's per-channel operands of one channel),
-# $chan_fill (their loads into `k` for channel `c`), $chan_loads ($loads with those
-# operands taken from `k`).
+# the saved values, under `save`), and for callers that know the channels (the direct
+# conv, whose vector lies in one channel; the in-kernel GEMM, whose threads keep their
+# columns): $chan_fields (the stage's per-channel operands of one channel, and values
+# derived from them), $chan_fill (their loads into `k` for channel `c`), $chan_loads
+# ($loads with those operands taken from `k`), $cols_loads (element j's from `k[j]`).
 STAGE_FUNCTION = Template(
     r"""// $comment
 template <int W>
@@ -200,6 +201,12 @@ template <int W>
 __device__ __forceinline__ void ${name}_at(float (&v)[W], const ${name}_chan& k, long long e0, const Args& a$extra,
                                            bool save = false) {
 $chan_loads
+""" + _STAGE_LOOP + r"""
+// ${name} with element j in the channel of k[j] (the in-kernel GEMM's columns).
+template <int W>
+__device__ __forceinline__ void ${name}_cols(float (&v)[W], const ${name}_chan (&k)[W], long long e0,
+                                             const Args& a$extra, bool save = false) {
+$cols_loads
 """ + _STAGE_LOOP + "\n"
 )
 

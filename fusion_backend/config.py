@@ -16,6 +16,7 @@ STEP_NAMES = frozenset(VOCABULARY)
 ANCHOR_FORMS = frozenset(_ANCHOR_FORMS)
 
 _TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
 
 
 @dataclass(frozen=True)
@@ -30,9 +31,10 @@ class Config:
         log_level: level of the "fusedepi" logger (FUSEDEPI_LOG_LEVEL).
         cpu_reference: fuse chains on CPU tensors too, running the plain-torch
             reference (FUSEDEPI_CPU_REFERENCE=1); for testing the rewrite.
-        in_kernel_gemm: 16-bit Linear chains of cheap steps run as one kernel that also
-            computes the GEMM, on sm_90 (FUSEDEPI_IN_KERNEL_GEMM=1; off by default: not yet
-            faster than the library GEMM and the epilogue kernel, README).
+        in_kernel_gemm: which 16-bit Linear chains run as one kernel that also computes
+            the GEMM, on sm_90 (FUSEDEPI_IN_KERNEL_GEMM, README): "auto" (the default:
+            pointwise chains, at the calls whose rows fill the GPU with tiles), "on"
+            (every chain the kernel covers, every call) or "off".
     """
 
     disabled: frozenset
@@ -41,7 +43,7 @@ class Config:
     strict: bool
     log_level: str
     cpu_reference: bool
-    in_kernel_gemm: bool = False
+    in_kernel_gemm: str = "auto"
 
 
 def _default_cache_dir(env) -> Path:
@@ -54,7 +56,8 @@ def load_config(environ=None) -> Config:
 
     Raises:
         ValueError: FUSEDEPI_DISABLE names something that is neither a fusion
-            nor a step, or FUSEDEPI_LOG_LEVEL is not a logging level.
+            nor a step, FUSEDEPI_LOG_LEVEL is not a logging level, or
+            FUSEDEPI_IN_KERNEL_GEMM is none of auto, 1, 0.
     """
     env = os.environ if environ is None else environ
     names = frozenset(n.strip() for n in env.get("FUSEDEPI_DISABLE", "").split(",") if n.strip())
@@ -75,5 +78,19 @@ def load_config(environ=None) -> Config:
         strict=env.get("FUSEDEPI_STRICT", "").lower() in _TRUE,
         log_level=level,
         cpu_reference=env.get("FUSEDEPI_CPU_REFERENCE", "").lower() in _TRUE,
-        in_kernel_gemm=env.get("FUSEDEPI_IN_KERNEL_GEMM", "").lower() in _TRUE,
+        in_kernel_gemm=_in_kernel_gemm(env.get("FUSEDEPI_IN_KERNEL_GEMM", "")),
     )
+
+
+IN_KERNEL_GEMM_MODES = ("auto", "on", "off")
+
+
+def _in_kernel_gemm(value: str) -> str:
+    value = value.strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value in _TRUE:
+        return "on"
+    if value in _FALSE:
+        return "off"
+    raise ValueError(f"FUSEDEPI_IN_KERNEL_GEMM: {value!r} is not auto, 1 (on) or 0 (off)")

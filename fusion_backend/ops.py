@@ -137,9 +137,10 @@ class Launcher:
     def __init__(self, spec: str, device: torch.device, conv_tf32: bool = False):
         from .config import load_config
 
+        cfg = load_config()
         self.spec = _parse(spec)
         self.device_index = device.index
-        self.lib = kernel_for(spec, device, load_config().cache_dir, conv_tf32)
+        self.lib = kernel_for(spec, device, cfg.cache_dir, conv_tf32)
         self.n_operands = self.spec.anchor.n_operands
         red = self.spec.reduction
         self.row_output = self.spec.row_output
@@ -152,21 +153,38 @@ class Launcher:
         # float32 variants (FMA or TF32) with GroupNorm store the pre-norm value in a buffer.
         self.gemm = self.lib.anchor_inside and isinstance(
             cuda_templates.gemm_plan(self.spec, arch_of(device)), cuda_templates.GemmPlan)
+        # FUSEDEPI_IN_KERNEL_GEMM=auto: per call, the in-kernel GEMM where the rows fill
+        # the GPU with its tiles, else the library GEMM and the file's epilogue kernel.
+        self.gemm_sms = torch.cuda.get_device_properties(device).multi_processor_count if self.gemm else 0
+        self.gemm_auto = self.gemm and not self.spec.anchor.gemm[1]
+        self._gemm_rows: dict[int, bool] = {}
         direct = cuda_templates.direct_plan(self.spec, arch_of(device), conv_tf32)
         self.stores_pre_norm = (
             self.lib.anchor_inside and not self.gemm and direct.stores_pre_norm and self.spec.reduction is not None
         )
 
+    def in_kernel_gemm(self, rows: int) -> bool:
+        """Whether a call with `rows` rows computes the GEMM in the chain's kernel."""
+        if not self.gemm:
+            return False
+        if not self.gemm_auto:
+            return True
+        use = self._gemm_rows.get(rows)
+        if use is None:
+            use = self._gemm_rows[rows] = cuda_templates.fills_gpu(rows, self.spec.channels, self.gemm_sms)
+        return use
+
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         anchor_operands = list(inputs[: self.n_operands])
         params = [_aligned(p) for p in inputs[self.n_operands :]]
-        if self.gemm:
+        library_gemm = self.gemm and not self.in_kernel_gemm(anchor_operands[-2].shape[0])
+        if self.gemm and not library_gemm:
             # In-kernel GEMM: x, and the weight w[N, K] that mat2 = w^T transposes, as the
             # bulk copies read them (contiguous rows, 16-byte aligned).
             anchor_operands = [_aligned(t) for t in anchor_operands[:-1] + [anchor_operands[-1].t()]]
             x = anchor_operands[-2]
             out = y = x.new_empty((x.shape[0], self.spec.channels))
-        elif self.lib.anchor_inside:
+        elif self.lib.anchor_inside and not library_gemm:
             # Direct conv: the library computes the anchor from x and the weight.
             anchor_operands = [_aligned(t) for t in anchor_operands]
             x = anchor_operands[0]
@@ -196,7 +214,9 @@ class Launcher:
         pointers += [t.data_ptr() for t in extras]
         pointers += [t.data_ptr() for t in params]
         pointers.append(ws.data_ptr() if ws is not None else 0)
-        if self.lib.anchor_inside:
+        if library_gemm:  # null operands: the kernel file runs its epilogue kernel on y
+            pointers += [0] * len(anchor_operands)
+        elif self.lib.anchor_inside:
             pointers += [t.data_ptr() for t in anchor_operands]
         self.lib.run(pointers, rows, self.device_index, torch._C._cuda_getCurrentRawStream(self.device_index))
         return [out] + extras

@@ -123,8 +123,17 @@ def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
     arch = ops.arch_of(device)
     name = cuda_templates.kernel_name(chain.spec, arch, tf32)
     gemm = cuda_templates.gemm_plan(chain.spec, arch)
-    if chain.spec.anchor.gemm and isinstance(gemm, str):  # asked for (FUSEDEPI_IN_KERNEL_GEMM), not taken
-        name += f" (library GEMM first: {gemm})"
+    every_call = chain.spec.anchor.gemm[1] if chain.spec.anchor.gemm else 0
+    if isinstance(gemm, str):
+        if every_call:  # asked for (FUSEDEPI_IN_KERNEL_GEMM=1), not taken
+            name += f" (library GEMM first: {gemm})"
+    elif not every_call:  # auto, chosen per call: say what this graph's rows get
+        rows = chain.anchor.meta["val"].shape[0]
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if not isinstance(rows, int):
+            name += " (per call: the library GEMM first where the rows give too few tiles for the GPU)"
+        elif not cuda_templates.fills_gpu(rows, chain.spec.channels, sms):
+            name += f" (library GEMM first at {rows} rows: too few {gemm.block_m}x{gemm.block_n} tiles for {sms} SMs)"
     return name
 
 

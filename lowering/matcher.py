@@ -726,7 +726,8 @@ def _match_anchor(node: Node, direct_conv: bool = True, direct_gemm: bool = Fals
 
 def _direct_gemm(x: Node, wt: Node, bias: Node | None = None) -> tuple:
     """(in_features,) for a product x[M, K] @ wt[K, N] whose wt is a contiguous [N, K]
-    transposed (a Linear's weight) and whose bias, if any, is [N]; else ()."""
+    transposed (a Linear's weight) and whose bias, if any, is [N]; else (). (`match_graph`
+    adds the setting's every_call flag once the chain is known.)"""
     xv, wv = _val(x), _val(wt)
     if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor) or xv.dim() != 2 or wv.dim() != 2:
         return ()
@@ -948,7 +949,7 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
 
 
 def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, matmul_tf32=False,
-                backward=frozenset(), in_kernel_gemm=False):
+                backward=frozenset(), in_kernel_gemm="auto"):
     """Finds every fusible chain in `graph`.
 
     Args:
@@ -960,8 +961,10 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
             is not "highest"); only decides whether a GEMM bias moves into the epilogue.
         backward: in a joint forward/backward graph, the backward's nodes: they use
             chain values (which are then saved) but never continue a chain.
-        in_kernel_gemm: mark Linear products as candidates for the in-kernel GEMM
-            (FUSEDEPI_IN_KERNEL_GEMM; off by default, see the README).
+        in_kernel_gemm: which Linear products to mark as candidates for the in-kernel
+            GEMM (FUSEDEPI_IN_KERNEL_GEMM, see the README): "auto", those whose chain has
+            no statistics (measured faster there; GroupNorm chains were not); "on", all;
+            "off", none.
 
     Returns:
         (chains, refusals): chains to rewrite, and candidates that were refused.
@@ -972,7 +975,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
     for node in list(graph.nodes):
         try:
             found = _match_anchor(node, direct_conv="direct_conv" not in disabled,
-                                  direct_gemm=in_kernel_gemm)
+                                  direct_gemm=in_kernel_gemm != "off")
         except Refuse as err:
             refusals.append(Refusal(node.name, [node.name], str(err)))
             continue
@@ -1010,8 +1013,13 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
         if fusion in disabled:
             refusals.append(Refusal(node.name, names, f"fusion {fusion} disabled by FUSEDEPI_DISABLE"))
             continue
+        anchor = folded or anchor
+        if anchor.gemm:  # auto: chains without statistics, the choice left to each call
+            auto = in_kernel_gemm == "auto"
+            keep = not (auto and any(s.name in REDUCTIONS for s in chain.steps))
+            anchor = replace(anchor, gemm=(anchor.gemm[0], 0 if auto else 1) if keep else ())
         chain.spec = EpilogueSpec(
-            anchor=folded or anchor,
+            anchor=anchor,
             steps=tuple(chain.steps),
             dtype=DTYPES[val.dtype],
             param_dtypes=tuple(DTYPES.get(_val(p).dtype, str(_val(p).dtype)) for p in chain.params),

@@ -32,10 +32,12 @@ class Anchor:
             is a candidate for the in-kernel direct convolution (2-D, stride 1,
             dilation 1, groups 1); empty otherwise. The renderer still decides
             whether the direct kernel covers it (else: the library conv runs first).
-        gemm: addmm/mm only: (in_features,) when the product is x[M, K] @ w[N, K]^T with
-            x 2-D and w contiguous (a Linear's transposed weight), and a bias, if any, of
-            shape [N]: a candidate for the in-kernel GEMM; empty otherwise. The renderer
+        gemm: addmm/mm only: (in_features, every_call) when the product is x[M, K] @ w[N, K]^T
+            with x 2-D and w contiguous (a Linear's transposed weight), and a bias, if any,
+            of shape [N]: a candidate for the in-kernel GEMM; empty otherwise. The renderer
             decides whether the in-kernel GEMM covers it (else: the library GEMM runs first).
+            every_call: 1 to run it at every call (FUSEDEPI_IN_KERNEL_GEMM=1); 0 (auto) to
+            run the library GEMM first at calls whose rows give too few tiles.
     """
 
     kind: str
@@ -213,7 +215,7 @@ REDUCTIONS = SEGMENT_NORMS + ROW_NORMS + ROW_REDUCTIONS + ("batchnorm_train",)
 # or "pointwise": linear_groupnorm, conv_batchnorm_eval, linear_pointwise, ...
 NAMED_STEPS = REDUCTIONS + ("batchnorm_eval",)
 # Anchor forms FUSEDEPI_DISABLE can switch off: "direct_conv" keeps convolutions on
-# the library (cuDNN) with only the epilogue fused. (The in-kernel GEMM is opt-in instead:
+# the library (cuDNN) with only the epilogue fused. (The in-kernel GEMM has its own setting:
 # FUSEDEPI_IN_KERNEL_GEMM.)
 ANCHOR_FORMS = ("direct_conv",)
 FUSION_NAMES = tuple(f"{family}_{kind}" for family in ("linear", "conv") for kind in NAMED_STEPS + ("pointwise",))

@@ -56,36 +56,42 @@ def gemm_specs(dtype="bfloat16"):
     """Chains the in-kernel GEMM computes (16-bit Linear layers, as the matcher builds them:
     addmm keeps its bias): workload 3, GroupNorm with groups of 32 (workload 4's) and a
     per-column operand, a pointwise chain, one without bias (mm) that reads a residual per
-    element, and one with a step before its GroupNorm."""
+    element, one with a step before its GroupNorm, and workload 1's eval chain (BatchNorm's
+    per-column operands, the erf gelu)."""
     p = (dtype,)
     return {
         "gemm_w3_groupnorm": EpilogueSpec(
-            Anchor("addmm", gemm=(8192,)),
+            Anchor("addmm", gemm=(8192, 1)),
             (Step("groupnorm", consts=(1e-5,), inputs=(0, 1), groups=512), Step("leaky_relu", consts=(0.01,)),
              Step("add", operand=SELF)),
             dtype, p * 2, 8192, 1, "linear_groupnorm",
         ),
         "gemm_groupnorm32_mul": EpilogueSpec(
-            Anchor("addmm", gemm=(8192,)),
+            Anchor("addmm", gemm=(8192, 1)),
             (Step("groupnorm", consts=(1e-5,), inputs=(0, 1), groups=256), Step("relu"),
              Step("mul", inputs=(2,), operand=CHANNEL), Step("leaky_relu", consts=(0.2,))),
             dtype, p * 3, 8192, 1, "linear_groupnorm",
         ),
         "gemm_pointwise": EpilogueSpec(
-            Anchor("addmm", gemm=(4096,)),
+            Anchor("addmm", gemm=(4096, 1)),
             (Step("clamp", consts=(-1.0, 2.0)), Step("sub", inputs=(0,), operand=CHANNEL)),
             dtype, p, 4096, 1, "linear_pointwise",
         ),
         "gemm_mm_residual": EpilogueSpec(
-            Anchor("mm", gemm=(264,)),
+            Anchor("mm", gemm=(264, 1)),
             (Step("mul", consts=(0.5,), operand=SCALAR), Step("add", inputs=(0,), operand=FULL), Step("relu")),
             dtype, p, 512, 1, "linear_pointwise",
         ),
         "gemm_scale_then_groupnorm": EpilogueSpec(
-            Anchor("mm", gemm=(64,)),
+            Anchor("mm", gemm=(64, 1)),
             (Step("mul", inputs=(0,), operand=ONE), Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=2),
              Step("abs")),
             dtype, p, 512, 1, "linear_groupnorm",
+        ),
+        "gemm_w1_eval": EpilogueSpec(
+            Anchor("addmm", gemm=(4096, 1)),
+            (Step("batchnorm_eval", consts=(1e-5,), inputs=(0, 1, 2, 3)), Step("gelu"), Step("relu")),
+            dtype, p * 4, 4096, 1, "linear_batchnorm_eval",
         ),
     }
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchmarks.workloads import WORKLOADS, LinearGroupNormLeakyDouble, expected_fusion, relative_error
+from benchmarks.workloads import WORKLOADS, LinearBnGeluRelu, LinearGroupNormLeakyDouble, expected_fusion, relative_error
 from fusion_backend import fusedepi
 from fusion_backend.backend import collect_reports
 
@@ -458,7 +458,21 @@ GEMM_CASES = {
     "clamp_spare_warps": (lambda: _LinearClamp(256, 4096), [(5000, 256)]),
     "residual_mm_rows_past_the_tile": (lambda: _LinearResidual(64, 256), [(1000, 64), (1000, 256)]),
     "residual_mm_spare_warps": (lambda: _LinearResidual(72, 4096), [(4300, 72), (4300, 4096)]),
+    # Workload 1's eval chain (BatchNorm's per-column operands, erf gelu) in both placements.
+    "w1_eval_rows_past_the_tile": (lambda: _eval_bn(LinearBnGeluRelu(200, 512)), [(1000, 200)]),
+    "w1_eval_spare_warps": (lambda: _eval_bn(LinearBnGeluRelu(136, 4096)), [(4500, 136)]),
 }
+
+
+def _eval_bn(model):
+    """`model` in eval mode with running statistics other than BatchNorm's initial 0 and 1."""
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm1d):
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+            nn.init.uniform_(m.bias, -0.5, 0.5)
+    return model.eval()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -479,7 +493,43 @@ def test_in_kernel_gemm(name, dtype, exact_float32, monkeypatch):
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32})"
 
 
-def test_in_kernel_gemm_is_opt_in_and_takes_zero_rows(monkeypatch, exact_float32):
+def test_in_kernel_gemm_auto_chooses_per_call(monkeypatch, exact_float32):
+    # The default (auto): rows that fill the GPU with tiles run the in-kernel GEMM; fewer
+    # run cuBLAS, then the chain in the same library's epilogue kernel.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the in-kernel GEMM is built for sm_90a")
+    monkeypatch.delenv("FUSEDEPI_IN_KERNEL_GEMM", raising=False)
+    model = _LinearClamp(256, 4096).cuda().bfloat16()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    compiled = torch.compile(model, backend=fusedepi)
+    # 16 column tiles: 64 rows make 16 tiles; 32 x sms rows, 4 tiles an SM.
+    for rows, in_kernel in ((64, False), (32 * sms, True)):
+        x = torch.rand(rows, 256, device="cuda", dtype=torch.bfloat16) * 2 - 1
+        ref, _ = float64_reference(model, x)
+        reports = []
+        with torch.no_grad():
+            with collect_reports(reports):
+                out = compiled(x)
+            ran = _wgmma_kernels_run(compiled, x)
+        assert len(ran) == 1 and ran[0].endswith("_gemm" if in_kernel else "_apply"), (rows, ran)
+        if rows == 64:  # compiled for 64 rows: the report says which path they take
+            (record,) = [r for rep in reports for r in rep.records if r.status == "fused"]
+            assert "(library GEMM first at 64 rows: too few 128x256 tiles" in record.kernel, record.kernel
+        err = relative_error(out, ref)
+        assert err <= TOLERANCE[torch.bfloat16], f"{rows} rows: relative error {err:.3g} (seed {exact_float32})"
+
+
+def _wgmma_kernels_run(fn, *inputs):
+    """Which of the in-kernel GEMM file's kernels one call of `fn` launched: "..._gemm" or
+    "..._apply" (the chain after cuBLAS)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn(*inputs)
+        torch.cuda.synchronize()
+    names = [re.search(r"wgmma128x256_\w+?_sm90a_(gemm|apply)", e.name) for e in prof.events()]
+    return [m.group(0) for m in names if m]
+
+
+def test_in_kernel_gemm_takes_zero_rows_and_is_off_for_groupnorm_by_default(monkeypatch, exact_float32):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the in-kernel GEMM is built for sm_90a")
     model = LinearGroupNormLeakyDouble(264, 512, 32).cuda().bfloat16()

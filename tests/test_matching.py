@@ -541,7 +541,7 @@ def test_linear_is_an_in_kernel_gemm_candidate(shape, bias, monkeypatch):
     x = torch.randn(shape)
     out, fused, _ = compile_records(model, x)
     anchor = json.loads(fused[0].spec)["anchor"]
-    assert anchor["kind"] == ("addmm" if bias else "mm") and anchor["gemm"] == [24]  # in_features
+    assert anchor["kind"] == ("addmm" if bias else "mm") and anchor["gemm"] == [24, 1]  # in_features, every call
     torch.testing.assert_close(out, model(x))
 
 
@@ -558,12 +558,23 @@ def test_products_other_than_x_wt_use_the_library_gemm(monkeypatch):
         torch.testing.assert_close(out, fn(x))
 
 
-def test_in_kernel_gemm_is_opt_in(monkeypatch):
+@pytest.mark.parametrize(
+    "setting, pointwise, groupnorm",
+    [(None, True, False), ("auto", True, False), ("1", True, True), ("0", False, False), ("off", False, False)],
+)
+def test_in_kernel_gemm_candidates_by_setting(setting, pointwise, groupnorm, monkeypatch):
+    # auto (the default): chains without statistics only; 1: every chain; 0: none.
     import json
 
-    monkeypatch.delenv("FUSEDEPI_IN_KERNEL_GEMM", raising=False)
-    model = Chain(torch.relu, k=24, n=32)
+    if setting is None:
+        monkeypatch.delenv("FUSEDEPI_IN_KERNEL_GEMM", raising=False)
+    else:
+        monkeypatch.setenv("FUSEDEPI_IN_KERNEL_GEMM", setting)
     x = torch.randn(6, 24)
-    out, fused, _ = compile_records(model, x)
-    assert json.loads(fused[0].spec)["anchor"]["gemm"] == []
-    torch.testing.assert_close(out, model(x))
+    for model, expected in ((Chain(torch.relu, k=24, n=32), pointwise),
+                            (nn.Sequential(nn.Linear(24, 32), nn.GroupNorm(4, 32), nn.ReLU()), groupnorm)):
+        torch._dynamo.reset()
+        out, fused, _ = compile_records(model, x)
+        every_call = 0 if setting in (None, "auto") else 1
+        assert json.loads(fused[0].spec)["anchor"]["gemm"] == ([24, every_call] if expected else [])
+        torch.testing.assert_close(out, model(x))

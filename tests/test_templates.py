@@ -231,17 +231,16 @@ def test_in_kernel_gemm_plans_and_names(name):
         (lambda s: replace(s, dtype="float32"), "takes bfloat16 and float16"),
         (lambda s: replace(s, channels=8200, steps=s.steps[:1] + (replace(s.steps[1], groups=1025),) + s.steps[2:]),
          "N=8200 is not a multiple"),
-        (lambda s: replace(s, anchor=replace(s.anchor, gemm=(255,))), "K=255 is not a multiple of 8"),
+        (lambda s: replace(s, anchor=replace(s.anchor, gemm=(255, 1))), "K=255 is not a multiple of 8"),
         (lambda s: replace(s, anchor=replace(s.anchor, gemm=())), "not x @ w^T"),
         (lambda s: replace(s, steps=(replace(s.steps[0], groups=2048),) + s.steps[1:]), "groups of 4 columns"),
         (lambda s: replace(s, steps=(Step("logsumexp", keepdim=True),)), "logsumexp: its statistics span"),
         (lambda s: replace(s, steps=(Step("layernorm", consts=(1e-5,), inputs=(-1, -1)),)), "layernorm"),
         (lambda s: replace(s, saves=(Save("mean", "float32", (-1, 256), 256),)), "saved for backward"),
-        # Workloads 4 and 1 (eval): measured slower in the in-kernel GEMM.
-        (lambda s: replace(s, steps=s.steps[:1] + (Step("silu"),) + s.steps[2:]), "silu: chains with per-element"),
-        (lambda s: replace(s, steps=(Step("batchnorm_eval", consts=(1e-5,), inputs=(0, 1, 2, 3)), Step("gelu"))),
-         "batchnorm_eval: chains with per-element"),
-        (lambda s: replace(s, steps=s.steps + (Step("div", consts=(3.0,), operand=SCALAR),)), "div: chains"),
+        # Workload 4: measured slower in the in-kernel GEMM (its chain runs in the consumers).
+        (lambda s: replace(s, steps=s.steps[:1] + (Step("silu"),) + s.steps[2:]),
+         "silu: GroupNorm chains with per-element"),
+        (lambda s: replace(s, steps=s.steps + (Step("div", consts=(3.0,), operand=SCALAR),)), "div: GroupNorm chains"),
     ],
 )
 def test_in_kernel_gemm_refusals_name_the_reason(change, reason):
@@ -249,6 +248,24 @@ def test_in_kernel_gemm_refusals_name_the_reason(change, reason):
     found = cuda_templates.gemm_plan(spec, "sm90")
     assert isinstance(found, str) and reason in found
     assert not cuda_templates.kernel_name(spec, "sm90").startswith("wgmma")
+
+
+def test_in_kernel_gemm_auto_rule_and_its_library_fallback():
+    # FUSEDEPI_IN_KERNEL_GEMM=auto: tiles for every SM, the last wave at least 3/4 full.
+    assert cuda_templates.fills_gpu(16384, 4096, 132)  # workload 1: 2048 tiles, 16 waves
+    assert cuda_templates.fills_gpu(1024, 8192, 132)  # workloads 2-4: 256 tiles, 2 waves 97% full
+    assert not cuda_templates.fills_gpu(1000, 512, 132)  # 16 tiles
+    assert not cuda_templates.fills_gpu(128 * 35, 1024, 132)  # 140 tiles: the second wave 6% full
+    assert cuda_templates.fills_gpu(128 * 33, 1024, 132)  # 132 tiles: one full wave
+    # Else the launcher runs cuBLAS and passes null operands: the file's epilogue kernel
+    # runs the chain, with GroupNorm's statistics in a team as the library path's kernel.
+    for name in ("gemm_w1_eval", "gemm_w3_groupnorm"):
+        spec = gemm_specs("bfloat16")[name]
+        source = cuda_templates.render(spec, "sm90")
+        fallback = source[source.index("if (a.x == nullptr)"):]
+        assert fallback.index("_apply<<<") < fallback.index("gemm_launch(a, device, stream)")
+        apply = source[source.index("_apply(Args a)"):source.index("}  // namespace")]
+        assert ("rsqrtf" in apply) == (spec.reduction is not None)
 
 
 @needs_nvcc
