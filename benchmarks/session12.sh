@@ -4,15 +4,7 @@
 #   bash benchmarks/session12.sh probe   # benchmarks.gemm_probe with FUSEDEPI_IN_KERNEL_GEMM=1, then without
 #   bash benchmarks/session12.sh tests   # the whole GPU test tier
 #   bash benchmarks/session12.sh bench   # benchmarks.compare: workloads 1-4 at bf16, Inductor vs fusedepi
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/fusedepi-out}
-mkdir -p "$OUT"
-export FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache}
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-W14=(1_linear_bn_gelu_relu 2_linear_logsumexp 3_linear_groupnorm_leaky 4_linear_groupnorm_swish)
-TESTS=(tests/test_gpu.py tests/test_gpu_production.py tests/test_training.py tests/test_multi_gpu.py)
+source "$(dirname "$0")/device_setup.sh"
 case ${1:-gemm} in
   gemm)
     # A wrong barrier protocol hangs rather than fails: bound everything.
@@ -27,12 +19,6 @@ case ${1:-gemm} in
       | tee "$OUT/probe_in_kernel.log"
     timeout 200 python3 -m benchmarks.gemm_probe ${PROBE_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/probe_library.log"
     ;;
-  tests)
-    timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -m gpu "${TESTS[@]}" -p no:cacheprovider -rs 2>&1 \
-      | tee "$OUT/gpu_tests.log" | tail -40
-    ;;
-  bench)
-    timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.compare --workloads "${W14[@]}" --precisions bf16 \
-      --providers inductor fusedepi --profile --json "$OUT/bench.json" 2>&1 | grep -v "^-- " | tee "$OUT/bench.log"
-    ;;
+  tests) gpu_tier ;;
+  bench) bench_w14_bf16 ;;
 esac

@@ -6,15 +6,7 @@
 #   bash benchmarks/session13.sh bench   # benchmarks.compare: workloads 1-4 at bf16, Inductor vs fusedepi
 #   bash benchmarks/session13.sh rest    # the GEMM tests and the tier's files after tests/test_gpu.py
 #   bash benchmarks/session13.sh final   # compare on workloads 1 and 3 (bf16), the probe with the default
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/fusedepi-out}
-mkdir -p "$OUT"
-export FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache}
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-W14=(1_linear_bn_gelu_relu 2_linear_logsumexp 3_linear_groupnorm_leaky 4_linear_groupnorm_swish)
-TESTS=(tests/test_gpu.py tests/test_gpu_production.py tests/test_training.py tests/test_multi_gpu.py)
+source "$(dirname "$0")/device_setup.sh"
 CASES=(${PROBE_CASES:-w1_eval w1_eval_1024})
 case ${1:-gemm} in
   gemm)
@@ -26,17 +18,11 @@ case ${1:-gemm} in
     FUSEDEPI_IN_KERNEL_GEMM=0 timeout ${PROBE_TIMEOUT:-170} python3 -m benchmarks.gemm_probe --cases "${CASES[@]}" 2>&1 | grep -v Warning \
       | tee "$OUT/probe_library.log"
     ;;
-  tests)
-    timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -m gpu "${TESTS[@]}" -p no:cacheprovider -rs 2>&1 \
-      | tee "$OUT/gpu_tests.log" | tail -40
-    ;;
-  bench)
-    timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.compare --workloads "${W14[@]}" --precisions bf16 \
-      --providers inductor fusedepi --profile --json "$OUT/bench.json" 2>&1 | grep -v "^-- " | tee "$OUT/bench.log"
-    ;;
+  tests) gpu_tier ;;
+  bench) bench_w14_bf16 ;;
 esac
 # (appended) the GEMM tests and the tier's last files, after a fix of the tier's one failure;
-# the benchmark of workloads 1 and 3 at bf16 with the default (auto), and the probe with =0
+# the benchmark of workloads 1 and 3 at bf16 with the default (auto), and the probe with it
 case ${1:-} in
   final)
     timeout 330 python3 -m benchmarks.compare --workloads 1_linear_bn_gelu_relu 3_linear_groupnorm_leaky \

@@ -1,0 +1,23 @@
+# Sourced by the session scripts (benchmarks/session12.sh, session13.sh) on the device
+# machine: install the working tree, name the GPU, and the workload/test lists they use.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/fusedepi-out}
+mkdir -p "$OUT"
+export FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache}
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+W14=(1_linear_bn_gelu_relu 2_linear_logsumexp 3_linear_groupnorm_leaky 4_linear_groupnorm_swish)
+TESTS=(tests/test_gpu.py tests/test_gpu_production.py tests/test_training.py tests/test_multi_gpu.py)
+
+# The whole GPU test tier (about 8.5 minutes on a warm H200).
+gpu_tier() {
+  timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -m gpu "${TESTS[@]}" -p no:cacheprovider -rs 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -40
+}
+
+# benchmarks.compare on workloads 1-4 at bf16, Inductor against fusedepi.
+bench_w14_bf16() {
+  timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.compare --workloads "${W14[@]}" --precisions bf16 \
+    --providers inductor fusedepi --profile --json "$OUT/bench.json" 2>&1 | grep -v "^-- " | tee "$OUT/bench.log"
+}
