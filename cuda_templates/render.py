@@ -444,11 +444,7 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
     elif red.name in SEGMENT_NORMS:
         eps = cfloat(red.consts[0])
         if p.chunks == 1:
-            middle = templates.TEAM_NORM.substitute(
-                statistics=templates.TEAM_STATISTICS["moments"].substitute(eps=eps),
-                save_stats=_save_stats(spec, "s0", "s1", "p.seg", "p.live && p.lane == 0"),
-                apply=templates.APPLY_STAGE1,
-            )
+            middle = _team_moments_norm(spec, red)
         else:
             middle = templates.CHUNK_NORM.substitute(
                 apply=templates.APPLY_STAGE1, stats_at="(a.ws + a.rows * kGroups * kChunks * 2)"
@@ -480,6 +476,16 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
     launches.append(f"  {name}_apply<<<{apply_grid}, kBlock, 0, stream>>>(a);")
     return _kernel_file(spec, name, p, fields=fields, bind=bind, stages=_stages(spec), middle=middle,
                         store=store, stats_kernels=stats_kernels, launches="\n".join(launches), ws_floats=ws_floats)
+
+
+def _team_moments_norm(spec: EpilogueSpec, red) -> str:
+    """A segment norm's statistics from one team's values (mean and rstd), the saves that
+    ask for them, then stage1."""
+    return templates.TEAM_NORM.substitute(
+        statistics=templates.TEAM_STATISTICS["moments"].substitute(eps=cfloat(red.consts[0])),
+        save_stats=_save_stats(spec, "s0", "s1", "p.seg", "p.live && p.lane == 0"),
+        apply=templates.APPLY_STAGE1,
+    )
 
 
 def _apply_grid(p: Plan) -> str:
@@ -619,10 +625,7 @@ def _render_gemm(spec: EpilogueSpec, arch: str, p: Plan, g: GemmPlan) -> str:
     middle = ""
     if red is not None:
         assert p.chunks == 1, "gemm_plan admits groups of at most one tile"
-        middle = templates.TEAM_NORM.substitute(
-            statistics=templates.TEAM_STATISTICS["moments"].substitute(eps=cfloat(red.consts[0])),
-            save_stats="", apply=templates.APPLY_STAGE1,
-        )
+        middle = _team_moments_norm(spec, red)
     launches = [
         "  if (a.x == nullptr) {  // the launcher ran the library GEMM into y: the chain alone",
         f"    {name}_apply<<<{_apply_grid(p)}, kBlock, 0, stream>>>(a);",

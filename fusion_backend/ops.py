@@ -137,10 +137,9 @@ class Launcher:
     def __init__(self, spec: str, device: torch.device, conv_tf32: bool = False):
         from .config import load_config
 
-        cfg = load_config()
         self.spec = _parse(spec)
         self.device_index = device.index
-        self.lib = kernel_for(spec, device, cfg.cache_dir, conv_tf32)
+        self.lib = kernel_for(spec, device, load_config().cache_dir, conv_tf32)
         self.n_operands = self.spec.anchor.n_operands
         red = self.spec.reduction
         self.row_output = self.spec.row_output
@@ -177,14 +176,15 @@ class Launcher:
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         anchor_operands = list(inputs[: self.n_operands])
         params = [_aligned(p) for p in inputs[self.n_operands :]]
-        library_gemm = self.gemm and not self.in_kernel_gemm(anchor_operands[-2].shape[0])
-        if self.gemm and not library_gemm:
+        in_kernel = self.gemm and self.in_kernel_gemm(anchor_operands[-2].shape[0])  # x's rows
+        library_gemm = self.gemm and not in_kernel
+        if in_kernel:
             # In-kernel GEMM: x, and the weight w[N, K] that mat2 = w^T transposes, as the
             # bulk copies read them (contiguous rows, 16-byte aligned).
             anchor_operands = [_aligned(t) for t in anchor_operands[:-1] + [anchor_operands[-1].t()]]
             x = anchor_operands[-2]
             out = y = x.new_empty((x.shape[0], self.spec.channels))
-        elif self.lib.anchor_inside and not library_gemm:
+        elif self.lib.anchor_inside and not self.gemm:
             # Direct conv: the library computes the anchor from x and the weight.
             anchor_operands = [_aligned(t) for t in anchor_operands]
             x = anchor_operands[0]
