@@ -82,9 +82,6 @@ def load_config(environ=None) -> Config:
     )
 
 
-IN_KERNEL_GEMM_MODES = ("auto", "on", "off")
-
-
 def _in_kernel_gemm(value: str) -> str:
     value = value.strip().lower()
     if value in ("", "auto"):

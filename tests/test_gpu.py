@@ -379,13 +379,13 @@ def test_direct_conv_tf32_and_the_setting_at_call_time(name, exact_float32):
     assert err <= TOLERANCE[torch.float32], f"relative error {err:.3g} after TF32 was switched off"
 
 
-def _fusedepi_kernels_run(fn, *inputs):
-    """Names of fusedepi's kernels (their names hold the arch: `_sm90_`) that one call of
-    `fn` launched (CUDA profiler)."""
+def _fusedepi_kernels_run(fn, *inputs, pattern=r"_sm[0-9]+_"):
+    """Names of fusedepi's kernels (their names hold the arch: `_sm90_`; or those `pattern`
+    finds) that one call of `fn` launched (CUDA profiler)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn(*inputs)
         torch.cuda.synchronize()
-    return [e.name for e in prof.events() if re.search(r"_sm[0-9]+_", e.name)]
+    return [e.name for e in prof.events() if re.search(pattern, e.name)]
 
 
 def test_direct_conv_disabled_runs_the_library_conv(monkeypatch, exact_float32):
@@ -510,23 +510,14 @@ def test_in_kernel_gemm_auto_chooses_per_call(monkeypatch, exact_float32):
         with torch.no_grad():
             with collect_reports(reports):
                 out = compiled(x)
-            ran = _wgmma_kernels_run(compiled, x)
-        assert len(ran) == 1 and ran[0].endswith("_gemm" if in_kernel else "_apply"), (rows, ran)
+            # the in-kernel GEMM file's kernels: "..._sm90a_gemm<...>" or "..._sm90a_apply" (after cuBLAS)
+            ran = _fusedepi_kernels_run(compiled, x, pattern=r"wgmma128x256_\w+_sm90a_")
+        assert len(ran) == 1 and ("_sm90a_gemm" if in_kernel else "_sm90a_apply") in ran[0], (rows, ran)
         if rows == 64:  # compiled for 64 rows: the report says which path they take
             (record,) = [r for rep in reports for r in rep.records if r.status == "fused"]
             assert "(library GEMM first at 64 rows: too few 128x256 tiles" in record.kernel, record.kernel
         err = relative_error(out, ref)
         assert err <= TOLERANCE[torch.bfloat16], f"{rows} rows: relative error {err:.3g} (seed {exact_float32})"
-
-
-def _wgmma_kernels_run(fn, *inputs):
-    """Which of the in-kernel GEMM file's kernels one call of `fn` launched: "..._gemm" or
-    "..._apply" (the chain after cuBLAS)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn(*inputs)
-        torch.cuda.synchronize()
-    names = [re.search(r"wgmma128x256_\w+?_sm90a_(gemm|apply)", e.name) for e in prof.events()]
-    return [m.group(0) for m in names if m]
 
 
 def test_in_kernel_gemm_takes_zero_rows_and_is_off_for_groupnorm_by_default(monkeypatch, exact_float32):
