@@ -1,5 +1,5 @@
 """The in-kernel GEMM (issue 5) against the library GEMM path, Inductor and cuBLAS alone, on
-workloads 1 (eval; also at workloads 2-4's shape), 3 and 4 at 16-bit precision. Needs an sm_90 GPU and nvcc.
+workloads 1 (eval; also at workloads 2-4's shape), 2, 3 and 4 at 16-bit precision. Needs an sm_90 GPU and nvcc.
 
     python -m benchmarks.gemm_probe                  # bf16, the workloads' shapes
     python -m benchmarks.gemm_probe --dtype float16
@@ -28,6 +28,7 @@ from fusion_backend.backend import collect_reports
 ROUNDS = 7  # timing rounds (interleaved_ms)
 CASES = {  # name: (workload, eval mode, (in_features, out_features, rows) where not the workload's)
     "w1_eval": ("1_linear_bn_gelu_relu", True, None),
+    "w2": ("2_linear_logsumexp", False, None),
     "w3": ("3_linear_groupnorm_leaky", False, None),
     "w4": ("4_linear_groupnorm_swish", False, None),
     # Workload 1's eval chain at workloads 2-4's shape: two tiles a CTA, so the consumers run it.

@@ -1,7 +1,9 @@
 """The in-kernel GEMM for Hopper (sm_90a): out = chain(x @ w^T [+ bias]) in one launch, for
-16-bit linear layers whose chain has no statistics beyond one tile's rows (cheap pointwise
-steps, and GroupNorm whose groups lie inside a tile). `render.py` decides when it applies
-(`gemm_plan`) and renders it into `templates.KERNEL_FILE` with the spec's stage functions.
+16-bit linear layers whose chain has no statistics beyond one tile's rows (pointwise
+steps, and GroupNorm whose groups lie inside a tile), or whose statistics are a row
+reduction (logsumexp, sum, mean, amax, amin) that the tiles' partials give, plus a small
+finishing kernel. `render.py` decides when it applies (`gemm_plan`) and renders it into
+`templates.KERNEL_FILE` with the spec's stage functions.
 
 Structure (one CTA an output tile of 128 x 256, persistent over tiles, 384 threads):
 - warpgroup 0 is the producer: one thread issues bulk tensor copies (TMA) of a 128 x 64
@@ -17,6 +19,12 @@ Structure (one CTA an output tile of 128 x 256, persistent over tiles, 384 threa
   stage0 (and, with GroupNorm, the group's statistics from the thread's values and two quad
   shuffles, then stage1). Results are staged in a 128-byte-swizzled 64 KB tile and stored by
   TMA (rows past M are not written), so the next tile's wgmma starts while the copy drains;
+- a row reduction stores no tile: after the steps before the reduction, each consumer
+  thread folds its 64 values of a row, its quad's shuffles combine them, and one lane
+  writes the row's partial statistics over the tile's 256 columns (ROW_PARTIALS; for
+  logsumexp the tile's max and sum of exps) to the workspace. With no staging tile the
+  ring has 4 stages. A second kernel (ROW_FINAL, a warp a row) combines a row's partials
+  and runs the steps after the reduction, so the [M, N] product is never written;
 - pointwise chains have a second placement, chosen at run time where a CTA has at least
   `WARPS_MIN_TILES` tiles (its epilogue then hides under the next tile's wgmma): the
   consumers stage the rounded tile and go on; warps 1-3 of the producer warpgroup (72
@@ -26,14 +34,16 @@ Structure (one CTA an output tile of 128 x 256, persistent over tiles, 384 threa
   tile's chain themselves.
 
 Which chains and calls take it (FUSEDEPI_IN_KERNEL_GEMM, README "In-kernel GEMM"): by
-default pointwise chains at calls whose rows fill the GPU (`fills_gpu`); the launcher runs
-the library GEMM and this file's epilogue kernel on the other calls. Measured on an H200
-at bf16 (benchmarks/RESULTS.md, thirteenth session): workload 1's eval chain at
-1.09-1.10x the library GEMM through it, against 1.17-1.19x on the library path; GroupNorm
-chains are not faster through it (workload 3: 1.07-1.09x against 1.04-1.09x, twelfth
-session: at 1024 x 8192 x 8192 a CTA has two tiles and the chain of each is exposed), so
-they take it only with FUSEDEPI_IN_KERNEL_GEMM=1. Tried and dropped: a cluster of 2
-multicasting the w tile (no gain), a ping-pong schedule (1.3x).
+default pointwise chains and row reductions at calls whose rows fill the GPU
+(`fills_gpu`); the launcher runs the library GEMM and this file's epilogue kernel on the
+other calls. Measured on an H200 at bf16 (benchmarks/RESULTS.md): workload 1's eval chain
+at 1.09-1.10x the library GEMM through it, against 1.17-1.19x on the library path
+(thirteenth session); workload 2's logsumexp at 0.192 ms against Inductor's 0.194 and the
+library path's 0.193 (fourteenth session). GroupNorm chains are not faster through it
+(workload 3: 1.07-1.09x against 1.04-1.09x, twelfth session: at 1024 x 8192 x 8192 a CTA
+has two tiles and the chain of each is exposed), so they take it only with
+FUSEDEPI_IN_KERNEL_GEMM=1. Tried and dropped: a cluster of 2 multicasting the w tile (no
+gain), a ping-pong schedule (1.3x).
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from string import Template
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
 STAGES = 3  # ring stages; the 64 KB staging tile takes the place of a fourth
+STAGES_ROW_REDUCE = 4  # a row reduction stores no tile: no staging tile, a fourth stage
 WARPS_MIN_TILES = 4  # tiles a CTA from which a pointwise chain runs in the spare warps
 WGMMA_TYPES = {"bfloat16": "bf16", "float16": "f16"}
 # Steps whose per-element code is a few float32 operations: no transcendental function, no
@@ -68,6 +79,60 @@ def fills_gpu(rows: int, channels: int, sms: int) -> bool:
         return False
     waves = -(-tiles // sms)
     return tiles >= MIN_WAVE_USE * waves * sms
+
+
+def _tile_fold(var: str, init: str, update: str) -> str:
+    """C++ that folds the 64 values of row `h` this consumer thread holds (`d`, wgmma's
+    layout) into a new float `var`: it starts at `init` and becomes `update` (in `var`
+    and the element `e`) for each."""
+    return (f"      float {var} = {init};\n#pragma unroll\n      for (int j = 0; j < 32; ++j)\n#pragma unroll\n"
+            f"        for (int i = 0; i < 2; ++i) {{\n          const float e = d[4 * j + 2 * h + i];\n"
+            f"          {var} = {update};\n        }}\n")
+
+
+_NAN_COUNT = _tile_fold("nans", "0.f", "nans + (isnan(e) ? 1.f : 0.f)") + "      p1 = fusedepi::team_sum_warp<4>(nans);\n"
+_SUM = _tile_fold("s", "0.f", "s + e") + "      p0 = fusedepi::team_sum_warp<4>(s);\n      p1 = 0.f;\n"
+
+
+def _parts_fold(var: str, init: str, update: str, reduce: str) -> str:
+    """C++ of the final kernel that folds a row's partials into `var` (from `init`, by
+    `update` in `var` and the partial `q`, a lane taking every 32nd), then across the
+    warp by fusedepi::team_`reduce`_warp<32>."""
+    return (f"  float {var} = {init};\n  for (int t = lane; t < kTilesN; t += 32) {{\n"
+            f"    const float2 q = parts[t];\n    {var} = {update};\n  }}\n"
+            f"  {var} = fusedepi::team_{reduce}_warp<32>({var});\n")
+
+
+# Max and NaN count: fmaxf skips NaN, so NaNs are counted apart and any NaN gives NaN.
+_MAX_COMBINE = _parts_fold("m", "-INFINITY", "fmaxf(m, q.x)", "max") + _parts_fold("nans", "0.f", "nans + q.y", "sum")
+
+# Row reductions in the in-kernel GEMM, per reduction: (tile, combine).
+# - tile: C++ that leaves the partial statistics (p0, p1) of row `h` of a consumer
+#   thread over the tile's 256 columns: the thread's 64 values, then its quad's shuffles.
+# - combine: C++ that leaves the row's value in `row` from the row's kTilesN partials
+#   `parts[t]`, t = 0 .. kTilesN - 1, in the final kernel (a warp a row).
+# The arithmetic is the epilogue kernel's (templates.ROW_REDUCE), the summation order
+# the tiles'.
+ROW_PARTIALS = {
+    # (max, sum of exp(e - max)) a tile; a tile's sum is rescaled to the row's max. Where
+    # a maximum is infinite, exp(e) itself (shift 0), as the epilogue kernel does. A
+    # tile of -inf (sum 0) adds nothing, not 0 * inf. A NaN reaches the result through
+    # the sums.
+    "logsumexp": (
+        _tile_fold("m", "-INFINITY", "fmaxf(m, e)")
+        + "      p0 = fusedepi::team_max_warp<4>(m);\n      const float shift = isinf(p0) ? 0.f : p0;\n"
+        + _tile_fold("s", "0.f", "s + expf(e - shift)") + "      p1 = fusedepi::team_sum_warp<4>(s);\n",
+        _parts_fold("m", "-INFINITY", "fmaxf(m, q.x)", "max") + "  const float shift = isinf(m) ? 0.f : m;\n"
+        + _parts_fold("s", "0.f", "q.y != 0.f ? s + q.y * expf((isinf(q.x) ? 0.f : q.x) - shift) : s", "sum")
+        + "  const float row = logf(s) + shift;\n",
+    ),
+    "sum": (_SUM, _parts_fold("s", "0.f", "s + q.x", "sum") + "  const float row = s;\n"),
+    "mean": (_SUM, _parts_fold("s", "0.f", "s + q.x", "sum") + "  const float row = s / static_cast<float>(kChannels);\n"),
+    "amax": (_tile_fold("m", "-INFINITY", "fmaxf(m, e)") + "      p0 = fusedepi::team_max_warp<4>(m);\n" + _NAN_COUNT,
+             _MAX_COMBINE + "  const float row = nans > 0.f ? NAN : m;\n"),
+    "amin": (_tile_fold("m", "-INFINITY", "fmaxf(m, -e)") + "      p0 = fusedepi::team_max_warp<4>(m);\n" + _NAN_COUNT,
+             _MAX_COMBINE + "  const float row = nans > 0.f ? NAN : -m;\n"),
+}
 
 
 def wgmma_asm(dtype: str) -> str:
@@ -97,6 +162,9 @@ def wgmma_asm(dtype: str) -> str:
 #   $group      GroupNorm columns a group, 0 without statistics
 #   $eps        GroupNorm's eps (a C++ float)
 #   $row_reads  "true" when a step reads a tensor per element (a residual): rows past M skip it
+#   $row_reduce "true" for a row reduction (sum, mean, amax, amin, logsumexp): the consumers
+#               write each row's partial statistics (ROW_PARTIALS) and no tile
+#   $tile_partials  ROW_PARTIALS' tile code (sets p0, p1 for row h), or "p0 = p1 = 0.f;"
 #   $warps_min_tiles   tiles a CTA from which a pointwise chain runs in the spare warps
 #   $wgmma      the wgmma_asm() statement
 GEMM_KERNELS = Template(
@@ -109,11 +177,12 @@ constexpr bool kBias = $bias;
 constexpr int kGroup = $group;        // GroupNorm columns a group (0: a pointwise chain)
 constexpr int kG = kGroup > 0 ? kGroup : 8;  // the same, where the pointwise chain's kernel divides by it
 constexpr bool kRowReads = $row_reads;
+constexpr bool kRowReduce = $row_reduce;
 constexpr int kWarpsMinTiles = $warps_min_tiles;
 constexpr int kKTiles = (kK + kBK - 1) / kBK;
 constexpr int kTilesN = static_cast<int>(kChannels / kBN);
 constexpr int kTileA = kBM * kBK * 2, kTileB = kBN * kBK * 2;  // bytes a stage
-constexpr int kOut = kBM * kBN * 2;                              // the staging tile
+constexpr int kOut = kRowReduce ? 0 : kBM * kBN * 2;             // the staging tile
 constexpr int kGemmSmem = kStages * (kTileA + kTileB) + kOut + 1024;  // + alignment slack
 constexpr int kConsumerWarps = 8;
 static_assert(kChannels % kBN == 0 && kK % 8 == 0, "gemm_plan admits these shapes only");
@@ -187,7 +256,9 @@ __device__ __forceinline__ void warps_stage0(uint8_t* staging, int et, int m0, i
 }
 
 // The consumers' epilogue of one tile from the accumulators: bias, rounding, the chain
-// (unless `hand_over`: the epilogue warps run it), then into this warpgroup's staging half.
+// (unless `hand_over`: the epilogue warps run it), then into this warpgroup's staging half;
+// with a row reduction, the chain before it, then the rows' partial statistics over the
+// tile's columns into the workspace, a.ws[row * kTilesN + n0 / kBN] (a float2).
 __device__ __forceinline__ void consumer_epilogue(float (&d)[128], uint8_t* staging, int half, int tid, int m0, int n0,
                                                   const Args& a, bool hand_over) {
   const int warp = tid / 32, lane = tid % 32;
@@ -225,6 +296,17 @@ __device__ __forceinline__ void consumer_epilogue(float (&d)[128], uint8_t* stag
         d[4 * j + 2 * h + 1] = v[1];
       }
     }
+  }
+  if constexpr (kRowReduce) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float p0, p1;
+$tile_partials
+      const long long row = m0 + r0 + 8 * h;
+      if (lane % 4 == 0 && row < a.rows)
+        reinterpret_cast<float2*>(a.ws)[row * kTilesN + n0 / kBN] = make_float2(p0, p1);
+    }
+    return;
   }
   if (kGroup == 0 || hand_over) {
 #pragma unroll
@@ -275,7 +357,7 @@ __global__ void __launch_bounds__(384, 1) ${kernel}_gemm(const __grid_constant__
                                                          const __grid_constant__ CUtensorMap map_b,  // w [kChannels, kK]
                                                          const __grid_constant__ CUtensorMap map_c,  // out [rows, kChannels]
                                                          const Args a) {
-  constexpr bool kWarps = kOffload && kGroup == 0;
+  constexpr bool kWarps = kOffload && kGroup == 0 && !kRowReduce;
   // Registers a thread: the epilogue warps keep their 8 columns' operands (more with
   // kWarps). The consumers' setmaxnreg.inc waits until the producer's dec has freed what
   // it asks for, out of the 168 a thread that the launch gave 384 threads: more hangs.
@@ -367,6 +449,10 @@ __global__ void __launch_bounds__(384, 1) ${kernel}_gemm(const __grid_constant__
       }
       hop::wgmma_wait<0>();
       release((it - 1) % kStages);
+      if constexpr (kRowReduce) {  // partial statistics only: no staging tile, no store
+        consumer_epilogue(d, staging, half, tid, m0, n0, a, false);
+        continue;
+      }
 
       if constexpr (kWarps) {  // the epilogue warps are done with the staging tile
         if (!first) hop::named_sync<kBarEmpty, kHandoff>();
@@ -389,15 +475,17 @@ __global__ void __launch_bounds__(384, 1) ${kernel}_gemm(const __grid_constant__
 
 // Launches the GEMM on `device`: one CTA an SM (its shared memory), at most one a tile.
 int gemm_launch(const Args& a, int device, cudaStream_t stream) {
-  CUtensorMap map_a, map_b, map_c;
+  CUtensorMap map_a, map_b, map_c{};
   if (int e = hop::encode_map_2d<T>(&map_a, a.x, a.rows, kK, kBM, kBK)) return e;
   if (int e = hop::encode_map_2d<T>(&map_b, a.w, kChannels, kK, kBN, kBK)) return e;
-  if (int e = hop::encode_map_2d<T>(&map_c, a.out, a.rows, kChannels, 64, 64)) return e;
+  if (!kRowReduce) {  // a row reduction's out is [rows]: the consumers write partials
+    if (int e = hop::encode_map_2d<T>(&map_c, a.out, a.rows, kChannels, 64, 64)) return e;
+  }
   static int sms[64] = {};
   if (device >= 64) return static_cast<int>(cudaErrorInvalidDevice);
   if (sms[device] == 0) {  // once a device: the shared-memory limit, and the SM count
     cudaError_t err = cudaFuncSetAttribute(${kernel}_gemm<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemmSmem);
-    if (err == cudaSuccess && kGroup == 0)
+    if (err == cudaSuccess && kGroup == 0 && !kRowReduce)
       err = cudaFuncSetAttribute(${kernel}_gemm<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemmSmem);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return static_cast<int>(err);
@@ -406,11 +494,30 @@ int gemm_launch(const Args& a, int device, cudaStream_t stream) {
   if (tiles > 0x7fffffffLL) return static_cast<int>(cudaErrorInvalidValue);
   const int grid = static_cast<int>(tiles < sms[device] ? tiles : sms[device]);
   // A pointwise chain in the spare warps where a CTA has enough tiles to hide it under.
-  if (kGroup == 0 && tiles >= static_cast<long long>(kWarpsMinTiles) * grid) {
+  if (kGroup == 0 && !kRowReduce && tiles >= static_cast<long long>(kWarpsMinTiles) * grid) {
     ${kernel}_gemm<true><<<grid, 384, kGemmSmem, stream>>>(map_a, map_b, map_c, a);
   } else {
     ${kernel}_gemm<false><<<grid, 384, kGemmSmem, stream>>>(map_a, map_b, map_c, a);
   }
   return static_cast<int>(cudaGetLastError());
+}"""
+)
+
+# A row reduction's last step (after GEMM_KERNELS in the same file): the row's value from
+# its tiles' partials, then stage1 (the steps after the reduction) on it.
+# Placeholders: $kernel; $combine, ROW_PARTIALS' combine code (leaves `row`).
+ROW_FINAL = Template(
+    r"""// The row's value from the kTilesN partials the in-kernel GEMM wrote, then stage1; a warp a row.
+__global__ void __launch_bounds__(256) ${kernel}_rowfinal(Args a) {
+  const long long r = (long long)blockIdx.x * 8 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= a.rows) return;
+  const float2* parts = reinterpret_cast<const float2*>(a.ws) + r * kTilesN;
+$combine
+  if (lane == 0) {
+    float v[1] = {row};
+    stage1<1>(v, 0, r, a, 0.f, 0.f, true);
+    a.out[r] = fusedepi::from_float<T>(v[0]);
+  }
 }"""
 )

@@ -245,11 +245,15 @@ class GemmPlan:
     Attributes:
         k: the inner size.
         group: GroupNorm columns a group (0: a pointwise chain, which runs in the
-            producer's spare warps where a CTA has gemm_sm90.WARPS_MIN_TILES tiles or more).
+            producer's spare warps where a CTA has gemm_sm90.WARPS_MIN_TILES tiles or more,
+            or a row reduction).
+        reduce: the row reduction (gemm_sm90.ROW_PARTIALS) whose partial statistics the
+            tiles write, or "" (the kernel stores the chain's [rows, N] result).
     """
 
     k: int
     group: int
+    reduce: str = ""
     block_m: int = gemm_sm90.BLOCK_M
     block_n: int = gemm_sm90.BLOCK_N
 
@@ -278,6 +282,15 @@ def gemm_plan(spec: EpilogueSpec, arch: str) -> GemmPlan | str:
     if k % 8:
         return f"K={k} is not a multiple of 8 (the bulk copies' 16-byte row pitch)"
     red = spec.reduction
+    if red is not None and red.name in gemm_sm90.ROW_PARTIALS:
+        # The consumers run the steps before the reduction, exposed at each tile's end;
+        # the steps after it run on one value a row.
+        before = spec.steps[: spec.steps.index(red)]
+        costly = next((s.name for s in before if s.name not in gemm_sm90.CHEAP_STEPS), None)
+        if costly is not None:
+            return (f"{costly} before {red.name}: the in-kernel GEMM takes cheap steps only before a reduction "
+                    "(per element, at each tile's end)")
+        return GemmPlan(k, 0, red.name)
     costly = next((s.name for s in spec.steps if s.name not in gemm_sm90.CHEAP_STEPS), None)
     if red is not None and costly is not None and costly not in REDUCTIONS:
         return (f"{costly}: GroupNorm chains with per-element transcendental or division steps run faster on the "
@@ -611,19 +624,29 @@ def _render_gemm(spec: EpilogueSpec, arch: str, p: Plan, g: GemmPlan) -> str:
     """The in-kernel GEMM computes the anchor and the whole chain: one launch."""
     name = g.name(spec, arch)
     red = spec.reduction
+    tile_partials, combine = gemm_sm90.ROW_PARTIALS.get(g.reduce, ("      p0 = p1 = 0.f;", ""))
     gemm = gemm_sm90.GEMM_KERNELS.substitute(
-        kernel=name, bm=g.block_m, bn=g.block_n, bk=gemm_sm90.BLOCK_K, stages=gemm_sm90.STAGES, k=g.k,
+        kernel=name, bm=g.block_m, bn=g.block_n, bk=gemm_sm90.BLOCK_K,
+        stages=gemm_sm90.STAGES_ROW_REDUCE if g.reduce else gemm_sm90.STAGES, k=g.k,
         bias="true" if spec.anchor.kind == "addmm" else "false", group=g.group,
-        eps=cfloat(red.consts[0]) if red is not None else "0.f",
+        eps=cfloat(red.consts[0]) if red is not None and g.group else "0.f",
         row_reads="true" if any(s.operand == FULL for s in spec.steps) else "false",
+        row_reduce="true" if g.reduce else "false", tile_partials=tile_partials.rstrip("\n"),
         warps_min_tiles=gemm_sm90.WARPS_MIN_TILES, wgmma=gemm_sm90.wgmma_asm(spec.dtype),
     )
     fields, bind = _fields(spec, gemm=True)
     # The file's epilogue kernel covers the calls where the launcher runs the library GEMM
     # first (FUSEDEPI_IN_KERNEL_GEMM=auto, rows too few to fill the GPU with tiles): a
-    # group lies in one tile, so one team a segment, as the library path's kernel.
-    middle = ""
-    if red is not None:
+    # group lies in one tile, so one team a segment, as the library path's kernel; a row
+    # reduction as the library path's kernel does it.
+    middle, store, ws_floats, finish = "", templates.STORE_ELEMENTS, "0", []
+    if g.reduce:
+        middle = templates.TEAM_ROW_REDUCE.substitute(reduce=templates.ROW_REDUCE[red.name])
+        store = templates.STORE_ROW
+        gemm += "\n\n" + gemm_sm90.ROW_FINAL.substitute(kernel=name, combine=combine.rstrip("\n"))
+        ws_floats = "rows * kTilesN * 2"  # the tiles' partials: a float2 a (row, column tile)
+        finish = [f"    {name}_rowfinal<<<(rows + 7) / 8, 256, 0, stream>>>(a);"]  # a warp a row
+    elif red is not None:
         assert p.chunks == 1, "gemm_plan admits groups of at most one tile"
         middle = _team_moments_norm(spec, red)
     launches = [
@@ -632,12 +655,13 @@ def _render_gemm(spec: EpilogueSpec, arch: str, p: Plan, g: GemmPlan) -> str:
         "  } else {",
         "    err = static_cast<cudaError_t>(gemm_launch(a, device, stream));",
         "    if (err != cudaSuccess) return static_cast<int>(err);",
+        *finish,
         "  }",
     ]
     return _kernel_file(
         spec, name, p, anchor_inside=1, includes='#include "fusedepi/hopper.cuh"\n', fields=fields, bind=bind,
-        stages=_stages(spec), middle=middle, store=templates.STORE_ELEMENTS, stats_kernels=gemm,
-        launches="\n".join(launches), ws_floats="0",
+        stages=_stages(spec), middle=middle, store=store, stats_kernels=gemm,
+        launches="\n".join(launches), ws_floats=ws_floats,
     )
 
 

@@ -33,7 +33,7 @@ class Config:
             reference (FUSEDEPI_CPU_REFERENCE=1); for testing the rewrite.
         in_kernel_gemm: which 16-bit Linear chains run as one kernel that also computes
             the GEMM, on sm_90 (FUSEDEPI_IN_KERNEL_GEMM, README): "auto" (the default:
-            pointwise chains, at the calls whose rows fill the GPU with tiles), "on"
+            pointwise chains and row reductions, at the calls whose rows fill the GPU with tiles), "on"
             (every chain the kernel covers, every call) or "off".
     """
 

@@ -183,7 +183,10 @@ class Launcher:
             # bulk copies read them (contiguous rows, 16-byte aligned).
             anchor_operands = [_aligned(t) for t in anchor_operands[:-1] + [anchor_operands[-1].t()]]
             x = anchor_operands[-2]
-            out = y = x.new_empty((x.shape[0], self.spec.channels))
+            if self.row_output:  # the kernel writes the rows' values, no [rows, N] tensor
+                out = y = x.new_empty((x.shape[0], 1) if self.keepdim else (x.shape[0],))
+            else:
+                out = y = x.new_empty((x.shape[0], self.spec.channels))
         elif self.lib.anchor_inside and not self.gemm:
             # Direct conv: the library computes the anchor from x and the weight.
             anchor_operands = [_aligned(t) for t in anchor_operands]

@@ -963,8 +963,8 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
             chain values (which are then saved) but never continue a chain.
         in_kernel_gemm: which Linear products to mark as candidates for the in-kernel
             GEMM (FUSEDEPI_IN_KERNEL_GEMM, see the README): "auto", those whose chain has
-            no statistics (measured faster there; GroupNorm chains were not); "on", all;
-            "off", none.
+            no statistics or a row reduction (measured faster or level there; GroupNorm
+            chains were not); "on", all; "off", none.
 
     Returns:
         (chains, refusals): chains to rewrite, and candidates that were refused.
@@ -1014,9 +1014,9 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
             refusals.append(Refusal(node.name, names, f"fusion {fusion} disabled by FUSEDEPI_DISABLE"))
             continue
         anchor = folded or anchor
-        if anchor.gemm:  # auto: chains without statistics, the choice left to each call
+        if anchor.gemm:  # auto: pointwise chains and row reductions, the choice left to each call
             auto = in_kernel_gemm == "auto"
-            keep = not (auto and any(s.name in REDUCTIONS for s in chain.steps))
+            keep = not (auto and any(s.name in REDUCTIONS and s.name not in ROW_REDUCTIONS for s in chain.steps))
             anchor = replace(anchor, gemm=(anchor.gemm[0], 0 if auto else 1) if keep else ())
         chain.spec = EpilogueSpec(
             anchor=anchor,

@@ -14,6 +14,12 @@ model is "ill_conditioned". A model eager refuses to run must fail alike ("rejec
     python tests/fuzzer.py --device cpu --models 300            # the rewrite, via references
     python tests/fuzzer.py --device cuda --models 2000 --workers 12 --json fuzz.json
     python tests/fuzzer.py --bench 50                           # speed against Inductor (CUDA)
+    python tests/fuzzer.py --device cuda --in-kernel-gemm --models 400 --workers 12
+
+`--in-kernel-gemm` draws 16-bit Linear anchors of the in-kernel GEMM's shapes (N a
+multiple of 256, K of 8) and runs them with FUSEDEPI_IN_KERNEL_GEMM=1, so that its
+kernel (sm_90) meets random chains; the default setting takes it only at row counts
+too large for the fuzzer.
 
 On CPU the fused op runs its plain-torch reference (FUSEDEPI_CPU_REFERENCE=1): this
 checks matching and rewriting. On CUDA it runs the rendered kernels.
@@ -69,6 +75,8 @@ class Case:
         in_vocabulary: every step is one the vocabulary claims to fuse.
         generation: the generator's vocabulary (`CONV_NORMS`); models of generation 1
             stay what they were when results and regression tests recorded them.
+        gemm: drawn for the in-kernel GEMM (`make_case`), and run with
+            FUSEDEPI_IN_KERNEL_GEMM=1.
     """
 
     index: int
@@ -79,6 +87,7 @@ class Case:
     training: bool
     in_vocabulary: bool = True
     generation: int = 1
+    gemm: bool = False
 
 
 # ------------------------------------------------------------------ generation
@@ -126,6 +135,14 @@ def _anchor(rng: random.Random) -> dict:
         "kernel": kernel, "stride": rng.choice([1, 1, 2]), "padding": rng.choice([0, 1]),
         "dilation": dilation, "bias": rng.random() < 0.8,
     }
+
+
+def _gemm_anchor(rng: random.Random) -> dict:
+    """A Linear the in-kernel GEMM covers: K a multiple of 8, N of 256; rows on both sides
+    of its 128-row tile."""
+    lead = rng.choice([[rng.randint(1, 600)], [rng.randint(1, 600)], [rng.randint(1, 5), rng.randint(1, 130)]])
+    return {"kind": "linear", "lead": lead, "in": 8 * rng.randint(1, 40), "out": rng.choice([256, 512, 768, 2048]),
+            "bias": rng.random() < 0.8}
 
 
 def _step(rng: random.Random, ctx: dict) -> dict:
@@ -188,11 +205,12 @@ def _step(rng: random.Random, ctx: dict) -> dict:
     return {"op": rng.choice(OUTSIDE)}
 
 
-def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1) -> Case:
-    """The `index`-th random model of `seed` (a pure function of the two, `device` and
-    the generator's `generation`)."""
-    rng = random.Random(f"{seed}/{index}/{device}")
-    anchor = _anchor(rng)
+def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, gemm: bool = False) -> Case:
+    """The `index`-th random model of `seed` (a pure function of the two, `device`, the
+    generator's `generation` and `gemm`: a 16-bit Linear of the in-kernel GEMM's shapes,
+    drawn from a stream of its own)."""
+    rng = random.Random(f"{seed}/{index}/{device}" + ("/gemm" if gemm else ""))
+    anchor = _gemm_anchor(rng) if gemm else _anchor(rng)
     linear = anchor["kind"] == "linear"
     ctx = {
         "kind": "linear" if linear else "conv",
@@ -218,12 +236,14 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1) -
             ctx["has_reduction"] = True
         if op in ROW_REDUCTIONS:
             ctx["reduced"] = True
-    if device == "cuda":
+    if gemm:
+        dtype = rng.choice(["bfloat16", "float16"]) if device == "cuda" else "bfloat16"
+    elif device == "cuda":
         dtype = rng.choices(["float32", "bfloat16", "float16"], weights=[5, 3, 2])[0]
     else:
         dtype = rng.choices(["float32", "bfloat16"], weights=[4, 1])[0]
     return Case(index, seed, anchor, steps, dtype, training=rng.random() < 0.4, in_vocabulary=in_vocabulary,
-                generation=generation)
+                generation=generation, gemm=gemm)
 
 
 # -------------------------------------------------------------------- models
@@ -414,6 +434,7 @@ class Result:
     reason: str = ""  # why the chain stopped or was refused
     finding: str = ""  # what failed the check
     fused_steps: list = field(default_factory=list)
+    in_kernel: bool = False  # the fused op computed its GEMM (a wgmma kernel, not cuBLAS first)
 
 
 def _outputs(model: nn.Module, fn, x, residual, upstream) -> list[torch.Tensor]:
@@ -458,6 +479,20 @@ def run_case(case: Case, device: str, grad: bool = False, draw: int = 0) -> Resu
         grad: also run backward and compare the gradients.
         draw: which random inputs (`make_inputs`); 0 is the Case's own.
     """
+    if not case.gemm:
+        return _run_case(case, device, grad, draw)
+    before = os.environ.get("FUSEDEPI_IN_KERNEL_GEMM")
+    os.environ["FUSEDEPI_IN_KERNEL_GEMM"] = "1"
+    try:
+        return _run_case(case, device, grad, draw)
+    finally:
+        if before is None:
+            del os.environ["FUSEDEPI_IN_KERNEL_GEMM"]
+        else:
+            os.environ["FUSEDEPI_IN_KERNEL_GEMM"] = before
+
+
+def _run_case(case: Case, device: str, grad: bool, draw: int) -> Result:
     from fusion_backend import fusedepi
     from fusion_backend.backend import collect_reports
 
@@ -498,6 +533,7 @@ def run_case(case: Case, device: str, grad: bool = False, draw: int = 0) -> Resu
     fused = [r for r in records if r.status == "fused"]
     refused = [r for r in records if r.status == "refused"]
     result.fused_steps = [[s["name"] for s in json.loads(r.spec)["steps"]] for r in fused]
+    result.in_kernel = any(r.kernel.startswith("wgmma") and "library GEMM first" not in r.kernel for r in fused)
     worst = 0
     tol = TOLERANCE[case.dtype]
     if dropout:
@@ -583,8 +619,8 @@ def _setup_worker(device: str):
 
 
 def _work(args):
-    seed, index, device, grad, generation = args
-    return asdict(run_case(make_case(seed, index, device, generation), device, grad))
+    seed, index, device, grad, generation, gemm = args
+    return asdict(run_case(make_case(seed, index, device, generation, gemm), device, grad))
 
 
 def normalize_reason(reason: str) -> str:
@@ -610,13 +646,14 @@ def summarize(results: list[dict]) -> dict:
         "in_vocabulary_fully_fused": inside_fused,
         "in_vocabulary_fused_share": inside_fused / len(inside) if inside else 0.0,
         "any_fusion": fusion["full"] + fusion["partial"],
+        "in_kernel_gemm": sum(r.get("in_kernel", False) for r in results),
         "reasons": dict(reasons.most_common()),
         "findings": [r for r in results if r["check"] in ("mismatch", "error")],
     }
 
 
 def run(seed: int, indices, device: str, workers: int = 1, progress=None, time_limit=None,
-        grad: bool = False, generation: int = 1) -> list[dict]:
+        grad: bool = False, generation: int = 1, gemm: bool = False) -> list[dict]:
     """Runs the cases `indices` of `seed`; returns their results (as dicts), in index order.
 
     Args:
@@ -625,8 +662,9 @@ def run(seed: int, indices, device: str, workers: int = 1, progress=None, time_l
         progress: print a progress line every this many models, and each finding as it comes.
         time_limit: seconds; models not finished by then are left out (the count says so).
         generation: the generator's vocabulary (`make_case`).
+        gemm: draw the in-kernel GEMM's anchors and run them with it (`make_case`).
     """
-    jobs = [(seed, i, device, grad, generation) for i in indices]
+    jobs = [(seed, i, device, grad, generation, gemm) for i in indices]
     results = []
     start = time.time()
     if workers <= 1:
@@ -670,7 +708,7 @@ def scale_case(case: Case) -> Case:
     else:
         anchor["batch"] = BENCH_IMAGES
     return Case(case.index, case.seed, anchor, case.steps, case.dtype, case.training, case.in_vocabulary,
-                case.generation)
+                case.generation, case.gemm)
 
 
 def bench(seed: int, count: int, first: int = 0, progress: bool = True, mode: str | None = None) -> dict:
@@ -752,6 +790,8 @@ def main(argv=None):
     parser.add_argument("--grad", action="store_true", help="also run backward and check the gradients")
     parser.add_argument("--generation", type=int, choices=sorted(CONV_NORMS), default=1,
                         help="the generator's vocabulary: 2 also draws InstanceNorm after convs")
+    parser.add_argument("--in-kernel-gemm", action="store_true",
+                        help="draw 16-bit Linear anchors of the in-kernel GEMM's shapes, run with FUSEDEPI_IN_KERNEL_GEMM=1")
     args = parser.parse_args(argv)
     if args.bench:
         out = bench(args.seed, args.bench, args.first, mode=args.mode)
@@ -762,15 +802,16 @@ def main(argv=None):
     indices = args.only if args.only else range(args.first, args.first + args.models)
     if args.only:
         for i in indices:
-            print(json.dumps(asdict(make_case(args.seed, i, args.device, args.generation))))
+            print(json.dumps(asdict(make_case(args.seed, i, args.device, args.generation, args.in_kernel_gemm))))
     results = run(args.seed, indices, args.device, args.workers, progress=max(1, len(indices) // 20),
-                  time_limit=args.time_limit, grad=args.grad, generation=args.generation)
+                  time_limit=args.time_limit, grad=args.grad, generation=args.generation, gemm=args.in_kernel_gemm)
     summary = summarize(results)
     print(json.dumps({k: v for k, v in summary.items() if k != "findings"}, indent=1))
     print(f"{len(summary['findings'])} findings (printed above as they came)")
     if args.json:
         Path(args.json).write_text(json.dumps({"seed": args.seed, "device": args.device, "grad": args.grad,
                                                "generation": args.generation,
+                                               "in_kernel_gemm": args.in_kernel_gemm,
                                                "summary": summary,
                                                "results": results}, indent=1))
     return 1 if summary["findings"] else 0

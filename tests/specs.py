@@ -56,8 +56,9 @@ def gemm_specs(dtype="bfloat16"):
     """Chains the in-kernel GEMM computes (16-bit Linear layers, as the matcher builds them:
     addmm keeps its bias): workload 3, GroupNorm with groups of 32 (workload 4's) and a
     per-column operand, a pointwise chain, one without bias (mm) that reads a residual per
-    element, one with a step before its GroupNorm, and workload 1's eval chain (BatchNorm's
-    per-column operands, the erf gelu)."""
+    element, one with a step before its GroupNorm, workload 1's eval chain (BatchNorm's
+    per-column operands, the erf gelu), and row reductions: workload 2's logsumexp, an
+    amin and a mean with steps before and after them."""
     p = (dtype,)
     return {
         "gemm_w3_groupnorm": EpilogueSpec(
@@ -92,6 +93,22 @@ def gemm_specs(dtype="bfloat16"):
             Anchor("addmm", gemm=(4096, 1)),
             (Step("batchnorm_eval", consts=(1e-5,), inputs=(0, 1, 2, 3)), Step("gelu"), Step("relu")),
             dtype, p * 4, 4096, 1, "linear_batchnorm_eval",
+        ),
+        "gemm_w2_logsumexp": EpilogueSpec(
+            Anchor("addmm", gemm=(8192, 1)),
+            (Step("logsumexp", keepdim=True), Step("leaky_relu", consts=(0.01,)), Step("leaky_relu", consts=(0.01,)),
+             Step("gelu"), Step("gelu")),
+            dtype, p, 8192, 1, "linear_logsumexp",
+        ),
+        "gemm_scale_amin": EpilogueSpec(
+            Anchor("mm", gemm=(264, 1)),
+            (Step("mul", consts=(0.5,), operand=SCALAR), Step("amin"), Step("abs")),
+            dtype, p, 512, 1, "linear_amin",
+        ),
+        "gemm_relu_mean": EpilogueSpec(
+            Anchor("addmm", gemm=(64, 1)),
+            (Step("relu"), Step("mean", keepdim=True), Step("sigmoid")),
+            dtype, p, 768, 1, "linear_mean",
         ),
     }
 

@@ -5,6 +5,7 @@ The GPU tier is the same fuzzer with `--device cuda` (benchmarks/device_run.sh f
 """
 
 import math
+import os
 from dataclasses import asdict
 
 import pytest
@@ -67,6 +68,24 @@ def test_cpu_fuzz_of_instance_norm_chains(grad):
     assert not summary["findings"], summary["findings"][:3]
     fused = [r for r in results if r["fusion"] == "full"]
     assert len(fused) >= len(indices) // 2, summary["reasons"]
+
+
+def test_cpu_fuzz_of_in_kernel_gemm_shapes():
+    # --in-kernel-gemm: 16-bit Linear anchors the in-kernel GEMM covers, a stream of
+    # their own (generation 1's models unchanged), run with FUSEDEPI_IN_KERNEL_GEMM=1
+    # (on CPU the rewrite through references; tests/test_gpu.py and the GPU fuzzer run
+    # the kernel).
+    cases = [fuzzer.make_case(0, i, "cpu", gemm=True) for i in range(40)]
+    assert all(c.gemm and c.dtype == "bfloat16" and c.anchor["kind"] == "linear" for c in cases)
+    assert all(c.anchor["out"] % 256 == 0 and c.anchor["in"] % 8 == 0 for c in cases)
+    assert fuzzer.make_case(0, 3, "cpu") != fuzzer.make_case(0, 3, "cpu", gemm=True)
+    before = os.environ.get("FUSEDEPI_IN_KERNEL_GEMM")
+    results = fuzzer.run(seed=0, indices=range(24), device="cpu", gemm=True)
+    assert os.environ.get("FUSEDEPI_IN_KERNEL_GEMM") == before  # the setting is the case's only
+    summary = fuzzer.summarize(results)
+    assert not summary["findings"], summary["findings"][:3]
+    assert summary["fusion"].get("full", 0) >= 12, summary["reasons"]
+    assert summary["in_kernel_gemm"] == 0  # no wgmma kernel runs on CPU
 
 
 def test_cases_and_models_are_reproducible():

@@ -12,9 +12,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchmarks.workloads import WORKLOADS, LinearBnGeluRelu, LinearGroupNormLeakyDouble, expected_fusion, relative_error
+from benchmarks.workloads import (
+    WORKLOADS,
+    LinearBnGeluRelu,
+    LinearGroupNormLeakyDouble,
+    LinearLogsumexpActs,
+    expected_fusion,
+    relative_error,
+)
 from fusion_backend import fusedepi
 from fusion_backend.backend import collect_reports
+from helpers import Chain
 
 pytestmark = pytest.mark.gpu
 
@@ -461,7 +469,32 @@ GEMM_CASES = {
     # Workload 1's eval chain (BatchNorm's per-column operands, erf gelu) in both placements.
     "w1_eval_rows_past_the_tile": (lambda: _eval_bn(LinearBnGeluRelu(200, 512)), [(1000, 200)]),
     "w1_eval_spare_warps": (lambda: _eval_bn(LinearBnGeluRelu(136, 4096)), [(4500, 136)]),
+    # Row reductions: partials a (row, column tile), combined by a second kernel.
+    "w2_logsumexp_rows_past_the_tile": (lambda: LinearLogsumexpActs(264, 512), [(1000, 264)]),
+    "w2_logsumexp_32_column_tiles": (lambda: LinearLogsumexpActs(128, 8192), [(300, 128)]),
+    "scale_amin_three_rows": (lambda: _RowReduce(520, 512, "amin", bias=False), [(3, 520)]),
+    "relu_mean": (lambda: _RowReduce(64, 768, "mean"), [(4500, 64)]),
+    "leaky_amax": (lambda: _RowReduce(256, 1024, "amax"), [(700, 256)]),
+    "sum": (lambda: _RowReduce(256, 1024, "sum"), [(700, 256)]),
 }
+
+
+class _RowReduce(nn.Module):
+    """Linear -> a cheap step -> a row reduction over the features -> a step after it."""
+
+    def __init__(self, k, n, reduce, bias=True):
+        super().__init__()
+        self.linear, self.reduce = nn.Linear(k, n, bias=bias), reduce
+
+    def forward(self, x):
+        y = self.linear(x)
+        if self.reduce == "amin":
+            return torch.abs(torch.amin(y * 0.5, dim=1))
+        if self.reduce == "mean":
+            return torch.sigmoid(torch.relu(y).mean(dim=1, keepdim=True))
+        if self.reduce == "amax":
+            return torch.amax(F.leaky_relu(y, 0.1), dim=-1, keepdim=True) * 2
+        return torch.clamp(y, -1, 1).sum(dim=1)
 
 
 def _eval_bn(model):
@@ -491,6 +524,29 @@ def test_in_kernel_gemm(name, dtype, exact_float32, monkeypatch):
     assert out.shape == ref.shape and out.dtype == dtype
     err = relative_error(out, ref)
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32})"
+
+
+@pytest.mark.parametrize("reduce", ["logsumexp", "amax", "amin", "sum"])
+def test_in_kernel_row_reductions_propagate_inf_and_nan_like_eager(reduce, monkeypatch, exact_float32):
+    # Rows with an inf and a NaN input, and a column tile of -inf bias: a tile whose
+    # partial maximum is -inf (logsumexp: its sum 0 must add nothing), an infinite maximum.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the in-kernel GEMM is built for sm_90a")
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_GEMM", "1")
+    fn = {"logsumexp": lambda y: torch.logsumexp(y, dim=1, keepdim=True), "amax": lambda y: torch.amax(y, dim=1),
+          "amin": lambda y: torch.amin(y, dim=1), "sum": lambda y: torch.sum(y, dim=1)}[reduce]
+    model = Chain(fn, k=64, n=768).cuda().bfloat16()
+    x = torch.rand(6, 64, device="cuda", dtype=torch.bfloat16)
+    x[1, 0] = float("inf")
+    x[2, 5] = float("nan")
+    for tile_bias in (0.0, float("-inf")):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            model.linear.bias[256:512] = tile_bias
+            out, kernels = _kernels(model, x)
+            eager = model(x)
+        assert kernels[0].startswith("wgmma128x256_"), kernels
+        torch.testing.assert_close(out, eager, equal_nan=True, atol=2e-2, rtol=2e-2)
 
 
 def test_in_kernel_gemm_auto_chooses_per_call(monkeypatch, exact_float32):

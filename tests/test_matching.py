@@ -563,7 +563,8 @@ def test_products_other_than_x_wt_use_the_library_gemm(monkeypatch):
     [(None, True, False), ("auto", True, False), ("1", True, True), ("0", False, False), ("off", False, False)],
 )
 def test_in_kernel_gemm_candidates_by_setting(setting, pointwise, groupnorm, monkeypatch):
-    # auto (the default): chains without statistics only; 1: every chain; 0: none.
+    # auto (the default): pointwise chains and row reductions (their statistics are
+    # per-tile partials); 1: every chain; 0: none.
     import json
 
     if setting is None:
@@ -571,7 +572,8 @@ def test_in_kernel_gemm_candidates_by_setting(setting, pointwise, groupnorm, mon
     else:
         monkeypatch.setenv("FUSEDEPI_IN_KERNEL_GEMM", setting)
     x = torch.randn(6, 24)
-    for model, expected in ((Chain(torch.relu, k=24, n=32), pointwise),
+    logsumexp = Chain(lambda y: F.leaky_relu(torch.logsumexp(y, dim=1, keepdim=True), 0.01), k=24, n=32)
+    for model, expected in ((Chain(torch.relu, k=24, n=32), pointwise), (logsumexp, pointwise),
                             (nn.Sequential(nn.Linear(24, 32), nn.GroupNorm(4, 32), nn.ReLU()), groupnorm)):
         torch._dynamo.reset()
         out, fused, _ = compile_records(model, x)

@@ -210,7 +210,8 @@ def test_in_kernel_gemm_plans_and_names(name):
     g = cuda_templates.gemm_plan(spec, "sm90")
     assert isinstance(g, cuda_templates.GemmPlan)
     red = spec.reduction
-    assert g.group == (spec.channels // red.groups if red is not None else 0)
+    assert g.group == (spec.channels // red.groups if red is not None and red.name == "groupnorm" else 0)
+    assert g.reduce == (red.name if red is not None and red.name != "groupnorm" else "")
     assert cuda_templates.build_arch(spec, "sm90") == "sm90a"
     kernel = cuda_templates.kernel_name(spec, "sm90")
     assert kernel.startswith("wgmma128x256_") and kernel.endswith("_sm90a")
@@ -234,7 +235,8 @@ def test_in_kernel_gemm_plans_and_names(name):
         (lambda s: replace(s, anchor=replace(s.anchor, gemm=(255, 1))), "K=255 is not a multiple of 8"),
         (lambda s: replace(s, anchor=replace(s.anchor, gemm=())), "not x @ w^T"),
         (lambda s: replace(s, steps=(replace(s.steps[0], groups=2048),) + s.steps[1:]), "groups of 4 columns"),
-        (lambda s: replace(s, steps=(Step("logsumexp", keepdim=True),)), "logsumexp: its statistics span"),
+        (lambda s: replace(s, steps=(Step("softmax"),)), "softmax: its statistics span"),
+        (lambda s: replace(s, steps=(Step("gelu"), Step("logsumexp", keepdim=True))), "gelu before logsumexp"),
         (lambda s: replace(s, steps=(Step("layernorm", consts=(1e-5,), inputs=(-1, -1)),)), "layernorm"),
         (lambda s: replace(s, saves=(Save("mean", "float32", (-1, 256), 256),)), "saved for backward"),
         # Workload 4: measured slower in the in-kernel GEMM (its chain runs in the consumers).
@@ -266,6 +268,26 @@ def test_in_kernel_gemm_auto_rule_and_its_library_fallback():
         assert fallback.index("_apply<<<") < fallback.index("gemm_launch(a, device, stream)")
         apply = source[source.index("_apply(Args a)"):source.index("}  // namespace")]
         assert ("rsqrtf" in apply) == (spec.reduction is not None)
+
+
+@pytest.mark.parametrize("name", ["gemm_w2_logsumexp", "gemm_scale_amin", "gemm_relu_mean"])
+def test_in_kernel_gemm_row_reductions_write_partials_then_finish(name):
+    # The tiles write a (row, column tile) partial each and no [rows, N] tile; a second
+    # kernel combines a row's partials and runs the steps after the reduction. The
+    # library path's calls run the epilogue kernel's row reduction instead.
+    spec = gemm_specs("bfloat16")[name]
+    source = cuda_templates.render(spec, "sm90")
+    assert "constexpr bool kRowReduce = true;" in source
+    assert f"kStages = {cuda_templates.gemm_sm90.STAGES_ROW_REDUCE};" in source
+    assert "reinterpret_cast<float2*>(a.ws)[row * kTilesN + n0 / kBN] = make_float2(p0, p1);" in source
+    launch = source[source.index("} else {", source.index("if (a.x == nullptr)")):]
+    assert launch.index("gemm_launch(a, device, stream)") < launch.index("_rowfinal<<<(rows + 7) / 8, 256")
+    assert "return rows * kTilesN * 2; }" in source  # the workspace: a float2 a (row, column tile)
+    apply = source[source.index("_apply(Args a)"):source.index("}  // namespace")]
+    assert "a.out[p.seg] = fusedepi::from_float<T>(row);" in apply  # the library path's row store
+    # Pointwise and GroupNorm chains keep the staging tile and 3 stages.
+    w1 = cuda_templates.render(gemm_specs("bfloat16")["gemm_w1_eval"], "sm90")
+    assert "constexpr bool kRowReduce = false;" in w1 and "_rowfinal" not in w1 and "kStages = 3;" in w1
 
 
 @needs_nvcc
