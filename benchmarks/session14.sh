@@ -4,7 +4,7 @@
 #                                        # benchmarks.gemm_probe on $PROBE_CASES with FUSEDEPI_IN_KERNEL_GEMM=1 and =0
 #   bash benchmarks/session14.sh final   # benchmarks.compare on workload 2 (bf16), the probe with the default
 #   bash benchmarks/session14.sh check   # the GEMM tests, then benchmarks.compare on workload 2 (bf16)
-#   bash benchmarks/session14.sh tests   # tests/test_gpu.py (the tier's longest file)
+#   bash benchmarks/session14.sh tests   # tests/test_gpu.py (the tier's longest file), -k "$TESTS_K"
 #   bash benchmarks/session14.sh rest    # the tier's other files
 #   bash benchmarks/session14.sh fuzz    # the GPU fuzzer on the in-kernel GEMM's shapes (FUSEDEPI_IN_KERNEL_GEMM=1)
 source "$(dirname "$0")/device_setup.sh"
@@ -38,8 +38,8 @@ case ${1:-gemm} in
       --providers inductor fusedepi --profile --json "$OUT/bench.json" 2>&1 | grep -v "^-- " | tee "$OUT/bench.log"
     ;;
   tests)
-    timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rfs --tb=short \
-      2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+    timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -m gpu tests/test_gpu.py -k "${TESTS_K:-not nothing}" \
+      -p no:cacheprovider -rfs --tb=short 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
     ;;
   fuzz)
     timeout ${FUZZ_TIMEOUT:-500} python3 tests/fuzzer.py --device cuda --in-kernel-gemm --models ${MODELS:-400} \
