@@ -1,8 +1,8 @@
 """The in-kernel GEMM for Hopper (sm_90a): out = chain(x @ w^T [+ bias]) in one launch, for
 16-bit linear layers whose chain has no statistics beyond one tile's rows (pointwise
-steps, and GroupNorm whose groups lie inside a tile), or whose statistics are a row
-reduction (logsumexp, sum, mean, amax, amin) that the tiles' partials give, plus a small
-finishing kernel. `render.py` decides when it applies (`gemm_plan`) and renders it into
+steps, and GroupNorm whose groups lie inside a tile); with a second, small launch where
+the statistics are a row reduction (logsumexp, sum, mean, amax, amin) that the tiles'
+partials give. `render.py` decides when it applies (`gemm_plan`) and renders it into
 `templates.KERNEL_FILE` with the spec's stage functions.
 
 Structure (one CTA an output tile of 128 x 256, persistent over tiles, 384 threads):
@@ -38,8 +38,8 @@ default pointwise chains and row reductions at calls whose rows fill the GPU
 (`fills_gpu`); the launcher runs the library GEMM and this file's epilogue kernel on the
 other calls. Measured on an H200 at bf16 (benchmarks/RESULTS.md): workload 1's eval chain
 at 1.09-1.10x the library GEMM through it, against 1.17-1.19x on the library path
-(thirteenth session); workload 2's logsumexp at 0.192 ms against Inductor's 0.194 and the
-library path's 0.193 (fourteenth session). GroupNorm chains are not faster through it
+(thirteenth session); workload 2's logsumexp at 0.192-0.195 ms against Inductor's
+0.194-0.196 and the library path's 0.193 (fourteenth session). GroupNorm chains are not faster through it
 (workload 3: 1.07-1.09x against 1.04-1.09x, twelfth session: at 1024 x 8192 x 8192 a CTA
 has two tiles and the chain of each is exposed), so they take it only with
 FUSEDEPI_IN_KERNEL_GEMM=1. Tried and dropped: a cluster of 2 multicasting the w tile (no
@@ -114,16 +114,17 @@ _MAX_COMBINE = _parts_fold("m", "-INFINITY", "fmaxf(m, q.x)", "max") + _parts_fo
 # The arithmetic is the epilogue kernel's (templates.ROW_REDUCE), the summation order
 # the tiles'.
 ROW_PARTIALS = {
-    # (max, sum of exp(e - max)) a tile; a tile's sum is rescaled to the row's max. Where
-    # a maximum is infinite, exp(e) itself (shift 0), as the epilogue kernel does. A
-    # tile of -inf (sum 0) adds nothing, not 0 * inf. A NaN reaches the result through
-    # the sums.
+    # (max, sum of exp(e - max)) a tile; a tile's sum is rescaled to the row's max by
+    # exp(tile max - row max). Where a maximum is infinite, exp(e) itself (shift 0), as
+    # the epilogue kernel does: a tile of -inf has sum 0 and factor exp(-inf) = 0; a
+    # tile with +inf has sum inf, and the row's shift is then 0. A NaN reaches the
+    # result through the sums.
     "logsumexp": (
         _tile_fold("m", "-INFINITY", "fmaxf(m, e)")
         + "      p0 = fusedepi::team_max_warp<4>(m);\n      const float shift = isinf(p0) ? 0.f : p0;\n"
         + _tile_fold("s", "0.f", "s + expf(e - shift)") + "      p1 = fusedepi::team_sum_warp<4>(s);\n",
         _parts_fold("m", "-INFINITY", "fmaxf(m, q.x)", "max") + "  const float shift = isinf(m) ? 0.f : m;\n"
-        + _parts_fold("s", "0.f", "q.y != 0.f ? s + q.y * expf((isinf(q.x) ? 0.f : q.x) - shift) : s", "sum")
+        + _parts_fold("s", "0.f", "s + q.y * expf(q.x - shift)", "sum")
         + "  const float row = logf(s) + shift;\n",
     ),
     "sum": (_SUM, _parts_fold("s", "0.f", "s + q.x", "sum") + "  const float row = s;\n"),
@@ -159,7 +160,7 @@ def wgmma_asm(dtype: str) -> str:
 #   $stages     the ring's depth (STAGES)
 #   $k          the GEMM's inner size (the Linear's in_features)
 #   $bias       "true" when the anchor is addmm: a.bias[N] is added before rounding
-#   $group      GroupNorm columns a group, 0 without statistics
+#   $group      GroupNorm columns a group, 0 without GroupNorm (a pointwise chain or a row reduction)
 #   $eps        GroupNorm's eps (a C++ float)
 #   $row_reads  "true" when a step reads a tensor per element (a residual): rows past M skip it
 #   $row_reduce "true" for a row reduction (sum, mean, amax, amin, logsumexp): the consumers
@@ -178,12 +179,14 @@ constexpr int kGroup = $group;        // GroupNorm columns a group (0: a pointwi
 constexpr int kG = kGroup > 0 ? kGroup : 8;  // the same, where the pointwise chain's kernel divides by it
 constexpr bool kRowReads = $row_reads;
 constexpr bool kRowReduce = $row_reduce;
+constexpr bool kPointwise = kGroup == 0 && !kRowReduce;  // may run in the spare warps (kOffload)
 constexpr int kWarpsMinTiles = $warps_min_tiles;
 constexpr int kKTiles = (kK + kBK - 1) / kBK;
 constexpr int kTilesN = static_cast<int>(kChannels / kBN);
 constexpr int kTileA = kBM * kBK * 2, kTileB = kBN * kBK * 2;  // bytes a stage
 constexpr int kOut = kRowReduce ? 0 : kBM * kBN * 2;             // the staging tile
 constexpr int kGemmSmem = kStages * (kTileA + kTileB) + kOut + 1024;  // + alignment slack
+static_assert(kGemmSmem <= 227 * 1024, "sm_90's dynamic shared memory a block");
 constexpr int kConsumerWarps = 8;
 static_assert(kChannels % kBN == 0 && kK % 8 == 0, "gemm_plan admits these shapes only");
 static_assert(kG % 8 == 0 && kBN % kG == 0, "a group lies in one tile");
@@ -355,9 +358,9 @@ $tile_partials
 template <bool kOffload>
 __global__ void __launch_bounds__(384, 1) ${kernel}_gemm(const __grid_constant__ CUtensorMap map_a,  // x [rows, kK]
                                                          const __grid_constant__ CUtensorMap map_b,  // w [kChannels, kK]
-                                                         const __grid_constant__ CUtensorMap map_c,  // out [rows, kChannels]
+                                                         const __grid_constant__ CUtensorMap map_c,  // out [rows, kChannels]; unset with kRowReduce
                                                          const Args a) {
-  constexpr bool kWarps = kOffload && kGroup == 0 && !kRowReduce;
+  constexpr bool kWarps = kOffload && kPointwise;
   // Registers a thread: the epilogue warps keep their 8 columns' operands (more with
   // kWarps). The consumers' setmaxnreg.inc waits until the producer's dec has freed what
   // it asks for, out of the 168 a thread that the launch gave 384 threads: more hangs.
@@ -485,8 +488,10 @@ int gemm_launch(const Args& a, int device, cudaStream_t stream) {
   if (device >= 64) return static_cast<int>(cudaErrorInvalidDevice);
   if (sms[device] == 0) {  // once a device: the shared-memory limit, and the SM count
     cudaError_t err = cudaFuncSetAttribute(${kernel}_gemm<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemmSmem);
-    if (err == cudaSuccess && kGroup == 0 && !kRowReduce)
-      err = cudaFuncSetAttribute(${kernel}_gemm<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemmSmem);
+    if constexpr (kPointwise) {  // (only pointwise chains instantiate the spare-warp kernel)
+      if (err == cudaSuccess)
+        err = cudaFuncSetAttribute(${kernel}_gemm<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemmSmem);
+    }
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return static_cast<int>(err);
   }
@@ -494,11 +499,13 @@ int gemm_launch(const Args& a, int device, cudaStream_t stream) {
   if (tiles > 0x7fffffffLL) return static_cast<int>(cudaErrorInvalidValue);
   const int grid = static_cast<int>(tiles < sms[device] ? tiles : sms[device]);
   // A pointwise chain in the spare warps where a CTA has enough tiles to hide it under.
-  if (kGroup == 0 && !kRowReduce && tiles >= static_cast<long long>(kWarpsMinTiles) * grid) {
-    ${kernel}_gemm<true><<<grid, 384, kGemmSmem, stream>>>(map_a, map_b, map_c, a);
-  } else {
-    ${kernel}_gemm<false><<<grid, 384, kGemmSmem, stream>>>(map_a, map_b, map_c, a);
+  if constexpr (kPointwise) {
+    if (tiles >= static_cast<long long>(kWarpsMinTiles) * grid) {
+      ${kernel}_gemm<true><<<grid, 384, kGemmSmem, stream>>>(map_a, map_b, map_c, a);
+      return static_cast<int>(cudaGetLastError());
+    }
   }
+  ${kernel}_gemm<false><<<grid, 384, kGemmSmem, stream>>>(map_a, map_b, map_c, a);
   return static_cast<int>(cudaGetLastError());
 }"""
 )

@@ -621,7 +621,8 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
 
 
 def _render_gemm(spec: EpilogueSpec, arch: str, p: Plan, g: GemmPlan) -> str:
-    """The in-kernel GEMM computes the anchor and the whole chain: one launch."""
+    """The in-kernel GEMM computes the anchor and the whole chain: one launch, and a
+    second, small one that finishes a row reduction from the tiles' partials."""
     name = g.name(spec, arch)
     red = spec.reduction
     tile_partials, combine = gemm_sm90.ROW_PARTIALS.get(g.reduce, ("      p0 = p1 = 0.f;", ""))

@@ -173,6 +173,10 @@ class Launcher:
             use = self._gemm_rows[rows] = cuda_templates.fills_gpu(rows, self.spec.channels, self.gemm_sms)
         return use
 
+    def _row_shape(self, rows: int) -> tuple:
+        """A row reduction's output: a value a row, [rows, 1] with keepdim."""
+        return (rows, 1) if self.keepdim else (rows,)
+
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         anchor_operands = list(inputs[: self.n_operands])
         params = [_aligned(p) for p in inputs[self.n_operands :]]
@@ -184,7 +188,7 @@ class Launcher:
             anchor_operands = [_aligned(t) for t in anchor_operands[:-1] + [anchor_operands[-1].t()]]
             x = anchor_operands[-2]
             if self.row_output:  # the kernel writes the rows' values, no [rows, N] tensor
-                out = y = x.new_empty((x.shape[0], 1) if self.keepdim else (x.shape[0],))
+                out = y = x.new_empty(self._row_shape(x.shape[0]))
             else:
                 out = y = x.new_empty((x.shape[0], self.spec.channels))
         elif self.lib.anchor_inside and not self.gemm:
@@ -196,7 +200,7 @@ class Launcher:
         else:
             y = run_anchor(self.spec.anchor, anchor_operands).contiguous()
             if self.row_output:
-                out = y.new_empty((y.shape[0], 1) if self.keepdim else (y.shape[0],))
+                out = y.new_empty(self._row_shape(y.shape[0]))
             else:
                 out = torch.empty_like(y)
         rows = y.shape[0]

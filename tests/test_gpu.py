@@ -472,6 +472,7 @@ GEMM_CASES = {
     # Row reductions: partials a (row, column tile), combined by a second kernel.
     "w2_logsumexp_rows_past_the_tile": (lambda: LinearLogsumexpActs(264, 512), [(1000, 264)]),
     "w2_logsumexp_32_column_tiles": (lambda: LinearLogsumexpActs(128, 8192), [(300, 128)]),
+    "w2_logsumexp_33_column_tiles": (lambda: LinearLogsumexpActs(64, 8448), [(130, 64)]),  # a lane takes two
     "scale_amin_three_rows": (lambda: _RowReduce(520, 512, "amin", bias=False), [(3, 520)]),
     "relu_mean": (lambda: _RowReduce(64, 768, "mean"), [(4500, 64)]),
     "leaky_amax": (lambda: _RowReduce(256, 1024, "amax"), [(700, 256)]),
@@ -526,36 +527,47 @@ def test_in_kernel_gemm(name, dtype, exact_float32, monkeypatch):
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32})"
 
 
-@pytest.mark.parametrize("reduce", ["logsumexp", "amax", "amin", "sum"])
+@pytest.mark.parametrize("reduce", ["logsumexp", "amax", "amin", "sum", "mean"])
 def test_in_kernel_row_reductions_propagate_inf_and_nan_like_eager(reduce, monkeypatch, exact_float32):
-    # Rows with an inf and a NaN input, and a column tile of -inf bias: a tile whose
-    # partial maximum is -inf (logsumexp: its sum 0 must add nothing), an infinite maximum.
+    # The bias sets each case's columns (rows 1 and 2 also get an inf and a NaN input,
+    # which spread over their rows): a column tile of -inf beside rows whose finite
+    # maximum is far below 0 (logsumexp rescales a tile's sum by exp(tile max - row max):
+    # exp(+199) overflows where a -inf tile is mistaken for a 0 one), rows all -inf, one
+    # +inf column, one NaN column.
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the in-kernel GEMM is built for sm_90a")
     monkeypatch.setenv("FUSEDEPI_IN_KERNEL_GEMM", "1")
     fn = {"logsumexp": lambda y: torch.logsumexp(y, dim=1, keepdim=True), "amax": lambda y: torch.amax(y, dim=1),
-          "amin": lambda y: torch.amin(y, dim=1), "sum": lambda y: torch.sum(y, dim=1)}[reduce]
+          "amin": lambda y: torch.amin(y, dim=1), "sum": lambda y: torch.sum(y, dim=1),
+          "mean": lambda y: torch.mean(y, dim=1)}[reduce]
     model = Chain(fn, k=64, n=768).cuda().bfloat16()
     x = torch.rand(6, 64, device="cuda", dtype=torch.bfloat16)
     x[1, 0] = float("inf")
     x[2, 5] = float("nan")
-    for tile_bias in (0.0, float("-inf")):
-        torch._dynamo.reset()
+    compiled = torch.compile(model, backend=fusedepi)
+    inf, nan = float("inf"), float("nan")
+    cases = {"finite": {}, "a -inf tile, the rest near -200": {(0, 768): -200.0, (256, 512): -inf},
+             "all -inf": {(0, 768): -inf}, "one +inf column": {(300, 301): inf}, "one NaN column": {(700, 701): nan}}
+    for name, spans in cases.items():
         with torch.no_grad():
-            model.linear.bias[256:512] = tile_bias
-            out, kernels = _kernels(model, x)
-            eager = model(x)
-        assert kernels[0].startswith("wgmma128x256_"), kernels
-        torch.testing.assert_close(out, eager, equal_nan=True, atol=2e-2, rtol=2e-2)
+            model.linear.bias.zero_()
+            for (lo, hi), value in spans.items():
+                model.linear.bias[lo:hi] = value
+            ran = _fusedepi_kernels_run(compiled, x, pattern=r"wgmma128x256_\w+_sm90a_")
+            out, eager = compiled(x), model(x)
+        assert ran and "_sm90a_gemm" in ran[0], (name, ran)
+        torch.testing.assert_close(out, eager, equal_nan=True, atol=2e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
 
 
-def test_in_kernel_gemm_auto_chooses_per_call(monkeypatch, exact_float32):
-    # The default (auto): rows that fill the GPU with tiles run the in-kernel GEMM; fewer
-    # run cuBLAS, then the chain in the same library's epilogue kernel.
+@pytest.mark.parametrize("chain", ["clamp", "logsumexp"])
+def test_in_kernel_gemm_auto_chooses_per_call(chain, monkeypatch, exact_float32):
+    # The default (auto): rows that fill the GPU with tiles run the in-kernel GEMM (and,
+    # after a row reduction, its finishing kernel); fewer run cuBLAS, then the chain in
+    # the same library's epilogue kernel.
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the in-kernel GEMM is built for sm_90a")
     monkeypatch.delenv("FUSEDEPI_IN_KERNEL_GEMM", raising=False)
-    model = _LinearClamp(256, 4096).cuda().bfloat16()
+    model = (_LinearClamp(256, 4096) if chain == "clamp" else LinearLogsumexpActs(256, 4096)).cuda().bfloat16()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     compiled = torch.compile(model, backend=fusedepi)
     # 16 column tiles: 64 rows make 16 tiles; 32 x sms rows, 4 tiles an SM.
@@ -568,7 +580,9 @@ def test_in_kernel_gemm_auto_chooses_per_call(monkeypatch, exact_float32):
                 out = compiled(x)
             # the in-kernel GEMM file's kernels: "..._sm90a_gemm<...>" or "..._sm90a_apply" (after cuBLAS)
             ran = _fusedepi_kernels_run(compiled, x, pattern=r"wgmma128x256_\w+_sm90a_")
-        assert len(ran) == 1 and ("_sm90a_gemm" if in_kernel else "_sm90a_apply") in ran[0], (rows, ran)
+        kinds = [re.sub(r"^.*_sm90a_([a-z]+).*$", r"\1", name) for name in ran]
+        want = ["gemm", "rowfinal"] if in_kernel and chain == "logsumexp" else ["gemm"] if in_kernel else ["apply"]
+        assert kinds == want, (rows, ran)
         if rows == 64:  # compiled for 64 rows: the report says which path they take
             (record,) = [r for rep in reports for r in rep.records if r.status == "fused"]
             assert "(library GEMM first at 64 rows: too few 128x256 tiles" in record.kernel, record.kernel
