@@ -216,7 +216,9 @@ class Launcher:
         if ws_floats is None:
             ws_floats = self._ws_floats[rows] = self.lib.workspace_floats(rows)
         # Pointwise chains need no workspace: a null pointer, and no allocation per call.
-        ws = y.new_empty(ws_floats, dtype=torch.float32) if ws_floats > 0 else None
+        # Nor does an in-kernel GEMM file's epilogue kernel (library_gemm): the workspace
+        # its library asks for holds the in-kernel GEMM's row partials.
+        ws = y.new_empty(ws_floats, dtype=torch.float32) if ws_floats > 0 and not library_gemm else None
         pointers = [y.data_ptr(), out.data_ptr()]
         pointers += [t.data_ptr() for t in extras]
         pointers += [t.data_ptr() for t in params]

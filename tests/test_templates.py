@@ -221,6 +221,11 @@ def test_in_kernel_gemm_plans_and_names(name):
     assert f"constexpr bool kBias = {'true' if spec.anchor.kind == 'addmm' else 'false'};" in source
     assert ("constexpr bool kRowReads = true;" in source) == ("residual" in name)
     assert "fusedepi_anchor_inside() { return 1; }" in source
+    # Only the GEMM and the row reductions' finishing kernel use the workspace: the
+    # launcher passes none on the calls that run the epilogue kernel after cuBLAS.
+    before_gemm = source[: source.index("// In-kernel GEMM")]
+    apply = source[source.index("_apply(Args a)"):source.index("}  // namespace")]
+    assert "a.ws" not in before_gemm and "a.ws" not in apply
     # Elsewhere than sm_90 the library GEMM runs first, and the epilogue kernel follows.
     assert "needs sm_90" in cuda_templates.gemm_plan(spec, "sm80")
     assert "wgmma" not in cuda_templates.render(spec, "sm80")
