@@ -1,8 +1,10 @@
 """The in-kernel GEMM (issue 5) against the library GEMM path, Inductor and cuBLAS alone, on
-workloads 1 (eval; also at workloads 2-4's shape), 2, 3 and 4 at 16-bit precision. Needs an sm_90 GPU and nvcc.
+workloads 1 (eval; also at workloads 2-4's shape), 2, 3 and 4 at 16-bit precision, or float32
+under TF32. Needs an sm_90 GPU and nvcc.
 
     python -m benchmarks.gemm_probe                  # bf16, the workloads' shapes
     python -m benchmarks.gemm_probe --dtype float16
+    python -m benchmarks.gemm_probe --dtype tf32     # float32, matmul precision "high"
 
 For each workload it compiles the module with fusedepi and with Inductor, checks both
 against a float64 reference and that fusedepi fused it, and prints the kernel it chose (the
@@ -67,10 +69,12 @@ def _compiled(model, x, backend: str):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "tf32"])
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     args = parser.parse_args(argv)
-    dtype = getattr(torch, args.dtype)
+    dtype = torch.float32 if args.dtype == "tf32" else getattr(torch, args.dtype)
+    if args.dtype == "tf32":
+        torch.set_float32_matmul_precision("high")
     torch.manual_seed(0)
     ok = True
     for case in args.cases:
@@ -87,6 +91,8 @@ def main(argv=None) -> int:
             ref = copy.deepcopy(model).double()(x.double())
         lin = model.linear
         fns = {"library GEMM (addmm)": lambda: torch.addmm(lin.bias, x, lin.weight.t())}
+        if args.dtype == "tf32":  # float32 chains under TF32 run `mm` and add the bias in the epilogue
+            fns["library mm (no bias)"] = lambda: torch.mm(x, lin.weight.t())
         lines = {}
         torch._dynamo.reset()
         setting = os.environ.get("FUSEDEPI_IN_KERNEL_GEMM", "") or "auto"
@@ -108,6 +114,8 @@ def main(argv=None) -> int:
         m, k = x.shape
         print(f"{case} {m}x{lin.out_features}x{k} {args.dtype} library GEMM (addmm) {lib:.4f} ms "
               f"(medians of {ROUNDS} interleaved rounds)", flush=True)
+        if "library mm (no bias)" in ms:
+            print(f"    library mm (no bias) {ms['library mm (no bias)']:.4f} ms  ratio {ms['library mm (no bias)'] / lib:.3f}")
         for what, line in lines.items():
             print(f"{line}\n    {ms[what]:.4f} ms  ratio to the library GEMM {ms[what] / lib:.3f}", flush=True)
     return 0 if ok else 1

@@ -1,5 +1,5 @@
 """The in-kernel GEMM for Hopper (sm_90a): out = chain(x @ w^T [+ bias]) in one launch, for
-16-bit linear layers whose chain has no statistics beyond one tile's rows (pointwise
+bf16/fp16 linear layers, and float32 ones in TF32, whose chain has no statistics beyond one tile's rows (pointwise
 steps, and GroupNorm whose groups lie inside a tile); with a second, small launch where
 the statistics are a row reduction (logsumexp, sum, mean, amax, amin) that the tiles'
 partials give. `render.py` decides when it applies (`gemm_plan`) and renders it into
@@ -7,18 +7,20 @@ partials give. `render.py` decides when it applies (`gemm_plan`) and renders it 
 
 Structure (one CTA an output tile of 128 x 256, persistent over tiles, 384 threads):
 - warpgroup 0 is the producer: one thread issues bulk tensor copies (TMA) of a 128 x 64
-  tile of x and a 256 x 64 tile of w into a ring of 3 shared-memory stages (128-byte
-  swizzle), completing on the stage's `full` mbarrier. Boxes past the matrix's edge read
-  zeros, so any M and any K (a multiple of 8: TMA's 16-byte row pitch) work;
+  tile of x and a 256 x 64 tile of w (x 32 in float32: 128 bytes of K either way) into a
+  ring of 3 shared-memory stages (128-byte swizzle), completing on the stage's `full`
+  mbarrier. Boxes past the matrix's edge read zeros, so any M and any K (a multiple of 8,
+  of 4 in float32: TMA's 16-byte row pitch) work;
 - warpgroups 1 and 2 are the consumers: each multiplies its 64 rows of the x tile with the
-  w tile by `wgmma.mma_async` m64n256k16 (float32 accumulators, 128 a thread) and frees a
-  stage (its `empty` mbarrier) once the wgmma that read it is complete;
+  w tile by `wgmma.mma_async` m64n256k16 (m64n256k8 in TF32; float32 accumulators, 128 a
+  thread) and frees a stage (its `empty` mbarrier) once the wgmma that read it is complete;
 - the epilogue starts from the accumulators in wgmma's layout (for 8-column chunk j a thread
   holds rows r = 16 * warp + lane / 4 and r + 8, columns 8j + 2 * (lane % 4) + {0, 1}):
   bias added, rounded to the output type as the library GEMM's output is, then the spec's
   stage0 (and, with GroupNorm, the group's statistics from the thread's values and two quad
   shuffles, then stage1). Results are staged in a 128-byte-swizzled 64 KB tile and stored by
-  TMA (rows past M are not written), so the next tile's wgmma starts while the copy drains;
+  TMA (rows past M are not written), so the next tile's wgmma starts while the copy drains.
+  A float32 tile is twice that: it goes out in two rounds of 128 columns;
 - a row reduction stores no tile: after the steps before the reduction, each consumer
   thread folds its 64 values of a row, its quad's shuffles combine them, and one lane
   writes the row's partial statistics over the tile's 256 columns (ROW_PARTIALS; for
@@ -31,12 +33,13 @@ Structure (one CTA an output tile of 128 x 256, persistent over tiles, 384 threa
   registers each, to hold their 8 columns' operands) run stage0 on the staged tile in
   place and store it. Named barriers hand
   the staging tile over (kBarFull) and back (kBarEmpty). The consumers run their last
-  tile's chain themselves.
+  tile's chain themselves. 16-bit tiles only (one staging round).
 
 Which chains and calls take it (FUSEDEPI_IN_KERNEL_GEMM, README "In-kernel GEMM"): by
-default pointwise chains and row reductions at calls whose rows fill the GPU
-(`fills_gpu`); the launcher runs the library GEMM and this file's epilogue kernel on the
-other calls. Measured on an H200 at bf16 (benchmarks/RESULTS.md): workload 1's eval chain
+default 16-bit pointwise chains and row reductions and float32 row reductions
+(`lowering.matcher.auto_takes_gemm`) at calls whose rows fill the GPU (`fills_gpu`); the
+launcher runs the library GEMM and this file's epilogue kernel on the other calls, and on
+every float32 call while the matmul precision is "highest". Measured on an H200 at bf16 (benchmarks/RESULTS.md): workload 1's eval chain
 at 1.09-1.10x the library GEMM through it, against 1.17-1.19x on the library path
 (thirteenth session); workload 2's logsumexp at 0.192-0.195 ms against Inductor's
 0.194-0.196 and the library path's 0.193 (fourteenth session). GroupNorm chains are not faster through it
@@ -50,11 +53,22 @@ from __future__ import annotations
 
 from string import Template
 
-BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
+BLOCK_M, BLOCK_N = 128, 256
+TILE_K_BYTES = 128  # a stage's depth along K: one 128-byte swizzled row (64 16-bit, 32 float32 values)
 STAGES = 3  # ring stages; the 64 KB staging tile takes the place of a fourth
 STAGES_ROW_REDUCE = 4  # a row reduction stores no tile: no staging tile, a fourth stage
 WARPS_MIN_TILES = 4  # tiles a CTA from which a pointwise chain runs in the spare warps
-WGMMA_TYPES = {"bfloat16": "bf16", "float16": "f16"}
+# Per dtype: wgmma's operand type and K of one instruction (32 bytes of K either way).
+# float32 products run in TF32 (the launcher takes this path only where
+# torch.get_float32_matmul_precision() allows TF32); wgmma reads the float32 operands'
+# top 19 bits from shared memory, as cuBLAS's TF32 kernels with bulk copies do.
+WGMMA_TYPES = {"bfloat16": ("bf16", 16), "float16": ("f16", 16), "float32": ("tf32", 8)}
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def block_k(dtype: str) -> int:
+    """Elements of K a stage holds: one 128-byte swizzled row."""
+    return TILE_K_BYTES // ITEMSIZE[dtype]
 # Steps whose per-element code is a few float32 operations: no transcendental function, no
 # division, at most per-column loads. A GroupNorm chain (which the consumers run, exposed
 # at the end of each tile) takes these only: on an H200 (bf16, RESULTS.md twelfth
@@ -137,15 +151,17 @@ ROW_PARTIALS = {
 
 
 def wgmma_asm(dtype: str) -> str:
-    """The inline-asm statement of one m64n256k16 wgmma (128 float32 accumulators `d`,
-    operands from shared memory by the descriptors `desc_a`, `desc_b`)."""
-    t = WGMMA_TYPES[dtype]
+    """The inline-asm statement of one m64n256 wgmma (k16 for 16-bit operands, k8 for
+    TF32; 128 float32 accumulators `d`, operands from shared memory by the descriptors
+    `desc_a`, `desc_b`, both K-major: TF32 takes no transpose operands)."""
+    t, k = WGMMA_TYPES[dtype]
     regs = ", ".join(f"%{i}" for i in range(128))
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(128))
+    transpose = ", 0, 0" if t != "tf32" else ""
     return (
         "asm volatile(\n"
         '      "{\\n.reg .pred p;\\nsetp.ne.b32 p, %130, 0;\\n"\n'
-        f'      "wgmma.mma_async.sync.aligned.m64n256k16.f32.{t}.{t} {{{regs}}}, %128, %129, p, 1, 1, 0, 0;\\n}}\\n"\n'
+        f'      "wgmma.mma_async.sync.aligned.m64n256k{k}.f32.{t}.{t} {{{regs}}}, %128, %129, p, 1, 1{transpose};\\n}}\\n"\n'
         f"      : {outs}\n"
         '      : "l"(desc_a), "l"(desc_b), "r"(scale_d));'
     )
@@ -156,7 +172,8 @@ def wgmma_asm(dtype: str) -> str:
 #   $kernel     the kernel name (prefix of the __global__)
 #   $bm         tile rows (BLOCK_M)
 #   $bn         tile columns (BLOCK_N)
-#   $bk         tile depth along K (BLOCK_K)
+#   $bk         tile depth along K (block_k: 128 bytes of it)
+#   $mma_k      K of one wgmma instruction (WGMMA_TYPES: 32 bytes of it)
 #   $stages     the ring's depth (STAGES)
 #   $k          the GEMM's inner size (the Linear's in_features)
 #   $bias       "true" when the anchor is addmm: a.bias[N] is added before rounding
@@ -173,6 +190,7 @@ GEMM_KERNELS = Template(
 namespace hop = fusedepi::sm90;
 
 constexpr int kBM = $bm, kBN = $bn, kBK = $bk, kStages = $stages;
+constexpr int kMmaK = $mma_k;  // K of one wgmma: 32 bytes (16 bf16/fp16 values, 8 TF32)
 constexpr int kK = $k;
 constexpr bool kBias = $bias;
 constexpr int kGroup = $group;        // GroupNorm columns a group (0: a pointwise chain)
@@ -183,14 +201,22 @@ constexpr bool kPointwise = kGroup == 0 && !kRowReduce;  // may run in the spare
 constexpr int kWarpsMinTiles = $warps_min_tiles;
 constexpr int kKTiles = (kK + kBK - 1) / kBK;
 constexpr int kTilesN = static_cast<int>(kChannels / kBN);
-constexpr int kTileA = kBM * kBK * 2, kTileB = kBN * kBK * 2;  // bytes a stage
-constexpr int kOut = kRowReduce ? 0 : kBM * kBN * 2;             // the staging tile
+constexpr int kElem = static_cast<int>(sizeof(T));
+constexpr int kTileA = kBM * kBK * kElem, kTileB = kBN * kBK * kElem;  // bytes a stage
+static_assert(kBK * kElem == 128 && kBK % kMmaK == 0 && kMmaK * kElem == 32, "128-byte rows, 32 bytes a wgmma");
+// The staging tile: 64 KB, 128-byte rows (boxes of kBoxCols columns), four boxes a
+// consumer warpgroup's 64 rows. 16-bit tiles go out in one round of 256 columns, float32
+// tiles in two of 128.
+constexpr int kBoxCols = 128 / kElem;
+constexpr int kRoundCols = 4 * kBoxCols;
+constexpr int kRounds = kBN / kRoundCols;
+constexpr int kOut = kRowReduce ? 0 : kBM * kRoundCols * kElem;  // the staging tile
 constexpr int kGemmSmem = kStages * (kTileA + kTileB) + kOut + 1024;  // + alignment slack
 static_assert(kGemmSmem <= 227 * 1024, "sm_90's dynamic shared memory a block");
 constexpr int kConsumerWarps = 8;
-static_assert(kChannels % kBN == 0 && kK % 8 == 0, "gemm_plan admits these shapes only");
+static_assert(kChannels % kBN == 0 && kK * kElem % 16 == 0, "gemm_plan admits these shapes only");
 static_assert(kG % 8 == 0 && kBN % kG == 0, "a group lies in one tile");
-static_assert(sizeof(T) == 2, "16-bit operands");
+static_assert(kElem == 2 || std::is_same_v<T, float>, "bf16/fp16 operands, or float32 in TF32");
 // Named barriers (0 is __syncthreads; 1, 2 are the consumer warpgroups'): the staging tile
 // is full (256 consumers arrive, 96 epilogue threads wait), it is free again (the reverse),
 // and the epilogue warps among themselves.
@@ -210,21 +236,24 @@ __device__ __forceinline__ void tile_origin(int tile, int tiles_m, int& m0, int&
   n0 = tile % per_band / band_rows * kBN;
 }
 
-// The 16-byte chunk `cc` (columns 8cc .. 8cc + 7) of row `r` of the 128 x 256 staging tile:
-// two 64-row halves (one a consumer warpgroup), each four 64 x 64 boxes of 128-byte rows,
-// the chunk index XORed with row % 8 (TMA's 128-byte swizzle): a warp's 4-byte writes
-// (8 rows x 4 lanes) fall in 32 different banks.
+// The 16-byte chunk `cc` (0 .. 31) of row `r` of a round of the staging tile (columns
+// 8cc .. 8cc + 7 of 16-bit values, 4cc .. 4cc + 3 of float32): two 64-row halves (one a
+// consumer warpgroup), each four boxes of 64 128-byte rows, the chunk index XORed with
+// row % 8 (TMA's 128-byte swizzle): a warp's 4-byte writes (8 rows x 4 lanes) fall in
+// 32 different banks, its 8-byte writes in two passes over them.
 __device__ __forceinline__ uint8_t* staged_chunk(uint8_t* staging, int r, int cc) {
   return staging + (r >> 6) * 32768 + (cc >> 3) * 8192 + (r & 63) * 128 + (((cc & 7) ^ (r & 7)) << 4);
 }
 
-// Stores the staged rows m0 + 64 * first_half .. of the tile by TMA (rows past M: none).
+// Stores the staged rows m0 + 64 * first_half .. of a round (columns n0 .. n0 + kRoundCols)
+// by TMA (rows past M: none).
 __device__ __forceinline__ void store_staged(const CUtensorMap* map, uint8_t* staging, const Args& a, int m0, int n0,
                                              int first_half, int halves) {
   for (int half = first_half; half < first_half + halves; ++half) {
     if (m0 + half * 64 >= a.rows) break;
 #pragma unroll
-    for (int b = 0; b < kBN / 64; ++b) hop::tma_store_2d(map, staging + half * 32768 + b * 8192, n0 + b * 64, m0 + half * 64);
+    for (int b = 0; b < 4; ++b)
+      hop::tma_store_2d(map, staging + half * 32768 + b * 8192, n0 + b * kBoxCols, m0 + half * 64);
   }
   hop::bulk_commit();
 }
@@ -232,8 +261,10 @@ __device__ __forceinline__ void store_staged(const CUtensorMap* map, uint8_t* st
 // The epilogue warps' share of a staged tile (thread `et` of 96), in place: stage0 on the
 // rounded values, 8 columns at a time. A warp takes the 32 chunks of a row, so a thread
 // keeps its 8 columns (chunk et % 32) for the whole tile and loads their operands once.
+// (A template so that float32 files, whose consumers run the chain, do not instantiate it.)
+template <int kE>
 __device__ __forceinline__ void warps_stage0(uint8_t* staging, int et, int m0, int n0, const Args& a) {
-  static_assert(kBN / 8 == 32 && 96 % 32 == 0, "a thread's chunk is the same on every row");
+  static_assert(kE == 2 && kBN / 8 == 32 && 96 % 32 == 0, "16-bit values; a thread's chunk is the same on every row");
   const int cc = et % 32, col = n0 + cc * 8;
   stage0_chan k[8];
 #pragma unroll
@@ -258,28 +289,40 @@ __device__ __forceinline__ void warps_stage0(uint8_t* staging, int et, int m0, i
   }
 }
 
-// The consumers' epilogue of one tile from the accumulators: bias, rounding, the chain
-// (unless `hand_over`: the epilogue warps run it), then into this warpgroup's staging half;
-// with a row reduction, the chain before it, then the rows' partial statistics over the
-// tile's columns into the workspace, a.ws[row * kTilesN + n0 / kBN] (a float2).
-__device__ __forceinline__ void consumer_epilogue(float (&d)[128], uint8_t* staging, int half, int tid, int m0, int n0,
-                                                  const Args& a, bool hand_over) {
+// This consumer thread's values of a round into its warpgroup's staging half: for 8-column
+// chunk j, rows r0 and r0 + 8 (r0 = 64 * half + 16 * warp + lane / 4), columns
+// 8j + 2 * (lane % 4) + {0, 1} of the tile, for the chunks inside the round's columns.
+__device__ __forceinline__ void stage_round(const float (&d)[128], uint8_t* staging, int half, int tid, int round) {
+  const int warp = tid / 32, lane = tid % 32;
+  const int r0 = half * 64 + warp * 16 + lane / 4;
+  constexpr int kChunks = kRoundCols / 8;  // 8-column chunks a round
+#pragma unroll
+  for (int q = 0; q < kChunks; ++q) {
+    const int j = round * kChunks + q, byte = (8 * q + 2 * (lane % 4)) * kElem;  // within the round's row
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      hop::sts_pair<T>(staged_chunk(staging, r0 + 8 * h, byte / 16) + byte % 16, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+  }
+}
+
+// The consumers' epilogue of one tile on the accumulators, in place: bias, rounding, the
+// chain (unless `hand_over`: the epilogue warps run it); stage_round then stages the
+// values. With a row reduction, the chain before it, then the rows' partial statistics
+// over the tile's columns into the workspace, a.ws[row * kTilesN + n0 / kBN] (a float2).
+__device__ __forceinline__ void consumer_epilogue(float (&d)[128], int half, int tid, int m0, int n0, const Args& a,
+                                                  bool hand_over) {
   const int warp = tid / 32, lane = tid % 32;
   const int r0 = half * 64 + warp * 16 + lane / 4;  // tile rows r0 and r0 + 8
   const int col0 = n0 + 2 * (lane % 4);
-  const auto put = [&](int h, int col, float y0, float y1) {  // row r0 + 8h, columns col, col + 1
-    const int cl = col - n0;
-    hop::sts32(staged_chunk(staging, r0 + 8 * h, cl / 8) + cl % 8 * 2, hop::pack2<T>(y0, y1));
-  };
   const auto live = [&](int h) { return !kRowReads || m0 + r0 + 8 * h < a.rows; };
   // The library GEMM's output: the product plus bias, rounded to T.
 #pragma unroll
   for (int j = 0; j < 32; ++j) {
     float2 b = make_float2(0.f, 0.f);
-    if constexpr (kBias) b = hop::unpack2<T>(*reinterpret_cast<const uint32_t*>(a.bias + col0 + 8 * j));
+    if constexpr (kBias) b = hop::load_pair<T>(a.bias + col0 + 8 * j);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float2 y = hop::unpack2<T>(hop::pack2<T>(d[4 * j + 2 * h] + b.x, d[4 * j + 2 * h + 1] + b.y));
+      const float2 y = hop::round_pair<T>(d[4 * j + 2 * h] + b.x, d[4 * j + 2 * h + 1] + b.y);
       d[4 * j + 2 * h] = y.x;
       d[4 * j + 2 * h + 1] = y.y;
     }
@@ -311,12 +354,7 @@ $tile_partials
     }
     return;
   }
-  if (kGroup == 0 || hand_over) {
-#pragma unroll
-    for (int j = 0; j < 32; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) put(h, col0 + 8 * j, d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-  } else {
+  if (kGroup > 0 && !hand_over) {
     // A group of kGroup columns of a row: kGroup / 8 chunks of this thread and its quad.
     constexpr int kChunks = kG / 8;
     constexpr float kInv = 1.f / kG;
@@ -347,7 +385,8 @@ $tile_partials
         for (int h = 0; h < 2; ++h) {
           float v[2] = {d[4 * j + 2 * h], d[4 * j + 2 * h + 1]};
           if (live(h)) stage1_cols<2>(v, k, flat(h, col), a, mean[h], rstd[h]);
-          put(h, col, v[0], v[1]);
+          d[4 * j + 2 * h] = v[0];
+          d[4 * j + 2 * h + 1] = v[1];
         }
       }
     }
@@ -360,7 +399,7 @@ __global__ void __launch_bounds__(384, 1) ${kernel}_gemm(const __grid_constant__
                                                          const __grid_constant__ CUtensorMap map_b,  // w [kChannels, kK]
                                                          const __grid_constant__ CUtensorMap map_c,  // out [rows, kChannels]; unset with kRowReduce
                                                          const Args a) {
-  constexpr bool kWarps = kOffload && kPointwise;
+  constexpr bool kWarps = kOffload && kPointwise && kRounds == 1;
   // Registers a thread: the epilogue warps keep their 8 columns' operands (more with
   // kWarps). The consumers' setmaxnreg.inc waits until the producer's dec has freed what
   // it asks for, out of the 168 a thread that the launch gave 384 threads: more hangs.
@@ -402,13 +441,14 @@ __global__ void __launch_bounds__(384, 1) ${kernel}_gemm(const __grid_constant__
           hop::tma_load_2d(tiles_b + s * kTileB, &map_b, &full[s], i * kBK, n0);
         }
       }
-    } else if (kWarps && tid >= 32) {  // epilogue warps: every tile but the CTA's last
+    } else if constexpr (kWarps) {  // epilogue warps: every tile but the CTA's last
+      if (tid < 32) return;
       const int et = tid - 32;
       for (int tile = blockIdx.x; tile + static_cast<int>(gridDim.x) < n_tiles; tile += gridDim.x) {
         int m0, n0;
         tile_origin(tile, tiles_m, m0, n0);
         hop::named_sync<kBarFull, kHandoff>();  // the consumers have staged the tile
-        warps_stage0(staging, et, m0, n0, a);
+        warps_stage0<kElem>(staging, et, m0, n0, a);
         hop::fence_async_shared();
         hop::named_sync<kBarEpi, 96>();
         if (et == 0) {
@@ -444,7 +484,7 @@ __global__ void __launch_bounds__(384, 1) ${kernel}_gemm(const __grid_constant__
         const uint8_t* sa = tiles_a + s * kTileA + half * 64 * 128;  // 64 rows of 128 bytes
         const uint8_t* sb = tiles_b + s * kTileB;
 #pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk)  // 16 elements = 32 bytes along K within the swizzled row
+        for (int kk = 0; kk < kBK / kMmaK; ++kk)  // 32 bytes along K within the swizzled row
           wgmma_256(d, hop::desc_sw128(sa + kk * 32), hop::desc_sw128(sb + kk * 32), (i > 0 || kk > 0) ? 1 : 0);
         hop::wgmma_commit();
         hop::wgmma_wait<1>();  // the previous k-tile's wgmma is done: free its stage
@@ -452,24 +492,24 @@ __global__ void __launch_bounds__(384, 1) ${kernel}_gemm(const __grid_constant__
       }
       hop::wgmma_wait<0>();
       release((it - 1) % kStages);
-      if constexpr (kRowReduce) {  // partial statistics only: no staging tile, no store
-        consumer_epilogue(d, staging, half, tid, m0, n0, a, false);
-        continue;
-      }
-
+      consumer_epilogue(d, half, tid, m0, n0, a, hand_over);  // in registers
+      if constexpr (kRowReduce) continue;  // partial statistics only: no staging tile, no store
       if constexpr (kWarps) {  // the epilogue warps are done with the staging tile
         if (!first) hop::named_sync<kBarEmpty, kHandoff>();
-      } else {  // the previous tile's store has read the staging tile
-        if (tid == 0) hop::bulk_wait_read();
-        hop::named_sync<128>(1 + half);
       }
-      consumer_epilogue(d, staging, half, tid, m0, n0, a, hand_over);
-      if (hand_over) {
-        hop::named_arrive<kBarFull, kHandoff>();  // the epilogue warps take it from here
-      } else {  // writes visible to the bulk copy, then one thread stores
-        hop::fence_async_shared();
-        hop::named_sync<128>(1 + half);
-        if (tid == 0) store_staged(&map_c, staging, a, m0, n0, half, 1);
+      for (int round = 0; round < kRounds; ++round) {
+        if constexpr (!kWarps) {  // the previous store has read the staging tile
+          if (tid == 0) hop::bulk_wait_read();
+          hop::named_sync<128>(1 + half);
+        }
+        stage_round(d, staging, half, tid, round);
+        if (hand_over) {
+          hop::named_arrive<kBarFull, kHandoff>();  // the epilogue warps take it from here
+        } else {  // writes visible to the bulk copy, then one thread stores
+          hop::fence_async_shared();
+          hop::named_sync<128>(1 + half);
+          if (tid == 0) store_staged(&map_c, staging, a, m0, n0 + round * kRoundCols, half, 1);
+        }
       }
     }
     if (tid == 0) hop::bulk_wait();
@@ -482,13 +522,13 @@ int gemm_launch(const Args& a, int device, cudaStream_t stream) {
   if (int e = hop::encode_map_2d<T>(&map_a, a.x, a.rows, kK, kBM, kBK)) return e;
   if (int e = hop::encode_map_2d<T>(&map_b, a.w, kChannels, kK, kBN, kBK)) return e;
   if (!kRowReduce) {  // a row reduction's out is [rows]: the consumers write partials
-    if (int e = hop::encode_map_2d<T>(&map_c, a.out, a.rows, kChannels, 64, 64)) return e;
+    if (int e = hop::encode_map_2d<T>(&map_c, a.out, a.rows, kChannels, 64, kBoxCols)) return e;
   }
   static int sms[64] = {};
   if (device >= 64) return static_cast<int>(cudaErrorInvalidDevice);
   if (sms[device] == 0) {  // once a device: the shared-memory limit, and the SM count
     cudaError_t err = cudaFuncSetAttribute(${kernel}_gemm<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemmSmem);
-    if constexpr (kPointwise) {  // (only pointwise chains instantiate the spare-warp kernel)
+    if constexpr (kPointwise && kRounds == 1) {  // (only these instantiate the spare-warp kernel)
       if (err == cudaSuccess)
         err = cudaFuncSetAttribute(${kernel}_gemm<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemmSmem);
     }
@@ -498,8 +538,9 @@ int gemm_launch(const Args& a, int device, cudaStream_t stream) {
   const long long tiles = (a.rows + kBM - 1) / kBM * kTilesN;
   if (tiles > 0x7fffffffLL) return static_cast<int>(cudaErrorInvalidValue);
   const int grid = static_cast<int>(tiles < sms[device] ? tiles : sms[device]);
-  // A pointwise chain in the spare warps where a CTA has enough tiles to hide it under.
-  if constexpr (kPointwise) {
+  // A pointwise chain in the spare warps where a CTA has enough tiles to hide it under
+  // (16-bit outputs: float32 tiles are staged in two rounds, and the consumers run the chain).
+  if constexpr (kPointwise && kRounds == 1) {
     if (tiles >= static_cast<long long>(kWarpsMinTiles) * grid) {
       ${kernel}_gemm<true><<<grid, 384, kGemmSmem, stream>>>(map_a, map_b, map_c, a);
       return static_cast<int>(cudaGetLastError());

@@ -272,15 +272,16 @@ def gemm_plan(spec: EpilogueSpec, arch: str) -> GemmPlan | str:
     if arch != "sm90":
         return f"the in-kernel GEMM needs sm_90 (wgmma, TMA), not {arch}"
     if spec.dtype not in gemm_sm90.WGMMA_TYPES:
-        return f"{spec.dtype}: the in-kernel GEMM takes bfloat16 and float16 (float32 runs on the library GEMM)"
+        return f"{spec.dtype}: the in-kernel GEMM takes bfloat16, float16 and float32 (in TF32)"
     if spec.saves:
         return "it returns values saved for backward, and the in-kernel GEMM writes only the result"
     k = anchor.gemm[0]
     bn = gemm_sm90.BLOCK_N
     if spec.channels % bn:
         return f"N={spec.channels} is not a multiple of the in-kernel GEMM's {bn}-column tile"
-    if k % 8:
-        return f"K={k} is not a multiple of 8 (the bulk copies' 16-byte row pitch)"
+    per_16_bytes = 16 // gemm_sm90.ITEMSIZE[spec.dtype]
+    if k % per_16_bytes:
+        return f"K={k} is not a multiple of {per_16_bytes} (the bulk copies' 16-byte row pitch)"
     red = spec.reduction
     if red is not None and red.name in gemm_sm90.ROW_PARTIALS:
         # The consumers run the steps before the reduction, exposed at each tile's end;
@@ -627,7 +628,8 @@ def _render_gemm(spec: EpilogueSpec, arch: str, p: Plan, g: GemmPlan) -> str:
     red = spec.reduction
     tile_partials, combine = gemm_sm90.ROW_PARTIALS.get(g.reduce, ("      p0 = p1 = 0.f;", ""))
     gemm = gemm_sm90.GEMM_KERNELS.substitute(
-        kernel=name, bm=g.block_m, bn=g.block_n, bk=gemm_sm90.BLOCK_K,
+        kernel=name, bm=g.block_m, bn=g.block_n, bk=gemm_sm90.block_k(spec.dtype),
+        mma_k=gemm_sm90.WGMMA_TYPES[spec.dtype][1],
         stages=gemm_sm90.STAGES_ROW_REDUCE if g.reduce else gemm_sm90.STAGES, k=g.k,
         bias="true" if spec.anchor.kind == "addmm" else "false", group=g.group,
         eps=cfloat(red.consts[0]) if red is not None and g.group else "0.f",

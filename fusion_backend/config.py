@@ -31,10 +31,11 @@ class Config:
         log_level: level of the "fusedepi" logger (FUSEDEPI_LOG_LEVEL).
         cpu_reference: fuse chains on CPU tensors too, running the plain-torch
             reference (FUSEDEPI_CPU_REFERENCE=1); for testing the rewrite.
-        in_kernel_gemm: which 16-bit Linear chains run as one kernel that also computes
-            the GEMM, on sm_90 (FUSEDEPI_IN_KERNEL_GEMM, README): "auto" (the default:
-            pointwise chains and row reductions, at the calls whose rows fill the GPU with tiles), "on"
-            (every chain the kernel covers, every call) or "off".
+        in_kernel_gemm: which Linear chains run as one kernel that also computes the
+            GEMM, on sm_90 (FUSEDEPI_IN_KERNEL_GEMM, README; float32 in TF32, while the
+            matmul precision allows it): "auto" (the default: 16-bit pointwise chains and
+            row reductions, float32 row reductions, at the calls whose rows fill the GPU
+            with tiles), "on" (every chain the kernel covers, every call) or "off".
     """
 
     disabled: frozenset

@@ -156,6 +156,9 @@ class Launcher:
         # the GPU with its tiles, else the library GEMM and the file's epilogue kernel.
         self.gemm_sms = torch.cuda.get_device_properties(device).multi_processor_count if self.gemm else 0
         self.gemm_auto = self.gemm and not self.spec.anchor.gemm[1]
+        # A float32 product runs in TF32 in the kernel: only while the matmul precision
+        # allows TF32 (read at every call, as eager's cuBLAS call reads it); else cuBLAS.
+        self.gemm_tf32 = self.gemm and self.spec.dtype == "float32"
         self._gemm_rows: dict[int, bool] = {}
         direct = cuda_templates.direct_plan(self.spec, arch_of(device), conv_tf32)
         self.stores_pre_norm = (
@@ -164,7 +167,7 @@ class Launcher:
 
     def in_kernel_gemm(self, rows: int) -> bool:
         """Whether a call with `rows` rows computes the GEMM in the chain's kernel."""
-        if not self.gemm:
+        if not self.gemm or (self.gemm_tf32 and not matmul_allows_tf32()):
             return False
         if not self.gemm_auto:
             return True

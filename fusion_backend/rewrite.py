@@ -127,6 +127,8 @@ def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
     if isinstance(gemm, str):
         if every_call:  # asked for (FUSEDEPI_IN_KERNEL_GEMM=1), not taken
             name += f" (library GEMM first: {gemm})"
+    elif chain.spec.dtype == "float32" and not ops.matmul_allows_tf32():  # the launcher reads it at every call
+        name += " (library GEMM first while float32 matmul precision is 'highest': the in-kernel GEMM is TF32)"
     elif not every_call:  # auto, chosen per call: say what this graph's rows get
         rows = chain.anchor.meta["val"].shape[0]
         sms = torch.cuda.get_device_properties(device).multi_processor_count

@@ -699,6 +699,25 @@ MULTI_NODE = STEP_MATCHERS[:3]
 # -------------------------------------------------------------------- anchors
 
 
+def auto_takes_gemm(steps, dtype: torch.dtype, matmul_tf32: bool) -> bool:
+    """Whether FUSEDEPI_IN_KERNEL_GEMM=auto keeps a Linear chain a candidate for the
+    in-kernel GEMM (each call then picks by its rows). Measured on an H200 (RESULTS.md,
+    thirteenth to fifteenth sessions), ratio to the library GEMM alone:
+    - 16-bit: pointwise chains (workload 1 eval 1.09-1.10x in it, 1.17-1.19x on the
+      library path) and row reductions (workload 2 level); GroupNorm is not faster in it;
+    - float32 in TF32: row reductions only (workload 2 1.00-1.02x in it, 1.03x on the
+      library path). There the consumers run a pointwise chain on every tile (no spare
+      warps for float32 tiles): workload 1 eval 1.07x in it against 1.03x, and workload 3
+      1.06x against 1.05x. At "highest" the kernel could not run (it is TF32), so the
+      lighter epilogue-only file is built.
+    """
+    if any(s.name in REDUCTIONS and s.name not in ROW_REDUCTIONS for s in steps):
+        return False
+    if dtype == torch.float32:
+        return matmul_tf32 and any(s.name in ROW_REDUCTIONS for s in steps)
+    return True
+
+
 def _match_anchor(node: Node, direct_conv: bool = True, direct_gemm: bool = False):
     """Returns (Anchor, operand nodes) for an anchor node, else None.
 
@@ -958,13 +977,13 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
         allow_cpu: also match chains on CPU tensors (their fused op then runs
             the plain-torch reference; used to test the rewrite without a GPU).
         matmul_tf32: float32 matmuls may use TF32 (`torch.get_float32_matmul_precision()`
-            is not "highest"); only decides whether a GEMM bias moves into the epilogue.
+            is not "highest"); decides whether a GEMM bias moves into the epilogue, and
+            whether `auto` keeps a float32 chain for the in-kernel GEMM (which is TF32).
         backward: in a joint forward/backward graph, the backward's nodes: they use
             chain values (which are then saved) but never continue a chain.
         in_kernel_gemm: which Linear products to mark as candidates for the in-kernel
-            GEMM (FUSEDEPI_IN_KERNEL_GEMM, see the README): "auto", those whose chain has
-            no statistics or a row reduction (measured faster or level there; GroupNorm
-            chains were not); "on", all; "off", none.
+            GEMM (FUSEDEPI_IN_KERNEL_GEMM, see the README): "auto", those
+            `auto_takes_gemm` keeps (measured faster or level there); "on", all; "off", none.
 
     Returns:
         (chains, refusals): chains to rewrite, and candidates that were refused.
@@ -1014,9 +1033,9 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
             refusals.append(Refusal(node.name, names, f"fusion {fusion} disabled by FUSEDEPI_DISABLE"))
             continue
         anchor = folded or anchor
-        if anchor.gemm:  # auto: pointwise chains and row reductions, the choice left to each call
+        if anchor.gemm:
             auto = in_kernel_gemm == "auto"
-            keep = not (auto and any(s.name in REDUCTIONS and s.name not in ROW_REDUCTIONS for s in chain.steps))
+            keep = not auto or auto_takes_gemm(chain.steps, val.dtype, matmul_tf32)
             anchor = replace(anchor, gemm=(anchor.gemm[0], 0 if auto else 1) if keep else ())
         chain.spec = EpilogueSpec(
             anchor=anchor,

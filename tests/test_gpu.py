@@ -456,8 +456,8 @@ class _LinearClamp(nn.Module):
         return F.hardtanh(self.linear(x), -0.5, 0.5) * 3
 
 
-# The in-kernel GEMM: 16-bit Linear chains at and past its tile's edges (128 rows, 256
-# columns, 64 of K). name: (model factory, input shapes). 4224 rows x 16 column tiles give
+# The in-kernel GEMM: 16-bit Linear chains, and float32 ones in TF32, at and past its tile's
+# edges (128 rows, 256 columns, 128 bytes of K). name: (model factory, input shapes). 4224 rows x 16 column tiles give
 # every CTA of a 132-SM GPU at least 4 tiles: the pointwise chain then runs in the spare warps.
 GEMM_CASES = {
     "w3_rows_and_k_past_the_tile": (lambda: LinearGroupNormLeakyDouble(264, 512, 32), [(1000, 264)]),
@@ -509,22 +509,68 @@ def _eval_bn(model):
     return model.eval()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+TF32_TOLERANCE = 5e-3  # float32 chains whose product ran in TF32 (10 mantissa bits in)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("name", list(GEMM_CASES))
 def test_in_kernel_gemm(name, dtype, exact_float32, monkeypatch):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the in-kernel GEMM is built for sm_90a")
     monkeypatch.setenv("FUSEDEPI_IN_KERNEL_GEMM", "1")
+    if dtype == torch.float32:
+        torch.set_float32_matmul_precision("high")  # TF32 allowed (the fixture restores "highest")
     factory, shapes = GEMM_CASES[name]
     model = factory().cuda().to(dtype)
     inputs = [torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1 for shape in shapes]
     ref, _ = float64_reference(model, *inputs)
+    fn, reports = torch.compile(model, backend=fusedepi), []
     with torch.no_grad():
-        out, kernels = _kernels(model, *inputs)
+        with collect_reports(reports):
+            out = fn(*inputs)
+        ran = _fusedepi_kernels_run(fn, *inputs, pattern=r"wgmma128x256_\w+_sm90a_")
+    kernels = [r.kernel for report in reports for r in report.records if r.status == "fused"]
     assert len(kernels) == 1 and kernels[0].startswith("wgmma128x256_"), kernels
+    assert ran and "_sm90a_gemm" in ran[0], ran  # the GEMM ran in the kernel (float32: TF32 allowed)
     assert out.shape == ref.shape and out.dtype == dtype
     err = relative_error(out, ref)
-    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32})"
+    tol = TF32_TOLERANCE if dtype == torch.float32 else TOLERANCE[dtype]
+    assert err <= tol, f"relative error {err:.3g} (seed {exact_float32})"
+
+
+@pytest.mark.parametrize("chain", ["w1_eval_rows_past_the_tile", "w2_logsumexp_rows_past_the_tile",
+                                   "w3_rows_and_k_past_the_tile"])
+def test_in_kernel_gemm_in_float32_obeys_the_matmul_precision_at_each_call(chain, monkeypatch, exact_float32):
+    # Compiled while TF32 is allowed: the product runs in TF32 in the kernel. Then
+    # "highest" without recompiling: the next call runs cuBLAS in exact float32 and the
+    # file's epilogue kernel, as eager would, at float32's error. Compiled under
+    # "highest", the report says why the library GEMM runs first.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the in-kernel GEMM is built for sm_90a")
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_GEMM", "1")
+    factory, shapes = GEMM_CASES[chain]
+    model = factory().cuda()
+    inputs = [torch.rand(shape, device="cuda") * 2 - 1 for shape in shapes]
+    ref, _ = float64_reference(model, *inputs)
+    torch.set_float32_matmul_precision("high")
+    fn = torch.compile(model, backend=fusedepi)
+    with torch.no_grad():
+        ran_tf32 = _fusedepi_kernels_run(fn, *inputs, pattern=r"wgmma128x256_\w+_sm90a_")
+        tf32 = fn(*inputs)
+        torch.set_float32_matmul_precision("highest")
+        ran = _fusedepi_kernels_run(fn, *inputs, pattern=r"wgmma128x256_\w+_sm90a_")
+        exact = fn(*inputs)
+        torch._dynamo.reset()
+        reports = []
+        with collect_reports(reports):
+            torch.compile(model, backend=fusedepi)(*inputs)
+    assert ran_tf32 and "_sm90a_gemm" in ran_tf32[0], ran_tf32
+    assert relative_error(tf32, ref) <= TF32_TOLERANCE
+    assert ran == [k for k in ran if "_sm90a_apply" in k] and ran, ran
+    err = relative_error(exact, ref)
+    assert err <= TOLERANCE[torch.float32], f"relative error {err:.3g} at 'highest' (seed {exact_float32})"
+    (record,) = [r for rep in reports for r in rep.records if r.status == "fused"]
+    assert "while float32 matmul precision is 'highest'" in record.kernel, record.kernel
 
 
 @pytest.mark.parametrize("reduce", ["logsumexp", "amax", "amin", "sum", "mean"])

@@ -563,20 +563,50 @@ def test_products_other_than_x_wt_use_the_library_gemm(monkeypatch):
     [(None, True, False), ("auto", True, False), ("1", True, True), ("0", False, False), ("off", False, False)],
 )
 def test_in_kernel_gemm_candidates_by_setting(setting, pointwise, groupnorm, monkeypatch):
-    # auto (the default): pointwise chains and row reductions (their statistics are
-    # per-tile partials); 1: every chain; 0: none.
-    import json
-
+    # 16-bit chains. auto (the default): pointwise chains and row reductions (their
+    # statistics are per-tile partials); 1: every chain; 0: none.
     if setting is None:
         monkeypatch.delenv("FUSEDEPI_IN_KERNEL_GEMM", raising=False)
     else:
         monkeypatch.setenv("FUSEDEPI_IN_KERNEL_GEMM", setting)
-    x = torch.randn(6, 24)
-    logsumexp = Chain(lambda y: F.leaky_relu(torch.logsumexp(y, dim=1, keepdim=True), 0.01), k=24, n=32)
-    for model, expected in ((Chain(torch.relu, k=24, n=32), pointwise), (logsumexp, pointwise),
-                            (nn.Sequential(nn.Linear(24, 32), nn.GroupNorm(4, 32), nn.ReLU()), groupnorm)):
+    every_call = 0 if setting in (None, "auto") else 1
+    _assert_gemm_candidates(torch.bfloat16, {"relu": pointwise, "logsumexp": pointwise, "groupnorm": groupnorm},
+                            every_call)
+
+
+@pytest.mark.parametrize(
+    "precision, setting, expected",
+    [("high", "auto", {"relu": False, "logsumexp": True, "groupnorm": False}),
+     ("highest", "auto", {"relu": False, "logsumexp": False, "groupnorm": False}),
+     ("highest", "1", {"relu": True, "logsumexp": True, "groupnorm": True})],
+)
+def test_in_kernel_gemm_candidates_in_float32(precision, setting, expected, monkeypatch):
+    # float32 runs the in-kernel GEMM in TF32. auto keeps row reductions only, and only
+    # while TF32 is allowed (measured: pointwise and GroupNorm chains run faster on the
+    # library GEMM in float32). 1 keeps every chain; at "highest" its calls then run the
+    # library GEMM (the launcher reads the precision at each call).
+    old = torch.get_float32_matmul_precision()
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_GEMM", setting)
+    torch.set_float32_matmul_precision(precision)
+    try:
+        _assert_gemm_candidates(torch.float32, expected, 0 if setting == "auto" else 1)
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def _assert_gemm_candidates(dtype, expected: dict, every_call: int):
+    import json
+
+    x = torch.randn(6, 24, dtype=dtype)
+    models = {
+        "relu": Chain(torch.relu, k=24, n=32),
+        "logsumexp": Chain(lambda y: F.leaky_relu(torch.logsumexp(y, dim=1, keepdim=True), 0.01), k=24, n=32),
+        "groupnorm": nn.Sequential(nn.Linear(24, 32), nn.GroupNorm(4, 32), nn.ReLU()),
+    }
+    for name, want in expected.items():
+        model = models[name].to(dtype)
         torch._dynamo.reset()
         out, fused, _ = compile_records(model, x)
-        every_call = 0 if setting in (None, "auto") else 1
-        assert json.loads(fused[0].spec)["anchor"]["gemm"] == ([24, every_call] if expected else [])
-        torch.testing.assert_close(out, model(x))
+        assert json.loads(fused[0].spec)["anchor"]["gemm"] == ([24, every_call] if want else []), name
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out, model(x), atol=tol, rtol=tol)

@@ -201,7 +201,10 @@ def test_nvcc_compiles_tf32_direct_convs(name, arch, tmp_path_factory):
     _assert_builds(source, cuda_templates.kernel_name(spec, arch, conv_tf32=True), arch, tmp_path_factory)
 
 
-GEMM_SPECS = {f"{name}-{dtype}": spec for dtype in ("bfloat16", "float16") for name, spec in gemm_specs(dtype).items()}
+GEMM_SPECS = {
+    f"{name}-{dtype}": spec for dtype in ("bfloat16", "float16", "float32") for name, spec in gemm_specs(dtype).items()
+}
+WGMMA = {"bfloat16": "m64n256k16.f32.bf16.bf16", "float16": "m64n256k16.f32.f16.f16", "float32": "m64n256k8.f32.tf32.tf32"}
 
 
 @pytest.mark.parametrize("name", list(GEMM_SPECS))
@@ -216,8 +219,10 @@ def test_in_kernel_gemm_plans_and_names(name):
     kernel = cuda_templates.kernel_name(spec, "sm90")
     assert kernel.startswith("wgmma128x256_") and kernel.endswith("_sm90a")
     source = cuda_templates.render(spec, "sm90")
-    assert source.count(f"wgmma.mma_async.sync.aligned.m64n256k16.f32.{'bf16' if spec.dtype == 'bfloat16' else 'f16'}") == 1
-    assert "%127}, %128, %129, p" in source  # 128 accumulators, then the two descriptors
+    assert source.count(f"wgmma.mma_async.sync.aligned.{WGMMA[spec.dtype]} ") == 1
+    # 128 accumulators, the two descriptors; 16-bit operands say they are not transposed
+    # (both K-major), TF32 takes no such operands (K-major only).
+    assert f"%127}}, %128, %129, p, 1, 1{'' if spec.dtype == 'float32' else ', 0, 0'};" in source
     assert f"constexpr bool kBias = {'true' if spec.anchor.kind == 'addmm' else 'false'};" in source
     assert ("constexpr bool kRowReads = true;" in source) == ("residual" in name)
     assert "fusedepi_anchor_inside() { return 1; }" in source
@@ -234,7 +239,7 @@ def test_in_kernel_gemm_plans_and_names(name):
 @pytest.mark.parametrize(
     "change, reason",
     [
-        (lambda s: replace(s, dtype="float32"), "takes bfloat16 and float16"),
+        (lambda s: replace(s, dtype="float32", anchor=replace(s.anchor, gemm=(258, 1))), "K=258 is not a multiple of 4"),
         (lambda s: replace(s, channels=8200, steps=s.steps[:1] + (replace(s.steps[1], groups=1025),) + s.steps[2:]),
          "N=8200 is not a multiple"),
         (lambda s: replace(s, anchor=replace(s.anchor, gemm=(255, 1))), "K=255 is not a multiple of 8"),
@@ -293,6 +298,24 @@ def test_in_kernel_gemm_row_reductions_write_partials_then_finish(name):
     # Pointwise and GroupNorm chains keep the staging tile and 3 stages.
     w1 = cuda_templates.render(gemm_specs("bfloat16")["gemm_w1_eval"], "sm90")
     assert "constexpr bool kRowReduce = false;" in w1 and "_rowfinal" not in w1 and "kStages = 3;" in w1
+
+
+def test_in_kernel_gemm_in_tf32_stages_float32_tiles_in_two_rounds():
+    # 128-byte rows along K: 32 float32 values a stage, four k8 wgmmas of 32 bytes each; the
+    # 64 KB staging tile holds 128 of a float32 tile's 256 columns, so it goes out in two
+    # rounds of four 32-column boxes, and the consumers run the chain themselves.
+    for name in ("gemm_w1_eval", "gemm_w3_groupnorm"):
+        source = cuda_templates.render(gemm_specs("float32")[name], "sm90")
+        assert "constexpr int kBM = 128, kBN = 256, kBK = 32, kStages = 3;" in source
+        assert "constexpr int kMmaK = 8;" in source and "using T = float;" in source
+        assert "constexpr int kRounds = kBN / kRoundCols;" in source and "constexpr int kBoxCols = 128 / kElem;" in source
+        assert "encode_map_2d<T>(&map_c, a.out, a.rows, kChannels, 64, kBoxCols)" in source
+        assert "kPointwise && kRounds == 1" in source  # no spare-warp kernel for float32 tiles
+    bf16 = cuda_templates.render(gemm_specs("bfloat16")["gemm_w1_eval"], "sm90")
+    assert "kBK = 64" in bf16 and "constexpr int kMmaK = 16;" in bf16
+    # What eager computes at "highest" is exact float32: the launcher then runs cuBLAS
+    # and the file's epilogue kernel (tests/test_gpu.py checks it on a GPU).
+    assert "fusedepi_anchor_inside() { return 1; }" in source and "if (a.x == nullptr)" in source
 
 
 @needs_nvcc

@@ -1,7 +1,8 @@
 // Hopper (sm_90a) building blocks of the in-kernel GEMM (cuda_templates/gemm_sm90.py):
 // mbarriers, named barriers, bulk tensor copies (TMA) in both directions, shared-memory
-// matrix descriptors for wgmma, and 16-bit pair packing. Host side: tensor-map encoding
-// through the driver entry point the runtime hands out (no -lcuda at link time).
+// matrix descriptors for wgmma, and pairs of output values (16-bit packing, or two
+// floats). Host side: tensor-map encoding through the driver entry point the runtime
+// hands out (no -lcuda at link time).
 #pragma once
 
 #include <cuda.h>
@@ -79,6 +80,9 @@ __device__ __forceinline__ void sts128(void* p, uint4 v) {
 __device__ __forceinline__ void sts32(void* p, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(p)), "r"(v) : "memory");
 }
+__device__ __forceinline__ void sts64(void* p, float a, float b) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(smem_u32(p)), "f"(a), "f"(b) : "memory");
+}
 // The generic proxy's shared-memory writes, then the bulk copy's reads.
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
@@ -153,10 +157,42 @@ __device__ __forceinline__ uint32_t pack2(float a, float b) {
   }
 }
 
+// ------------------------------------------------------ pairs of output values
+// A thread's accumulators come in pairs of adjacent columns; T is the output type.
+
+// Two adjacent T values from global memory (the bias), widened.
+template <typename T>
+__device__ __forceinline__ float2 load_pair(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return *reinterpret_cast<const float2*>(p);
+  } else {
+    return unpack2<T>(*reinterpret_cast<const uint32_t*>(p));
+  }
+}
+// (a, b) rounded to T and widened again: the value the library GEMM's output holds.
+template <typename T>
+__device__ __forceinline__ float2 round_pair(float a, float b) {
+  if constexpr (std::is_same_v<T, float>) {
+    return make_float2(a, b);
+  } else {
+    return unpack2<T>(pack2<T>(a, b));
+  }
+}
+// (a, b) as T into shared memory: 4 bytes (16-bit T) or 8.
+template <typename T>
+__device__ __forceinline__ void sts_pair(void* p, float a, float b) {
+  if constexpr (std::is_same_v<T, float>) {
+    sts64(p, a, b);
+  } else {
+    sts32(p, pack2<T>(a, b));
+  }
+}
+
 // ------------------------------------------------------------------- host
 
-// A 2-D tensor map over a row-major [rows, cols] matrix of 16-bit T, boxes of
-// box_rows x box_cols (box_cols * 2 == 128 bytes: the 128-byte swizzle's row).
+// A 2-D tensor map over a row-major [rows, cols] matrix of T (bf16, fp16 or float32),
+// boxes of box_rows x box_cols (box_cols * sizeof(T) == 128 bytes: the 128-byte
+// swizzle's row).
 // Returns a cudaError_t value.
 template <typename T>
 inline int encode_map_2d(CUtensorMap* map, const void* base, long long rows, long long cols, int box_rows,
@@ -172,11 +208,13 @@ inline int encode_map_2d(CUtensorMap* map, const void* base, long long rows, lon
     encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
+  static_assert(sizeof(T) == 2 || std::is_same_v<T, float>, "bf16, fp16 or float32");
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * sizeof(T)};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t elem[2] = {1, 1};
-  const CUtensorMapDataType type =
-      std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const CUtensorMapDataType type = std::is_same_v<T, float>    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                   : std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                               : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   const CUresult r = encode(map, type, 2, const_cast<void*>(base), dims, strides, box, elem,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
