@@ -383,15 +383,18 @@ COLUMN_STATS_KERNELS = Template(
     r"""constexpr int kColV = $col_vec;
 constexpr int kColsPerBlock = 32 * kColV;
 constexpr int kRowWarps = 8;
-constexpr int kRowsPerThread = 32 / kColV;  // one batch: 32 values in registers per thread
-constexpr int kBatches = 8;                 // batches per block, merged as they come
+constexpr int kRowsPerThread = 8;          // rows a thread loads at once (a batch)
+constexpr int kBatches = 32 / kColV;       // batches per block: 256 values of each thread's columns
 constexpr long long kRowsPerBatch = kRowWarps * kRowsPerThread;
 constexpr long long kRowsPerChunk = kRowsPerBatch * kBatches;
 // Workspace: [scale[C], shift[C]], then (mean, M2) per (row chunk, column).
 constexpr long long kPartials = 2 * kChannels;
 
 // One block: kColsPerBlock columns x kRowsPerChunk rows -> (mean, M2) per column.
-// Each batch of rows is reduced two-pass in registers, then merged (Chan et al.).
+// A thread sums its rows' values and squares relative to its first row's (a shift that
+// is a sample of the column, so the sums cancel little), in one pass: nothing is kept
+// but the loads in flight, two batches of them, the next issued before this one's
+// arithmetic. The threads' moments are then merged (Chan et al.).
 __global__ void __launch_bounds__(256, 2) ${kernel}_colstats(Args a) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long c0 = (long long)blockIdx.x * kColsPerBlock + lane * kColV;
@@ -400,44 +403,54 @@ __global__ void __launch_bounds__(256, 2) ${kernel}_colstats(Args a) {
   // at once and stage0's per-column operands are loaded once, not once per row.
   const bool col_ok = c0 < kChannels;
   const long long c = col_ok ? c0 : 0;
-  fusedepi::Moments acc[kColV];
+  const long long first = (long long)blockIdx.y * kRowsPerChunk + warp;  // rows first + 8i
+  using Raw = fusedepi::Pack<T, kColV>;  // 16-bit values stay packed until used
+  Raw raw[2][kRowsPerThread];            // this batch and the next, as loaded
+  const auto load_batch = [&](int b, Raw (&v)[kRowsPerThread]) {
 #pragma unroll
-  for (int j = 0; j < kColV; ++j) acc[j] = {0.f, 0.f, 0.f};
+    for (int t = 0; t < kRowsPerThread; ++t) {
+      const long long r = min(first + b * kRowsPerBatch + (long long)t * kRowWarps, a.rows - 1);
+      v[t] = *reinterpret_cast<const Raw*>(a.y + r * kChannels + c);
+    }
+  };
+  float shift[kColV], s[kColV], q[kColV], n = 0.f;
+#pragma unroll
+  for (int j = 0; j < kColV; ++j) shift[j] = s[j] = q[j] = 0.f;
+  load_batch(0, raw[0]);
+#pragma unroll
   for (int b = 0; b < kBatches; ++b) {
-    const long long r0 = (long long)blockIdx.y * kRowsPerChunk + b * kRowsPerBatch + warp;
+    const long long r0 = first + b * kRowsPerBatch;
     if (r0 >= a.rows) break;
-    float vals[kRowsPerThread][kColV];
+    if (b + 1 < kBatches) load_batch(b + 1, raw[(b + 1) % 2]);
 #pragma unroll
     for (int t = 0; t < kRowsPerThread; ++t) {
-      const long long r = min(r0 + (long long)t * kRowWarps, a.rows - 1);
-      fusedepi::load_vec<T, kColV>(a.y + r * kChannels + c, vals[t]);
-    }
+      const long long r = r0 + (long long)t * kRowWarps;
+      float v[kColV];
 #pragma unroll
-    for (int t = 0; t < kRowsPerThread; ++t) {
-      const long long r = min(r0 + (long long)t * kRowWarps, a.rows - 1);
-      stage0<kColV>(vals[t], static_cast<int>(c), r * kChannels + c, a);
-    }
-    float s[kColV];
+      for (int j = 0; j < kColV; ++j) v[j] = fusedepi::to_float(raw[b % 2][t].v[j]);
+      stage0<kColV>(v, static_cast<int>(c), min(r, a.rows - 1) * kChannels + c, a);
+      if (b == 0 && t == 0) {  // row `first` (< rows: the loop did not break)
 #pragma unroll
-    for (int j = 0; j < kColV; ++j) s[j] = 0.f;
-    float n = 0.f;
+        for (int j = 0; j < kColV; ++j) shift[j] = v[j];
+      }
+      if (r < a.rows) {
 #pragma unroll
-    for (int t = 0; t < kRowsPerThread; ++t) {
-      if (r0 + (long long)t * kRowWarps < a.rows) {
-#pragma unroll
-        for (int j = 0; j < kColV; ++j) s[j] += vals[t][j];
+        for (int j = 0; j < kColV; ++j) {
+          const float d = v[j] - shift[j];
+          s[j] += d;
+          q[j] = fmaf(d, d, q[j]);
+        }
         n += 1.f;
       }
     }
+  }
+  // This thread's (count, mean, M2) per column: M2 = q - s^2 / n (>= 0 up to rounding).
+  fusedepi::Moments acc[kColV];
+  const float inv_n = n > 0.f ? 1.f / n : 0.f;
 #pragma unroll
-    for (int j = 0; j < kColV; ++j) {
-      const float mean = s[j] / n;
-      float q = 0.f;
-#pragma unroll
-      for (int t = 0; t < kRowsPerThread; ++t)
-        if (r0 + (long long)t * kRowWarps < a.rows) q += (vals[t][j] - mean) * (vals[t][j] - mean);
-      acc[j] = fusedepi::merge(acc[j], {n, mean, q});
-    }
+  for (int j = 0; j < kColV; ++j) {
+    const float ds = s[j] * inv_n;
+    acc[j] = {n, shift[j] + ds, fmaxf(q[j] - s[j] * ds, 0.f)};
   }
   __shared__ fusedepi::Moments sm[kRowWarps][kColsPerBlock];
 #pragma unroll
