@@ -6,6 +6,7 @@
 #   bash benchmarks/session15.sh compare # benchmarks.compare, workloads 1-4 at $PRECISIONS, Inductor and fusedepi
 #   bash benchmarks/session15.sh tests   # tests/test_gpu.py -k "$TESTS_K"
 #   bash benchmarks/session15.sh rest    # the tier's other files
+#   bash benchmarks/session15.sh fuzz    # the GPU fuzzer on the in-kernel GEMM's shapes (a third float32 in TF32)
 source "$(dirname "$0")/device_setup.sh"
 CASES=(${PROBE_CASES:-w2 w3 w4})
 case ${1:-tf32} in
@@ -30,6 +31,11 @@ case ${1:-tf32} in
   tests)
     timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -m gpu tests/test_gpu.py -k "${TESTS_K:-not nothing}" \
       -p no:cacheprovider -rfs --tb=short 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+    ;;
+  fuzz)
+    timeout ${FUZZ_TIMEOUT:-500} python3 tests/fuzzer.py --device cuda --in-kernel-gemm --models ${MODELS:-400} \
+      --workers 14 --time-limit ${FUZZ_LIMIT:-420} --json "$OUT/fuzz_gemm.json" 2>&1 | grep -v -i warn \
+      | tee "$OUT/fuzz_gemm.log" | tail -45
     ;;
   rest)
     timeout 330 python3 -m pytest -q -m gpu tests/test_gpu_production.py tests/test_training.py tests/test_multi_gpu.py \

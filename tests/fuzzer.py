@@ -16,8 +16,9 @@ model is "ill_conditioned". A model eager refuses to run must fail alike ("rejec
     python tests/fuzzer.py --bench 50                           # speed against Inductor (CUDA)
     python tests/fuzzer.py --device cuda --in-kernel-gemm --models 400 --workers 12
 
-`--in-kernel-gemm` draws 16-bit Linear anchors of the in-kernel GEMM's shapes (N a
-multiple of 256, K of 8) and runs them with FUSEDEPI_IN_KERNEL_GEMM=1, so that its
+`--in-kernel-gemm` draws Linear anchors of the in-kernel GEMM's shapes (N a multiple of
+256, K of 8; bf16, fp16, and on CUDA a third of them float32 under matmul precision
+"high", where the kernel computes in TF32) and runs them with FUSEDEPI_IN_KERNEL_GEMM=1, so that its
 kernel (sm_90) meets random chains; the default setting takes it only at row counts
 too large for the fuzzer.
 
@@ -55,6 +56,7 @@ if str(ROOT) not in sys.path:
 
 # Relative error budget against float64, as in the GPU tests.
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
+TF32_TOLERANCE = 5e-3  # float32 models whose matmuls may run in TF32 (eager's too)
 # A result within the budget, or no worse than this many times eager's own error, passes.
 EAGER_SLACK = 4.0
 # Eager's own error above this share of the budget: the model amplifies rounding
@@ -77,6 +79,8 @@ class Case:
             stay what they were when results and regression tests recorded them.
         gemm: drawn for the in-kernel GEMM (`make_case`), and run with
             FUSEDEPI_IN_KERNEL_GEMM=1.
+        tf32: a float32 model run under matmul precision "high" (TF32 allowed, for
+            eager and fusedepi alike); only with `gemm`.
     """
 
     index: int
@@ -88,6 +92,7 @@ class Case:
     in_vocabulary: bool = True
     generation: int = 1
     gemm: bool = False
+    tf32: bool = False
 
 
 # ------------------------------------------------------------------ generation
@@ -242,8 +247,13 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         dtype = rng.choices(["float32", "bfloat16", "float16"], weights=[5, 3, 2])[0]
     else:
         dtype = rng.choices(["float32", "bfloat16"], weights=[4, 1])[0]
-    return Case(index, seed, anchor, steps, dtype, training=rng.random() < 0.4, in_vocabulary=in_vocabulary,
-                generation=generation, gemm=gemm)
+    training = rng.random() < 0.4
+    # Drawn last, so that the models drawn before TF32 was added keep everything else.
+    tf32 = gemm and device == "cuda" and rng.random() < 1 / 3
+    if tf32:
+        dtype = "float32"
+    return Case(index, seed, anchor, steps, dtype, training=training, in_vocabulary=in_vocabulary,
+                generation=generation, gemm=gemm, tf32=tf32)
 
 
 # -------------------------------------------------------------------- models
@@ -482,10 +492,14 @@ def run_case(case: Case, device: str, grad: bool = False, draw: int = 0) -> Resu
     if not case.gemm:
         return _run_case(case, device, grad, draw)
     before = os.environ.get("FUSEDEPI_IN_KERNEL_GEMM")
+    precision = torch.get_float32_matmul_precision()
     os.environ["FUSEDEPI_IN_KERNEL_GEMM"] = "1"
+    if case.tf32:
+        torch.set_float32_matmul_precision("high")
     try:
         return _run_case(case, device, grad, draw)
     finally:
+        torch.set_float32_matmul_precision(precision)
         if before is None:
             del os.environ["FUSEDEPI_IN_KERNEL_GEMM"]
         else:
@@ -535,7 +549,7 @@ def _run_case(case: Case, device: str, grad: bool, draw: int) -> Result:
     result.fused_steps = [[s["name"] for s in json.loads(r.spec)["steps"]] for r in fused]
     result.in_kernel = any(r.kernel.startswith("wgmma") and "library GEMM first" not in r.kernel for r in fused)
     worst = 0
-    tol = TOLERANCE[case.dtype]
+    tol = TF32_TOLERANCE if case.tf32 else TOLERANCE[case.dtype]
     if dropout:
         # Random masks differ between runs: only the shape and the fusion report are checked.
         result.err = 0.0 if outs[0].shape == eagers[0].shape else math.inf
@@ -647,6 +661,7 @@ def summarize(results: list[dict]) -> dict:
         "in_vocabulary_fused_share": inside_fused / len(inside) if inside else 0.0,
         "any_fusion": fusion["full"] + fusion["partial"],
         "in_kernel_gemm": sum(r.get("in_kernel", False) for r in results),
+        "in_kernel_gemm_float32": sum(r.get("in_kernel", False) and r["dtype"] == "float32" for r in results),
         "reasons": dict(reasons.most_common()),
         "findings": [r for r in results if r["check"] in ("mismatch", "error")],
     }
@@ -708,7 +723,7 @@ def scale_case(case: Case) -> Case:
     else:
         anchor["batch"] = BENCH_IMAGES
     return Case(case.index, case.seed, anchor, case.steps, case.dtype, case.training, case.in_vocabulary,
-                case.generation, case.gemm)
+                case.generation, case.gemm, case.tf32)
 
 
 def bench(seed: int, count: int, first: int = 0, progress: bool = True, mode: str | None = None) -> dict:

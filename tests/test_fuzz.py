@@ -89,6 +89,24 @@ def test_cpu_fuzz_of_in_kernel_gemm_shapes():
     assert summary["in_kernel_gemm"] == 0  # no wgmma kernel runs on CPU
 
 
+def test_in_kernel_gemm_fuzz_draws_tf32_models_on_cuda():
+    # On CUDA a third of the --in-kernel-gemm models are float32 under matmul precision
+    # "high" (the in-kernel GEMM then computes in TF32), drawn after everything else: the
+    # rest of a model is what it was before TF32 was added.
+    import dataclasses
+
+    cases = [fuzzer.make_case(0, i, "cuda", gemm=True) for i in range(60)]
+    tf32 = [c for c in cases if c.tf32]
+    assert 10 <= len(tf32) <= 30 and all(c.dtype == "float32" for c in tf32)
+    assert all(c.dtype in ("bfloat16", "float16") for c in cases if not c.tf32)
+    # run_case sets the precision for the case only (here through the CPU references).
+    precision = torch.get_float32_matmul_precision()
+    cpu = [dataclasses.replace(fuzzer.make_case(0, i, "cpu", gemm=True), dtype="float32", tf32=True) for i in range(2)]
+    results = [fuzzer.run_case(c, "cpu") for c in cpu]
+    assert torch.get_float32_matmul_precision() == precision
+    assert all(r.check in ("ok", "rejected") for r in results), results
+
+
 def test_cases_and_models_are_reproducible():
     a, b = fuzzer.make_case(7, 11), fuzzer.make_case(7, 11)
     assert a == b and a != fuzzer.make_case(7, 12)
