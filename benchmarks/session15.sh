@@ -7,6 +7,7 @@
 #   bash benchmarks/session15.sh tests   # tests/test_gpu.py -k "$TESTS_K"
 #   bash benchmarks/session15.sh rest    # the tier's other files
 #   bash benchmarks/session15.sh fuzz    # the GPU fuzzer on the in-kernel GEMM's shapes (a third float32 in TF32)
+#   bash benchmarks/session15.sh hang    # the same with a time limit, then the first $ALONE (6) unfinished models alone (timeout 45 s)
 source "$(dirname "$0")/device_setup.sh"
 CASES=(${PROBE_CASES:-w2 w3 w4})
 case ${1:-tf32} in
@@ -36,6 +37,17 @@ case ${1:-tf32} in
     timeout ${FUZZ_TIMEOUT:-500} python3 tests/fuzzer.py --device cuda --in-kernel-gemm --models ${MODELS:-400} \
       --workers 14 --time-limit ${FUZZ_LIMIT:-420} --json "$OUT/fuzz_gemm.json" 2>&1 | grep -v -i warn \
       | tee "$OUT/fuzz_gemm.log" | tail -45
+    ;;
+  hang)
+    timeout 300 python3 tests/fuzzer.py --device cuda --in-kernel-gemm --models ${MODELS:-400} --workers 14 \
+      --time-limit ${FUZZ_LIMIT:-200} --json "$OUT/fuzz_gemm.json" 2>&1 | grep -v -i warn | tee "$OUT/fuzz_gemm.log" \
+      | grep -v "^\[fuzz\] [0-9]" | tail -12
+    left=$(grep -o "unfinished (running or not started): \[[0-9, ]*\]" "$OUT/fuzz_gemm.log" | grep -o "[0-9][0-9, ]*" | tr -d ,)
+    for i in $(echo $left | tr ' ' '\n' | head -${ALONE:-6}); do
+      timeout ${ALONE_TIMEOUT:-45} python3 tests/fuzzer.py --device cuda --in-kernel-gemm --only $i 2>&1 | grep -v -i warn \
+        > "$OUT/only_$i.log"; rc=$?
+      echo "model $i: rc $rc $(head -c 600 "$OUT/only_$i.log" | head -1)"
+    done
     ;;
   rest)
     timeout 330 python3 -m pytest -q -m gpu tests/test_gpu_production.py tests/test_training.py tests/test_multi_gpu.py \

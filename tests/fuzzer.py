@@ -682,17 +682,27 @@ def run(seed: int, indices, device: str, workers: int = 1, progress=None, time_l
     jobs = [(seed, i, device, grad, generation, gemm) for i in indices]
     results = []
     start = time.time()
+    import multiprocessing
+
     if workers <= 1:
         _setup_worker(device)
         it = map(_work, jobs)
         pool = None
     else:
-        import multiprocessing
-
         pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_setup_worker, initargs=(device,))
         it = pool.imap_unordered(_work, jobs)
     try:
-        for n, res in enumerate(it, 1):
+        for n in range(1, len(jobs) + 1):
+            # The limit holds while a model hangs too (a worker that never returns).
+            left = None if time_limit is None else max(0.0, time_limit - (time.time() - start))
+            try:
+                res = it.next(timeout=left) if pool is not None else next(it)
+            except multiprocessing.TimeoutError:
+                done = {r["index"] for r in results}
+                unfinished = [j[1] for j in jobs if j[1] not in done]
+                print(f"[fuzz] time limit: stopping after {n - 1} of {len(jobs)} models; unfinished (running or "
+                      f"not started): {unfinished}", flush=True)
+                break
             results.append(res)
             if progress and res["check"] in ("mismatch", "error"):
                 print("FINDING", json.dumps(res), flush=True)
