@@ -383,18 +383,20 @@ COLUMN_STATS_KERNELS = Template(
     r"""constexpr int kColV = $col_vec;
 constexpr int kColsPerBlock = 32 * kColV;
 constexpr int kRowWarps = 8;
-constexpr int kRowsPerThread = 8;          // rows a thread loads at once (a batch)
-constexpr int kBatches = 32 / kColV;       // batches per block: 256 values of each thread's columns
+constexpr int kRowsPerThread = 6;          // rows a thread loads at once (a batch)
+constexpr int kBatches = 32 / kColV;       // batches per block: 192 values of each thread's columns
 constexpr long long kRowsPerBatch = kRowWarps * kRowsPerThread;
 constexpr long long kRowsPerChunk = kRowsPerBatch * kBatches;
 // Workspace: [scale[C], shift[C]], then (mean, M2) per (row chunk, column).
 constexpr long long kPartials = 2 * kChannels;
 
 // One block: kColsPerBlock columns x kRowsPerChunk rows -> (mean, M2) per column.
-// A thread sums its rows' values and squares relative to its first row's (a shift that
-// is a sample of the column, so the sums cancel little), in one pass: nothing is kept
-// but the loads in flight, two batches of them, the next issued before this one's
-// arithmetic. The threads' moments are then merged (Chan et al.).
+// A thread takes batches of 6 rows: the next batch's loads are issued before this
+// batch's arithmetic (two batches in flight, kept as loaded), each batch is reduced in
+// two passes over its loaded copy (mean, then the squares about it) and merged into the
+// thread's moments (Chan et al.), as are the threads' moments after. (One pass of sums
+// about the first row's value was faster to write but lost digits where that row lies
+// far out in a skewed column, a ReLU's output for one.)
 __global__ void __launch_bounds__(256, 2) ${kernel}_colstats(Args a) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long c0 = (long long)blockIdx.x * kColsPerBlock + lane * kColV;
@@ -413,45 +415,61 @@ __global__ void __launch_bounds__(256, 2) ${kernel}_colstats(Args a) {
       v[t] = *reinterpret_cast<const Raw*>(a.y + r * kChannels + c);
     }
   };
-  float shift[kColV], s[kColV], q[kColV], n = 0.f;
+  // One batch's values after stage0 (read again from the loaded copy for each pass).
+  const auto values = [&](int b, int t, float (&v)[kColV]) {
 #pragma unroll
-  for (int j = 0; j < kColV; ++j) shift[j] = s[j] = q[j] = 0.f;
+    for (int j = 0; j < kColV; ++j) v[j] = fusedepi::to_float(raw[b % 2][t].v[j]);
+    const long long r = min(first + b * kRowsPerBatch + (long long)t * kRowWarps, a.rows - 1);
+    stage0<kColV>(v, static_cast<int>(c), r * kChannels + c, a);
+  };
+  float mean[kColV], m2[kColV], n = 0.f;  // this thread's rows so far, merged
+#pragma unroll
+  for (int j = 0; j < kColV; ++j) mean[j] = m2[j] = 0.f;
   load_batch(0, raw[0]);
 #pragma unroll
   for (int b = 0; b < kBatches; ++b) {
     const long long r0 = first + b * kRowsPerBatch;
     if (r0 >= a.rows) break;
     if (b + 1 < kBatches) load_batch(b + 1, raw[(b + 1) % 2]);
+    // The batch's rows r0 + 8t below a.rows, two passes: its mean, then its M2.
+    const int rows_b = static_cast<int>(min(static_cast<long long>(kRowsPerThread), (a.rows - r0 + kRowWarps - 1) / kRowWarps));
+    float bmean[kColV], q[kColV];
+#pragma unroll
+    for (int j = 0; j < kColV; ++j) bmean[j] = q[j] = 0.f;
 #pragma unroll
     for (int t = 0; t < kRowsPerThread; ++t) {
-      const long long r = r0 + (long long)t * kRowWarps;
       float v[kColV];
+      values(b, t, v);
+      if (t < rows_b) {
 #pragma unroll
-      for (int j = 0; j < kColV; ++j) v[j] = fusedepi::to_float(raw[b % 2][t].v[j]);
-      stage0<kColV>(v, static_cast<int>(c), min(r, a.rows - 1) * kChannels + c, a);
-      if (b == 0 && t == 0) {  // row `first` (< rows: the loop did not break)
-#pragma unroll
-        for (int j = 0; j < kColV; ++j) shift[j] = v[j];
-      }
-      if (r < a.rows) {
-#pragma unroll
-        for (int j = 0; j < kColV; ++j) {
-          const float d = v[j] - shift[j];
-          s[j] += d;
-          q[j] = fmaf(d, d, q[j]);
-        }
-        n += 1.f;
+        for (int j = 0; j < kColV; ++j) bmean[j] += v[j];
       }
     }
-  }
-  // This thread's (count, mean, M2) per column: M2 = q - s^2 / n (>= 0 up to rounding).
-  fusedepi::Moments acc[kColV];
-  const float inv_n = n > 0.f ? 1.f / n : 0.f;
+    const float nb = static_cast<float>(rows_b), inv_nb = 1.f / nb;
 #pragma unroll
-  for (int j = 0; j < kColV; ++j) {
-    const float ds = s[j] * inv_n;
-    acc[j] = {n, shift[j] + ds, fmaxf(q[j] - s[j] * ds, 0.f)};
+    for (int j = 0; j < kColV; ++j) bmean[j] *= inv_nb;
+#pragma unroll
+    for (int t = 0; t < kRowsPerThread; ++t) {
+      float v[kColV];
+      values(b, t, v);
+      if (t < rows_b) {
+#pragma unroll
+        for (int j = 0; j < kColV; ++j) q[j] = fmaf(v[j] - bmean[j], v[j] - bmean[j], q[j]);
+      }
+    }
+    // Chan et al.'s merge (fusedepi::merge), the counts shared by every column.
+    const float total = n + nb, wb = nb / total;
+#pragma unroll
+    for (int j = 0; j < kColV; ++j) {
+      const float delta = bmean[j] - mean[j];
+      mean[j] += delta * wb;
+      m2[j] += q[j] + delta * delta * n * wb;
+    }
+    n = total;
   }
+  fusedepi::Moments acc[kColV];
+#pragma unroll
+  for (int j = 0; j < kColV; ++j) acc[j] = {n, mean[j], m2[j]};
   __shared__ fusedepi::Moments sm[kRowWarps][kColsPerBlock];
 #pragma unroll
   for (int j = 0; j < kColV; ++j) sm[warp][lane * kColV + j] = acc[j];
