@@ -816,7 +816,8 @@ def main(argv=None):
     parser.add_argument("--generation", type=int, choices=sorted(CONV_NORMS), default=1,
                         help="the generator's vocabulary: 2 also draws InstanceNorm after convs")
     parser.add_argument("--in-kernel-gemm", action="store_true",
-                        help="draw 16-bit Linear anchors of the in-kernel GEMM's shapes, run with FUSEDEPI_IN_KERNEL_GEMM=1")
+                        help="draw Linear anchors of the in-kernel GEMM's shapes (bf16, fp16, float32 in TF32), "
+                             "run with FUSEDEPI_IN_KERNEL_GEMM=1")
     args = parser.parse_args(argv)
     if args.bench:
         out = bench(args.seed, args.bench, args.first, mode=args.mode)
