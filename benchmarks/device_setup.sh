@@ -21,3 +21,22 @@ bench_w14_bf16() {
   timeout ${BENCH_TIMEOUT:-560} python3 -m benchmarks.compare --workloads "${W14[@]}" --precisions bf16 \
     --providers inductor fusedepi --profile --json "$OUT/bench.json" 2>&1 | grep -v "^-- " | tee "$OUT/bench.log"
 }
+
+# tests/test_gpu.py with -k "$TESTS_K" (the tier's longest file).
+gpu_tests_k() {
+  timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -m gpu tests/test_gpu.py -k "${TESTS_K:-not nothing}" \
+    -p no:cacheprovider -rfs --tb=short 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+}
+
+# The tier's other files.
+gpu_rest() {
+  timeout 330 python3 -m pytest -q -m gpu tests/test_gpu_production.py tests/test_training.py tests/test_multi_gpu.py \
+    -p no:cacheprovider -rfs --tb=short 2>&1 | tee "$OUT/gpu_rest.log" | tail -25
+}
+
+# The GPU fuzzer on the in-kernel GEMM's shapes (FUSEDEPI_IN_KERNEL_GEMM=1), $MODELS models.
+fuzz_gemm() {
+  timeout ${FUZZ_TIMEOUT:-500} python3 tests/fuzzer.py --device cuda --in-kernel-gemm --models ${MODELS:-400} \
+    --workers 14 --time-limit ${FUZZ_LIMIT:-420} --json "$OUT/fuzz_gemm.json" 2>&1 | grep -v -i warn \
+    | tee "$OUT/fuzz_gemm.log" | tail -45
+}

@@ -37,17 +37,7 @@ case ${1:-gemm} in
     timeout 200 python3 -m benchmarks.compare --workloads 2_linear_logsumexp --precisions bf16 \
       --providers inductor fusedepi --profile --json "$OUT/bench.json" 2>&1 | grep -v "^-- " | tee "$OUT/bench.log"
     ;;
-  tests)
-    timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -m gpu tests/test_gpu.py -k "${TESTS_K:-not nothing}" \
-      -p no:cacheprovider -rfs --tb=short 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
-    ;;
-  fuzz)
-    timeout ${FUZZ_TIMEOUT:-500} python3 tests/fuzzer.py --device cuda --in-kernel-gemm --models ${MODELS:-400} \
-      --workers 14 --time-limit ${FUZZ_LIMIT:-420} --json "$OUT/fuzz_gemm.json" 2>&1 | grep -v -i warn \
-      | tee "$OUT/fuzz_gemm.log" | tail -45
-    ;;
-  rest)
-    timeout 330 python3 -m pytest -q -m gpu tests/test_gpu_production.py tests/test_training.py tests/test_multi_gpu.py \
-      -p no:cacheprovider -rfs --tb=short 2>&1 | tee "$OUT/gpu_rest.log" | tail -25
-    ;;
+  tests) gpu_tests_k ;;
+  fuzz) fuzz_gemm ;;
+  rest) gpu_rest ;;
 esac

@@ -29,15 +29,8 @@ case ${1:-tf32} in
       --precisions ${PRECISIONS:-fp32-tf32} --providers inductor fusedepi --profile --json "$OUT/bench.json" 2>&1 \
       | grep -v "^-- " | tee "$OUT/bench.log"
     ;;
-  tests)
-    timeout ${TEST_TIMEOUT:-560} python3 -m pytest -q -m gpu tests/test_gpu.py -k "${TESTS_K:-not nothing}" \
-      -p no:cacheprovider -rfs --tb=short 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
-    ;;
-  fuzz)
-    timeout ${FUZZ_TIMEOUT:-500} python3 tests/fuzzer.py --device cuda --in-kernel-gemm --models ${MODELS:-400} \
-      --workers 14 --time-limit ${FUZZ_LIMIT:-420} --json "$OUT/fuzz_gemm.json" 2>&1 | grep -v -i warn \
-      | tee "$OUT/fuzz_gemm.log" | tail -45
-    ;;
+  tests) gpu_tests_k ;;
+  fuzz) fuzz_gemm ;;
   hang)
     timeout 300 python3 tests/fuzzer.py --device cuda --in-kernel-gemm --models ${MODELS:-400} --workers 14 \
       --time-limit ${FUZZ_LIMIT:-200} --json "$OUT/fuzz_gemm.json" 2>&1 | grep -v -i warn | tee "$OUT/fuzz_gemm.log" \
@@ -49,8 +42,5 @@ case ${1:-tf32} in
       echo "model $i: rc $rc $(head -c 600 "$OUT/only_$i.log" | head -1)"
     done
     ;;
-  rest)
-    timeout 330 python3 -m pytest -q -m gpu tests/test_gpu_production.py tests/test_training.py tests/test_multi_gpu.py \
-      -p no:cacheprovider -rfs --tb=short 2>&1 | tee "$OUT/gpu_rest.log" | tail -25
-    ;;
+  rest) gpu_rest ;;
 esac
