@@ -62,7 +62,7 @@ WARPS_MIN_TILES = 4  # tiles a CTA from which a pointwise chain runs in the spar
 # float32 products run in TF32 (the launcher takes this path only where
 # torch.get_float32_matmul_precision() allows TF32). wgmma reads the float32 operands'
 # top 19 bits from shared memory: it truncates where eager's cuBLAS rounds, so products
-# lean towards zero, and the error is 2-3x eager's TF32 error on a pointwise chain, 30x
+# lean towards zero, and the error is 2-3x eager's TF32 error on a pointwise chain, 30-35x
 # on workload 2's logsumexp (9e-6 against 3e-7, still inside float32's 1e-5; RESULTS.md,
 # fifteenth session). Rounding in shared memory would add a pass over every stage.
 WGMMA_TYPES = {"bfloat16": ("bf16", 16), "float16": ("f16", 16), "float32": ("tf32", 8)}
