@@ -66,12 +66,12 @@ WARPS_MIN_TILES = 4  # tiles a CTA from which a pointwise chain runs in the spar
 # on workload 2's logsumexp (9e-6 against 3e-7, still inside float32's 1e-5; RESULTS.md,
 # fifteenth session). Rounding in shared memory would add a pass over every stage.
 WGMMA_TYPES = {"bfloat16": ("bf16", 16), "float16": ("f16", 16), "float32": ("tf32", 8)}
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+WGMMA_K_BYTES = 32  # K of one wgmma instruction, in bytes, for every operand type
 
 
 def block_k(dtype: str) -> int:
     """Elements of K a stage holds: one 128-byte swizzled row."""
-    return TILE_K_BYTES // ITEMSIZE[dtype]
+    return TILE_K_BYTES // WGMMA_K_BYTES * WGMMA_TYPES[dtype][1]
 # Steps whose per-element code is a few float32 operations: no transcendental function, no
 # division, at most per-column loads. A GroupNorm chain (which the consumers run, exposed
 # at the end of each tile) takes these only: on an H200 (bf16, RESULTS.md twelfth

@@ -279,7 +279,7 @@ def gemm_plan(spec: EpilogueSpec, arch: str) -> GemmPlan | str:
     bn = gemm_sm90.BLOCK_N
     if spec.channels % bn:
         return f"N={spec.channels} is not a multiple of the in-kernel GEMM's {bn}-column tile"
-    per_16_bytes = 16 // gemm_sm90.ITEMSIZE[spec.dtype]
+    per_16_bytes = 16 // ITEMSIZE[spec.dtype]
     if k % per_16_bytes:
         return f"K={k} is not a multiple of {per_16_bytes} (the bulk copies' 16-byte row pitch)"
     red = spec.reduction
