@@ -1,6 +1,10 @@
 """Where one call of a compiled model spends CPU time: wall-clock microseconds per call
-for fusedepi and Inductor on a model small enough that the GPU is never the limit,
-then cProfile over fusedepi's calls (top entries by own time).
+for Inductor and fusedepi on a model small enough that the GPU is never the limit, then
+cProfile over fusedepi's calls (top entries by own time).
+
+fusedepi runs twice: with its Python launcher (FUSEDEPI_NATIVE_LAUNCHER=0), then with the
+C++ launcher, which the second compile loads (and builds, if the cache lacks it). That
+order matters: once loaded, the C++ launcher serves every fused call of the process.
 
     python -m benchmarks.call_profile [--calls 3000]
 """
@@ -9,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import time
 
@@ -43,19 +48,24 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args(argv)
-    from fusion_backend import fusedepi
+    from fusion_backend import fusedepi, ops
 
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    compiled = {}
+    runs = (("inductor", "inductor", None), ("fusedepi, Python launcher", fusedepi, "0"),
+            ("fusedepi, C++ launcher", fusedepi, "1"))
     with torch.no_grad():
-        for name, backend in (("inductor", "inductor"), ("fusedepi", fusedepi)):
+        for name, backend, native in runs:
+            if native is not None:
+                os.environ["FUSEDEPI_NATIVE_LAUNCHER"] = native
             torch._dynamo.reset()
             model = Small().cuda().to(torch.bfloat16)
-            compiled[name] = torch.compile(model, backend=backend)
-            print(f"{name}: {per_call_us(compiled[name], x, args.calls):.1f} us per call (wall)", flush=True)
+            compiled = torch.compile(model, backend=backend)
+            compiled(x)  # compiles (and loads the C++ launcher on the second fusedepi run)
+            print(f"{name}: {per_call_us(compiled, x, args.calls):.1f} us per call (wall); "
+                  f"fused op served by: {ops.native_launcher()}", flush=True)
         prof = cProfile.Profile()
         prof.enable()
-        per_call_us(compiled["fusedepi"], x, args.calls)
+        per_call_us(compiled, x, args.calls)
         prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
 

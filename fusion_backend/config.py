@@ -36,6 +36,9 @@ class Config:
             matmul precision allows it): "auto" (the default: 16-bit pointwise chains and
             row reductions, float32 row reductions, at the calls whose rows fill the GPU
             with tiles), "on" (every chain the kernel covers, every call) or "off".
+        native_launcher: launch fused ops on CUDA from C++ (FUSEDEPI_NATIVE_LAUNCHER,
+            default on): built once per torch version at the first compile of a CUDA
+            chain, then loaded for the rest of the process.
     """
 
     disabled: frozenset
@@ -45,6 +48,7 @@ class Config:
     log_level: str
     cpu_reference: bool
     in_kernel_gemm: str = "auto"
+    native_launcher: bool = True
 
 
 def _default_cache_dir(env) -> Path:
@@ -58,7 +62,8 @@ def load_config(environ=None) -> Config:
     Raises:
         ValueError: FUSEDEPI_DISABLE names something that is neither a fusion
             nor a step, FUSEDEPI_LOG_LEVEL is not a logging level, or
-            FUSEDEPI_IN_KERNEL_GEMM is none of auto, 1, 0.
+            FUSEDEPI_IN_KERNEL_GEMM is none of auto, 1, 0, or FUSEDEPI_NATIVE_LAUNCHER is
+            neither 1 nor 0.
     """
     env = os.environ if environ is None else environ
     names = frozenset(n.strip() for n in env.get("FUSEDEPI_DISABLE", "").split(",") if n.strip())
@@ -80,7 +85,19 @@ def load_config(environ=None) -> Config:
         log_level=level,
         cpu_reference=env.get("FUSEDEPI_CPU_REFERENCE", "").lower() in _TRUE,
         in_kernel_gemm=_in_kernel_gemm(env.get("FUSEDEPI_IN_KERNEL_GEMM", "")),
+        native_launcher=_switch("FUSEDEPI_NATIVE_LAUNCHER", env.get("FUSEDEPI_NATIVE_LAUNCHER", ""), True),
     )
+
+
+def _switch(name: str, value: str, default: bool) -> bool:
+    value = value.strip().lower()
+    if not value:
+        return default
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}: {value!r} is neither 1 (on) nor 0 (off)")
 
 
 def _in_kernel_gemm(value: str) -> str:

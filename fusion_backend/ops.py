@@ -3,6 +3,9 @@
 A `torch.library` custom op with three implementations: the plain-torch reference
 (CPU, and the definition of what the op computes), a fake one (shapes only, for
 tracing) and the CUDA one (library GEMM/conv, then the rendered epilogue kernels).
+The CUDA one is `Launcher` in Python until the C++ launcher is loaded
+(`enable_native`); from then on C++ serves the calls that `Launcher` has planned, and
+the rest come here through `fusedepi::chain_py`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import torch
 import cuda_templates
 from lowering import EpilogueSpec, run_reference
 from lowering.spec import Anchor
+
+from . import native
 
 aten = torch.ops.aten
 log = logging.getLogger("fusedepi")
@@ -49,6 +54,9 @@ def reference(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
 # backward AOTAutograd has already split off (it reads the values the op returns).
 _LIB = torch.library.Library("fusedepi", "DEF")
 _LIB.define("chain(Tensor[] inputs, str spec) -> Tensor[]")
+# The Python CUDA implementation under its own name, for the C++ launcher's calls that
+# have no plan yet.
+_LIB.define("chain_py(Tensor[] inputs, str spec) -> Tensor[]")
 
 
 def chain(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
@@ -138,6 +146,7 @@ class Launcher:
         from .config import load_config
 
         self.spec = _parse(spec)
+        self.spec_json = spec
         self.device_index = device.index
         self.lib = kernel_for(spec, device, load_config().cache_dir, conv_tf32)
         self.n_operands = self.spec.anchor.n_operands
@@ -164,6 +173,9 @@ class Launcher:
         self.stores_pre_norm = (
             self.lib.anchor_inside and not self.gemm and direct.stores_pre_norm and self.spec.reduction is not None
         )
+        self.reads_conv_tf32 = reads_conv_tf32(spec)
+        # Whether the C++ launcher has this launcher's plan (launcher_for registers it).
+        self.native = False
 
     def in_kernel_gemm(self, rows: int) -> bool:
         """Whether a call with `rows` rows computes the GEMM in the chain's kernel."""
@@ -174,6 +186,8 @@ class Launcher:
         use = self._gemm_rows.get(rows)
         if use is None:
             use = self._gemm_rows[rows] = cuda_templates.fills_gpu(rows, self.spec.channels, self.gemm_sms)
+        if self.native:  # the C++ launcher asked Python because it did not know these rows
+            native.register_rows(self.spec_json, self.device_index, rows, use)
         return use
 
     def _row_shape(self, rows: int) -> tuple:
@@ -241,6 +255,8 @@ def forget_loaded() -> None:
         _kernels.clear()
         _launchers.clear()
         _unbuilt.clear()
+        if _native_state == "loaded":
+            native.forget()
 
 
 def reads_conv_tf32(spec: str) -> bool:
@@ -258,6 +274,8 @@ def launcher_for(spec: str, device: torch.device) -> Launcher:
     launcher = _launchers.get(key)
     if launcher is None:
         launcher = Launcher(spec, device, tf32)
+        if _native_state == "loaded":
+            _register_native(launcher)
         with _kernels_lock:
             _launchers[key] = launcher
     return launcher
@@ -288,4 +306,63 @@ def _chain_cuda(inputs, spec):
     return reference(inputs, spec)
 
 
-_LIB.impl("chain", _chain_cuda, "CUDA")
+_LIB.impl("chain_py", _chain_cuda, "CUDA")
+# `chain`'s CUDA implementation until the C++ launcher replaces it, in its own library
+# object so that it can be taken back alone.
+_python_cuda: torch.library.Library | None = torch.library.Library("fusedepi", "IMPL")
+_python_cuda.impl("chain", _chain_cuda, "CUDA")
+
+# "python" (not tried), "loaded" (C++ serves `chain` on CUDA) or "failed".
+_native_state = "python"
+_native_lock = threading.Lock()
+
+
+def native_launcher() -> str:
+    """Which implementation serves `fusedepi::chain` on CUDA: "python", "loaded" (the C++
+    launcher) or "failed" (its build failed in this process; Python serves)."""
+    return _native_state
+
+
+def enable_native(cache_dir: Path) -> bool:
+    """Makes the C++ launcher serve `fusedepi::chain` on CUDA, building it first if the
+    cache lacks it. Tried once per process: after a failure Python serves for good.
+
+    Returns:
+        Whether this call loaded it (False: already loaded, or failed before).
+
+    Raises:
+        native.BuildError: the build or the load failed (Python serves on).
+    """
+    global _native_state, _python_cuda
+    with _native_lock:
+        if _native_state != "python":
+            return False
+        # Two CUDA kernels for one op would override each other with a warning: the
+        # Python one goes first, and comes back if the C++ one does not load.
+        _python_cuda._destroy()
+        try:
+            native.build_and_load(cache_dir)
+        except native.BuildError:
+            _python_cuda = torch.library.Library("fusedepi", "IMPL")
+            _python_cuda.impl("chain", _chain_cuda, "CUDA")
+            _native_state = "failed"
+            raise
+        _native_state = "loaded"
+        for launcher in list(_launchers.values()):  # those made before: their plans too
+            _register_native(launcher)
+        return True
+
+
+def _register_native(launcher: Launcher) -> None:
+    """Hands the C++ launcher `launcher`'s plan (and the rows it has decided), if it covers it."""
+    if not native.covers(launcher):
+        return
+    try:
+        native.register(launcher, launcher.spec_json, launcher.device_index)
+        for rows, use in list(launcher._gemm_rows.items()):
+            native.register_rows(launcher.spec_json, launcher.device_index, rows, use)
+    except Exception as err:  # a plan that does not encode is our bug; Python runs the chain all the same
+        log.warning("fusedepi: the C++ launcher has no plan for %s (%s: %s); it launches from Python",
+                    launcher.spec.fusion, type(err).__name__, err)
+        return
+    launcher.native = True

@@ -18,7 +18,7 @@ from torch.fx import GraphModule
 import cuda_templates
 from lowering import Chain, match_graph
 
-from . import ops
+from . import native, ops
 from .config import Config
 
 log = logging.getLogger("fusedepi")
@@ -139,6 +139,19 @@ def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
     return name
 
 
+def _enable_native(cfg: Config) -> None:
+    """Loads the C++ launcher (building it the first time). Without it the fused ops
+    launch from Python: correct, with more CPU time a call, so a failure only warns."""
+    try:
+        ops.enable_native(cfg.cache_dir)
+    except native.BuildError as err:
+        if cfg.strict:
+            raise FusionError(f"fusedepi: the C++ launcher failed to build: {err}") from err
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        log.warning("fusedepi: the C++ launcher failed to build (%s); fused ops launch from Python, with more "
+                    "CPU time a call. FUSEDEPI_NATIVE_LAUNCHER=0 skips it; FUSEDEPI_STRICT=1 raises instead.", first)
+
+
 def rewrite(gm: GraphModule, cfg: Config) -> Report:
     """Fuses every chain it can in `gm`, in place.
 
@@ -189,6 +202,8 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
             Record("fused", chain.anchor.name, names, chain.spec.fusion, kernel=kernel, stop=chain.stop, spec=spec)
         )
         fused.append((chain, spec, kernel))
+    if cfg.native_launcher and any(chain.anchor.meta["val"].device.type == "cuda" for chain, _, _ in fused):
+        _enable_native(cfg)
     if fused:
         backup = copy.deepcopy(gm.graph)  # the surgery below is undone as a whole on failure
         try:

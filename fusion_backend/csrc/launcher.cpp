@@ -1,0 +1,369 @@
+// fusedepi's C++ launcher: the CUDA implementation of `fusedepi::chain` without Python
+// in the call.
+//
+// Python (`fusion_backend/ops.py`, class Launcher) stays the one place that decides how
+// a spec runs: it builds the kernel, then hands this file a plan (which path, which
+// outputs, which kernel entry points) through `fusedepi_native::plan`. A call whose
+// spec has no plan here, or whose rows the in-kernel GEMM rule has not yet been asked
+// about (`fusedepi_native::plan_rows`), goes to the Python implementation
+// (`fusedepi::chain_py`), which answers and registers what the next call needs.
+//
+// The per-call work mirrors Launcher.__call__ line for line: the anchor (library GEMM or
+// conv) unless the kernel computes it, the outputs, the workspace, the pointer list, and
+// the kernel file's `fusedepi_run` on the current stream. Built by
+// torch.utils.cpp_extension (fusion_backend/native.py), once per torch version.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/convolution.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/mm.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+// The three C entry points every rendered kernel file exports (cuda_templates/templates.py).
+using RunFn = int (*)(void** pointers, long long rows, int device, void* stream);
+using WorkspaceFn = long long (*)(long long rows);
+using ErrorFn = const char* (*)(int code);
+
+// How a spec's anchor is computed (Launcher: `gemm`, `anchor_inside`).
+enum class Path : int64_t {
+  kLibraryAnchor = 0,  // cuBLAS / cuDNN first, then the file's epilogue kernels on its output
+  kGemm = 1,           // the in-kernel GEMM, or the library GEMM + the file's epilogue kernel
+  kDirectConv = 2,     // the file computes the conv itself
+};
+
+enum class Anchor : int64_t { kAddmm = 0, kMm = 1, kConv = 2 };
+
+// An extra output (lowering.spec.Save): the anchor output itself, converted, or a new tensor.
+struct Save {
+  bool anchor_value;  // the value after 0 steps: a view of y, converted to `dtype`
+  at::ScalarType dtype;
+  int64_t per_row;  // elements per anchor row; 0: a fixed shape
+  std::vector<int64_t> shape;  // the batch dim first (ignored when per_row)
+
+  std::vector<int64_t> sized(int64_t rows) const {
+    std::vector<int64_t> out = shape;
+    if (per_row) {
+      int64_t rest = 1;
+      for (size_t i = 1; i < shape.size(); ++i) rest *= shape[i];
+      out[0] = rows * per_row / std::max<int64_t>(rest, 1);
+    }
+    return out;
+  }
+};
+
+struct Plan {
+  std::string spec;
+  int64_t device = 0;
+  std::string name;  // for error messages: the kernel's cache entry
+  RunFn run = nullptr;
+  WorkspaceFn workspace_floats = nullptr;
+  ErrorFn error_string = nullptr;
+
+  Path path = Path::kLibraryAnchor;
+  Anchor anchor = Anchor::kAddmm;
+  int64_t n_operands = 0;
+  bool gemm_auto = false;  // kGemm: in-kernel per rows (asked of Python), else every call
+  bool row_output = false;
+  bool keepdim = false;
+  int64_t channels = 0;
+  int64_t out_h = 0, out_w = 0;  // kDirectConv's output plane
+  bool stores_pre_norm = false;  // kDirectConv: y is a buffer beside the output
+
+  bool has_bias = false;  // a library conv's bias operand
+  std::vector<int64_t> stride, padding, dilation, output_padding;
+  bool transposed = false;
+  int64_t groups = 1;
+
+  std::vector<int64_t> running_stats;  // BatchNorm (training): indices into the params
+  std::vector<Save> saves;
+  std::unordered_map<int64_t, bool> in_kernel_rows;  // kGemm with gemm_auto: Python's answers
+};
+
+// Plans by the hash of their spec; a bucket holds one plan per (spec, device).
+std::shared_mutex plans_mutex;
+std::unordered_map<size_t, std::vector<std::shared_ptr<Plan>>> plans;
+
+std::shared_ptr<Plan> find_locked(std::string_view spec, int64_t device) {
+  auto bucket = plans.find(std::hash<std::string_view>{}(spec));
+  if (bucket == plans.end()) return nullptr;
+  for (const auto& plan : bucket->second) {
+    if (plan->device == device && plan->spec == spec) return plan;
+  }
+  return nullptr;
+}
+
+// A save's dtype as fusion_backend/native.py numbers it (DTYPE_CODES).
+at::ScalarType dtype_of(int64_t code) {
+  switch (code) {
+    case 0: return at::kFloat;
+    case 1: return at::kHalf;
+    case 2: return at::kBFloat16;
+    case 3: return at::kDouble;
+  }
+  TORCH_CHECK(false, "fusedepi_native: unknown dtype code ", code);
+}
+
+template <typename T>
+T symbol(void* handle, const char* name, const std::string& library) {
+  void* found = dlsym(handle, name);
+  TORCH_CHECK(found != nullptr, "fusedepi_native: ", library, " has no ", name);
+  return reinterpret_cast<T>(found);
+}
+
+// layout: [path, anchor, n_operands, gemm_auto, row_output, keepdim, channels, out_h,
+//          out_w, stores_pre_norm, has_bias]
+// conv: empty, or [nd, stride x nd, padding x nd, dilation x nd, transposed,
+//       output_padding x nd, groups]
+// saves: per save [anchor_value, dtype code, per_row, ndim, dims x ndim].
+void set_plan(std::string_view spec, int64_t device, std::string_view library, std::string_view name,
+              at::IntArrayRef layout, at::IntArrayRef running_stats, at::IntArrayRef conv,
+              at::IntArrayRef saves) {
+  TORCH_CHECK(layout.size() == 11, "fusedepi_native.plan: layout has ", layout.size(), " entries, not 11");
+  auto plan = std::make_shared<Plan>();
+  plan->spec = std::string(spec);
+  plan->device = device;
+  plan->name = std::string(name);
+  const std::string path(library);
+  // The library is already loaded (ctypes): this takes a reference that is never dropped,
+  // so the entry points stay valid for the life of the process.
+  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  TORCH_CHECK(handle != nullptr, "fusedepi_native: cannot load ", path, ": ", dlerror());
+  plan->run = symbol<RunFn>(handle, "fusedepi_run", path);
+  plan->workspace_floats = symbol<WorkspaceFn>(handle, "fusedepi_workspace_floats", path);
+  plan->error_string = symbol<ErrorFn>(handle, "fusedepi_error_string", path);
+
+  plan->path = static_cast<Path>(layout[0]);
+  plan->anchor = static_cast<Anchor>(layout[1]);
+  plan->n_operands = layout[2];
+  plan->gemm_auto = layout[3] != 0;
+  plan->row_output = layout[4] != 0;
+  plan->keepdim = layout[5] != 0;
+  plan->channels = layout[6];
+  plan->out_h = layout[7];
+  plan->out_w = layout[8];
+  plan->stores_pre_norm = layout[9] != 0;
+  plan->has_bias = layout[10] != 0;
+  TORCH_CHECK(layout[0] >= 0 && layout[0] <= 2 && layout[1] >= 0 && layout[1] <= 2,
+              "fusedepi_native.plan: bad path or anchor in the layout");
+  plan->running_stats.assign(running_stats.begin(), running_stats.end());
+
+  if (!conv.empty()) {
+    const int64_t nd = conv[0];
+    TORCH_CHECK(static_cast<int64_t>(conv.size()) == 4 * nd + 3, "fusedepi_native.plan: conv has ",
+                conv.size(), " entries for ", nd, " dims");
+    auto take = [&](int64_t at) { return std::vector<int64_t>(conv.begin() + at, conv.begin() + at + nd); };
+    plan->stride = take(1);
+    plan->padding = take(1 + nd);
+    plan->dilation = take(1 + 2 * nd);
+    plan->transposed = conv[1 + 3 * nd] != 0;
+    plan->output_padding = take(2 + 3 * nd);
+    plan->groups = conv[2 + 4 * nd];
+  }
+  TORCH_CHECK(plan->anchor != Anchor::kConv || plan->path != Path::kLibraryAnchor || !conv.empty(),
+              "fusedepi_native.plan: a library conv needs its parameters");
+
+  for (size_t at = 0; at < saves.size();) {
+    TORCH_CHECK(at + 4 <= saves.size(), "fusedepi_native.plan: a save is cut short");
+    Save save;
+    save.anchor_value = saves[at] != 0;
+    save.dtype = dtype_of(saves[at + 1]);
+    save.per_row = saves[at + 2];
+    const int64_t ndim = saves[at + 3];
+    TORCH_CHECK(ndim >= (save.per_row ? 1 : 0) && at + 4 + ndim <= saves.size(),
+                "fusedepi_native.plan: a save is cut short");
+    save.shape.assign(saves.begin() + at + 4, saves.begin() + at + 4 + ndim);
+    plan->saves.push_back(std::move(save));
+    at += 4 + ndim;
+  }
+
+  std::unique_lock lock(plans_mutex);
+  auto& bucket = plans[std::hash<std::string_view>{}(spec)];
+  for (auto& existing : bucket) {
+    if (existing->device == device && existing->spec == spec) {
+      plan->in_kernel_rows = existing->in_kernel_rows;
+      existing = plan;
+      return;
+    }
+  }
+  bucket.push_back(plan);
+}
+
+void set_rows(std::string_view spec, int64_t device, int64_t rows, bool in_kernel) {
+  std::unique_lock lock(plans_mutex);
+  auto plan = find_locked(spec, device);
+  TORCH_CHECK(plan != nullptr, "fusedepi_native.plan_rows: no plan for this spec on cuda:", device);
+  plan->in_kernel_rows[rows] = in_kernel;
+}
+
+void forget() {
+  std::unique_lock lock(plans_mutex);
+  plans.clear();
+}
+
+int64_t plan_count() {
+  std::shared_lock lock(plans_mutex);
+  int64_t count = 0;
+  for (const auto& bucket : plans) count += static_cast<int64_t>(bucket.second.size());
+  return count;
+}
+
+// Contiguous and 32-byte aligned: the kernels read operands as whole vectors.
+at::Tensor aligned(const at::Tensor& t) {
+  if (t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 32 == 0) return t;
+  return t.clone(at::MemoryFormat::Contiguous);
+}
+
+std::vector<int64_t> row_shape(const Plan& plan, int64_t rows) {
+  return plan.keepdim ? std::vector<int64_t>{rows, 1} : std::vector<int64_t>{rows};
+}
+
+// The anchor op exactly as the graph had it (ops.run_anchor).
+at::Tensor run_anchor(const Plan& plan, const std::vector<at::Tensor>& operands) {
+  switch (plan.anchor) {
+    case Anchor::kAddmm:
+      return at::addmm(operands[0], operands[1], operands[2]);
+    case Anchor::kMm:
+      return at::mm(operands[0], operands[1]);
+    case Anchor::kConv:
+      break;
+  }
+  std::optional<at::Tensor> bias;
+  if (plan.has_bias) bias = operands[2];
+  return at::convolution(operands[0], operands[1], bias, plan.stride, plan.padding, plan.dilation,
+                         plan.transposed, plan.output_padding, plan.groups);
+}
+
+std::vector<at::Tensor> launch(const Plan& plan, at::TensorList inputs, bool in_kernel) {
+  const int64_t n = plan.n_operands;
+  TORCH_CHECK(static_cast<int64_t>(inputs.size()) >= n, "fusedepi::chain: ", inputs.size(),
+              " inputs for an anchor of ", n, " operands");
+  std::vector<at::Tensor> operands(inputs.begin(), inputs.begin() + n);
+  std::vector<at::Tensor> params;
+  params.reserve(inputs.size() - n);
+  for (size_t i = n; i < inputs.size(); ++i) params.push_back(aligned(inputs[i]));
+
+  const bool library_gemm = plan.path == Path::kGemm && !in_kernel;
+  at::Tensor y, out;
+  if (in_kernel) {
+    // x, and the weight w[N, K] that mat2 = w^T transposes, as the bulk copies read them.
+    operands.back() = operands.back().t();
+    for (auto& t : operands) t = aligned(t);
+    const at::Tensor& x = operands[n - 2];
+    const int64_t rows = x.size(0);
+    out = y = plan.row_output ? at::empty(row_shape(plan, rows), x.options())
+                              : at::empty({rows, plan.channels}, x.options());
+  } else if (plan.path == Path::kDirectConv) {
+    for (auto& t : operands) t = aligned(t);
+    const at::Tensor& x = operands[0];
+    out = at::empty({x.size(0), plan.channels, plan.out_h, plan.out_w}, x.options());
+    y = plan.stores_pre_norm ? at::empty_like(out) : out;
+  } else {
+    y = run_anchor(plan, operands).contiguous();
+    out = plan.row_output ? at::empty(row_shape(plan, y.size(0)), y.options()) : at::empty_like(y);
+  }
+  const int64_t rows = y.size(0);
+
+  std::vector<at::Tensor> result;
+  result.reserve(1 + plan.running_stats.size() + plan.saves.size());
+  result.push_back(out);
+  for (int64_t i : plan.running_stats) result.push_back(at::empty_like(params.at(i)));
+  for (const Save& save : plan.saves) {
+    const std::vector<int64_t> shape = save.sized(rows);
+    result.push_back(save.anchor_value ? y.view(shape).to(save.dtype)
+                                       : at::empty(shape, y.options().dtype(save.dtype)));
+  }
+  // Pointwise chains need no workspace, nor does the epilogue kernel of an in-kernel GEMM
+  // file (the workspace its library asks for holds the in-kernel GEMM's row partials).
+  const long long ws_floats = plan.workspace_floats(rows);
+  at::Tensor ws;
+  if (ws_floats > 0 && !library_gemm) ws = at::empty({ws_floats}, y.options().dtype(at::kFloat));
+
+  std::vector<void*> pointers;
+  pointers.reserve(3 + result.size() + params.size() + operands.size());
+  pointers.push_back(y.data_ptr());
+  for (const auto& t : result) pointers.push_back(t.data_ptr());
+  for (const auto& t : params) pointers.push_back(t.data_ptr());
+  pointers.push_back(ws.defined() ? ws.data_ptr() : nullptr);
+  if (library_gemm) {  // null operands: the file runs its epilogue kernel on y
+    pointers.insert(pointers.end(), operands.size(), nullptr);
+  } else if (plan.path != Path::kLibraryAnchor) {
+    for (const auto& t : operands) pointers.push_back(t.data_ptr());
+  }
+  const auto device = static_cast<c10::DeviceIndex>(plan.device);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  const int code = plan.run(pointers.data(), rows, static_cast<int>(plan.device), stream);
+  TORCH_CHECK(code == 0, "fusedepi kernel ", plan.name, " failed: ", plan.error_string(code));
+  return result;
+}
+
+std::vector<at::Tensor> python_chain(at::TensorList inputs, c10::string_view spec) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fusedepi::chain_py", "")
+                       .typed<std::vector<at::Tensor>(at::TensorList, c10::string_view)>();
+  return op.call(inputs, spec);
+}
+
+std::vector<at::Tensor> chain_cuda(at::TensorList inputs, c10::string_view spec) {
+  TORCH_CHECK(!inputs.empty(), "fusedepi::chain: no inputs");
+  const std::string_view key(spec.data(), spec.size());
+  std::shared_ptr<Plan> plan;
+  bool in_kernel = false;
+  {
+    std::shared_lock lock(plans_mutex);
+    plan = find_locked(key, inputs[0].device().index());
+    if (plan && plan->path == Path::kGemm) {
+      in_kernel = true;
+      if (plan->gemm_auto) {
+        const at::Tensor& x = inputs[plan->n_operands - 2];
+        auto known = plan->in_kernel_rows.find(x.size(0));
+        if (known == plan->in_kernel_rows.end()) {
+          plan = nullptr;  // Python's rule answers for these rows
+        } else {
+          in_kernel = known->second;
+        }
+      }
+    }
+  }
+  if (!plan) return python_chain(inputs, spec);
+  return launch(*plan, inputs, in_kernel);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(fusedepi_native, m) {
+  m.def(
+      "plan(str spec, int device, str library, str name, int[] layout, int[] running_stats, int[] conv, "
+      "int[] saves) -> ()",
+      [](c10::string_view spec, int64_t device, c10::string_view library, c10::string_view name,
+         at::IntArrayRef layout, at::IntArrayRef running_stats, at::IntArrayRef conv, at::IntArrayRef saves) {
+        set_plan(std::string_view(spec.data(), spec.size()), device,
+                 std::string_view(library.data(), library.size()), std::string_view(name.data(), name.size()),
+                 layout, running_stats, conv, saves);
+      });
+  m.def("plan_rows(str spec, int device, int rows, bool in_kernel) -> ()",
+        [](c10::string_view spec, int64_t device, int64_t rows, bool in_kernel) {
+          set_rows(std::string_view(spec.data(), spec.size()), device, rows, in_kernel);
+        });
+  m.def("forget() -> ()", &forget);
+  m.def("plan_count() -> int", &plan_count);
+}
+
+TORCH_LIBRARY_IMPL(fusedepi, CUDA, m) { m.impl("chain", TORCH_FN(chain_cuda)); }

@@ -1,0 +1,204 @@
+"""The C++ launcher (fusion_backend/csrc/launcher.cpp, fusion_backend/native.py).
+
+GPU-free: the source compiles against this torch's headers; a failed build leaves the
+Python launcher serving CUDA calls (or raises under strict mode); the plan encoding.
+GPU: the C++ and Python launchers return the same bits on the fuzzer's models, and the
+C++ one serves every call after a spec's first.
+"""
+
+import shutil
+import subprocess
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fusion_backend import load_config, native, ops, rewrite
+from fusion_backend.rewrite import FusionError
+from lowering.spec import Anchor, Save
+
+GPP = shutil.which("g++")
+
+
+def _cuda_include_dirs():
+    try:
+        return native.cuda_include_dirs()
+    except native.BuildError:
+        return []
+
+
+@pytest.mark.skipif(GPP is None or not _cuda_include_dirs(), reason="needs g++ and nvcc")
+def test_launcher_source_compiles(tmp_path):
+    from torch.utils.cpp_extension import include_paths
+
+    # A CPU build of torch ships c10/cuda's headers without the one its CMake generates;
+    # its content only matters for linking, which this check does not do.
+    stub = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    stub.parent.mkdir(parents=True)
+    stub.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    flags = [f"-I{p}" for p in include_paths() + [str(tmp_path)] + _cuda_include_dirs()]
+    result = subprocess.run([GPP, "-std=c++20", "-fsyntax-only", "-Wall", "-Wextra", "-Werror=return-type", *flags,
+                             str(native.SOURCE)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ours = [line for line in result.stderr.splitlines() if str(native.SOURCE) in line and "warning" in line]
+    assert not ours, "\n".join(ours)
+
+
+def test_build_key_follows_the_source_and_torch(monkeypatch):
+    key = native.build_key()
+    assert key == native.build_key()
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    assert native.build_key() != key
+
+
+@pytest.fixture
+def native_untried(monkeypatch):
+    """ops' launcher state as in a process that has not tried the C++ launcher; restored after."""
+    if ops.native_launcher() == "loaded":
+        pytest.skip("the C++ launcher is loaded in this process")
+    monkeypatch.setattr(ops, "_native_state", "python")
+
+
+def _has_cuda_kernel() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("fusedepi::chain", "CUDA")
+
+
+def test_a_failed_build_leaves_the_python_launcher_serving(native_untried, monkeypatch, tmp_path):
+    def failing(cache_dir):
+        raise native.BuildError("RuntimeError: no compiler")
+
+    monkeypatch.setattr(native, "build_and_load", failing)
+    assert _has_cuda_kernel()
+    with pytest.raises(native.BuildError, match="no compiler"):
+        ops.enable_native(tmp_path)
+    assert ops.native_launcher() == "failed"
+    assert _has_cuda_kernel(), "the Python CUDA implementation was not put back"
+    assert not ops.enable_native(tmp_path), "a failed build is tried again in the same process"
+
+
+def test_a_failed_build_warns_or_raises_under_strict(native_untried, monkeypatch, tmp_path, caplog):
+    calls = []
+
+    def failing(cache_dir):
+        calls.append(cache_dir)
+        raise native.BuildError("RuntimeError: no compiler\nmore lines")
+
+    monkeypatch.setattr(native, "build_and_load", failing)
+    monkeypatch.setenv("FUSEDEPI_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FUSEDEPI_STRICT", "1")
+    with pytest.raises(FusionError, match="C\\+\\+ launcher failed to build: RuntimeError: no compiler"):
+        rewrite._enable_native(load_config())
+    monkeypatch.setattr(ops, "_native_state", "python")
+    monkeypatch.delenv("FUSEDEPI_STRICT")
+    with caplog.at_level("WARNING", logger="fusedepi"):
+        rewrite._enable_native(load_config())
+    assert "the C++ launcher failed to build (RuntimeError: no compiler); fused ops launch from Python" in caplog.text
+    assert calls == [tmp_path, tmp_path]
+    assert _has_cuda_kernel()
+
+
+def _launcher(anchor, saves=(), **fields):
+    """The attributes of ops.Launcher that native.register reads."""
+    spec = SimpleNamespace(anchor=anchor, channels=fields.pop("channels", 16))
+    defaults = dict(spec=spec, gemm=False, lib=SimpleNamespace(anchor_inside=False), n_operands=anchor.n_operands,
+                    gemm_auto=False, row_output=False, keepdim=False, stores_pre_norm=False, running_stats=(),
+                    saves=[(s, getattr(torch, s.dtype)) for s in saves], gemm_tf32=False, reads_conv_tf32=False)
+    defaults.update(fields)
+    return SimpleNamespace(**defaults)
+
+
+def test_plan_layout_of_a_library_conv_with_saves():
+    conv = Anchor("conv", has_bias=True, conv=((2, 1), (1, 0), (1, 3), False, (0, 0), 4))
+    saves = (Save("value", "float32", (-1, 16, 5, 5), 16 * 25, at=0), Save("mean", "bfloat16", (16,), 0),
+             Save("value", "float16", (-1, 16), 16, at=2))
+    launcher = _launcher(conv, saves, running_stats=(2, 3))
+    assert native._layout(launcher) == [native.LIBRARY_ANCHOR, 2, 3, 0, 0, 0, 16, 0, 0, 0, 1]
+    assert native._conv(conv) == [2, 2, 1, 1, 0, 1, 3, 0, 0, 0, 4]
+    assert native._saves(launcher) == [1, 0, 400, 4, -1, 16, 5, 5, 0, 2, 0, 1, 16, 0, 1, 16, 2, -1, 16]
+
+
+def test_plan_layout_of_a_gemm_and_the_variants_python_keeps():
+    launcher = _launcher(Anchor("addmm"), gemm=True, gemm_auto=True, row_output=True, keepdim=True, channels=8192,
+                         lib=SimpleNamespace(anchor_inside=True))
+    assert native._layout(launcher) == [native.GEMM, 0, 3, 1, 1, 1, 8192, 0, 0, 0, 0]
+    assert native._conv(launcher.spec.anchor) == []
+    assert native.covers(launcher)
+    assert not native.covers(_launcher(Anchor("mm"), gemm=True, gemm_tf32=True))
+    assert not native.covers(_launcher(Anchor("conv", conv=((1, 1), (0, 0), (1, 1), False, (0, 0), 1)),
+                                       reads_conv_tf32=True))
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.fixture
+def python_launches(monkeypatch):
+    """Counts the calls that the Python launcher runs."""
+    calls = []
+    real = ops.Launcher.__call__
+    monkeypatch.setattr(ops.Launcher, "__call__", lambda self, inputs: (calls.append(self), real(self, inputs))[1])
+    return calls
+
+
+def _agree(spec, inputs, python_launches) -> bool:
+    """Runs `spec` on `inputs` through `fusedepi::chain` and through the Python launcher;
+    asserts equal bits. Returns whether C++ served the first."""
+    before = len(python_launches)
+    ours = torch.ops.fusedepi.chain(inputs, spec)
+    served = len(python_launches) == before
+    theirs = torch.ops.fusedepi.chain_py(inputs, spec)
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    return served
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gemm", [False, True], ids=["library-anchor", "in-kernel-gemm"])
+def test_cpp_and_python_launchers_agree_on_fuzzed_models(gemm, monkeypatch, python_launches):
+    from fuzzer import make_case, run_case
+
+    captured = []
+    real = ops.launcher_for
+
+    def capturing(spec, device):
+        launcher = real(spec, device)
+        return lambda inputs: (captured.append((spec, [t.clone() for t in inputs])), launcher(inputs))[1]
+
+    monkeypatch.setattr(ops, "launcher_for", capturing)
+    for index in range(30):
+        result = run_case(make_case(7, index, "cuda", gemm=gemm), "cuda", grad=index % 3 == 0)
+        assert result.check != "error", result.finding
+    monkeypatch.setattr(ops, "launcher_for", real)
+    assert ops.native_launcher() == "loaded"
+    assert len(captured) >= 15, f"only {len(captured)} fused calls in 30 models"
+    served = 0
+    for spec, inputs in captured:
+        covered = native.covers(ops.launcher_for(spec, inputs[0].device))
+        cpp = _agree(spec, inputs, python_launches)
+        assert cpp == covered, f"C++ served: {cpp}, covers the spec: {covered} ({ops._parse(spec).fusion})"
+        served += cpp
+    assert served >= 10, f"C++ served {served} of {len(captured)} calls"
+
+
+@pytest.mark.gpu
+def test_cpp_launcher_asks_python_about_new_rows_of_an_in_kernel_gemm(python_launches):
+    from fusion_backend import fusedepi
+    from fusion_backend.backend import collect_reports
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU()).cuda().to(torch.bfloat16)
+    x = torch.rand(8192, 256, device="cuda", dtype=torch.bfloat16)
+    reports: list = []
+    with torch.no_grad(), collect_reports(reports):
+        torch.compile(model, backend=fusedepi)(x)
+    (spec,) = [r.spec for report in reports for r in report.records if r.status == "fused"]
+    assert "wgmma" in [r.kernel for report in reports for r in report.records][0]
+    bias, weight = model[0].bias, model[0].weight
+    for rows, in_kernel in ((8192, True), (8, False), (8, False), (8192, True)):
+        launcher = ops.launcher_for(spec, x.device)
+        inputs = [bias, torch.rand(rows, 256, device="cuda", dtype=torch.bfloat16), weight.t()]
+        known = rows in launcher._gemm_rows
+        assert _agree(spec, inputs, python_launches) == known, f"{rows} rows"
+        assert launcher.in_kernel_gemm(rows) == in_kernel
