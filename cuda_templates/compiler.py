@@ -110,7 +110,9 @@ def cache_key(source: str, arch: str, nvcc: str) -> str:
 
 
 @contextmanager
-def _file_lock(path: Path):
+def file_lock(path: Path):
+    """An exclusive flock on `path`: the kernel drops it if the holder dies, so a killed
+    build never leaves the next one waiting."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -154,7 +156,7 @@ def _build_into(source: str, name: str, arch: str, nvcc: str, key: str, cache_di
     library = entry / LIBRARY
     if _intact(library):
         return library
-    with _file_lock(entry.parent / f"{key}.lock"):
+    with file_lock(entry.parent / f"{key}.lock"):
         if _intact(library):  # another process built it while we waited
             return library
         if library.exists():

@@ -6,19 +6,23 @@ dispatcher to Python, the launcher's Python and ctypes. `ops.Launcher` still dec
 everything once per spec and device, and `register` passes those decisions on; a call
 the C++ side has no plan for goes to the Python implementation (`fusedepi::chain_py`).
 
-Built by torch.utils.cpp_extension (ninja) into `<cache>/native/<key>/`, keyed by the
-source and the versions of torch, CUDA and Python, so a machine builds it once per
-torch version (tens of seconds); `ops.enable_native` loads it at the first compile of a
-CUDA chain.
+Built with the C++ compiler and torch's include and library paths into
+`<cache>/native/<key>/`, keyed by the source, the command, the compiler and torch's
+version, so a machine builds it once per torch version (about 10 s). As with the
+kernels, the build runs in a private directory under a file lock that dies with its
+process, and is installed by an atomic rename. `ops.enable_native` loads it at the
+first compile of a CUDA chain.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shlex
+import shutil
 import subprocess
-import sys
+import tempfile
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -28,11 +32,12 @@ import torch
 log = logging.getLogger("fusedepi")
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "launcher.cpp"
+LIBRARY = "fusedepi_native.so"
 
 # The dtype codes of `fusedepi_native.plan`'s saves (launcher.cpp: dtype_of).
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
-# Launcher paths (launcher.cpp: Path) and anchors (Anchor).
-LIBRARY_ANCHOR, GEMM, DIRECT_CONV = 0, 1, 2
+# Launcher.anchor_path (launcher.cpp: Path) and the anchors (Anchor).
+PATH_CODES = {"library anchor": 0, "in-kernel GEMM": 1, "direct conv": 2}
 ANCHOR_CODES = {"addmm": 0, "mm": 1, "conv": 2}
 
 
@@ -65,46 +70,95 @@ def cuda_include_dirs() -> list[str]:
     raise BuildError("no CUDA include directory: `nvcc --dryrun` names none")
 
 
-def build_key() -> str:
+def find_cxx() -> str:
+    """The C++ compiler: $CXX, else c++ or g++ from PATH.
+
+    Raises:
+        BuildError: none is found.
+    """
+    for name in (os.environ.get("CXX"), "c++", "g++"):
+        found = shutil.which(name) if name else None
+        if found:
+            return found
+    raise BuildError("no C++ compiler (set CXX or put c++ on PATH)")
+
+
+@lru_cache(maxsize=4)
+def _compiler_version(cxx: str) -> str:
+    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False)
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else "unknown"
+
+
+def build_command(cxx: str, output: str) -> list[str]:
+    """Compiles and links the launcher against this process's torch (not loaded yet:
+    torch's libraries are, when `torch.ops.load_library` opens it)."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{p}" for p in include_paths() + cuda_include_dirs()]
+    libraries = [f"-L{p}" for p in library_paths()]
+    return [cxx, "-O2", "-std=c++20", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes,
+            str(SOURCE), "-o", output, *libraries, "-lc10", "-lc10_cuda", "-ltorch_cpu", "-ltorch"]
+
+
+def build_key(cxx: str = "c++") -> str:
     h = hashlib.sha256(SOURCE.read_bytes())
-    for part in (torch.__version__, str(torch.version.cuda), sys.version):
+    for part in (" ".join(build_command(cxx, "OUT")), _compiler_version(cxx), torch.__version__,
+                 str(torch.version.cuda)):
         h.update(b"\0" + part.encode())
     return h.hexdigest()
 
 
-def build_and_load(cache_dir: Path) -> None:
-    """Builds the launcher into the cache (unless there) and loads it into the process,
-    which registers it as `fusedepi::chain`'s CUDA kernel.
+def build(cache_dir: Path) -> Path:
+    """The launcher library in the cache, built first if it is not there.
 
     Raises:
-        BuildError: the compiler, torch's headers or the load failed.
+        BuildError: no compiler, no CUDA headers, a compile or link error, or an
+            unwritable cache.
     """
-    from torch.utils import cpp_extension
+    from cuda_templates.compiler import file_lock
 
-    directory = Path(cache_dir) / "native" / build_key()[:16]
-    start = time.perf_counter()
-    log.info("fusedepi: loading the C++ launcher from %s (built there first if missing: once per torch version)",
-             directory)
+    cxx = find_cxx()
+    key = build_key(cxx)[:16]
+    entry = Path(cache_dir) / "native" / key
+    library = entry / LIBRARY
+    if library.exists():
+        return library
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        # Plain C++ linked to c10_cuda (the current stream): no CUDA runtime call, so
-        # neither nvcc nor cpp_extension's guess of the toolkit's home is needed.
-        cpp_extension.load(
-            name="fusedepi_native",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O2"],
-            extra_include_paths=cuda_include_dirs(),
-            extra_ldflags=["-lc10_cuda"],
-            build_directory=str(directory),
-            with_cuda=False,
-            is_python_module=False,
-            verbose=False,
-        )
-    except BuildError:
-        raise
-    except Exception as err:  # compiler, headers, linker, loader: all end the same way
-        raise BuildError(f"{type(err).__name__}: {err}") from err
-    log.info("fusedepi: C++ launcher ready in %.1f s", time.perf_counter() - start)
+        with file_lock(entry.parent / f"{key}.lock"):
+            if library.exists():  # another process built it while we waited
+                return library
+            entry.mkdir(parents=True, exist_ok=True)
+            start = time.perf_counter()
+            log.info("fusedepi: building the C++ launcher into %s (once per torch version)", entry)
+            with tempfile.TemporaryDirectory(dir=entry, prefix="build-") as tmp:
+                built = Path(tmp) / LIBRARY
+                result = subprocess.run(build_command(cxx, str(built)), capture_output=True, text=True, check=False)
+                if result.returncode != 0:
+                    raise BuildError(f"{cxx} failed on {SOURCE.name}:\n{result.stderr[-4000:]}")
+                os.replace(built, library)
+            log.info("fusedepi: built the C++ launcher in %.1f s", time.perf_counter() - start)
+    except OSError as err:
+        raise BuildError(f"cannot write {entry}: {err}") from err
+    return library
+
+
+def load(library: Path) -> None:
+    """Loads the launcher library: defines the `fusedepi_native` ops (not yet the kernel
+    of `fusedepi::chain`: `install`).
+
+    Raises:
+        BuildError: the library does not load (a torch it was not built for, say).
+    """
+    try:
+        torch.ops.load_library(str(library))
+    except (OSError, RuntimeError) as err:
+        raise BuildError(f"cannot load {library}: {err}") from err
+
+
+def install() -> None:
+    """Makes the loaded launcher `fusedepi::chain`'s CUDA kernel."""
+    torch.ops.fusedepi_native.install()
 
 
 def covers(launcher) -> bool:
@@ -116,14 +170,8 @@ def covers(launcher) -> bool:
 
 def _layout(launcher) -> list[int]:
     spec = launcher.spec
-    if launcher.gemm:
-        path = GEMM
-    elif launcher.lib.anchor_inside:
-        path = DIRECT_CONV
-    else:
-        path = LIBRARY_ANCHOR
-    out_h, out_w = spec.anchor.direct_out_hw() if path == DIRECT_CONV else (0, 0)
-    return [path, ANCHOR_CODES[spec.anchor.kind], launcher.n_operands, int(launcher.gemm_auto),
+    out_h, out_w = spec.anchor.direct_out_hw() if launcher.anchor_path == "direct conv" else (0, 0)
+    return [PATH_CODES[launcher.anchor_path], ANCHOR_CODES[spec.anchor.kind], launcher.n_operands, int(launcher.gemm_auto),
             int(launcher.row_output), int(launcher.keepdim), spec.channels, out_h, out_w,
             int(launcher.stores_pre_norm), int(spec.anchor.has_bias)]
 

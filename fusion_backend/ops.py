@@ -173,6 +173,14 @@ class Launcher:
         self.stores_pre_norm = (
             self.lib.anchor_inside and not self.gemm and direct.stores_pre_norm and self.spec.reduction is not None
         )
+        # Who computes the anchor: the in-kernel GEMM (or, per call, the library GEMM and the
+        # file's epilogue kernel), the file's direct conv, or the library before the kernels.
+        if self.gemm:
+            self.anchor_path = "in-kernel GEMM"
+        elif self.lib.anchor_inside:
+            self.anchor_path = "direct conv"
+        else:
+            self.anchor_path = "library anchor"
         self.reads_conv_tf32 = reads_conv_tf32(spec)
         # Whether the C++ launcher has this launcher's plan (launcher_for registers it).
         self.native = False
@@ -337,15 +345,23 @@ def enable_native(cache_dir: Path) -> bool:
     with _native_lock:
         if _native_state != "python":
             return False
+        try:
+            native.load(native.build(cache_dir))
+        except native.BuildError:
+            _native_state = "failed"
+            raise
         # Two CUDA kernels for one op would override each other with a warning: the
-        # Python one goes first, and comes back if the C++ one does not load.
+        # Python one goes, the C++ one comes, back to back; and Python's comes back if
+        # that fails, whatever the failure.
         _python_cuda._destroy()
         try:
-            native.build_and_load(cache_dir)
-        except native.BuildError:
+            native.install()
+        except BaseException as err:
             _python_cuda = torch.library.Library("fusedepi", "IMPL")
             _python_cuda.impl("chain", _chain_cuda, "CUDA")
             _native_state = "failed"
+            if isinstance(err, Exception):
+                raise native.BuildError(f"cannot install the C++ launcher: {err}") from err
             raise
         _native_state = "loaded"
         for launcher in list(_launchers.values()):  # those made before: their plans too
@@ -359,10 +375,10 @@ def _register_native(launcher: Launcher) -> None:
         return
     try:
         native.register(launcher, launcher.spec_json, launcher.device_index)
-        for rows, use in list(launcher._gemm_rows.items()):
-            native.register_rows(launcher.spec_json, launcher.device_index, rows, use)
     except Exception as err:  # a plan that does not encode is our bug; Python runs the chain all the same
         log.warning("fusedepi: the C++ launcher has no plan for %s (%s: %s); it launches from Python",
                     launcher.spec.fusion, type(err).__name__, err)
         return
-    launcher.native = True
+    launcher.native = True  # from here on, rows decided in Python are passed on as well
+    for rows, use in list(launcher._gemm_rows.items()):
+        native.register_rows(launcher.spec_json, launcher.device_index, rows, use)

@@ -29,21 +29,21 @@ def _cuda_include_dirs():
 
 @pytest.mark.skipif(GPP is None or not _cuda_include_dirs(), reason="needs g++ and nvcc")
 def test_launcher_source_compiles(tmp_path):
-    from torch.utils.cpp_extension import include_paths
-
-    # A CPU build of torch ships c10/cuda's headers without the one its CMake generates;
-    # its content only matters for linking, which this check does not do.
+    # The product's own command, without linking (a CPU build of torch has no c10_cuda).
+    # Such a build also ships c10/cuda's headers without the one its CMake generates,
+    # whose content only matters for linking.
     stub = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
     stub.parent.mkdir(parents=True)
     stub.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
-    flags = [f"-I{p}" for p in include_paths() + [str(tmp_path)] + _cuda_include_dirs()]
-    result = subprocess.run([GPP, "-std=c++20", "-fsyntax-only", "-Wall", "-Wextra", "-Werror=return-type", *flags,
-                             str(native.SOURCE)], capture_output=True, text=True, check=False)
+    command = native.build_command(GPP, str(tmp_path / "unused.so"))
+    result = subprocess.run(command + ["-fsyntax-only", f"-I{tmp_path}", "-Wall", "-Wextra", "-Werror=return-type"],
+                            capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     ours = [line for line in result.stderr.splitlines() if str(native.SOURCE) in line and "warning" in line]
     assert not ours, "\n".join(ours)
 
 
+@pytest.mark.skipif(not _cuda_include_dirs(), reason="needs nvcc")
 def test_build_key_follows_the_source_and_torch(monkeypatch):
     key = native.build_key()
     assert key == native.build_key()
@@ -67,7 +67,7 @@ def test_a_failed_build_leaves_the_python_launcher_serving(native_untried, monke
     def failing(cache_dir):
         raise native.BuildError("RuntimeError: no compiler")
 
-    monkeypatch.setattr(native, "build_and_load", failing)
+    monkeypatch.setattr(native, "build", failing)
     assert _has_cuda_kernel()
     with pytest.raises(native.BuildError, match="no compiler"):
         ops.enable_native(tmp_path)
@@ -83,7 +83,7 @@ def test_a_failed_build_warns_or_raises_under_strict(native_untried, monkeypatch
         calls.append(cache_dir)
         raise native.BuildError("RuntimeError: no compiler\nmore lines")
 
-    monkeypatch.setattr(native, "build_and_load", failing)
+    monkeypatch.setattr(native, "build", failing)
     monkeypatch.setenv("FUSEDEPI_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("FUSEDEPI_STRICT", "1")
     with pytest.raises(FusionError, match="C\\+\\+ launcher failed to build: RuntimeError: no compiler"):
@@ -97,10 +97,34 @@ def test_a_failed_build_warns_or_raises_under_strict(native_untried, monkeypatch
     assert _has_cuda_kernel()
 
 
+@pytest.mark.parametrize("failure", [RuntimeError("no kernel for you"), KeyboardInterrupt()], ids=["error", "interrupt"])
+def test_a_failed_install_puts_the_python_launcher_back(failure, native_untried, monkeypatch, tmp_path):
+    def failing():
+        raise failure
+
+    monkeypatch.setattr(native, "build", lambda cache_dir: tmp_path / native.LIBRARY)
+    monkeypatch.setattr(native, "load", lambda library: None)
+    monkeypatch.setattr(native, "install", failing)
+    with pytest.raises(native.BuildError if isinstance(failure, Exception) else KeyboardInterrupt):
+        ops.enable_native(tmp_path)
+    assert ops.native_launcher() == "failed"
+    assert _has_cuda_kernel(), "the Python CUDA implementation was not put back"
+
+
+@pytest.mark.skipif(not _cuda_include_dirs(), reason="needs nvcc")
+def test_a_compiler_error_is_a_build_error_and_leaves_nothing_behind(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", shutil.which("false") or "/bin/false")
+    with pytest.raises(native.BuildError, match="failed on launcher.cpp"):
+        native.build(tmp_path)
+    entries = list((tmp_path / "native").iterdir())
+    assert [p.suffix for p in entries if p.is_file()] == [".lock"]
+    assert all(not any(d.iterdir()) for d in entries if d.is_dir()), "a build directory was left behind"
+
+
 def _launcher(anchor, saves=(), **fields):
     """The attributes of ops.Launcher that native.register reads."""
     spec = SimpleNamespace(anchor=anchor, channels=fields.pop("channels", 16))
-    defaults = dict(spec=spec, gemm=False, lib=SimpleNamespace(anchor_inside=False), n_operands=anchor.n_operands,
+    defaults = dict(spec=spec, anchor_path="library anchor", n_operands=anchor.n_operands,
                     gemm_auto=False, row_output=False, keepdim=False, stores_pre_norm=False, running_stats=(),
                     saves=[(s, getattr(torch, s.dtype)) for s in saves], gemm_tf32=False, reads_conv_tf32=False)
     defaults.update(fields)
@@ -112,18 +136,18 @@ def test_plan_layout_of_a_library_conv_with_saves():
     saves = (Save("value", "float32", (-1, 16, 5, 5), 16 * 25, at=0), Save("mean", "bfloat16", (16,), 0),
              Save("value", "float16", (-1, 16), 16, at=2))
     launcher = _launcher(conv, saves, running_stats=(2, 3))
-    assert native._layout(launcher) == [native.LIBRARY_ANCHOR, 2, 3, 0, 0, 0, 16, 0, 0, 0, 1]
+    assert native._layout(launcher) == [0, 2, 3, 0, 0, 0, 16, 0, 0, 0, 1]
     assert native._conv(conv) == [2, 2, 1, 1, 0, 1, 3, 0, 0, 0, 4]
     assert native._saves(launcher) == [1, 0, 400, 4, -1, 16, 5, 5, 0, 2, 0, 1, 16, 0, 1, 16, 2, -1, 16]
 
 
 def test_plan_layout_of_a_gemm_and_the_variants_python_keeps():
-    launcher = _launcher(Anchor("addmm"), gemm=True, gemm_auto=True, row_output=True, keepdim=True, channels=8192,
-                         lib=SimpleNamespace(anchor_inside=True))
-    assert native._layout(launcher) == [native.GEMM, 0, 3, 1, 1, 1, 8192, 0, 0, 0, 0]
+    launcher = _launcher(Anchor("addmm"), anchor_path="in-kernel GEMM", gemm_auto=True, row_output=True, keepdim=True,
+                         channels=8192)
+    assert native._layout(launcher) == [1, 0, 3, 1, 1, 1, 8192, 0, 0, 0, 0]
     assert native._conv(launcher.spec.anchor) == []
     assert native.covers(launcher)
-    assert not native.covers(_launcher(Anchor("mm"), gemm=True, gemm_tf32=True))
+    assert not native.covers(_launcher(Anchor("mm"), anchor_path="in-kernel GEMM", gemm_tf32=True))
     assert not native.covers(_launcher(Anchor("conv", conv=((1, 1), (0, 0), (1, 1), False, (0, 0), 1)),
                                        reads_conv_tf32=True))
 
@@ -173,13 +197,21 @@ def test_cpp_and_python_launchers_agree_on_fuzzed_models(gemm, monkeypatch, pyth
     monkeypatch.setattr(ops, "launcher_for", real)
     assert ops.native_launcher() == "loaded"
     assert len(captured) >= 15, f"only {len(captured)} fused calls in 30 models"
-    served = 0
+    served, kinds = 0, set()
     for spec, inputs in captured:
-        covered = native.covers(ops.launcher_for(spec, inputs[0].device))
+        launcher = ops.launcher_for(spec, inputs[0].device)
+        covered = native.covers(launcher)
         cpp = _agree(spec, inputs, python_launches)
-        assert cpp == covered, f"C++ served: {cpp}, covers the spec: {covered} ({ops._parse(spec).fusion})"
+        assert cpp == covered, f"C++ served: {cpp}, covers the spec: {covered} ({launcher.spec.fusion})"
         served += cpp
+        if cpp:
+            kinds |= {launcher.anchor_path, *(["saves"] if launcher.saves else []),
+                      *(["running stats"] if launcher.running_stats else [])}
     assert served >= 10, f"C++ served {served} of {len(captured)} calls"
+    # What the C++ side met: the in-kernel GEMM's models run it at every call
+    # (FUSEDEPI_IN_KERNEL_GEMM=1); the others have convs, and training graphs' saves.
+    expected = {"in-kernel GEMM", "saves"} if gemm else {"library anchor", "saves"}
+    assert expected <= kinds, f"C++ served {sorted(kinds)}"
 
 
 @pytest.mark.gpu
@@ -202,3 +234,9 @@ def test_cpp_launcher_asks_python_about_new_rows_of_an_in_kernel_gemm(python_lau
         known = rows in launcher._gemm_rows
         assert _agree(spec, inputs, python_launches) == known, f"{rows} rows"
         assert launcher.in_kernel_gemm(rows) == in_kernel
+    # Dropped plans: the next call asks Python again, which plans it anew.
+    ops.forget_loaded()
+    assert native.plan_count() == 0
+    assert not _agree(spec, inputs, python_launches)
+    assert native.plan_count() == 1
+    assert _agree(spec, inputs, python_launches)

@@ -6,12 +6,14 @@
 // outputs, which kernel entry points) through `fusedepi_native::plan`. A call whose
 // spec has no plan here, or whose rows the in-kernel GEMM rule has not yet been asked
 // about (`fusedepi_native::plan_rows`), goes to the Python implementation
-// (`fusedepi::chain_py`), which answers and registers what the next call needs.
+// (`fusedepi::chain_py`), which answers and registers what the next call needs. Loading
+// the library defines the `fusedepi_native` ops; `fusedepi_native::install` then makes
+// this file `fusedepi::chain`'s CUDA kernel.
 //
 // The per-call work mirrors Launcher.__call__ line for line: the anchor (library GEMM or
 // conv) unless the kernel computes it, the outputs, the workspace, the pointer list, and
-// the kernel file's `fusedepi_run` on the current stream. Built by
-// torch.utils.cpp_extension (fusion_backend/native.py), once per torch version.
+// the kernel file's `fusedepi_run` on the current stream. Built by fusion_backend/native.py
+// (the C++ compiler with torch's paths), once per torch version.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -206,11 +208,11 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   bucket.push_back(plan);
 }
 
+// A spec without a plan (dropped by `forget` meanwhile) keeps asking Python: nothing to do.
 void set_rows(std::string_view spec, int64_t device, int64_t rows, bool in_kernel) {
   std::unique_lock lock(plans_mutex);
   auto plan = find_locked(spec, device);
-  TORCH_CHECK(plan != nullptr, "fusedepi_native.plan_rows: no plan for this spec on cuda:", device);
-  plan->in_kernel_rows[rows] = in_kernel;
+  if (plan) plan->in_kernel_rows[rows] = in_kernel;
 }
 
 void forget() {
@@ -310,7 +312,10 @@ std::vector<at::Tensor> launch(const Plan& plan, at::TensorList inputs, bool in_
   const auto device = static_cast<c10::DeviceIndex>(plan.device);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   const int code = plan.run(pointers.data(), rows, static_cast<int>(plan.device), stream);
-  TORCH_CHECK(code == 0, "fusedepi kernel ", plan.name, " failed: ", plan.error_string(code));
+  if (code != 0) {
+    const char* message = plan.error_string(code);
+    TORCH_CHECK(false, "fusedepi kernel ", plan.name, " failed: ", message ? message : "unknown error");
+  }
   return result;
 }
 
@@ -346,6 +351,21 @@ std::vector<at::Tensor> chain_cuda(at::TensorList inputs, c10::string_view spec)
   return launch(*plan, inputs, in_kernel);
 }
 
+// `fusedepi::chain`'s CUDA kernel, registered when Python asks (`install`), not when the
+// library loads: Python first takes its own kernel back, and loading may happen long
+// before (a build) or fail without leaving the op without a CUDA kernel.
+std::unique_ptr<torch::Library> chain_kernel;
+std::mutex chain_kernel_mutex;
+
+void install() {
+  std::lock_guard lock(chain_kernel_mutex);
+  if (chain_kernel) return;
+  auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "fusedepi", c10::DispatchKey::CUDA,
+                                                  __FILE__, __LINE__);
+  library->impl("chain", TORCH_FN(chain_cuda));
+  chain_kernel = std::move(library);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fusedepi_native, m) {
@@ -362,8 +382,7 @@ TORCH_LIBRARY(fusedepi_native, m) {
         [](c10::string_view spec, int64_t device, int64_t rows, bool in_kernel) {
           set_rows(std::string_view(spec.data(), spec.size()), device, rows, in_kernel);
         });
+  m.def("install() -> ()", &install);
   m.def("forget() -> ()", &forget);
   m.def("plan_count() -> int", &plan_count);
 }
-
-TORCH_LIBRARY_IMPL(fusedepi, CUDA, m) { m.impl("chain", TORCH_FN(chain_cuda)); }
