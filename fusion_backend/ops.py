@@ -317,7 +317,7 @@ def _chain_cuda(inputs, spec):
 _LIB.impl("chain_py", _chain_cuda, "CUDA")
 # `chain`'s CUDA implementation until the C++ launcher replaces it, in its own library
 # object so that it can be taken back alone.
-_python_cuda: torch.library.Library | None = torch.library.Library("fusedepi", "IMPL")
+_python_cuda = torch.library.Library("fusedepi", "IMPL")
 _python_cuda.impl("chain", _chain_cuda, "CUDA")
 
 # "python" (not tried), "loaded" (C++ serves `chain` on CUDA) or "failed".
