@@ -169,18 +169,19 @@ class Launcher:
         # allows TF32 (read at every call, as eager's cuBLAS call reads it); else cuBLAS.
         self.gemm_tf32 = self.gemm and self.spec.dtype == "float32"
         self._gemm_rows: dict[int, bool] = {}
-        direct = cuda_templates.direct_plan(self.spec, arch_of(device), conv_tf32)
-        self.stores_pre_norm = (
-            self.lib.anchor_inside and not self.gemm and direct.stores_pre_norm and self.spec.reduction is not None
-        )
         # Who computes the anchor: the in-kernel GEMM (or, per call, the library GEMM and the
         # file's epilogue kernel), the file's direct conv, or the library before the kernels.
+        # The C++ launcher takes the same three paths (native.PATH_CODES).
         if self.gemm:
             self.anchor_path = "in-kernel GEMM"
         elif self.lib.anchor_inside:
             self.anchor_path = "direct conv"
         else:
             self.anchor_path = "library anchor"
+        direct = cuda_templates.direct_plan(self.spec, arch_of(device), conv_tf32)
+        self.stores_pre_norm = (
+            self.anchor_path == "direct conv" and direct.stores_pre_norm and self.spec.reduction is not None
+        )
         self.reads_conv_tf32 = reads_conv_tf32(spec)
         # Whether the C++ launcher has this launcher's plan (launcher_for registers it).
         self.native = False
@@ -216,7 +217,7 @@ class Launcher:
                 out = y = x.new_empty(self._row_shape(x.shape[0]))
             else:
                 out = y = x.new_empty((x.shape[0], self.spec.channels))
-        elif self.lib.anchor_inside and not self.gemm:
+        elif self.anchor_path == "direct conv":
             # Direct conv: the library computes the anchor from x and the weight.
             anchor_operands = [_aligned(t) for t in anchor_operands]
             x = anchor_operands[0]
@@ -250,7 +251,7 @@ class Launcher:
         pointers.append(ws.data_ptr() if ws is not None else 0)
         if library_gemm:  # null operands: the kernel file runs its epilogue kernel on y
             pointers += [0] * len(anchor_operands)
-        elif self.lib.anchor_inside:
+        elif self.anchor_path != "library anchor":
             pointers += [t.data_ptr() for t in anchor_operands]
         self.lib.run(pointers, rows, self.device_index, torch._C._cuda_getCurrentRawStream(self.device_index))
         return [out] + extras
