@@ -86,7 +86,7 @@ def _device_us(event) -> float:
     return getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
 
 
-def _kernel_times(fn, iters: int) -> list[tuple[float, int, str]]:
+def kernel_times(fn, iters: int) -> list[tuple[float, int, str]]:
     """(ms per call, launches per call, name) of every CUDA kernel `fn` runs."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -103,13 +103,13 @@ def _kernel_times(fn, iters: int) -> list[tuple[float, int, str]]:
 
 def _epilogue_ms(fn, kernel: str, iters: int = 20) -> float | None:
     """Device time per call of the kernels whose names contain `kernel`."""
-    total = sum(ms for ms, _, name in _kernel_times(fn, iters) if kernel in name)
+    total = sum(ms for ms, _, name in kernel_times(fn, iters) if kernel in name)
     return total or None
 
 
 def kernel_table(fn, iters: int = 10, top: int = 8) -> str:
     """The `top` CUDA kernels of `fn` by device time per call."""
-    rows = sorted(_kernel_times(fn, iters), reverse=True)[:top]
+    rows = sorted(kernel_times(fn, iters), reverse=True)[:top]
     return "\n".join(f"    {ms:8.4f} ms  x{n}  {name[:110]}" for ms, n, name in rows)
 
 

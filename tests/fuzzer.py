@@ -736,13 +736,38 @@ def scale_case(case: Case) -> Case:
                 case.generation, case.gemm, case.tf32)
 
 
-def bench(seed: int, count: int, first: int = 0, progress: bool = True, mode: str | None = None) -> dict:
+def cpu_us(fn, calls: int = 200) -> float:
+    """Microseconds of CPU a call of `fn` takes to issue its work (the GPU catches up after)."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def device_profile(fn, calls: int = 20) -> tuple[float, int, list[str]]:
+    """(GPU microseconds a call, kernel launches a call, kernel names) of `fn`."""
+    from benchmarks.compare import kernel_times
+
+    kernels = kernel_times(fn, calls)
+    return (sum(ms for ms, _, _ in kernels) * 1000, sum(n for _, n, _ in kernels),
+            [name[:60] for _, _, name in sorted(kernels, reverse=True)])
+
+
+def bench(seed: int, count: int, first: int = 0, progress: bool = True, mode: str | None = None,
+          profile: bool = False) -> dict:
     """Times `count` random models that fusedepi fuses whole (on CUDA), against Inductor.
 
     Models are scaled with `scale_case`; out-of-vocabulary and partly fused ones are
     skipped. `mode` is torch.compile's, for both backends ("reduce-overhead": CUDA
-    graphs, which take the per-call CPU cost out). Returns the rows and the
-    distribution of Inductor ms / fusedepi ms.
+    graphs, which take the per-call CPU cost out). With `profile`, each row also has,
+    per backend, the GPU time and kernel launches of a call (torch.profiler) and the
+    CPU time a call takes to issue them: which of the two bounds the model.
+    Returns the rows and the distribution of Inductor ms / fusedepi ms.
     """
     from triton.testing import do_bench
 
@@ -776,16 +801,28 @@ def bench(seed: int, count: int, first: int = 0, progress: bool = True, mode: st
                         break
                     kernel = fused[0].kernel
                 times[backend] = do_bench(lambda: fn(x, residual), warmup=25, rep=200, return_mode="median")
-        if len(times) < 2:
+                if profile:
+                    gpu_us, launches, names = device_profile(lambda: fn(x, residual))
+                    times[backend + "_profile"] = {"gpu_us": gpu_us, "launches": launches, "kernels": names,
+                                                   "cpu_us": cpu_us(lambda: fn(x, residual))}
+        if "inductor" not in times:
             continue
         row = {"index": case.index, "dtype": case.dtype, "anchor": case.anchor["kind"], "kernel": kernel,
+               "steps": [s["op"] for s in case.steps], "training": case.training,
                "fusedepi_ms": times["fusedepi"], "inductor_ms": times["inductor"],
                "ratio": times["inductor"] / times["fusedepi"]}
+        if profile:
+            row["fusedepi_profile"], row["inductor_profile"] = times["fusedepi_profile"], times["inductor_profile"]
         rows.append(row)
         if progress:
             print(f"[bench] {len(rows)}/{count} model {case.index} {case.dtype} {kernel}: "
                   f"fusedepi {row['fusedepi_ms']:.4f} ms, Inductor {row['inductor_ms']:.4f} ms, "
                   f"ratio {row['ratio']:.2f}", flush=True)
+            if profile:
+                for backend in ("fusedepi", "inductor"):
+                    p = row[backend + "_profile"]
+                    print(f"    {backend:9s} GPU {p['gpu_us']:7.1f} us in {p['launches']} launches, "
+                          f"CPU {p['cpu_us']:6.1f} us a call: {', '.join(p['kernels'])}", flush=True)
     ratios = sorted(r["ratio"] for r in rows)
     summary = {
         "models": len(rows),
@@ -812,6 +849,8 @@ def main(argv=None):
     parser.add_argument("--bench", type=int, metavar="N",
                         help="instead: time N wholly fused models (scaled up) against Inductor, CUDA only")
     parser.add_argument("--mode", help="torch.compile mode for --bench, e.g. reduce-overhead")
+    parser.add_argument("--profile", action="store_true",
+                        help="with --bench: each model's GPU time, launches and CPU time a call, per backend")
     parser.add_argument("--grad", action="store_true", help="also run backward and check the gradients")
     parser.add_argument("--generation", type=int, choices=sorted(CONV_NORMS), default=1,
                         help="the generator's vocabulary: 2 also draws InstanceNorm after convs")
@@ -820,7 +859,7 @@ def main(argv=None):
                              "run with FUSEDEPI_IN_KERNEL_GEMM=1")
     args = parser.parse_args(argv)
     if args.bench:
-        out = bench(args.seed, args.bench, args.first, mode=args.mode)
+        out = bench(args.seed, args.bench, args.first, mode=args.mode, profile=args.profile)
         print(json.dumps(out["summary"], indent=1))
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The seventeenth session's device calls (kept so that RESULTS.md's numbers can be rerun).
+#   bash benchmarks/session17.sh fuzzprof   # $BENCH random fused models against Inductor, with each model's
+#                                           # GPU time, launches and CPU time a call per backend (--profile)
+#   bash benchmarks/session17.sh tests      # tests/test_gpu.py -k "$TESTS_K"
+#   bash benchmarks/session17.sh rest       # the tier's other files
+#   bash benchmarks/session17.sh fuzz       # the GPU fuzzer: $MODELS models of seed $SEED, with --grad when GRAD=1
+source "$(dirname "$0")/device_setup.sh"
+case ${1:-fuzzprof} in
+  fuzzprof)
+    timeout ${BENCH_TIMEOUT:-560} python3 tests/fuzzer.py --bench ${BENCH:-50} --seed ${SEED:-0} --profile \
+      --json "$OUT/fuzzbench.json" 2>&1 | grep -v -i warn | tee "$OUT/fuzzbench.log" | tail -${TAIL:-40}
+    ;;
+  tests) gpu_tests_k ;;
+  rest) gpu_rest ;;
+  fuzz)
+    g=(); [ "${GRAD:-0}" = 1 ] && g=(--grad)
+    timeout ${FUZZ_TIMEOUT:-500} python3 tests/fuzzer.py --device cuda --models ${MODELS:-400} --seed ${SEED:-0} \
+      "${g[@]}" --workers 14 --time-limit ${FUZZ_LIMIT:-420} --json "$OUT/fuzz.json" 2>&1 | grep -v -i warn \
+      | grep -v "^\[fuzz\] [0-9]" | tee "$OUT/fuzz.log" | tail -40
+    ;;
+esac
