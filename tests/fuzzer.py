@@ -392,14 +392,18 @@ class FuzzModel(nn.Module):
         return x
 
 
-def make_inputs(case: Case, model: FuzzModel, device: str, draw: int = 0) -> tuple:
-    """(x, residual) of a Case; `draw` > 0 gives other random values of the same shapes."""
-    gen = torch.Generator().manual_seed((hash((case.seed, case.index)) + 1 + 7919 * draw) & 0xFFFFFFFF)
+def make_inputs(case: Case, model: FuzzModel, device: str, draw: int = 0, on_device: bool = False) -> tuple:
+    """(x, residual) of a Case; `draw` > 0 gives other random values of the same shapes.
+    `on_device`: drawn by the device's generator (fast for the benchmark's large inputs;
+    other values than the CPU generator's)."""
+    seed = (hash((case.seed, case.index)) + 1 + 7919 * draw) & 0xFFFFFFFF
+    gen = torch.Generator(device if on_device else "cpu").manual_seed(seed)
     a = case.anchor
     shape = a["lead"] + [a["in"]] if a["kind"] == "linear" else [a["batch"], a["in"]] + a["spatial"]
     dtype = getattr(torch, case.dtype)
-    x = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-    residual = torch.randn(model.value_shape, generator=gen).to(device=device, dtype=dtype)
+    where = device if on_device else "cpu"
+    x = torch.randn(shape, generator=gen, device=where).to(device=device, dtype=dtype)
+    residual = torch.randn(model.value_shape, generator=gen, device=where).to(device=device, dtype=dtype)
     return x, residual
 
 
@@ -721,17 +725,23 @@ def run(seed: int, indices, device: str, workers: int = 1, progress=None, time_l
 
 # ------------------------------------------------------------------ benchmark
 
-BENCH_ROWS = 8192  # rows of a linear model's input in benchmark mode
-BENCH_IMAGES = 32  # images of a conv model's input
+BENCH_BYTES = 1 << 30  # anchor input + output of a scaled model: GPU time well above a call's CPU time
+BENCH_ROWS = 8192  # at least this many rows of a linear model's input
+BENCH_IMAGES = 32  # at least this many images of a conv model's input
 
 
-def scale_case(case: Case) -> Case:
-    """The same model with a batch large enough that its time is GPU work, not launch overhead."""
+def scale_case(case: Case, nbytes: int = BENCH_BYTES) -> Case:
+    """The same model with a batch that makes its anchor's input and output about `nbytes`
+    (at least BENCH_ROWS rows or BENCH_IMAGES images), so that a call's time is GPU work,
+    not launch overhead."""
     anchor = dict(case.anchor)
+    size = getattr(torch, case.dtype).itemsize
     if anchor["kind"] == "linear":
-        anchor["lead"] = [BENCH_ROWS] if len(anchor["lead"]) == 1 else [BENCH_ROWS // 64, 64]
+        rows = max(BENCH_ROWS, nbytes // ((anchor["in"] + anchor["out"]) * size) // 64 * 64)
+        anchor["lead"] = [rows] if len(anchor["lead"]) == 1 else [rows // 64, 64]
     else:
-        anchor["batch"] = BENCH_IMAGES
+        per_image = math.prod(FuzzModel(case).value_shape[1:]) + anchor["in"] * math.prod(anchor["spatial"])
+        anchor["batch"] = max(BENCH_IMAGES, nbytes // (per_image * size))
     return Case(case.index, case.seed, anchor, case.steps, case.dtype, case.training, case.in_vocabulary,
                 case.generation, case.gemm, case.tf32)
 
@@ -758,16 +768,34 @@ def device_profile(fn, calls: int = 20) -> tuple[float, int, list[str]]:
             [name[:60] for _, _, name in sorted(kernels, reverse=True)])
 
 
+def _distribution(ratios: list[float]) -> dict:
+    ratios = sorted(ratios)
+    if not ratios:
+        return {"models": 0}
+    return {
+        "models": len(ratios),
+        "min": ratios[0],
+        "p10": ratios[len(ratios) // 10],
+        "median": ratios[len(ratios) // 2],
+        "max": ratios[-1],
+        "geomean": math.exp(sum(math.log(r) for r in ratios) / len(ratios)),
+        "slower_than_inductor": sum(r < 1.0 for r in ratios),
+    }
+
+
 def bench(seed: int, count: int, first: int = 0, progress: bool = True, mode: str | None = None,
-          profile: bool = False) -> dict:
+          profile: bool = False, nbytes: int = BENCH_BYTES) -> dict:
     """Times `count` random models that fusedepi fuses whole (on CUDA), against Inductor.
 
-    Models are scaled with `scale_case`; out-of-vocabulary and partly fused ones are
-    skipped. `mode` is torch.compile's, for both backends ("reduce-overhead": CUDA
-    graphs, which take the per-call CPU cost out). With `profile`, each row also has,
-    per backend, the GPU time and kernel launches of a call (torch.profiler) and the
-    CPU time a call takes to issue them: which of the two bounds the model.
-    Returns the rows and the distribution of Inductor ms / fusedepi ms.
+    Models are scaled with `scale_case` (to `nbytes`; 0 keeps the minimum batch, where
+    most models are bound by a call's CPU time); out-of-vocabulary and partly fused
+    ones are skipped. `mode` is torch.compile's, for both backends ("reduce-overhead":
+    CUDA graphs, which take the per-call CPU cost out). With `profile`, each row also
+    has, per backend, the GPU time and kernel launches of a call (torch.profiler) and
+    the CPU time a call takes to issue them: which of the two bounds the model; the
+    summary then has the distribution of the GPU-time ratios too. A model that fails to
+    compile or run under either backend is listed under "errors", with its message.
+    Returns the rows, the errors and the distribution of Inductor ms / fusedepi ms.
     """
     from triton.testing import do_bench
 
@@ -775,44 +803,59 @@ def bench(seed: int, count: int, first: int = 0, progress: bool = True, mode: st
     from fusion_backend.backend import collect_reports
 
     _setup_worker("cuda")
-    rows, index = [], first
-    while len(rows) < count:
-        case = scale_case(make_case(seed, index, "cuda"))
+    rows, errors, index = [], [], first
+    while len(rows) + len(errors) < count:
+        case = scale_case(make_case(seed, index, "cuda"), nbytes)
         index += 1
         if not case.in_vocabulary or "dropout_train" in [s["op"] for s in case.steps]:
             continue
         dtype = getattr(torch, case.dtype)
-        base = FuzzModel(case).train(case.training)
-        x, residual = make_inputs(case, base, "cuda")
-        times = {}
-        with torch.no_grad():
-            for backend in ("fusedepi", "inductor"):
-                model = copy.deepcopy(base).to(device="cuda", dtype=dtype)
-                torch._dynamo.reset()
-                reports: list = []
-                with collect_reports(reports):
-                    fn = torch.compile(model, backend=fusedepi if backend == "fusedepi" else "inductor", mode=mode)
-                    for _ in range(3):  # CUDA graphs record on the second call
-                        fn(x, residual)
-                if backend == "fusedepi":
-                    records = _records(reports)
-                    fused = [r for r in records if r.status == "fused"]
-                    if len(fused) != 1 or fused[0].stop != "end of the graph" or len(records) != 1:
-                        break
-                    kernel = fused[0].kernel
-                times[backend] = do_bench(lambda: fn(x, residual), warmup=25, rep=200, return_mode="median")
-                if profile:
-                    gpu_us, launches, names = device_profile(lambda: fn(x, residual))
-                    times[backend + "_profile"] = {"gpu_us": gpu_us, "launches": launches, "kernels": names,
-                                                   "cpu_us": cpu_us(lambda: fn(x, residual))}
+        times, kernel = {}, ""
+        try:
+            base = FuzzModel(case).train(case.training)
+            x, residual = make_inputs(case, base, "cuda", on_device=True)
+            with torch.no_grad():
+                for backend in ("fusedepi", "inductor"):
+                    model = copy.deepcopy(base).to(device="cuda", dtype=dtype)
+                    torch._dynamo.reset()
+                    reports: list = []
+                    with collect_reports(reports):
+                        fn = torch.compile(model, backend=fusedepi if backend == "fusedepi" else "inductor",
+                                           mode=mode)
+                        for _ in range(3):  # CUDA graphs record on the second call
+                            fn(x, residual)
+                    if backend == "fusedepi":
+                        records = _records(reports)
+                        fused = [r for r in records if r.status == "fused"]
+                        if len(fused) != 1 or fused[0].stop != "end of the graph" or len(records) != 1:
+                            break
+                        kernel = fused[0].kernel
+                    times[backend] = do_bench(lambda: fn(x, residual), warmup=25, rep=200, return_mode="median")
+                    if profile:
+                        gpu_us, launches, names = device_profile(lambda: fn(x, residual))
+                        times[backend + "_profile"] = {"gpu_us": gpu_us, "launches": launches, "kernels": names,
+                                                       "cpu_us": cpu_us(lambda: fn(x, residual))}
+        except Exception as err:  # noqa: BLE001 - reported, and the run goes on
+            message = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+            errors.append({"index": case.index, "dtype": case.dtype, "anchor": case.anchor, "kernel": kernel,
+                           "steps": [s["op"] for s in case.steps], "error": message[:300]})
+            if progress:
+                print(f"[bench] model {case.index} {case.dtype} {kernel}: ERROR {message[:300]}", flush=True)
+            continue
+        finally:
+            fn = model = x = residual = None
+            torch.cuda.empty_cache()
         if "inductor" not in times:
             continue
-        row = {"index": case.index, "dtype": case.dtype, "anchor": case.anchor["kind"], "kernel": kernel,
+        a = case.anchor
+        row = {"index": case.index, "dtype": case.dtype, "anchor": a["kind"], "kernel": kernel,
+               "batch": a["lead"] if a["kind"] == "linear" else a["batch"],
                "steps": [s["op"] for s in case.steps], "training": case.training,
                "fusedepi_ms": times["fusedepi"], "inductor_ms": times["inductor"],
                "ratio": times["inductor"] / times["fusedepi"]}
         if profile:
             row["fusedepi_profile"], row["inductor_profile"] = times["fusedepi_profile"], times["inductor_profile"]
+            row["gpu_ratio"] = row["inductor_profile"]["gpu_us"] / max(row["fusedepi_profile"]["gpu_us"], 1e-9)
         rows.append(row)
         if progress:
             print(f"[bench] {len(rows)}/{count} model {case.index} {case.dtype} {kernel}: "
@@ -823,17 +866,11 @@ def bench(seed: int, count: int, first: int = 0, progress: bool = True, mode: st
                     p = row[backend + "_profile"]
                     print(f"    {backend:9s} GPU {p['gpu_us']:7.1f} us in {p['launches']} launches, "
                           f"CPU {p['cpu_us']:6.1f} us a call: {', '.join(p['kernels'])}", flush=True)
-    ratios = sorted(r["ratio"] for r in rows)
-    summary = {
-        "models": len(rows),
-        "min": ratios[0],
-        "p10": ratios[len(ratios) // 10],
-        "median": ratios[len(ratios) // 2],
-        "max": ratios[-1],
-        "geomean": math.exp(sum(math.log(r) for r in ratios) / len(ratios)),
-        "slower_than_inductor": sum(r < 1.0 for r in ratios),
-    }
-    return {"rows": rows, "summary": summary}
+    summary = _distribution([r["ratio"] for r in rows])
+    summary["errors"] = len(errors)
+    if profile:
+        summary["gpu_time"] = _distribution([r["gpu_ratio"] for r in rows])
+    return {"rows": rows, "errors": errors, "summary": summary}
 
 
 def main(argv=None):
@@ -851,6 +888,9 @@ def main(argv=None):
     parser.add_argument("--mode", help="torch.compile mode for --bench, e.g. reduce-overhead")
     parser.add_argument("--profile", action="store_true",
                         help="with --bench: each model's GPU time, launches and CPU time a call, per backend")
+    parser.add_argument("--bench-bytes", type=int, default=BENCH_BYTES,
+                        help="with --bench: scale each model's anchor input + output to about this many bytes "
+                             "(0: the minimum batch, where a call's CPU time dominates)")
     parser.add_argument("--grad", action="store_true", help="also run backward and check the gradients")
     parser.add_argument("--generation", type=int, choices=sorted(CONV_NORMS), default=1,
                         help="the generator's vocabulary: 2 also draws InstanceNorm after convs")
@@ -859,7 +899,8 @@ def main(argv=None):
                              "run with FUSEDEPI_IN_KERNEL_GEMM=1")
     args = parser.parse_args(argv)
     if args.bench:
-        out = bench(args.seed, args.bench, args.first, mode=args.mode, profile=args.profile)
+        out = bench(args.seed, args.bench, args.first, mode=args.mode, profile=args.profile,
+                    nbytes=args.bench_bytes)
         print(json.dumps(out["summary"], indent=1))
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))
