@@ -760,12 +760,12 @@ def cpu_us(fn, calls: int = 200) -> float:
 
 
 def device_profile(fn, calls: int = 20) -> tuple[float, int, list[str]]:
-    """(GPU microseconds a call, kernel launches a call, kernel names) of `fn`."""
+    """(GPU microseconds a call, kernel launches a call, "<us a call> <name>" of each kernel) of `fn`."""
     from benchmarks.compare import kernel_times
 
     kernels = kernel_times(fn, calls)
     return (sum(ms for ms, _, _ in kernels) * 1000, sum(n for _, n, _ in kernels),
-            [name[:60] for _, _, name in sorted(kernels, reverse=True)])
+            [f"{ms * 1000:.1f} us {name[:60]}" for ms, _, name in sorted(kernels, reverse=True)])
 
 
 def _distribution(ratios: list[float]) -> dict:
