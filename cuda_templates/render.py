@@ -525,6 +525,7 @@ def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", an
         groups=p.groups,
         channels=spec.channels,
         inner=spec.inner,
+        y_row=spec.y_row,
         fast_math="false" if spec.dtype == "float32" else "true",
         stage0_done=stage0_done,
         anchor_inside=anchor_inside,

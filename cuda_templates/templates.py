@@ -20,6 +20,8 @@ from string import Template
 #   $groups         segments per row
 #   $channels       channels per row (N of a linear, C of a conv)
 #   $inner          elements per channel (H*W of a conv, 1 for a linear)
+#   $y_row          elements between rows of y: $channels * $inner, or more when the
+#                   library GEMM ran on padded operands (EpilogueSpec.y_row)
 #   $fast_math      "true" for bf16/fp16 chains (see fusedepi::sigmoid)
 #   $stage0_done    "true" when the direct conv kernel already applied stage0 to y
 #   $anchor_inside  1 when this library computes the anchor (direct conv, in-kernel GEMM), else 0
@@ -53,12 +55,13 @@ constexpr long long kChunkLen = (long long)kTeam * kNV * kV;  // elements one te
 constexpr long long kGroups = $groups;
 constexpr long long kChannels = $channels;
 constexpr int kInner = $inner;
+constexpr long long kYRow = $y_row;  // y's row stride; the output's rows are kGroups * kL
 constexpr bool kFastMath = $fast_math;  // hardware exp/divide in sigmoid and silu
 constexpr bool kStage0Done = $stage0_done;  // y already holds stage0's result
 constexpr bool kBlockPerSegment = kTeam > 32 || kChunks > 1;
 
 struct Args {
-  const T* __restrict__ y;  // [rows, channels, inner] anchor output, contiguous
+  const T* __restrict__ y;  // [rows, channels, inner] anchor output, rows kYRow apart
   T* __restrict__ out;      // like y, or [rows] after a row reduction
 $fields
   float* __restrict__ ws;   // workspace: statistics passed between kernels
@@ -91,6 +94,15 @@ __device__ __forceinline__ Place place(const Args& a) {
   return p;
 }
 
+// Where segment `seg` starts in y.
+__device__ __forceinline__ long long y_start(long long seg) {
+  if constexpr (kYRow == kGroups * kL) {
+    return seg * kL;
+  } else {
+    return (seg / kGroups) * kYRow + (seg % kGroups) * kL;
+  }
+}
+
 __device__ __forceinline__ int offset_of(const Place& p, int k) { return p.first + (k * kTeam + p.lane) * kV; }
 
 __device__ __forceinline__ bool valid(const Place& p, int k) { return p.live && offset_of(p, k) < kL; }
@@ -102,7 +114,7 @@ __device__ __forceinline__ void load_stage0(const Args& a, const Place& p, float
 #pragma unroll
   for (int k = 0; k < kNV; ++k) {
     if (valid(p, k)) {
-      fusedepi::load_vec<T, kV>(a.y + p.seg * kL + offset_of(p, k), v[k]);
+      fusedepi::load_vec<T, kV>(a.y + y_start(p.seg) + offset_of(p, k), v[k]);
     } else {
 #pragma unroll
       for (int j = 0; j < kV; ++j) v[k][j] = 0.f;
@@ -412,7 +424,7 @@ __global__ void __launch_bounds__(256, 2) ${kernel}_colstats(Args a) {
   Raw raw[2][kRowsPerThread];            // this batch and the next, as loaded
   const auto load_batch = [&](int b, Raw (&v)[kRowsPerThread]) {
 #pragma unroll
-    for (int t = 0; t < kRowsPerThread; ++t) v[t] = *reinterpret_cast<const Raw*>(a.y + row_of(b, t) * kChannels + c);
+    for (int t = 0; t < kRowsPerThread; ++t) v[t] = *reinterpret_cast<const Raw*>(a.y + row_of(b, t) * kYRow + c);
   };
   // One batch's values after stage0 (read again from the loaded copy for each pass).
   const auto values = [&](int b, int t, float (&v)[kColV]) {

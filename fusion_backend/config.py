@@ -39,6 +39,10 @@ class Config:
         native_launcher: launch fused ops on CUDA from C++ (FUSEDEPI_NATIVE_LAUNCHER,
             default on): built once per torch version at the first compile of a CUDA
             chain, then loaded for the rest of the process.
+        pad_gemm: whether a 16-bit library GEMM whose K or N is not a multiple of 8 runs
+            on operands padded with zeros (FUSEDEPI_PAD_GEMM): "auto" (the default: where
+            timing both forms at compile time says padding is faster), "on" (wherever
+            misaligned) or "off".
     """
 
     disabled: frozenset
@@ -49,6 +53,7 @@ class Config:
     cpu_reference: bool
     in_kernel_gemm: str = "auto"
     native_launcher: bool = True
+    pad_gemm: str = "auto"
 
 
 def _default_cache_dir(env) -> Path:
@@ -62,8 +67,8 @@ def load_config(environ=None) -> Config:
     Raises:
         ValueError: FUSEDEPI_DISABLE names something that is neither a fusion
             nor a step, FUSEDEPI_LOG_LEVEL is not a logging level, or
-            FUSEDEPI_IN_KERNEL_GEMM is none of auto, 1, 0, or FUSEDEPI_NATIVE_LAUNCHER is
-            neither 1 nor 0.
+            FUSEDEPI_IN_KERNEL_GEMM or FUSEDEPI_PAD_GEMM is none of auto, 1, 0, or
+            FUSEDEPI_NATIVE_LAUNCHER is neither 1 nor 0.
     """
     env = os.environ if environ is None else environ
     names = frozenset(n.strip() for n in env.get("FUSEDEPI_DISABLE", "").split(",") if n.strip())
@@ -84,9 +89,22 @@ def load_config(environ=None) -> Config:
         strict=env.get("FUSEDEPI_STRICT", "").lower() in _TRUE,
         log_level=level,
         cpu_reference=env.get("FUSEDEPI_CPU_REFERENCE", "").lower() in _TRUE,
-        in_kernel_gemm=_in_kernel_gemm(env.get("FUSEDEPI_IN_KERNEL_GEMM", "")),
+        in_kernel_gemm=_tristate("FUSEDEPI_IN_KERNEL_GEMM", env.get("FUSEDEPI_IN_KERNEL_GEMM", "")),
         native_launcher=_switch("FUSEDEPI_NATIVE_LAUNCHER", env.get("FUSEDEPI_NATIVE_LAUNCHER", ""), True),
+        pad_gemm=_tristate("FUSEDEPI_PAD_GEMM", env.get("FUSEDEPI_PAD_GEMM", "")),
     )
+
+
+def _tristate(name: str, value: str) -> str:
+    """"auto" (unset or auto), "on" (1) or "off" (0)."""
+    value = value.strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value in _TRUE:
+        return "on"
+    if value in _FALSE:
+        return "off"
+    raise ValueError(f"{name}: {value!r} is not auto, 1 (on) or 0 (off)")
 
 
 def _switch(name: str, value: str, default: bool) -> bool:
@@ -98,14 +116,3 @@ def _switch(name: str, value: str, default: bool) -> bool:
     if value in _FALSE:
         return False
     raise ValueError(f"{name}: {value!r} is neither 1 (on) nor 0 (off)")
-
-
-def _in_kernel_gemm(value: str) -> str:
-    value = value.strip().lower()
-    if value in ("", "auto"):
-        return "auto"
-    if value in _TRUE:
-        return "on"
-    if value in _FALSE:
-        return "off"
-    raise ValueError(f"FUSEDEPI_IN_KERNEL_GEMM: {value!r} is not auto, 1 (on) or 0 (off)")

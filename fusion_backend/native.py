@@ -171,9 +171,10 @@ def covers(launcher) -> bool:
 def _layout(launcher) -> list[int]:
     spec = launcher.spec
     out_h, out_w = spec.anchor.direct_out_hw() if launcher.anchor_path == "direct conv" else (0, 0)
+    pad_k, pad_n = spec.anchor.pad or (0, 0)
     return [PATH_CODES[launcher.anchor_path], ANCHOR_CODES[spec.anchor.kind], launcher.n_operands, int(launcher.gemm_auto),
             int(launcher.row_output), int(launcher.keepdim), spec.channels, out_h, out_w,
-            int(launcher.stores_pre_norm), int(spec.anchor.has_bias)]
+            int(launcher.stores_pre_norm), int(spec.anchor.has_bias), pad_k, pad_n]
 
 
 def _conv(anchor) -> list[int]:

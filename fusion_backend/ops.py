@@ -26,8 +26,13 @@ aten = torch.ops.aten
 log = logging.getLogger("fusedepi")
 
 
-def run_anchor(anchor: Anchor, operands: list[torch.Tensor]) -> torch.Tensor:
-    """The anchor op exactly as the graph had it (so matmul precision settings apply)."""
+def run_anchor(anchor: Anchor, operands: list[torch.Tensor], padded: bool = False) -> torch.Tensor:
+    """The anchor op exactly as the graph had it (so matmul precision settings apply).
+    An anchor with `pad` runs its GEMM on zero-padded operands (`padded_gemm`): the
+    result is the product either way; `padded` returns it in its padded rows."""
+    if anchor.pad:
+        y = padded_gemm(anchor, operands)
+        return y if padded else y[:, : operands[-1].shape[1]].contiguous()
     if anchor.kind == "addmm":
         return aten.addmm.default(*operands)
     if anchor.kind == "mm":
@@ -35,6 +40,28 @@ def run_anchor(anchor: Anchor, operands: list[torch.Tensor]) -> torch.Tensor:
     x, w = operands[:2]
     b = operands[2] if anchor.has_bias else None
     return aten.convolution.default(x, w, b, *anchor.conv)
+
+
+def padded_gemm(anchor: Anchor, operands: list[torch.Tensor]) -> torch.Tensor:
+    """addmm/mm of x[M, K] and mat2 = w^T ([K, N], w a contiguous [N, K]) on operands
+    padded with zeros to K = k_to and N = n_to (`Anchor.pad`): y[M, n_to], whose first N
+    columns are the product. The zeros add nothing to any dot product; the padded w
+    keeps w's layout, so cuBLAS sees the same transposes with 16-byte aligned rows."""
+    k_to, n_to = anchor.pad
+    x, wt = operands[-2], operands[-1]
+    (m, k), n = x.shape, wt.shape[1]
+    xp = x
+    if k_to != k:
+        xp = x.new_empty((m, k_to))
+        xp[:, k:].zero_()
+        xp[:, :k].copy_(x)
+    wp = wt.new_zeros((n_to, k_to))
+    wp[:n, :k].copy_(wt.t())
+    if anchor.kind == "mm":
+        return aten.mm.default(xp, wp.t())
+    bp = operands[0].new_zeros((n_to,))
+    bp[:n].copy_(operands[0])
+    return aten.addmm.default(bp, xp, wp.t())
 
 
 def reference(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
@@ -224,9 +251,12 @@ class Launcher:
             out = x.new_empty((x.shape[0], self.spec.channels, *self.spec.anchor.direct_out_hw()))
             y = torch.empty_like(out) if self.stores_pre_norm else out
         else:
-            y = run_anchor(self.spec.anchor, anchor_operands).contiguous()
+            # A padded GEMM's y keeps its padded rows: the kernels read them with that stride.
+            y = run_anchor(self.spec.anchor, anchor_operands, padded=True).contiguous()
             if self.row_output:
                 out = y.new_empty(self._row_shape(y.shape[0]))
+            elif self.spec.anchor.pad:
+                out = y.new_empty((y.shape[0], self.spec.channels))
             else:
                 out = torch.empty_like(y)
         rows = y.shape[0]

@@ -18,7 +18,7 @@ from torch.fx import GraphModule
 import cuda_templates
 from lowering import Chain, match_graph
 
-from . import native, ops
+from . import gemm_padding, native, ops
 from .config import Config
 
 log = logging.getLogger("fusedepi")
@@ -116,12 +116,15 @@ def _stable_topological_sort(graph: torch.fx.Graph) -> None:
 def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
     """Compiles the chain's kernel ahead of the first call; returns the kernel name."""
     device = chain.anchor.meta["val"].device
+    padded = ""
+    if chain.spec.anchor.pad:
+        padded = " (library GEMM on operands padded to K={}, N={}: aligned rows)".format(*chain.spec.anchor.pad)
     if device.type != "cuda":
-        return "reference (cpu)"
+        return "reference (cpu)" + padded
     tf32 = ops.reads_conv_tf32(spec) and ops.conv_allows_tf32()
     ops.kernel_for(spec, device, cfg.cache_dir, tf32)
     arch = ops.arch_of(device)
-    name = cuda_templates.kernel_name(chain.spec, arch, tf32)
+    name = cuda_templates.kernel_name(chain.spec, arch, tf32) + padded
     gemm = cuda_templates.gemm_plan(chain.spec, arch)
     every_call = chain.spec.anchor.gemm[1] if chain.spec.anchor.gemm else 0
     if isinstance(gemm, str):
@@ -173,9 +176,10 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
         report.records.append(Record("refused", refusal.anchor, refusal.nodes, reason=refusal.reason))
     fused = []
     for chain in chains:
-        spec = chain.spec.to_json()
         names = [n.name for n in chain.nodes]
         try:
+            chain.spec = gemm_padding.decide(chain, cfg)
+            spec = chain.spec.to_json()
             kernel = _prepare(chain, spec, cfg)
         except cuda_templates.NotRenderable as err:
             report.records.append(Record("refused", chain.anchor.name, names, chain.spec.fusion, reason=str(err)))

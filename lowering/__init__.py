@@ -6,7 +6,7 @@ matcher sees them whole; whatever is not fused is decomposed afterwards.
 
 import torch
 
-from .matcher import Chain, Refusal, match_graph
+from .matcher import Chain, Refusal, linear_form, match_graph
 from .spec import Anchor, EpilogueSpec, Step
 from .vocabulary import VOCABULARY, run_reference
 
@@ -44,6 +44,7 @@ __all__ = [
     "Refusal",
     "Step",
     "VOCABULARY",
+    "linear_form",
     "match_graph",
     "run_reference",
 ]

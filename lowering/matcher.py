@@ -729,10 +729,10 @@ def _match_anchor(node: Node, direct_conv: bool = True, direct_gemm: bool = Fals
     if node.target is aten.addmm.default:
         if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
             raise Refuse("addmm with alpha/beta != 1")
-        gemm = _direct_gemm(*node.args[1:3], bias=node.args[0]) if direct_gemm else ()
+        gemm = linear_form(*node.args[1:3], bias=node.args[0]) if direct_gemm else ()
         return Anchor("addmm", gemm=gemm), list(node.args[:3])
     if node.target is aten.mm.default:
-        gemm = _direct_gemm(*node.args[:2]) if direct_gemm else ()
+        gemm = linear_form(*node.args[:2]) if direct_gemm else ()
         return Anchor("mm", gemm=gemm), list(node.args[:2])
     if node.target is aten.convolution.default:
         x, w, b, stride, padding, dilation, transposed, out_pad, groups = node.args
@@ -743,10 +743,11 @@ def _match_anchor(node: Node, direct_conv: bool = True, direct_gemm: bool = Fals
     return None
 
 
-def _direct_gemm(x: Node, wt: Node, bias: Node | None = None) -> tuple:
+def linear_form(x: Node, wt: Node, bias: Node | None = None) -> tuple:
     """(in_features,) for a product x[M, K] @ wt[K, N] whose wt is a contiguous [N, K]
     transposed (a Linear's weight) and whose bias, if any, is [N]; else (). (`match_graph`
-    adds the setting's every_call flag once the chain is known.)"""
+    adds the setting's every_call flag once the chain is known.) The in-kernel GEMM and
+    the padded library GEMM (`Anchor.pad`) take this form only."""
     xv, wv = _val(x), _val(wt)
     if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor) or xv.dim() != 2 or wv.dim() != 2:
         return ()

@@ -38,6 +38,11 @@ class Anchor:
             decides whether the in-kernel GEMM covers it (else: the library GEMM runs first).
             every_call: 1 to run it at every call (FUSEDEPI_IN_KERNEL_GEMM=1); 0 (auto) to
             run the library GEMM first at calls whose rows give too few tiles.
+        pad: addmm/mm of that same x @ w^T form only: (k_to, n_to) when the library GEMM
+            runs on operands padded with zeros to K = k_to and N = n_to (multiples of 8:
+            cuBLAS's fast kernels need 16-byte aligned rows); the anchor output then has
+            rows of n_to elements, of which the first N are the product. Empty: as the
+            graph has it. The backend sets it (`fusion_backend.gemm_padding`).
     """
 
     kind: str
@@ -45,6 +50,7 @@ class Anchor:
     conv: tuple = ()
     direct: tuple = ()
     gemm: tuple = ()
+    pad: tuple = ()
 
     def direct_out_hw(self) -> tuple[int, int]:
         """Output (H, W) of a direct-conv candidate (stride 1, dilation 1)."""
@@ -160,6 +166,7 @@ class EpilogueSpec:
         anchor["conv"] = _tuples(anchor["conv"])
         anchor["direct"] = _tuples(anchor.get("direct", ()))
         anchor["gemm"] = _tuples(anchor.get("gemm", ()))
+        anchor["pad"] = _tuples(anchor.get("pad", ()))
         steps = tuple(
             Step(**{**s, "consts": tuple(s["consts"]), "inputs": tuple(s["inputs"])})
             for s in data.pop("steps")
@@ -180,6 +187,12 @@ class EpilogueSpec:
             if step.name in REDUCTIONS:
                 return step
         return None
+
+    @property
+    def y_row(self) -> int:
+        """Elements between two rows of the anchor output as the kernels read it: the
+        padded N of a padded library GEMM, else channels * inner."""
+        return self.anchor.pad[1] if self.anchor.pad else self.channels * self.inner
 
     @property
     def row_output(self) -> bool:

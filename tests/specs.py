@@ -178,6 +178,23 @@ def awkward_specs(dtype="float32"):
         "logsumexp_short_row": EpilogueSpec(
             LINEAR, (Step("logsumexp", keepdim=False), Step("silu")), dtype, (), 100, 1, "linear_logsumexp",
         ),
+        # Library GEMMs on padded operands: y's rows are pad[1] apart, not N (kYRow).
+        "padded_gemm_pointwise": EpilogueSpec(
+            Anchor("addmm", pad=(152, 520)), (Step("gelu"), Step("add", inputs=(0,), operand=FULL)),
+            dtype, p, 513, 1, "linear_pointwise",
+        ),
+        "padded_gemm_softmax": EpilogueSpec(
+            Anchor("mm", pad=(208, 4104)), (Step("softmax"), Step("relu")), dtype, (), 4100, 1, "linear_softmax",
+        ),
+        "padded_gemm_groupnorm": EpilogueSpec(
+            Anchor("addmm", pad=(152, 520)), (Step("groupnorm", consts=(1e-5,), inputs=(0, 1), groups=4),),
+            dtype, p * 2, 516, 1, "linear_groupnorm",
+        ),
+        "padded_gemm_batchnorm_train": EpilogueSpec(
+            Anchor("addmm", pad=(152, 520)),
+            (Step("batchnorm_train", consts=(0.1, 1e-5), inputs=(0, 1, 2, 3)), Step("silu")),
+            dtype, p * 4, 513, 1, "linear_batchnorm_train",
+        ),
     }
 
 

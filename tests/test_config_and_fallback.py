@@ -57,6 +57,7 @@ def test_every_fusion_name_is_disableable():
         ({"FUSEDEPI_DISABLE": "gelu,linear_groupnrom"}, "unknown name(s) ['linear_groupnrom']"),
         ({"FUSEDEPI_LOG_LEVEL": "LOUD"}, "not a logging level"),
         ({"FUSEDEPI_IN_KERNEL_GEMM": "always"}, "FUSEDEPI_IN_KERNEL_GEMM: 'always' is not auto, 1 (on) or 0 (off)"),
+        ({"FUSEDEPI_PAD_GEMM": "maybe"}, "FUSEDEPI_PAD_GEMM: 'maybe' is not auto, 1 (on) or 0 (off)"),
     ],
 )
 def test_bad_settings_are_clear_errors(env, message):
@@ -64,10 +65,11 @@ def test_bad_settings_are_clear_errors(env, message):
         load_config(env)
 
 
-def test_in_kernel_gemm_setting():
-    assert load_config({}).in_kernel_gemm == "auto"
+@pytest.mark.parametrize("name, field", [("FUSEDEPI_IN_KERNEL_GEMM", "in_kernel_gemm"), ("FUSEDEPI_PAD_GEMM", "pad_gemm")])
+def test_auto_on_off_settings(name, field):
+    assert getattr(load_config({}), field) == "auto"
     for value, mode in (("auto", "auto"), ("1", "on"), ("on", "on"), ("0", "off"), ("Off", "off"), (" ", "auto")):
-        assert load_config({"FUSEDEPI_IN_KERNEL_GEMM": value}).in_kernel_gemm == mode
+        assert getattr(load_config({name: value}), field) == mode
 
 
 def test_cache_dir_default_and_override(tmp_path):

@@ -354,6 +354,75 @@ DIRECT_CONVS = {
 DIRECT_CASES = [(name, dtype) for name, case in DIRECT_CONVS.items() for dtype in case[-1]]
 
 
+class _LinearTail(nn.Module):
+    def __init__(self, k, n, tail):
+        super().__init__()
+        self.linear = nn.Linear(k, n)
+        self.tail = {"gelu_residual": nn.GELU(), "softmax": nn.Softmax(-1), "layernorm": nn.LayerNorm(n),
+                     "groupnorm": nn.GroupNorm(4, n), "batchnorm": nn.BatchNorm1d(n), "logsumexp": None}[tail]
+        self.name = tail
+
+    def forward(self, x, residual):
+        y = self.linear(x)
+        if self.name == "logsumexp":
+            return F.silu(torch.logsumexp(y, dim=-1))
+        y = self.tail(y)
+        return y + residual if self.name == "gelu_residual" else F.silu(y)
+
+
+# Misaligned 16-bit Linear layers whose library GEMM runs padded (FUSEDEPI_PAD_GEMM=1):
+# (K, N, tail, padded to). The kernels read y's rows n_to elements apart; a chain that
+# saves values for backward keeps N (not tested here: forward only).
+PADDED = {
+    "k151_n513_gelu_residual": (151, 513, "gelu_residual", (152, 520)),
+    "k201_n4100_softmax": (201, 4100, "softmax", (208, 4104)),
+    "k256_n513_layernorm": (256, 513, "layernorm", (256, 520)),
+    "k150_n516_groupnorm": (150, 516, "groupnorm", (152, 520)),
+    "k151_n513_batchnorm_train": (151, 513, "batchnorm", (152, 520)),
+    "k140_n33_logsumexp": (140, 33, "logsumexp", (144, 40)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(PADDED))
+def test_padded_library_gemm(name, dtype, monkeypatch, exact_float32):
+    monkeypatch.setenv("FUSEDEPI_PAD_GEMM", "1")
+    k, n, tail, pad = PADDED[name]
+    model = _LinearTail(k, n, tail).cuda()
+    _randomize_bn(model)
+    model = model.to(dtype)
+    x = torch.rand(1000, k, device="cuda", dtype=dtype) * 2 - 1
+    residual = torch.rand(1000, n, device="cuda", dtype=dtype)
+    ref, ref_model = float64_reference(model, x, residual)
+    eager_model = copy.deepcopy(model)
+    reports = []
+    with torch.no_grad(), collect_reports(reports):
+        out = torch.compile(model, backend=fusedepi)(x, residual)
+        eager = eager_model(x, residual)
+    (record,) = [r for report in reports for r in report.records if r.status == "fused"]
+    assert f"padded to K={pad[0]}, N={pad[1]}" in record.kernel
+    err = relative_error(out, ref)
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32})"
+    assert err <= 4 * relative_error(eager, ref) + 1e-3, f"{err:.3g} against eager's {relative_error(eager, ref):.3g}"
+    if tail == "batchnorm":  # the running statistics, updated as eager's
+        torch.testing.assert_close(model.tail.running_mean, eager_model.tail.running_mean, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(model.tail.running_var, eager_model.tail.running_var, atol=2e-2, rtol=2e-2)
+
+
+def test_padded_gemm_auto_is_correct_whatever_it_chooses(monkeypatch, tmp_path, exact_float32):
+    """FUSEDEPI_PAD_GEMM=auto times both forms at compile time (a fresh cache here)."""
+    monkeypatch.setenv("FUSEDEPI_CACHE_DIR", str(tmp_path))
+    model = _LinearTail(151, 513, "gelu_residual").cuda().to(torch.bfloat16)
+    x = torch.rand(65536, 151, device="cuda", dtype=torch.bfloat16)
+    residual = torch.rand(65536, 513, device="cuda", dtype=torch.bfloat16)
+    ref, _ = float64_reference(model, x, residual)
+    with torch.no_grad():
+        out, fused = compile_and_run(model, x, residual)
+    assert fused == ["linear_pointwise"]
+    assert relative_error(out, ref) <= TOLERANCE[torch.bfloat16]
+    assert (tmp_path / "gemm_padding.json").exists()
+
+
 def _kernels(model, *inputs):
     reports = []
     with collect_reports(reports):

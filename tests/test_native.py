@@ -136,7 +136,7 @@ def test_plan_layout_of_a_library_conv_with_saves():
     saves = (Save("value", "float32", (-1, 16, 5, 5), 16 * 25, at=0), Save("mean", "bfloat16", (16,), 0),
              Save("value", "float16", (-1, 16), 16, at=2))
     launcher = _launcher(conv, saves, running_stats=(2, 3))
-    assert native._layout(launcher) == [0, 2, 3, 0, 0, 0, 16, 0, 0, 0, 1]
+    assert native._layout(launcher) == [0, 2, 3, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0]
     assert native._conv(conv) == [2, 2, 1, 1, 0, 1, 3, 0, 0, 0, 4]
     assert native._saves(launcher) == [1, 0, 400, 4, -1, 16, 5, 5, 0, 2, 0, 1, 16, 0, 1, 16, 2, -1, 16]
 
@@ -144,12 +144,17 @@ def test_plan_layout_of_a_library_conv_with_saves():
 def test_plan_layout_of_a_gemm_and_the_variants_python_keeps():
     launcher = _launcher(Anchor("addmm"), anchor_path="in-kernel GEMM", gemm_auto=True, row_output=True, keepdim=True,
                          channels=8192)
-    assert native._layout(launcher) == [1, 0, 3, 1, 1, 1, 8192, 0, 0, 0, 0]
+    assert native._layout(launcher) == [1, 0, 3, 1, 1, 1, 8192, 0, 0, 0, 0, 0, 0]
     assert native._conv(launcher.spec.anchor) == []
     assert native.covers(launcher)
     assert not native.covers(_launcher(Anchor("mm"), anchor_path="in-kernel GEMM", gemm_tf32=True))
     assert not native.covers(_launcher(Anchor("conv", conv=((1, 1), (0, 0), (1, 1), False, (0, 0), 1)),
                                        reads_conv_tf32=True))
+
+
+def test_plan_layout_of_a_padded_gemm():
+    launcher = _launcher(Anchor("addmm", pad=(152, 520)), channels=513)
+    assert native._layout(launcher) == [0, 0, 3, 0, 0, 0, 513, 0, 0, 0, 0, 152, 520]
 
 
 # --------------------------------------------------------------------------- GPU
@@ -240,3 +245,27 @@ def test_cpp_launcher_asks_python_about_new_rows_of_an_in_kernel_gemm(python_lau
     assert not _agree(spec, inputs, python_launches)
     assert native.plan_count() == 1
     assert _agree(spec, inputs, python_launches)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tail", ["gelu", "batchnorm", "softmax"])
+def test_cpp_and_python_launchers_agree_on_a_padded_gemm(tail, monkeypatch, python_launches):
+    from fusion_backend import fusedepi
+    from fusion_backend.backend import collect_reports
+
+    monkeypatch.setenv("FUSEDEPI_PAD_GEMM", "1")
+    torch.manual_seed(0)
+    norm = {"gelu": torch.nn.GELU(), "batchnorm": torch.nn.BatchNorm1d(513), "softmax": torch.nn.Softmax(-1)}[tail]
+    model = torch.nn.Sequential(torch.nn.Linear(151, 513), norm).cuda().to(torch.bfloat16)
+    x = torch.rand(3000, 151, device="cuda", dtype=torch.bfloat16)
+    reports: list = []
+    with torch.no_grad(), collect_reports(reports):
+        torch.compile(model, backend=fusedepi)(x)
+    (record,) = [r for report in reports for r in report.records if r.status == "fused"]
+    assert "padded to K=152, N=520" in record.kernel
+    inputs = [model[0].bias, x, model[0].weight.t()]
+    if tail == "batchnorm":
+        bn = model[1]
+        inputs += [bn.weight, bn.bias, bn.running_mean.clone(), bn.running_var.clone()]
+    ops.launcher_for(record.spec, x.device)  # planned: C++ serves the next call
+    assert _agree(record.spec, inputs, python_launches)

@@ -22,6 +22,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -90,6 +91,7 @@ struct Plan {
   bool stores_pre_norm = false;  // kDirectConv: y is a buffer beside the output
 
   bool has_bias = false;  // a library conv's bias operand
+  int64_t pad_k = 0, pad_n = 0;  // a padded library GEMM's K and N (Anchor.pad), else 0
   std::vector<int64_t> stride, padding, dilation, output_padding;
   bool transposed = false;
   int64_t groups = 1;
@@ -131,14 +133,14 @@ T symbol(void* handle, const char* name, const std::string& library) {
 }
 
 // layout: [path, anchor, n_operands, gemm_auto, row_output, keepdim, channels, out_h,
-//          out_w, stores_pre_norm, has_bias]
+//          out_w, stores_pre_norm, has_bias, pad_k, pad_n]
 // conv: empty, or [nd, stride x nd, padding x nd, dilation x nd, transposed,
 //       output_padding x nd, groups]
 // saves: per save [anchor_value, dtype code, per_row, ndim, dims x ndim].
 void set_plan(std::string_view spec, int64_t device, std::string_view library, std::string_view name,
               at::IntArrayRef layout, at::IntArrayRef running_stats, at::IntArrayRef conv,
               at::IntArrayRef saves) {
-  TORCH_CHECK(layout.size() == 11, "fusedepi_native.plan: layout has ", layout.size(), " entries, not 11");
+  TORCH_CHECK(layout.size() == 13, "fusedepi_native.plan: layout has ", layout.size(), " entries, not 13");
   auto plan = std::make_shared<Plan>();
   plan->spec = std::string(spec);
   plan->device = device;
@@ -163,8 +165,13 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   plan->out_w = layout[8];
   plan->stores_pre_norm = layout[9] != 0;
   plan->has_bias = layout[10] != 0;
+  plan->pad_k = layout[11];
+  plan->pad_n = layout[12];
   TORCH_CHECK(layout[0] >= 0 && layout[0] <= 2 && layout[1] >= 0 && layout[1] <= 2,
               "fusedepi_native.plan: bad path or anchor in the layout");
+  TORCH_CHECK((plan->pad_k == 0) == (plan->pad_n == 0) &&
+                  (plan->pad_k == 0 || (plan->path == Path::kLibraryAnchor && plan->anchor != Anchor::kConv)),
+              "fusedepi_native.plan: padding is for a library GEMM, and needs both K and N");
   plan->running_stats.assign(running_stats.begin(), running_stats.end());
 
   if (!conv.empty()) {
@@ -237,8 +244,29 @@ std::vector<int64_t> row_shape(const Plan& plan, int64_t rows) {
   return plan.keepdim ? std::vector<int64_t>{rows, 1} : std::vector<int64_t>{rows};
 }
 
-// The anchor op exactly as the graph had it (ops.run_anchor).
+// ops.padded_gemm: x[M, K] @ w^T on operands padded with zeros to K = pad_k and
+// N = pad_n; y[M, pad_n], whose first N columns are the product.
+at::Tensor padded_gemm(const Plan& plan, const std::vector<at::Tensor>& operands) {
+  const at::Tensor& x = operands[operands.size() - 2];
+  const at::Tensor& wt = operands.back();
+  const int64_t m = x.size(0), k = x.size(1), n = wt.size(1);
+  at::Tensor xp = x;
+  if (plan.pad_k != k) {
+    xp = at::empty({m, plan.pad_k}, x.options());
+    xp.narrow(1, k, plan.pad_k - k).zero_();
+    xp.narrow(1, 0, k).copy_(x);
+  }
+  at::Tensor wp = at::zeros({plan.pad_n, plan.pad_k}, wt.options());
+  wp.narrow(0, 0, n).narrow(1, 0, k).copy_(wt.t());
+  if (plan.anchor == Anchor::kMm) return at::mm(xp, wp.t());
+  at::Tensor bp = at::zeros({plan.pad_n}, operands[0].options());
+  bp.narrow(0, 0, n).copy_(operands[0]);
+  return at::addmm(bp, xp, wp.t());
+}
+
+// The anchor op exactly as the graph had it (ops.run_anchor), in padded rows if padded.
 at::Tensor run_anchor(const Plan& plan, const std::vector<at::Tensor>& operands) {
+  if (plan.pad_k) return padded_gemm(plan, operands);
   switch (plan.anchor) {
     case Anchor::kAddmm:
       return at::addmm(operands[0], operands[1], operands[2]);
@@ -279,7 +307,13 @@ std::vector<at::Tensor> launch(const Plan& plan, at::TensorList inputs, bool in_
     y = plan.stores_pre_norm ? at::empty_like(out) : out;
   } else {
     y = run_anchor(plan, operands).contiguous();
-    out = plan.row_output ? at::empty(row_shape(plan, y.size(0)), y.options()) : at::empty_like(y);
+    if (plan.row_output) {
+      out = at::empty(row_shape(plan, y.size(0)), y.options());
+    } else if (plan.pad_k) {
+      out = at::empty({y.size(0), plan.channels}, y.options());
+    } else {
+      out = at::empty_like(y);
+    }
   }
   const int64_t rows = y.size(0);
 
