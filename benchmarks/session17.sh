@@ -3,7 +3,8 @@
 #   bash benchmarks/session17.sh fuzzprof   # $BENCH random fused models against Inductor, with each model's
 #                                           # GPU time, launches and CPU time a call per backend (--profile)
 #   bash benchmarks/session17.sh probe      # benchmarks.gemm_align_probe (library GEMM forms at misaligned K), then fuzzprof
-#   bash benchmarks/session17.sh pad        # the padded library GEMM's GPU tests, the C++ launcher's, and a sample
+#   bash benchmarks/session17.sh pad        # GPU tests -k "$TESTS_K" (default: the padded library GEMM's)
+#   bash benchmarks/session17.sh padbench   # the same, then fuzzprof
 #   bash benchmarks/session17.sh tests      # tests/test_gpu.py -k "$TESTS_K"
 #   bash benchmarks/session17.sh rest       # the tier's other files
 #   bash benchmarks/session17.sh fuzz       # the GPU fuzzer: $MODELS models of seed $SEED, with --grad when GRAD=1
@@ -14,10 +15,12 @@ case ${1:-fuzzprof} in
     timeout ${BENCH_TIMEOUT:-560} python3 tests/fuzzer.py --bench ${BENCH:-50} --seed ${SEED:-0} --profile \
       --json "$OUT/fuzzbench.json" 2>&1 | grep -v -i warn | tee "$OUT/fuzzbench.log" | tail -${TAIL:-40}
     ;;
-  pad)
-    timeout 400 python3 -m pytest -q -m gpu tests/test_native.py tests/test_gpu.py -p no:cacheprovider -rfs --tb=short \
-      -k "native or padded or launcher or workload and bfloat16 or awkward or running_stats" 2>&1 \
-      | tee "$OUT/pad_tests.log" | tail -25
+  pad|padbench)
+    timeout ${TEST_TIMEOUT:-170} python3 -m pytest -v -m gpu tests/test_native.py tests/test_gpu.py -p no:cacheprovider \
+      -rfs --tb=short -k "${TESTS_K:-padded}" 2>&1 | grep -E "PASS|FAIL|ERROR|SKIP|passed|failed|Error|assert" \
+      | tee "$OUT/pad_tests.log" | tail -40
+    [ "$1" = padbench ] && timeout ${BENCH_TIMEOUT:-400} python3 tests/fuzzer.py --bench ${BENCH:-50} --seed 0 \
+      --profile --json "$OUT/fuzzbench.json" 2>&1 | grep -v -i warn | tee "$OUT/fuzzbench.log" | tail -${TAIL:-40}
     ;;
   tests) gpu_tests_k ;;
   rest) gpu_rest ;;
