@@ -358,8 +358,9 @@ class _LinearTail(nn.Module):
     def __init__(self, k, n, tail):
         super().__init__()
         self.linear = nn.Linear(k, n)
-        self.tail = {"gelu_residual": nn.GELU(), "softmax": nn.Softmax(-1), "layernorm": nn.LayerNorm(n),
-                     "groupnorm": nn.GroupNorm(4, n), "batchnorm": nn.BatchNorm1d(n), "logsumexp": None}[tail]
+        self.tail = {"gelu_residual": nn.GELU, "softmax": lambda: nn.Softmax(-1), "layernorm": lambda: nn.LayerNorm(n),
+                     "groupnorm": lambda: nn.GroupNorm(4, n), "batchnorm": lambda: nn.BatchNorm1d(n),
+                     "logsumexp": lambda: None}[tail]()
         self.name = tail
 
     def forward(self, x, residual):
@@ -388,9 +389,7 @@ PADDED = {
 def test_padded_library_gemm(name, dtype, monkeypatch, exact_float32):
     monkeypatch.setenv("FUSEDEPI_PAD_GEMM", "1")
     k, n, tail, pad = PADDED[name]
-    model = _LinearTail(k, n, tail).cuda()
-    _randomize_bn(model)
-    model = model.to(dtype)
+    model = _LinearTail(k, n, tail).cuda().to(dtype)
     x = torch.rand(1000, k, device="cuda", dtype=dtype) * 2 - 1
     residual = torch.rand(1000, n, device="cuda", dtype=dtype)
     ref, ref_model = float64_reference(model, x, residual)
