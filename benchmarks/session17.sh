@@ -19,8 +19,8 @@ case ${1:-fuzzprof} in
     timeout ${TEST_TIMEOUT:-170} python3 -m pytest -v -m gpu tests/test_native.py tests/test_gpu.py -p no:cacheprovider \
       -rfs --tb=short -k "${TESTS_K:-padded}" 2>&1 | grep -E "PASS|FAIL|ERROR|SKIP|passed|failed|Error|assert" \
       | tee "$OUT/pad_tests.log" | tail -40
-    [ "$1" = padbench ] && timeout ${BENCH_TIMEOUT:-400} python3 tests/fuzzer.py --bench ${BENCH:-50} --seed 0 \
-      --profile --json "$OUT/fuzzbench.json" 2>&1 | grep -v -i warn | tee "$OUT/fuzzbench.log" | tail -${TAIL:-40}
+    if [ "$1" = padbench ]; then timeout ${BENCH_TIMEOUT:-400} python3 tests/fuzzer.py --bench ${BENCH:-50} --seed 0 \
+      --profile --json "$OUT/fuzzbench.json" 2>&1 | grep -v -i warn | tee "$OUT/fuzzbench.log" | tail -${TAIL:-40}; fi
     ;;
   tests) gpu_tests_k ;;
   rest) gpu_rest ;;
