@@ -40,3 +40,11 @@ fuzz_gemm() {
     --workers 14 --time-limit ${FUZZ_LIMIT:-420} --json "$OUT/fuzz_gemm.json" 2>&1 | grep -v -i warn \
     | tee "$OUT/fuzz_gemm.log" | tail -45
 }
+
+# The GPU fuzzer: $MODELS models of seed $SEED, with --grad when GRAD=1.
+fuzz_random() {
+  local g=(); [ "${GRAD:-0}" = 1 ] && g=(--grad)
+  timeout ${FUZZ_TIMEOUT:-500} python3 tests/fuzzer.py --device cuda --models ${MODELS:-400} --seed ${SEED:-0} \
+    "${g[@]}" --workers 14 --time-limit ${FUZZ_LIMIT:-420} --json "$OUT/fuzz.json" 2>&1 | grep -v -i warn \
+    | grep -v "^\[fuzz\] [0-9]" | tee "$OUT/fuzz.log" | tail -40
+}

@@ -26,12 +26,7 @@ PY
     ;;
   tests) gpu_tests_k ;;
   rest) gpu_rest ;;
-  fuzz)
-    g=(); [ "${GRAD:-0}" = 1 ] && g=(--grad)
-    timeout ${FUZZ_TIMEOUT:-500} python3 tests/fuzzer.py --device cuda --models ${MODELS:-400} --seed ${SEED:-0} \
-      "${g[@]}" --workers 14 --time-limit ${FUZZ_LIMIT:-420} --json "$OUT/fuzz.json" 2>&1 | grep -v -i warn \
-      | grep -v "^\[fuzz\] [0-9]" | tee "$OUT/fuzz.log" | tail -40
-    ;;
+  fuzz) fuzz_random ;;
   fuzzgemm) fuzz_gemm ;;
   fuzzbench)
     timeout ${BENCH_TIMEOUT:-560} python3 tests/fuzzer.py --bench ${BENCH:-50} --seed ${SEED:-0} \
