@@ -43,6 +43,7 @@ MIN_GAIN = 0.9
 CACHE_FILE = "gemm_padding.json"
 
 _cache: dict[str, list] = {}
+_read_files: set = set()  # cache files already merged into _cache
 _cache_lock = threading.Lock()
 
 
@@ -123,8 +124,10 @@ def timed(kind: str, dtype: str, m: int, k: int, n: int, k_to: int, n_to: int, d
                                           m, k, n, k_to, n_to))
     path = Path(cache_dir) / CACHE_FILE
     with _cache_lock:
-        if not _cache and path.exists():
-            _cache.update(_read(path))
+        if path not in _read_files:
+            _read_files.add(path)
+            if path.exists():
+                _cache.update(_read(path))
         if key in _cache:
             return tuple(_cache[key])
     times = _measure(kind, getattr(torch, dtype), m, k, n, k_to, n_to, device)

@@ -123,14 +123,17 @@ def test_timings_are_cached_on_disk(monkeypatch, tmp_path):
     monkeypatch.setattr(gemm_padding, "_measure", measure)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
     monkeypatch.setattr(gemm_padding, "_cache", {})
+    monkeypatch.setattr(gemm_padding, "_read_files", set())
     args = ("addmm", "bfloat16", 4096, 151, 513, 152, 520, torch.device("cuda", 0), tmp_path)
     assert gemm_padding.timed(*args) == (2.0, 1.0)
     assert len(measured) == 1
     stored = json.loads((tmp_path / gemm_padding.CACHE_FILE).read_text())
     assert list(stored.values()) == [[2.0, 1.0]] and "Test GPU" in next(iter(stored))
     monkeypatch.setattr(gemm_padding, "_cache", {})  # a new process: read from the file
+    monkeypatch.setattr(gemm_padding, "_read_files", set())
     assert gemm_padding.timed(*args) == (2.0, 1.0)
     assert len(measured) == 1
     (tmp_path / gemm_padding.CACHE_FILE).write_text("not json")  # unreadable: measured again
     monkeypatch.setattr(gemm_padding, "_cache", {})
+    monkeypatch.setattr(gemm_padding, "_read_files", set())
     assert gemm_padding.timed(*args) == (2.0, 1.0) and len(measured) == 2
