@@ -238,6 +238,10 @@ class Library:
         self._lib.fusedepi_error_string.argtypes = [ctypes.c_int]
         self._lib.fusedepi_error_string.restype = ctypes.c_char_p
         self._lib.fusedepi_anchor_inside.restype = ctypes.c_int
+        self._lib.fusedepi_pad_rows.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p,
+        ]
+        self._lib.fusedepi_pad_rows.restype = ctypes.c_int
         # True: the library computes the anchor itself (direct conv); `run` takes the
         # anchor's operands after the workspace instead of an anchor output.
         self.anchor_inside = bool(self._lib.fusedepi_anchor_inside())
@@ -245,14 +249,21 @@ class Library:
     def workspace_floats(self, rows: int) -> int:
         return int(self._lib.fusedepi_workspace_floats(rows))
 
+    def pad_rows(self, x: int, xp: int, rows: int, k: int, device: int, stream: int) -> None:
+        """Copies x's rows of k elements into xp's padded rows (the spec's Anchor.pad K),
+        zeros after them: the operand of a padded library GEMM."""
+        self._check(self._lib.fusedepi_pad_rows(x, xp, rows, k, device, ctypes.c_void_p(stream)))
+
+    def _check(self, code: int) -> None:
+        if code != 0:
+            message = self._lib.fusedepi_error_string(code).decode()
+            raise RuntimeError(f"fusedepi kernel {self.path.parent.name[:12]} failed: {message}")
+
     def run(self, pointers: list[int], rows: int, device: int, stream: int) -> None:
         """Launches the kernels. pointers: y, out, extra outputs, tensor inputs, workspace,
         then the anchor's operands when `anchor_inside`."""
         array = (ctypes.c_void_p * len(pointers))(*pointers)
-        code = self._lib.fusedepi_run(array, rows, device, ctypes.c_void_p(stream))
-        if code != 0:
-            message = self._lib.fusedepi_error_string(code).decode()
-            raise RuntimeError(f"fusedepi kernel {self.path.parent.name[:12]} failed: {message}")
+        self._check(self._lib.fusedepi_run(array, rows, device, ctypes.c_void_p(stream)))
 
 
 _loaded: dict[Path, Library] = {}

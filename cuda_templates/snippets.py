@@ -46,7 +46,7 @@ class Operands:
 
     def _per_channel(self, name: str, pointer: str) -> str:
         self._channel[name] = pointer
-        self._loads[name] = f"float {name}[W];\n  fusedepi::load_channel<W, kInner>({pointer}, c, {name});"
+        self._loads[name] = f"float {name}[W];\n  fusedepi::load_channel<W, kInner, kWrap>({pointer}, c, {name});"
         return f"{name}[j]"
 
     def param(self, index: int, kind: str = CHANNEL, default: str = "1.f") -> str:

@@ -22,6 +22,9 @@ from string import Template
 #   $inner          elements per channel (H*W of a conv, 1 for a linear)
 #   $y_row          elements between rows of y: $channels * $inner, or more when the
 #                   library GEMM ran on padded operands (EpilogueSpec.y_row)
+#   $wrap           the row length under the flat mapping (FLAT_APPLY_KERNEL), else 0
+#   $pad_k          K of x's padded rows when the library GEMM runs on padded operands
+#                   (Anchor.pad; PAD_ROWS_KERNEL fills them), else 0
 #   $fast_math      "true" for bf16/fp16 chains (see fusedepi::sigmoid)
 #   $stage0_done    "true" when the direct conv kernel already applied stage0 to y
 #   $anchor_inside  1 when this library computes the anchor (direct conv, in-kernel GEMM), else 0
@@ -30,9 +33,8 @@ from string import Template
 #                   saved values sv0, ...) and tensor inputs (p0, ...)
 #   $stages         the two STAGE_FUNCTIONs: stage0 (steps before the reduction, or
 #                   all steps) and stage1 (the reduction's normalize and the steps after)
-#   $middle         code between load and store: the reduction and normalize, if any
-#   $store          code that writes the result
 #   $stats_kernels  kernels that run before the apply kernel (statistics), or nothing
+#   $apply_kernel   the apply kernel: APPLY_KERNEL (a team a segment) or FLAT_APPLY_KERNEL
 #   $bind           Args assignments from the launcher's pointer array
 #   $launches       the kernel launches, in order
 #   $ws_floats      workspace size in floats, an expression in `rows`
@@ -56,6 +58,9 @@ constexpr long long kGroups = $groups;
 constexpr long long kChannels = $channels;
 constexpr int kInner = $inner;
 constexpr long long kYRow = $y_row;  // y's row stride; the output's rows are kGroups * kL
+constexpr long long kRow = kGroups * kL;  // elements of an output row (before a row reduction)
+constexpr long long kWrap = $wrap;  // kRow under the flat mapping: a vector may cross rows
+constexpr long long kPadK = $pad_k;  // K of x's padded rows for a padded library GEMM, else 0
 constexpr bool kFastMath = $fast_math;  // hardware exp/divide in sigmoid and silu
 constexpr bool kStage0Done = $stage0_done;  // y already holds stage0's result
 constexpr bool kBlockPerSegment = kTeam > 32 || kChunks > 1;
@@ -129,12 +134,24 @@ __device__ __forceinline__ void load_stage0(const Args& a, const Place& p, float
 
 $stats_kernels
 
-__global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) {
-  const Place p = place(a);
-  float v[kNV][kV];
-  load_stage0(a, p, v, true);
-$middle
-$store
+$apply_kernel
+
+// fusedepi_pad_rows's kernel: a thread a 16-byte vector of xp's rows (kPadK is a
+// multiple of 8), read element by element from x's unaligned rows of k.
+constexpr int kPadVec = 16 / static_cast<int>(sizeof(T));
+
+__global__ void __launch_bounds__(256) pad_rows(const T* __restrict__ x, T* __restrict__ xp, long long vectors,
+                                                long long k) {
+  const long long v = (long long)blockIdx.x * 256 + threadIdx.x;
+  if (v >= vectors) return;
+  constexpr long long kRowVecs = kPadK > 0 ? kPadK / kPadVec : 1;
+  const long long r = v / kRowVecs;
+  const int c0 = static_cast<int>(v - r * kRowVecs) * kPadVec;
+  const T* src = x + r * k;
+  fusedepi::Pack<T, kPadVec> pk;
+#pragma unroll
+  for (int j = 0; j < kPadVec; ++j) pk.v[j] = c0 + j < k ? src[c0 + j] : fusedepi::from_float<T>(0.f);
+  *reinterpret_cast<fusedepi::Pack<T, kPadVec>*>(xp + v * kPadVec) = pk;
 }
 
 }  // namespace
@@ -144,6 +161,24 @@ extern "C" long long fusedepi_workspace_floats(long long rows) { return $ws_floa
 // 1: the caller passes the anchor's operands (x, weight) after the workspace
 // and no anchor output; this library computes the anchor itself.
 extern "C" int fusedepi_anchor_inside() { return $anchor_inside; }
+
+// A padded library GEMM's x: rows of K elements copied into rows of kPadK, zeros after
+// them (ops.padded_gemm). x is contiguous; xp holds rows * kPadK elements.
+extern "C" int fusedepi_pad_rows(const void* x, void* xp, long long rows, long long k, int device,
+                                 void* stream_handle) {
+  if constexpr (kPadK == 0) {
+    return static_cast<int>(cudaErrorNotSupported);
+  } else {
+    if (k > kPadK || k <= 0) return static_cast<int>(cudaErrorInvalidValue);
+    if (rows == 0) return 0;
+    cudaError_t err = cudaSetDevice(device);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    const long long vectors = rows * (kPadK / kPadVec);
+    pad_rows<<<(vectors + 255) / 256, 256, 0, static_cast<cudaStream_t>(stream_handle)>>>(
+        static_cast<const T*>(x), static_cast<T*>(xp), vectors, k);
+    return static_cast<int>(cudaGetLastError());
+  }
+}
 
 extern "C" const char* fusedepi_error_string(int code) {
   return cudaGetErrorString(static_cast<cudaError_t>(code));
@@ -168,6 +203,59 @@ $launches
 }
 """
 )
+
+# The apply kernel: each team (lanes of a warp, or a block) takes a segment, loads it
+# and runs stage0, then $middle (the reduction and normalize, if any) and $store.
+APPLY_KERNEL = Template(
+    r"""__global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) {
+  const Place p = place(a);
+  float v[kNV][kV];
+  load_stage0(a, p, v, true);
+$middle
+$store
+}"""
+)
+
+# The apply kernel of a pointwise chain whose rows do not split into whole 16-byte
+# vectors over busy lanes (odd or narrow rows; not a padded GEMM's y): y and the
+# output taken as one flat array, kNV vectors of kV elements a thread, consecutive
+# threads on consecutive vectors. A vector may cross rows (kWrap: each element's
+# channel from its own position); the tensor's last vector may be partial.
+FLAT_APPLY_KERNEL = Template(
+    r"""__global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) {
+  static_assert(kWrap == kRow && kGroups == 1 && kYRow == kRow, "the flat mapping is for pointwise chains on y's rows");
+  const long long total = a.rows * kRow;
+  const long long first = ((long long)blockIdx.x * kNV * kBlock + threadIdx.x) * kV;
+  float v[kNV][kV];
+  int pos[kNV];  // each vector's position in its row
+#pragma unroll
+  for (int k = 0; k < kNV; ++k) {  // every load in flight before any arithmetic
+    const long long e = first + (long long)k * kBlock * kV;
+    pos[k] = static_cast<int>(e % kRow);
+    if (e + kV <= total) {
+      fusedepi::load_vec<T, kV>(a.y + e, v[k]);
+    } else {  // the tensor's last vector, element by element
+#pragma unroll
+      for (int j = 0; j < kV; ++j) v[k][j] = e + j < total ? fusedepi::to_float(a.y[e + j]) : 0.f;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kNV; ++k) {
+    const long long e = first + (long long)k * kBlock * kV;
+    if (e + kV <= total) {
+      if constexpr (!kStage0Done) stage0<kV>(v[k], pos[k], e, a, true);
+      fusedepi::store_vec<T, kV>(a.out + e, v[k]);
+    } else {
+      for (int j = 0; j < kV && e + j < total; ++j) {  // the tensor's last, partial vector
+        float one[1] = {v[k][j]};
+        if constexpr (!kStage0Done) stage0<1>(one, static_cast<int>((pos[k] + j) % kRow), e + j, a, true);
+        fusedepi::store_vec<T, 1>(a.out + e + j, one);
+      }
+    }
+  }
+}"""
+)
+
 
 # The body both stage variants share: the steps on each element, then the saves.
 _STAGE_LOOP = r"""#pragma unroll
@@ -194,7 +282,7 @@ template <int W>
 __device__ __forceinline__ void $name(float (&v)[W], int pos, long long e0, const Args& a$extra,
                                       bool save = false) {
   int c[W];
-  fusedepi::channels_of<W, kInner>(pos, c);
+  fusedepi::channels_of<W, kInner, kWrap>(pos, c);
 $loads
 """ + _STAGE_LOOP + r"""
 // ${name}'s per-channel operands for one channel: the direct conv, which knows its

@@ -26,12 +26,13 @@ aten = torch.ops.aten
 log = logging.getLogger("fusedepi")
 
 
-def run_anchor(anchor: Anchor, operands: list[torch.Tensor], padded: bool = False) -> torch.Tensor:
+def run_anchor(anchor: Anchor, operands: list[torch.Tensor], padded: bool = False, pad_x=None) -> torch.Tensor:
     """The anchor op exactly as the graph had it (so matmul precision settings apply).
-    An anchor with `pad` runs its GEMM on zero-padded operands (`padded_gemm`): the
-    result is the product either way; `padded` returns it in its padded rows."""
+    An anchor with `pad` runs its GEMM on zero-padded operands (`padded_gemm`, which
+    `pad_x` passes on): the result is the product either way; `padded` returns it in
+    its padded rows."""
     if anchor.pad:
-        y = padded_gemm(anchor, operands)
+        y = padded_gemm(anchor, operands, pad_x)
         return y if padded else y[:, : operands[-1].shape[1]].contiguous()
     if anchor.kind == "addmm":
         return aten.addmm.default(*operands)
@@ -42,19 +43,27 @@ def run_anchor(anchor: Anchor, operands: list[torch.Tensor], padded: bool = Fals
     return aten.convolution.default(x, w, b, *anchor.conv)
 
 
-def padded_gemm(anchor: Anchor, operands: list[torch.Tensor]) -> torch.Tensor:
+def padded_gemm(anchor: Anchor, operands: list[torch.Tensor], pad_x=None) -> torch.Tensor:
     """addmm/mm of x[M, K] and mat2 = w^T ([K, N], w a contiguous [N, K]) on operands
     padded with zeros to K = k_to and N = n_to (`Anchor.pad`): y[M, n_to], whose first N
     columns are the product. The zeros add nothing to any dot product; the padded w
-    keeps w's layout, so cuBLAS sees the same transposes with 16-byte aligned rows."""
+    keeps w's layout, so cuBLAS sees the same transposes with 16-byte aligned rows.
+
+    Args:
+        pad_x: fills the padded x in one pass, `pad_x(x, xp)` with x contiguous (the
+            chain's kernel file, `Library.pad_rows`); None: two torch ops.
+    """
     k_to, n_to = anchor.pad
     x, wt = operands[-2], operands[-1]
     (m, k), n = x.shape, wt.shape[1]
     xp = x
     if k_to != k:
         xp = x.new_empty((m, k_to))
-        xp[:, k:].zero_()
-        xp[:, :k].copy_(x)
+        if pad_x is not None:
+            pad_x(x.contiguous(), xp)
+        else:
+            xp[:, k:].zero_()
+            xp[:, :k].copy_(x)
     wp = wt.new_zeros((n_to, k_to))
     wp[:n, :k].copy_(wt.t())
     if anchor.kind == "mm":
@@ -226,6 +235,11 @@ class Launcher:
             native.register_rows(self.spec_json, self.device_index, rows, use)
         return use
 
+    def _pad_x(self, x: torch.Tensor, xp: torch.Tensor) -> None:
+        """padded_gemm's x into its padded rows, by the kernel file's pad kernel."""
+        self.lib.pad_rows(x.data_ptr(), xp.data_ptr(), x.shape[0], x.shape[1], self.device_index,
+                          torch._C._cuda_getCurrentRawStream(self.device_index))
+
     def _row_shape(self, rows: int) -> tuple:
         """A row reduction's output: a value a row, [rows, 1] with keepdim."""
         return (rows, 1) if self.keepdim else (rows,)
@@ -252,7 +266,7 @@ class Launcher:
             y = torch.empty_like(out) if self.stores_pre_norm else out
         else:
             # A padded GEMM's y keeps its padded rows: the kernels read them with that stride.
-            y = run_anchor(self.spec.anchor, anchor_operands, padded=True).contiguous()
+            y = run_anchor(self.spec.anchor, anchor_operands, padded=True, pad_x=self._pad_x).contiguous()
             if self.row_output:
                 out = y.new_empty(self._row_shape(y.shape[0]))
             elif self.spec.anchor.pad:

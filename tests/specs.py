@@ -178,6 +178,16 @@ def awkward_specs(dtype="float32"):
         "logsumexp_short_row": EpilogueSpec(
             LINEAR, (Step("logsumexp", keepdim=False), Step("silu")), dtype, (), 100, 1, "linear_logsumexp",
         ),
+        # Pointwise chains on rows that split badly: the flat mapping (vectors across rows).
+        "flat_channel_operands": EpilogueSpec(  # N=33: per-channel operands element by element
+            Anchor("mm"),
+            (Step("add", inputs=(0,), operand=CHANNEL), Step("mul", inputs=(1,), operand=CHANNEL),
+             Step("add", inputs=(2,), operand=FULL), Step("sigmoid")),
+            dtype, p * 3, 33, 1, "linear_pointwise",
+        ),
+        "flat_narrow_row": EpilogueSpec(  # N=3: a vector spans several rows
+            Anchor("mm"), (Step("add", inputs=(0,), operand=CHANNEL), Step("gelu")), dtype, p, 3, 1, "linear_pointwise",
+        ),
         # Library GEMMs on padded operands: y's rows are pad[1] apart, not N (kYRow).
         "padded_gemm_pointwise": EpilogueSpec(
             Anchor("addmm", pad=(152, 520)), (Step("gelu"), Step("add", inputs=(0,), operand=FULL)),

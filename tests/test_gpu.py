@@ -155,6 +155,18 @@ class _ConvBatchNormSilu(nn.Module):
         return F.silu(self.bn(self.conv(x)))
 
 
+class _ScaleResidualSigmoid(nn.Module):
+    """A per-column scale, a residual and a sigmoid after a Linear: a pointwise chain."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.linear = nn.Linear(k, n)
+        self.scale = nn.Parameter(torch.rand(n) + 0.5)
+
+    def forward(self, x, residual):
+        return torch.sigmoid(self.linear(x) * self.scale + residual)
+
+
 def _randomize_bn(module):
     for m in module.modules():
         if isinstance(m, nn.BatchNorm2d):
@@ -176,6 +188,11 @@ AWKWARD = {
         True,
         "linear_batchnorm_train",
     ),
+    # Pointwise chains on rows that split badly run flat (render.plan): vectors cross rows,
+    # and the last one is partial (1001 x 33 and 257 x 3 elements are no multiples of 8).
+    "flat_n33_scale_residual": (lambda: _ScaleResidualSigmoid(64, 33), [(1001, 64), (1001, 33)], True,
+                                "linear_pointwise"),
+    "flat_n3_gelu": (lambda: nn.Sequential(nn.Linear(64, 3), nn.GELU()), [(257, 64)], True, "linear_pointwise"),
     "conv_groupnorm_odd_spatial": (_ConvGroupNormRelu, [(2, 3, 33, 33)], True, "conv_groupnorm"),
     "conv_batchnorm_eval": (_ConvBatchNormSilu, [(2, 3, 33, 33)], False, "conv_batchnorm_eval"),
     "conv_batchnorm_train": (_ConvBatchNormSilu, [(2, 3, 33, 33)], True, "conv_batchnorm_train"),

@@ -51,6 +51,10 @@ def test_render_is_complete_and_named(name):
 def test_plan_covers_the_segment(name):
     spec = ALL_SPECS[name]
     p = plan(spec)
+    if p.flat:  # the whole output as one array: rows need not split into vectors
+        assert spec.reduction is None and spec.inner == 1 and (p.team, p.chunks, p.groups) == (1, 1, 1)
+        assert p.seg_len == spec.channels and p.vec * {"float32": 4}.get(spec.dtype, 2) == 16
+        return
     assert p.seg_len % p.vec == 0
     assert p.team & (p.team - 1) == 0 and p.block % 32 == 0 and p.block % p.team == 0
     assert p.team * p.nvec * p.vec * p.chunks >= p.seg_len  # every element has a thread
@@ -64,6 +68,32 @@ def test_plans_of_the_workloads():
     assert plan(specs["w2_logsumexp"]).team > 32  # a row of 8192 is a block's job
     w5 = plan(specs["w5_conv_groupnorm"])
     assert w5.chunks > 1 and 64516 % w5.vec == 0  # vectors stay inside one channel
+
+
+def test_pointwise_chains_on_rows_that_split_badly_run_flat():
+    awkward = awkward_specs("bfloat16")
+    for name in ("flat_channel_operands", "flat_narrow_row", "pointwise_only"):
+        p = plan(awkward[name])
+        assert p.flat and p.vec == 8, name  # 16-byte vectors over the flat output
+        source = cuda_templates.render(awkward[name], "sm90")
+        assert f"constexpr long long kWrap = {awkward[name].channels};" in source
+    # N = 33: elements' channels and per-channel operands one by one, as vectors cross rows
+    assert "fusedepi::load_channel<W, kInner, kWrap>" in cuda_templates.render(awkward["flat_channel_operands"], "sm90")
+    # rows that split into whole vectors over busy lanes, reductions and conv outputs keep a team a row
+    specs = {**workload_specs("bfloat16"), **awkward}
+    # and so does a padded GEMM's y, whose rows are longer than the output's
+    for name in ("w1_bn_eval", "w3_groupnorm", "w5_conv_groupnorm", "layernorm_residual", "padded_gemm_softmax",
+                 "padded_gemm_pointwise"):
+        assert not plan(specs[name]).flat, name
+        assert "constexpr long long kWrap = 0;" in cuda_templates.render(specs[name], "sm90")
+    # float32 rows of 255: 4-element vectors would leave the last lane's vector short
+    assert plan(awkward_specs("float32")["pointwise_only"]).flat
+
+
+def test_padded_gemm_files_pad_x_in_their_own_kernel():
+    awkward = awkward_specs("bfloat16")
+    assert "constexpr long long kPadK = 152;" in cuda_templates.render(awkward["padded_gemm_pointwise"], "sm90")
+    assert "constexpr long long kPadK = 0;" in cuda_templates.render(awkward["pointwise_only"], "sm90")
 
 
 def test_row_reduction_too_long_is_not_renderable():

@@ -40,10 +40,11 @@
 
 namespace {
 
-// The three C entry points every rendered kernel file exports (cuda_templates/templates.py).
+// The C entry points every rendered kernel file exports (cuda_templates/templates.py).
 using RunFn = int (*)(void** pointers, long long rows, int device, void* stream);
 using WorkspaceFn = long long (*)(long long rows);
 using ErrorFn = const char* (*)(int code);
+using PadRowsFn = int (*)(const void* x, void* xp, long long rows, long long k, int device, void* stream);
 
 // How a spec's anchor is computed (Launcher: `gemm`, `anchor_inside`).
 enum class Path : int64_t {
@@ -79,6 +80,7 @@ struct Plan {
   RunFn run = nullptr;
   WorkspaceFn workspace_floats = nullptr;
   ErrorFn error_string = nullptr;
+  PadRowsFn pad_rows = nullptr;
 
   Path path = Path::kLibraryAnchor;
   Anchor anchor = Anchor::kAddmm;
@@ -153,6 +155,7 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   plan->run = symbol<RunFn>(handle, "fusedepi_run", path);
   plan->workspace_floats = symbol<WorkspaceFn>(handle, "fusedepi_workspace_floats", path);
   plan->error_string = symbol<ErrorFn>(handle, "fusedepi_error_string", path);
+  plan->pad_rows = symbol<PadRowsFn>(handle, "fusedepi_pad_rows", path);
 
   plan->path = static_cast<Path>(layout[0]);
   plan->anchor = static_cast<Anchor>(layout[1]);
@@ -251,10 +254,16 @@ at::Tensor padded_gemm(const Plan& plan, const std::vector<at::Tensor>& operands
   const at::Tensor& wt = operands.back();
   const int64_t m = x.size(0), k = x.size(1), n = wt.size(1);
   at::Tensor xp = x;
-  if (plan.pad_k != k) {
+  if (plan.pad_k != k) {  // the kernel file's pad kernel: x's rows and the zeros, one pass
     xp = at::empty({m, plan.pad_k}, x.options());
-    xp.narrow(1, k, plan.pad_k - k).zero_();
-    xp.narrow(1, 0, k).copy_(x);
+    const at::Tensor xc = x.contiguous();
+    const auto device = static_cast<c10::DeviceIndex>(plan.device);
+    const int code = plan.pad_rows(xc.data_ptr(), xp.data_ptr(), m, k, static_cast<int>(plan.device),
+                                   c10::cuda::getCurrentCUDAStream(device).stream());
+    if (code != 0) {
+      const char* message = plan.error_string(code);
+      TORCH_CHECK(false, "fusedepi kernel ", plan.name, " failed to pad x: ", message ? message : "unknown error");
+    }
   }
   at::Tensor wp = at::zeros({plan.pad_n, plan.pad_k}, wt.options());
   wp.narrow(0, 0, n).narrow(1, 0, k).copy_(wt.t());

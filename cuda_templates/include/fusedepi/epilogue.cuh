@@ -104,12 +104,24 @@ __device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&in)[V
 // A vector of W elements at position `pos` of its row ([channels, inner] flattened;
 // rows are < 2^31 elements, so 32-bit math). Its channels are consecutive
 // (inner == 1), or it lies inside one channel (inner % W == 0), or it straddles at
-// most two (inner > W), or, in general, each element has its own. Vectors never
-// cross a row: W divides the row length.
+// most two (inner > W), or, in general, each element has its own. Vectors cross no
+// row (W divides the row length), except under the flat mapping of pointwise chains
+// (kWrap = the row length), where element j lies at (pos + j) mod kWrap.
 
-template <int W, int kInner>
+template <int W, int kInner, long long kWrap = 0>
 __device__ __forceinline__ void channels_of(int pos, int (&c)[W]) {
-  if constexpr (kInner == 1) {
+  if constexpr (kWrap != 0) {
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      int q = pos + j;
+      if constexpr (kWrap >= W) {
+        q = q >= kWrap ? q - static_cast<int>(kWrap) : q;
+      } else {
+        q %= static_cast<int>(kWrap);
+      }
+      c[j] = q / kInner;
+    }
+  } else if constexpr (kInner == 1) {
 #pragma unroll
     for (int j = 0; j < W; ++j) c[j] = pos + j;
   } else if constexpr (kInner % W == 0) {
@@ -127,10 +139,14 @@ __device__ __forceinline__ void channels_of(int pos, int (&c)[W]) {
 
 // Loads a per-channel parameter for each element of the vector: one vector access
 // when the channels are consecutive (the caller aligns p to 32 bytes), one scalar
-// when the vector shares a channel, two when it straddles two.
-template <int W, long long kInner, typename P>
+// when the vector shares a channel, two when it straddles two; one an element where
+// vectors may cross rows (kWrap != 0: the channels wrap around, unaligned).
+template <int W, long long kInner, long long kWrap = 0, typename P>
 __device__ __forceinline__ void load_channel(const P* __restrict__ p, const int (&c)[W], float (&out)[W]) {
-  if constexpr (kInner == 1 && W > 1) {
+  if constexpr (kWrap != 0) {
+#pragma unroll
+    for (int j = 0; j < W; ++j) out[j] = to_float(p[c[j]]);
+  } else if constexpr (kInner == 1 && W > 1) {
     load_vec<P, W>(p + c[0], out);
   } else if constexpr (kInner % W == 0) {
     const float x = to_float(p[c[0]]);
