@@ -24,7 +24,7 @@ from string import Template
 #                   library GEMM ran on padded operands (EpilogueSpec.y_row)
 #   $wrap           the row length under the flat mapping (FLAT_APPLY_KERNEL), else 0
 #   $pad_k          K of x's padded rows when the library GEMM runs on padded operands
-#                   (Anchor.pad; PAD_ROWS_KERNEL fills them), else 0
+#                   (Anchor.pad; fusedepi_pad_rows fills them), else 0
 #   $fast_math      "true" for bf16/fp16 chains (see fusedepi::sigmoid)
 #   $stage0_done    "true" when the direct conv kernel already applied stage0 to y
 #   $anchor_inside  1 when this library computes the anchor (direct conv, in-kernel GEMM), else 0
