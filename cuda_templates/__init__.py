@@ -3,7 +3,7 @@
 from .compiler import CompileError, Library, build, load
 from .gemm_sm90 import fills_gpu
 from .render import (DirectPlan, GemmPlan, NotRenderable, Plan, build_arch, direct_plan, gemm_plan, kernel_name, plan,
-                     render)
+                     render, staged_plan)
 
 __all__ = [
     "CompileError",
@@ -21,4 +21,5 @@ __all__ = [
     "load",
     "plan",
     "render",
+    "staged_plan",
 ]

@@ -6,6 +6,7 @@ a flat dict of strings and substitutes it into `templates.KERNEL_FILE`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lowering.spec import FULL, REDUCTIONS, ROW_NORMS, ROW_REDUCTIONS, SEGMENT_NORMS, EpilogueSpec
@@ -24,6 +25,10 @@ FLAT_BLOCK = 256  # threads per block of the flat mapping
 FLAT_NVEC = 4  # 16-byte vectors a thread there
 MIN_BUSY = 0.9  # below this share of busy vector slots a segment's team narrows (or a pointwise chain runs flat)
 NARROW_MAX_ELEMENTS = 32  # elements a lane of a narrowed team holds (registers)
+STAGED_MAX_BYTES = 48 * 1024  # a channels-last image staged whole (static shared memory)
+STAGED_PACK_BYTES = 24 * 1024  # small images a block stages together (several blocks an SM)
+STAGED_BLOCK = 256  # threads a block of warp teams aims at, in whole images
+STAGED_MAX_VECS = 4  # vectors a thread when a block takes an image (registers: the kernel keeps 1024 threads an SM)
 
 
 class NotRenderable(Exception):
@@ -45,6 +50,9 @@ class Plan:
         flat: a pointwise chain's output taken as one flat array (templates.FLAT_APPLY_KERNEL):
             kNV vectors of `vec` elements a thread, which may cross rows; team and chunks
             are then 1.
+        staged: images (rows) a block copies from a channels-last y into shared memory, in
+            the output's order, before the teams read them there (`staged_plan`); 0: the
+            teams read y itself.
     """
 
     seg_len: int
@@ -55,6 +63,7 @@ class Plan:
     chunks: int
     block: int
     flat: bool = False
+    staged: int = 0
 
 
 def _pow2_at_least(n: int) -> int:
@@ -98,6 +107,11 @@ def plan(spec: EpilogueSpec) -> Plan:
     widest = 16 // ITEMSIZE[spec.dtype]
     vec = _vector_width(seg_len, spec.inner, widest)
     vecs = _ceil_div(seg_len, vec)
+    if spec.anchor.channels_last:
+        staged = staged_plan(spec)
+        if isinstance(staged, str):
+            raise NotRenderable(f"channels-last conv: {staged}")
+        return staged
     if vecs <= 32 * WARP_TEAM_MAX_VECS or (red is not None and _ceil_div(vecs, 32) * vec <= NARROW_MAX_ELEMENTS):
         # One vector per lane while the segment fits a warp: each access is coalesced.
         # Unless that leaves many lanes idle (33 vectors: 32 lanes x 2, 31 of the second
@@ -135,6 +149,50 @@ def _flat_suits(spec: EpilogueSpec, p: Plan, widest: int) -> bool:
         return False
     busy = p.seg_len / (p.vec * p.team * p.nvec * p.chunks)
     return p.vec < widest or busy < MIN_BUSY
+
+
+def staged_plan(spec: EpilogueSpec) -> Plan | str:
+    """The mapping for a channels-last conv's y (`Anchor.channels_last`), or the reason
+    there is none: each block stages whole images in shared memory in the output's
+    order, so that y is read and the output written in whole 16-byte vectors; teams
+    then take segments as on a contiguous y. Segments that fit a warp team (up to
+    NARROW_MAX_ELEMENTS a lane) pack several images into a block of about
+    STAGED_BLOCK threads; longer ones take a block an image, which must then be a
+    single segment (a pointwise chain or a norm over the whole image)."""
+    red = spec.reduction
+    if spec.inner == 1:
+        return "a 1 x 1 output: the layouts are the same"
+    if red is not None and red.name not in SEGMENT_NORMS:
+        return f"{red.name} is not implemented on a channels-last y (pointwise steps and group/layer norms are)"
+    if spec.saves:
+        return "it returns values saved for backward, which are read in the graph's layout"
+    row = spec.channels * spec.inner
+    image_bytes = row * ITEMSIZE[spec.dtype]
+    if image_bytes > STAGED_MAX_BYTES:
+        return f"an image of {image_bytes} bytes does not fit {STAGED_MAX_BYTES // 1024} KiB of shared memory"
+    groups = red.groups if red is not None and red.name == "groupnorm" else 1
+    seg_len = row // groups
+    widest = 16 // ITEMSIZE[spec.dtype]
+    vec = _vector_width(seg_len, spec.inner, widest)
+    vecs = _ceil_div(seg_len, vec)
+    if _ceil_div(vecs, 32) * vec <= NARROW_MAX_ELEMENTS:
+        team = min(32, _pow2_at_least(vecs))
+        if _busy(vecs, team) < MIN_BUSY:
+            team = _narrow_team(vecs, max(1, NARROW_MAX_ELEMENTS // vec))
+        # Whole warps (team reductions shuffle over full warps): images in units that
+        # make the block a multiple of 32 threads.
+        per_image = groups * team
+        unit = 32 // math.gcd(per_image, 32)
+        images = max(1, min(STAGED_BLOCK // per_image, STAGED_PACK_BYTES // image_bytes)) // unit * unit or unit
+        if images * per_image > MAX_BLOCK or images * image_bytes > STAGED_MAX_BYTES:
+            return f"{groups} segments of {team} threads an image: no block of whole warps holds whole images"
+        return Plan(seg_len, groups, vec, team, _ceil_div(vecs, team), 1, images * per_image, staged=images)
+    if groups > 1:
+        return f"{groups} groups of {seg_len} elements: longer than a warp holds, and an image takes one block"
+    team = max(128, _pow2_at_least(_ceil_div(vecs, STAGED_MAX_VECS)))
+    if team > MAX_BLOCK:
+        return f"an image of {row} elements: more than a block holds"
+    return Plan(seg_len, 1, vec, team, _ceil_div(vecs, team), 1, team, staged=1)
 
 
 def _busy(vecs: int, team: int) -> float:
@@ -205,6 +263,8 @@ def direct_plan(spec: EpilogueSpec, arch: str = "sm90", conv_tf32: bool = False)
         return "not a convolution"
     if spec.saves:
         return "it returns values saved for backward, and the direct conv does not write the conv output"
+    if anchor.channels_last:
+        return "the library conv runs on channels-last operands (Anchor.channels_last)"
     if not anchor.direct:
         return "not 2-D with stride 1, dilation 1 and groups 1 (or disabled)"
     if anchor.has_bias:
@@ -566,6 +626,7 @@ def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", an
     return templates.KERNEL_FILE.substitute(
         apply_kernel=apply_kernel,
         wrap=p.seg_len if p.flat else 0,
+        staged=p.staged,
         pad_k=spec.anchor.pad[0] if spec.anchor.pad else 0,
         includes=includes,
         kernel=name,

@@ -25,6 +25,8 @@ from string import Template
 #   $wrap           the row length under the flat mapping (FLAT_APPLY_KERNEL), else 0
 #   $pad_k          K of x's padded rows when the library GEMM runs on padded operands
 #                   (Anchor.pad; fusedepi_pad_rows fills them), else 0
+#   $staged         images a block stages in shared memory from a channels-last y
+#                   (Anchor.channels_last, render.staged_plan), else 0
 #   $fast_math      "true" for bf16/fp16 chains (see fusedepi::sigmoid)
 #   $stage0_done    "true" when the direct conv kernel already applied stage0 to y
 #   $anchor_inside  1 when this library computes the anchor (direct conv, in-kernel GEMM), else 0
@@ -61,12 +63,14 @@ constexpr long long kYRow = $y_row;  // y's row stride; the output's rows are kG
 constexpr long long kRow = kGroups * kL;  // elements of an output row (before a row reduction)
 constexpr long long kWrap = $wrap;  // kRow under the flat mapping: a vector may cross rows
 constexpr long long kPadK = $pad_k;  // K of x's padded rows for a padded library GEMM, else 0
+constexpr int kStaged = $staged;  // images a block stages from a channels-last y, else 0
 constexpr bool kFastMath = $fast_math;  // hardware exp/divide in sigmoid and silu
 constexpr bool kStage0Done = $stage0_done;  // y already holds stage0's result
 constexpr bool kBlockPerSegment = kTeam > 32 || kChunks > 1;
 
 struct Args {
   const T* __restrict__ y;  // [rows, channels, inner] anchor output, rows kYRow apart
+                            // ([rows, inner, channels] in memory when kStaged)
   T* __restrict__ out;      // like y, or [rows] after a row reduction
 $fields
   float* __restrict__ ws;   // workspace: statistics passed between kernels
@@ -110,16 +114,68 @@ __device__ __forceinline__ long long y_start(long long seg) {
 
 __device__ __forceinline__ int offset_of(const Place& p, int k) { return p.first + (k * kTeam + p.lane) * kV; }
 
+// A channels-last y: copies this block's kStaged images into `img` in the output's
+// order ([channels, inner] an image), then syncs the block. y is read in 16-byte
+// vectors where an image is a whole number of them, all of a thread's loads in flight
+// before the first store. The last block may have fewer images.
+constexpr int kStageVec = (kRow * sizeof(T)) % 16 == 0 ? 16 / static_cast<int>(sizeof(T)) : 1;
+constexpr int kStageLoads = kStaged > 0 ? (kStaged * kRow / kStageVec + kBlock - 1) / kBlock : 1;
+// Staging waits on memory before any arithmetic: a staged apply kernel keeps at least
+// 1024 threads an SM (registers capped to suit), so that other blocks' loads fill the wait.
+constexpr int kMinBlocks = kStaged > 0 ? 1024 / kBlock : 1;
+
+__device__ __forceinline__ void stage_images(const Args& a, T* img) {
+  const long long first = (long long)blockIdx.x * kStaged;
+  const int count = static_cast<int>((a.rows - first < kStaged ? a.rows - first : kStaged) * kRow);
+  const T* src = a.y + first * kRow;
+  fusedepi::Pack<T, kStageVec> pk[kStageLoads];
+#pragma unroll
+  for (int t = 0; t < kStageLoads; ++t) {
+    const int i = (t * kBlock + static_cast<int>(threadIdx.x)) * kStageVec;
+    if (i < count) pk[t] = *reinterpret_cast<const fusedepi::Pack<T, kStageVec>*>(src + i);
+  }
+#pragma unroll
+  for (int t = 0; t < kStageLoads; ++t) {
+    const int i = (t * kBlock + static_cast<int>(threadIdx.x)) * kStageVec;
+    if (i >= count) continue;
+    // (image, pixel, channel) of y's element i, then stepped along the vector
+    int image = i / static_cast<int>(kRow);
+    const int at = i - image * static_cast<int>(kRow);
+    int pixel = at / static_cast<int>(kChannels);
+    int c = at - pixel * static_cast<int>(kChannels);
+#pragma unroll
+    for (int j = 0; j < kStageVec; ++j) {
+      img[image * kRow + c * kInner + pixel] = pk[t].v[j];
+      if (++c == kChannels) {
+        c = 0;
+        if (++pixel == kInner) pixel = 0, ++image;
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// Where segment p.seg starts: in y, or in the block's staged images.
+__device__ __forceinline__ const T* seg_source(const Args& a, const Place& p, const T* img) {
+  if constexpr (kStaged > 0) {
+    return img + (p.seg - (long long)blockIdx.x * kStaged * kGroups) * kL;
+  } else {
+    return a.y + y_start(p.seg);
+  }
+}
+
 __device__ __forceinline__ bool valid(const Place& p, int k) { return p.live && offset_of(p, k) < kL; }
 
 // Loads this thread's share of the segment and applies stage0; masked lanes hold 0.
 // All loads are issued before any arithmetic, so they are in flight together.
-// save: this kernel writes the values stage0 saves (one kernel of those that run it).
-__device__ __forceinline__ void load_stage0(const Args& a, const Place& p, float (&v)[kNV][kV], bool save) {
+// src: where the segment starts (seg_source). save: this kernel writes the values
+// stage0 saves (one kernel of those that run it).
+__device__ __forceinline__ void load_stage0(const Args& a, const Place& p, const T* src, float (&v)[kNV][kV],
+                                            bool save) {
 #pragma unroll
   for (int k = 0; k < kNV; ++k) {
     if (valid(p, k)) {
-      fusedepi::load_vec<T, kV>(a.y + y_start(p.seg) + offset_of(p, k), v[k]);
+      fusedepi::load_vec<T, kV>(src + offset_of(p, k), v[k]);
     } else {
 #pragma unroll
       for (int j = 0; j < kV; ++j) v[k][j] = 0.f;
@@ -205,12 +261,15 @@ $launches
 )
 
 # The apply kernel: each team (lanes of a warp, or a block) takes a segment, loads it
-# and runs stage0, then $middle (the reduction and normalize, if any) and $store.
+# (from y, or from the images the block staged from a channels-last y) and runs
+# stage0, then $middle (the reduction and normalize, if any) and $store.
 APPLY_KERNEL = Template(
-    r"""__global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) {
+    r"""__global__ void __launch_bounds__(kBlock, kMinBlocks) ${kernel}_apply(Args a) {
+  __shared__ __align__(16) T img[kStaged > 0 ? kStaged * kRow : 1];
+  if constexpr (kStaged > 0) stage_images(a, img);
   const Place p = place(a);
   float v[kNV][kV];
-  load_stage0(a, p, v, true);
+  load_stage0(a, p, seg_source(a, p, img), v, true);
 $middle
 $store
 }"""
@@ -222,7 +281,7 @@ $store
 # threads on consecutive vectors. A vector may cross rows (kWrap: each element's
 # channel from its own position); the tensor's last vector may be partial.
 FLAT_APPLY_KERNEL = Template(
-    r"""__global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) {
+    r"""__global__ void __launch_bounds__(kBlock, kMinBlocks) ${kernel}_apply(Args a) {
   static_assert(kWrap == kRow && kGroups == 1 && kYRow == kRow, "the flat mapping is for pointwise chains on y's rows");
   const long long total = a.rows * kRow;
   const long long first = ((long long)blockIdx.x * kNV * kBlock + threadIdx.x) * kV;
@@ -429,7 +488,7 @@ PARTIAL_MOMENTS_KERNEL = Template(
     r"""__global__ void __launch_bounds__(kBlock) ${kernel}_segparts(Args a) {
   const Place p = place(a);
   float v[kNV][kV];
-  load_stage0(a, p, v, false);
+  load_stage0(a, p, a.y + y_start(p.seg), v, false);
   const float n = static_cast<float>(min(kChunkLen, kL - (long long)p.first));
   // Relative to the part's first element: a constant part gets its mean exactly.
   const float shift = fusedepi::team_first<kTeam>(v[0][0]);

@@ -17,11 +17,7 @@ time (on the GPU, cached on disk per device and shape), "on" pads every candidat
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
-import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +26,7 @@ import torch
 import cuda_templates
 from lowering import linear_form
 
+from . import timings
 from .config import Config
 from .ops import arch_of, run_anchor
 
@@ -41,10 +38,6 @@ PADDED_DTYPES = ("float16", "bfloat16")
 # GPU timing of a large product does not see.
 MIN_GAIN = 0.9
 CACHE_FILE = "gemm_padding.json"
-
-_cache: dict[str, list] = {}
-_read_files: set = set()  # cache files already merged into _cache
-_cache_lock = threading.Lock()
 
 
 def _round_up(n: int, to: int) -> int:
@@ -119,22 +112,11 @@ def decide(chain, cfg: Config):
 def timed(kind: str, dtype: str, m: int, k: int, n: int, k_to: int, n_to: int, device: torch.device,
           cache_dir: Path) -> tuple[float, float]:
     """(ms as the graph has it, ms padded) of one GEMM call with its padding copies,
-    from the disk cache or measured now (CUDA events over back-to-back calls, best of 3)."""
+    from the disk cache or measured now (`timings.best_ms`)."""
     key = "|".join(str(part) for part in (torch.cuda.get_device_name(device), torch.__version__, kind, dtype,
                                           m, k, n, k_to, n_to))
-    path = Path(cache_dir) / CACHE_FILE
-    with _cache_lock:
-        if path not in _read_files:
-            _read_files.add(path)
-            if path.exists():
-                _cache.update(_read(path))
-        if key in _cache:
-            return tuple(_cache[key])
-    times = _measure(kind, getattr(torch, dtype), m, k, n, k_to, n_to, device)
-    with _cache_lock:
-        _cache[key] = list(times)
-    _store(path, key, times)
-    return times
+    return timings.cached(Path(cache_dir) / CACHE_FILE, key,
+                          lambda: _measure(kind, getattr(torch, dtype), m, k, n, k_to, n_to, device))
 
 
 def _measure(kind, dtype, m, k, n, k_to, n_to, device) -> tuple[float, float]:
@@ -148,45 +130,5 @@ def _measure(kind, dtype, m, k, n, k_to, n_to, device) -> tuple[float, float]:
         wt = torch.randn(n, k, device=device, dtype=dtype).t()
         operands = ([torch.randn(n, device=device, dtype=dtype)] if kind == "addmm" else []) + [x, wt]
         plain, padded = Anchor(kind), Anchor(kind, pad=(k_to, n_to))
-        return (_best_ms(lambda: run_anchor(plain, operands)),
-                _best_ms(lambda: run_anchor(padded, operands, padded=True)))
-
-
-def _best_ms(fn, calls: int = 10, rounds: int = 3) -> float:
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / calls)
-    return best
-
-
-def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}  # unreadable: measured again, and rewritten
-
-
-def _store(path: Path, key: str, times: tuple) -> None:
-    """Adds one entry to the cache file: read, merged and replaced whole under a lock, so
-    that processes timing at once keep each other's entries. A failure only logs."""
-    from cuda_templates.compiler import file_lock
-
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with file_lock(path.with_suffix(".lock")):
-            data = _read(path)
-            data[key] = list(times)
-            with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
-                json.dump(data, handle)
-            os.replace(handle.name, path)
-    except OSError as err:
-        log.info("fusedepi: could not write %s (%s); GEMM timings are kept for this process only", path, err)
+        return (timings.best_ms(lambda: run_anchor(plain, operands)),
+                timings.best_ms(lambda: run_anchor(padded, operands, for_kernels=True)))

@@ -174,7 +174,7 @@ def _layout(launcher) -> list[int]:
     pad_k, pad_n = spec.anchor.pad or (0, 0)
     return [PATH_CODES[launcher.anchor_path], ANCHOR_CODES[spec.anchor.kind], launcher.n_operands, int(launcher.gemm_auto),
             int(launcher.row_output), int(launcher.keepdim), spec.channels, out_h, out_w,
-            int(launcher.stores_pre_norm), int(spec.anchor.has_bias), pad_k, pad_n]
+            int(launcher.stores_pre_norm), int(spec.anchor.has_bias), pad_k, pad_n, int(spec.anchor.channels_last)]
 
 
 def _conv(anchor) -> list[int]:

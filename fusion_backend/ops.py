@@ -26,21 +26,34 @@ aten = torch.ops.aten
 log = logging.getLogger("fusedepi")
 
 
-def run_anchor(anchor: Anchor, operands: list[torch.Tensor], padded: bool = False, pad_x=None) -> torch.Tensor:
+def run_anchor(anchor: Anchor, operands: list[torch.Tensor], for_kernels: bool = False, pad_x=None) -> torch.Tensor:
     """The anchor op exactly as the graph had it (so matmul precision settings apply).
     An anchor with `pad` runs its GEMM on zero-padded operands (`padded_gemm`, which
-    `pad_x` passes on): the result is the product either way; `padded` returns it in
-    its padded rows."""
+    `pad_x` passes on), one with `channels_last` its conv on channels-last operands: the
+    result is the product either way. `for_kernels` returns it as the epilogue kernels
+    read it: in its padded rows, or in channels-last memory; else contiguous."""
     if anchor.pad:
         y = padded_gemm(anchor, operands, pad_x)
-        return y if padded else y[:, : operands[-1].shape[1]].contiguous()
+        return y if for_kernels else y[:, : operands[-1].shape[1]].contiguous()
     if anchor.kind == "addmm":
         return aten.addmm.default(*operands)
     if anchor.kind == "mm":
         return aten.mm.default(*operands)
     x, w = operands[:2]
     b = operands[2] if anchor.has_bias else None
+    if anchor.channels_last:
+        layout = channels_last_format(x)
+        y = aten.convolution.default(x.contiguous(memory_format=layout), w.contiguous(memory_format=layout), b,
+                                     *anchor.conv)
+        return y.contiguous(memory_format=layout) if for_kernels else y.contiguous()
     return aten.convolution.default(x, w, b, *anchor.conv)
+
+
+def channels_last_format(x: torch.Tensor) -> torch.memory_format:
+    """The channels-last memory format of a 2-D (4-dim x) or 3-D (5-dim x) conv's input."""
+    if x.dim() not in (4, 5):
+        raise ValueError(f"channels-last convs are 2-D or 3-D; the input has {x.dim()} dims")
+    return torch.channels_last if x.dim() == 4 else torch.channels_last_3d
 
 
 def padded_gemm(anchor: Anchor, operands: list[torch.Tensor], pad_x=None) -> torch.Tensor:
@@ -266,13 +279,17 @@ class Launcher:
             y = torch.empty_like(out) if self.stores_pre_norm else out
         else:
             # A padded GEMM's y keeps its padded rows: the kernels read them with that stride.
-            y = run_anchor(self.spec.anchor, anchor_operands, padded=True, pad_x=self._pad_x).contiguous()
+            # A channels-last conv's y stays channels-last: the kernel writes the output
+            # contiguous, as the graph has it.
+            y = run_anchor(self.spec.anchor, anchor_operands, for_kernels=True, pad_x=self._pad_x)
+            if not self.spec.anchor.channels_last:
+                y = y.contiguous()
             if self.row_output:
                 out = y.new_empty(self._row_shape(y.shape[0]))
             elif self.spec.anchor.pad:
                 out = y.new_empty((y.shape[0], self.spec.channels))
             else:
-                out = torch.empty_like(y)
+                out = torch.empty_like(y, memory_format=torch.contiguous_format)
         rows = y.shape[0]
         extras = [torch.empty_like(params[i]) for i in self.running_stats]
         # The anchor output itself (saved after 0 steps) is the library's output, y

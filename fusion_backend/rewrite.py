@@ -18,7 +18,7 @@ from torch.fx import GraphModule
 import cuda_templates
 from lowering import Chain, match_graph
 
-from . import gemm_padding, native, ops
+from . import conv_layout, gemm_padding, native, ops
 from .config import Config
 
 log = logging.getLogger("fusedepi")
@@ -119,6 +119,8 @@ def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
     padded = ""
     if chain.spec.anchor.pad:
         padded = " (library GEMM on operands padded to K={}, N={}: aligned rows)".format(*chain.spec.anchor.pad)
+    elif chain.spec.anchor.channels_last:
+        padded = " (library conv on channels-last operands)"
     if device.type != "cuda":
         return "reference (cpu)" + padded
     tf32 = ops.reads_conv_tf32(spec) and ops.conv_allows_tf32()
@@ -179,6 +181,7 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
         names = [n.name for n in chain.nodes]
         try:
             chain.spec = gemm_padding.decide(chain, cfg)
+            chain.spec = conv_layout.decide(chain, cfg)
             spec = chain.spec.to_json()
             kernel = _prepare(chain, spec, cfg)
         except cuda_templates.NotRenderable as err:

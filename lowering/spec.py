@@ -43,6 +43,10 @@ class Anchor:
             cuBLAS's fast kernels need 16-byte aligned rows); the anchor output then has
             rows of n_to elements, of which the first N are the product. Empty: as the
             graph has it. The backend sets it (`fusion_backend.gemm_padding`).
+        channels_last: a library conv (2-D or 3-D) run on channels-last operands, where
+            cuDNN has faster kernels for them: its output is then [rows, inner, channels]
+            in memory, which the epilogue kernel reads and writes out in the graph's
+            (contiguous) layout. The backend sets it (`fusion_backend.conv_layout`).
     """
 
     kind: str
@@ -51,6 +55,7 @@ class Anchor:
     direct: tuple = ()
     gemm: tuple = ()
     pad: tuple = ()
+    channels_last: bool = False
 
     def direct_out_hw(self) -> tuple[int, int]:
         """Output (H, W) of a direct-conv candidate (stride 1, dilation 1)."""

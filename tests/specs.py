@@ -4,6 +4,7 @@ from lowering.spec import CHANNEL, FULL, ONE, SCALAR, SELF, Anchor, EpilogueSpec
 
 LINEAR = Anchor("mm")  # nn.Linear in float32 under TF32: the bias moves into the epilogue
 CONV = Anchor("conv", has_bias=False, conv=((1, 1), (0, 0), (1, 1), False, (0, 0), 1))
+CHANNELS_LAST = Anchor("conv", has_bias=True, conv=((1, 1), (1, 1), (1, 1), False, (0, 0), 1), channels_last=True)
 
 
 def _bias(index):
@@ -199,6 +200,21 @@ def awkward_specs(dtype="float32"):
         "padded_gemm_groupnorm": EpilogueSpec(
             Anchor("addmm", pad=(152, 520)), (Step("groupnorm", consts=(1e-5,), inputs=(0, 1), groups=4),),
             dtype, p * 2, 516, 1, "linear_groupnorm",
+        ),
+        # Library convs on channels-last operands: blocks stage whole images (kStaged).
+        "channels_last_pointwise": EpilogueSpec(  # C=16, 9 x 18: images packed into a block
+            CHANNELS_LAST, (Step("add", inputs=(0,), operand=CHANNEL), Step("batchnorm_eval", consts=(1e-5,),
+                                                                          inputs=(1, 2, 3, 4)),
+                            Step("add", inputs=(5,), operand=FULL), Step("elu", consts=(1.0, 1.0, 1.0))),
+            dtype, p * 6, 16, 9 * 18, "conv_batchnorm_eval",
+        ),
+        "channels_last_groupnorm": EpilogueSpec(  # 2 channels of 80: 2 groups, narrow teams
+            CHANNELS_LAST, (Step("groupnorm", consts=(1e-5,), inputs=(0, 1), groups=2), Step("mul", inputs=(2,), operand=CHANNEL)),
+            dtype, p * 3, 2, 80, "conv_groupnorm",
+        ),
+        "channels_last_odd_image": EpilogueSpec(  # C=5, 23 x 23: a block an image, scalar staging
+            CHANNELS_LAST, (Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=1), Step("gelu")),
+            dtype, (), 5, 23 * 23, "conv_groupnorm",
         ),
         "padded_gemm_batchnorm_train": EpilogueSpec(
             Anchor("addmm", pad=(152, 520)),

@@ -58,6 +58,7 @@ def test_every_fusion_name_is_disableable():
         ({"FUSEDEPI_LOG_LEVEL": "LOUD"}, "not a logging level"),
         ({"FUSEDEPI_IN_KERNEL_GEMM": "always"}, "FUSEDEPI_IN_KERNEL_GEMM: 'always' is not auto, 1 (on) or 0 (off)"),
         ({"FUSEDEPI_PAD_GEMM": "maybe"}, "FUSEDEPI_PAD_GEMM: 'maybe' is not auto, 1 (on) or 0 (off)"),
+        ({"FUSEDEPI_CONV_CHANNELS_LAST": "nhwc"}, "FUSEDEPI_CONV_CHANNELS_LAST: 'nhwc' is not auto, 1 (on) or 0 (off)"),
     ],
 )
 def test_bad_settings_are_clear_errors(env, message):
@@ -65,7 +66,8 @@ def test_bad_settings_are_clear_errors(env, message):
         load_config(env)
 
 
-@pytest.mark.parametrize("name, field", [("FUSEDEPI_IN_KERNEL_GEMM", "in_kernel_gemm"), ("FUSEDEPI_PAD_GEMM", "pad_gemm")])
+@pytest.mark.parametrize("name, field", [("FUSEDEPI_IN_KERNEL_GEMM", "in_kernel_gemm"), ("FUSEDEPI_PAD_GEMM", "pad_gemm"),
+                                         ("FUSEDEPI_CONV_CHANNELS_LAST", "conv_channels_last")])
 def test_auto_on_off_settings(name, field):
     assert getattr(load_config({}), field) == "auto"
     for value, mode in (("auto", "auto"), ("1", "on"), ("on", "on"), ("0", "off"), ("Off", "off"), (" ", "auto")):

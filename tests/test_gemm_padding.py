@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fusion_backend import gemm_padding, ops
+from fusion_backend import gemm_padding, ops, timings
 from fusion_backend.config import load_config
 from helpers import compile_records
 from lowering.spec import Anchor, EpilogueSpec, Step
@@ -28,7 +28,7 @@ def test_padded_gemm_is_the_product(kind, k, n, pad):
     torch.testing.assert_close(y[:, :n], expected)
     # run_anchor hands out the product alone unless asked for the padded rows
     torch.testing.assert_close(ops.run_anchor(Anchor(kind, pad=pad), operands), expected)
-    assert ops.run_anchor(Anchor(kind, pad=pad), operands, padded=True).shape == (37, pad[1])
+    assert ops.run_anchor(Anchor(kind, pad=pad), operands, for_kernels=True).shape == (37, pad[1])
 
 
 def test_spec_json_keeps_the_padding():
@@ -122,18 +122,18 @@ def test_timings_are_cached_on_disk(monkeypatch, tmp_path):
 
     monkeypatch.setattr(gemm_padding, "_measure", measure)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
-    monkeypatch.setattr(gemm_padding, "_cache", {})
-    monkeypatch.setattr(gemm_padding, "_read_files", set())
+    monkeypatch.setattr(timings, "_cache", {})
+    monkeypatch.setattr(timings, "_read_files", set())
     args = ("addmm", "bfloat16", 4096, 151, 513, 152, 520, torch.device("cuda", 0), tmp_path)
     assert gemm_padding.timed(*args) == (2.0, 1.0)
     assert len(measured) == 1
     stored = json.loads((tmp_path / gemm_padding.CACHE_FILE).read_text())
     assert list(stored.values()) == [[2.0, 1.0]] and "Test GPU" in next(iter(stored))
-    monkeypatch.setattr(gemm_padding, "_cache", {})  # a new process: read from the file
-    monkeypatch.setattr(gemm_padding, "_read_files", set())
+    monkeypatch.setattr(timings, "_cache", {})  # a new process: read from the file
+    monkeypatch.setattr(timings, "_read_files", set())
     assert gemm_padding.timed(*args) == (2.0, 1.0)
     assert len(measured) == 1
     (tmp_path / gemm_padding.CACHE_FILE).write_text("not json")  # unreadable: measured again
-    monkeypatch.setattr(gemm_padding, "_cache", {})
-    monkeypatch.setattr(gemm_padding, "_read_files", set())
+    monkeypatch.setattr(timings, "_cache", {})
+    monkeypatch.setattr(timings, "_read_files", set())
     assert gemm_padding.timed(*args) == (2.0, 1.0) and len(measured) == 2

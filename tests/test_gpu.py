@@ -439,6 +439,83 @@ def test_padded_gemm_auto_is_correct_whatever_it_chooses(monkeypatch, tmp_path, 
     assert (tmp_path / "gemm_padding.json").exists()
 
 
+class _ConvTail(nn.Module):
+    """A conv, then `tail`, then (optionally) a residual add."""
+
+    def __init__(self, conv, tail, residual=False):
+        super().__init__()
+        self.conv, self.tail, self.residual = conv, tail, residual
+
+    def forward(self, x, residual):
+        y = self.tail(self.conv(x))
+        return y + residual if self.residual else y
+
+
+class _GroupNormTimesScale(nn.Module):
+    def __init__(self, groups, channels):
+        super().__init__()
+        self.norm = nn.GroupNorm(groups, channels)
+        self.scale = nn.Parameter(torch.rand(channels, 1, 1) + 0.5)
+
+    def forward(self, x):
+        return self.norm(x) * self.scale
+
+
+# Library convs on channels-last operands (FUSEDEPI_CONV_CHANNELS_LAST=1): blocks stage
+# whole images of y in shared memory. Batches are no multiple of a block's images (the
+# last block stages fewer); 5 x 23 x 23 is read element by element (no 16-byte vectors).
+CHANNELS_LAST = {
+    "conv2d_bn_eval_residual_elu": (lambda: _ConvTail(nn.Conv2d(5, 16, 3, padding=1), nn.Sequential(
+        nn.BatchNorm2d(16), nn.ELU()), residual=True), (37, 5, 9, 18)),
+    "convtranspose_groupnorm_sigmoid": (lambda: _ConvTail(nn.ConvTranspose2d(4, 16, 2, padding=1), nn.Sequential(
+        nn.GroupNorm(4, 16), nn.Sigmoid())), (45, 4, 10, 19)),
+    "conv_dilated_groupnorm_scale": (lambda: _ConvTail(nn.Conv2d(5, 2, 3, dilation=2), _GroupNormTimesScale(2, 2)),
+                                     (50, 5, 24, 8)),
+    "conv_odd_image_layer_of_one_group": (lambda: _ConvTail(nn.Conv2d(3, 5, 3), nn.Sequential(
+        nn.GroupNorm(1, 5), nn.GELU())), (7, 3, 25, 25)),
+    "conv3d_instancenorm_silu": (lambda: _ConvTail(nn.Conv3d(3, 4, 2), nn.Sequential(
+        nn.InstanceNorm3d(4, affine=True), nn.SiLU())), (9, 3, 5, 6, 7)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(CHANNELS_LAST))
+def test_channels_last_library_conv(name, dtype, monkeypatch, exact_float32):
+    monkeypatch.setenv("FUSEDEPI_CONV_CHANNELS_LAST", "1")
+    monkeypatch.setenv("FUSEDEPI_DISABLE", "direct_conv")
+    factory, x_shape = CHANNELS_LAST[name]
+    model = factory().cuda().eval()
+    _randomize_bn(model)
+    model = model.to(dtype)
+    x = torch.rand(x_shape, device="cuda", dtype=dtype) * 2 - 1
+    with torch.no_grad():
+        y_shape = model.conv(x).shape
+    residual = torch.rand(y_shape, device="cuda", dtype=dtype)
+    ref, _ = float64_reference(model, x, residual)
+    with torch.no_grad():
+        eager = copy.deepcopy(model)(x, residual)
+        out, kernels = _kernels(model, x, residual)
+    assert len(kernels) == 1 and kernels[0].endswith("(library conv on channels-last operands)"), kernels
+    assert out.is_contiguous() and out.shape == ref.shape
+    err = relative_error(out, ref)
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32})"
+    assert err <= 4 * relative_error(eager, ref) + 1e-3, f"{err:.3g} against eager's {relative_error(eager, ref):.3g}"
+
+
+def test_channels_last_auto_is_correct_whatever_it_chooses(monkeypatch, tmp_path, exact_float32):
+    """FUSEDEPI_CONV_CHANNELS_LAST=auto times both forms at compile time (a fresh cache here)."""
+    monkeypatch.setenv("FUSEDEPI_CACHE_DIR", str(tmp_path))
+    factory, _ = CHANNELS_LAST["convtranspose_groupnorm_sigmoid"]
+    model = factory().cuda().to(torch.bfloat16)
+    x = torch.rand(20000, 4, 10, 19, device="cuda", dtype=torch.bfloat16)
+    ref, _ = float64_reference(model, x, x)
+    with torch.no_grad():
+        out, fused = compile_and_run(model, x, x)
+    assert fused == ["conv_groupnorm"]
+    assert relative_error(out, ref) <= TOLERANCE[torch.bfloat16]
+    assert (tmp_path / "conv_layout.json").exists()
+
+
 def _kernels(model, *inputs):
     reports = []
     with collect_reports(reports):

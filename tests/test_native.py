@@ -136,7 +136,7 @@ def test_plan_layout_of_a_library_conv_with_saves():
     saves = (Save("value", "float32", (-1, 16, 5, 5), 16 * 25, at=0), Save("mean", "bfloat16", (16,), 0),
              Save("value", "float16", (-1, 16), 16, at=2))
     launcher = _launcher(conv, saves, running_stats=(2, 3))
-    assert native._layout(launcher) == [0, 2, 3, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0]
+    assert native._layout(launcher) == [0, 2, 3, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 0]
     assert native._conv(conv) == [2, 2, 1, 1, 0, 1, 3, 0, 0, 0, 4]
     assert native._saves(launcher) == [1, 0, 400, 4, -1, 16, 5, 5, 0, 2, 0, 1, 16, 0, 1, 16, 2, -1, 16]
 
@@ -144,7 +144,7 @@ def test_plan_layout_of_a_library_conv_with_saves():
 def test_plan_layout_of_a_gemm_and_the_variants_python_keeps():
     launcher = _launcher(Anchor("addmm"), anchor_path="in-kernel GEMM", gemm_auto=True, row_output=True, keepdim=True,
                          channels=8192)
-    assert native._layout(launcher) == [1, 0, 3, 1, 1, 1, 8192, 0, 0, 0, 0, 0, 0]
+    assert native._layout(launcher) == [1, 0, 3, 1, 1, 1, 8192, 0, 0, 0, 0, 0, 0, 0]
     assert native._conv(launcher.spec.anchor) == []
     assert native.covers(launcher)
     assert not native.covers(_launcher(Anchor("mm"), anchor_path="in-kernel GEMM", gemm_tf32=True))
@@ -154,7 +154,12 @@ def test_plan_layout_of_a_gemm_and_the_variants_python_keeps():
 
 def test_plan_layout_of_a_padded_gemm():
     launcher = _launcher(Anchor("addmm", pad=(152, 520)), channels=513)
-    assert native._layout(launcher) == [0, 0, 3, 0, 0, 0, 513, 0, 0, 0, 0, 152, 520]
+    assert native._layout(launcher) == [0, 0, 3, 0, 0, 0, 513, 0, 0, 0, 0, 152, 520, 0]
+
+
+def test_plan_layout_of_a_channels_last_conv():
+    conv = Anchor("conv", has_bias=True, conv=((1, 1), (1, 1), (1, 1), False, (0, 0), 1), channels_last=True)
+    assert native._layout(_launcher(conv)) == [0, 2, 3, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 1]
 
 
 # --------------------------------------------------------------------------- GPU
@@ -267,5 +272,26 @@ def test_cpp_and_python_launchers_agree_on_a_padded_gemm(tail, monkeypatch, pyth
     if tail == "batchnorm":
         bn = model[1]
         inputs += [bn.weight, bn.bias, bn.running_mean.clone(), bn.running_var.clone()]
+    ops.launcher_for(record.spec, x.device)  # planned: C++ serves the next call
+    assert _agree(record.spec, inputs, python_launches)
+
+
+@pytest.mark.gpu
+def test_cpp_and_python_launchers_agree_on_a_channels_last_conv(monkeypatch, python_launches):
+    from fusion_backend import fusedepi
+    from fusion_backend.backend import collect_reports
+
+    monkeypatch.setenv("FUSEDEPI_CONV_CHANNELS_LAST", "1")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.ConvTranspose2d(4, 16, 2, padding=1), torch.nn.GroupNorm(4, 16),
+                                torch.nn.SiLU()).cuda().to(torch.bfloat16)
+    x = torch.rand(300, 4, 10, 19, device="cuda", dtype=torch.bfloat16)
+    reports: list = []
+    with torch.no_grad(), collect_reports(reports):
+        torch.compile(model, backend=fusedepi)(x)
+    (record,) = [r for report in reports for r in report.records if r.status == "fused"]
+    assert record.kernel.endswith("(library conv on channels-last operands)")
+    conv, norm = model[0], model[1]
+    inputs = [x, conv.weight, conv.bias, norm.weight, norm.bias]
     ops.launcher_for(record.spec, x.device)  # planned: C++ serves the next call
     assert _agree(record.spec, inputs, python_launches)

@@ -60,6 +60,10 @@ def test_plan_covers_the_segment(name):
     assert p.team * p.nvec * p.vec * p.chunks >= p.seg_len  # every element has a thread
     if p.chunks > 1:
         assert p.team == p.block
+    if p.staged:  # a block holds whole images of a channels-last y, in shared memory
+        itemsize = {"float32": 4}.get(spec.dtype, 2)
+        assert p.chunks == 1 and p.staged * spec.channels * spec.inner * itemsize <= 48 * 1024
+        assert p.block == p.staged * p.groups * p.team if p.team <= 32 else (p.staged, p.groups) == (1, 1)
 
 
 def test_plans_of_the_workloads():
@@ -88,6 +92,32 @@ def test_pointwise_chains_on_rows_that_split_badly_run_flat():
         assert "constexpr long long kWrap = 0;" in cuda_templates.render(specs[name], "sm90")
     # float32 rows of 255: 4-element vectors would leave the last lane's vector short
     assert plan(awkward_specs("float32")["pointwise_only"]).flat
+
+
+def test_channels_last_convs_stage_whole_images():
+    awkward = awkward_specs("bfloat16")
+    packed = plan(awkward["channels_last_groupnorm"])  # 2 images of 80 a row, 2 x 4 lanes an image
+    assert (packed.team, packed.groups, packed.staged, packed.block) == (4, 2, 32, 256)
+    one = plan(awkward["channels_last_odd_image"])  # 5 x 529 elements: a block an image, scalar
+    assert (one.staged, one.vec, one.team) == (1, 1, one.block)
+    source = cuda_templates.render(awkward["channels_last_groupnorm"], "sm90")
+    assert "constexpr int kStaged = 32;" in source and "stage_images(a, img);" in source
+    assert "constexpr int kStaged = 0;" in cuda_templates.render(awkward["pointwise_only"], "sm90")
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(channels=64, inner=32 * 32), "does not fit 48 KiB"),
+    (dict(inner=1), "1 x 1 output"),
+    (dict(steps=(Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=2),), channels=8, inner=400),
+     "longer than a warp holds"),
+    (dict(steps=(Step("batchnorm_train", consts=(0.1, 1e-5), inputs=(0, 1, 2, 3)),)), "batchnorm_train is not"),
+    (dict(saves=(Save("value", "bfloat16", (-1, 16, 9, 18), 16 * 162),)), "saved for backward"),
+])
+def test_channels_last_refusals(change, reason):
+    spec = replace(awkward_specs("bfloat16")["channels_last_pointwise"], **change)
+    assert reason in cuda_templates.staged_plan(spec)
+    with pytest.raises(cuda_templates.NotRenderable, match="channels-last conv: "):
+        plan(spec)
 
 
 def test_padded_gemm_files_pad_x_in_their_own_kernel():
@@ -395,4 +425,4 @@ def test_saved_values_are_stored_where_the_spec_says():
     stage0 = source[source.index("void stage0("):source.index("struct stage0_chan")]
     assert stage0.index("// add") < stage0.index("saved: rounded") < stage0.index("sv0v[j] = x;")
     assert "if (save) fusedepi::store_vec<__nv_bfloat16, W>(a.sv0 + e0, sv0v);" in stage0
-    assert "load_stage0(a, p, v, true);" in source
+    assert "load_stage0(a, p, seg_source(a, p, img), v, true);" in source  # the apply kernel writes the saves

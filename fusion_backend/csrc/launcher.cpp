@@ -94,6 +94,7 @@ struct Plan {
 
   bool has_bias = false;  // a library conv's bias operand
   int64_t pad_k = 0, pad_n = 0;  // a padded library GEMM's K and N (Anchor.pad), else 0
+  bool channels_last = false;  // a library conv on channels-last operands (Anchor.channels_last)
   std::vector<int64_t> stride, padding, dilation, output_padding;
   bool transposed = false;
   int64_t groups = 1;
@@ -135,14 +136,14 @@ T symbol(void* handle, const char* name, const std::string& library) {
 }
 
 // layout: [path, anchor, n_operands, gemm_auto, row_output, keepdim, channels, out_h,
-//          out_w, stores_pre_norm, has_bias, pad_k, pad_n]
+//          out_w, stores_pre_norm, has_bias, pad_k, pad_n, channels_last]
 // conv: empty, or [nd, stride x nd, padding x nd, dilation x nd, transposed,
 //       output_padding x nd, groups]
 // saves: per save [anchor_value, dtype code, per_row, ndim, dims x ndim].
 void set_plan(std::string_view spec, int64_t device, std::string_view library, std::string_view name,
               at::IntArrayRef layout, at::IntArrayRef running_stats, at::IntArrayRef conv,
               at::IntArrayRef saves) {
-  TORCH_CHECK(layout.size() == 13, "fusedepi_native.plan: layout has ", layout.size(), " entries, not 13");
+  TORCH_CHECK(layout.size() == 14, "fusedepi_native.plan: layout has ", layout.size(), " entries, not 14");
   auto plan = std::make_shared<Plan>();
   plan->spec = std::string(spec);
   plan->device = device;
@@ -170,6 +171,7 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   plan->has_bias = layout[10] != 0;
   plan->pad_k = layout[11];
   plan->pad_n = layout[12];
+  plan->channels_last = layout[13] != 0;
   TORCH_CHECK(layout[0] >= 0 && layout[0] <= 2 && layout[1] >= 0 && layout[1] <= 2,
               "fusedepi_native.plan: bad path or anchor in the layout");
   TORCH_CHECK((plan->pad_k == 0) == (plan->pad_n == 0) &&
@@ -191,6 +193,9 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   }
   TORCH_CHECK(plan->anchor != Anchor::kConv || plan->path != Path::kLibraryAnchor || !conv.empty(),
               "fusedepi_native.plan: a library conv needs its parameters");
+  TORCH_CHECK(!plan->channels_last || (plan->anchor == Anchor::kConv && plan->path == Path::kLibraryAnchor &&
+                                       (conv[0] == 2 || conv[0] == 3)),
+              "fusedepi_native.plan: channels-last is for a 2-D or 3-D library conv");
 
   for (size_t at = 0; at < saves.size();) {
     TORCH_CHECK(at + 4 <= saves.size(), "fusedepi_native.plan: a save is cut short");
@@ -273,7 +278,13 @@ at::Tensor padded_gemm(const Plan& plan, const std::vector<at::Tensor>& operands
   return at::addmm(bp, xp, wp.t());
 }
 
-// The anchor op exactly as the graph had it (ops.run_anchor), in padded rows if padded.
+// The channels-last memory format of a 2-D or 3-D conv's input x.
+at::MemoryFormat channels_last_format(const at::Tensor& x) {
+  return x.dim() == 5 ? at::MemoryFormat::ChannelsLast3d : at::MemoryFormat::ChannelsLast;
+}
+
+// The anchor op exactly as the graph had it (ops.run_anchor), as the epilogue kernels
+// read it: in padded rows if padded, in channels-last memory if channels-last.
 at::Tensor run_anchor(const Plan& plan, const std::vector<at::Tensor>& operands) {
   if (plan.pad_k) return padded_gemm(plan, operands);
   switch (plan.anchor) {
@@ -286,6 +297,12 @@ at::Tensor run_anchor(const Plan& plan, const std::vector<at::Tensor>& operands)
   }
   std::optional<at::Tensor> bias;
   if (plan.has_bias) bias = operands[2];
+  if (plan.channels_last) {
+    const at::MemoryFormat layout = channels_last_format(operands[0]);
+    return at::convolution(operands[0].contiguous(layout), operands[1].contiguous(layout), bias, plan.stride,
+                           plan.padding, plan.dilation, plan.transposed, plan.output_padding, plan.groups)
+        .contiguous(layout);
+  }
   return at::convolution(operands[0], operands[1], bias, plan.stride, plan.padding, plan.dilation,
                          plan.transposed, plan.output_padding, plan.groups);
 }
@@ -315,13 +332,15 @@ std::vector<at::Tensor> launch(const Plan& plan, at::TensorList inputs, bool in_
     out = at::empty({x.size(0), plan.channels, plan.out_h, plan.out_w}, x.options());
     y = plan.stores_pre_norm ? at::empty_like(out) : out;
   } else {
-    y = run_anchor(plan, operands).contiguous();
+    // A channels-last conv's y stays channels-last; the kernel writes the output contiguous.
+    y = run_anchor(plan, operands);
+    if (!plan.channels_last) y = y.contiguous();
     if (plan.row_output) {
       out = at::empty(row_shape(plan, y.size(0)), y.options());
     } else if (plan.pad_k) {
       out = at::empty({y.size(0), plan.channels}, y.options());
     } else {
-      out = at::empty_like(y);
+      out = at::empty(y.sizes(), y.options());
     }
   }
   const int64_t rows = y.size(0);

@@ -1,0 +1,85 @@
+"""Compile-time timings of library call forms, cached on disk per GPU and shape.
+
+Some choices the backend makes for a chain depend on which form of a library call is
+faster on the GPU at hand: a GEMM on zero-padded operands (`gemm_padding`), a conv on
+channels-last ones (`conv_layout`). Each form is timed once while compiling, with CUDA
+events, and the times are kept in a JSON file in the cache directory, so that later
+processes (and other graphs with the same shapes) reuse them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+log = logging.getLogger("fusedepi")
+
+_cache: dict[tuple, list] = {}  # (cache file, key) -> times
+_read_files: set = set()  # cache files already merged into _cache
+_cache_lock = threading.Lock()
+
+
+def cached(path: Path, key: str, measure: Callable[[], tuple]) -> tuple:
+    """The times stored under `key` in the cache file `path` (read once a process), or
+    `measure()`'s, which are then stored there."""
+    with _cache_lock:
+        if path not in _read_files:
+            _read_files.add(path)
+            if path.exists():
+                _cache.update({(path, k): v for k, v in _read(path).items()})
+        if (path, key) in _cache:
+            return tuple(_cache[(path, key)])
+    times = tuple(measure())
+    with _cache_lock:
+        _cache[(path, key)] = list(times)
+    _store(path, key, times)
+    return times
+
+
+def best_ms(fn: Callable[[], object], calls: int = 10, rounds: int = 3) -> float:
+    """Milliseconds a call of `fn` takes on the GPU: CUDA events around `calls` calls
+    back to back, the best of `rounds`, after one call to warm up."""
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / calls)
+    return best
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # unreadable: measured again, and rewritten
+
+
+def _store(path: Path, key: str, times: tuple) -> None:
+    """Adds one entry to the cache file: read, merged and replaced whole under a lock, so
+    that processes timing at once keep each other's entries. A failure only logs."""
+    from cuda_templates.compiler import file_lock
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with file_lock(path.with_suffix(".lock")):
+            data = _read(path)
+            data[key] = list(times)
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
+                json.dump(data, handle)
+            os.replace(handle.name, path)
+    except OSError as err:
+        log.info("fusedepi: could not write %s (%s); timings are kept for this process only", path, err)
