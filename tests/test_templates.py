@@ -10,7 +10,7 @@ import cuda_templates
 from cuda_templates.render import plan
 from cuda_templates.snippets import SNIPPETS, cfloat
 from lowering import VOCABULARY, EpilogueSpec
-from lowering.spec import SCALAR, Save, Step
+from lowering.spec import SCALAR, Anchor, Save, Step
 from specs import (
     awkward_specs,
     gemm_specs,
@@ -92,6 +92,17 @@ def test_pointwise_chains_on_rows_that_split_badly_run_flat():
         assert "constexpr long long kWrap = 0;" in cuda_templates.render(specs[name], "sm90")
     # float32 rows of 255: 4-element vectors would leave the last lane's vector short
     assert plan(awkward_specs("float32")["pointwise_only"]).flat
+
+
+def test_sixteen_bit_chains_take_hardware_exp_but_ieee_division():
+    steps = (Step("softplus", consts=(1.0, 20.0)), Step("exp"), Step("hardsigmoid"), Step("hardswish"), Step("mish"),
+             Step("div", consts=(2.5,), operand=SCALAR, reverse=True))
+    for dtype, fast in (("bfloat16", "true"), ("float16", "true"), ("float32", "false")):
+        source = cuda_templates.render(EpilogueSpec(Anchor("mm"), steps, dtype, (), 64, 1, "linear_pointwise"), "sm90")
+        assert f"constexpr bool kFastMath = {fast};" in source
+        for fn in ("softplus", "exponential", "hardsigmoid", "hardswish", "mish"):
+            assert f"fusedepi::{fn}<kFastMath>(x" in source, fn
+        assert "x = static_cast<float>(0x1.4000000000000p+1) / x;" in source  # IEEE: eager's division
 
 
 def test_channels_last_convs_stage_whole_images():

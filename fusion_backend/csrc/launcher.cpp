@@ -252,6 +252,13 @@ std::vector<int64_t> row_shape(const Plan& plan, int64_t rows) {
   return plan.keepdim ? std::vector<int64_t>{rows, 1} : std::vector<int64_t>{rows};
 }
 
+// Raises with the kernel file's message when one of its entry points returned an error.
+void check_code(const Plan& plan, int code, const char* what) {
+  if (code == 0) return;
+  const char* message = plan.error_string(code);
+  TORCH_CHECK(false, "fusedepi kernel ", plan.name, " ", what, ": ", message ? message : "unknown error");
+}
+
 // ops.padded_gemm: x[M, K] @ w^T on operands padded with zeros to K = pad_k and
 // N = pad_n; y[M, pad_n], whose first N columns are the product.
 at::Tensor padded_gemm(const Plan& plan, const std::vector<at::Tensor>& operands) {
@@ -265,10 +272,7 @@ at::Tensor padded_gemm(const Plan& plan, const std::vector<at::Tensor>& operands
     const auto device = static_cast<c10::DeviceIndex>(plan.device);
     const int code = plan.pad_rows(xc.data_ptr(), xp.data_ptr(), m, k, static_cast<int>(plan.device),
                                    c10::cuda::getCurrentCUDAStream(device).stream());
-    if (code != 0) {
-      const char* message = plan.error_string(code);
-      TORCH_CHECK(false, "fusedepi kernel ", plan.name, " failed to pad x: ", message ? message : "unknown error");
-    }
+    check_code(plan, code, "failed to pad x");
   }
   at::Tensor wp = at::zeros({plan.pad_n, plan.pad_k}, wt.options());
   wp.narrow(0, 0, n).narrow(1, 0, k).copy_(wt.t());
@@ -374,10 +378,7 @@ std::vector<at::Tensor> launch(const Plan& plan, at::TensorList inputs, bool in_
   const auto device = static_cast<c10::DeviceIndex>(plan.device);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   const int code = plan.run(pointers.data(), rows, static_cast<int>(plan.device), stream);
-  if (code != 0) {
-    const char* message = plan.error_string(code);
-    TORCH_CHECK(false, "fusedepi kernel ", plan.name, " failed: ", message ? message : "unknown error");
-  }
+  check_code(plan, code, "failed");
   return result;
 }
 

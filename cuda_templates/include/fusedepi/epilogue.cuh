@@ -218,15 +218,36 @@ __device__ __forceinline__ float silu(float x) {
   else return x / (1.f + expf(-x));
 }
 
-__device__ __forceinline__ float mish(float x) { return x * tanhf(log1pf(expf(x))); }
+// e^x: expf, or for bf16/fp16 chains (kFast) ex2.approx (__expf: a few ulp, a result
+// below 2^-126 flushed to 0), as in sigmoid. Division stays IEEE in every chain: a
+// hardware reciprocal flushes subnormal divisors, which bf16 holds.
+template <bool kFast>
+__device__ __forceinline__ float exponential(float x) {
+  if constexpr (kFast) return __expf(x);
+  else return expf(x);
+}
+
+template <bool kFast>
+__device__ __forceinline__ float mish(float x) { return x * tanhf(log1pf(exponential<kFast>(x))); }
 
 // std::max / std::min as ATen's kernels use them: a NaN first operand comes through.
 __device__ __forceinline__ float std_max(float a, float b) { return a < b ? b : a; }
 __device__ __forceinline__ float std_min(float a, float b) { return b < a ? b : a; }
 
-__device__ __forceinline__ float hardswish(float x) { return x * std_min(std_max(x + 3.f, 0.f), 6.f) / 6.f; }
+// ATen divides by 6 (float32 chains do too); 16-bit chains (kFast) multiply by 1/6 (an ulp).
+template <bool kFast>
+__device__ __forceinline__ float hardswish(float x) {
+  const float t = x * std_min(std_max(x + 3.f, 0.f), 6.f);
+  if constexpr (kFast) return t * (1.f / 6.f);
+  else return t / 6.f;
+}
 
-__device__ __forceinline__ float hardsigmoid(float x) { return std_min(std_max(x + 3.f, 0.f), 6.f) / 6.f; }
+template <bool kFast>
+__device__ __forceinline__ float hardsigmoid(float x) {
+  const float t = std_min(std_max(x + 3.f, 0.f), 6.f);
+  if constexpr (kFast) return t * (1.f / 6.f);
+  else return t / 6.f;
+}
 
 // clamp / hardtanh / clamp_min / clamp_max: NaN propagates; an absent bound is infinite.
 __device__ __forceinline__ float clamp(float x, float lo, float hi) {
@@ -238,8 +259,9 @@ __device__ __forceinline__ float elu(float x, float negcoef, float poscoef, floa
   return x > 0.f ? x * poscoef : expm1f(x * input_scale) * negcoef;
 }
 
+template <bool kFast>
 __device__ __forceinline__ float softplus(float x, float beta, float threshold) {
-  return x * beta > threshold ? x : log1pf(expf(x * beta)) / beta;
+  return x * beta > threshold ? x : log1pf(exponential<kFast>(x * beta)) / beta;
 }
 
 // torch.maximum / torch.minimum: NaN in either operand gives NaN.
