@@ -37,18 +37,6 @@ MIN_GAIN = 0.9
 CACHE_FILE = "conv_layout.json"
 
 
-def _shape(val: torch.Tensor) -> tuple | None:
-    """The example's shape, with a dynamic size's hint; None without one."""
-    dims = []
-    for d in val.shape:
-        if not isinstance(d, int):
-            d = getattr(getattr(d, "node", None), "hint", None)
-            if d is None:
-                return None
-        dims.append(int(d))
-    return tuple(dims)
-
-
 def candidate(chain) -> tuple[tuple, tuple, bool] | None:
     """(x's shape, the weight's shape, whether x is channels-last already) when `chain`'s
     anchor may run channels-last, else None.
@@ -68,7 +56,7 @@ def candidate(chain) -> tuple[tuple, tuple, bool] | None:
     staged = replace(spec, anchor=replace(spec.anchor, channels_last=True))
     if isinstance(cuda_templates.staged_plan(staged), str):
         return None
-    x_shape, w_shape = _shape(xv), _shape(wv)
+    x_shape, w_shape = timings.example_shape(xv), timings.example_shape(wv)
     if x_shape is None or w_shape is None:
         return None
     return x_shape, w_shape, xv.is_contiguous(memory_format=channels_last_format(xv))

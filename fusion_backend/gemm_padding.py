@@ -44,15 +44,6 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def _rows(val: torch.Tensor) -> int | None:
-    """The example's row count; a dynamic one's hint, or None."""
-    m = val.shape[0]
-    if isinstance(m, int):
-        return m
-    hint = getattr(getattr(m, "node", None), "hint", None)
-    return int(hint) if hint is not None else None
-
-
 def candidate(chain) -> tuple[int, int, int, int, int] | None:
     """(M, K, N, k_to, n_to) when `chain`'s anchor may run padded, else None.
 
@@ -73,7 +64,8 @@ def candidate(chain) -> tuple[int, int, int, int, int] | None:
                                                cuda_templates.GemmPlan):
         return None  # the in-kernel GEMM computes it (it needs K and N aligned anyway)
     k, n = int(xv.shape[1]), int(wt.meta["val"].shape[1])
-    m = _rows(xv)
+    shape = timings.example_shape(xv)
+    m = shape[0] if shape is not None else None
     k_to = _round_up(k, ALIGN)
     n_to = n if spec.saves else _round_up(n, ALIGN)
     if m is None or (k_to, n_to) == (k, n):

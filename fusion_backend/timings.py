@@ -43,6 +43,18 @@ def cached(path: Path, key: str, measure: Callable[[], tuple]) -> tuple:
     return times
 
 
+def example_shape(val: torch.Tensor) -> tuple | None:
+    """A graph example's shape to time at: a dynamic size's hint; None without one."""
+    dims = []
+    for d in val.shape:
+        if not isinstance(d, int):
+            d = getattr(getattr(d, "node", None), "hint", None)
+            if d is None:
+                return None
+        dims.append(int(d))
+    return tuple(dims)
+
+
 def best_ms(fn: Callable[[], object], calls: int = 10, rounds: int = 3) -> float:
     """Milliseconds a call of `fn` takes on the GPU: CUDA events around `calls` calls
     back to back, the best of `rounds`, after one call to warm up."""
