@@ -43,6 +43,10 @@ class Config:
             on operands padded with zeros (FUSEDEPI_PAD_GEMM): "auto" (the default: where
             timing both forms at compile time says padding is faster), "on" (wherever
             misaligned) or "off".
+        fold_gemm_bias: whether a float32 Linear chain's library GEMM runs as `mm` with
+            its bias added in the epilogue (FUSEDEPI_FOLD_GEMM_BIAS): "auto" (the default:
+            where timing both forms at compile time says `mm` is faster), "on" (every
+            candidate) or "off". (Under TF32 the matcher moves the bias anyway.)
         conv_channels_last: whether a 2-D or 3-D library conv runs on channels-last
             operands (FUSEDEPI_CONV_CHANNELS_LAST): "auto" (the default: where timing both
             forms at compile time says channels-last is faster), "on" (every candidate)
@@ -59,6 +63,7 @@ class Config:
     native_launcher: bool = True
     pad_gemm: str = "auto"
     conv_channels_last: str = "auto"
+    fold_gemm_bias: str = "auto"
 
 
 def _default_cache_dir(env) -> Path:
@@ -72,8 +77,8 @@ def load_config(environ=None) -> Config:
     Raises:
         ValueError: FUSEDEPI_DISABLE names something that is neither a fusion
             nor a step, FUSEDEPI_LOG_LEVEL is not a logging level, or
-            FUSEDEPI_IN_KERNEL_GEMM, FUSEDEPI_PAD_GEMM or FUSEDEPI_CONV_CHANNELS_LAST is
-            none of auto, 1, 0, or
+            FUSEDEPI_IN_KERNEL_GEMM, FUSEDEPI_PAD_GEMM, FUSEDEPI_CONV_CHANNELS_LAST or
+            FUSEDEPI_FOLD_GEMM_BIAS is none of auto, 1, 0, or
             FUSEDEPI_NATIVE_LAUNCHER is neither 1 nor 0.
     """
     env = os.environ if environ is None else environ
@@ -99,6 +104,7 @@ def load_config(environ=None) -> Config:
         native_launcher=_switch("FUSEDEPI_NATIVE_LAUNCHER", env.get("FUSEDEPI_NATIVE_LAUNCHER", ""), True),
         pad_gemm=_tristate("FUSEDEPI_PAD_GEMM", env.get("FUSEDEPI_PAD_GEMM", "")),
         conv_channels_last=_tristate("FUSEDEPI_CONV_CHANNELS_LAST", env.get("FUSEDEPI_CONV_CHANNELS_LAST", "")),
+        fold_gemm_bias=_tristate("FUSEDEPI_FOLD_GEMM_BIAS", env.get("FUSEDEPI_FOLD_GEMM_BIAS", "")),
     )
 
 

@@ -18,7 +18,7 @@ from torch.fx import GraphModule
 import cuda_templates
 from lowering import Chain, match_graph
 
-from . import conv_layout, gemm_padding, native, ops
+from . import conv_layout, gemm_bias, gemm_padding, native, ops
 from .config import Config
 
 log = logging.getLogger("fusedepi")
@@ -180,6 +180,7 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
     for chain in chains:
         names = [n.name for n in chain.nodes]
         try:
+            chain.spec = gemm_bias.fold(chain, cfg)
             chain.spec = gemm_padding.decide(chain, cfg)
             chain.spec = conv_layout.decide(chain, cfg)
             spec = chain.spec.to_json()

@@ -67,7 +67,8 @@ def test_bad_settings_are_clear_errors(env, message):
 
 
 @pytest.mark.parametrize("name, field", [("FUSEDEPI_IN_KERNEL_GEMM", "in_kernel_gemm"), ("FUSEDEPI_PAD_GEMM", "pad_gemm"),
-                                         ("FUSEDEPI_CONV_CHANNELS_LAST", "conv_channels_last")])
+                                         ("FUSEDEPI_CONV_CHANNELS_LAST", "conv_channels_last"),
+                                         ("FUSEDEPI_FOLD_GEMM_BIAS", "fold_gemm_bias")])
 def test_auto_on_off_settings(name, field):
     assert getattr(load_config({}), field) == "auto"
     for value, mode in (("auto", "auto"), ("1", "on"), ("on", "on"), ("0", "off"), ("Off", "off"), (" ", "auto")):

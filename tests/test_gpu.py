@@ -516,6 +516,35 @@ def test_channels_last_auto_is_correct_whatever_it_chooses(monkeypatch, tmp_path
     assert (tmp_path / "conv_layout.json").exists()
 
 
+class _LinearLogSoftmax(nn.Module):
+    def __init__(self, k, n):
+        super().__init__()
+        self.linear = nn.Linear(k, n)
+
+    def forward(self, x):
+        return torch.log_softmax(self.linear(x) * 0.5, dim=-1).clamp_min(-5)
+
+
+@pytest.mark.parametrize("setting", ["1", "auto"])
+def test_float32_gemm_bias_in_the_epilogue(setting, monkeypatch, tmp_path, exact_float32):
+    """FUSEDEPI_FOLD_GEMM_BIAS: "1" runs mm and adds the bias in the epilogue; "auto"
+    times both forms at compile time (a fresh cache) and is correct whatever it chooses."""
+    monkeypatch.setenv("FUSEDEPI_FOLD_GEMM_BIAS", setting)
+    monkeypatch.setenv("FUSEDEPI_CACHE_DIR", str(tmp_path))
+    model = _LinearLogSoftmax(201, 127).cuda()
+    x = torch.rand(70000, 201, device="cuda") * 2 - 1
+    ref, _ = float64_reference(model, x)
+    with torch.no_grad():
+        out, kernels = _kernels(model, x)
+    assert len(kernels) == 1
+    if setting == "1":
+        assert kernels[0].startswith("mm_add_mul_log_softmax"), kernels
+    else:
+        assert (tmp_path / "gemm_bias.json").exists()
+    err = relative_error(out, ref)
+    assert err <= TOLERANCE[torch.float32], f"relative error {err:.3g} (seed {exact_float32})"
+
+
 def _kernels(model, *inputs):
     reports = []
     with collect_reports(reports):

@@ -1,0 +1,112 @@
+"""Whether a float32 Linear chain's library GEMM adds its bias (`addmm`) or leaves it to
+the epilogue (`mm`).
+
+cuBLAS picks its kernel per call form, and at some shapes its `mm` kernel is much faster
+than its `addmm` one (RESULTS.md, seventeenth session: float32 818368 x 201 x 127, `addmm`
+1.153 ms with a 256 x 64 tile, `mm` 0.965 ms with 128 x 128). Inductor's graphs run `mm`
+there and add the bias in their Triton epilogue. The matcher already moves a float32 bias
+into the epilogue under TF32, where `mm` was measured faster (`lowering.matcher._fold_bias`);
+in exact float32 this times both forms at the graph's shapes while compiling and moves
+the bias where `mm` is at least 10% faster. Both forms round the float32 sum of product
+and bias once, so the result differs only by the kernels' summation order, as between
+any two cuBLAS kernels. 16-bit chains keep `addmm` (`mm` would round the product
+before the bias is added). FUSEDEPI_FOLD_GEMM_BIAS chooses: "auto" times (cached on
+disk per GPU and shape), "on" moves every candidate's bias, "off" none. The decision
+is in the spec (the anchor is `mm` and the first step adds the bias), so `explain`
+shows it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+import cuda_templates
+from lowering import linear_form
+from lowering.spec import CHANNEL, Anchor, EpilogueSpec, Step
+
+from . import timings
+from .config import Config
+from .ops import arch_of, matmul_allows_tf32, run_anchor
+
+log = logging.getLogger("fusedepi")
+
+# `mm` must win by this factor: the epilogue then loads the bias.
+MIN_GAIN = 0.9
+CACHE_FILE = "gemm_bias.json"
+
+
+def candidate(chain) -> tuple[int, int, int] | None:
+    """(M, K, N) when `chain`'s float32 `addmm` may run as `mm` with the bias in the
+    epilogue, else None: a Linear's form (`lowering.linear_form`) on the library path,
+    and no values saved for backward (one may be the GEMM's output with its bias)."""
+    spec = chain.spec
+    if spec.anchor.kind != "addmm" or spec.dtype != "float32" or spec.saves or spec.anchor.pad:
+        return None
+    bias, x, wt = chain.operands
+    if not linear_form(x, wt, bias):
+        return None
+    xv = x.meta["val"]
+    if xv.device.type == "cuda" and isinstance(cuda_templates.gemm_plan(spec, arch_of(xv.device)),
+                                               cuda_templates.GemmPlan):
+        return None  # the in-kernel GEMM takes it while TF32 is allowed, and the launcher decides per call
+    shape = timings.example_shape(xv)
+    if shape is None:
+        return None
+    return shape[0], shape[1], int(wt.meta["val"].shape[1])
+
+
+def fold(chain, cfg: Config) -> EpilogueSpec:
+    """`chain.spec` with the bias moved into the epilogue where FUSEDEPI_FOLD_GEMM_BIAS
+    and, under "auto", a timing of both forms say so (the bias node then moves from
+    `chain.operands` to the end of `chain.params`); else `chain.spec` itself."""
+    spec = chain.spec
+    if cfg.fold_gemm_bias == "off":
+        return spec
+    found = candidate(chain)
+    if found is None:
+        return spec
+    device = chain.operands[1].meta["val"].device
+    if cfg.fold_gemm_bias == "auto":
+        if device.type != "cuda":
+            return spec
+        try:
+            times = timed(*found, device, cfg.cache_dir)
+        except Exception as err:  # out of memory, say: the GEMM keeps its bias
+            if cfg.strict:
+                raise
+            log.warning("fusedepi: timing mm against addmm for the GEMM %dx%dx%d failed (%s: %s); it keeps addmm",
+                        *found, type(err).__name__, err)
+            return spec
+        if times[1] >= MIN_GAIN * times[0]:
+            return spec
+        log.info("fusedepi: the float32 GEMM %dx%dx%d runs as mm, its bias added in the epilogue: %.3f ms against "
+                 "%.3f ms for addmm", *found, times[1], times[0])
+    bias = chain.operands.pop(0)
+    chain.params.append(bias)
+    add = Step("add", inputs=(len(spec.param_dtypes),), operand=CHANNEL, reverse=True)
+    return replace(spec, anchor=replace(spec.anchor, kind="mm"), steps=(add,) + tuple(spec.steps),
+                   param_dtypes=tuple(spec.param_dtypes) + (str(bias.meta["val"].dtype).removeprefix("torch."),))
+
+
+def timed(m: int, k: int, n: int, device: torch.device, cache_dir: Path) -> tuple[float, float]:
+    """(ms of addmm, ms of mm) of one float32 GEMM call, from the disk cache or measured
+    now (`timings.best_ms`), under the matmul precision in force."""
+    key = "|".join(str(part) for part in (torch.cuda.get_device_name(device), torch.__version__, m, k, n,
+                                          matmul_allows_tf32()))
+    return timings.cached(Path(cache_dir) / CACHE_FILE, key, lambda: _measure(m, k, n, device))
+
+
+def _measure(m, k, n, device) -> tuple[float, float]:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    # Real tensors, even where the compile runs under a fake mode.
+    with unset_fake_temporarily(), torch.cuda.device(device), torch.no_grad():
+        x = torch.randn(m, k, device=device)
+        wt = torch.randn(n, k, device=device).t()
+        bias = torch.randn(n, device=device)
+        return (timings.best_ms(lambda: run_anchor(Anchor("addmm"), [bias, x, wt])),
+                timings.best_ms(lambda: run_anchor(Anchor("mm"), [x, wt])))
