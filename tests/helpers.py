@@ -53,6 +53,18 @@ class Chain(nn.Module):
         return self.fn(self.linear(x))
 
 
+class LinearLogSoftmax(nn.Module):
+    """Linear, a scale, log_softmax over the features, a clamp: a float32 chain whose GEMM
+    may lose its bias to the epilogue (fusion_backend/gemm_bias.py)."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.linear = nn.Linear(k, n)
+
+    def forward(self, x):
+        return torch.log_softmax(self.linear(x) * 0.5, dim=-1).clamp_min(-5)
+
+
 def silu_spelled(x):
     return x * torch.sigmoid(x)
 
@@ -61,4 +73,4 @@ def sigmoid_times_x(x):
     return torch.sigmoid(x) * x
 
 
-__all__ = ["Chain", "F", "SMALL_WORKLOADS", "compile_records", "silu_spelled", "sigmoid_times_x", "steps_of"]
+__all__ = ["Chain", "F", "LinearLogSoftmax", "SMALL_WORKLOADS", "compile_records", "silu_spelled", "sigmoid_times_x", "steps_of"]

@@ -8,21 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn as nn
 
 from fusion_backend import gemm_bias
 from fusion_backend.config import load_config
-from helpers import compile_records
+from helpers import LinearLogSoftmax, compile_records
 from lowering.spec import Anchor, EpilogueSpec, Step
-
-
-class _LogSoftmaxTail(nn.Module):
-    def __init__(self, k, n):
-        super().__init__()
-        self.linear = nn.Linear(k, n)
-
-    def forward(self, x):
-        return torch.log_softmax(self.linear(x) * 0.5, dim=-1).clamp_min(-5)
 
 
 def _fused(monkeypatch, setting, dtype=torch.float32, grad=False):
@@ -30,7 +20,7 @@ def _fused(monkeypatch, setting, dtype=torch.float32, grad=False):
     monkeypatch.setenv("FUSEDEPI_CPU_REFERENCE", "1")
     monkeypatch.setenv("FUSEDEPI_FOLD_GEMM_BIAS", setting)
     torch.manual_seed(2)
-    model = _LogSoftmaxTail(201, 127).to(dtype)
+    model = LinearLogSoftmax(201, 127).to(dtype)
     x = torch.randn(33, 201, dtype=dtype, requires_grad=grad)
     eager = copy.deepcopy(model)(x)
     out, fused, refused = compile_records(model, x, grad=grad)

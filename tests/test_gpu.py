@@ -22,7 +22,7 @@ from benchmarks.workloads import (
 )
 from fusion_backend import fusedepi
 from fusion_backend.backend import collect_reports
-from helpers import Chain
+from helpers import Chain, LinearLogSoftmax
 
 pytestmark = pytest.mark.gpu
 
@@ -516,22 +516,13 @@ def test_channels_last_auto_is_correct_whatever_it_chooses(monkeypatch, tmp_path
     assert (tmp_path / "conv_layout.json").exists()
 
 
-class _LinearLogSoftmax(nn.Module):
-    def __init__(self, k, n):
-        super().__init__()
-        self.linear = nn.Linear(k, n)
-
-    def forward(self, x):
-        return torch.log_softmax(self.linear(x) * 0.5, dim=-1).clamp_min(-5)
-
-
 @pytest.mark.parametrize("setting", ["1", "auto"])
 def test_float32_gemm_bias_in_the_epilogue(setting, monkeypatch, tmp_path, exact_float32):
     """FUSEDEPI_FOLD_GEMM_BIAS: "1" runs mm and adds the bias in the epilogue; "auto"
     times both forms at compile time (a fresh cache) and is correct whatever it chooses."""
     monkeypatch.setenv("FUSEDEPI_FOLD_GEMM_BIAS", setting)
     monkeypatch.setenv("FUSEDEPI_CACHE_DIR", str(tmp_path))
-    model = _LinearLogSoftmax(201, 127).cuda()
+    model = LinearLogSoftmax(201, 127).cuda()
     x = torch.rand(70000, 201, device="cuda") * 2 - 1
     ref, _ = float64_reference(model, x)
     with torch.no_grad():
