@@ -17,7 +17,6 @@ and shape), "on" takes every candidate, "off" none. The decision is in the spec,
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,11 +28,6 @@ from . import timings
 from .config import Config
 from .ops import arch_of, channels_last_format, conv_allows_tf32, run_anchor
 
-log = logging.getLogger("fusedepi")
-
-# The channels-last form must win by this factor: its epilogue stages images through
-# shared memory, and its weight copy is a launch more a call.
-MIN_GAIN = 0.9
 CACHE_FILE = "conv_layout.json"
 
 
@@ -72,21 +66,12 @@ def decide(chain, cfg: Config):
         return chain.spec
     anchor = chain.spec.anchor
     device = chain.operands[0].meta["val"].device
-    if cfg.conv_channels_last == "auto":
-        if device.type != "cuda":
-            return chain.spec
-        try:
-            times = timed(anchor, chain.spec.dtype, *found, device, cfg.cache_dir)
-        except Exception as err:  # out of memory, say: the conv runs as the graph has it
-            if cfg.strict:
-                raise
-            log.warning("fusedepi: timing the channels-last form of the conv at %s failed (%s: %s); it runs as "
-                        "the graph has it", chain.anchor.name, type(err).__name__, err)
-            return chain.spec
-        if times[1] >= MIN_GAIN * times[0]:
-            return chain.spec
-        log.info("fusedepi: the library conv at %s (%s, input %s) runs on channels-last operands: %.3f ms against "
-                 "%.3f ms", chain.anchor.name, chain.spec.dtype, list(found[0]), times[1], times[0])
+    if not timings.takes_other_form(
+            cfg.conv_channels_last, device, cfg.strict,
+            lambda: timed(anchor, chain.spec.dtype, *found, device, cfg.cache_dir),
+            f"the library conv at {chain.anchor.name} ({chain.spec.dtype}, input {list(found[0])}) on channels-last "
+            "operands"):
+        return chain.spec
     return replace(chain.spec, anchor=replace(anchor, channels_last=True))
 
 

@@ -18,7 +18,6 @@ shows it.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,10 +31,6 @@ from . import timings
 from .config import Config
 from .ops import arch_of, matmul_allows_tf32, run_anchor
 
-log = logging.getLogger("fusedepi")
-
-# `mm` must win by this factor: the epilogue then loads the bias.
-MIN_GAIN = 0.9
 CACHE_FILE = "gemm_bias.json"
 
 
@@ -70,21 +65,10 @@ def fold(chain, cfg: Config) -> EpilogueSpec:
     if found is None:
         return spec
     device = chain.operands[1].meta["val"].device
-    if cfg.fold_gemm_bias == "auto":
-        if device.type != "cuda":
-            return spec
-        try:
-            times = timed(*found, device, cfg.cache_dir)
-        except Exception as err:  # out of memory, say: the GEMM keeps its bias
-            if cfg.strict:
-                raise
-            log.warning("fusedepi: timing mm against addmm for the GEMM %dx%dx%d failed (%s: %s); it keeps addmm",
-                        *found, type(err).__name__, err)
-            return spec
-        if times[1] >= MIN_GAIN * times[0]:
-            return spec
-        log.info("fusedepi: the float32 GEMM %dx%dx%d runs as mm, its bias added in the epilogue: %.3f ms against "
-                 "%.3f ms for addmm", *found, times[1], times[0])
+    if not timings.takes_other_form(cfg.fold_gemm_bias, device, cfg.strict,
+                                    lambda: timed(*found, device, cfg.cache_dir),
+                                    "the float32 GEMM {}x{}x{} as mm, its bias added in the epilogue".format(*found)):
+        return spec
     bias = chain.operands.pop(0)
     chain.params.append(bias)
     add = Step("add", inputs=(len(spec.param_dtypes),), operand=CHANNEL, reverse=True)

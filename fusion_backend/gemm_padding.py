@@ -17,7 +17,6 @@ time (on the GPU, cached on disk per device and shape), "on" pads every candidat
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,13 +29,8 @@ from . import timings
 from .config import Config
 from .ops import arch_of, run_anchor
 
-log = logging.getLogger("fusedepi")
-
 ALIGN = 8  # elements: 16 bytes of a 16-bit type
 PADDED_DTYPES = ("float16", "bfloat16")
-# Padding must win by this factor: it costs a few small launches of CPU time, which a
-# GPU timing of a large product does not see.
-MIN_GAIN = 0.9
 CACHE_FILE = "gemm_padding.json"
 
 
@@ -83,21 +77,11 @@ def decide(chain, cfg: Config):
         return chain.spec
     m, k, n, k_to, n_to = found
     device = chain.operands[-2].meta["val"].device
-    if cfg.pad_gemm == "auto":
-        if device.type != "cuda":
-            return chain.spec
-        try:
-            times = timed(chain.spec.anchor.kind, chain.spec.dtype, m, k, n, k_to, n_to, device, cfg.cache_dir)
-        except Exception as err:  # out of memory, say: the chain runs unpadded, as the graph has it
-            if cfg.strict:
-                raise
-            log.warning("fusedepi: timing the padded form of the GEMM %dx%dx%d failed (%s: %s); it runs unpadded",
-                        m, k, n, type(err).__name__, err)
-            return chain.spec
-        if times[1] >= MIN_GAIN * times[0]:
-            return chain.spec
-        log.info("fusedepi: the library GEMM %dx%dx%d (%s) runs padded to K=%d, N=%d: %.3f ms against %.3f ms",
-                 m, k, n, chain.spec.dtype, k_to, n_to, times[1], times[0])
+    if not timings.takes_other_form(
+            cfg.pad_gemm, device, cfg.strict,
+            lambda: timed(chain.spec.anchor.kind, chain.spec.dtype, m, k, n, k_to, n_to, device, cfg.cache_dir),
+            f"the library GEMM {m}x{k}x{n} ({chain.spec.dtype}) padded to K={k_to}, N={n_to}"):
+        return chain.spec
     return replace(chain.spec, anchor=replace(chain.spec.anchor, pad=(k_to, n_to), gemm=()))
 
 

@@ -43,6 +43,36 @@ def cached(path: Path, key: str, measure: Callable[[], tuple]) -> tuple:
     return times
 
 
+# The other form must be at least this much faster than the graph's: it costs a little
+# that a timing of the library call alone does not see (a padding copy's launches, a
+# bias the epilogue loads, the staged epilogue of a channels-last conv).
+MIN_GAIN = 0.9
+
+
+def takes_other_form(setting: str, device: torch.device, strict: bool, timed: Callable[[], tuple],
+                     what: str) -> bool:
+    """Whether a chain's library call takes its other form under a tristate setting:
+    "on" always, "off" never, "auto" on CUDA where `timed()` (ms as the graph has it,
+    ms of the other form) finds the other form at least 1 / MIN_GAIN times faster. A
+    timing that fails (out of memory, say) keeps the graph's form with a warning, or
+    raises under `strict`. `what` names the other form in the log."""
+    if setting != "auto":
+        return setting == "on"
+    if device.type != "cuda":
+        return False
+    try:
+        times = timed()
+    except Exception as err:  # noqa: BLE001 - the chain runs as the graph has it
+        if strict:
+            raise
+        log.warning("fusedepi: timing %s failed (%s: %s); it runs as the graph has it", what, type(err).__name__, err)
+        return False
+    if times[1] >= MIN_GAIN * times[0]:
+        return False
+    log.info("fusedepi: %s: %.3f ms against %.3f ms", what, times[1], times[0])
+    return True
+
+
 def example_shape(val: torch.Tensor) -> tuple | None:
     """A graph example's shape to time at: a dynamic size's hint; None without one."""
     dims = []
