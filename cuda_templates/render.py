@@ -546,7 +546,7 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
             launches += [
                 f"  {name}_colstats<<<dim3((kChannels + kColsPerBlock - 1) / kColsPerBlock, "
                 f"(rows + kRowsPerChunk - 1) / kRowsPerChunk), 256, 0, stream>>>(a);",
-                f"  {name}_colfinal<<<(kChannels + 31) / 32, dim3(32, 8), 0, stream>>>(a);",
+                f"  {name}_colfinal<<<(kChannels + kFinalCols - 1) / kFinalCols, dim3(kFinalCols, kFinalRows), 0, stream>>>(a);",
             ]
             ws_floats = "kPartials + (rows + kRowsPerChunk - 1) / kRowsPerChunk * kChannels * 2"
         else:  # a conv's [rows, channels, inner]: partials per (row, channel, chunk)

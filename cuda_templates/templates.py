@@ -85,6 +85,7 @@ struct Place {
   int rowpos;     // offset of the segment within its row
   int lane;
   bool live;
+  long long at;   // the segment whose operands this thread reads: seg, or the last one when not live
 };
 
 __device__ __forceinline__ Place place(const Args& a) {
@@ -98,8 +99,9 @@ __device__ __forceinline__ Place place(const Args& a) {
     p.first = 0;
     p.lane = threadIdx.x % kTeam;
   }
-  p.live = p.seg < a.rows * kGroups;
-  p.rowpos = static_cast<int>((p.seg % kGroups) * kL);
+  p.live = kBlockPerSegment || p.seg < a.rows * kGroups;  // a block a segment: the grid has no spare blocks
+  p.at = p.live ? p.seg : a.rows * kGroups - 1;
+  p.rowpos = static_cast<int>((p.at % kGroups) * kL);
   return p;
 }
 
@@ -164,7 +166,24 @@ __device__ __forceinline__ const T* seg_source(const Args& a, const Place& p, co
   }
 }
 
-__device__ __forceinline__ bool valid(const Place& p, int k) { return p.live && offset_of(p, k) < kL; }
+// A segment that fills its team's slots exactly: no slot is past its end.
+constexpr bool kExactFit = kChunks == 1 && kChunkLen == kL;
+
+__device__ __forceinline__ bool valid(const Place& p, int k) { return p.live && (kExactFit || offset_of(p, k) < kL); }
+
+// kDense: a team's slots are (nearly) all inside its segment. Then every slot runs the
+// steps, dead ones on zeros and with operands read at a live position (`safe_offset`,
+// Place::at), and only live slots are stored or folded: no branch around each slot's
+// steps (an odd row's 127 elements in 128 slots branched around every element).
+constexpr bool kDense = kChunks == 1 && 4 * kL >= 3 * kChunkLen;
+
+__device__ __forceinline__ bool runs(const Place& p, int k) { return kDense || valid(p, k); }
+
+// Where slot k reads its operands: its own offset, or the segment's last vector.
+__device__ __forceinline__ int safe_offset(const Place& p, int k) {
+  const int o = offset_of(p, k);
+  return o < kL ? o : static_cast<int>(kL) - kV;
+}
 
 // Loads this thread's share of the segment and applies stage0; masked lanes hold 0.
 // All loads are issued before any arithmetic, so they are in flight together.
@@ -184,7 +203,8 @@ __device__ __forceinline__ void load_stage0(const Args& a, const Place& p, const
   if constexpr (!kStage0Done) {
 #pragma unroll
     for (int k = 0; k < kNV; ++k)
-      if (valid(p, k)) stage0<kV>(v[k], p.rowpos + offset_of(p, k), p.seg * kL + offset_of(p, k), a, save);
+      if (runs(p, k))
+        stage0<kV>(v[k], p.rowpos + safe_offset(p, k), p.at * kL + safe_offset(p, k), a, save && valid(p, k));
   }
 }
 
@@ -382,10 +402,11 @@ $apply
 
 def _fold(var: str, init: str, update: str, indent: str = "    ") -> str:
     """C++ that folds this thread's live elements `e` into a new float `var`: it starts
-    at `init` and becomes `update` (an expression in `var` and `e`) for each element."""
-    lines = [f"float {var} = {init};", "#pragma unroll", "for (int k = 0; k < kNV; ++k)", "  if (valid(p, k))",
+    at `init` and becomes `update` (an expression in `var` and `e`) for each element.
+    Under kDense every slot computes `update` and a select keeps it for live ones."""
+    lines = [f"float {var} = {init};", "#pragma unroll", "for (int k = 0; k < kNV; ++k)", "  if (runs(p, k))",
              "#pragma unroll", "    for (int j = 0; j < kV; ++j) {", "      const float e = v[k][j];",
-             f"      {var} = {update};", "    }"]
+             f"      const float u = {update};", f"      {var} = valid(p, k) ? u : {var};", "    }"]
     return "\n".join(line if line.startswith("#") else indent + line for line in lines)
 
 
@@ -423,7 +444,7 @@ TEAM_STATISTICS = {
 # workspace at $stats_at (a float* expression).
 CHUNK_NORM = Template(
     r"""  {
-    const float* stats = $stats_at + p.seg * 2;
+    const float* stats = $stats_at + p.at * 2;
     const float s0 = stats[0];  // mean
     const float s1 = stats[1];  // rstd
 $apply
@@ -433,7 +454,8 @@ $apply
 # stage1 (the reduction's normalize, then the steps after it) on every live vector.
 APPLY_STAGE1 = r"""#pragma unroll
     for (int k = 0; k < kNV; ++k)
-      if (valid(p, k)) stage1<kV>(v[k], p.rowpos + offset_of(p, k), p.seg * kL + offset_of(p, k), a, s0, s1, true);"""
+      if (runs(p, k))
+        stage1<kV>(v[k], p.rowpos + safe_offset(p, k), p.at * kL + safe_offset(p, k), a, s0, s1, valid(p, k));"""
 
 # BatchNorm (training): stage1 opens with its normalize, which reads the column
 # kernels' scale/shift from the workspace, so no segment statistics are in scope.
@@ -449,7 +471,7 @@ BATCH_NORM_APPLY = (
 TEAM_ROW_REDUCE = Template(
     r"""$reduce
   float rowv[1] = {row};
-  stage1<1>(rowv, 0, p.seg, a, 0.f, 0.f, p.live && p.lane == 0);
+  stage1<1>(rowv, 0, p.at, a, 0.f, 0.f, p.live && p.lane == 0);
   row = rowv[0];"""
 )
 
@@ -540,11 +562,18 @@ $save_stats
 # Placeholders: $kernel, $col_vec (columns per thread), $finish (BATCH_NORM_FINISH).
 COLUMN_STATS_KERNELS = Template(
     r"""constexpr int kColV = $col_vec;
-constexpr int kColsPerBlock = 32 * kColV;
+// Narrow outputs (up to 16 columns, one a lane): a warp takes kLaneRows rows at once, lane
+// l on column l % C of its row l / C, so that a warp's loads cover whole rows (7 columns:
+// 28 lanes busy, not 7). The leftover lanes (l >= kLaneRows * C) load but are not merged.
+constexpr int kLaneRows = kColV == 1 && kChannels <= 16 ? 32 / static_cast<int>(kChannels) : 1;
+constexpr int kColsPerBlock = kLaneRows > 1 ? static_cast<int>(kChannels) : 32 * kColV;
 constexpr int kRowWarps = 8;
 constexpr int kRowsPerThread = 6;          // rows a thread loads at once (a batch)
-constexpr int kBatches = 32 / kColV;       // batches per block: 192 values of each thread's columns
-constexpr long long kRowsPerBatch = kRowWarps * kRowsPerThread;
+// Batches per block: 192 values of each thread's columns; 24 rows a thread when narrow
+// (the chain of batches is the block's latency, and narrow outputs have rows to spare).
+constexpr int kBatches = kLaneRows > 1 ? 4 : 32 / kColV;
+constexpr long long kRowStep = kRowWarps * kLaneRows;  // rows between a thread's rows
+constexpr long long kRowsPerBatch = kRowStep * kRowsPerThread;
 constexpr long long kRowsPerChunk = kRowsPerBatch * kBatches;
 // Workspace: [scale[C], shift[C]], then (mean, M2) per (row chunk, column).
 constexpr long long kPartials = 2 * kChannels;
@@ -558,15 +587,16 @@ constexpr long long kPartials = 2 * kChannels;
 // out in a skewed column, a ReLU's output for one.)
 __global__ void __launch_bounds__(256, 2) ${kernel}_colstats(Args a) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const long long c0 = (long long)blockIdx.x * kColsPerBlock + lane * kColV;
+  const int sub = kLaneRows > 1 ? lane / static_cast<int>(kChannels) : 0;  // row within the warp's kLaneRows
+  const long long c0 = kLaneRows > 1 ? lane % kChannels : (long long)blockIdx.x * kColsPerBlock + lane * kColV;
   // Out-of-range rows and columns read a valid element (row rows-1, column 0) and
   // are left out of the sums: every load is unconditional, so they are all issued
   // at once and stage0's per-column operands are loaded once, not once per row.
   const bool col_ok = c0 < kChannels;
   const long long c = col_ok ? c0 : 0;
-  const long long first = (long long)blockIdx.y * kRowsPerChunk + warp;  // rows first + 8i
+  const long long first = (long long)blockIdx.y * kRowsPerChunk + warp * kLaneRows + sub;  // rows first + kRowStep i
   // Row t of batch b, or the last row for those past it (loaded, left out of the sums).
-  const auto row_of = [&](int b, int t) { return min(first + b * kRowsPerBatch + (long long)t * kRowWarps, a.rows - 1); };
+  const auto row_of = [&](int b, int t) { return min(first + b * kRowsPerBatch + (long long)t * kRowStep, a.rows - 1); };
   using Raw = fusedepi::Pack<T, kColV>;  // 16-bit values stay packed until used
   Raw raw[2][kRowsPerThread];            // this batch and the next, as loaded
   const auto load_batch = [&](int b, Raw (&v)[kRowsPerThread]) {
@@ -588,8 +618,8 @@ __global__ void __launch_bounds__(256, 2) ${kernel}_colstats(Args a) {
     const long long r0 = first + b * kRowsPerBatch;
     if (r0 >= a.rows) break;
     if (b + 1 < kBatches) load_batch(b + 1, raw[(b + 1) % 2]);
-    // The batch's rows r0 + 8t below a.rows, two passes: its mean, then its M2.
-    const int rows_b = static_cast<int>(min(static_cast<long long>(kRowsPerThread), (a.rows - r0 + kRowWarps - 1) / kRowWarps));
+    // The batch's rows r0 + kRowStep t below a.rows, two passes: its mean, then its M2.
+    const int rows_b = static_cast<int>(min(static_cast<long long>(kRowsPerThread), (a.rows - r0 + kRowStep - 1) / kRowStep));
     float bmean[kColV], q[kColV];
 #pragma unroll
     for (int j = 0; j < kColV; ++j) bmean[j] = q[j] = 0.f;
@@ -627,7 +657,7 @@ __global__ void __launch_bounds__(256, 2) ${kernel}_colstats(Args a) {
   fusedepi::Moments acc[kColV];
 #pragma unroll
   for (int j = 0; j < kColV; ++j) acc[j] = {n, mean[j], m2[j]};
-  __shared__ fusedepi::Moments sm[kRowWarps][kColsPerBlock];
+  __shared__ fusedepi::Moments sm[kRowWarps][32 * kColV];
 #pragma unroll
   for (int j = 0; j < kColV; ++j) sm[warp][lane * kColV + j] = acc[j];
   __syncthreads();
@@ -635,31 +665,42 @@ __global__ void __launch_bounds__(256, 2) ${kernel}_colstats(Args a) {
     const long long c = (long long)blockIdx.x * kColsPerBlock + col;
     if (c >= kChannels) continue;
     fusedepi::Moments m = sm[0][col];
-    for (int w = 1; w < kRowWarps; ++w) m = fusedepi::merge(m, sm[w][col]);
+    for (int w = 0; w < kRowWarps; ++w)
+      for (int s = 0; s < kLaneRows; ++s)
+        if (w + s > 0) m = fusedepi::merge(m, sm[w][s * kColsPerBlock + col]);
     float* part = a.ws + kPartials + (blockIdx.y * kChannels + c) * 2;
     part[0] = m.mean;
     part[1] = m.m2;
   }
 }
 
-// Merges the row chunks of each column (32 columns x 8 chunk lanes per block);
-// writes the normalize scale/shift and the new running stats.
+// Merges the row chunks of each column: kFinalCols columns x kFinalRows chunk lanes a
+// block (a block a column when narrow), then the lanes' moments in a tree; writes the
+// normalize scale/shift and the new running stats.
+constexpr int kFinalCols = kLaneRows > 1 ? 1 : 32;
+constexpr int kFinalRows = 256 / kFinalCols;
+
 __global__ void __launch_bounds__(256) ${kernel}_colfinal(Args a) {
-  const long long c = (long long)blockIdx.x * 32 + threadIdx.x;
+  const long long c = (long long)blockIdx.x * kFinalCols + threadIdx.x;
   const long long chunks = (a.rows + kRowsPerChunk - 1) / kRowsPerChunk;
   fusedepi::Moments m = {0.f, 0.f, 0.f};
   if (c < kChannels) {
-    for (long long t = threadIdx.y; t < chunks; t += 8) {
+    for (long long t = threadIdx.y; t < chunks; t += kFinalRows) {
       const float n = static_cast<float>(min(kRowsPerChunk, a.rows - t * kRowsPerChunk));
       const float* part = a.ws + kPartials + (t * kChannels + c) * 2;
       m = fusedepi::merge(m, {n, part[0], part[1]});
     }
   }
-  __shared__ fusedepi::Moments sm[8][32];
+  __shared__ fusedepi::Moments sm[kFinalRows][kFinalCols];
   sm[threadIdx.y][threadIdx.x] = m;
   __syncthreads();
+#pragma unroll
+  for (int s = kFinalRows / 2; s > 0; s /= 2) {
+    if (threadIdx.y < s) sm[threadIdx.y][threadIdx.x] = fusedepi::merge(sm[threadIdx.y][threadIdx.x], sm[threadIdx.y + s][threadIdx.x]);
+    __syncthreads();
+  }
   if (threadIdx.y != 0 || c >= kChannels) return;
-  for (int w = 1; w < 8; ++w) m = fusedepi::merge(m, sm[w][threadIdx.x]);
+  m = sm[0][threadIdx.x];
 $finish
 }"""
 )

@@ -221,6 +221,11 @@ def awkward_specs(dtype="float32"):
             (Step("batchnorm_train", consts=(0.1, 1e-5), inputs=(0, 1, 2, 3)), Step("silu")),
             dtype, p * 4, 513, 1, "linear_batchnorm_train",
         ),
+        "narrow_batchnorm_train": EpilogueSpec(  # 7 columns: 4 rows a warp for the statistics
+            LINEAR, (Step("maximum", inputs=(0,), operand=ONE),
+                     Step("batchnorm_train", consts=(0.1, 1e-3), inputs=(1, 2, 3, 4)), Step("hardsigmoid")),
+            dtype, p * 5, 7, 1, "linear_batchnorm_train",
+        ),
     }
 
 

@@ -101,6 +101,58 @@ def test_batchnorm_running_stats_over_steps(exact_float32):
     torch.testing.assert_close(bn.running_var, ebn.running_var, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("features,rows", [(1, 4099), (3, 5000), (7, 20011), (16, 777), (17, 3001)])
+def test_narrow_batchnorm_train(features, rows, dtype, exact_float32):
+    """Outputs of up to 16 columns take their statistics with several rows a warp
+    (COLUMN_STATS_KERNELS' kLaneRows) and one block a column to merge them; rows that
+    end mid-warp, mid-batch and mid-chunk, checked over steps against float64."""
+    model = nn.Sequential(nn.Linear(40, features), nn.BatchNorm1d(features, momentum=0.2)).cuda().to(dtype)
+    ref_model = copy.deepcopy(model).double()
+    compiled = torch.compile(model, backend=fusedepi)
+    with torch.no_grad():
+        for step in range(3):
+            x = torch.rand(rows, 40, device="cuda", dtype=dtype) * 4 - 1
+            reports: list = []
+            with collect_reports(reports):
+                out = compiled(x)
+            if step == 0:
+                assert [r.fusion for rep in reports for r in rep.records if r.status == "fused"] == [
+                    "linear_batchnorm_train"]
+            ref = ref_model(x.double())
+            err = relative_error(out.double(), ref)
+            assert err <= TOLERANCE[dtype], f"step {step}: {err:.3g} (seed {exact_float32})"
+    bn, rbn = model[1], ref_model[1]
+    assert bn.num_batches_tracked.item() == 3
+    for name in ("running_mean", "running_var"):
+        err = relative_error(getattr(bn, name).double(), getattr(rbn, name))
+        assert err <= TOLERANCE[dtype], f"{name}: {err:.3g}"
+
+
+@pytest.mark.parametrize("act", [nn.Hardsigmoid, nn.Hardswish], ids=lambda m: m.__name__)
+def test_hard_activations_match_eager_bit_for_bit(act, exact_float32):
+    """ATen's CUDA kernels multiply by RN(1/6), not divide by 6 (a division was an ulp
+    off in about a quarter of these inputs): every float32 in [-3, -2] and [2, 3] and a
+    random sample in [-8, 8], through an identity Linear, against eager."""
+    def floats(lo, hi):
+        a, b = (int(torch.tensor(v).view(torch.int32)) for v in (lo, hi))
+        return torch.arange(a, b + 1, dtype=torch.int32).view(torch.float32)
+
+    sample = (torch.rand(1 << 22, generator=torch.Generator().manual_seed(exact_float32)) * 16 - 8)
+    x = torch.cat([floats(2.0, 3.0), -floats(2.0, 3.0), sample, torch.tensor([0.0, -0.0, 3.0, -3.0, 6.0, -6.0])])
+    x = torch.cat([x, torch.zeros(-x.numel() % 64)]).view(-1, 64).cuda()
+    model = nn.Sequential(nn.Linear(64, 64), act()).cuda()
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(64))
+        model[0].bias.zero_()
+        out, fused = compile_and_run(model, x)
+        eager = model(x)
+    assert fused == ["linear_pointwise"]
+    assert torch.equal(model[0](x), x)  # the identity Linear is exact: the activation sees x itself
+    mismatch = out.view(torch.int32) != eager.view(torch.int32)
+    assert not mismatch.any(), f"{int(mismatch.sum())} differ, e.g. at x = {x[mismatch][:4].tolist()}"
+
+
 class _GroupNormTanh(nn.Module):
     def __init__(self, k, n, groups, bias=True):
         super().__init__()

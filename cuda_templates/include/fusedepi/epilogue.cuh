@@ -234,20 +234,11 @@ __device__ __forceinline__ float mish(float x) { return x * tanhf(log1pf(exponen
 __device__ __forceinline__ float std_max(float a, float b) { return a < b ? b : a; }
 __device__ __forceinline__ float std_min(float a, float b) { return b < a ? b : a; }
 
-// ATen divides by 6 (float32 chains do too); 16-bit chains (kFast) multiply by 1/6 (an ulp).
-template <bool kFast>
-__device__ __forceinline__ float hardswish(float x) {
-  const float t = x * std_min(std_max(x + 3.f, 0.f), 6.f);
-  if constexpr (kFast) return t * (1.f / 6.f);
-  else return t / 6.f;
-}
+// As ATen's CUDA kernels compute them in every dtype: the clamp times RN(1/6) (a
+// multiply, not a division by 6; tests/test_gpu.py compares float32 bit for bit).
+__device__ __forceinline__ float hardswish(float x) { return x * std_min(std_max(x + 3.f, 0.f), 6.f) * (1.f / 6.f); }
 
-template <bool kFast>
-__device__ __forceinline__ float hardsigmoid(float x) {
-  const float t = std_min(std_max(x + 3.f, 0.f), 6.f);
-  if constexpr (kFast) return t * (1.f / 6.f);
-  else return t / 6.f;
-}
+__device__ __forceinline__ float hardsigmoid(float x) { return std_min(std_max(x + 3.f, 0.f), 6.f) * (1.f / 6.f); }
 
 // clamp / hardtanh / clamp_min / clamp_max: NaN propagates; an absent bound is infinite.
 __device__ __forceinline__ float clamp(float x, float lo, float hi) {
