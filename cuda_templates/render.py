@@ -112,17 +112,19 @@ def plan(spec: EpilogueSpec) -> Plan:
         if isinstance(staged, str):
             raise NotRenderable(f"channels-last conv: {staged}")
         return staged
-    if vecs <= 32 * WARP_TEAM_MAX_VECS or (red is not None and _ceil_div(vecs, 32) * vec <= NARROW_MAX_ELEMENTS):
+    if vecs <= 32 * WARP_TEAM_MAX_VECS or _ceil_div(vecs, 32) * vec <= NARROW_MAX_ELEMENTS:
         # One vector per lane while the segment fits a warp: each access is coalesced.
         # Unless that leaves many lanes idle (33 vectors: 32 lanes x 2, 31 of the second
-        # ones idle): then fewer lanes, each with more vectors in flight. A reduction over
-        # up to 32 elements a lane stays in a warp too (no block-wide synchronization).
+        # ones idle): then fewer lanes, each with more vectors in flight. A segment of up
+        # to 32 elements a lane stays in a warp too: a reduction needs no block-wide
+        # synchronization, and a pointwise chain's slots fit its segment more closely
+        # (a padded GEMM's rows of 513: 544 slots, not a block's 640 of 128 x 5).
         team = min(32, _pow2_at_least(vecs))
         if _busy(vecs, team) < MIN_BUSY:
             team = _narrow_team(vecs, max(1, NARROW_MAX_ELEMENTS // vec))
         p = Plan(seg_len, groups, vec, team, _ceil_div(vecs, team), 1, 256)
     elif vecs <= MAX_BLOCK * BLOCK_TEAM_MAX_VECS:
-        team = max(128, _pow2_at_least(_ceil_div(vecs, BLOCK_TEAM_MAX_VECS)))
+        team = _block_team(vecs, BLOCK_TEAM_MAX_VECS, red is not None)
         p = Plan(seg_len, groups, vec, team, _ceil_div(vecs, team), 1, team)
     elif red is not None and red.name in ROW_REDUCTIONS + ROW_NORMS:
         limit = MAX_BLOCK * BLOCK_TEAM_MAX_VECS * vec
@@ -189,10 +191,22 @@ def staged_plan(spec: EpilogueSpec) -> Plan | str:
         return Plan(seg_len, groups, vec, team, _ceil_div(vecs, team), 1, images * per_image, staged=images)
     if groups > 1:
         return f"{groups} groups of {seg_len} elements: longer than a warp holds, and an image takes one block"
-    team = max(128, _pow2_at_least(_ceil_div(vecs, STAGED_MAX_VECS)))
+    team = _block_team(vecs, STAGED_MAX_VECS, red is not None)
     if team > MAX_BLOCK:
         return f"an image of {row} elements: more than a block holds"
     return Plan(seg_len, 1, vec, team, _ceil_div(vecs, team), 1, team, staged=1)
+
+
+def _block_team(vecs: int, max_nvec: int, reduction: bool) -> int:
+    """Threads of a block that takes a whole segment, at most `max_nvec` vectors each:
+    a power of two (at least 128) when they reduce over it; for a pointwise chain any
+    number of whole warps from 128, the one whose slots the segment fills best (an
+    image of 1058 vectors: 288 threads of 4, 92% busy, not 512 of 3, 69%)."""
+    smallest = max(128, _pow2_at_least(_ceil_div(vecs, max_nvec)))
+    if reduction or smallest > MAX_BLOCK:
+        return smallest
+    teams = range(max(128, _ceil_div(_ceil_div(vecs, max_nvec), 32) * 32), MAX_BLOCK + 1, 32)
+    return max(teams, key=lambda t: (_busy(vecs, t), -t), default=smallest)
 
 
 def _busy(vecs: int, team: int) -> float:

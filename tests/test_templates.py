@@ -12,6 +12,7 @@ from cuda_templates.snippets import SNIPPETS, cfloat
 from lowering import VOCABULARY, EpilogueSpec
 from lowering.spec import SCALAR, Anchor, Save, Step
 from specs import (
+    CHANNELS_LAST,
     awkward_specs,
     gemm_specs,
     conv_batchnorm_specs,
@@ -56,7 +57,9 @@ def test_plan_covers_the_segment(name):
         assert p.seg_len == spec.channels and p.vec * {"float32": 4}.get(spec.dtype, 2) == 16
         return
     assert p.seg_len % p.vec == 0
-    assert p.team & (p.team - 1) == 0 and p.block % 32 == 0 and p.block % p.team == 0
+    assert p.block % 32 == 0 and p.block % p.team == 0
+    # Teams that reduce are powers of two; a pointwise chain's block team is whole warps.
+    assert p.team & (p.team - 1) == 0 or (spec.reduction is None and p.team % 32 == 0 and p.team == p.block)
     assert p.team * p.nvec * p.vec * p.chunks >= p.seg_len  # every element has a thread
     if p.chunks > 1:
         assert p.team == p.block
@@ -440,3 +443,20 @@ def test_saved_values_are_stored_where_the_spec_says():
     assert "if (save) fusedepi::store_vec<__nv_bfloat16, W>(a.sv0 + e0, sv0v);" in stage0
     assert "load_stage0(a, p, seg_source(a, p, img), v, true);" in source  # the apply kernel writes the saves
 
+
+
+def test_pointwise_teams_fit_their_segments():
+    # A padded GEMM's rows of 513 (bf16, read element by element): a warp, 17 a lane
+    # (544 slots), not a block of 128 x 5 (640).
+    padded = EpilogueSpec(Anchor("addmm", pad=(152, 520)), (Step("gelu"), Step("neg")), "bfloat16", (), 513, 1,
+                          "linear_pointwise")
+    p = plan(padded)
+    assert (p.team, p.nvec, p.vec, p.flat) == (32, 17, 1, False)
+    # A channels-last image of 16 x 529 (1058 vectors of 8): a block of whole warps that
+    # the image fills (544 x 2, 97%), not a power of two (512 x 3, 69%); a norm over the
+    # image keeps a power of two (its block-wide reductions).
+    image = EpilogueSpec(CHANNELS_LAST, (Step("relu"),), "bfloat16", (), 16, 23 * 23, "conv_pointwise")
+    p = plan(image)
+    assert p.staged == 1 and p.team == p.block == 544 and p.nvec == 2
+    norm = replace(image, steps=(Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=1),), fusion="conv_groupnorm")
+    assert plan(norm).team == 512
