@@ -191,7 +191,9 @@ def staged_plan(spec: EpilogueSpec) -> Plan | str:
         return Plan(seg_len, groups, vec, team, _ceil_div(vecs, team), 1, images * per_image, staged=images)
     if groups > 1:
         return f"{groups} groups of {seg_len} elements: longer than a warp holds, and an image takes one block"
-    team = _block_team(vecs, STAGED_MAX_VECS, red is not None)
+    # Powers of two here: a fitted team (544 x 2 for 1058 vectors) ran the staged kernel
+    # slower than 512 x 3 (2234 against 1597 us, twentieth session; fewer threads an SM).
+    team = _block_team(vecs, STAGED_MAX_VECS, True)
     if team > MAX_BLOCK:
         return f"an image of {row} elements: more than a block holds"
     return Plan(seg_len, 1, vec, team, _ceil_div(vecs, team), 1, team, staged=1)
@@ -200,8 +202,8 @@ def staged_plan(spec: EpilogueSpec) -> Plan | str:
 def _block_team(vecs: int, max_nvec: int, reduction: bool) -> int:
     """Threads of a block that takes a whole segment, at most `max_nvec` vectors each:
     a power of two (at least 128) when they reduce over it; for a pointwise chain any
-    number of whole warps from 128, the one whose slots the segment fills best (an
-    image of 1058 vectors: 288 threads of 4, 92% busy, not 512 of 3, 69%)."""
+    number of whole warps from 128, the one whose slots the segment fills best (a row
+    of 1058 vectors: 544 threads of 2, 97% busy, not 256 of 5, 83%)."""
     smallest = max(128, _pow2_at_least(_ceil_div(vecs, max_nvec)))
     if reduction or smallest > MAX_BLOCK:
         return smallest

@@ -13,6 +13,7 @@ from lowering import VOCABULARY, EpilogueSpec
 from lowering.spec import SCALAR, Anchor, Save, Step
 from specs import (
     CHANNELS_LAST,
+    CONV,
     awkward_specs,
     gemm_specs,
     conv_batchnorm_specs,
@@ -452,11 +453,13 @@ def test_pointwise_teams_fit_their_segments():
                           "linear_pointwise")
     p = plan(padded)
     assert (p.team, p.nvec, p.vec, p.flat) == (32, 17, 1, False)
-    # A channels-last image of 16 x 529 (1058 vectors of 8): a block of whole warps that
-    # the image fills (544 x 2, 97%), not a power of two (512 x 3, 69%); a norm over the
-    # image keeps a power of two (its block-wide reductions).
-    image = EpilogueSpec(CHANNELS_LAST, (Step("relu"),), "bfloat16", (), 16, 23 * 23, "conv_pointwise")
-    p = plan(image)
-    assert p.staged == 1 and p.team == p.block == 544 and p.nvec == 2
-    norm = replace(image, steps=(Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=1),), fusion="conv_groupnorm")
-    assert plan(norm).team == 512
+    # An NCHW conv's rows of 16 x 529 (1058 vectors of 8): a block of whole warps that
+    # the row fills (544 x 2, 97%), not a power of two (256 x 5, 83%); a norm over the
+    # row keeps a power of two (its block-wide reductions), as does the staged kernel
+    # of a channels-last conv (measured faster so).
+    nchw = EpilogueSpec(CONV, (Step("relu"),), "bfloat16", (), 16, 23 * 23, "conv_pointwise")
+    p = plan(nchw)
+    assert not p.staged and p.team == p.block == 544 and p.nvec == 2
+    norm = replace(nchw, steps=(Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=1),), fusion="conv_groupnorm")
+    assert plan(norm).team == 256
+    assert plan(replace(nchw, anchor=CHANNELS_LAST)).team == 512
