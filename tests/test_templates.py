@@ -453,13 +453,13 @@ def test_pointwise_teams_fit_their_segments():
                           "linear_pointwise")
     p = plan(padded)
     assert (p.team, p.nvec, p.vec, p.flat) == (32, 17, 1, False)
-    # An NCHW conv's rows of 16 x 529 (1058 vectors of 8): a block of whole warps that
-    # the row fills (544 x 2, 97%), not a power of two (256 x 5, 83%); a norm over the
-    # row keeps a power of two (its block-wide reductions), as does the staged kernel
-    # of a channels-last conv (measured faster so).
+    # An NCHW conv's rows of 16 x 529 (1058 vectors of 8): a block of whole warps of 4-8
+    # vectors a thread that the row fills (160 x 7, 94%), not a power of two (256 x 5,
+    # 83%); a norm over the row keeps a power of two (its block-wide reductions), as
+    # does the staged kernel of a channels-last conv (measured faster so).
     nchw = EpilogueSpec(CONV, (Step("relu"),), "bfloat16", (), 16, 23 * 23, "conv_pointwise")
     p = plan(nchw)
-    assert not p.staged and p.team == p.block == 544 and p.nvec == 2
+    assert not p.staged and p.team == p.block == 160 and p.nvec == 7
     norm = replace(nchw, steps=(Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=1),), fusion="conv_groupnorm")
     assert plan(norm).team == 256
     assert plan(replace(nchw, anchor=CHANNELS_LAST)).team == 512
