@@ -48,3 +48,11 @@ fuzz_random() {
     "${g[@]}" --workers 14 --time-limit ${FUZZ_LIMIT:-420} --json "$OUT/fuzz.json" 2>&1 | grep -v -i warn \
     | grep -v "^\[fuzz\] [0-9]" | tee "$OUT/fuzz.log" | tail -40
 }
+
+# The fuzzer benchmark's models $PICK one by one, with each one's kernels profiled.
+pick_models() {
+  for i in $PICK; do
+    timeout ${MODEL_TIMEOUT:-100} python3 tests/fuzzer.py --bench 1 --first "$i" --seed ${SEED:-0} --profile \
+      --json "$OUT/model$i.json" 2>&1 | grep -v -i warn | grep -E "^\[bench\]|^    (fusedepi|inductor)"
+  done
+}

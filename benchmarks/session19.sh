@@ -8,12 +8,7 @@
 #   bash benchmarks/session19.sh tests   # tests/test_gpu.py -k "$TESTS_K"
 #   bash benchmarks/session19.sh fuzz    # the GPU fuzzer: $MODELS models of seed $SEED, with --grad when GRAD=1
 source "$(dirname "$0")/device_setup.sh"
-pick_models() {
-  for i in ${PICK:-4 26 34 50}; do
-    timeout ${MODEL_TIMEOUT:-100} python3 tests/fuzzer.py --bench 1 --first "$i" --seed ${SEED:-0} --profile \
-      --json "$OUT/model$i.json" 2>&1 | grep -v -i warn | grep -E "^\[bench\]|^    (fusedepi|inductor)"
-  done
-}
+PICK=${PICK:-4 26 34 50}
 case ${1:-bench} in
   check)
     timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -m gpu tests/test_native.py tests/test_gpu.py -p no:cacheprovider \

@@ -6,16 +6,11 @@
 #   bash benchmarks/session20.sh models  # just the models $PICK
 #   bash benchmarks/session20.sh tests   # tests/test_gpu.py -k "$TESTS_K"
 source "$(dirname "$0")/device_setup.sh"
-pick_models() {
-  for i in ${PICK:-23 37 40 12}; do
-    timeout ${MODEL_TIMEOUT:-100} python3 tests/fuzzer.py --bench 1 --first "$i" --seed ${SEED:-0} --profile \
-      --json "$OUT/model$i.json" 2>&1 | grep -v -i warn | grep -E "^\[bench\]|^    (fusedepi|inductor)"
-  done
-}
+PICK=${PICK:-23 37 40 12}
 case ${1:-check} in
   check)
     timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rfs --tb=short \
-      -k "${TESTS_K:-narrow_batchnorm or hardsigmoid or batchnorm or awkward or fuzz}" 2>&1 \
+      -k "${TESTS_K:-narrow_batchnorm or hard_activations or batchnorm or awkward or fuzz}" 2>&1 \
       | tee "$OUT/check_tests.log" | tail -30
     pick_models
     ;;
