@@ -666,10 +666,9 @@ __global__ void __launch_bounds__(256, 2) ${kernel}_colstats(Args a) {
   for (int col = threadIdx.x; col < kColsPerBlock; col += blockDim.x) {
     const long long c = (long long)blockIdx.x * kColsPerBlock + col;
     if (c >= kChannels) continue;
-    fusedepi::Moments m = sm[0][col];
+    fusedepi::Moments m = {0.f, 0.f, 0.f};  // merge(empty, b) is b
     for (int w = 0; w < kRowWarps; ++w)
-      for (int s = 0; s < kLaneRows; ++s)
-        if (w + s > 0) m = fusedepi::merge(m, sm[w][s * kColsPerBlock + col]);
+      for (int s = 0; s < kLaneRows; ++s) m = fusedepi::merge(m, sm[w][s * kColsPerBlock + col]);
     float* part = a.ws + kPartials + (blockIdx.y * kChannels + c) * 2;
     part[0] = m.mean;
     part[1] = m.m2;

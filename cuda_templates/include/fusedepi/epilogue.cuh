@@ -334,9 +334,12 @@ struct Moments {
   float n, mean, m2;
 };
 
+// An empty side returns the other as it is (not through delta * delta * 0, which is NaN
+// when the mean is beyond 2^64).
 __device__ __forceinline__ Moments merge(Moments a, Moments b) {
+  if (a.n == 0.f) return b;
+  if (b.n == 0.f) return a;
   const float n = a.n + b.n;
-  if (n == 0.f) return a;
   const float delta = b.mean - a.mean;
   const float wb = b.n / n;
   return {n, a.mean + delta * wb, a.m2 + b.m2 + delta * delta * a.n * wb};
