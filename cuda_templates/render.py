@@ -124,7 +124,7 @@ def plan(spec: EpilogueSpec) -> Plan:
             team = _narrow_team(vecs, max(1, NARROW_MAX_ELEMENTS // vec))
         p = Plan(seg_len, groups, vec, team, _ceil_div(vecs, team), 1, 256)
     elif vecs <= MAX_BLOCK * BLOCK_TEAM_MAX_VECS:
-        team = _block_team(vecs, BLOCK_TEAM_MAX_VECS, red is not None)
+        team = _block_team(vecs, BLOCK_TEAM_MAX_VECS, pow2=red is not None)
         p = Plan(seg_len, groups, vec, team, _ceil_div(vecs, team), 1, team)
     elif red is not None and red.name in ROW_REDUCTIONS + ROW_NORMS:
         limit = MAX_BLOCK * BLOCK_TEAM_MAX_VECS * vec
@@ -193,20 +193,20 @@ def staged_plan(spec: EpilogueSpec) -> Plan | str:
         return f"{groups} groups of {seg_len} elements: longer than a warp holds, and an image takes one block"
     # Powers of two here: a fitted team (544 x 2 for 1058 vectors) ran the staged kernel
     # slower than 512 x 3 (2234 against 1597 us, twentieth session; fewer threads an SM).
-    team = _block_team(vecs, STAGED_MAX_VECS, True)
+    team = _block_team(vecs, STAGED_MAX_VECS, pow2=True)
     if team > MAX_BLOCK:
         return f"an image of {row} elements: more than a block holds"
     return Plan(seg_len, 1, vec, team, _ceil_div(vecs, team), 1, team, staged=1)
 
 
-def _block_team(vecs: int, max_nvec: int, reduction: bool) -> int:
+def _block_team(vecs: int, max_nvec: int, pow2: bool) -> int:
     """Threads of a block that takes a whole segment, at most `max_nvec` vectors each:
-    a power of two (at least 128) when they reduce over it; for a pointwise chain any
-    number of whole warps from 128 with max_nvec / 2 to max_nvec vectors each, the one
-    whose slots the segment fills best (a row of 1058 vectors, 8 at most: 160 threads
-    of 7, 94% busy, not 256 of 5, 83%)."""
+    a power of two (at least 128) under `pow2` (teams that reduce over the segment need
+    one); otherwise, for a pointwise chain, any number of whole warps from 128 with
+    max_nvec / 2 to max_nvec vectors each, the one whose slots the segment fills best
+    (a row of 1058 vectors, 8 at most: 160 threads of 7, 94% busy, not 256 of 5, 83%)."""
     smallest = max(128, _pow2_at_least(_ceil_div(vecs, max_nvec)))
-    if reduction or smallest > MAX_BLOCK:
+    if pow2 or smallest > MAX_BLOCK:
         return smallest
     # At least half the vectors a thread may hold: a block of 736 threads of 1 vector
     # (720 vectors, 98% busy) ran slower than 128 of 6 (94%), 933 against 627 us.

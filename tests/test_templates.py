@@ -445,7 +445,6 @@ def test_saved_values_are_stored_where_the_spec_says():
     assert "load_stage0(a, p, seg_source(a, p, img), v, true);" in source  # the apply kernel writes the saves
 
 
-
 def test_pointwise_teams_fit_their_segments():
     # A padded GEMM's rows of 513 (bf16, read element by element): a warp, 17 a lane
     # (544 slots), not a block of 128 x 5 (640).
