@@ -626,6 +626,22 @@ def _team_moments_norm(spec: EpilogueSpec, red) -> str:
     )
 
 
+def staged_applies(spec: EpilogueSpec, p: Plan) -> bool:
+    """Whether the staged kernel (`Plan.staged`) applies the chain while it stages y:
+    a pointwise chain whose tensor operands are per channel or single values (a vector
+    of y holds consecutive channels of one pixel, not consecutive output elements), and
+    a block whose threads each see the same channels in all their vectors. Its result
+    is then stored rounded in shared memory, as the output is: only where no step
+    follows (no reduction)."""
+    if not p.staged or spec.reduction is not None or spec.saves:
+        return False
+    if any(s.operand == FULL for s in spec.steps):
+        return False
+    row_bytes = spec.channels * spec.inner * ITEMSIZE[spec.dtype]
+    stage_vec = 16 // ITEMSIZE[spec.dtype] if row_bytes % 16 == 0 else 1  # templates' kStageVec
+    return (p.block * stage_vec) % spec.channels == 0
+
+
 def _apply_grid(p: Plan) -> str:
     if p.flat:
         return "(rows * kRow + kBlock * kNV * kV - 1) / (kBlock * kNV * kV)"
@@ -646,6 +662,7 @@ def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", an
         apply_kernel=apply_kernel,
         wrap=p.seg_len if p.flat else 0,
         staged=p.staged,
+        staged_apply="true" if staged_applies(spec, p) else "false",
         pad_k=spec.anchor.pad[0] if spec.anchor.pad else 0,
         includes=includes,
         kernel=name,

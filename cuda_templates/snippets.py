@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 
 from lowering.spec import CHANNEL, FULL, ONE, ROW_REDUCTIONS, SCALAR, SELF, Step
 
@@ -120,6 +121,38 @@ def _binary(symbol):
     return render
 
 
+def _divide(step: Step, ops: Operands) -> str:
+    """x / scalar as eager computes it on CUDA: x times the float reciprocal of the
+    float scalar (ATen's div_true_kernel_cuda, for a CPU scalar divisor). Any other
+    division through `fusedepi::divide`: IEEE in float32 chains, div.full in 16-bit ones."""
+    if step.operand == SCALAR and not step.reverse:
+        return f"x = x * {cfloat(_float32_reciprocal(step.consts[0]))};"
+    other = ops.operand(step)
+    a, b = (other, "x") if step.reverse else ("x", other)
+    return f"x = fusedepi::divide<kFastMath>({a}, {b});"
+
+
+def _float32_reciprocal(value: float) -> float:
+    """RN(1 / RN(value)) in float32, as the host computes `1.f / float(value)`.
+
+    Plain Python, no tensors: kernels are rendered while Dynamo's fake mode is active.
+    The division runs in double and is rounded once more to float32; for operands that
+    are float32 values this is the correctly rounded float32 quotient (53 >= 2 * 24 + 2).
+    """
+    divisor = _to_float32(float(value))
+    if divisor == 0.0:
+        return math.copysign(math.inf, divisor)
+    return _to_float32(1.0 / divisor)
+
+
+def _to_float32(value: float) -> float:
+    """value rounded to float32 (to nearest, ties to even), overflowing to infinity."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # finite double that rounds past FLT_MAX
+        return math.copysign(math.inf, value)
+
+
 def _affine_norm(step: Step, ops: Operands) -> str:
     """Normalize with the group or layer statistics s0 = mean, s1 = rstd in scope."""
     w = ops.param(step.inputs[0], CHANNEL, "1.f")
@@ -171,7 +204,7 @@ SNIPPETS = {
     "add": _binary("+"),
     "sub": _binary("-"),
     "mul": _binary("*"),
-    "div": _binary("/"),
+    "div": _divide,
     "maximum": lambda s, ops: f"x = fusedepi::maximum(x, {ops.operand(s)});",
     "minimum": lambda s, ops: f"x = fusedepi::minimum(x, {ops.operand(s)});",
     "groupnorm": _affine_norm,

@@ -27,6 +27,8 @@ from string import Template
 #                   (Anchor.pad; fusedepi_pad_rows fills them), else 0
 #   $staged         images a block stages in shared memory from a channels-last y
 #                   (Anchor.channels_last, render.staged_plan), else 0
+#   $staged_apply   "true" when staging applies stage0 (a pointwise chain whose operands
+#                   are per channel or scalars: render.staged_applies), else "false"
 #   $fast_math      "true" for bf16/fp16 chains (see fusedepi::sigmoid)
 #   $stage0_done    "true" when the direct conv kernel already applied stage0 to y
 #   $anchor_inside  1 when this library computes the anchor (direct conv, in-kernel GEMM), else 0
@@ -64,6 +66,7 @@ constexpr long long kRow = kGroups * kL;  // elements of an output row (before a
 constexpr long long kWrap = $wrap;  // kRow under the flat mapping: a vector may cross rows
 constexpr long long kPadK = $pad_k;  // K of x's padded rows for a padded library GEMM, else 0
 constexpr int kStaged = $staged;  // images a block stages from a channels-last y, else 0
+constexpr bool kStagedApply = $staged_apply;  // staging applies stage0 (a pointwise chain)
 constexpr bool kFastMath = $fast_math;  // hardware exp/divide in sigmoid and silu
 constexpr bool kStage0Done = $stage0_done;  // y already holds stage0's result
 constexpr bool kBlockPerSegment = kTeam > 32 || kChunks > 1;
@@ -120,8 +123,15 @@ __device__ __forceinline__ int offset_of(const Place& p, int k) { return p.first
 // order ([channels, inner] an image), then syncs the block. y is read in 16-byte
 // vectors where an image is a whole number of them, all of a thread's loads in flight
 // before the first store. The last block may have fewer images.
+// kStagedApply: stage0 runs here, on y's channels-last vectors. A thread's vectors all
+// start at the same channel (kBlock * kStageVec is a multiple of kChannels), so it
+// loads its channels' operands once (and derives BatchNorm's rsqrt once) instead of
+// per element, where the output's odd planes put two channels in a vector (two loads
+// and a select an element per operand). `img` then holds the chain's result.
 constexpr int kStageVec = (kRow * sizeof(T)) % 16 == 0 ? 16 / static_cast<int>(sizeof(T)) : 1;
 constexpr int kStageLoads = kStaged > 0 ? (kStaged * kRow / kStageVec + kBlock - 1) / kBlock : 1;
+static_assert(!kStagedApply || (kStaged > 0 && (kBlock * kStageVec) % kChannels == 0),
+              "staging applies stage0 only where a thread's vectors share their channels");
 // Staging waits on memory before any arithmetic: a staged apply kernel keeps at least
 // 1024 threads an SM (registers capped to suit), so that other blocks' loads fill the wait.
 constexpr int kMinBlocks = kStaged > 0 ? 1024 / kBlock : 1;
@@ -136,10 +146,26 @@ __device__ __forceinline__ void stage_images(const Args& a, T* img) {
     const int i = (t * kBlock + static_cast<int>(threadIdx.x)) * kStageVec;
     if (i < count) pk[t] = *reinterpret_cast<const fusedepi::Pack<T, kStageVec>*>(src + i);
   }
+  // kStagedApply: the operands of this thread's channels (element j's channel is that of
+  // its first element plus j, modulo the channels)
+  stage0_chan k[kStageVec];  // (unused, and dropped, unless kStagedApply)
+  if constexpr (kStagedApply) {
+    const int c0 = static_cast<int>((threadIdx.x * kStageVec) % kChannels);
+#pragma unroll
+    for (int j = 0; j < kStageVec; ++j) k[j] = stage0_chan_of(a, static_cast<int>((c0 + j) % kChannels));
+  }
 #pragma unroll
   for (int t = 0; t < kStageLoads; ++t) {
     const int i = (t * kBlock + static_cast<int>(threadIdx.x)) * kStageVec;
     if (i >= count) continue;
+    if constexpr (kStagedApply) {
+      float v[kStageVec];
+#pragma unroll
+      for (int j = 0; j < kStageVec; ++j) v[j] = fusedepi::to_float(pk[t].v[j]);
+      stage0_cols<kStageVec>(v, k, 0, a);  // e0 unused: no full-tensor operand, no saves
+#pragma unroll
+      for (int j = 0; j < kStageVec; ++j) pk[t].v[j] = fusedepi::from_float<T>(v[j]);
+    }
     // (image, pixel, channel) of y's element i, then stepped along the vector
     int image = i / static_cast<int>(kRow);
     const int at = i - image * static_cast<int>(kRow);
@@ -202,7 +228,7 @@ __device__ __forceinline__ void load_stage0(const Args& a, const Place& p, const
       for (int j = 0; j < kV; ++j) v[k][j] = 0.f;
     }
   }
-  if constexpr (!kStage0Done) {
+  if constexpr (!kStage0Done && !kStagedApply) {
 #pragma unroll
     for (int k = 0; k < kNV; ++k)
       if (runs(p, k))

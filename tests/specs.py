@@ -208,6 +208,12 @@ def awkward_specs(dtype="float32"):
                             Step("add", inputs=(5,), operand=FULL), Step("elu", consts=(1.0, 1.0, 1.0))),
             dtype, p * 6, 16, 9 * 18, "conv_batchnorm_eval",
         ),
+        "channels_last_per_channel": EpilogueSpec(  # operands per channel: staging applies the chain
+            CHANNELS_LAST, (Step("add", inputs=(0,), operand=CHANNEL), Step("batchnorm_eval", consts=(1e-5,),
+                                                                          inputs=(1, 2, 3, 4)),
+                            Step("div", consts=(3.0,), operand=SCALAR), Step("elu", consts=(1.0, 1.0, 1.0))),
+            dtype, p * 5, 16, 9 * 18, "conv_batchnorm_eval",
+        ),
         "channels_last_groupnorm": EpilogueSpec(  # 2 channels of 80: 2 groups, narrow teams
             CHANNELS_LAST, (Step("groupnorm", consts=(1e-5,), inputs=(0, 1), groups=2), Step("mul", inputs=(2,), operand=CHANNEL)),
             dtype, p * 3, 2, 80, "conv_groupnorm",

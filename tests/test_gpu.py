@@ -153,6 +153,42 @@ def test_hard_activations_match_eager_bit_for_bit(act, exact_float32):
     assert not mismatch.any(), f"{int(mismatch.sum())} differ, e.g. at x = {x[mismatch][:4].tolist()}"
 
 
+class _Divisions(nn.Module):
+    """Division by Python scalars (eager multiplies by the float reciprocal), by a
+    per-column tensor and of one (IEEE divisions), between smooth activations whose
+    16-bit forms take hardware exp and division."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.linear = nn.Linear(n, n)
+        self.w = nn.Parameter(torch.rand(n) + 0.5)
+
+    def forward(self, x):
+        y = self.linear(x) / 3.0 / 0.1
+        y = F.elu(y / self.w, alpha=0.7)
+        return F.softplus(torch.div(self.w, y + 2.0), beta=2.0) / 7.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_divisions_match_eager(dtype, exact_float32):
+    """float32: bit for bit against eager (the scalar reciprocal rounds as ATen's does);
+    16-bit chains (div.full, __expf): within tolerance of float64."""
+    model = _Divisions(64).cuda().to(dtype)
+    x = (torch.rand(1 << 14, 64, device="cuda") * 8 - 4).to(dtype)
+    with torch.no_grad():
+        model.linear.weight.copy_(torch.eye(64))  # an exact identity: the chain sees x itself
+        model.linear.bias.zero_()
+        out, fused = compile_and_run(model, x)
+        eager = model(x)
+        ref, _ = float64_reference(model, x)
+    assert fused == ["linear_pointwise"]
+    if dtype == torch.float32:
+        mismatch = out != eager
+        assert not mismatch.any(), f"{int(mismatch.sum())} of {out.numel()} differ (seed {exact_float32})"
+    err = relative_error(out.double(), ref)
+    assert err <= TOLERANCE[dtype], f"{err:.3g} (seed {exact_float32})"
+
+
 class _GroupNormTanh(nn.Module):
     def __init__(self, k, n, groups, bias=True):
         super().__init__()
@@ -519,6 +555,9 @@ class _GroupNormTimesScale(nn.Module):
 CHANNELS_LAST = {
     "conv2d_bn_eval_residual_elu": (lambda: _ConvTail(nn.Conv2d(5, 16, 3, padding=1), nn.Sequential(
         nn.BatchNorm2d(16), nn.ELU()), residual=True), (37, 5, 9, 18)),
+    # a pointwise chain of per-channel operands: staging applies it (render.staged_applies)
+    "conv2d_bn_eval_elu_softplus": (lambda: _ConvTail(nn.Conv2d(5, 16, 3, padding=1), nn.Sequential(
+        nn.BatchNorm2d(16), nn.ELU(alpha=0.5), nn.Softplus(beta=2.0))), (37, 5, 9, 18)),
     "convtranspose_groupnorm_sigmoid": (lambda: _ConvTail(nn.ConvTranspose2d(4, 16, 2, padding=1), nn.Sequential(
         nn.GroupNorm(4, 16), nn.Sigmoid())), (45, 4, 10, 19)),
     "conv_dilated_groupnorm_scale": (lambda: _ConvTail(nn.Conv2d(5, 2, 3, dilation=2), _GroupNormTimesScale(2, 2)),

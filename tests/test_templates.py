@@ -1,14 +1,16 @@
 """GPU-free: rendered sources, launch plans, and an nvcc compile of every template path."""
 
+import math
 import re
 import shutil
 from dataclasses import replace
 
 import pytest
+import torch
 
 import cuda_templates
 from cuda_templates.render import plan
-from cuda_templates.snippets import SNIPPETS, cfloat
+from cuda_templates.snippets import SNIPPETS, Operands, _float32_reciprocal, cfloat
 from lowering import VOCABULARY, EpilogueSpec
 from lowering.spec import SCALAR, Anchor, Save, Step
 from specs import (
@@ -98,9 +100,9 @@ def test_pointwise_chains_on_rows_that_split_badly_run_flat():
     assert plan(awkward_specs("float32")["pointwise_only"]).flat
 
 
-def test_sixteen_bit_chains_take_hardware_exp_but_ieee_division():
+def test_sixteen_bit_chains_take_hardware_exp_and_division():
     steps = (Step("softplus", consts=(1.0, 20.0)), Step("exp"), Step("hardsigmoid"), Step("hardswish"), Step("mish"),
-             Step("div", consts=(2.5,), operand=SCALAR, reverse=True))
+             Step("div", consts=(2.5,), operand=SCALAR, reverse=True), Step("div", consts=(3.0,), operand=SCALAR))
     for dtype, fast in (("bfloat16", "true"), ("float16", "true"), ("float32", "false")):
         source = cuda_templates.render(EpilogueSpec(Anchor("mm"), steps, dtype, (), 64, 1, "linear_pointwise"), "sm90")
         assert f"constexpr bool kFastMath = {fast};" in source
@@ -108,7 +110,30 @@ def test_sixteen_bit_chains_take_hardware_exp_but_ieee_division():
             assert f"fusedepi::{fn}<kFastMath>(x" in source, fn
         for fn in ("hardsigmoid", "hardswish"):  # ATen multiplies by 1/6 in every dtype
             assert f"fusedepi::{fn}(x" in source, fn
-        assert "x = static_cast<float>(0x1.4000000000000p+1) / x;" in source  # IEEE: eager's division
+        # 2.5 / x: IEEE in float32 (eager's division), div.full in 16-bit chains (Triton's)
+        assert "x = fusedepi::divide<kFastMath>(static_cast<float>(0x1.4000000000000p+1), x);" in source
+        # x / 3: times the float reciprocal of 3, as eager divides by a scalar on CUDA
+        assert "x = x * static_cast<float>(0x1.5555560000000p-2);" in source
+
+
+@pytest.mark.parametrize("value", [3.0, 0.1, 7.0, -6.5, 1 / 3, 1e-40, 3e-39, 1e-45, 1e38, 3.4e38, 3.5e38, 1e300,
+                                   0.0, -0.0, math.inf, -math.inf, math.nan, 2.0 ** -126, 1.0000001])
+def test_scalar_reciprocal_rounds_as_float32_division(value):
+    """The baked reciprocal is torch's float32 1 / float(value), bit for bit, and is
+    computed without tensors: the backend renders under Dynamo's fake mode, where a
+    tensor's value cannot be read (a build that did so fell back to Inductor)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    expected = torch.ones((), dtype=torch.float32) / torch.tensor(value, dtype=torch.float32)
+    with FakeTensorMode():
+        got = _float32_reciprocal(value)
+        rendered = SNIPPETS["div"](Step("div", consts=(value,), operand=SCALAR), Operands())
+    want = float(expected)
+    if math.isnan(want):
+        assert math.isnan(got)
+    else:  # the same double: a float32 value, the same sign of zero
+        assert (got, math.copysign(1.0, got)) == (want, math.copysign(1.0, want))
+    assert rendered == f"x = x * {cfloat(got)};"
 
 
 def test_channels_last_convs_stage_whole_images():
@@ -120,6 +145,18 @@ def test_channels_last_convs_stage_whole_images():
     source = cuda_templates.render(awkward["channels_last_groupnorm"], "sm90")
     assert "constexpr int kStaged = 32;" in source and "stage_images(a, img);" in source
     assert "constexpr int kStaged = 0;" in cuda_templates.render(awkward["pointwise_only"], "sm90")
+
+
+def test_channels_last_pointwise_chains_apply_while_staging():
+    """Staging applies a pointwise chain whose operands are per channel (a thread's
+    vectors share their channels); a full-tensor operand, a norm, or a block whose
+    vectors start at different channels leave it to the apply loop."""
+    awkward = awkward_specs("bfloat16")
+    spec, per_channel = awkward["channels_last_pointwise"], awkward["channels_last_per_channel"]
+    assert cuda_templates.render(per_channel, "sm90").count("constexpr bool kStagedApply = true;") == 1
+    misaligned = replace(per_channel, channels=24)  # 24 does not divide a block's 128 x 8 channels
+    for other in (spec, misaligned, awkward["channels_last_groupnorm"], awkward["pointwise_only"]):
+        assert "constexpr bool kStagedApply = false;" in cuda_templates.render(other, "sm90")
 
 
 @pytest.mark.parametrize("change, reason", [

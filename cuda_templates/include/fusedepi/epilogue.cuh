@@ -218,9 +218,23 @@ __device__ __forceinline__ float silu(float x) {
   else return x / (1.f + expf(-x));
 }
 
+// a / b: IEEE, or for bf16/fp16 chains (kFast) PTX's div.full.f32 (at most 2 ulp over
+// the full range, subnormal operands and results kept: not the reciprocal of
+// __fdividef, which flushes subnormal divisors and gives 0 past 2^126), as Triton
+// divides float32. The IEEE division branches to a slow path on every element.
+template <bool kFast>
+__device__ __forceinline__ float divide(float a, float b) {
+  if constexpr (kFast) {
+    float q;
+    asm("div.full.f32 %0, %1, %2;" : "=f"(q) : "f"(a), "f"(b));
+    return q;
+  } else {
+    return a / b;
+  }
+}
+
 // e^x: expf, or for bf16/fp16 chains (kFast) ex2.approx (__expf: a few ulp, a result
-// below 2^-126 flushed to 0), as in sigmoid. Division stays IEEE in every chain: a
-// hardware reciprocal flushes subnormal divisors, which bf16 holds.
+// below 2^-126 flushed to 0), as in sigmoid.
 template <bool kFast>
 __device__ __forceinline__ float exponential(float x) {
   if constexpr (kFast) return __expf(x);
@@ -246,13 +260,19 @@ __device__ __forceinline__ float clamp(float x, float lo, float hi) {
 }
 
 // elu / selu / celu: negcoef = alpha * scale, poscoef = scale.
+// Both sides are computed and one selected: a warp's lanes take both sides of a branch
+// on mixed signs anyway, and without the branch a thread's elements interleave.
 __device__ __forceinline__ float elu(float x, float negcoef, float poscoef, float input_scale) {
-  return x > 0.f ? x * poscoef : expm1f(x * input_scale) * negcoef;
+  const float negative = expm1f(x * input_scale) * negcoef;
+  return x > 0.f ? x * poscoef : negative;
 }
 
+// Both sides computed, as in elu.
 template <bool kFast>
 __device__ __forceinline__ float softplus(float x, float beta, float threshold) {
-  return x * beta > threshold ? x : log1pf(exponential<kFast>(x * beta)) / beta;
+  const float l = log1pf(exponential<kFast>(x * beta));
+  const float smooth = beta == 1.f ? l : divide<kFast>(l, beta);  // (divide's asm does not fold)
+  return x * beta > threshold ? x : smooth;
 }
 
 // torch.maximum / torch.minimum: NaN in either operand gives NaN.
