@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import math
 import re
-import struct
 
-from lowering.spec import CHANNEL, FULL, ONE, ROW_REDUCTIONS, SCALAR, SELF, Step
+from lowering.spec import CHANNEL, FULL, ONE, ROW_REDUCTIONS, SCALAR, SELF, Step, to_float32
 
 
 def cfloat(value: float) -> str:
@@ -139,18 +138,10 @@ def _float32_reciprocal(value: float) -> float:
     The division runs in double and is rounded once more to float32; for operands that
     are float32 values this is the correctly rounded float32 quotient (53 >= 2 * 24 + 2).
     """
-    divisor = _to_float32(float(value))
+    divisor = to_float32(float(value))
     if divisor == 0.0:
         return math.copysign(math.inf, divisor)
-    return _to_float32(1.0 / divisor)
-
-
-def _to_float32(value: float) -> float:
-    """value rounded to float32 (to nearest, ties to even), overflowing to infinity."""
-    try:
-        return struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:  # finite double that rounds past FLT_MAX
-        return math.copysign(math.inf, value)
+    return to_float32(1.0 / divisor)
 
 
 def _affine_norm(step: Step, ops: Operands) -> str:

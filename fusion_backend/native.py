@@ -195,11 +195,28 @@ def _saves(launcher) -> list[int]:
     return flat
 
 
+def _checks(launcher) -> list[int]:
+    """What every call's inputs are checked against (`ops.check_*`): [dtype code, y's row,
+    anchor operands read by a kernel, (elements a row, whole) each, params, (dtype code,
+    whole, elements a row) each]."""
+    from .ops import anchor_operand_sizes
+
+    spec = launcher.spec
+    anchor = anchor_operand_sizes(spec, launcher.anchor_path)
+    flat = [DTYPE_CODES[spec.dtype], spec.y_row, len(anchor)]
+    for a_row, whole in anchor:
+        flat += [a_row, whole]
+    flat.append(len(spec.param_dtypes))
+    for dtype, (whole, per_row) in zip(spec.param_dtypes, spec.param_sizes()):
+        flat += [DTYPE_CODES[dtype], whole, per_row]
+    return flat
+
+
 def register(launcher, spec: str, device_index: int) -> None:
     """Hands the C++ launcher the plan of `spec` on `device_index`, as `launcher` runs it."""
     torch.ops.fusedepi_native.plan(
         spec, device_index, str(launcher.lib.path), launcher.lib.path.parent.name[:12], _layout(launcher),
-        list(launcher.running_stats), _conv(launcher.spec.anchor), _saves(launcher))
+        list(launcher.running_stats), _conv(launcher.spec.anchor), _saves(launcher), _checks(launcher))
 
 
 def register_rows(spec: str, device_index: int, rows: int, in_kernel: bool) -> None:

@@ -258,7 +258,9 @@ class Launcher:
         return (rows, 1) if self.keepdim else (rows,)
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        check_devices(inputs, self.device_index, self.spec.fusion)
         anchor_operands = list(inputs[: self.n_operands])
+        check_anchor_operands(anchor_operands, self.spec, self.anchor_path)
         params = [_aligned(p) for p in inputs[self.n_operands :]]
         in_kernel = self.gemm and self.in_kernel_gemm(anchor_operands[-2].shape[0])  # x's rows
         library_gemm = self.gemm and not in_kernel
@@ -291,6 +293,9 @@ class Launcher:
             else:
                 out = torch.empty_like(y, memory_format=torch.contiguous_format)
         rows = y.shape[0]
+        if not self.lib.anchor_inside or library_gemm:  # the library's output: what the kernels will read
+            check_anchor_output(y, rows, self.spec)
+        check_params(params, rows, self.spec)
         extras = [torch.empty_like(params[i]) for i in self.running_stats]
         # The anchor output itself (saved after 0 steps) is the library's output, y
         # (converted when the graph saved it widened to float32).
@@ -316,6 +321,67 @@ class Launcher:
             pointers += [t.data_ptr() for t in anchor_operands]
         self.lib.run(pointers, rows, self.device_index, torch._C._cuda_getCurrentRawStream(self.device_index))
         return [out] + extras
+
+
+# Every call's operands are checked before a kernel reads them: a kernel that reads past
+# a tensor, or a CPU pointer, fails with an illegal address, after which the process's
+# CUDA context is lost. The C++ launcher makes the same checks (csrc/launcher.cpp, `check`).
+
+
+def check_devices(inputs: list[torch.Tensor], device_index: int, fusion: str) -> None:
+    """Every input on the CUDA device the chain runs on.
+
+    Raises:
+        RuntimeError: an input elsewhere (on the CPU, or another GPU).
+    """
+    for i, t in enumerate(inputs):
+        if t.device.type != "cuda" or t.device.index != device_index:
+            raise RuntimeError(f"fusedepi::chain ({fusion}): input {i} is on {t.device}, the chain on "
+                               f"cuda:{device_index}")
+
+
+def check_anchor_output(y: torch.Tensor, rows: int, spec: EpilogueSpec) -> None:
+    """The library's anchor output holds `rows` rows of `spec.y_row` elements."""
+    if y.numel() != rows * spec.y_row or y.dtype != getattr(torch, spec.dtype):
+        raise RuntimeError(f"fusedepi::chain ({spec.fusion}): the anchor gave {tuple(y.shape)} {y.dtype}; the "
+                           f"kernels read rows of {spec.y_row} {spec.dtype} elements")
+
+
+def anchor_operand_sizes(spec: EpilogueSpec, path: str) -> list[tuple[int, int]]:
+    """(elements a row, elements whole) of each anchor operand that a kernel reads itself
+    (`path` "direct conv": x, w[, b]; "in-kernel GEMM": [bias,] x, w[N, K]); else none."""
+    if path == "direct conv":
+        c_in, kh, kw, h, w = spec.anchor.direct
+        return [(c_in * h * w, 0), (0, spec.channels * c_in * kh * kw), (0, spec.channels)][: spec.anchor.n_operands]
+    if path == "in-kernel GEMM":
+        k = spec.anchor.gemm[0]
+        return [(0, spec.channels)] * (spec.anchor.n_operands - 2) + [(k, 0), (0, spec.channels * k)]
+    return []
+
+
+def check_anchor_operands(operands: list[torch.Tensor], spec: EpilogueSpec, path: str) -> None:
+    """The anchor's operands, before it runs: the chain's dtype (a padded GEMM's pad kernel
+    reads x too); where a kernel computes the anchor, the sizes it was built for (x: K,
+    or C_in x H x W, per row; the weight and bias whole). Library calls check the rest."""
+    sizes = anchor_operand_sizes(spec, path)
+    rows = next((t.shape[0] for t, (a_row, _) in zip(operands, sizes) if a_row), 0)  # x's
+    for i, t in enumerate(operands):
+        a_row, whole = sizes[i] if sizes else (0, t.numel())
+        if t.dtype != getattr(torch, spec.dtype) or t.numel() != (a_row * rows or whole):
+            raise RuntimeError(f"fusedepi::chain ({spec.fusion}): anchor operand {i} is {tuple(t.shape)} "
+                               f"{t.dtype}; the kernel was built for {a_row or whole} {spec.dtype} elements"
+                               f"{' a row' if a_row else ''}")
+
+
+def check_params(params: list[torch.Tensor], rows: int, spec: EpilogueSpec) -> None:
+    """The chain's tensor operands: their dtypes and sizes (`EpilogueSpec.param_sizes`)."""
+    if len(params) != len(spec.param_dtypes):
+        raise RuntimeError(f"fusedepi::chain ({spec.fusion}): {len(params)} operands after the anchor's, "
+                           f"the spec has {len(spec.param_dtypes)}")
+    for i, (t, dtype, (whole, per_row)) in enumerate(zip(params, spec.param_dtypes, spec.param_sizes())):
+        if t.dtype != getattr(torch, dtype) or t.numel() != (whole or per_row * rows):
+            raise RuntimeError(f"fusedepi::chain ({spec.fusion}): operand {i} is {tuple(t.shape)} {t.dtype}; the "
+                               f"kernel was built for {whole or per_row * rows} {dtype} elements")
 
 
 def forget_loaded() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -18,7 +19,7 @@ from torch.fx import GraphModule
 import cuda_templates
 from lowering import Chain, match_graph
 
-from . import conv_layout, gemm_bias, gemm_padding, native, ops
+from . import conv_layout, gemm_bias, gemm_padding, native, ops, timings
 from .config import Config
 
 log = logging.getLogger("fusedepi")
@@ -50,8 +51,14 @@ class Report:
     records: list = field(default_factory=list)
 
 
-def _replace(graph: torch.fx.Graph, chain: Chain, spec: str) -> None:
-    inputs = list(chain.operands) + list(chain.params)
+def _replace(graph: torch.fx.Graph, chain: Chain, spec: str, renamed: dict) -> None:
+    """Puts one fused op in place of `chain`'s nodes.
+
+    `renamed` maps each node that an earlier replacement took out to the node that now
+    stands for it; it is read for this chain's inputs (one chain's output may be the
+    next chain's anchor input) and extended with this chain's own outputs.
+    """
+    inputs = [renamed.get(n, n) for n in list(chain.operands) + list(chain.params)]
     example = [n.meta["val"] for n in inputs]
     with detect_fake_mode(example):
         vals = ops.reference(example, spec)
@@ -67,11 +74,11 @@ def _replace(graph: torch.fx.Graph, chain: Chain, spec: str) -> None:
         if chain.view is not None:
             result = graph.call_function(aten.view.default, (outs[0], chain.view.args[1]))
             result.meta["val"] = chain.final.meta["val"]
-    chain.final.replace_all_uses_with(result)
-    for node in chain.same_as_result:
-        node.replace_all_uses_with(outs[0])
-    for node, out in zip(chain.extra + chain.saved, outs[1:]):
-        node.replace_all_uses_with(out)
+    stand_ins = [(chain.final, result)] + [(node, outs[0]) for node in chain.same_as_result]
+    stand_ins += list(zip(chain.extra + chain.saved, outs[1:]))
+    for node, new in stand_ins:
+        node.replace_all_uses_with(new)
+        renamed[node] = new
     for node in reversed(chain.nodes):
         graph.erase_node(node)
 
@@ -113,8 +120,35 @@ def _stable_topological_sort(graph: torch.fx.Graph) -> None:
             cursor = top
 
 
+class OperandMismatch(ValueError):
+    """The graph's operands disagree with what the spec says the kernels read."""
+
+
+def _check_operands(chain: Chain) -> None:
+    """The graph's example operands against the sizes and dtypes the launchers will check
+    at every call (`EpilogueSpec.param_sizes`): a chain they would refuse is not fused.
+
+    Raises:
+        OperandMismatch: an operand of another size, dtype or device.
+    """
+    spec = chain.spec
+    anchor_val = chain.anchor.meta["val"]
+    rows = timings.example_shape(anchor_val)
+    rows = rows[0] if rows else None
+    for node, dtype, (whole, per_row) in zip(chain.params, spec.param_dtypes, spec.param_sizes()):
+        val = node.meta["val"]
+        numel = timings.example_shape(val)
+        numel = None if numel is None else math.prod(numel)
+        want = whole or (per_row * rows if rows is not None else None)
+        if val.device != anchor_val.device or str(val.dtype) != f"torch.{dtype}" or (
+                want is not None and numel is not None and numel != want):
+            raise OperandMismatch(f"operand {node.name} ({tuple(val.shape)} {val.dtype} on {val.device}) is not "
+                                  f"the {want} {dtype} elements the kernels would read")
+
+
 def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
     """Compiles the chain's kernel ahead of the first call; returns the kernel name."""
+    _check_operands(chain)
     device = chain.anchor.meta["val"].device
     padded = ""
     if chain.spec.anchor.pad:
@@ -185,7 +219,7 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
             chain.spec = conv_layout.decide(chain, cfg)
             spec = chain.spec.to_json()
             kernel = _prepare(chain, spec, cfg)
-        except cuda_templates.NotRenderable as err:
+        except (cuda_templates.NotRenderable, OperandMismatch) as err:
             report.records.append(Record("refused", chain.anchor.name, names, chain.spec.fusion, reason=str(err)))
             log.info("fusedepi: not fused at %s: %s", chain.anchor.name, err)
             if cfg.strict:
@@ -215,8 +249,9 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
     if fused:
         backup = copy.deepcopy(gm.graph)  # the surgery below is undone as a whole on failure
         try:
+            renamed: dict = {}
             for chain, spec, kernel in fused:
-                _replace(gm.graph, chain, spec)
+                _replace(gm.graph, chain, spec, renamed)
                 log.info("fusedepi: fused %s at %s (%s)", chain.spec.fusion, chain.anchor.name, kernel)
             _stable_topological_sort(gm.graph)
             gm.graph.lint()

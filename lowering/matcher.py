@@ -37,6 +37,7 @@ from .spec import (
     EpilogueSpec,
     Save,
     Step,
+    to_float32,
 )
 from .vocabulary import POINTWISE_FORMS, Refuse
 
@@ -135,6 +136,9 @@ def _add_param(state: _State, node: Node | None) -> int:
         return -1
     if _derived_from_chain(state, node):
         raise Refuse(f"operand {node.name} is computed from the chain's own values")
+    val, chain_val = _val(node), _val(state.node)
+    if isinstance(val, torch.Tensor) and val.device != chain_val.device:
+        raise Refuse(f"operand {node.name} is on {val.device}, the chain on {chain_val.device}")
     state.chain.params.append(node)
     return len(state.chain.params) - 1
 
@@ -461,6 +465,28 @@ def _operand_kind(state: _State, other) -> str:
     return CHANNEL
 
 
+# 0-dim tensors made in `forward` (`torch.tensor(0.5)`) reach the graph as one of these.
+_SCALAR_TENSORS = (aten.full.default, aten.scalar_tensor.default)
+
+
+def _cpu_scalar_constant(state: _State, other):
+    """The number a 0-dim CPU tensor of fixed value holds, where the chain is not on the
+    CPU; else None. A CUDA kernel reads such an operand as eager does, as a number:
+    ATen's CUDA binary kernels read a CPU scalar's value, converted to float32 (the
+    float32 product or sum of the value as its tensor stores it)."""
+    val, chain_val = _val(other), _val(state.node)
+    if not isinstance(val, torch.Tensor) or val.device.type != "cpu" or chain_val.device.type == "cpu":
+        return None
+    if val.dim() != 0 or val.dtype not in (torch.float32, torch.float64) or other.op != "call_function":
+        return None
+    if other.target not in _SCALAR_TENSORS:
+        return None
+    fill = other.args[1 if other.target is aten.full.default else 0]
+    if isinstance(fill, bool) or not isinstance(fill, (int, float)):
+        return None
+    return to_float32(float(fill)) if val.dtype == torch.float32 else float(fill)
+
+
 def _is_contiguous(val: torch.Tensor) -> bool:
     try:
         return bool(val.is_contiguous())
@@ -481,6 +507,9 @@ def _match_binary(state: _State, user: Node):
         return _Match(Step(name, operand=SELF), [user], user)
     reverse = b is state.node
     other = a if reverse else b
+    constant = _cpu_scalar_constant(state, other)
+    if constant is not None:
+        other = constant
     kind = _operand_kind(state, other)
     if kind == SCALAR:
         return _Match(Step(name, consts=(float(other),), operand=SCALAR, reverse=reverse), [user], user)

@@ -9,7 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import struct
 from dataclasses import dataclass
+
+def to_float32(value: float) -> float:
+    """value rounded to float32 (to nearest even), overflowing to infinity. Plain Python:
+    specs are built and rendered under Dynamo's fake mode, where no tensor can be read."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # a finite double beyond float32's range
+        return math.copysign(math.inf, value)
+
 
 # Operand kinds of a binary step (`add`, `sub`, `mul`, `div`).
 SCALAR = "scalar"  # a Python number baked into the kernel
@@ -198,6 +209,26 @@ class EpilogueSpec:
         """Elements between two rows of the anchor output as the kernels read it: the
         padded N of a padded library GEMM, else channels * inner."""
         return self.anchor.pad[1] if self.anchor.pad else self.channels * self.inner
+
+    def param_sizes(self) -> tuple:
+        """(elements, elements a row) of each tensor input after the anchor operands, as
+        the kernels read it: a per-channel operand or a norm's weight, bias and running
+        statistics hold `channels` elements, a single-element operand one, a full
+        operand (a residual) a row's worth for every row of the anchor output: the
+        launchers check every call's inputs against these before any kernel reads them."""
+        sizes = [(0, 0)] * len(self.param_dtypes)
+        reduced = False
+        for step in self.steps:
+            if step.operand:
+                if step.operand in (CHANNEL, ONE, FULL):
+                    per_row = 1 if reduced else self.channels * self.inner
+                    sizes[step.inputs[0]] = {CHANNEL: (self.channels, 0), ONE: (1, 0), FULL: (0, per_row)}[step.operand]
+            else:
+                for index in step.inputs:
+                    if index >= 0:
+                        sizes[index] = (self.channels, 0)
+            reduced = reduced or step.name in ROW_REDUCTIONS
+        return tuple(sizes)
 
     @property
     def row_output(self) -> bool:

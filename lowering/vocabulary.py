@@ -78,6 +78,20 @@ def _binary(fn):
     return ref
 
 
+def _extremum(fn):
+    """torch.maximum / torch.minimum, whose operand is always a tensor: a number (a 0-dim
+    CPU tensor the matcher read, `matcher._cpu_scalar_constant`) becomes a 0-dim tensor
+    of x's dtype, as ATen's kernel reads the scalar in x's dtype."""
+
+    def ref(x, step, params):
+        other = _operand(x, step, params)
+        if not isinstance(other, torch.Tensor):
+            other = torch.full((), other, dtype=x.dtype, device=x.device)
+        return fn(other, x) if step.reverse else fn(x, other)
+
+    return ref
+
+
 def _batchnorm_train(x, step, params):
     w, b, rm, rv = (_param(params, i) for i in step.inputs)
     momentum, eps = step.consts
@@ -221,8 +235,8 @@ VOCABULARY: dict[str, StepKind] = {
         StepKind("sub", _binary(torch.sub)),
         StepKind("mul", _binary(torch.mul)),
         StepKind("div", _binary(torch.div)),
-        StepKind("maximum", _binary(torch.maximum)),
-        StepKind("minimum", _binary(torch.minimum)),
+        StepKind("maximum", _extremum(torch.maximum)),
+        StepKind("minimum", _extremum(torch.minimum)),
         # ---------------------------------------------------------- normalizations
         StepKind(
             "groupnorm",

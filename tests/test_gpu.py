@@ -23,6 +23,8 @@ from benchmarks.workloads import (
 from fusion_backend import fusedepi
 from fusion_backend.backend import collect_reports
 from helpers import Chain, LinearLogSoftmax
+from lowering import EpilogueSpec
+from lowering.spec import ONE, Anchor, Step
 
 pytestmark = pytest.mark.gpu
 
@@ -187,6 +189,45 @@ def test_divisions_match_eager(dtype, exact_float32):
         assert not mismatch.any(), f"{int(mismatch.sum())} of {out.numel()} differ (seed {exact_float32})"
     err = relative_error(out.double(), ref)
     assert err <= TOLERANCE[dtype], f"{err:.3g} (seed {exact_float32})"
+
+
+class _MinWithCpuScalar(nn.Module):
+    """A 0-dim CPU tensor made in forward as a step's operand (a crash once: the kernel
+    read its CPU pointer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(16, 32, 3)
+        self.bias = nn.Parameter(torch.randn(32, 1, 1))
+
+    def forward(self, x):
+        x = torch.min(self.conv(x), torch.tensor(0.5))
+        return (x + self.bias) * 2.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_cpu_scalar_tensor_operand_is_a_number(dtype, exact_float32):
+    model = _MinWithCpuScalar().cuda().to(dtype)
+    x = torch.randn(4, 16, 20, 20, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        out, fused = compile_and_run(model, x)
+        ref, _ = float64_reference(model, x)
+    assert fused == ["conv_pointwise"]
+    err = relative_error(out.double(), ref)
+    assert err <= TOLERANCE[dtype], f"{err:.3g} (seed {exact_float32})"
+
+
+def test_a_call_with_an_operand_on_the_cpu_raises_and_the_gpu_stays_usable():
+    """The launchers check every operand before any kernel runs: a wrong one raises a
+    clear error, and the CUDA context is still good afterwards."""
+    spec = EpilogueSpec(Anchor("addmm"), (Step("mul", inputs=(0,), operand=ONE),), "float32", ("float32",), 64, 1,
+                        "linear_pointwise").to_json()
+    b, x, wt = torch.zeros(64, device="cuda"), torch.randn(8, 32, device="cuda"), torch.randn(32, 64, device="cuda")
+    for bad in (torch.tensor(2.0), torch.ones(2, device="cuda")):
+        with pytest.raises(RuntimeError, match="operand 0 is|input 3 is on cpu"):
+            torch.ops.fusedepi.chain([b, x, wt, bad], spec)
+    (out,) = torch.ops.fusedepi.chain([b, x, wt, torch.tensor(2.0, device="cuda")], spec)
+    torch.testing.assert_close(out, (x @ wt) * 2.0)
 
 
 class _GroupNormTanh(nn.Module):

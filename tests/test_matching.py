@@ -400,6 +400,34 @@ def test_chains_that_would_wait_for_each_other_are_not_both_fused():
         torch.testing.assert_close(got, want)
 
 
+class ChainIntoChain(nn.Module):
+    """A chain whose result is the next chain's anchor input (and, with `saved`, is
+    also used after it): Linear -> sigmoid -> Linear -> logsumexp."""
+
+    def __init__(self, saved=False):
+        super().__init__()
+        self.saved = saved
+        self.first, self.second = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        hidden = torch.sigmoid(self.first(x))
+        out = torch.logsumexp(self.second(hidden), dim=1)
+        return (out, hidden.sum(dim=0)) if self.saved else out
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("saved", [False, True], ids=["result", "result_used_again"])
+def test_a_chain_whose_anchor_input_is_another_chains_result(saved, grad):
+    torch.manual_seed(0)
+    model = ChainIntoChain(saved)
+    x = torch.randn(6, 16)
+    out, fused, refused = compile_records(model, x, grad=grad)
+    assert sorted(r.fusion for r in fused) == ["linear_logsumexp", "linear_pointwise"], refused
+    assert not any("rewrite failed" in r.reason for r in refused)
+    for got, want in zip(out if saved else [out], model(x) if saved else [model(x)]):
+        torch.testing.assert_close(got, want)
+
+
 def test_result_before_a_trailing_view_is_not_saved_twice():
     model = Chain(lambda y: torch.relu(y).view(-1, 2, 32), k=16, n=64)
     x = torch.randn(8, 16)

@@ -99,6 +99,16 @@ struct Plan {
   bool transposed = false;
   int64_t groups = 1;
 
+  // What every call's inputs must be before a kernel reads them (native._checks).
+  at::ScalarType dtype = at::kFloat;
+  int64_t y_row = 0;  // elements of a row of the anchor output as the kernels read it
+  std::vector<std::pair<int64_t, int64_t>> anchor_sizes;  // (a row, whole) of operands kernels read
+  struct Param {
+    at::ScalarType dtype;
+    int64_t whole, per_row;  // elements: `whole`, or `per_row` a row of the anchor output
+  };
+  std::vector<Param> params;
+
   std::vector<int64_t> running_stats;  // BatchNorm (training): indices into the params
   std::vector<Save> saves;
   std::unordered_map<int64_t, bool> in_kernel_rows;  // kGemm with gemm_auto: Python's answers
@@ -140,9 +150,10 @@ T symbol(void* handle, const char* name, const std::string& library) {
 // conv: empty, or [nd, stride x nd, padding x nd, dilation x nd, transposed,
 //       output_padding x nd, groups]
 // saves: per save [anchor_value, dtype code, per_row, ndim, dims x ndim].
+// checks: [dtype code, y_row, n, (a row, whole) x n, m, (dtype code, whole, per_row) x m].
 void set_plan(std::string_view spec, int64_t device, std::string_view library, std::string_view name,
               at::IntArrayRef layout, at::IntArrayRef running_stats, at::IntArrayRef conv,
-              at::IntArrayRef saves) {
+              at::IntArrayRef saves, at::IntArrayRef checks) {
   TORCH_CHECK(layout.size() == 14, "fusedepi_native.plan: layout has ", layout.size(), " entries, not 14");
   auto plan = std::make_shared<Plan>();
   plan->spec = std::string(spec);
@@ -209,6 +220,21 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
     save.shape.assign(saves.begin() + at + 4, saves.begin() + at + 4 + ndim);
     plan->saves.push_back(std::move(save));
     at += 4 + ndim;
+  }
+
+  TORCH_CHECK(checks.size() >= 4, "fusedepi_native.plan: checks are cut short");
+  plan->dtype = dtype_of(checks[0]);
+  plan->y_row = checks[1];
+  size_t at = 3;
+  for (int64_t i = 0; i < checks[2]; ++i, at += 2) {
+    TORCH_CHECK(at + 2 <= checks.size(), "fusedepi_native.plan: checks are cut short");
+    plan->anchor_sizes.emplace_back(checks[at], checks[at + 1]);
+  }
+  TORCH_CHECK(at < checks.size(), "fusedepi_native.plan: checks are cut short");
+  const int64_t n_params = checks[at++];
+  for (int64_t i = 0; i < n_params; ++i, at += 3) {
+    TORCH_CHECK(at + 3 <= checks.size(), "fusedepi_native.plan: checks are cut short");
+    plan->params.push_back({dtype_of(checks[at]), checks[at + 1], checks[at + 2]});
   }
 
   std::unique_lock lock(plans_mutex);
@@ -311,11 +337,55 @@ at::Tensor run_anchor(const Plan& plan, const std::vector<at::Tensor>& operands)
                          plan.transposed, plan.output_padding, plan.groups);
 }
 
+// Every input on the plan's GPU; the operands kernels read with the dtype and size they
+// were built for (fusion_backend/ops.py, check_*: the same checks, the same messages).
+void check_devices(const Plan& plan, at::TensorList inputs) {
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    TORCH_CHECK(inputs[i].is_cuda() && inputs[i].device().index() == plan.device, "fusedepi::chain (", plan.name,
+                "): input ", i, " is on ", inputs[i].device(), ", the chain on cuda:", plan.device);
+  }
+}
+
+void check_anchor_operands(const Plan& plan, const std::vector<at::Tensor>& operands) {
+  int64_t rows = 0;
+  for (size_t i = 0; i < plan.anchor_sizes.size(); ++i)
+    if (plan.anchor_sizes[i].first) rows = operands[i].size(0);
+  for (size_t i = 0; i < operands.size(); ++i) {
+    const auto [a_row, whole] =
+        plan.anchor_sizes.empty() ? std::pair<int64_t, int64_t>{0, operands[i].numel()} : plan.anchor_sizes[i];
+    const int64_t want = a_row ? a_row * rows : whole;
+    TORCH_CHECK(operands[i].scalar_type() == plan.dtype && operands[i].numel() == want, "fusedepi::chain (",
+                plan.name, "): anchor operand ", i, " is ", operands[i].sizes(), " ", operands[i].scalar_type(),
+                "; the kernel was built for ", a_row ? a_row : whole, " ", plan.dtype, " elements",
+                a_row ? " a row" : "");
+  }
+}
+
+void check_anchor_output(const Plan& plan, const at::Tensor& y, int64_t rows) {
+  TORCH_CHECK(y.numel() == rows * plan.y_row && y.scalar_type() == plan.dtype, "fusedepi::chain (", plan.name,
+              "): the anchor gave ", y.sizes(), " ", y.scalar_type(), "; the kernels read rows of ", plan.y_row, " ",
+              plan.dtype, " elements");
+}
+
+void check_params(const Plan& plan, const std::vector<at::Tensor>& params, int64_t rows) {
+  TORCH_CHECK(params.size() == plan.params.size(), "fusedepi::chain (", plan.name, "): ", params.size(),
+              " operands after the anchor's, the spec has ", plan.params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Plan::Param& want = plan.params[i];
+    const int64_t numel = want.whole ? want.whole : want.per_row * rows;
+    TORCH_CHECK(params[i].scalar_type() == want.dtype && params[i].numel() == numel, "fusedepi::chain (",
+                plan.name, "): operand ", i, " is ", params[i].sizes(), " ", params[i].scalar_type(),
+                "; the kernel was built for ", numel, " ", want.dtype, " elements");
+  }
+}
+
 std::vector<at::Tensor> launch(const Plan& plan, at::TensorList inputs, bool in_kernel) {
   const int64_t n = plan.n_operands;
   TORCH_CHECK(static_cast<int64_t>(inputs.size()) >= n, "fusedepi::chain: ", inputs.size(),
               " inputs for an anchor of ", n, " operands");
+  check_devices(plan, inputs);
   std::vector<at::Tensor> operands(inputs.begin(), inputs.begin() + n);
+  check_anchor_operands(plan, operands);
   std::vector<at::Tensor> params;
   params.reserve(inputs.size() - n);
   for (size_t i = n; i < inputs.size(); ++i) params.push_back(aligned(inputs[i]));
@@ -348,6 +418,8 @@ std::vector<at::Tensor> launch(const Plan& plan, at::TensorList inputs, bool in_
     }
   }
   const int64_t rows = y.size(0);
+  if (plan.path == Path::kLibraryAnchor || library_gemm) check_anchor_output(plan, y, rows);
+  check_params(plan, params, rows);
 
   std::vector<at::Tensor> result;
   result.reserve(1 + plan.running_stats.size() + plan.saves.size());
@@ -434,12 +506,13 @@ void install() {
 TORCH_LIBRARY(fusedepi_native, m) {
   m.def(
       "plan(str spec, int device, str library, str name, int[] layout, int[] running_stats, int[] conv, "
-      "int[] saves) -> ()",
+      "int[] saves, int[] checks) -> ()",
       [](c10::string_view spec, int64_t device, c10::string_view library, c10::string_view name,
-         at::IntArrayRef layout, at::IntArrayRef running_stats, at::IntArrayRef conv, at::IntArrayRef saves) {
+         at::IntArrayRef layout, at::IntArrayRef running_stats, at::IntArrayRef conv, at::IntArrayRef saves,
+         at::IntArrayRef checks) {
         set_plan(std::string_view(spec.data(), spec.size()), device,
                  std::string_view(library.data(), library.size()), std::string_view(name.data(), name.size()),
-                 layout, running_stats, conv, saves);
+                 layout, running_stats, conv, saves, checks);
       });
   m.def("plan_rows(str spec, int device, int rows, bool in_kernel) -> ()",
         [](c10::string_view spec, int64_t device, int64_t rows, bool in_kernel) {

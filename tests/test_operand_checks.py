@@ -1,0 +1,147 @@
+"""GPU-free: no kernel reads an operand it has not checked.
+
+Graphs of CUDA tensors are traced with fake tensors (no GPU needed) and matched; the
+launchers' per-call checks are plain torch and run on CPU tensors here.
+"""
+
+import struct
+
+import pytest
+import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fusion_backend import ops
+from lowering import match_graph
+from lowering.spec import CHANNEL, FULL, ONE, SCALAR, Anchor, EpilogueSpec, Step
+
+aten = torch.ops.aten
+
+
+def _cuda_graph(fn, *shapes, cpu_inputs=()):
+    """fn traced on fake CUDA tensors of `shapes` (and fake CPU tensors of `cpu_inputs`)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        inputs = [torch.empty(s, device="cuda") for s in shapes] + [torch.empty(s) for s in cpu_inputs]
+        return make_fx(fn)(*inputs).graph
+
+
+def _conv(x, w):
+    return aten.convolution.default(x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+
+
+def _float32(value):
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+@pytest.mark.parametrize("dtype, value, baked", [
+    (torch.float32, 0.5, 0.5),
+    (torch.float32, 0.1, _float32(0.1)),  # the tensor stores float32(0.1)
+    (torch.float64, 0.1, 0.1),  # ATen's kernel converts the double to float32, as the kernel's literal does
+])
+def test_a_cpu_zero_dim_constant_on_a_cuda_chain_is_a_number(dtype, value, baked):
+    """`torch.min(conv(x), torch.tensor(0.5))` made an illegal memory access when the
+    CPU tensor reached the kernel as a one-element operand."""
+
+    def f(x, w, b):
+        y = aten.minimum.default(_conv(x, w), aten.full.default([], value, dtype=dtype, device="cpu"))
+        return (y + b) * 2.0
+
+    chains, refusals = match_graph(_cuda_graph(f, (2, 4, 10, 10), (8, 4, 3, 3), (8, 1, 1)))
+    assert not refusals and len(chains) == 1
+    minimum, add, mul = chains[0].spec.steps
+    assert (minimum.name, minimum.operand, minimum.consts) == ("minimum", SCALAR, (baked,))
+    assert (add.operand, mul.consts) == (CHANNEL, (2.0,))
+    assert all(p.meta["val"].device.type == "cuda" for p in chains[0].params)
+    # The fused op's reference (its fake implementation while the graph is rewritten) takes the number.
+    example = [n.meta["val"] for n in chains[0].operands + chains[0].params]
+    with detect_fake_mode(example):
+        (out,) = ops.reference(example, chains[0].spec.to_json())
+    assert out.shape == (2, 8, 8, 8) and out.device.type == "cuda"
+
+
+def test_the_reference_reads_a_scalar_extremum_as_eager_does():
+    x = torch.tensor([0.25, 0.75, -1.0])
+    for name, fn in (("minimum", torch.minimum), ("maximum", torch.maximum)):
+        spec = EpilogueSpec(Anchor("mm"), (Step(name, consts=(0.5,), operand=SCALAR),), "float32", (), 3, 1,
+                            "linear_pointwise")
+        (out,) = ops.reference([x[None], torch.eye(3)], spec.to_json())
+        torch.testing.assert_close(out[0], fn(x, torch.tensor(0.5)))
+
+
+def test_a_cpu_tensor_operand_on_a_cuda_chain_is_refused_with_the_reason():
+    def f(x, w, s):  # s: a 0-dim CPU tensor the graph receives (no value known while compiling)
+        return torch.relu(_conv(x, w)) * s
+
+    chains, _ = match_graph(_cuda_graph(f, (2, 4, 10, 10), (8, 4, 3, 3), cpu_inputs=[()]))
+    assert len(chains) == 1 and [s.name for s in chains[0].spec.steps] == ["relu"]
+    assert "is on cpu, the chain on cuda" in chains[0].stop
+
+
+# A linear chain with one operand of each kind: bias [N] (channel), scale [] (one), a
+# residual [M, N] (full), a LayerNorm's weight and bias [N], and a full operand [M] after
+# a row reduction.
+_SPEC = EpilogueSpec(
+    Anchor("addmm"),
+    (Step("add", inputs=(0,), operand=CHANNEL), Step("mul", inputs=(1,), operand=ONE),
+     Step("add", inputs=(2,), operand=FULL), Step("layernorm", consts=(1e-5,), inputs=(3, 4)),
+     Step("logsumexp"), Step("sub", inputs=(5,), operand=FULL)),
+    "float32", ("float32",) * 6, 16, 1, "linear_layernorm",
+)
+
+
+def _params(rows):
+    return [torch.zeros(16), torch.zeros(()), torch.zeros(rows, 16), torch.ones(16), torch.zeros(16),
+            torch.zeros(rows)]
+
+
+def test_param_sizes_name_every_operand():
+    assert _SPEC.param_sizes() == ((16, 0), (1, 0), (0, 16), (16, 0), (16, 0), (0, 1))
+
+
+def test_the_launcher_checks_pass_operands_of_the_graphs_sizes():
+    ops.check_params(_params(5), 5, _SPEC)
+    ops.check_anchor_operands([torch.zeros(16), torch.zeros(5, 8), torch.zeros(8, 16)], _SPEC, "library anchor")
+    ops.check_anchor_output(torch.zeros(5, 16), 5, _SPEC)
+
+
+@pytest.mark.parametrize("index, bad", [
+    (0, torch.zeros(15)),  # a per-channel operand one short
+    (1, torch.zeros(2)),  # "one element" of two
+    (2, torch.zeros(4, 16)),  # a residual of other rows
+    (3, torch.ones(16, dtype=torch.float64)),  # another dtype
+    (5, torch.zeros(6)),  # after the reduction: one a row
+])
+def test_the_launcher_refuses_an_operand_of_another_size_or_dtype(index, bad):
+    params = _params(5)
+    params[index] = bad
+    with pytest.raises(RuntimeError, match=f"operand {index} is"):
+        ops.check_params(params, 5, _SPEC)
+
+
+def test_the_launcher_refuses_inputs_off_the_chains_gpu_and_wrong_anchor_outputs():
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        on_gpu = [torch.empty(1, device="cuda:0"), torch.empty(1, device="cuda:1")]
+    ops.check_devices(on_gpu[:1], 0, "linear_layernorm")
+    with pytest.raises(RuntimeError, match="input 1 is on cpu, the chain on cuda:0"):
+        ops.check_devices([on_gpu[0], torch.zeros(1)], 0, "linear_layernorm")
+    with pytest.raises(RuntimeError, match="input 1 is on cuda:1, the chain on cuda:0"):
+        ops.check_devices(on_gpu, 0, "linear_layernorm")
+    with pytest.raises(RuntimeError, match="the anchor gave"):
+        ops.check_anchor_output(torch.zeros(5, 15), 5, _SPEC)
+    with pytest.raises(RuntimeError, match="anchor operand 1 is"):
+        ops.check_anchor_operands([torch.zeros(16), torch.zeros(5, 8, dtype=torch.bfloat16), torch.zeros(8, 16)],
+                                  _SPEC, "library anchor")
+
+
+def test_in_kernel_anchors_check_the_sizes_they_were_built_for():
+    spec = EpilogueSpec(Anchor("addmm", gemm=(8, 0)), (Step("relu"),), "float32", (), 16, 1, "linear_pointwise")
+    ops.check_anchor_operands([torch.zeros(16), torch.zeros(5, 8), torch.zeros(8, 16)], spec, "in-kernel GEMM")
+    with pytest.raises(RuntimeError, match="anchor operand 1 is"):
+        ops.check_anchor_operands([torch.zeros(16), torch.zeros(5, 9), torch.zeros(9, 16)], spec, "in-kernel GEMM")
+    conv = EpilogueSpec(Anchor("conv", conv=((1, 1), (0, 0), (1, 1), False, (0, 0), 1), direct=(4, 3, 3, 10, 10)),
+                        (Step("relu"),), "float32", (), 8, 64, "conv_pointwise")
+    ops.check_anchor_operands([torch.zeros(2, 4, 10, 10), torch.zeros(8, 4, 3, 3)], conv, "direct conv")
+    with pytest.raises(RuntimeError, match="anchor operand 0 is"):
+        ops.check_anchor_operands([torch.zeros(2, 4, 10, 11), torch.zeros(8, 4, 3, 3)], conv, "direct conv")
