@@ -51,6 +51,11 @@ class Config:
             operands (FUSEDEPI_CONV_CHANNELS_LAST): "auto" (the default: where timing both
             forms at compile time says channels-last is faster), "on" (every candidate)
             or "off".
+        autotune: whether a matched chain is fused only where it is measured faster
+            than Inductor's compile of the same subgraph (FUSEDEPI_AUTOTUNE,
+            `fusion_backend.choice`): "auto" (the default: chains on a GPU are timed),
+            "on" (CPU chains under FUSEDEPI_CPU_REFERENCE too, to test the mechanism)
+            or "off" (every matched chain is fused, untimed).
     """
 
     disabled: frozenset
@@ -64,6 +69,7 @@ class Config:
     pad_gemm: str = "auto"
     conv_channels_last: str = "auto"
     fold_gemm_bias: str = "auto"
+    autotune: str = "auto"
 
 
 def _default_cache_dir(env) -> Path:
@@ -77,8 +83,8 @@ def load_config(environ=None) -> Config:
     Raises:
         ValueError: FUSEDEPI_DISABLE names something that is neither a fusion
             nor a step, FUSEDEPI_LOG_LEVEL is not a logging level, or
-            FUSEDEPI_IN_KERNEL_GEMM, FUSEDEPI_PAD_GEMM, FUSEDEPI_CONV_CHANNELS_LAST or
-            FUSEDEPI_FOLD_GEMM_BIAS is none of auto, 1, 0, or
+            FUSEDEPI_IN_KERNEL_GEMM, FUSEDEPI_PAD_GEMM, FUSEDEPI_CONV_CHANNELS_LAST,
+            FUSEDEPI_FOLD_GEMM_BIAS or FUSEDEPI_AUTOTUNE is none of auto, 1, 0, or
             FUSEDEPI_NATIVE_LAUNCHER is neither 1 nor 0.
     """
     env = os.environ if environ is None else environ
@@ -105,6 +111,7 @@ def load_config(environ=None) -> Config:
         pad_gemm=_tristate("FUSEDEPI_PAD_GEMM", env.get("FUSEDEPI_PAD_GEMM", "")),
         conv_channels_last=_tristate("FUSEDEPI_CONV_CHANNELS_LAST", env.get("FUSEDEPI_CONV_CHANNELS_LAST", "")),
         fold_gemm_bias=_tristate("FUSEDEPI_FOLD_GEMM_BIAS", env.get("FUSEDEPI_FOLD_GEMM_BIAS", "")),
+        autotune=_tristate("FUSEDEPI_AUTOTUNE", env.get("FUSEDEPI_AUTOTUNE", "")),
     )
 
 

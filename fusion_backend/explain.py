@@ -26,8 +26,8 @@ class ExplainReport:
         from tabulate import tabulate
 
         fused = tabulate(
-            [(r.anchor, r.fusion, r.kernel, " ".join(r.nodes), r.stop) for r in self.fused],
-            headers=["anchor", "fusion", "kernel", "nodes", "chain ends because"],
+            [(r.anchor, r.fusion, r.kernel, " ".join(r.nodes), r.stop, r.measured) for r in self.fused],
+            headers=["anchor", "fusion", "kernel", "nodes", "chain ends because", "measured"],
         )
         refused = tabulate(
             [(r.anchor, " ".join(r.nodes), r.reason) for r in self.refused],

@@ -19,7 +19,7 @@ from torch.fx import GraphModule
 import cuda_templates
 from lowering import Chain, match_graph
 
-from . import conv_layout, gemm_bias, gemm_padding, native, ops, timings
+from . import choice, conv_layout, gemm_bias, gemm_padding, native, ops, timings
 from .config import Config
 
 log = logging.getLogger("fusedepi")
@@ -42,6 +42,7 @@ class Record:
     reason: str = ""
     stop: str = ""
     spec: str = ""
+    measured: str = ""  # the measured choice: both forms' times (`choice.Choice.describe`)
 
 
 @dataclass
@@ -240,8 +241,16 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
                 Record("refused", chain.anchor.name, names, chain.spec.fusion, reason=f"kernel build failed: {first}")
             )
             continue
+        measured = choice.decide(chain, spec, cfg)
+        if not measured.fuse:
+            reason = f"Inductor is faster here: {measured.describe()}"
+            log.info("fusedepi: not fused at %s: %s", chain.anchor.name, reason)
+            report.records.append(Record("refused", chain.anchor.name, names, chain.spec.fusion, reason=reason,
+                                         measured=measured.describe()))
+            continue
         report.records.append(
-            Record("fused", chain.anchor.name, names, chain.spec.fusion, kernel=kernel, stop=chain.stop, spec=spec)
+            Record("fused", chain.anchor.name, names, chain.spec.fusion, kernel=kernel, stop=chain.stop, spec=spec,
+                   measured=measured.describe())
         )
         fused.append((chain, spec, kernel))
     if cfg.native_launcher and any(chain.anchor.meta["val"].device.type == "cuda" for chain, _, _ in fused):

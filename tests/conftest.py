@@ -18,6 +18,13 @@ def count_builds(monkeypatch):
     return calls
 
 
+@pytest.fixture(autouse=True)
+def untimed_chains(monkeypatch):
+    """Every matched chain is fused, untimed (FUSEDEPI_AUTOTUNE=off): the tests check the
+    kernels and the rewrite; tests/test_choice.py checks the measured choice itself."""
+    monkeypatch.setenv("FUSEDEPI_AUTOTUNE", "off")
+
+
 @pytest.fixture
 def cpu_reference(monkeypatch):
     """Lets the backend fuse CPU graphs (the fused op then runs its torch reference)."""

@@ -1,0 +1,362 @@
+"""The model zoo: models of the kind users write (a matmul or convolution followed by a
+chain), fusedepi against Inductor, each as a user runs it.
+
+Every model is built fresh (training mode), run under `torch.no_grad()`, at float32 with
+torch's default precision settings (cuDNN may use TF32; matmuls are "highest") and at
+bf16. Per model it prints Inductor's ms, fusedepi's ms, their ratio (Inductor / fusedepi:
+above 1 is faster), what fused and what the measured choice found; then a summary.
+
+    python -m benchmarks.zoo --list                 # one model name per line
+    python -m benchmarks.zoo --quick                # 8 models, float32 and bf16
+    python -m benchmarks.zoo --models conv2d_bn_relu linear_ln_relu --dtypes bfloat16
+    python -m benchmarks.zoo --warm 12 --json zoo.json   # build kernels in 12 processes first
+
+`--warm N` first compiles every selected model with both backends in N processes
+(FUSEDEPI_AUTOTUNE=off there: nothing is timed), so that the timed pass finds nvcc's
+and Inductor's caches warm; the timed pass runs one model at a time on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+DTYPES = ("float32", "bfloat16")
+
+
+class Seq(nn.Module):
+    """An anchor module followed by `tail(y, self)`; extra parameters by name."""
+
+    def __init__(self, anchor: nn.Module, tail: Callable, **extra):
+        super().__init__()
+        self.anchor, self.tail = anchor, tail
+        for name, value in extra.items():
+            setattr(self, name, value)
+
+    def forward(self, x):
+        return self.tail(self.anchor(x), self)
+
+
+def _p(*shape):
+    return nn.Parameter(torch.randn(*shape) * 0.1 + 1.0)
+
+
+def _hardswish_spelled(y):
+    return y * torch.clamp((y + 3) / 6, 0, 1)
+
+
+class ResidualLinearNorm(nn.Module):
+    """x + Linear(x) -> LayerNorm (a transformer block's tail)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.linear, self.norm = nn.Linear(d, d), nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.norm(x + self.linear(x))
+
+
+class TwoLinears(nn.Module):
+    """Linear -> sigmoid -> Linear -> logsumexp: one chain's result is the next one's input."""
+
+    def __init__(self, k, hidden, n):
+        super().__init__()
+        self.a, self.b = nn.Linear(k, hidden), nn.Linear(hidden, n)
+
+    def forward(self, x):
+        return torch.logsumexp(self.b(torch.sigmoid(self.a(x))), dim=1)
+
+
+class ScoresSoftmax(nn.Module):
+    """Attention scores: bmm(q, k^T) * scale -> softmax."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.q, self.scale = nn.Linear(d, d), d ** -0.5
+
+    def forward(self, x):
+        q = self.q(x)
+        return torch.softmax(torch.bmm(q, x.transpose(1, 2)) * self.scale, dim=-1)
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    name: str
+    make: Callable[[], nn.Module]
+    shape: tuple  # the input's shape
+
+
+def _conv(cin, cout, k=3, **kw):
+    return nn.Conv2d(cin, cout, k, **kw)
+
+
+MODELS = [
+    # 2-D convolutions, few channels on large images
+    ZooModel("conv2d_relu", lambda: Seq(_conv(3, 16, padding=1), lambda y, m: F.relu(y)), (32, 3, 256, 256)),
+    ZooModel("conv2d_bn_relu", lambda: Seq(_conv(16, 32, padding=1), lambda y, m: F.relu(m.bn(y)), bn=nn.BatchNorm2d(32)),
+             (32, 16, 128, 128)),
+    ZooModel("conv2d_gn_silu", lambda: Seq(_conv(32, 64, padding=1), lambda y, m: F.silu(m.gn(y)),
+                                           gn=nn.GroupNorm(8, 64)), (16, 32, 64, 64)),
+    ZooModel("conv2d_bias_scale_sigmoid_gn", lambda: Seq(
+        _conv(8, 32), lambda y, m: m.gn(torch.sigmoid((y + m.b) * m.s)), b=_p(32, 1, 1), s=_p(32, 1, 1),
+        gn=nn.GroupNorm(8, 32)), (32, 8, 128, 128)),
+    ZooModel("conv2d_relu_bias", lambda: Seq(_conv(64, 128), lambda y, m: F.relu(y) + m.b, b=_p(128, 1, 1)),
+             (32, 64, 64, 64)),
+    ZooModel("conv2d_relu_hardswish_spelled", lambda: Seq(_conv(8, 64), lambda y, m: _hardswish_spelled(F.relu(y))),
+             (32, 8, 128, 128)),
+    ZooModel("conv2d_mish_spelled_bn", lambda: Seq(
+        _conv(16, 32), lambda y, m: m.bn(y * torch.tanh(F.softplus(y))), bn=nn.BatchNorm2d(32)), (32, 16, 96, 96)),
+    ZooModel("conv2d_instancenorm_leaky", lambda: Seq(
+        _conv(16, 32), lambda y, m: F.leaky_relu(m.norm(y), 0.2), norm=nn.InstanceNorm2d(32)), (32, 16, 96, 96)),
+    ZooModel("conv2d_stride2_bn_relu6", lambda: Seq(
+        _conv(32, 64, stride=2, padding=1), lambda y, m: F.relu6(m.bn(y)), bn=nn.BatchNorm2d(64)), (32, 32, 128, 128)),
+    ZooModel("conv2d_1x1_bn_silu", lambda: Seq(_conv(64, 128, 1), lambda y, m: F.silu(m.bn(y)), bn=nn.BatchNorm2d(128)),
+             (32, 64, 56, 56)),
+    ZooModel("conv2d_dilated_gelu", lambda: Seq(_conv(16, 16, dilation=2, padding=2), lambda y, m: F.gelu(y)),
+             (32, 16, 128, 128)),
+    ZooModel("conv2d_depthwise_bn_relu", lambda: Seq(
+        _conv(64, 64, groups=64, padding=1), lambda y, m: F.relu(m.bn(y)), bn=nn.BatchNorm2d(64)), (32, 64, 64, 64)),
+    ZooModel("conv2d_gn_gelu_global_mean", lambda: Seq(
+        _conv(16, 64), lambda y, m: F.gelu(m.gn(y)).mean(dim=(2, 3)), gn=nn.GroupNorm(16, 64)), (32, 16, 64, 64)),
+    ZooModel("conv2d_relu_maxpool", lambda: Seq(_conv(16, 32, padding=1), lambda y, m: F.max_pool2d(F.relu(y), 2)),
+             (32, 16, 128, 128)),
+    ZooModel("conv2d_tanh_avgpool", lambda: Seq(_conv(16, 32, padding=1), lambda y, m: F.avg_pool2d(torch.tanh(y), 2)),
+             (32, 16, 128, 128)),
+    ZooModel("conv2d_softmax_channels", lambda: Seq(_conv(16, 32), lambda y, m: torch.softmax(y, dim=1)),
+             (32, 16, 96, 96)),
+    ZooModel("conv2d_min_channels_tanh", lambda: Seq(
+        _conv(16, 32), lambda y, m: torch.tanh(torch.min(y, dim=1, keepdim=True).values)), (32, 16, 96, 96)),
+    ZooModel("conv2d_min_cpu_scalar_bias", lambda: Seq(
+        _conv(64, 128), lambda y, m: (torch.min(y, torch.tensor(0.5)) + m.b) * 2.0, b=_p(128, 1, 1)),
+        (16, 64, 64, 64)),
+    ZooModel("conv2d_residual_relu", lambda: Seq(_conv(32, 32, padding=1), lambda y, m: F.relu(y + m.scale * y),
+                                                 scale=_p(32, 1, 1)), (32, 32, 96, 96)),
+    ZooModel("conv2d_hardtanh_sub_tanh", lambda: Seq(
+        _conv(8, 32), lambda y, m: torch.tanh(F.hardtanh(y, -1, 1) - 0.5)), (64, 8, 128, 128)),
+    # 3-D, 1-D and transposed convolutions
+    ZooModel("conv3d_bn_relu", lambda: Seq(nn.Conv3d(4, 16, 3, padding=1), lambda y, m: F.relu(m.bn(y)),
+                                           bn=nn.BatchNorm3d(16)), (8, 4, 32, 64, 64)),
+    ZooModel("conv3d_gn_silu", lambda: Seq(nn.Conv3d(8, 16, 3), lambda y, m: F.silu(m.gn(y)), gn=nn.GroupNorm(4, 16)),
+             (4, 8, 18, 66, 66)),
+    ZooModel("conv3d_scale_sigmoid_bias", lambda: Seq(
+        nn.Conv3d(3, 16, 3), lambda y, m: torch.sigmoid(y * m.s) + m.b, s=_p(16, 1, 1, 1), b=_p(16, 1, 1, 1)),
+        (8, 3, 18, 66, 66)),
+    ZooModel("convtranspose2d_bn_relu", lambda: Seq(
+        nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1), lambda y, m: F.relu(m.bn(y)), bn=nn.BatchNorm2d(16)),
+        (16, 32, 64, 64)),
+    ZooModel("convtranspose2d_scale_mean", lambda: Seq(
+        nn.ConvTranspose2d(64, 128, 3), lambda y, m: (y * 2.0).mean(dim=(2, 3), keepdim=True)), (16, 64, 64, 64)),
+    ZooModel("convtranspose2d_gn_tanh", lambda: Seq(
+        nn.ConvTranspose2d(16, 32, 3, stride=2), lambda y, m: torch.tanh(m.gn(y)), gn=nn.GroupNorm(8, 32)),
+        (16, 16, 64, 64)),
+    ZooModel("convtranspose3d_residual", lambda: Seq(
+        nn.ConvTranspose3d(16, 8, 3, stride=2, padding=1), lambda y, m: (y + m.b) * y + y, b=_p(8, 1, 1, 1)),
+        (4, 16, 16, 32, 32)),
+    ZooModel("conv1d_bn_gelu", lambda: Seq(nn.Conv1d(64, 128, 5, padding=2), lambda y, m: F.gelu(m.bn(y)),
+                                           bn=nn.BatchNorm1d(128)), (64, 64, 1024)),
+    ZooModel("conv1d_relu_gn", lambda: Seq(nn.Conv1d(32, 64, 3), lambda y, m: m.gn(F.relu(y)), gn=nn.GroupNorm(8, 64)),
+             (64, 32, 2048)),
+    # Linear layers
+    ZooModel("mlp_gelu", lambda: Seq(nn.Linear(1024, 4096), lambda y, m: F.gelu(y)), (8192, 1024)),
+    ZooModel("linear_ln_relu", lambda: Seq(nn.Linear(1024, 1024), lambda y, m: F.relu(m.ln(y)), ln=nn.LayerNorm(1024)),
+             (16384, 1024)),
+    ZooModel("linear_bn_relu", lambda: Seq(nn.Linear(1024, 1024), lambda y, m: F.relu(m.bn(y)),
+                                           bn=nn.BatchNorm1d(1024)), (16384, 1024)),
+    ZooModel("linear_softmax", lambda: Seq(nn.Linear(512, 4096), lambda y, m: torch.softmax(y, dim=-1)), (4096, 512)),
+    ZooModel("classifier_log_softmax", lambda: Seq(nn.Linear(2048, 1000), lambda y, m: F.log_softmax(y, dim=1)),
+             (4096, 2048)),
+    ZooModel("linear_gn_swish", lambda: Seq(nn.Linear(2048, 2048), lambda y, m: F.silu(m.gn(y)),
+                                            gn=nn.GroupNorm(32, 2048)), (4096, 2048)),
+    ZooModel("linear_rmsnorm", lambda: Seq(nn.Linear(1024, 2048), lambda y, m: m.norm(y), norm=nn.RMSNorm(2048)),
+             (8192, 1024)),
+    ZooModel("linear_logsumexp_relu", lambda: Seq(
+        nn.Linear(4096, 4096), lambda y, m: F.relu(torch.logsumexp(y, dim=1, keepdim=True))), (2048, 4096)),
+    ZooModel("linear_residual_layernorm", lambda: ResidualLinearNorm(1024), (16384, 1024)),
+    ZooModel("linear_3d_tanh_scale", lambda: Seq(nn.Linear(768, 3072), lambda y, m: torch.tanh(y) * 2.0),
+             (16, 512, 768)),
+    ZooModel("linear_swish_gate", lambda: Seq(nn.Linear(2048, 2048), lambda y, m: y * torch.sigmoid(y) * m.w,
+                                              w=_p(2048)), (8192, 2048)),
+    ZooModel("linear_hardtanh", lambda: Seq(nn.Linear(512, 512), lambda y, m: F.hardtanh(y)), (32768, 512)),
+    ZooModel("linear_mean", lambda: Seq(nn.Linear(1024, 1024), lambda y, m: y.mean(dim=1)), (16384, 1024)),
+    ZooModel("linear_amax_sigmoid", lambda: Seq(nn.Linear(1024, 2048), lambda y, m: torch.sigmoid(y.amax(dim=1))),
+             (8192, 1024)),
+    ZooModel("linear_sigmoid_linear_logsumexp", lambda: TwoLinears(1024, 2048, 512), (8192, 1024)),
+    ZooModel("linear_mish_residual", lambda: Seq(nn.Linear(1024, 1024), lambda y, m: y + F.mish(y)), (16384, 1024)),
+    ZooModel("bmm_scores_softmax", lambda: ScoresSoftmax(64), (64, 256, 64)),
+]
+BY_NAME = {m.name: m for m in MODELS}
+QUICK = ["conv2d_relu_bias", "conv2d_bn_relu", "conv2d_bias_scale_sigmoid_gn", "conv3d_bn_relu",
+         "convtranspose2d_bn_relu", "linear_ln_relu", "linear_gn_swish", "linear_sigmoid_linear_logsumexp"]
+
+
+def _settings():
+    """torch's defaults, as a user has them: matmuls "highest", cuDNN may use TF32."""
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = True
+
+
+def _model_and_input(zoo: ZooModel, dtype: torch.dtype):
+    torch.manual_seed(0)
+    model = zoo.make().cuda().to(dtype)
+    x = torch.rand(zoo.shape, device="cuda", dtype=dtype)
+    return model, x
+
+
+def _bench_ms(fn, calls: int = 20, rounds: int = 5) -> float:
+    """Median over `rounds` of the mean ms of `calls` back-to-back calls (CUDA events)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def _max_error(out, ref) -> float:
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    refs = ref if isinstance(ref, (tuple, list)) else [ref]
+    worst = 0.0
+    for o, r in zip(outs, refs):
+        r = r.double()
+        worst = max(worst, float((o.double() - r).norm() / r.norm().clamp_min(1e-30)))
+    return worst
+
+
+def run_model(zoo: ZooModel, dtype_name: str, time_it: bool = True) -> dict:
+    """Compiles `zoo` with Inductor and with fusedepi at `dtype_name`; times both."""
+    import copy
+
+    from fusion_backend import fusedepi
+    from fusion_backend.backend import collect_reports
+
+    _settings()
+    dtype = getattr(torch, dtype_name)
+    base, x = _model_and_input(zoo, dtype)
+    row = {"model": zoo.name, "dtype": dtype_name}
+    with torch.no_grad():
+        reference = copy.deepcopy(base).double()(x.double())
+        for backend in ("inductor", "fusedepi"):
+            model = copy.deepcopy(base)
+            torch._dynamo.reset()
+            reports: list = []
+            started = time.perf_counter()
+            with collect_reports(reports):
+                fn = torch.compile(model, backend=fusedepi if backend == "fusedepi" else "inductor")
+                out = fn(x)
+            torch.cuda.synchronize()
+            row[f"{backend}_compile_s"] = round(time.perf_counter() - started, 1)
+            row[f"{backend}_error"] = _max_error(out, reference)
+            if backend == "fusedepi":
+                records = [r for report in reports for r in report.records]
+                row["fused"] = [f"{r.fusion} ({r.measured})" if r.measured else r.fusion
+                                for r in records if r.status == "fused"]
+                row["refused"] = [f"{r.anchor}: {r.reason}" for r in records if r.status == "refused"]
+            if time_it:
+                row[f"{backend}_ms"] = _bench_ms(lambda: fn(x))
+    if time_it:
+        row["ratio"] = row["inductor_ms"] / row["fusedepi_ms"]
+    return row
+
+
+def _warm(task):
+    name, dtype_name = task
+    os.environ["FUSEDEPI_AUTOTUNE"] = "off"
+    import logging
+
+    logging.getLogger("fusedepi").setLevel(logging.ERROR)
+    try:
+        run_model(BY_NAME[name], dtype_name, time_it=False)
+        return name, dtype_name, ""
+    except Exception as err:  # noqa: BLE001 - reported, and the timed pass meets it again
+        return name, dtype_name, f"{type(err).__name__}: {str(err)[:200]}"
+
+
+def summary(rows: list[dict]) -> dict:
+    ratios = [r["ratio"] for r in rows if "ratio" in r]
+    if not ratios:
+        return {"models": 0}
+    return {
+        "models": len(ratios),
+        "min": min(ratios),
+        "geomean": math.exp(sum(math.log(r) for r in ratios) / len(ratios)),
+        "below_0.97": sum(r < 0.97 for r in ratios),
+        "fused_any": sum(bool(r.get("fused")) for r in rows if "ratio" in r),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--list", action="store_true", help="print the model names and exit")
+    parser.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} models: {', '.join(QUICK)}")
+    parser.add_argument("--models", nargs="*", choices=list(BY_NAME), metavar="NAME", help="these models only")
+    parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--shard", default="1/1", help="I/N: the I-th of N equal parts of the selection")
+    parser.add_argument("--warm", type=int, default=0, metavar="N", help="compile everything in N processes first")
+    parser.add_argument("--json", help="also write the rows and the summary here")
+    args = parser.parse_args(argv)
+    if args.list:
+        print("\n".join(BY_NAME))
+        return 0
+    names = args.models or (QUICK if args.quick else list(BY_NAME))
+    index, count = (int(v) for v in args.shard.split("/"))
+    names = names[index - 1::count]
+    if not torch.cuda.is_available():
+        print("benchmarks.zoo needs a CUDA GPU", file=sys.stderr)
+        return 2
+    tasks = [(n, d) for n in names for d in args.dtypes]
+    if args.warm:
+        started = time.perf_counter()
+        with multiprocessing.get_context("spawn").Pool(args.warm) as pool:
+            for name, dtype_name, error in pool.imap_unordered(_warm, tasks):
+                if error:
+                    print(f"[warm] {name} {dtype_name}: {error}", flush=True)
+        print(f"[warm] {len(tasks)} compiles in {time.perf_counter() - started:.0f} s", flush=True)
+    rows = []
+    for name, dtype_name in tasks:
+        try:
+            row = run_model(BY_NAME[name], dtype_name)
+        except Exception as err:  # noqa: BLE001 - one model's failure is a row, not the end
+            row = {"model": name, "dtype": dtype_name, "failed": f"{type(err).__name__}: {str(err)[:300]}"}
+        rows.append(row)
+        if "failed" in row:
+            print(f"{name:34s} {dtype_name:9s} FAILED {row['failed']}", flush=True)
+            continue
+        print(f"{name:34s} {dtype_name:9s} inductor {row['inductor_ms']:8.3f} ms  fusedepi {row['fusedepi_ms']:8.3f} ms"
+              f"  {row['ratio']:5.2f}x  err {row['fusedepi_error']:.1e} (inductor {row['inductor_error']:.1e})"
+              f"  compile {row['fusedepi_compile_s']:.0f}/{row['inductor_compile_s']:.0f} s", flush=True)
+        for fused in row["fused"]:
+            print(f"    fused: {fused}", flush=True)
+        for refused in row["refused"]:
+            print(f"    not fused: {refused[:200]}", flush=True)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
+              "summary": {d: summary([r for r in rows if r["dtype"] == d]) for d in args.dtypes}}
+    for dtype_name, s in result["summary"].items():
+        if s["models"]:
+            print(f"summary {dtype_name}: {s['models']} models, min {s['min']:.2f}x, geomean {s['geomean']:.3f}x, "
+                  f"{s['below_0.97']} below 0.97x, {s['fused_any']} fused a chain")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

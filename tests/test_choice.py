@@ -1,0 +1,131 @@
+"""GPU-free: the measured choice (fusion_backend/choice.py) on CPU graphs.
+
+Under FUSEDEPI_AUTOTUNE=on a CPU chain's fused op (its plain-torch reference) is timed
+against Inductor's CPU compile of the same subgraph, which exercises everything but the
+GPU: the subgraph, its inputs, the nested compile, the cache and the decision.
+"""
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fusion_backend import choice
+from fusion_backend.config import load_config
+from helpers import compile_records
+
+pytestmark = pytest.mark.usefixtures("cpu_reference")
+
+
+@pytest.fixture
+def timed(monkeypatch, tmp_path):
+    monkeypatch.setenv("FUSEDEPI_AUTOTUNE", "on")
+    monkeypatch.setenv("FUSEDEPI_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.GELU())
+
+
+def _forced(monkeypatch, fused_ms, inductor_ms):
+    calls = []
+
+    def measure(chain, spec, inputs, shapes, device):
+        calls.append(chain.anchor.name)
+        return fused_ms, inductor_ms
+
+    monkeypatch.setattr(choice, "_measure", measure)
+    return calls
+
+
+@pytest.mark.parametrize("fused_ms, inductor_ms, fuses", [(1.0, 2.0, True), (1.0, 1.0, True), (2.0, 1.0, False)])
+def test_a_chain_is_fused_only_where_it_is_not_slower(timed, monkeypatch, fused_ms, inductor_ms, fuses):
+    _forced(monkeypatch, fused_ms, inductor_ms)
+    model, x = _model(), torch.randn(8, 16)
+    out, fused, refused = compile_records(model, x, grad=False)
+    records = fused if fuses else refused
+    assert len(records) == 1 and f"Inductor {inductor_ms:.4g} ms" in records[0].measured
+    if not fuses:
+        assert records[0].reason.startswith("Inductor is faster here: fused 2 ms, Inductor 1 ms")
+    assert len(fused) == int(fuses)
+    torch.testing.assert_close(out, _model()(x))
+
+
+def test_the_choice_is_cached_on_disk_and_not_measured_again(timed, monkeypatch):
+    calls = _forced(monkeypatch, 1.0, 2.0)
+    model, x = _model(), torch.randn(8, 16)
+    compile_records(model, x)
+    assert calls == ["addmm"]
+    stored = json.loads((timed / choice.CACHE_FILE).read_text())
+    assert list(stored.values()) == [[1.0, 2.0]]
+    choice.timings._cache.clear()  # as a new process: only the file is left
+    choice.timings._read_files.clear()
+    _, fused, _ = compile_records(model, x)
+    assert calls == ["addmm"] and len(fused) == 1
+
+
+def test_a_failed_timing_keeps_the_fused_op_with_the_reason(timed, monkeypatch):
+    def fail(*args):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(choice, "_measure", fail)
+    _, fused, _ = compile_records(_model(), torch.randn(8, 16))
+    assert len(fused) == 1 and fused[0].measured == "not timed: RuntimeError"
+
+
+def test_measuring_against_inductor_changes_no_state(timed):
+    """A real measurement on the CPU: BatchNorm's running statistics, the RNG and the
+    result are as eager leaves them, whichever form wins."""
+    model, x = _model().train(), torch.randn(8, 16)
+    reference = _model().train()
+    state = torch.get_rng_state()
+    out, fused, refused = compile_records(model, x, grad=False)
+    assert torch.equal(torch.get_rng_state(), state)
+    want = reference(x)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(model[1].running_mean, reference[1].running_mean)
+    torch.testing.assert_close(model[1].running_var, reference[1].running_var)
+    (record,) = fused + refused
+    assert record.measured.startswith("fused ") and "ms, Inductor" in record.measured
+
+
+def test_the_subgraph_returns_what_the_fused_op_returns():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from lowering import match_graph
+
+    def f(x, w, b, residual):
+        y = torch.nn.functional.layer_norm(torch.nn.functional.linear(x, w, b), (32,))
+        return torch.nn.functional.gelu(y + residual), y.sum()  # y: also used after the chain
+
+    gm = make_fx(f)(torch.randn(8, 16), torch.randn(32, 16), torch.randn(32), torch.randn(8, 32))
+    chains, _ = match_graph(gm.graph, allow_cpu=True)
+    (chain,) = chains
+    sub, inputs = choice.subgraph(chain)
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    (output,) = [n for n in sub.graph.nodes if n.op == "output"]
+    assert len(placeholders) == len(inputs) == len(chain.operands) + len(chain.params)
+    assert len(output.args[0]) == 1 + len(chain.extra) + len(chain.saved) == 2
+    # Fed the values the whole graph gives its external inputs, it computes what the
+    # whole graph computes at the chain's final and saved nodes.
+    values = {}
+
+    class Recording(torch.fx.Interpreter):
+        def run_node(self, n):
+            values[n] = super().run_node(n)
+            return values[n]
+
+    Recording(gm).run(torch.randn(8, 16), torch.randn(32, 16), torch.randn(32), torch.randn(8, 32))
+    final, saved = sub(*(values[n] for n in inputs))
+    torch.testing.assert_close(final, values[chain.final])
+    torch.testing.assert_close(saved, values[chain.saved[0]])
+
+
+def test_autotune_setting_is_validated():
+    assert load_config({}).autotune == "auto"
+    assert load_config({"FUSEDEPI_AUTOTUNE": "0"}).autotune == "off"
+    with pytest.raises(ValueError, match="FUSEDEPI_AUTOTUNE"):
+        load_config({"FUSEDEPI_AUTOTUNE": "maybe"})
