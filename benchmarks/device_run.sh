@@ -12,6 +12,7 @@
 #   bash benchmarks/device_run.sh backward [args]                            # training-step benchmark
 #   bash benchmarks/device_run.sh fuzzbench N SEED [MODE]                    # N fused random models vs Inductor
 #   bash benchmarks/device_run.sh callprof                                   # CPU time of one compiled call
+#   bash benchmarks/device_run.sh zoo [args]                                 # benchmarks.zoo, args passed on
 # The benchmark makes fresh kernel and Inductor caches of its own, so its compile times are cold.
 # Logs and JSON go to $OUT (the device tool's output folder) or /tmp/fusedepi-out.
 set -uo pipefail
@@ -71,6 +72,11 @@ if [ "$what" = fuzzbench ]; then
   margs=(); [ "$mode" = default ] || margs=(--mode "$mode")
   FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 tests/fuzzer.py --bench "$1" --seed "$2" \
     "${margs[@]}" --json "$OUT/fuzzbench_$2_$1_$mode.json" 2>&1 | grep -v -i warn | tee "$OUT/fuzzbench_$mode.log" | tail -70
+  status=${PIPESTATUS[0]}
+fi
+if [ "$what" = zoo ]; then
+  FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} timeout ${ZOO_TIMEOUT:-560} python3 -m benchmarks.zoo \
+    "$@" 2>&1 | grep -v -i warn | tee -a "$OUT/zoo.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
