@@ -116,16 +116,14 @@ def subgraph(chain: Chain) -> tuple[GraphModule, list[Node]]:
 
 
 def _random_like(val: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """A real tensor of val's dtype and device at `shape`, channels-last where val is:
+    """A real tensor of val's dtype, device, shape and strides (a transposed weight stays
+    transposed, a channels-last activation channels-last; symbolic sizes at their hints):
     values in [0.5, 1.5) (a valid variance, a divisor away from zero), integers zero."""
-    t = torch.empty(shape, dtype=val.dtype, device=val.device)
-    if val.dim() in (4, 5):
-        layout = torch.channels_last if val.dim() == 4 else torch.channels_last_3d
-        try:
-            if not val.is_contiguous() and val.is_contiguous(memory_format=layout):
-                t = t.contiguous(memory_format=layout)
-        except Exception:  # noqa: BLE001 - symbolic strides: contiguous
-            pass
+    strides = timings.hinted(val.stride())
+    if strides is None:
+        t = torch.empty(shape, dtype=val.dtype, device=val.device)
+    else:
+        t = torch.empty_strided(shape, strides, dtype=val.dtype, device=val.device)
     return t.uniform_(0.5, 1.5) if t.is_floating_point() else t.zero_()
 
 
@@ -151,7 +149,7 @@ def _measure(chain: Chain, spec: str, inputs: list[Node], shapes: list, device: 
         def inductor():
             return compiled(*example)
 
-        times = (_best_ms(fused, device), _best_ms(inductor, device))
+        times = (gpu_ms(fused, device), gpu_ms(inductor, device))
     log.info("fusedepi: %s at %s: fused %.4f ms, Inductor %.4f ms (measured in %.1f s)", chain.spec.fusion,
              chain.anchor.name, times[0], times[1], time.perf_counter() - started)
     return times
@@ -164,15 +162,32 @@ def _inductor_compile(gm: GraphModule, example: list[torch.Tensor]):
         return compile_fx(gm, example)
 
 
-def _best_ms(fn, device: torch.device) -> float:
-    if device.type == "cuda":
-        with torch.cuda.device(device):
+def gpu_ms(fn, device: torch.device) -> float:
+    """GPU milliseconds of a call of `fn`: replays of a CUDA graph of one call, so that
+    the CPU's cost of a call (which a compiled model's other launches hide) does not
+    decide; a call that cannot be captured is timed as is. On the CPU: wall time."""
+    if device.type != "cuda":
+        fn()
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(5):
+                fn()
+            best = min(best, (time.perf_counter() - start) / 5 * 1e3)
+        return best
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up off the capture, as torch.cuda.graphs asks
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                fn()
+        except Exception as err:  # noqa: BLE001 - timed without a graph
+            log.debug("fusedepi: a timed call could not be captured (%s); timing it as is", err)
+            torch.cuda.synchronize()
             return timings.best_ms(fn)
-    fn()
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(5):
-            fn()
-        best = min(best, (time.perf_counter() - start) / 5 * 1e3)
-    return best
+        return timings.best_ms(graph.replay)

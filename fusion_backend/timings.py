@@ -75,8 +75,13 @@ def takes_other_form(setting: str, device: torch.device, strict: bool, timed: Ca
 
 def example_shape(val: torch.Tensor) -> tuple | None:
     """A graph example's shape to time at: a dynamic size's hint; None without one."""
+    return hinted(val.shape)
+
+
+def hinted(sizes) -> tuple | None:
+    """Sizes (or strides) as ints, a symbolic one at its hint; None where one has none."""
     dims = []
-    for d in val.shape:
+    for d in sizes:
         if not isinstance(d, int):
             d = getattr(getattr(d, "node", None), "hint", None)
             if d is None:
