@@ -325,7 +325,8 @@ class Launcher:
 
 # Every call's operands are checked before a kernel reads them: a kernel that reads past
 # a tensor, or a CPU pointer, fails with an illegal address, after which the process's
-# CUDA context is lost. The C++ launcher makes the same checks (csrc/launcher.cpp, `check`).
+# CUDA context is lost. The C++ launcher tests the same (csrc/launcher.cpp, `inputs_fit`) and
+# hands a call that fails to the Python launcher, whose checks raise.
 
 
 def check_devices(inputs: list[torch.Tensor], device_index: int, fusion: str) -> None:

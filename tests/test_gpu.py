@@ -218,14 +218,24 @@ def test_a_cpu_scalar_tensor_operand_is_a_number(dtype, exact_float32):
 
 
 def test_a_call_with_an_operand_on_the_cpu_raises_and_the_gpu_stays_usable():
-    """The launchers check every operand before any kernel runs: a wrong one raises a
-    clear error, and the CUDA context is still good afterwards."""
+    """Both launchers check every operand before any kernel runs: a wrong one raises a
+    clear error, and the CUDA context is still good afterwards. The first call plans the
+    spec (Python), the later ones go through the C++ launcher's test, `inputs_fit`."""
+    from fusion_backend import ops
+    from fusion_backend.config import load_config
+
+    ops.enable_native(load_config().cache_dir)
+    assert ops.native_launcher() == "loaded"
     spec = EpilogueSpec(Anchor("addmm"), (Step("mul", inputs=(0,), operand=ONE),), "float32", ("float32",), 64, 1,
                         "linear_pointwise").to_json()
     b, x, wt = torch.zeros(64, device="cuda"), torch.randn(8, 32, device="cuda"), torch.randn(32, 64, device="cuda")
-    for bad in (torch.tensor(2.0), torch.ones(2, device="cuda")):
-        with pytest.raises(RuntimeError, match="operand 0 is|input 3 is on cpu"):
+    for bad, message in ((torch.tensor(2.0), "input 3 is on cpu"), (torch.ones(2, device="cuda"), "operand 0 is"),
+                         (torch.tensor(2.0), "input 3 is on cpu"), (torch.ones((), device="cuda", dtype=torch.half),
+                                                                     "operand 0 is")):
+        with pytest.raises(RuntimeError, match=message):
             torch.ops.fusedepi.chain([b, x, wt, bad], spec)
+    with pytest.raises(RuntimeError, match="anchor operand 1 is"):
+        torch.ops.fusedepi.chain([b, x.half(), wt, torch.ones((), device="cuda")], spec)
     (out,) = torch.ops.fusedepi.chain([b, x, wt, torch.tensor(2.0, device="cuda")], spec)
     torch.testing.assert_close(out, (x @ wt) * 2.0)
 

@@ -337,55 +337,43 @@ at::Tensor run_anchor(const Plan& plan, const std::vector<at::Tensor>& operands)
                          plan.transposed, plan.output_padding, plan.groups);
 }
 
-// Every input on the plan's GPU; the operands kernels read with the dtype and size they
-// were built for (fusion_backend/ops.py, check_*: the same checks, the same messages).
-void check_devices(const Plan& plan, at::TensorList inputs) {
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    TORCH_CHECK(inputs[i].is_cuda() && inputs[i].device().index() == plan.device, "fusedepi::chain (", plan.name,
-                "): input ", i, " is on ", inputs[i].device(), ", the chain on cuda:", plan.device);
+// Whether the inputs are what the kernels were built for: every input on the plan's GPU,
+// the anchor's operands in the chain's dtype (and, where a kernel computes the anchor,
+// of the sizes it was built for), every other operand of its dtype and size. A call
+// that does not fit goes to Python's launcher, whose checks (fusion_backend/ops.py,
+// check_*) raise an error that names the operand.
+bool inputs_fit(const Plan& plan, at::TensorList inputs) {
+  const size_t n = static_cast<size_t>(plan.n_operands);
+  if (inputs.size() != n + plan.params.size()) return false;
+  for (const auto& t : inputs)
+    if (!t.is_cuda() || t.device().index() != plan.device) return false;
+  const int64_t rows = inputs[plan.anchor == Anchor::kConv ? 0 : n - 2].size(0);  // x's (conv: images)
+  for (size_t i = 0; i < n; ++i) {
+    if (inputs[i].scalar_type() != plan.dtype) return false;
+    if (!plan.anchor_sizes.empty()) {
+      const auto [a_row, whole] = plan.anchor_sizes[i];
+      if (inputs[i].numel() != (a_row ? a_row * rows : whole)) return false;
+    }
   }
-}
-
-void check_anchor_operands(const Plan& plan, const std::vector<at::Tensor>& operands) {
-  int64_t rows = 0;
-  for (size_t i = 0; i < plan.anchor_sizes.size(); ++i)
-    if (plan.anchor_sizes[i].first) rows = operands[i].size(0);
-  for (size_t i = 0; i < operands.size(); ++i) {
-    const auto [a_row, whole] =
-        plan.anchor_sizes.empty() ? std::pair<int64_t, int64_t>{0, operands[i].numel()} : plan.anchor_sizes[i];
-    const int64_t want = a_row ? a_row * rows : whole;
-    TORCH_CHECK(operands[i].scalar_type() == plan.dtype && operands[i].numel() == want, "fusedepi::chain (",
-                plan.name, "): anchor operand ", i, " is ", operands[i].sizes(), " ", operands[i].scalar_type(),
-                "; the kernel was built for ", a_row ? a_row : whole, " ", plan.dtype, " elements",
-                a_row ? " a row" : "");
-  }
-}
-
-void check_anchor_output(const Plan& plan, const at::Tensor& y, int64_t rows) {
-  TORCH_CHECK(y.numel() == rows * plan.y_row && y.scalar_type() == plan.dtype, "fusedepi::chain (", plan.name,
-              "): the anchor gave ", y.sizes(), " ", y.scalar_type(), "; the kernels read rows of ", plan.y_row, " ",
-              plan.dtype, " elements");
-}
-
-void check_params(const Plan& plan, const std::vector<at::Tensor>& params, int64_t rows) {
-  TORCH_CHECK(params.size() == plan.params.size(), "fusedepi::chain (", plan.name, "): ", params.size(),
-              " operands after the anchor's, the spec has ", plan.params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
+  for (size_t i = 0; i < plan.params.size(); ++i) {
     const Plan::Param& want = plan.params[i];
-    const int64_t numel = want.whole ? want.whole : want.per_row * rows;
-    TORCH_CHECK(params[i].scalar_type() == want.dtype && params[i].numel() == numel, "fusedepi::chain (",
-                plan.name, "): operand ", i, " is ", params[i].sizes(), " ", params[i].scalar_type(),
-                "; the kernel was built for ", numel, " ", want.dtype, " elements");
+    const at::Tensor& t = inputs[n + i];
+    if (t.scalar_type() != want.dtype || t.numel() != (want.whole ? want.whole : want.per_row * rows)) return false;
   }
+  return true;
 }
 
+// Whether the library's anchor output holds the rows of y_row elements the kernels read.
+bool anchor_output_fits(const Plan& plan, const at::Tensor& y, int64_t rows) {
+  return y.numel() == rows * plan.y_row && y.scalar_type() == plan.dtype;
+}
+
+std::vector<at::Tensor> python_chain(at::TensorList inputs, c10::string_view spec);
+
+// Runs a call whose inputs fit (inputs_fit).
 std::vector<at::Tensor> launch(const Plan& plan, at::TensorList inputs, bool in_kernel) {
   const int64_t n = plan.n_operands;
-  TORCH_CHECK(static_cast<int64_t>(inputs.size()) >= n, "fusedepi::chain: ", inputs.size(),
-              " inputs for an anchor of ", n, " operands");
-  check_devices(plan, inputs);
   std::vector<at::Tensor> operands(inputs.begin(), inputs.begin() + n);
-  check_anchor_operands(plan, operands);
   std::vector<at::Tensor> params;
   params.reserve(inputs.size() - n);
   for (size_t i = n; i < inputs.size(); ++i) params.push_back(aligned(inputs[i]));
@@ -418,8 +406,9 @@ std::vector<at::Tensor> launch(const Plan& plan, at::TensorList inputs, bool in_
     }
   }
   const int64_t rows = y.size(0);
-  if (plan.path == Path::kLibraryAnchor || library_gemm) check_anchor_output(plan, y, rows);
-  check_params(plan, params, rows);
+  if ((plan.path == Path::kLibraryAnchor || library_gemm) && !anchor_output_fits(plan, y, rows)) {
+    return python_chain(inputs, plan.spec);  // which raises, naming what the anchor gave
+  }
 
   std::vector<at::Tensor> result;
   result.reserve(1 + plan.running_stats.size() + plan.saves.size());
@@ -469,6 +458,7 @@ std::vector<at::Tensor> chain_cuda(at::TensorList inputs, c10::string_view spec)
   {
     std::shared_lock lock(plans_mutex);
     plan = find_locked(key, inputs[0].device().index());
+    if (plan && !inputs_fit(*plan, inputs)) plan = nullptr;  // Python's checks raise for it
     if (plan && plan->path == Path::kGemm) {
       in_kernel = true;
       if (plan->gemm_auto) {
