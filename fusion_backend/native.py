@@ -22,6 +22,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from functools import lru_cache
@@ -71,16 +72,25 @@ def cuda_include_dirs() -> list[str]:
 
 
 def find_cxx() -> str:
-    """The C++ compiler: $CXX, else c++ or g++ from PATH.
+    """The C++ compiler: $CXX, else c++ or g++ from PATH (the first of `compilers()`).
 
     Raises:
         BuildError: none is found.
     """
+    found = compilers()
+    if not found:
+        raise BuildError("no C++ compiler (set CXX or put c++ on PATH)")
+    return found[0]
+
+
+def compilers() -> list[str]:
+    """The C++ compilers to try, in order: $CXX, then c++ and g++ from PATH."""
+    found = []
     for name in (os.environ.get("CXX"), "c++", "g++"):
-        found = shutil.which(name) if name else None
-        if found:
-            return found
-    raise BuildError("no C++ compiler (set CXX or put c++ on PATH)")
+        path = shutil.which(name) if name else None
+        if path and os.path.realpath(path) not in {os.path.realpath(f) for f in found}:
+            found.append(path)
+    return found
 
 
 @lru_cache(maxsize=4)
@@ -110,15 +120,28 @@ def build_key(cxx: str = "c++") -> str:
 
 
 def build(cache_dir: Path) -> Path:
-    """The launcher library in the cache, built first if it is not there.
+    """The launcher library in the cache, built first if it is not there: by the first
+    compiler (`compilers()`) whose library passes `_errors_reach_python`.
 
     Raises:
-        BuildError: no compiler, no CUDA headers, a compile or link error, or an
-            unwritable cache.
+        BuildError: no compiler, no CUDA headers, a compile or link error, a library
+            whose errors would crash the process, or an unwritable cache.
     """
+    candidates = compilers()
+    if not candidates:
+        raise BuildError("no C++ compiler (set CXX or put c++ on PATH)")
+    failures = []
+    for cxx in candidates:
+        try:
+            return _build_with(cxx, cache_dir)
+        except BuildError as err:
+            failures.append(str(err))
+    raise BuildError("\n".join(failures))
+
+
+def _build_with(cxx: str, cache_dir: Path) -> Path:
     from cuda_templates.compiler import file_lock
 
-    cxx = find_cxx()
     key = build_key(cxx)[:16]
     entry = Path(cache_dir) / "native" / key
     library = entry / LIBRARY
@@ -130,17 +153,42 @@ def build(cache_dir: Path) -> Path:
                 return library
             entry.mkdir(parents=True, exist_ok=True)
             start = time.perf_counter()
-            log.info("fusedepi: building the C++ launcher into %s (once per torch version)", entry)
+            log.info("fusedepi: building the C++ launcher into %s with %s (once per torch version)", entry, cxx)
             with tempfile.TemporaryDirectory(dir=entry, prefix="build-") as tmp:
                 built = Path(tmp) / LIBRARY
                 result = subprocess.run(build_command(cxx, str(built)), capture_output=True, text=True, check=False)
                 if result.returncode != 0:
                     raise BuildError(f"{cxx} failed on {SOURCE.name}:\n{result.stderr[-4000:]}")
+                _errors_reach_python(built, cxx)
                 os.replace(built, library)
             log.info("fusedepi: built the C++ launcher in %.1f s", time.perf_counter() - start)
     except OSError as err:
         raise BuildError(f"cannot write {entry}: {err}") from err
     return library
+
+
+# A new process loads the library and has it raise: an error must reach Python as a
+# RuntimeError. A library whose C++ runtime is not the one this process has loaded can
+# crash instead (seen: g++ from /opt/gcc beside the system's libstdc++, a segfault at
+# every error the launcher raised), and a crash would take the user's process with it.
+_RAISE_TEST = """
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+try:
+    torch.ops.fusedepi_native.raises()
+except RuntimeError as err:
+    print("raised" if "fusedepi_native: a test error" in str(err) else "wrong message")
+"""
+
+
+def _errors_reach_python(library: Path, cxx: str) -> None:
+    """Raises BuildError unless `library`'s errors reach Python (run in a new process)."""
+    result = subprocess.run([sys.executable, "-c", _RAISE_TEST, str(library)], capture_output=True, text=True,
+                            check=False, timeout=300)
+    if result.returncode != 0 or result.stdout.strip() != "raised":
+        raise BuildError(f"the launcher built by {cxx} does not raise its errors into Python (exit "
+                         f"{result.returncode}: {(result.stderr or result.stdout).strip()[-300:]}); set CXX to "
+                         "the compiler whose C++ runtime this Python loads")
 
 
 def load(library: Path) -> None:

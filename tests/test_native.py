@@ -6,6 +6,7 @@ GPU: the C++ and Python launchers return the same bits on the fuzzer's models, a
 C++ one serves every call after a spec's first.
 """
 
+import os
 import shutil
 import subprocess
 from types import SimpleNamespace
@@ -113,12 +114,41 @@ def test_a_failed_install_puts_the_python_launcher_back(failure, native_untried,
 
 @pytest.mark.skipif(not _cuda_include_dirs(), reason="needs nvcc")
 def test_a_compiler_error_is_a_build_error_and_leaves_nothing_behind(monkeypatch, tmp_path):
-    monkeypatch.setenv("CXX", shutil.which("false") or "/bin/false")
+    monkeypatch.setattr(native, "compilers", lambda: [shutil.which("false") or "/bin/false"])
     with pytest.raises(native.BuildError, match="failed on launcher.cpp"):
         native.build(tmp_path)
     entries = list((tmp_path / "native").iterdir())
     assert [p.suffix for p in entries if p.is_file()] == [".lock"]
     assert all(not any(d.iterdir()) for d in entries if d.is_dir()), "a build directory was left behind"
+
+
+def test_compilers_are_tried_in_order_without_duplicates(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "g++")
+    found = native.compilers()
+    assert found and found[0] == shutil.which("g++")
+    assert len({os.path.realpath(c) for c in found}) == len(found)
+    tried = []
+
+    def build_with(cxx, cache_dir):
+        tried.append(cxx)
+        if len(tried) == 1:
+            raise native.BuildError(f"the launcher built by {cxx} does not raise its errors into Python")
+        return tmp_path / "ok.so"
+
+    monkeypatch.setattr(native, "compilers", lambda: ["/opt/other/g++", "/usr/bin/c++"])
+    monkeypatch.setattr(native, "_build_with", build_with)
+    assert native.build(tmp_path) == tmp_path / "ok.so" and tried == ["/opt/other/g++", "/usr/bin/c++"]
+    tried.clear()
+    monkeypatch.setattr(native, "compilers", lambda: ["/opt/other/g++"])
+    with pytest.raises(native.BuildError, match="does not raise its errors"):
+        native.build(tmp_path)
+
+
+def test_a_library_whose_errors_crash_is_refused(tmp_path):
+    """`_errors_reach_python` runs the library in a new process: one that dies there (here:
+    no library at all) is a BuildError, not a crash of this process."""
+    with pytest.raises(native.BuildError, match="does not raise its errors into Python"):
+        native._errors_reach_python(tmp_path / "missing.so", "c++")
 
 
 def _launcher(anchor, saves=(), **fields):

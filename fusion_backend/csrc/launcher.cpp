@@ -509,6 +509,8 @@ TORCH_LIBRARY(fusedepi_native, m) {
           set_rows(std::string_view(spec.data(), spec.size()), device, rows, in_kernel);
         });
   m.def("install() -> ()", &install);
+  // Raises, so that the build can check that this library's errors reach Python.
+  m.def("raises() -> ()", [] { TORCH_CHECK(false, "fusedepi_native: a test error"); });
   m.def("forget() -> ()", &forget);
   m.def("plan_count() -> int", &plan_count);
 }
