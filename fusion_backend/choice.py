@@ -1,12 +1,15 @@
 """The measured choice: a matched chain is fused only where it runs faster than Inductor.
 
-While compiling, each chain's fused op (in the form the backend chose for it: library
-or in-kernel anchor, padding, layout) is timed against Inductor's own compile of the
-same subgraph (anchor + chain, with the same outputs) on random inputs of the graph's
-shapes, dtypes and devices, under the precision settings in force. The fused op is
-kept where it is at least as fast; otherwise the chain is left to Inductor, with both
-times in `explain`. Times are cached on disk beside the kernels (`choices.json`), keyed
-by spec, shapes, settings, GPU and torch version: a warm start times nothing.
+While compiling, two forms of the chain's neighbourhood are timed on random inputs of
+the graph's shapes, strides, dtypes and devices, under the precision settings in force:
+Inductor's compile of the chain's nodes together with their consumers up to the next
+matrix op (`consumers`: Inductor may fuse the chain's last steps into what follows,
+and write less than the fused op must), and the fused op (in the form the backend chose
+for it: library or in-kernel anchor, padding, layout) followed by Inductor's compile of
+those same consumers. The fused op is kept where its form is at least as fast (GPU time);
+otherwise the chain is left to Inductor, with both times in `explain`. Times are cached
+on disk beside the kernels (`choices.json`), keyed by spec, the neighbourhood, shapes,
+settings, GPU and torch version: a warm start times nothing.
 
 Timing never touches the model's state: inputs are fresh tensors (BatchNorm's running
 statistics included), and no random op is part of a chain.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import operator
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,27 +54,39 @@ class Choice:
         return f"fused {self.fused_ms:.4g} ms, Inductor {self.inductor_ms:.4g} ms{self.note}"
 
 
-def decide(chain: Chain, spec: str, cfg: Config) -> Choice:
+def decide(chain: Chain, spec: str, cfg: Config, claimed: frozenset = frozenset()) -> Choice:
     """Whether `chain` (its kernel already built) is fused, by FUSEDEPI_AUTOTUNE:
     "off": always; "auto": timed where the chain runs on a GPU; "on": timed on the CPU
     too (the reference against Inductor's CPU code: for testing the mechanism).
 
-    A timing that fails keeps the fused op with a warning (raises under strict mode).
+    `claimed`: the nodes of the graph's other chains (their own fused ops end this
+    chain's consumers). A timing that fails keeps the fused op with a warning (raises
+    under strict mode).
     """
     device = chain.anchor.meta["val"].device
     if cfg.autotune == "off" or (cfg.autotune == "auto" and device.type != "cuda"):
         return Choice(0.0, 0.0, True, "not timed (FUSEDEPI_AUTOTUNE)" if cfg.autotune == "off" else "")
-    inputs = _external_inputs(chain)
-    shapes = [timings.example_shape(n.meta["val"]) for n in inputs]
+    try:
+        inductor_form, fused_form, inputs = subgraphs(chain, spec, claimed)
+    except Exception as err:  # noqa: BLE001 - a neighbourhood we cannot cut out: fused as matched
+        if cfg.strict:
+            raise
+        log.warning("fusedepi: cannot cut out %s at %s to time it (%s: %s); it is fused untimed",
+                    chain.spec.fusion, chain.anchor.name, type(err).__name__, err)
+        return Choice(0.0, 0.0, True, f"not timed: {type(err).__name__}")
+    vals = [n.meta["val"] for n in inputs]
+    shapes = [timings.example_shape(v) for v in vals]
+    strides = [timings.hinted(v.stride()) for v in vals]
     if any(s is None for s in shapes):
         return Choice(0.0, 0.0, True, "not timed: a size without a hint")
-    dynamic = any(not isinstance(d, int) for n in inputs for d in n.meta["val"].shape)
+    dynamic = any(not isinstance(d, int) for v in vals for d in v.shape)
     key = "|".join(str(part) for part in (
-        _device_name(device), torch.__version__, spec, shapes, [str(n.meta["val"].dtype) for n in inputs],
-        matmul_allows_tf32(), conv_allows_tf32()))
+        _device_name(device), torch.__version__, fused_form.code, inductor_form.code, shapes, strides,
+        [str(v.dtype) for v in vals], matmul_allows_tf32(), conv_allows_tf32()))
     try:
-        fused_ms, inductor_ms = timings.cached(Path(cfg.cache_dir) / CACHE_FILE, key,
-                                               lambda: _measure(chain, spec, inputs, shapes, device))
+        fused_ms, inductor_ms = timings.cached(
+            Path(cfg.cache_dir) / CACHE_FILE, key,
+            lambda: _measure(chain, inductor_form, fused_form, vals, shapes, device))
     except Exception as err:  # noqa: BLE001 - the chain is fused as matched
         if cfg.strict:
             raise
@@ -85,34 +101,96 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def _external_inputs(chain: Chain) -> list[Node]:
-    """The nodes outside the chain whose values its nodes read, in graph order: the
-    anchor's operands, the epilogue's tensors, and whatever else a node reads (a
-    constant the matcher took as a number)."""
+# Ops Inductor leaves to a library call, which nothing fuses into: a chain's consumers
+# end there.
+_MATRIX_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+               torch.ops.aten.baddbmm.default, torch.ops.aten.convolution.default}
+_MAX_CONSUMERS = 64
+
+
+def chain_outputs(chain: Chain) -> list[Node]:
+    """The nodes whose values the fused op returns, in its output order."""
+    return [chain.final] + list(chain.extra) + list(chain.saved)
+
+
+def consumers(chain: Chain, claimed: frozenset = frozenset()) -> list[Node]:
+    """The nodes after the chain that Inductor could fuse with its last steps, in graph
+    order: users of its values, then of theirs, up to a matrix op, a node of another
+    chain (`claimed`), a node with side effects (a buffer's copy_, a random op) or the
+    graph's output; at most _MAX_CONSUMERS."""
     inside = set(chain.nodes)
+    found: dict[Node, None] = {}
+    frontier = list(chain.nodes)
+    while frontier and len(found) < _MAX_CONSUMERS:
+        node = frontier.pop(0)
+        for user in node.users:
+            if user in inside or user in found or user in claimed or user.op != "call_function":
+                continue
+            if user.target in _MATRIX_OPS or user.is_impure() or _is_random(user):
+                continue
+            found[user] = None
+            frontier.append(user)
+    order = {n: i for i, n in enumerate(chain.final.graph.nodes)}
+    return sorted(found, key=order.__getitem__)
+
+
+def _is_random(node: Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def _external_inputs(nodes: list[Node]) -> list[Node]:
+    """The nodes outside `nodes` whose values they read, in first-use order."""
+    inside = set(nodes)
     seen: dict[Node, None] = {}
-    for node in chain.nodes:
+    for node in nodes:
         for arg in node.all_input_nodes:
             if arg not in inside:
                 seen[arg] = None
     return list(seen)
 
 
-def subgraph(chain: Chain) -> tuple[GraphModule, list[Node]]:
-    """The chain as a graph of its own: a placeholder for each external input, the
-    chain's nodes, and as outputs every value the fused op would return (its result,
-    BatchNorm's running statistics, values saved for backward)."""
-    graph = Graph()
-    inputs = _external_inputs(chain)
-    env: dict[Node, Node] = {}
-    for i, node in enumerate(inputs):
-        env[node] = graph.placeholder(f"input_{i}")
-        env[node].meta["val"] = node.meta["val"]
-    for node in chain.nodes:
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    outputs = [chain.final] + list(chain.extra) + list(chain.saved)
-    graph.output(tuple(env[n] for n in outputs))
-    return GraphModule(torch.nn.Module(), graph), inputs
+def _escaping(nodes: list[Node]) -> list[Node]:
+    """The nodes of `nodes` whose values something outside them reads."""
+    inside = set(nodes)
+    return [n for n in nodes if any(u not in inside for u in n.users)]
+
+
+def subgraphs(chain: Chain, spec: str, claimed: frozenset = frozenset()):
+    """The two forms of the chain's neighbourhood as graphs of their own, with the same
+    placeholders (the neighbourhood's external inputs) and the same outputs (its values
+    read elsewhere): (Inductor's form, the fused form, the external input nodes).
+
+    The fused form calls `fusedepi::chain` in place of the chain's nodes and keeps the
+    consumers as they are."""
+    after = consumers(chain, claimed)
+    nodes = list(chain.nodes) + after
+    inputs = _external_inputs(nodes)
+    outputs = _escaping(nodes)
+    forms = []
+    for fused in (False, True):
+        graph = Graph()
+        env: dict[Node, Node] = {}
+        for i, node in enumerate(inputs):
+            env[node] = graph.placeholder(f"input_{i}")
+            env[node].meta["val"] = node.meta["val"]
+        if fused:
+            call = graph.call_function(torch.ops.fusedepi.chain.default,
+                                       ([env[n] for n in list(chain.operands) + list(chain.params)], spec))
+            items = [graph.call_function(operator.getitem, (call, i)) for i in range(len(chain_outputs(chain)))]
+            env.update(zip(chain_outputs(chain), items))
+            if chain.view is not None:  # as the rewrite does: the result re-viewed, the nodes before it
+                env[chain.final] = graph.call_function(torch.ops.aten.view.default, (items[0], chain.view.args[1]))
+            for node in chain.same_as_result:
+                env[node] = items[0]
+            copied = after
+        else:
+            copied = nodes
+        for node in copied:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+        graph.output(tuple(env[n] for n in outputs))
+        forms.append(GraphModule(torch.nn.Module(), graph))
+    return forms[0], forms[1], inputs
 
 
 def _random_like(val: torch.Tensor, shape: tuple) -> torch.Tensor:
@@ -127,29 +205,20 @@ def _random_like(val: torch.Tensor, shape: tuple) -> torch.Tensor:
     return t.uniform_(0.5, 1.5) if t.is_floating_point() else t.zero_()
 
 
-def _measure(chain: Chain, spec: str, inputs: list[Node], shapes: list, device: torch.device) -> tuple[float, float]:
-    """(ms of the fused op, ms of Inductor's compile of the same subgraph)."""
+def _measure(chain: Chain, inductor_form: GraphModule, fused_form: GraphModule, vals: list, shapes: list,
+             device: torch.device) -> tuple[float, float]:
+    """(ms of the fused form, ms of Inductor's form), each compiled by Inductor."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    gm, _ = subgraph(chain)
-    fused_inputs = list(chain.operands) + list(chain.params)
     started = time.perf_counter()
     with unset_fake_temporarily(), torch.no_grad():
-        real = {n: _random_like(n.meta["val"], s) for n, s in zip(inputs, shapes)}
-        example = [real[n] for n in inputs]
+        example = [_random_like(v, s) for v, s in zip(vals, shapes)]
         # A clean thread: the compile around us holds its fake mode and tracing context
-        # in thread-local state, which Inductor's own compile of the subgraph must not see.
+        # in thread-local state, which Inductor's own compiles must not see.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            compiled = pool.submit(_inductor_compile, gm, example).result()
-        fused_args = [real[n] for n in fused_inputs]
-
-        def fused():
-            return torch.ops.fusedepi.chain(fused_args, spec)
-
-        def inductor():
-            return compiled(*example)
-
-        times = (gpu_ms(fused, device), gpu_ms(inductor, device))
+            fused = pool.submit(_inductor_compile, fused_form, example).result()
+            inductor = pool.submit(_inductor_compile, inductor_form, example).result()
+        times = (gpu_ms(lambda: fused(*example), device), gpu_ms(lambda: inductor(*example), device))
     log.info("fusedepi: %s at %s: fused %.4f ms, Inductor %.4f ms (measured in %.1f s)", chain.spec.fusion,
              chain.anchor.name, times[0], times[1], time.perf_counter() - started)
     return times

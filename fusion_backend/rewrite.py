@@ -214,6 +214,7 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
     fused = []
     for chain in chains:
         names = [n.name for n in chain.nodes]
+        claimed = frozenset(n for other in chains if other is not chain for n in other.nodes)
         try:
             chain.spec = gemm_bias.fold(chain, cfg)
             chain.spec = gemm_padding.decide(chain, cfg)
@@ -241,7 +242,7 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
                 Record("refused", chain.anchor.name, names, chain.spec.fusion, reason=f"kernel build failed: {first}")
             )
             continue
-        measured = choice.decide(chain, spec, cfg)
+        measured = choice.decide(chain, spec, cfg, claimed)
         if not measured.fuse:
             reason = f"Inductor is faster here: {measured.describe()}"
             log.info("fusedepi: not fused at %s: %s", chain.anchor.name, reason)

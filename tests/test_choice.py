@@ -33,7 +33,7 @@ def _model():
 def _forced(monkeypatch, fused_ms, inductor_ms):
     calls = []
 
-    def measure(chain, spec, inputs, shapes, device):
+    def measure(chain, inductor_form, fused_form, vals, shapes, device):
         calls.append(chain.anchor.name)
         return fused_ms, inductor_ms
 
@@ -92,25 +92,29 @@ def test_measuring_against_inductor_changes_no_state(timed):
     assert record.measured.startswith("fused ") and "ms, Inductor" in record.measured
 
 
-def test_the_subgraph_returns_what_the_fused_op_returns():
+def test_both_forms_compute_the_neighbourhood_as_the_whole_graph_does():
+    """The chain with its consumers (here the sum of a value it also returns, and a
+    tanh after it), cut out twice: as the graph has it, and with the fused op in place
+    of the chain. Fed what the whole graph gives their inputs, both compute what the
+    whole graph computes at the values read outside them; the next matmul is not in it."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from lowering import match_graph
 
-    def f(x, w, b, residual):
+    def f(x, w, b, residual, w2):
         y = torch.nn.functional.layer_norm(torch.nn.functional.linear(x, w, b), (32,))
-        return torch.nn.functional.gelu(y + residual), y.sum()  # y: also used after the chain
+        z = torch.tanh(torch.nn.functional.gelu(y + residual))
+        return z @ w2, y.sum() * 2
 
-    gm = make_fx(f)(torch.randn(8, 16), torch.randn(32, 16), torch.randn(32), torch.randn(8, 32))
+    args = (torch.randn(8, 16), torch.randn(32, 16), torch.randn(32), torch.randn(8, 32), torch.randn(32, 4))
+    gm = make_fx(f)(*args)
     chains, _ = match_graph(gm.graph, allow_cpu=True)
     (chain,) = chains
-    sub, inputs = choice.subgraph(chain)
-    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    (output,) = [n for n in sub.graph.nodes if n.op == "output"]
-    assert len(placeholders) == len(inputs) == len(chain.operands) + len(chain.params)
-    assert len(output.args[0]) == 1 + len(chain.extra) + len(chain.saved) == 2
-    # Fed the values the whole graph gives its external inputs, it computes what the
-    # whole graph computes at the chain's final and saved nodes.
+    after = choice.consumers(chain)
+    assert torch.ops.aten.mm.default not in [n.target for n in after]
+    assert {torch.ops.aten.sum.default, torch.ops.aten.mul.Tensor} <= {n.target for n in after}
+    inductor_form, fused_form, inputs = choice.subgraphs(chain, chain.spec.to_json())
+    assert torch.ops.fusedepi.chain.default in [n.target for n in fused_form.graph.nodes]
     values = {}
 
     class Recording(torch.fx.Interpreter):
@@ -118,10 +122,13 @@ def test_the_subgraph_returns_what_the_fused_op_returns():
             values[n] = super().run_node(n)
             return values[n]
 
-    Recording(gm).run(torch.randn(8, 16), torch.randn(32, 16), torch.randn(32), torch.randn(8, 32))
-    final, saved = sub(*(values[n] for n in inputs))
-    torch.testing.assert_close(final, values[chain.final])
-    torch.testing.assert_close(saved, values[chain.saved[0]])
+    Recording(gm).run(*args)
+    want = [values[n] for n in choice._escaping(list(chain.nodes) + after)]
+    for form in (inductor_form, fused_form):
+        got = form(*(values[n] for n in inputs))
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
 
 
 def test_autotune_setting_is_validated():
