@@ -852,15 +852,15 @@ def _stages(spec: EpilogueSpec) -> str:
             sigmoids_at[stage].setdefault(index, []).append((slot, CTYPES[save.dtype]))
     # stage1 opens with the reduction's own normalize statement (none for logsumexp).
     stages = []
-    for stage, extra, comment, run, saves, sigmoids in (
+    for stage, extra, comment, run, saves, sigmoids, first in (
         ("stage0", "", "Steps before the reduction (all of them when there is none).", steps[:split],
-         saves_after[0], sigmoids_at[0]),
+         saves_after[0], sigmoids_at[0], 0),
         ("stage1", ", float s0, float s1", "The reduction's normalize, then the steps after it.",
-         steps[split:], saves_after[1], sigmoids_at[1]),
+         steps[split:], saves_after[1], sigmoids_at[1], split),
     ):
         stages.append(
             templates.STAGE_FUNCTION.substitute(
-                name=stage, extra=extra, comment=comment, **render_stage(run, saves, sigmoids)
+                name=stage, extra=extra, comment=comment, **render_stage(run, saves, sigmoids, first)
             )
         )
     return "\n".join(stages)

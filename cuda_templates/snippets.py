@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 
-from lowering.spec import CHANNEL, FULL, ONE, ROW_REDUCTIONS, SCALAR, SELF, Step, to_float32
+from lowering.spec import CHANNEL, EARLIER, FULL, ONE, REDUCTIONS, ROW_REDUCTIONS, SCALAR, SELF, Step, to_float32
 
 
 def cfloat(value: float) -> str:
@@ -78,6 +78,8 @@ class Operands:
             return cfloat(step.consts[0])
         if step.operand == SELF:
             return "x"
+        if step.operand == EARLIER:  # held by render_stage
+            return f"h{int(step.consts[0])}"
         return self.param(step.inputs[0], step.operand)
 
     def render_loads(self, indent: str = "  ") -> str:
@@ -210,7 +212,7 @@ SNIPPETS = {
 }
 
 
-def render_stage(steps, saves_after=None, sigmoids_at=None) -> dict[str, str]:
+def render_stage(steps, saves_after=None, sigmoids_at=None, first: int = 0) -> dict[str, str]:
     """The parts of a run of steps applied to each element `x`: `loads`, `statements`,
     `stores`, and for a caller that gives the vector's one channel, `chan_fields`,
     `chan_fill` and `chan_loads` (see `Operands.render_channel`).
@@ -222,7 +224,17 @@ def render_stage(steps, saves_after=None, sigmoids_at=None) -> dict[str, str]:
             every kernel that runs the stage.
         sigmoids_at: {i: [(slot, C type), ...]}: the sigmoid of step i's input (a silu)
             goes to `a.sv<slot>`.
+        first: the chain's index of `steps[0]`: a value an EARLIER operand reads (the
+            chain's value after k steps) is held in `h<k>`, which must lie in this run.
     """
+    held = set()
+    for i, step in enumerate(steps):
+        if step.operand == EARLIER:
+            k = int(step.consts[0])
+            if not first <= k < first + i or any(s.name in REDUCTIONS for s in steps[k - first:i]):
+                raise ValueError(f"step {first + i} reads the earlier value after {k} steps, which this run of "
+                                 f"steps {first}..{first + len(steps) - 1} does not hold (or a reduction lies between)")
+            held.add(k)
     saves_after = saves_after or {}
     ops = Operands()
     lines, declared, stores = [], [], []
@@ -233,6 +245,8 @@ def render_stage(steps, saves_after=None, sigmoids_at=None) -> dict[str, str]:
         stores.append(f"  if (save) fusedepi::store_vec<{ctype}, W>(a.sv{slot} + e0, sv{slot}v);")
 
     for i, step in enumerate(steps):
+        if first + i in held:
+            lines.append(f"    const float h{first + i} = x;  // held for a later step")
         for slot, ctype in (sigmoids_at or {}).get(i, ()):
             keep(slot, ctype, "fusedepi::sigmoid<kFastMath>(x)")
         statement = SNIPPETS[step.name](step, ops)

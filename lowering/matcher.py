@@ -26,6 +26,7 @@ from torch.fx import Node
 
 from .spec import (
     CHANNEL,
+    EARLIER,
     FULL,
     NAMED_STEPS,
     ONE,
@@ -107,6 +108,7 @@ class _State:
     order: dict = field(default_factory=dict)  # node -> position in the graph
     backward: frozenset = frozenset()  # a joint graph's backward nodes: users, never steps
     claimed: set = field(default_factory=set)  # nodes of the chains matched before this one
+    held: dict = field(default_factory=dict)  # node -> k: it holds the chain's value after k steps
 
 
 @dataclass
@@ -494,6 +496,20 @@ def _is_contiguous(val: torch.Tensor) -> bool:
         return False
 
 
+def _earlier(state: _State, other: Node) -> int:
+    """k where `other` holds the chain's value after k steps, which the kernel can hold
+    in a register until this step: the same shape as the current value, no reduction
+    in between (the kernel's stages split there), and no dtype conversion since."""
+    k = state.held[other]
+    between = state.chain.steps[k:]
+    if any(s.name in REDUCTIONS for s in between):
+        raise Refuse(f"operand {other.name} is the chain's value before its {between[0].name}: a reduction lies "
+                     "between")
+    if state.widened_at is not None or not _same_shape(_val(other).shape, _val(state.node).shape):
+        raise Refuse(f"operand {other.name} is an earlier value of the chain of another shape or dtype")
+    return k
+
+
 def _match_binary(state: _State, user: Node):
     name = _BINARY.get(user.target)
     if name is None:
@@ -507,6 +523,8 @@ def _match_binary(state: _State, user: Node):
         return _Match(Step(name, operand=SELF), [user], user)
     reverse = b is state.node
     other = a if reverse else b
+    if isinstance(other, Node) and other in state.held:
+        return _Match(Step(name, consts=(_earlier(state, other),), operand=EARLIER, reverse=reverse), [user], user)
     constant = _cpu_scalar_constant(state, other)
     if constant is not None:
         other = constant
@@ -994,6 +1012,8 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
         state.reduced = state.reduced or step.name in ROW_REDUCTIONS
     state.chain.nodes.extend(match.consumed)
     state.node = match.result
+    if match.dtype is None:  # (a converted value is not the kernel's x)
+        state.held[match.result] = len(state.chain.steps)
     return None
 
 
@@ -1035,6 +1055,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
             state = _start(node, anchor, operands, allow_cpu)
             state.order, state.backward, state.claimed = order, backward, claimed
             folded = _fold_bias(state, anchor, matmul_tf32)
+            state.held[state.node] = len(state.chain.steps)
             stop = _extend(state, disabled)
         except Refuse as err:
             refusals.append(Refusal(node.name, [node.name], str(err)))
@@ -1055,7 +1076,13 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
             if n is chain.final or (s.what == "value" and s.at == len(chain.steps) and _val(n).dtype == val.dtype
                                     and _val(n).dim() == val.dim() and list(_val(n).shape[1:]) == list(val.shape[1:]))
         ]
-        chain.same_as_result = [chain.saved[i] for i in same if chain.saved[i] is not chain.final]
+        # A value saved because a later step of the chain reads it (an EARLIER operand) and
+        # nothing else: the kernel holds it, the fused op need not return it.
+        inside = set(chain.nodes)
+        same += [i for i, (n, s) in enumerate(zip(chain.saved, chain.saves))
+                 if s.what == "value" and i not in same and all(u in inside for u in n.users)]
+        chain.same_as_result = [chain.saved[i] for i in same
+                                if chain.saved[i] is not chain.final and not all(u in inside for u in chain.saved[i].users)]
         chain.saved = [n for i, n in enumerate(chain.saved) if i not in same]
         chain.saves = [s for i, s in enumerate(chain.saves) if i not in same]
         fusion = _fusion_name(anchor, chain.steps)

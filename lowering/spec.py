@@ -28,6 +28,7 @@ CHANNEL = "channel"  # a tensor indexed by channel only (shape [C], [C, 1, 1], .
 ONE = "one"  # a tensor with a single element
 FULL = "full"  # a contiguous tensor with the chain's own shape (a residual)
 SELF = "self"  # the chain's own value (`x + x`, `x * x`)
+EARLIER = "earlier"  # an earlier value of the chain: consts = (k,), the value after k steps (0: the anchor output)
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class Step:
         consts: compile-time numbers (slope, eps, momentum, a scalar operand).
         inputs: indices into the fused op's tensor list (after the anchor operands).
             For norms: (weight, bias[, running_mean, running_var]), -1 where absent.
-        operand: for binary steps, one of SCALAR, CHANNEL, ONE, FULL, SELF.
+        operand: for binary steps, one of SCALAR, CHANNEL, ONE, FULL, SELF, EARLIER.
         reverse: for binary steps, the chain's value is the right operand (`p - x`).
         groups: for groupnorm, the number of groups.
         keepdim: for row reductions.

@@ -8,14 +8,15 @@ compute, and are what the op runs on the CPU.
 
 from __future__ import annotations
 
+
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from .spec import CHANNEL, FULL, ONE, SCALAR, SELF, Step
+from .spec import CHANNEL, EARLIER, FULL, ONE, SCALAR, SELF, Step
 
 
 class Refuse(Exception):
@@ -295,6 +296,10 @@ def run_reference(x: torch.Tensor, steps, params, saves=()) -> list[torch.Tensor
     values, stats = [x], {}
     for step in steps:
         kind = VOCABULARY[step.name]
+        if step.operand == EARLIER:  # the held value, read as a full operand of x's shape
+            held = values[int(step.consts[0])]
+            step = replace(step, operand=FULL, inputs=(len(params),), consts=())
+            params = list(params) + [held]
         if kind.statistics is not None and any(s.what in ("mean", "rstd") for s in saves):
             stats["mean"], stats["rstd"] = kind.statistics(x, step, params)
         result = kind.reference(x, step, params)

@@ -1,6 +1,6 @@
 """Hand-built specs covering every template path (used by the GPU-free template tests)."""
 
-from lowering.spec import CHANNEL, FULL, ONE, SCALAR, SELF, Anchor, EpilogueSpec, Step
+from lowering.spec import CHANNEL, EARLIER, FULL, ONE, SCALAR, SELF, Anchor, EpilogueSpec, Step
 
 LINEAR = Anchor("mm")  # nn.Linear in float32 under TF32: the bias moves into the epilogue
 CONV = Anchor("conv", has_bias=False, conv=((1, 1), (0, 0), (1, 1), False, (0, 0), 1))
@@ -188,6 +188,18 @@ def awkward_specs(dtype="float32"):
         ),
         "flat_narrow_row": EpilogueSpec(  # N=3: a vector spans several rows
             Anchor("mm"), (Step("add", inputs=(0,), operand=CHANNEL), Step("gelu")), dtype, p, 3, 1, "linear_pointwise",
+        ),
+        # Binary steps whose operand is an earlier value of the chain (held in a register).
+        "earlier_values_pointwise": EpilogueSpec(  # y * tanh(softplus(y)) + y
+            Anchor("mm"), (Step("softplus", consts=(1.0, 20.0)), Step("tanh"),
+                           Step("mul", consts=(0,), operand=EARLIER, reverse=True),
+                           Step("add", consts=(0,), operand=EARLIER)),
+            dtype, (), 96, 1, "linear_pointwise",
+        ),
+        "earlier_values_after_groupnorm": EpilogueSpec(  # g = GroupNorm(y); g - sigmoid(g)
+            Anchor("mm"), (Step("groupnorm", consts=(1e-5,), inputs=(0, 1), groups=4), Step("sigmoid"),
+                           Step("sub", consts=(1,), operand=EARLIER, reverse=True)),
+            dtype, p * 2, 128, 1, "linear_groupnorm",
         ),
         # Library GEMMs on padded operands: y's rows are pad[1] apart, not N (kYRow).
         "padded_gemm_pointwise": EpilogueSpec(

@@ -240,6 +240,46 @@ def test_a_call_with_an_operand_on_the_cpu_raises_and_the_gpu_stays_usable():
     torch.testing.assert_close(out, (x @ wt) * 2.0)
 
 
+class _Lambda(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, y):
+        return self.fn(y)
+
+
+# Steps that read an earlier value of their own chain (held in a register by the kernel).
+EARLIER_TAILS = {
+    "hardswish_spelled": lambda y: y * torch.clamp((y + 3) / 6, 0, 1),
+    "mish_spelled": lambda y: y * torch.tanh(F.softplus(y)),
+    "residual_of_itself": lambda y: torch.relu(y + torch.sigmoid(y) * 0.5),
+    "after_groupnorm": None,  # GroupNorm, then g - tanh(g): held after the reduction
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("anchor", ["linear", "conv"])
+@pytest.mark.parametrize("form", list(EARLIER_TAILS))
+def test_steps_reading_earlier_values_of_the_chain(form, anchor, dtype, exact_float32):
+    if form == "after_groupnorm":
+        norm = nn.GroupNorm(4, 16)
+        tail = nn.Sequential(norm, _Lambda(lambda g: g - torch.tanh(g)))
+    else:
+        tail = _Lambda(EARLIER_TAILS[form])
+    if anchor == "linear":
+        model, x = nn.Sequential(nn.Linear(24, 16), tail), torch.randn(777, 24)
+    else:
+        model, x = nn.Sequential(nn.Conv2d(4, 16, 3), tail), torch.randn(6, 4, 21, 19)
+    model, x = model.cuda().to(dtype), (x * 3).cuda().to(dtype)
+    with torch.no_grad():
+        out, fused = compile_and_run(model, x)
+        ref, _ = float64_reference(model, x)
+    assert len(fused) == 1, fused
+    err = relative_error(out.double(), ref)
+    assert err <= TOLERANCE[dtype], f"{err:.3g} (seed {exact_float32})"
+
+
 class _GroupNormTanh(nn.Module):
     def __init__(self, k, n, groups, bias=True):
         super().__init__()

@@ -428,6 +428,38 @@ def test_a_chain_whose_anchor_input_is_another_chains_result(saved, grad):
         torch.testing.assert_close(got, want)
 
 
+EARLIER_FORMS = {  # y: the anchor output; the chain reads an earlier value of its own
+    "hardswish_spelled": (lambda y: y * torch.clamp((y + 3) / 6, 0, 1), ["add", "div", "clamp", "mul"]),
+    "mish_spelled": (lambda y: y * torch.tanh(F.softplus(y)), ["softplus", "tanh", "mul"]),
+    "residual_of_itself": (lambda y: torch.relu(y + torch.sigmoid(y) * 0.5), ["sigmoid", "mul", "add", "relu"]),
+    "value_after_a_step": (lambda y: (lambda g: g - torch.tanh(g))(F.gelu(y)), ["gelu", "tanh", "sub"]),
+}
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("form", list(EARLIER_FORMS))
+def test_a_step_may_read_an_earlier_value_of_its_own_chain(form, grad):
+    fn, steps = EARLIER_FORMS[form]
+    torch.manual_seed(0)
+    model = Chain(fn, k=16, n=32)
+    x = torch.randn(8, 16)
+    out, fused, refused = compile_records(model, x, grad=grad)
+    assert len(fused) == 1 and steps_of(fused[0])[-len(steps):] == steps, (fused, refused)
+    spec = json.loads(fused[0].spec)
+    assert any(s["operand"] == "earlier" for s in spec["steps"])
+    if not grad:  # the value the later step reads is held in the kernel, not returned
+        assert spec["saves"] == []
+    torch.testing.assert_close(out, model(x))
+
+
+def test_an_earlier_value_across_a_reduction_ends_the_chain_with_the_reason():
+    model = Chain(lambda y: F.layer_norm(y, (32,)) * y, k=16, n=32)
+    x = torch.randn(8, 16)
+    out, fused, refused = compile_records(model, x)
+    assert "a reduction lies between" in fused[0].stop
+    torch.testing.assert_close(out, model(x))
+
+
 def test_result_before_a_trailing_view_is_not_saved_twice():
     model = Chain(lambda y: torch.relu(y).view(-1, 2, 32), k=16, n=64)
     x = torch.randn(8, 16)

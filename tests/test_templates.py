@@ -136,6 +136,21 @@ def test_scalar_reciprocal_rounds_as_float32_division(value):
     assert rendered == f"x = x * {cfloat(got)};"
 
 
+def test_earlier_values_are_held_in_registers_within_their_stage():
+    awkward = awkward_specs("float32")
+    source = cuda_templates.render(awkward["earlier_values_pointwise"], "sm90")
+    assert source.count("const float h0 = x;") == 3  # stage0 and its _at and _cols forms
+    assert "x = h0 * x;  // mul" in source and "x = x + h0;  // add" in source
+    source = cuda_templates.render(awkward["earlier_values_after_groupnorm"], "sm90")
+    stage1 = source[source.index("void stage1("):]
+    assert "const float h1 = x;" in stage1 and "x = h1 - x;  // sub" in stage1
+    with pytest.raises(ValueError, match="does not hold"):  # held across the reduction: the matcher refuses it too
+        bad = replace(awkward["earlier_values_after_groupnorm"],
+                      steps=awkward["earlier_values_after_groupnorm"].steps[:2] + (
+                          Step("sub", consts=(0,), operand="earlier", reverse=True),))
+        cuda_templates.render(bad, "sm90")
+
+
 def test_channels_last_convs_stage_whole_images():
     awkward = awkward_specs("bfloat16")
     packed = plan(awkward["channels_last_groupnorm"])  # 2 images of 80 a row, 2 x 4 lanes an image
