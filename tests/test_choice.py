@@ -136,3 +136,28 @@ def test_autotune_setting_is_validated():
     assert load_config({"FUSEDEPI_AUTOTUNE": "0"}).autotune == "off"
     with pytest.raises(ValueError, match="FUSEDEPI_AUTOTUNE"):
         load_config({"FUSEDEPI_AUTOTUNE": "maybe"})
+
+
+_COMPILE_ONCE = """
+import torch, torch.nn as nn
+import fusion_backend
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU())
+with torch.no_grad():
+    torch.compile(model, backend="fusedepi")(torch.randn(8, 16))
+"""
+
+
+def test_a_new_process_with_a_warm_cache_measures_nothing(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FUSEDEPI_CPU_REFERENCE="1", FUSEDEPI_AUTOTUNE="on", FUSEDEPI_LOG_LEVEL="INFO",
+               FUSEDEPI_CACHE_DIR=str(tmp_path))
+    measured = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", _COMPILE_ONCE], capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        measured.append(run.stderr.count("measured in"))
+    assert measured == [1, 0]
