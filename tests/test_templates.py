@@ -1,6 +1,8 @@
 """GPU-free: rendered sources, launch plans, and an nvcc compile of every template path."""
 
+import concurrent.futures
 import math
+import os
 import re
 import shutil
 from dataclasses import replace
@@ -303,18 +305,45 @@ def test_template_headers_document_every_placeholder():
         assert used and used <= documented, used - documented
 
 
+def _compile_job(test: str, name: str, arch: str = "sm90a") -> tuple[str, str, str]:
+    """(source, kernel name, nvcc arch) that the compile test `test` builds for `name`."""
+    if test == "test_nvcc_compiles":
+        spec = ALL_SPECS[name]
+        return cuda_templates.render(spec, arch), cuda_templates.kernel_name(spec, arch), arch
+    if test == "test_nvcc_compiles_tf32_direct_convs":
+        spec = TF32_SPECS[name]
+        return cuda_templates.render(spec, arch, conv_tf32=True), cuda_templates.kernel_name(spec, arch, True), arch
+    spec = GEMM_SPECS[name]  # test_nvcc_compiles_the_in_kernel_gemm: wgmma and TMA, sm_90a only (build_arch)
+    return cuda_templates.render(spec, "sm90"), cuda_templates.kernel_name(spec, "sm90"), "sm90a"
+
+
+_COMPILE_TESTS = ("test_nvcc_compiles", "test_nvcc_compiles_tf32_direct_convs", "test_nvcc_compiles_the_in_kernel_gemm")
+
+
+@pytest.fixture(scope="session")
+def nvcc_builds(request, tmp_path_factory):
+    """The builds of every compile test this session runs, started together on all
+    cores (nvcc runs one core a build): {(test, name, arch): future of the library}."""
+    cache = tmp_path_factory.getbasetemp() / "kernel-cache"
+    keys = [(item.originalname, item.callspec.params["name"], item.callspec.params.get("arch", "sm90a"))
+            for item in request.session.items if getattr(item, "originalname", "") in _COMPILE_TESTS]
+    pool = concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 2))
+    builds = {key: pool.submit(lambda key=key: cuda_templates.build(*_compile_job(*key), cache)) for key in keys}
+    yield builds
+    pool.shutdown(cancel_futures=True)
+
+
+def _assert_builds(nvcc_builds, test, name, arch="sm90a"):
+    """nvcc builds the test's source into a non-empty library (a cache shared by the session's tests)."""
+    library = nvcc_builds[(test, name, arch)].result()
+    assert library.exists() and library.stat().st_size > 0
+
+
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm80", "sm90a"])
 @pytest.mark.parametrize("name", list(ALL_SPECS))
-def test_nvcc_compiles(name, arch, tmp_path_factory):
-    spec = ALL_SPECS[name]
-    _assert_builds(cuda_templates.render(spec, arch), cuda_templates.kernel_name(spec, arch), arch, tmp_path_factory)
-
-
-def _assert_builds(source, name, arch, tmp_path_factory):
-    """nvcc builds `source` into a non-empty library (a cache shared by the session's tests)."""
-    library = cuda_templates.build(source, name, arch, tmp_path_factory.getbasetemp() / "kernel-cache")
-    assert library.exists() and library.stat().st_size > 0
+def test_nvcc_compiles(name, arch, nvcc_builds):
+    _assert_builds(nvcc_builds, "test_nvcc_compiles", name, arch)
 
 
 TF32_SPECS = {f"{name}-tf32": spec for name, spec in direct_specs("float32").items()
@@ -324,10 +353,8 @@ TF32_SPECS = {f"{name}-tf32": spec for name, spec in direct_specs("float32").ite
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm80", "sm90a"])
 @pytest.mark.parametrize("name", list(TF32_SPECS))
-def test_nvcc_compiles_tf32_direct_convs(name, arch, tmp_path_factory):
-    spec = TF32_SPECS[name]
-    source = cuda_templates.render(spec, arch, conv_tf32=True)
-    _assert_builds(source, cuda_templates.kernel_name(spec, arch, conv_tf32=True), arch, tmp_path_factory)
+def test_nvcc_compiles_tf32_direct_convs(name, arch, nvcc_builds):
+    _assert_builds(nvcc_builds, "test_nvcc_compiles_tf32_direct_convs", name, arch)
 
 
 GEMM_SPECS = {
@@ -450,11 +477,8 @@ def test_in_kernel_gemm_in_tf32_stages_float32_tiles_in_two_rounds():
 
 @needs_nvcc
 @pytest.mark.parametrize("name", list(GEMM_SPECS))
-def test_nvcc_compiles_the_in_kernel_gemm(name, tmp_path_factory):
-    # wgmma and TMA: sm_90a only, as build_arch says.
-    spec = GEMM_SPECS[name]
-    source = cuda_templates.render(spec, "sm90")
-    _assert_builds(source, cuda_templates.kernel_name(spec, "sm90"), "sm90a", tmp_path_factory)
+def test_nvcc_compiles_the_in_kernel_gemm(name, nvcc_builds):
+    _assert_builds(nvcc_builds, "test_nvcc_compiles_the_in_kernel_gemm", name)
 
 
 def test_tf32_direct_conv_plans():
