@@ -135,6 +135,7 @@ def build(cache_dir: Path) -> Path:
         try:
             return _build_with(cxx, cache_dir)
         except BuildError as err:
+            log.info("fusedepi: %s", str(err).splitlines()[0])
             failures.append(str(err))
     raise BuildError("\n".join(failures))
 
@@ -167,15 +168,16 @@ def _build_with(cxx: str, cache_dir: Path) -> Path:
     return library
 
 
-# A new process loads the library and has it raise: an error must reach Python as a
-# RuntimeError. A library whose C++ runtime is not the one this process has loaded can
-# crash instead (seen: g++ from /opt/gcc beside the system's libstdc++, a segfault at
-# every error the launcher raised), and a crash would take the user's process with it.
+# A new process loads the library and has it raise as `plan` raises on bad arguments:
+# the error must reach Python as a RuntimeError. A library built by a compiler whose C++
+# runtime is not the one this process loaded can crash instead (seen on an H100 host with
+# g++ from /opt/gcc beside the system's libstdc++: a segfault at an error raised by an op
+# with arguments, not by one without), and a crash takes the user's process with it.
 _RAISE_TEST = """
 import sys, torch
 torch.ops.load_library(sys.argv[1])
 try:
-    torch.ops.fusedepi_native.raises()
+    torch.ops.fusedepi_native.raises("layout", [1, 2, 3])
 except RuntimeError as err:
     print("raised" if "fusedepi_native: a test error" in str(err) else "wrong message")
 """

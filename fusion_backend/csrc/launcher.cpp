@@ -509,8 +509,12 @@ TORCH_LIBRARY(fusedepi_native, m) {
           set_rows(std::string_view(spec.data(), spec.size()), device, rows, in_kernel);
         });
   m.def("install() -> ()", &install);
-  // Raises, so that the build can check that this library's errors reach Python.
-  m.def("raises() -> ()", [] { TORCH_CHECK(false, "fusedepi_native: a test error"); });
+  // Raises as `plan` does on bad arguments, so that the build can check that this
+  // library's errors reach Python (fusion_backend/native.py, _errors_reach_python).
+  m.def("raises(str what, int[] sizes) -> ()", [](c10::string_view what, at::IntArrayRef sizes) {
+    TORCH_CHECK(sizes.size() == 14, "fusedepi_native: a test error: ", std::string(what.data(), what.size()),
+                " has ", sizes.size(), " entries, not 14");
+  });
   m.def("forget() -> ()", &forget);
   m.def("plan_count() -> int", &plan_count);
 }
