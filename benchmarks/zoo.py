@@ -217,19 +217,10 @@ def _model_and_input(zoo: ZooModel, dtype: torch.dtype):
 
 def _bench_ms(fn, calls: int = 20, rounds: int = 5) -> float:
     """Median over `rounds` of the mean ms of `calls` back-to-back calls (CUDA events)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[len(times) // 2]
+    from fusion_backend.timings import round_ms
+
+    times = sorted(round_ms(fn, calls, rounds, warmup=3))
+    return times[len(times) // 2]
 
 
 def _max_error(out, ref) -> float:

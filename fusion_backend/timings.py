@@ -93,9 +93,16 @@ def hinted(sizes) -> tuple | None:
 def best_ms(fn: Callable[[], object], calls: int = 10, rounds: int = 3) -> float:
     """Milliseconds a call of `fn` takes on the GPU: CUDA events around `calls` calls
     back to back, the best of `rounds`, after one call to warm up."""
-    fn()
+    return min(round_ms(fn, calls, rounds))
+
+
+def round_ms(fn: Callable[[], object], calls: int, rounds: int, warmup: int = 1) -> list[float]:
+    """Each of `rounds` rounds' milliseconds a call, timed with CUDA events around
+    `calls` calls back to back, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
-    best = float("inf")
+    times = []
     for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -103,8 +110,8 @@ def best_ms(fn: Callable[[], object], calls: int = 10, rounds: int = 3) -> float
             fn()
         end.record()
         end.synchronize()
-        best = min(best, start.elapsed_time(end) / calls)
-    return best
+        times.append(start.elapsed_time(end) / calls)
+    return times
 
 
 def _read(path: Path) -> dict:
