@@ -85,7 +85,8 @@ def load_config(environ=None) -> Config:
             nor a step, FUSEDEPI_LOG_LEVEL is not a logging level, or
             FUSEDEPI_IN_KERNEL_GEMM, FUSEDEPI_PAD_GEMM, FUSEDEPI_CONV_CHANNELS_LAST,
             FUSEDEPI_FOLD_GEMM_BIAS or FUSEDEPI_AUTOTUNE is none of auto, 1, 0, or
-            FUSEDEPI_NATIVE_LAUNCHER is neither 1 nor 0.
+            FUSEDEPI_NATIVE_LAUNCHER, FUSEDEPI_STRICT or FUSEDEPI_CPU_REFERENCE is
+            neither 1 nor 0.
     """
     env = os.environ if environ is None else environ
     names = frozenset(n.strip() for n in env.get("FUSEDEPI_DISABLE", "").split(",") if n.strip())
@@ -103,9 +104,9 @@ def load_config(environ=None) -> Config:
         disabled=names - {"all"},
         disable_all="all" in names,
         cache_dir=Path(env.get("FUSEDEPI_CACHE_DIR") or _default_cache_dir(env)),
-        strict=env.get("FUSEDEPI_STRICT", "").lower() in _TRUE,
+        strict=_switch("FUSEDEPI_STRICT", env.get("FUSEDEPI_STRICT", ""), False),
         log_level=level,
-        cpu_reference=env.get("FUSEDEPI_CPU_REFERENCE", "").lower() in _TRUE,
+        cpu_reference=_switch("FUSEDEPI_CPU_REFERENCE", env.get("FUSEDEPI_CPU_REFERENCE", ""), False),
         in_kernel_gemm=_tristate("FUSEDEPI_IN_KERNEL_GEMM", env.get("FUSEDEPI_IN_KERNEL_GEMM", "")),
         native_launcher=_switch("FUSEDEPI_NATIVE_LAUNCHER", env.get("FUSEDEPI_NATIVE_LAUNCHER", ""), True),
         pad_gemm=_tristate("FUSEDEPI_PAD_GEMM", env.get("FUSEDEPI_PAD_GEMM", "")),

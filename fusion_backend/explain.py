@@ -17,13 +17,18 @@ class ExplainReport:
     Attributes:
         fused: records of fused chains (fusion name, kernel, nodes covered).
         refused: records of candidate chains left to Inductor, with the reason.
+        note: why there is nothing to report, where there is nothing.
     """
 
     fused: list
     refused: list
+    note: str = ""
 
     def __str__(self) -> str:
         from tabulate import tabulate
+
+        if self.note:
+            return self.note
 
         fused = tabulate(
             [(r.anchor, r.fusion, r.kernel, " ".join(r.nodes), r.stop, r.measured) for r in self.fused],
@@ -67,6 +72,12 @@ def explain(model: torch.nn.Module, *example_inputs, verbose: bool = True) -> Ex
         fused=[r for r in records if r.status == "fused"],
         refused=[r for r in records if r.status == "refused"],
     )
+    if not records:
+        from .config import load_config
+
+        result.note = ("FUSEDEPI_DISABLE=all: every graph went to Inductor unfused" if load_config().disable_all
+                       else "no candidate chain: no graph holds a matmul (linear, addmm, mm, matmul) or a "
+                            "convolution that fusedepi starts a chain at")
     if verbose:
         print(result)
     return result

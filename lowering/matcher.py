@@ -835,7 +835,8 @@ def _start(node: Node, anchor: Anchor, operands, allow_cpu: bool) -> _State:
     if val.dtype not in DTYPES:
         raise Refuse(f"dtype {val.dtype} is not fused (float32, float16, bfloat16 only)")
     if val.device.type != "cuda" and not allow_cpu:
-        raise Refuse(f"tensors on {val.device.type}: fused kernels are CUDA-only")
+        raise Refuse(f"tensors on {val.device.type}: fused kernels are CUDA-only (FUSEDEPI_CPU_REFERENCE=1 fuses "
+                     "CPU chains through their plain-torch reference, to try the rewrite without a GPU)")
     if not _is_contiguous(val):
         raise Refuse("anchor output is not contiguous (channels_last input?)")
     conv = anchor.kind == "conv"

@@ -220,3 +220,21 @@ def test_build_failure_at_call_time(strict, monkeypatch, caplog):
         assert len(out) == len(expected)
         for got, want in zip(out, expected):
             torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", ["FUSEDEPI_STRICT", "FUSEDEPI_CPU_REFERENCE"])
+def test_on_off_switches_reject_other_values(name):
+    assert getattr(load_config({name: "1"}), name.removeprefix("FUSEDEPI_").lower()) is True
+    with pytest.raises(ValueError, match=name):
+        load_config({name: "maybe"})
+
+
+def test_explain_says_why_it_has_nothing_to_report(monkeypatch):
+    from fusion_backend import explain
+
+    model = torch.nn.Sequential(torch.nn.ReLU())
+    report = explain(model, torch.randn(4, 8), verbose=False)
+    assert not report.fused and not report.refused and "no candidate chain" in str(report)
+    monkeypatch.setenv("FUSEDEPI_DISABLE", "all")
+    report = explain(torch.nn.Linear(8, 8), torch.randn(4, 8), verbose=False)
+    assert str(report) == "FUSEDEPI_DISABLE=all: every graph went to Inductor unfused"
