@@ -502,9 +502,10 @@ def _earlier(state: _State, other: Node) -> int:
     in between (the kernel's stages split there), and no dtype conversion since."""
     k = state.held[other]
     between = state.chain.steps[k:]
-    if any(s.name in REDUCTIONS for s in between):
-        raise Refuse(f"operand {other.name} is the chain's value before its {between[0].name}: a reduction lies "
-                     "between")
+    reduction = next((s for s in between if s.name in REDUCTIONS), None)
+    if reduction is not None:
+        raise Refuse(f"operand {other.name} is the chain's value from before its {reduction.name}: a reduction "
+                     "lies between")
     if state.widened_at is not None or not _same_shape(_val(other).shape, _val(state.node).shape):
         raise Refuse(f"operand {other.name} is an earlier value of the chain of another shape or dtype")
     return k

@@ -108,7 +108,10 @@ NORMS_LINEAR = ["groupnorm", "layernorm", "rmsnorm", "batchnorm", "softmax", "lo
 NORMS_CONV = ["groupnorm", "batchnorm"]
 # Norms after a conv, by generator generation: a later generation draws more kinds
 # without changing what an earlier one draws (the sixth session added InstanceNorm).
-CONV_NORMS = {1: NORMS_CONV, 2: NORMS_CONV + ["instancenorm"]}
+CONV_NORMS = {1: NORMS_CONV, 2: NORMS_CONV + ["instancenorm"], 3: NORMS_CONV + ["instancenorm"]}
+# From this generation on, a binary step's operand may be an earlier value of the chain
+# (`earlier`: the value `back` steps before the current one, of the same shape).
+EARLIER_GENERATION = 3
 ROW_REDUCTIONS = ["logsumexp", "sum", "mean", "amax", "amin", "max_values"]
 # Not in the vocabulary: the chain must stop there, and the model still match eager.
 OUTSIDE = ["cos", "pow3", "dropout_train"]
@@ -184,10 +187,14 @@ def _step(rng: random.Random, ctx: dict) -> dict:
             operands.append("full")
         if ctx["reduced"]:
             operands = [o for o in operands if o not in ("channel", "full")] or ["one"]
+        if ctx["generation"] >= EARLIER_GENERATION and ctx["earlier"] and op not in ("maximum", "minimum"):
+            operands += ["earlier", "earlier"]
         operand = rng.choice(operands)
         step = {"op": op, "operand": operand, "reverse": rng.random() < 0.3 and operand != "self"}
         if operand == "scalar":
             step["value"] = round(rng.choice([-1, 1]) * rng.uniform(0.5, 2.0), 3)
+        elif operand == "earlier":
+            step["back"] = rng.randint(1, ctx["earlier"])
         return step
     if family == "norm":
         if ctx["nd_linear"]:  # [B, T, N]: only norms over the last dim keep their meaning
@@ -227,6 +234,7 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         "allow_outside": rng.random() < 0.1,
         "last": "",
         "generation": generation,
+        "earlier": 0,  # earlier values of the current value's shape (an `earlier` operand's choices)
     }
     steps, in_vocabulary = [], True
     for _ in range(rng.randint(1, 8)):
@@ -241,6 +249,7 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
             ctx["has_reduction"] = True
         if op in ROW_REDUCTIONS:
             ctx["reduced"] = True
+        ctx["earlier"] = 0 if op in ROW_REDUCTIONS else ctx["earlier"] + 1
     if gemm:
         dtype = rng.choice(["bfloat16", "float16"]) if device == "cuda" else "bfloat16"
     elif device == "cuda":
@@ -296,12 +305,15 @@ class FuzzStep(nn.Module):
                 for p in self.norm.parameters():
                     p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
 
-    def forward(self, x, residual):
+    def forward(self, x, residual, earlier=()):
+        """`earlier`: the chain's values before this one, oldest first."""
         s, op = self.spec, self.spec["op"]
         if self.norm is not None:
             return self.norm(x)
         if op in BINARY:
             other = {"scalar": s.get("value"), "self": x, "full": residual}.get(s["operand"])
+            if s["operand"] == "earlier":
+                other = earlier[-s["back"]]
             if other is None:
                 other = self.operand
             if op == "maximum":
@@ -387,8 +399,9 @@ class FuzzModel(nn.Module):
 
     def forward(self, x, residual):
         x = self.anchor(x)
+        values = []
         for step in self.steps:
-            x = step(x, residual)
+            x, values = step(x, residual, values), values + [x]
         return x
 
 

@@ -70,6 +70,36 @@ def test_cpu_fuzz_of_instance_norm_chains(grad):
     assert len(fused) >= len(indices) // 2, summary["reasons"]
 
 
+def _earlier_models(count: int) -> list[int]:
+    """Indices of generation-3 models (seed 0, CPU draw) with an `earlier` operand."""
+    found = []
+    for index in range(10_000):
+        steps = fuzzer.make_case(0, index, "cpu", generation=fuzzer.EARLIER_GENERATION).steps
+        if any(s.get("operand") == "earlier" for s in steps):
+            found.append(index)
+            if len(found) == count:
+                break
+    return found
+
+
+def test_generations_before_earlier_operands_are_unchanged():
+    for generation in (1, 2):
+        cases = [fuzzer.make_case(0, i, "cpu", generation=generation) for i in range(400)]
+        assert not any(s.get("operand") == "earlier" for c in cases for s in c.steps)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+def test_cpu_fuzz_of_earlier_value_operands(grad):
+    # Generation 3 draws binary steps whose operand is an earlier value of the chain,
+    # possibly across a norm (the chain must then stop there, and still match eager).
+    indices = _earlier_models(30 if not grad else 12)
+    results = fuzzer.run(seed=0, indices=indices, device="cpu", grad=grad, generation=fuzzer.EARLIER_GENERATION)
+    summary = fuzzer.summarize(results)
+    assert len(results) == len(indices) and not summary["findings"], summary["findings"][:3]
+    fused = [r for r in results if r["fusion"] == "full"]
+    assert len(fused) >= len(indices) // 3, summary["reasons"]
+
+
 def test_cpu_fuzz_of_in_kernel_gemm_shapes():
     # --in-kernel-gemm: 16-bit Linear anchors the in-kernel GEMM covers, a stream of
     # their own (generation 1's models unchanged), run with FUSEDEPI_IN_KERNEL_GEMM=1
