@@ -138,6 +138,17 @@ def _ninja_build(source: str, arch: str, nvcc: str, workdir: Path) -> Path:
     return workdir / LIBRARY
 
 
+def _keep_failed(workdir: Path, keep: Path, message: str) -> str:
+    """Moves a failed build's source and ninja file to `keep` (the build directory is
+    removed); returns `message` naming them there."""
+    keep.mkdir(parents=True, exist_ok=True)
+    for name in ("kernel.cu", "build.ninja"):
+        if (workdir / name).exists():
+            shutil.copy(workdir / name, keep / name)
+    return message.replace(str(workdir / "kernel.cu"), str(keep / "kernel.cu")) + (
+        f"\n(the source and its nvcc command are kept in {keep})")
+
+
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -165,7 +176,10 @@ def _build_into(source: str, name: str, arch: str, nvcc: str, key: str, cache_di
         start = time.perf_counter()
         log.info("fusedepi: compiling %s (%s)", name, key[:12])
         with tempfile.TemporaryDirectory(dir=entry, prefix="build-") as tmp:
-            built = _ninja_build(source, arch, nvcc, Path(tmp))
+            try:
+                built = _ninja_build(source, arch, nvcc, Path(tmp))
+            except CompileError as err:
+                raise CompileError(_keep_failed(Path(tmp), entry / "failed", str(err))) from None
             digest = _digest(built)
             shutil.copy(Path(tmp) / "kernel.cu", entry / "kernel.cu")
             os.replace(built, library)

@@ -1,10 +1,12 @@
 """GPU-free: the content-addressed kernel cache and the loaded library's C interface."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -142,3 +144,16 @@ def test_two_processes_build_once(tmp_path):
     lines = [out.split() for out, _ in outs]
     assert sum(line.count("built") for line in lines) == 1
     assert lines[0][-1] == lines[1][-1]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_a_failed_build_keeps_its_source_where_the_error_says(tmp_path):
+    source = "this is not CUDA\n"
+    with pytest.raises(cuda_templates.CompileError) as raised:
+        cuda_templates.build(source, "broken", "sm80", tmp_path)
+    message = str(raised.value)
+    kept = re.search(r"kept in (\S+)\)", message)
+    assert kept, message
+    assert (Path(kept.group(1)) / "kernel.cu").read_text() == source
+    assert "nvcc" in (Path(kept.group(1)) / "build.ninja").read_text()
+    assert f"{kept.group(1)}/kernel.cu" in message  # the error names the kept file, not the removed one
