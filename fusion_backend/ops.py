@@ -232,6 +232,7 @@ class Launcher:
             self.anchor_path == "direct conv" and direct.stores_pre_norm and self.spec.reduction is not None
         )
         self.reads_conv_tf32 = reads_conv_tf32(spec)
+        self.anchor_sizes = anchor_operand_sizes(self.spec, self.anchor_path)
         # Whether the C++ launcher has this launcher's plan (launcher_for registers it).
         self.native = False
 
@@ -260,7 +261,7 @@ class Launcher:
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         check_devices(inputs, self.device_index, self.spec.fusion)
         anchor_operands = list(inputs[: self.n_operands])
-        check_anchor_operands(anchor_operands, self.spec, self.anchor_path)
+        check_anchor_operands(anchor_operands, self.spec, self.anchor_path, self.anchor_sizes)
         params = [_aligned(p) for p in inputs[self.n_operands :]]
         in_kernel = self.gemm and self.in_kernel_gemm(anchor_operands[-2].shape[0])  # x's rows
         library_gemm = self.gemm and not in_kernel
@@ -360,11 +361,11 @@ def anchor_operand_sizes(spec: EpilogueSpec, path: str) -> list[tuple[int, int]]
     return []
 
 
-def check_anchor_operands(operands: list[torch.Tensor], spec: EpilogueSpec, path: str) -> None:
+def check_anchor_operands(operands: list[torch.Tensor], spec: EpilogueSpec, path: str, sizes=None) -> None:
     """The anchor's operands, before it runs: the chain's dtype (a padded GEMM's pad kernel
     reads x too); where a kernel computes the anchor, the sizes it was built for (x: K,
     or C_in x H x W, per row; the weight and bias whole). Library calls check the rest."""
-    sizes = anchor_operand_sizes(spec, path)
+    sizes = anchor_operand_sizes(spec, path) if sizes is None else sizes  # (a launcher's, computed once)
     rows = next((t.shape[0] for t, (a_row, _) in zip(operands, sizes) if a_row), 0)  # x's
     for i, t in enumerate(operands):
         a_row, whole = sizes[i] if sizes else (0, t.numel())

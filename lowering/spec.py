@@ -217,6 +217,9 @@ class EpilogueSpec:
         statistics hold `channels` elements, a single-element operand one, a full
         operand (a residual) a row's worth for every row of the anchor output: the
         launchers check every call's inputs against these before any kernel reads them."""
+        known = self.__dict__.get("_param_sizes")  # computed once a spec (launchers ask at every call)
+        if known is not None:
+            return known
         sizes = [(0, 0)] * len(self.param_dtypes)
         reduced = False
         for step in self.steps:
@@ -229,7 +232,8 @@ class EpilogueSpec:
                     if index >= 0:
                         sizes[index] = (self.channels, 0)
             reduced = reduced or step.name in ROW_REDUCTIONS
-        return tuple(sizes)
+        object.__setattr__(self, "_param_sizes", tuple(sizes))  # not a field: equality and JSON ignore it
+        return self._param_sizes
 
     @property
     def row_output(self) -> bool:
