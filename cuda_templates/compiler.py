@@ -78,10 +78,12 @@ def nvcc_version(nvcc: str) -> str:
     return out.stdout.strip().splitlines()[-1] if out.stdout else "unknown"
 
 
-def nvcc_flags(arch: str) -> list[str]:
-    """Flags for `arch` like "sm90", "sm90a" or "sm80". No fast-math: results must match eager."""
+def nvcc_flags(arch: str, line_info: bool = False) -> list[str]:
+    """Flags for `arch` like "sm90", "sm90a" or "sm80". No fast-math: results must match eager.
+    `line_info`: source lines in the binary (-lineinfo: for ncu and compute-sanitizer; the
+    code is the same)."""
     number = arch[2:]
-    return [
+    return (["-lineinfo"] if line_info else []) + [
         "-O3",
         "-std=c++17",
         "-shared",
@@ -101,9 +103,10 @@ def _headers_digest() -> str:
     return h.hexdigest()
 
 
-def cache_key(source: str, arch: str, nvcc: str) -> str:
+def cache_key(source: str, arch: str, nvcc: str, line_info: bool = False) -> str:
     h = hashlib.sha256()
-    for part in (source, _headers_digest(), " ".join(nvcc_flags(arch)), nvcc_version(nvcc), arch, package_version()):
+    for part in (source, _headers_digest(), " ".join(nvcc_flags(arch, line_info)), nvcc_version(nvcc), arch,
+                 package_version()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
@@ -122,9 +125,9 @@ def file_lock(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _ninja_build(source: str, arch: str, nvcc: str, workdir: Path) -> Path:
+def _ninja_build(source: str, arch: str, nvcc: str, workdir: Path, line_info: bool = False) -> Path:
     (workdir / "kernel.cu").write_text(source)
-    flags = " ".join(nvcc_flags(arch))
+    flags = " ".join(nvcc_flags(arch, line_info))
     (workdir / "build.ninja").write_text(
         "ninja_required_version = 1.3\n"
         f"rule nvcc\n  command = {nvcc} {flags} -o $out $in\n  description = nvcc $out\n"
@@ -162,7 +165,8 @@ def _intact(library: Path) -> bool:
         return False
 
 
-def _build_into(source: str, name: str, arch: str, nvcc: str, key: str, cache_dir: Path) -> Path:
+def _build_into(source: str, name: str, arch: str, nvcc: str, key: str, cache_dir: Path,
+                line_info: bool = False) -> Path:
     entry = Path(cache_dir) / key[:2] / key
     library = entry / LIBRARY
     if _intact(library):
@@ -177,7 +181,7 @@ def _build_into(source: str, name: str, arch: str, nvcc: str, key: str, cache_di
         log.info("fusedepi: compiling %s (%s)", name, key[:12])
         with tempfile.TemporaryDirectory(dir=entry, prefix="build-") as tmp:
             try:
-                built = _ninja_build(source, arch, nvcc, Path(tmp))
+                built = _ninja_build(source, arch, nvcc, Path(tmp), line_info)
             except CompileError as err:
                 raise CompileError(_keep_failed(Path(tmp), entry / "failed", str(err))) from None
             digest = _digest(built)
@@ -207,7 +211,7 @@ def _private_cache_dir(cache_dir: Path, err: OSError) -> Path:
         return _private_cache
 
 
-def build(source: str, name: str, arch: str, cache_dir: Path) -> Path:
+def build(source: str, name: str, arch: str, cache_dir: Path, line_info: bool = False) -> Path:
     """Returns the path of the compiled library for `source`, building it if needed.
 
     Args:
@@ -216,20 +220,21 @@ def build(source: str, name: str, arch: str, cache_dir: Path) -> Path:
         arch: target like "sm90".
         cache_dir: root of the on-disk cache. If it cannot be written, the build goes
             to a private temporary cache (one warning per process).
+        line_info: build with -lineinfo (FUSEDEPI_DEBUG); a cache entry of its own.
 
     Raises:
         CompileError: nvcc/ninja missing or failing.
     """
     nvcc = find_nvcc()
-    key = cache_key(source, arch, nvcc)
+    key = cache_key(source, arch, nvcc, line_info)
     try:
-        return _build_into(source, name, arch, nvcc, key, cache_dir)
+        return _build_into(source, name, arch, nvcc, key, cache_dir, line_info)
     except OSError as err:  # read-only or full cache directory
         private = _private_cache_dir(Path(cache_dir), err)
         if Path(cache_dir) == private:
             raise CompileError(f"cannot write the temporary kernel cache {private}: {err}") from err
         try:
-            return _build_into(source, name, arch, nvcc, key, private)
+            return _build_into(source, name, arch, nvcc, key, private, line_info)
         except OSError as again:
             raise CompileError(f"cannot write the kernel cache {cache_dir} nor {private}: {again}") from again
 
@@ -284,9 +289,9 @@ _loaded: dict[Path, Library] = {}
 _lock = threading.Lock()
 
 
-def load(source: str, name: str, arch: str, cache_dir: Path) -> Library:
+def load(source: str, name: str, arch: str, cache_dir: Path, line_info: bool = False) -> Library:
     """Builds (or finds) and loads the library for `source`; memoized per process."""
-    path = build(source, name, arch, cache_dir)
+    path = build(source, name, arch, cache_dir, line_info)
     with _lock:
         lib = _loaded.get(path)
         if lib is None:

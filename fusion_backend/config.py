@@ -56,6 +56,8 @@ class Config:
             `fusion_backend.choice`): "auto" (the default: chains on a GPU are timed),
             "on" (CPU chains under FUSEDEPI_CPU_REFERENCE too, to test the mechanism)
             or "off" (every matched chain is fused, untimed).
+        debug: build kernels with source line information (FUSEDEPI_DEBUG=1: -lineinfo,
+            for ncu and compute-sanitizer; the same code, a cache entry of its own).
     """
 
     disabled: frozenset
@@ -70,6 +72,7 @@ class Config:
     conv_channels_last: str = "auto"
     fold_gemm_bias: str = "auto"
     autotune: str = "auto"
+    debug: bool = False
 
 
 def _default_cache_dir(env) -> Path:
@@ -85,8 +88,8 @@ def load_config(environ=None) -> Config:
             nor a step, FUSEDEPI_LOG_LEVEL is not a logging level, or
             FUSEDEPI_IN_KERNEL_GEMM, FUSEDEPI_PAD_GEMM, FUSEDEPI_CONV_CHANNELS_LAST,
             FUSEDEPI_FOLD_GEMM_BIAS or FUSEDEPI_AUTOTUNE is none of auto, 1, 0, or
-            FUSEDEPI_NATIVE_LAUNCHER, FUSEDEPI_STRICT or FUSEDEPI_CPU_REFERENCE is
-            neither 1 nor 0.
+            FUSEDEPI_NATIVE_LAUNCHER, FUSEDEPI_STRICT, FUSEDEPI_CPU_REFERENCE or
+            FUSEDEPI_DEBUG is neither 1 nor 0.
     """
     env = os.environ if environ is None else environ
     names = frozenset(n.strip() for n in env.get("FUSEDEPI_DISABLE", "").split(",") if n.strip())
@@ -113,6 +116,7 @@ def load_config(environ=None) -> Config:
         conv_channels_last=_tristate("FUSEDEPI_CONV_CHANNELS_LAST", env.get("FUSEDEPI_CONV_CHANNELS_LAST", "")),
         fold_gemm_bias=_tristate("FUSEDEPI_FOLD_GEMM_BIAS", env.get("FUSEDEPI_FOLD_GEMM_BIAS", "")),
         autotune=_tristate("FUSEDEPI_AUTOTUNE", env.get("FUSEDEPI_AUTOTUNE", "")),
+        debug=_switch("FUSEDEPI_DEBUG", env.get("FUSEDEPI_DEBUG", ""), False),
     )
 
 

@@ -160,22 +160,24 @@ def arch_of(device: torch.device) -> str:
     return f"sm{major}{minor}"
 
 
-def kernel_for(spec: str, device: torch.device, cache_dir: Path, conv_tf32: bool = False) -> cuda_templates.Library:
+def kernel_for(spec: str, device: torch.device, cache_dir: Path, conv_tf32: bool = False,
+               line_info: bool = False) -> cuda_templates.Library:
     """Renders, compiles (or finds in the cache) and loads the kernel for `spec`
-    (conv_tf32: the variant for float32 convolutions that may use TF32).
+    (conv_tf32: the variant for float32 convolutions that may use TF32; line_info: built
+    with -lineinfo, FUSEDEPI_DEBUG).
 
     Raises:
         cuda_templates.NotRenderable: no template covers the spec.
         cuda_templates.CompileError: nvcc failed or is missing.
     """
     arch = arch_of(device)
-    key = (spec, arch, str(cache_dir), conv_tf32)
+    key = (spec, arch, str(cache_dir), conv_tf32, line_info)
     lib = _kernels.get(key)
     if lib is None:
         parsed = _parse(spec)
         source = cuda_templates.render(parsed, arch, conv_tf32=conv_tf32)
         name = cuda_templates.kernel_name(parsed, arch, conv_tf32)
-        lib = cuda_templates.load(source, name, cuda_templates.build_arch(parsed, arch), cache_dir)
+        lib = cuda_templates.load(source, name, cuda_templates.build_arch(parsed, arch), cache_dir, line_info)
         with _kernels_lock:
             _kernels[key] = lib
     return lib
@@ -197,7 +199,8 @@ class Launcher:
         self.spec = _parse(spec)
         self.spec_json = spec
         self.device_index = device.index
-        self.lib = kernel_for(spec, device, load_config().cache_dir, conv_tf32)
+        cfg = load_config()
+        self.lib = kernel_for(spec, device, cfg.cache_dir, conv_tf32, cfg.debug)
         self.n_operands = self.spec.anchor.n_operands
         red = self.spec.reduction
         self.row_output = self.spec.row_output

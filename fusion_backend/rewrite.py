@@ -159,7 +159,7 @@ def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
     if device.type != "cuda":
         return "reference (cpu)" + padded
     tf32 = ops.reads_conv_tf32(spec) and ops.conv_allows_tf32()
-    ops.kernel_for(spec, device, cfg.cache_dir, tf32)
+    ops.kernel_for(spec, device, cfg.cache_dir, tf32, cfg.debug)
     arch = ops.arch_of(device)
     name = cuda_templates.kernel_name(chain.spec, arch, tf32) + padded
     gemm = cuda_templates.gemm_plan(chain.spec, arch)

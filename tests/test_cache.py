@@ -55,6 +55,9 @@ def test_key_depends_on_source_and_arch():
     nvcc = compiler.find_nvcc()
     assert compiler.cache_key(SOURCE, "sm80", nvcc) != compiler.cache_key(SOURCE, "sm90", nvcc)
     assert compiler.cache_key(SOURCE, "sm80", nvcc) != compiler.cache_key(SOURCE + " ", "sm80", nvcc)
+    # FUSEDEPI_DEBUG's builds (-lineinfo) have entries of their own
+    assert compiler.cache_key(SOURCE, "sm80", nvcc) != compiler.cache_key(SOURCE, "sm80", nvcc, line_info=True)
+    assert "-lineinfo" in compiler.nvcc_flags("sm90a", True) and "-lineinfo" not in compiler.nvcc_flags("sm90a")
 
 
 def test_compile_error_carries_the_compiler_output(tmp_path):
@@ -119,10 +122,10 @@ def test_full_cache_falls_back_to_a_private_one(tmp_path, monkeypatch):
     _fresh_private_cache(monkeypatch)
     real = compiler._ninja_build
 
-    def no_space(source, arch, nvcc, workdir):
+    def no_space(source, arch, nvcc, workdir, line_info=False):
         if str(workdir).startswith(str(tmp_path)):
             raise OSError(28, "No space left on device")
-        return real(source, arch, nvcc, workdir)
+        return real(source, arch, nvcc, workdir, line_info)
 
     monkeypatch.setattr(compiler, "_ninja_build", no_space)
     library = compiler.build(SOURCE, "k", "sm80", tmp_path)
@@ -157,3 +160,10 @@ def test_a_failed_build_keeps_its_source_where_the_error_says(tmp_path):
     assert (Path(kept.group(1)) / "kernel.cu").read_text() == source
     assert "nvcc" in (Path(kept.group(1)) / "build.ninja").read_text()
     assert f"{kept.group(1)}/kernel.cu" in message  # the error names the kept file, not the removed one
+
+
+def test_debug_builds_carry_line_info_in_entries_of_their_own(tmp_path):
+    plain = compiler.build(SOURCE, "k", "sm80", tmp_path)
+    lined = compiler.build(SOURCE, "k", "sm80", tmp_path, line_info=True)
+    assert plain != lined and lined.exists()
+    assert lined.stat().st_size > plain.stat().st_size  # the line table

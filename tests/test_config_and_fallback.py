@@ -222,7 +222,7 @@ def test_build_failure_at_call_time(strict, monkeypatch, caplog):
             torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("name", ["FUSEDEPI_STRICT", "FUSEDEPI_CPU_REFERENCE"])
+@pytest.mark.parametrize("name", ["FUSEDEPI_STRICT", "FUSEDEPI_CPU_REFERENCE", "FUSEDEPI_DEBUG"])
 def test_on_off_switches_reject_other_values(name):
     assert getattr(load_config({name: "1"}), name.removeprefix("FUSEDEPI_").lower()) is True
     with pytest.raises(ValueError, match=name):
