@@ -108,11 +108,6 @@ _MATRIX_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.op
 _MAX_CONSUMERS = 64
 
 
-def chain_outputs(chain: Chain) -> list[Node]:
-    """The nodes whose values the fused op returns, in its output order."""
-    return [chain.final] + list(chain.extra) + list(chain.saved)
-
-
 def consumers(chain: Chain, claimed: frozenset = frozenset()) -> list[Node]:
     """The nodes after the chain that Inductor could fuse with its last steps, in graph
     order: users of its values, then of theirs, up to a matrix op, a node of another
@@ -177,8 +172,8 @@ def subgraphs(chain: Chain, spec: str, claimed: frozenset = frozenset()):
         if fused:
             call = graph.call_function(torch.ops.fusedepi.chain.default,
                                        ([env[n] for n in list(chain.operands) + list(chain.params)], spec))
-            items = [graph.call_function(operator.getitem, (call, i)) for i in range(len(chain_outputs(chain)))]
-            env.update(zip(chain_outputs(chain), items))
+            items = [graph.call_function(operator.getitem, (call, i)) for i in range(len(chain.outputs()))]
+            env.update(zip(chain.outputs(), items))
             if chain.view is not None:  # as the rewrite does: the result re-viewed, the nodes before it
                 env[chain.final] = graph.call_function(torch.ops.aten.view.default, (items[0], chain.view.args[1]))
             for node in chain.same_as_result:

@@ -71,6 +71,9 @@ def cuda_include_dirs() -> list[str]:
     raise BuildError("no CUDA include directory: `nvcc --dryrun` names none")
 
 
+_NO_COMPILER = "no C++ compiler (set CXX or put c++ on PATH)"
+
+
 def find_cxx() -> str:
     """The C++ compiler: $CXX, else c++ or g++ from PATH (the first of `compilers()`).
 
@@ -79,7 +82,7 @@ def find_cxx() -> str:
     """
     found = compilers()
     if not found:
-        raise BuildError("no C++ compiler (set CXX or put c++ on PATH)")
+        raise BuildError(_NO_COMPILER)
     return found[0]
 
 
@@ -129,7 +132,7 @@ def build(cache_dir: Path) -> Path:
     """
     candidates = compilers()
     if not candidates:
-        raise BuildError("no C++ compiler (set CXX or put c++ on PATH)")
+        raise BuildError(_NO_COMPILER)
     failures = []
     for cxx in candidates:
         try:

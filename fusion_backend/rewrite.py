@@ -76,7 +76,7 @@ def _replace(graph: torch.fx.Graph, chain: Chain, spec: str, renamed: dict) -> N
             result = graph.call_function(aten.view.default, (outs[0], chain.view.args[1]))
             result.meta["val"] = chain.final.meta["val"]
     stand_ins = [(chain.final, result)] + [(node, outs[0]) for node in chain.same_as_result]
-    stand_ins += list(zip(chain.extra + chain.saved, outs[1:]))
+    stand_ins += list(zip(chain.outputs()[1:], outs[1:]))
     for node, new in stand_ins:
         node.replace_all_uses_with(new)
         renamed[node] = new

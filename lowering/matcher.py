@@ -82,6 +82,11 @@ class Chain:
     stop: str = ""
     spec: EpilogueSpec | None = None
 
+    def outputs(self) -> list:
+        """The nodes whose values the fused op returns, in its output order: the result,
+        BatchNorm's new running statistics, the saved values."""
+        return [self.final] + list(self.extra) + list(self.saved)
+
 
 @dataclass
 class Refusal:
@@ -1081,10 +1086,10 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
         # A value saved because a later step of the chain reads it (an EARLIER operand) and
         # nothing else: the kernel holds it, the fused op need not return it.
         inside = set(chain.nodes)
-        same += [i for i, (n, s) in enumerate(zip(chain.saved, chain.saves))
-                 if s.what == "value" and i not in same and all(u in inside for u in n.users)]
-        chain.same_as_result = [chain.saved[i] for i in same
-                                if chain.saved[i] is not chain.final and not all(u in inside for u in chain.saved[i].users)]
+        held_only = {i for i, (n, s) in enumerate(zip(chain.saved, chain.saves))
+                     if s.what == "value" and all(u in inside for u in n.users)}
+        chain.same_as_result = [chain.saved[i] for i in same if chain.saved[i] is not chain.final and i not in held_only]
+        same = set(same) | held_only
         chain.saved = [n for i, n in enumerate(chain.saved) if i not in same]
         chain.saves = [s for i, s in enumerate(chain.saves) if i not in same]
         fusion = _fusion_name(anchor, chain.steps)
