@@ -310,6 +310,9 @@ def run_reference(x: torch.Tensor, steps, params, saves=()) -> list[torch.Tensor
             x = result
         values.append(x)
     saved = []
+    # The outputs never share memory (the op's contract): a value returned twice (saved
+    # under two shapes, or equal to the result) is copied.
+    returned = {id(x)} | {id(t) for t in extras}
     for s in saves:
         if s.what == "value":
             t = values[s.at]
@@ -318,5 +321,9 @@ def run_reference(x: torch.Tensor, steps, params, saves=()) -> list[torch.Tensor
         else:
             t = stats[s.what]
         # A value saved while widened to float32 (RMSNorm's decomposition) is float32.
-        saved.append(t.to(getattr(torch, s.dtype)).reshape(s.sized(rows)))
+        out = t.to(getattr(torch, s.dtype))
+        if out is t and id(t) in returned:
+            out = t.clone()
+        returned.add(id(t))
+        saved.append(out.reshape(s.sized(rows)))
     return [x] + extras + saved

@@ -43,6 +43,7 @@ import random
 import re
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -555,7 +556,10 @@ def _run_case(case: Case, device: str, grad: bool, draw: int) -> Result:
     if eager_err is not None:  # (outside the handler: fusedepi's exception must not chain to eager's)
         return _rejected(result, eager_err, model, x, residual, upstream)
     try:
-        with collect_reports(reports):
+        with collect_reports(reports), warnings.catch_warnings():
+            # The fused op's outputs may not alias its inputs or each other: torch warns now
+            # and will raise later; the fuzzer raises now.
+            warnings.filterwarnings("error", message=".*custom operator.*alias.*")
             outs = _outputs(model, torch.compile(model, backend=fusedepi), x, residual, upstream)
     except Exception as err:  # a crash is a finding, whatever it is
         result.check, result.finding = "error", f"{type(err).__name__}: {str(err)[:300]}"

@@ -23,7 +23,7 @@ def test_cpu_fuzz_has_no_findings_and_fuses_the_vocabulary():
     results = fuzzer.run(seed=0, indices=range(CI_MODELS), device="cpu")
     summary = fuzzer.summarize(results)
     assert summary["models"] == CI_MODELS
-    assert not summary["findings"], summary["findings"][:3]
+    assert not summary["findings"], _shown(summary["findings"])
     assert summary["in_vocabulary_fused_share"] >= 0.9, summary["reasons"]
     # The models exercise the vocabulary: most of its steps fused somewhere.
     fused = {name for r in results for steps in r["fused_steps"] for name in steps}
@@ -65,9 +65,14 @@ def test_cpu_fuzz_of_instance_norm_chains(grad):
     indices = _instance_norm_models(24 if not grad else 12)
     results = fuzzer.run(seed=0, indices=indices, device="cpu", grad=grad, generation=2)
     summary = fuzzer.summarize(results)
-    assert not summary["findings"], summary["findings"][:3]
+    assert not summary["findings"], _shown(summary["findings"])
     fused = [r for r in results if r["fusion"] == "full"]
     assert len(fused) >= len(indices) // 2, summary["reasons"]
+
+
+def _shown(findings: list[dict]) -> str:
+    """The first findings in full (pytest's assertion message cuts dicts short)."""
+    return "\n".join(repr(f) for f in findings[:3])
 
 
 def _earlier_models(count: int) -> list[int]:
@@ -95,7 +100,7 @@ def test_cpu_fuzz_of_earlier_value_operands(grad):
     indices = _earlier_models(30 if not grad else 12)
     results = fuzzer.run(seed=0, indices=indices, device="cpu", grad=grad, generation=fuzzer.EARLIER_GENERATION)
     summary = fuzzer.summarize(results)
-    assert len(results) == len(indices) and not summary["findings"], summary["findings"][:3]
+    assert len(results) == len(indices) and not summary["findings"], _shown(summary["findings"])
     fused = [r for r in results if r["fusion"] == "full"]
     assert len(fused) >= len(indices) // 3, summary["reasons"]
 
@@ -114,7 +119,7 @@ def test_cpu_fuzz_of_in_kernel_gemm_shapes():
     results = fuzzer.run(seed=0, indices=range(24), device="cpu", gemm=True)
     assert os.environ.get("FUSEDEPI_IN_KERNEL_GEMM") == before  # the setting is the case's only
     summary = fuzzer.summarize(results)
-    assert not summary["findings"], summary["findings"][:3]
+    assert not summary["findings"], _shown(summary["findings"])
     assert summary["fusion"].get("full", 0) >= 12, summary["reasons"]
     assert summary["in_kernel_gemm"] == 0  # no wgmma kernel runs on CPU
 
@@ -238,7 +243,7 @@ CI_GRAD_MODELS = 60  # with backward: about two minutes on two cores
 def test_cpu_fuzz_with_gradients_has_no_findings():
     results = fuzzer.run(seed=1, indices=range(CI_GRAD_MODELS), device="cpu", grad=True)
     summary = fuzzer.summarize(results)
-    assert not summary["findings"], summary["findings"][:3]
+    assert not summary["findings"], _shown(summary["findings"])
     assert summary["fusion"].get("full", 0) >= 0.7 * CI_GRAD_MODELS, summary
 
 
