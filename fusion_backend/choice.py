@@ -178,6 +178,8 @@ def subgraphs(chain: Chain, spec: str, claimed: frozenset = frozenset()):
                 env[chain.final] = graph.call_function(torch.ops.aten.view.default, (items[0], chain.view.args[1]))
             for node in chain.same_as_result:
                 env[node] = items[0]
+            for node, saved, shape in chain.views_of_saved:
+                env[node] = graph.call_function(torch.ops.aten.view.default, (env[saved], list(shape)))
             copied = after
         else:
             copied = nodes

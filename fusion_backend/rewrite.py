@@ -77,6 +77,11 @@ def _replace(graph: torch.fx.Graph, chain: Chain, spec: str, renamed: dict) -> N
             result.meta["val"] = chain.final.meta["val"]
     stand_ins = [(chain.final, result)] + [(node, outs[0]) for node in chain.same_as_result]
     stand_ins += list(zip(chain.outputs()[1:], outs[1:]))
+    with graph.inserting_before(chain.final):
+        for node, saved, shape in chain.views_of_saved:
+            view = graph.call_function(aten.view.default, (dict(stand_ins)[saved], list(shape)))
+            view.meta["val"] = node.meta["val"]
+            stand_ins.append((node, view))
     for node, new in stand_ins:
         node.replace_all_uses_with(new)
         renamed[node] = new

@@ -64,6 +64,9 @@ class Chain:
         saves: the `Save` of each node in `saved`.
         same_as_result: nodes used elsewhere that hold the result itself (before a
             trailing view): replaced by the fused op's first output.
+        views_of_saved: (node, saved node, shape): a node that holds the same value as an
+            earlier saved node under another shape; replaced by a view of that output
+            (the op returns each value once: its outputs never share memory).
         view: the last view node the chain went through (its shape is re-applied).
         stop: why the chain ended where it did.
     """
@@ -78,6 +81,7 @@ class Chain:
     saved: list = field(default_factory=list)
     saves: list = field(default_factory=list)
     same_as_result: list = field(default_factory=list)
+    views_of_saved: list = field(default_factory=list)
     view: Node | None = None
     stop: str = ""
     spec: EpilogueSpec | None = None
@@ -969,6 +973,22 @@ def _save(state: _State, node: Node, what: str, per_row: int) -> str | None:
     return None
 
 
+def _share_saved_values(chain: Chain) -> None:
+    """Returns a value saved under two shapes (a Linear's 2-D product and its 3-D view,
+    both used by the backward) once: the later node becomes a view of the earlier output."""
+    first: dict = {}
+    keep = []
+    for i, (node, save) in enumerate(zip(chain.saved, chain.saves)):
+        key = (save.what, save.at, save.dtype)
+        if save.what in ("value", "sigmoid") and save.per_row and key in first:
+            chain.views_of_saved.append((node, chain.saved[first[key]], save.shape))
+        else:
+            first.setdefault(key, i)
+            keep.append(i)
+    chain.saved = [chain.saved[i] for i in keep]
+    chain.saves = [chain.saves[i] for i in keep]
+
+
 def _extend_once(state: _State, disabled: frozenset) -> str | None:
     """Adds one step to the chain; returns why it cannot, or None."""
     users = list(state.node.users)
@@ -1092,6 +1112,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
         same = set(same) | held_only
         chain.saved = [n for i, n in enumerate(chain.saved) if i not in same]
         chain.saves = [s for i, s in enumerate(chain.saves) if i not in same]
+        _share_saved_values(chain)
         fusion = _fusion_name(anchor, chain.steps)
         if fusion in disabled:
             refusals.append(Refusal(node.name, names, f"fusion {fusion} disabled by FUSEDEPI_DISABLE"))

@@ -156,6 +156,32 @@ def test_instance_norm_gradients(dims, on_device):
         assert '"what":"mean"' in fused[0].spec and '"what":"rstd"' in fused[0].spec
 
 
+class _QuotientByProduct(nn.Module):
+    """Linear on a 3-D input, max with a per-feature bound (a buffer), divided by the product: the
+    backward reads the Linear's product both as the 2-D addmm output and as its 3-D view."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(24, 64)
+        self.register_buffer("bound", torch.rand(64))
+
+    def forward(self, x):
+        y = self.linear(x)
+        return torch.nn.functional.silu(-(torch.maximum(self.bound, y) / y))
+
+
+@pytest.mark.parametrize("on_device", DEVICES, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_value_saved_under_two_shapes_is_returned_once(dtype, on_device):
+    torch.manual_seed(0)
+    model = _QuotientByProduct().to(on_device, dtype)
+    eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+    fused = _forward_backward(model, eager, ref, torch.rand(4, 3, 24, device=on_device, dtype=dtype))
+    (record,) = fused
+    saves = [(s["what"], s["at"]) for s in json.loads(record.spec)["saves"]]
+    assert saves.count(("value", 0)) == 1, saves  # its 3-D view is a view of that output
+
+
 def test_backward_reads_the_saved_input_of_amin(monkeypatch):
     # amin's backward compares its input with the minimum: recomputed by Inductor from
     # the GEMM output, the input would not equal the minimum the fused op found (GPU
