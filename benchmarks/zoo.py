@@ -12,6 +12,7 @@ then a summary of both ratios.
     python -m benchmarks.zoo --quick                # 8 models, float32 and bf16
     python -m benchmarks.zoo --models conv2d_bn_relu linear_ln_relu --dtypes bfloat16
     python -m benchmarks.zoo --warm 12 --json zoo.json   # build kernels in 12 processes first
+    python -m benchmarks.zoo --models linear_hardtanh --profile   # and each backend's GPU kernels
 
 `--warm N` first compiles every selected model with both backends in N processes
 (FUSEDEPI_AUTOTUNE=off there: nothing is timed), so that the timed pass finds nvcc's
@@ -233,7 +234,24 @@ def _max_error(out, ref) -> float:
     return worst
 
 
-def run_model(zoo: ZooModel, dtype_name: str, time_it: bool = True) -> dict:
+def kernel_profile(fn, calls: int = 5, top: int = 8) -> list[tuple[str, float]]:
+    """The `top` GPU kernels of a call of `fn` by GPU time: (name, us per call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time / calls
+    return sorted(totals.items(), key=lambda item: -item[1])[:top]
+
+
+def run_model(zoo: ZooModel, dtype_name: str, time_it: bool = True, profile: bool = False) -> dict:
     """Compiles `zoo` with Inductor and with fusedepi at `dtype_name`; times both."""
     import copy
 
@@ -266,6 +284,8 @@ def run_model(zoo: ZooModel, dtype_name: str, time_it: bool = True) -> dict:
             if time_it:
                 row[f"{backend}_ms"] = _bench_ms(lambda: fn(x))
                 row[f"{backend}_gpu_ms"] = gpu_ms(lambda: fn(x), x.device)
+            if profile:
+                row[f"{backend}_kernels"] = kernel_profile(lambda: fn(x))
     if time_it:
         row["ratio"] = row["inductor_ms"] / row["fusedepi_ms"]
         row["gpu_ratio"] = row["inductor_gpu_ms"] / row["fusedepi_gpu_ms"]
@@ -307,6 +327,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shard", default="1/1", help="I/N: the I-th of N equal parts of the selection")
     parser.add_argument("--warm", type=int, default=0, metavar="N", help="compile everything in N processes first")
     parser.add_argument("--json", help="also write the rows and the summary here")
+    parser.add_argument("--profile", action="store_true", help="also list each backend's GPU kernels per call")
     args = parser.parse_args(argv)
     if args.list:
         print("\n".join(BY_NAME))
@@ -328,7 +349,7 @@ def main(argv=None) -> int:
     rows = []
     for name, dtype_name in tasks:
         try:
-            row = run_model(BY_NAME[name], dtype_name)
+            row = run_model(BY_NAME[name], dtype_name, profile=args.profile)
         except Exception as err:  # noqa: BLE001 - one model's failure is a row, not the end
             row = {"model": name, "dtype": dtype_name, "failed": f"{type(err).__name__}: {str(err)[:300]}"}
         rows.append(row)
@@ -343,6 +364,9 @@ def main(argv=None) -> int:
             print(f"    fused: {fused}", flush=True)
         for refused in row["refused"]:
             print(f"    not fused: {refused[:200]}", flush=True)
+        for backend in ("inductor", "fusedepi") if args.profile else ():
+            for kernel, us in row[f"{backend}_kernels"]:
+                print(f"    {backend:8s} {us:9.1f} us  {kernel[:110]}", flush=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
               "summary": {d: summary([r for r in rows if r["dtype"] == d]) for d in args.dtypes},
               "gpu_summary": {d: summary([r for r in rows if r["dtype"] == d], "gpu_ratio") for d in args.dtypes}}
