@@ -4,14 +4,11 @@
 #   bash benchmarks/device_run.sh quick          # tests + benchmark --quick
 #   bash benchmarks/device_run.sh bench [args]   # benchmark only, args passed on
 #   bash benchmarks/device_run.sh all [args]     # GPU test tier, then the benchmark with args
-#   bash benchmarks/device_run.sh variants|anchors [args]  # kernel_variants.py / anchor_forms.py
 #   bash benchmarks/device_run.sh ncu SKIP COUNT WORKLOAD PRECISION [--eval]  # ncu on fusedepi's kernels
-#   bash benchmarks/device_run.sh warmprof WORKLOAD PRECISION BACKEND        # cProfile of a warm start
 #   bash benchmarks/device_run.sh fuzz MODELS FIRST WORKERS SECONDS [SEED [GENERATION]]  # GPU differential fuzzer
 #   bash benchmarks/device_run.sh fuzzgrad MODELS FIRST WORKERS SECONDS [SEED [GENERATION]]  # the same with backward
 #   bash benchmarks/device_run.sh backward [args]                            # training-step benchmark
 #   bash benchmarks/device_run.sh fuzzbench N SEED [MODE]                    # N fused random models vs Inductor
-#   bash benchmarks/device_run.sh callprof                                   # CPU time of one compiled call
 #   bash benchmarks/device_run.sh zoo [args]                                 # benchmarks.zoo, args passed on
 # The benchmark makes fresh kernel and Inductor caches of its own, so its compile times are cold.
 # Logs and JSON go to $OUT (the device tool's output folder) or /tmp/fusedepi-out.
@@ -34,12 +31,6 @@ fi
 if [ "$what" = quick ]; then
   python3 -m benchmarks.compare --quick --json "$OUT/bench_quick.json" 2>&1 | tee "$OUT/bench_quick.log" | grep -v "^-- "
 fi
-if [ "$what" = variants ]; then
-  python3 -m benchmarks.kernel_variants "$@" 2>&1 | grep -v DEBUG | tee "$OUT/variants.log"
-fi
-if [ "$what" = anchors ]; then
-  python3 -m benchmarks.anchor_forms 2>&1 | tee "$OUT/anchor_forms.log"
-fi
 if [ "$what" = ncu ]; then
   skip=$1 count=$2; shift 2
   log="$OUT/ncu_$(echo "$*" | tr ' ' '_' | tr -d '-').log"
@@ -47,9 +38,6 @@ if [ "$what" = ncu ]; then
     --section SpeedOfLight --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
     --section MemoryWorkloadAnalysis --section WarpStateStats python3 -m benchmarks.once "$@" >"$log" 2>&1 || status=1
   grep -E "_sm[0-9]+_|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Grid Size|Block Size|Stall|Issue Slots Busy|Waves Per SM" "$log" | grep -v "^==PROF==" | head -80
-fi
-if [ "$what" = warmprof ]; then
-  python3 -m benchmarks.warm_profile "$@" 2>&1 | tee "$OUT/warmprof_$(echo "$*" | tr ' ' '_').log" | head -75
 fi
 if [ "$what" = fuzz ] || [ "$what" = fuzzgrad ]; then
   models=$1 first=$2 workers=$3 limit=$4 seed=${5:-0} generation=${6:-1}
@@ -63,9 +51,6 @@ fi
 if [ "$what" = backward ]; then
   python3 -m benchmarks.compare --backward --json "$OUT/backward.json" "$@" 2>&1 | tee "$OUT/backward.log" | grep -v "^-- "
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-fi
-if [ "$what" = callprof ]; then
-  python3 -m benchmarks.call_profile 2>&1 | grep -v -i warn | tee "$OUT/callprof.log" | head -70
 fi
 if [ "$what" = fuzzbench ]; then
   mode=${3:-default}

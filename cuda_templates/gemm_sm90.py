@@ -39,12 +39,12 @@ Which chains and calls take it (FUSEDEPI_IN_KERNEL_GEMM, README "In-kernel GEMM"
 default 16-bit pointwise chains and row reductions and float32 row reductions
 (`lowering.matcher.auto_takes_gemm`) at calls whose rows fill the GPU (`fills_gpu`); the
 launcher runs the library GEMM and this file's epilogue kernel on the other calls, and on
-every float32 call while the matmul precision is "highest". Measured on an H200 at bf16 (benchmarks/RESULTS.md): workload 1's eval chain
-at 1.09-1.10x the library GEMM through it, against 1.17-1.19x on the library path
-(thirteenth session); workload 2's logsumexp at 0.192-0.195 ms against Inductor's
-0.194-0.196 and the library path's 0.193 (fourteenth session). GroupNorm chains are not faster through it
-(workload 3: 1.07-1.09x against 1.04-1.09x, twelfth session: at 1024 x 8192 x 8192 a CTA
-has two tiles and the chain of each is exposed), so they take it only with
+every float32 call while the matmul precision is "highest". Measured on an H200 at bf16: workload 1's eval chain
+at 1.09-1.10x the library GEMM through it, against 1.17-1.19x on the library path;
+workload 2's logsumexp at 0.192-0.195 ms against Inductor's 0.194-0.196 and the library
+path's 0.193. GroupNorm chains are not faster through it (workload 3: 1.07-1.09x against
+1.04-1.09x: at 1024 x 8192 x 8192 a CTA has two tiles and the chain of each is exposed),
+so they take it only with
 FUSEDEPI_IN_KERNEL_GEMM=1. Tried and dropped: a cluster of 2 multicasting the w tile (no
 gain), a ping-pong schedule (1.3x).
 """
@@ -63,8 +63,8 @@ WARPS_MIN_TILES = 4  # tiles a CTA from which a pointwise chain runs in the spar
 # torch.get_float32_matmul_precision() allows TF32). wgmma reads the float32 operands'
 # top 19 bits from shared memory: it truncates where eager's cuBLAS rounds, so products
 # lean towards zero, and the error is 2-3x eager's TF32 error on a pointwise chain, 30-35x
-# on workload 2's logsumexp (9e-6 against 3e-7, still inside float32's 1e-5; RESULTS.md,
-# fifteenth session). Rounding in shared memory would add a pass over every stage.
+# on workload 2's logsumexp (9e-6 against 3e-7 on an H200, still inside float32's 1e-5).
+# Rounding in shared memory would add a pass over every stage.
 WGMMA_TYPES = {"bfloat16": ("bf16", 16), "float16": ("f16", 16), "float32": ("tf32", 8)}
 WGMMA_K_BYTES = 32  # K of one wgmma instruction, in bytes, for every operand type
 
@@ -74,8 +74,8 @@ def block_k(dtype: str) -> int:
     return TILE_K_BYTES // WGMMA_K_BYTES * WGMMA_TYPES[dtype][1]
 # Steps whose per-element code is a few float32 operations: no transcendental function, no
 # division, at most per-column loads. A GroupNorm chain (which the consumers run, exposed
-# at the end of each tile) takes these only: on an H200 (bf16, RESULTS.md twelfth
-# session), workload 4's chain (two silu) ran at 1.14x the library GEMM in it against
+# at the end of each tile) takes these only: on an H200 at bf16, workload 4's chain
+# (two silu) ran at 1.14x the library GEMM in it against
 # 1.08-1.15x on the library path. Pointwise chains take any step.
 CHEAP_STEPS = frozenset({"relu", "leaky_relu", "clamp", "maximum", "minimum", "abs", "neg", "add", "sub", "mul",
                          "groupnorm"})
@@ -83,8 +83,8 @@ CHEAP_STEPS = frozenset({"relu", "leaky_relu", "clamp", "maximum", "minimum", "a
 
 # FUSEDEPI_IN_KERNEL_GEMM=auto: the in-kernel GEMM runs where its tiles give every SM one
 # at least and keep the last wave this full; else cuBLAS (which picks its tile per shape)
-# runs first and the chain follows. Measured at two shapes only (RESULTS.md, thirteenth
-# session: 2048 and 256 tiles on 132 SMs, both 97% full).
+# runs first and the chain follows. Measured at two shapes only (an H200: 2048 and 256
+# tiles on 132 SMs, both 97% full).
 MIN_WAVE_USE = 0.75
 
 

@@ -192,7 +192,7 @@ def staged_plan(spec: EpilogueSpec) -> Plan | str:
     if groups > 1:
         return f"{groups} groups of {seg_len} elements: longer than a warp holds, and an image takes one block"
     # Powers of two here: a fitted team (544 x 2 for 1058 vectors) ran the staged kernel
-    # slower than 512 x 3 (2234 against 1597 us, twentieth session; fewer threads an SM).
+    # slower than 512 x 3 on an H100 (2234 against 1597 us; fewer threads an SM).
     team = _block_team(vecs, STAGED_MAX_VECS, pow2=True)
     if team > MAX_BLOCK:
         return f"an image of {row} elements: more than a block holds"

@@ -2,9 +2,9 @@
 
 cuBLAS's fast Hopper kernels read and write through the tensor memory accelerator,
 which needs 16-byte aligned rows. A 16-bit x[M, K] @ w[N, K]^T whose K or N is not a
-multiple of 8 gets older kernels instead, 2-3x slower at large M (RESULTS.md,
-seventeenth session: bf16 808512 x 151 x 513 took 2.07 ms in cuBLAS, against 0.64 ms
-for the same product padded to 152 x 520, plus 0.17 ms to pad x). Inductor pads such
+multiple of 8 gets older kernels instead, 2-3x slower at large M (on an H200, bf16
+808512 x 151 x 513 took 2.07 ms in cuBLAS, against 0.64 ms for the same product padded
+to 152 x 520, plus 0.17 ms to pad x). Inductor pads such
 GEMMs where its timing says so; this does the same for the GEMMs inside fused chains.
 
 The padded form (`Anchor.pad`, run by `ops.padded_gemm`) copies x into a zeroed

@@ -96,7 +96,7 @@ def reference(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
 
 # A plain `torch.library.Library` op, not `torch.library.custom_op`: the latter's
 # per-call wrappers (output aliasing check, autograd wrapper, redispatch) cost about
-# 50 us of CPU per call on an H200 host (benchmarks/call_profile.py), more than the
+# 50 us of CPU per call on an H200 host (cProfile of a warm call), more than the
 # GPU time of a small chain. Nothing is lost: the outputs never alias the inputs or
 # each other, and the op has no autograd formula because it only goes into graphs
 # that need none: inference graphs, and the forward half of a training graph, whose

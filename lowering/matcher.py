@@ -758,8 +758,8 @@ MULTI_NODE = STEP_MATCHERS[:3]
 
 def auto_takes_gemm(steps, dtype: torch.dtype, matmul_tf32: bool) -> bool:
     """Whether FUSEDEPI_IN_KERNEL_GEMM=auto keeps a Linear chain a candidate for the
-    in-kernel GEMM (each call then picks by its rows). Measured on an H200 (RESULTS.md,
-    thirteenth to fifteenth sessions), ratio to the library GEMM alone:
+    in-kernel GEMM (each call then picks by its rows). Measured on an H200, ratio to the
+    library GEMM alone:
     - 16-bit: pointwise chains (workload 1 eval 1.09-1.10x in it, 1.17-1.19x on the
       library path) and row reductions (workload 2 level); GroupNorm is not faster in it;
     - float32 in TF32: row reductions only (workload 2 1.00-1.02x in it, 1.03x on the
@@ -871,7 +871,7 @@ def _fold_bias(state: _State, anchor: Anchor, gemm_bias: bool) -> Anchor | None:
     """Moves the anchor's bias into the epilogue as its first step, where that is faster.
 
     Returns the anchor without its bias, or None when it keeps it. Measured on an
-    H200 (benchmarks/anchor_forms.py, NOTES.md): cuDNN adds a conv bias in a pass
+    H200: cuDNN adds a conv bias in a pass
     of its own over the output, so a conv bias always moves; cuBLAS's `mm` beats
     `addmm` by 7-8% for float32 under TF32 but not in bf16 or strict float32, where
     the extra epilogue load costs more than it saves, so a GEMM bias moves only for

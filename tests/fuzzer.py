@@ -108,7 +108,7 @@ BINARY = ["add", "sub", "mul", "div", "maximum", "minimum"]
 NORMS_LINEAR = ["groupnorm", "layernorm", "rmsnorm", "batchnorm", "softmax", "log_softmax"]
 NORMS_CONV = ["groupnorm", "batchnorm"]
 # Norms after a conv, by generator generation: a later generation draws more kinds
-# without changing what an earlier one draws (the sixth session added InstanceNorm).
+# without changing what an earlier one draws (generation 2 adds InstanceNorm).
 CONV_NORMS = {1: NORMS_CONV, 2: NORMS_CONV + ["instancenorm"], 3: NORMS_CONV + ["instancenorm"]}
 # From this generation on, a binary step's operand may be an earlier value of the chain
 # (`earlier`: the value `back` steps before the current one, of the same shape).
