@@ -1,4 +1,4 @@
-"""Compare eager, Inductor, Inductor max-autotune and fusedepi on the five workloads.
+"""Compare eager, Inductor, Inductor max-autotune and fusedepi on the workloads (below).
 
     python -m benchmarks.compare            # every workload x precision x mode
     python -m benchmarks.compare --quick    # a small subset, under two minutes
@@ -354,8 +354,18 @@ def print_table(rows):
     print(tabulate(table, headers=headers))
 
 
+def _doc_line(workload) -> str:
+    """The first line of a workload model's docstring, without its number."""
+    line = (workload.make_model.__doc__ or workload.name).strip().splitlines()[0]
+    return line.split(". ", 1)[-1].rstrip(".")
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    listing = "\n".join(f"  {w.name:26s} {_doc_line(w)}, input {'x'.join(map(str, w.input_shape))}"
+                        for w in ALL_WORKLOADS.values())
+    epilog = f"workloads (the first five by default; the sixth on request):\n{listing}"
+    parser = argparse.ArgumentParser(description=__doc__, epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="workloads 3 and 5, bf16, train: under two minutes")
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(ALL_WORKLOADS))
     parser.add_argument("--precisions", nargs="*", default=list(PRECISIONS), choices=list(PRECISIONS))

@@ -1,4 +1,5 @@
-"""The five workloads of DEVELOPERS.md as modules, shared by the GPU tests and the benchmark."""
+"""The five workloads the backend is measured on (and a sixth on request), as modules, shared by
+the GPU tests and the benchmark."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ class ConvBiasScaleSigmoidGroupNorm(nn.Module):
 
 
 class ConvBnRelu(nn.Module):
-    """Beyond the five: Conv2d(64->64, k3, pad 1) -> BatchNorm2d -> ReLU (a ResNet block's start)."""
+    """6. Conv2d(64->64, k3, pad 1) -> BatchNorm2d -> ReLU (a ResNet block's start)."""
 
     def __init__(self, c=64):
         super().__init__()

@@ -38,7 +38,9 @@ class ExplainReport:
             [(r.anchor, " ".join(r.nodes), r.reason) for r in self.refused],
             headers=["anchor", "nodes", "why not fused"],
         )
-        return f"fused chains: {len(self.fused)}\n{fused}\n\nrefused candidates: {len(self.refused)}\n{refused}"
+        parts = [f"fused chains: {len(self.fused)}" + (f"\n{fused}" if self.fused else "")]
+        parts.append(f"refused candidates: {len(self.refused)}" + (f"\n{refused}" if self.refused else ""))
+        return "\n\n".join(parts)
 
 
 def explain(model: torch.nn.Module, *example_inputs, verbose: bool = True) -> ExplainReport:

@@ -13,7 +13,7 @@ def _bias(index):
 
 
 def workload_specs(dtype="float32"):
-    """The five workloads' specs, as the matcher builds them under TF32 (sizes from DEVELOPERS.md)."""
+    """The five workloads' specs, as the matcher builds them under TF32 (sizes from benchmarks/workloads.py)."""
     p = (dtype,)
     return {
         "w1_bn_train": EpilogueSpec(

@@ -238,3 +238,22 @@ def test_explain_says_why_it_has_nothing_to_report(monkeypatch):
     monkeypatch.setenv("FUSEDEPI_DISABLE", "all")
     report = explain(torch.nn.Linear(8, 8), torch.randn(4, 8), verbose=False)
     assert str(report) == "FUSEDEPI_DISABLE=all: every graph went to Inductor unfused"
+
+
+def test_explain_prints_no_empty_table(monkeypatch):
+    from fusion_backend import explain
+
+    report = explain(nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32)), torch.randn(8, 16), verbose=False)
+    text = str(report)
+    assert report.fused and not report.refused
+    assert text.endswith("refused candidates: 0") and "why not fused" not in text
+
+
+def test_the_cpu_demo_fuses_both_samples_and_matches_eager(capsys, monkeypatch):
+    from fusion_backend import demo
+
+    monkeypatch.setenv("FUSEDEPI_CPU_REFERENCE", "1")  # the demo sets it; restored after the test
+    assert demo.main(["--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert "linear_batchnorm_train" in printed and "conv_groupnorm" in printed
+    assert printed.count("fused 1 chain(s)") == 2
