@@ -53,6 +53,8 @@ from __future__ import annotations
 
 from string import Template
 
+from lowering.vocabulary import VOCABULARY
+
 BLOCK_M, BLOCK_N = 128, 256
 TILE_K_BYTES = 128  # a stage's depth along K: one 128-byte swizzled row (64 16-bit, 32 float32 values)
 STAGES = 3  # ring stages; the 64 KB staging tile takes the place of a fourth
@@ -72,13 +74,12 @@ WGMMA_K_BYTES = 32  # K of one wgmma instruction, in bytes, for every operand ty
 def block_k(dtype: str) -> int:
     """Elements of K a stage holds: one 128-byte swizzled row."""
     return TILE_K_BYTES // WGMMA_K_BYTES * WGMMA_TYPES[dtype][1]
-# Steps whose per-element code is a few float32 operations: no transcendental function, no
-# division, at most per-column loads. A GroupNorm chain (which the consumers run, exposed
-# at the end of each tile) takes these only: on an H200 at bf16, workload 4's chain
-# (two silu) ran at 1.14x the library GEMM in it against
-# 1.08-1.15x on the library path. Pointwise chains take any step.
-CHEAP_STEPS = frozenset({"relu", "leaky_relu", "clamp", "maximum", "minimum", "abs", "neg", "add", "sub", "mul",
-                         "groupnorm"})
+# Steps whose per-element code is a few float32 operations (`StepKind.cheap` in the
+# vocabulary): no transcendental function, no division, at most per-column loads. A
+# GroupNorm chain (which the consumers run, exposed at the end of each tile) takes these
+# only: on an H200 at bf16, workload 4's chain (two silu) ran at 1.14x the library GEMM
+# in it against 1.08-1.15x on the library path. Pointwise chains take any step.
+CHEAP_STEPS = frozenset(kind.name for kind in VOCABULARY.values() if kind.cheap)
 
 
 # FUSEDEPI_IN_KERNEL_GEMM=auto: the in-kernel GEMM runs where its tiles give every SM one

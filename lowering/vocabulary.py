@@ -41,12 +41,22 @@ class StepKind:
             Step from the node's arguments (raising Refuse where it cannot be exact).
             Multi-node forms, binary steps, norms and reductions need the graph
             around them and are matched in `matcher.py`.
+        statistics: for a norm whose statistics backward may keep, computes them:
+            (x, step, params) -> (mean, rstd).
+        holds: aten ops (packets) the matcher reads as this step besides `forms`,
+            whose Inductor decompositions must wait until after matching
+            (`held_back_ops`).
+        cheap: a few float32 operations an element (no transcendental function, no
+            division, at most per-column loads): the steps a GroupNorm chain may hold
+            inside the in-kernel GEMM (`cuda_templates.gemm_sm90`).
     """
 
     name: str
     reference: Callable
     forms: tuple = ()
     statistics: Callable | None = None
+    holds: tuple = ()
+    cheap: bool = False
 
 
 def _param(params, index):
@@ -186,7 +196,7 @@ VOCABULARY: dict[str, StepKind] = {
     kind.name: kind
     for kind in [
         # ------------------------------------------------------------ pointwise
-        StepKind("relu", lambda x, s, p: torch.relu(x), _unary("relu", aten.relu.default)),
+        StepKind("relu", lambda x, s, p: torch.relu(x), _unary("relu", aten.relu.default), cheap=True),
         StepKind("gelu", lambda x, s, p: F.gelu(x), ((aten.gelu.default, _gelu_form),)),
         StepKind("gelu_tanh", lambda x, s, p: F.gelu(x, approximate="tanh")),  # a form of gelu
         StepKind(
@@ -194,6 +204,7 @@ VOCABULARY: dict[str, StepKind] = {
             lambda x, s, p: F.leaky_relu(x, s.consts[0]),
             ((aten.leaky_relu.default,
               lambda arg: Step("leaky_relu", consts=(_number(arg(1, "negative_slope", 0.01), "leaky_relu: slope"),))),),
+            cheap=True,
         ),
         StepKind("silu", lambda x, s, p: F.silu(x), _unary("silu", aten.silu.default)),  # and x * sigmoid(x)
         StepKind("sigmoid", lambda x, s, p: torch.sigmoid(x), _unary("sigmoid", aten.sigmoid.default)),
@@ -210,6 +221,7 @@ VOCABULARY: dict[str, StepKind] = {
                 (aten.clamp_min.default, _one_bound("min")),
                 (aten.clamp_max.default, _one_bound("max")),
             ),
+            cheap=True,
         ),
         StepKind(
             "elu",  # also selu (its constants) and celu (input_scale = 1 / alpha)
@@ -227,17 +239,17 @@ VOCABULARY: dict[str, StepKind] = {
             ((aten.softplus.default, lambda arg: Step("softplus", consts=(
                 _number(arg(1, "beta", 1.0), "softplus: beta"), _number(arg(2, "threshold", 20.0), "softplus: threshold")))),),
         ),
-        StepKind("abs", lambda x, s, p: torch.abs(x), _unary("abs", aten.abs.default)),
+        StepKind("abs", lambda x, s, p: torch.abs(x), _unary("abs", aten.abs.default), cheap=True),
         StepKind("exp", lambda x, s, p: torch.exp(x), _unary("exp", aten.exp.default)),
         StepKind("log", lambda x, s, p: torch.log(x), _unary("log", aten.log.default)),
-        StepKind("neg", lambda x, s, p: torch.neg(x), _unary("neg", aten.neg.default)),
+        StepKind("neg", lambda x, s, p: torch.neg(x), _unary("neg", aten.neg.default), cheap=True),
         # --------------------------------- binary: operand kinds in spec.py, matched in matcher.py
-        StepKind("add", _binary(torch.add)),
-        StepKind("sub", _binary(torch.sub)),
-        StepKind("mul", _binary(torch.mul)),
+        StepKind("add", _binary(torch.add), cheap=True),
+        StepKind("sub", _binary(torch.sub), cheap=True),
+        StepKind("mul", _binary(torch.mul), cheap=True),
         StepKind("div", _binary(torch.div)),
-        StepKind("maximum", _extremum(torch.maximum)),
-        StepKind("minimum", _extremum(torch.minimum)),
+        StepKind("maximum", _extremum(torch.maximum), cheap=True),
+        StepKind("minimum", _extremum(torch.minimum), cheap=True),
         # ---------------------------------------------------------- normalizations
         StepKind(
             "groupnorm",
@@ -245,6 +257,8 @@ VOCABULARY: dict[str, StepKind] = {
                 x, s.groups, _param(p, s.inputs[0]), _param(p, s.inputs[1]), s.consts[0]
             ),
             statistics=_group_norm_statistics,
+            holds=(aten.native_group_norm,),
+            cheap=True,  # its statistics come from the accumulators (`gemm_sm90`)
         ),
         StepKind(
             "layernorm",
@@ -252,6 +266,7 @@ VOCABULARY: dict[str, StepKind] = {
                 x, (x.shape[-1],), _param(p, s.inputs[0]), _param(p, s.inputs[1]), s.consts[0]
             ),
             statistics=_layer_norm_statistics,
+            holds=(aten.native_layer_norm,),
         ),
         StepKind("rmsnorm", _rmsnorm, statistics=_rmsnorm_statistics),
         StepKind(
@@ -265,21 +280,39 @@ VOCABULARY: dict[str, StepKind] = {
                 training=False,
                 eps=s.consts[0],
             ),
+            holds=(aten._native_batch_norm_legit_no_training,),
         ),
-        StepKind("batchnorm_train", _batchnorm_train, statistics=_batchnorm_statistics),
-        StepKind("softmax", lambda x, s, p: torch.softmax(x, dim=-1)),
-        StepKind("log_softmax", lambda x, s, p: torch.log_softmax(x, dim=-1)),
+        StepKind("batchnorm_train", _batchnorm_train, statistics=_batchnorm_statistics,
+                 holds=(aten._native_batch_norm_legit_functional,)),
+        StepKind("softmax", lambda x, s, p: torch.softmax(x, dim=-1), holds=(aten._softmax,)),
+        StepKind("log_softmax", lambda x, s, p: torch.log_softmax(x, dim=-1), holds=(aten._log_softmax,)),
         # ----------------------------------------- row reductions (feature dim of 2-D)
-        StepKind("logsumexp", lambda x, s, p: torch.logsumexp(x, dim=1, keepdim=s.keepdim)),
+        StepKind("logsumexp", lambda x, s, p: torch.logsumexp(x, dim=1, keepdim=s.keepdim), holds=(aten.logsumexp,)),
         StepKind("sum", lambda x, s, p: torch.sum(x, dim=1, keepdim=s.keepdim)),
         StepKind("mean", lambda x, s, p: torch.mean(x, dim=1, keepdim=s.keepdim)),
-        StepKind("amax", lambda x, s, p: torch.amax(x, dim=1, keepdim=s.keepdim)),
-        StepKind("amin", lambda x, s, p: torch.amin(x, dim=1, keepdim=s.keepdim)),
+        StepKind("amax", lambda x, s, p: torch.amax(x, dim=1, keepdim=s.keepdim), holds=(aten.amax,)),
+        StepKind("amin", lambda x, s, p: torch.amin(x, dim=1, keepdim=s.keepdim), holds=(aten.amin,)),
     ]
 }
 
 # aten op -> the builder of its Step, from every entry's `forms`.
 POINTWISE_FORMS: dict = {op: build for kind in VOCABULARY.values() for op, build in kind.forms}
+
+# Anchor ops whose decompositions wait until after matching (the matcher reads a
+# Linear's bias from `addmm`).
+ANCHOR_HOLDS = (aten.addmm,)
+
+
+def held_back_ops() -> tuple:
+    """Every aten op (packet) the matcher must see whole: the anchors', and each step's
+    `forms` and `holds`, in table order. The backend takes Inductor's decompositions of
+    these out of its table until the rewrite is done (`fusion_backend.backend`)."""
+    packets = list(ANCHOR_HOLDS)
+    for kind in VOCABULARY.values():
+        for op in [op.overloadpacket for op, _ in kind.forms] + list(kind.holds):
+            if op not in packets:
+                packets.append(op)
+    return tuple(packets)
 
 
 def run_reference(x: torch.Tensor, steps, params, saves=()) -> list[torch.Tensor]:

@@ -121,6 +121,22 @@ POSITIVE = {"sigmoid", "exp", "softplus", "softmax"}
 # Values after these are bounded: `exp` only follows them (so it cannot overflow).
 BOUNDED = {"sigmoid", "tanh", "hardsigmoid", "hardtanh", "relu6", "clamp", "softmax", "log_softmax_bounded"}
 
+# The vocabulary steps each draw above becomes, where its name differs (a spelling of a
+# step, or a module that reads as one); every other draw is its step's own name.
+# tests/test_vocabulary.py checks that the draws cover the whole vocabulary.
+STEPS_OF_DRAW = {
+    "silu_spelled": ("silu",), "hardtanh": ("clamp",), "relu6": ("clamp",), "clamp_min": ("clamp",),
+    "clamp_max": ("clamp",), "selu": ("elu",), "celu": ("elu",), "batchnorm": ("batchnorm_train", "batchnorm_eval"),
+    "instancenorm": ("groupnorm",), "max_values": ("amax",),
+}
+
+
+def drawn_steps() -> set:
+    """The vocabulary steps some generation of the fuzzer draws."""
+    draws = POINTWISE + BINARY + NORMS_LINEAR + ROW_REDUCTIONS + [n for norms in CONV_NORMS.values() for n in norms]
+    return {step for draw in draws for step in STEPS_OF_DRAW.get(draw, (draw,))}
+
+
 WIDTHS = [1, 3, 7, 16, 33, 64, 100, 127, 255, 256, 384, 513, 1000, 2048, 4100]
 
 

@@ -251,3 +251,40 @@ def test_narrowing_inside_a_float32_chain_is_refused():
     # Inductor, which runs the rest, drops the bf16 round trip (it does not emulate
     # precision casts by default): equal to eager within bf16 rounding only.
     torch.testing.assert_close(out, model(x), atol=1e-2, rtol=1e-2)
+
+
+# ------------------------------------------------------- one row per step
+
+
+def test_the_fuzzer_draws_every_step_of_the_vocabulary():
+    import fuzzer
+
+    from lowering import VOCABULARY
+
+    assert fuzzer.drawn_steps() == set(VOCABULARY), fuzzer.drawn_steps() ^ set(VOCABULARY)
+
+
+def test_the_readme_table_names_every_step():
+    import pathlib
+    import re
+
+    from lowering import VOCABULARY
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("| kind | steps |"):readme.index("One reduction or normalization")]
+    named = set(re.findall(r"`([a-z_]+)", table))
+    assert set(VOCABULARY) <= named, sorted(set(VOCABULARY) - named)
+
+
+def test_every_op_the_matcher_reads_is_held_back_from_decomposition():
+    # The table AOTAutograd decomposes with holds no overload of an op a vocabulary row
+    # reads (else the matcher would only ever see its decomposition).
+    from fusion_backend import backend
+
+    from lowering import HELD_BACK_OPS, VOCABULARY
+
+    table, _ = backend._tables()
+    read = {op.overloadpacket for kind in VOCABULARY.values() for op, _ in kind.forms}
+    read |= {op for kind in VOCABULARY.values() for op in kind.holds}
+    assert read <= set(HELD_BACK_OPS)
+    assert not [op for packet in read for op in backend._overloads([packet]) if op in table]
