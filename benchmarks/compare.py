@@ -125,7 +125,7 @@ def _compile(provider, model):
 
 def run_cell(workload, precision, training, providers, copy_gbs, profile=False):
     from fusion_backend.backend import collect_reports
-    from fusion_backend import ops
+    from fusion_backend import launch
 
     dtype = _set_precision(precision)
     base = workload.make_model().cuda().to(dtype).train(training)
@@ -178,7 +178,7 @@ def run_cell(workload, precision, training, providers, copy_gbs, profile=False):
                         row["epilogue_gbs"] = (in_bytes + out.numel() * out.element_size()) / epi / 1e6
                 # Warm compile: Dynamo cold, kernels from the on-disk cache.
                 torch._dynamo.reset()
-                ops.forget_loaded()
+                launch.forget_loaded()
                 start = time.perf_counter()
                 torch.compile(copy.deepcopy(base), backend="fusedepi")(x)
                 torch.cuda.synchronize()

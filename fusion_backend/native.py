@@ -2,7 +2,7 @@
 
 Loaded, it is `fusedepi::chain`'s CUDA implementation: a call of a fused op makes the
 anchor call, the allocations and the launch in C++, without the trip through the
-dispatcher to Python, the launcher's Python and ctypes. `ops.Launcher` still decides
+dispatcher to Python, the launcher's Python and ctypes. `launch.Launcher` still decides
 everything once per spec and device, and `register` passes those decisions on; a call
 the C++ side has no plan for goes to the Python implementation (`fusedepi::chain_py`).
 
@@ -10,7 +10,7 @@ Built with the C++ compiler and torch's include and library paths into
 `<cache>/native/<key>/`, keyed by the source, the command, the compiler and torch's
 version, so a machine builds it once per torch version (about 10 s). As with the
 kernels, the build runs in a private directory under a file lock that dies with its
-process, and is installed by an atomic rename. `ops.enable_native` loads it at the
+process, and is installed by an atomic rename. `launch.enable_native` loads it at the
 first compile of a CUDA chain.
 """
 
@@ -249,10 +249,10 @@ def _saves(launcher) -> list[int]:
 
 
 def _checks(launcher) -> list[int]:
-    """What every call's inputs are checked against (`ops.check_*`): [dtype code, y's row,
+    """What every call's inputs are checked against (`launch.check_*`): [dtype code, y's row,
     anchor operands read by a kernel, (elements a row, whole) each, params, (dtype code,
     whole, elements a row) each]."""
-    from .ops import anchor_operand_sizes
+    from .launch import anchor_operand_sizes
 
     spec = launcher.spec
     anchor = anchor_operand_sizes(spec, launcher.anchor_path)

@@ -19,7 +19,7 @@ from torch.fx import GraphModule
 import cuda_templates
 from lowering import Chain, match_graph
 
-from . import choice, conv_layout, gemm_bias, gemm_padding, native, ops, timings
+from . import choice, conv_layout, gemm_bias, gemm_padding, launch, native, ops, timings
 from .config import Config
 
 log = logging.getLogger("fusedepi")
@@ -163,8 +163,8 @@ def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
         padded = " (library conv on channels-last operands)"
     if device.type != "cuda":
         return "reference (cpu)" + padded
-    tf32 = ops.reads_conv_tf32(spec) and ops.conv_allows_tf32()
-    ops.kernel_for(spec, device, cfg.cache_dir, tf32, cfg.debug)
+    tf32 = launch.reads_conv_tf32(spec) and ops.conv_allows_tf32()
+    launch.kernel_for(spec, device, cfg.cache_dir, tf32, cfg.debug)
     arch = ops.arch_of(device)
     name = cuda_templates.kernel_name(chain.spec, arch, tf32) + padded
     gemm = cuda_templates.gemm_plan(chain.spec, arch)
@@ -188,7 +188,7 @@ def _enable_native(cfg: Config) -> None:
     """Loads the C++ launcher (building it the first time). Without it the fused ops
     launch from Python: correct, with more CPU time a call, so a failure only warns."""
     try:
-        ops.enable_native(cfg.cache_dir)
+        launch.enable_native(cfg.cache_dir)
     except native.BuildError as err:
         if cfg.strict:
             raise FusionError(f"fusedepi: the C++ launcher failed to build: {err}") from err

@@ -195,7 +195,7 @@ def _recorded_chain_call(monkeypatch):
 def test_build_failure_at_call_time(strict, monkeypatch, caplog):
     # A kernel built at call time (another device's architecture, dropped kernels) that
     # fails: the chain runs its reference with one warning, or raises in strict mode.
-    from fusion_backend import ops
+    from fusion_backend import launch
 
     inputs, spec, expected = _recorded_chain_call(monkeypatch)
     attempts = []
@@ -204,16 +204,16 @@ def test_build_failure_at_call_time(strict, monkeypatch, caplog):
         attempts.append(device)
         raise cuda_templates.CompileError("nvcc failed: simulated")
 
-    monkeypatch.setattr(ops, "launcher_for", failing_launcher)
-    monkeypatch.setattr(ops, "_unbuilt", set())
+    monkeypatch.setattr(launch, "launcher_for", failing_launcher)
+    monkeypatch.setattr(launch, "_unbuilt", set())
     if strict:
         monkeypatch.setenv("FUSEDEPI_STRICT", "1")
         with pytest.raises(cuda_templates.CompileError):
-            ops._chain_cuda(inputs, spec)
+            launch._chain_cuda(inputs, spec)
         return
     with caplog.at_level(logging.WARNING, logger="fusedepi"):
-        first = ops._chain_cuda(inputs, spec)
-        second = ops._chain_cuda(inputs, spec)
+        first = launch._chain_cuda(inputs, spec)
+        second = launch._chain_cuda(inputs, spec)
     warnings = [r for r in caplog.records if r.name == "fusedepi" and r.levelno == logging.WARNING]
     assert len(attempts) == 1 and len(warnings) == 1 and "plain-torch reference" in warnings[0].getMessage()
     for out in (first, second):

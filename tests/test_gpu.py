@@ -221,11 +221,11 @@ def test_a_call_with_an_operand_on_the_cpu_raises_and_the_gpu_stays_usable():
     """Both launchers check every operand before any kernel runs: a wrong one raises a
     clear error, and the CUDA context is still good afterwards. The first call plans the
     spec (Python), the later ones go through the C++ launcher's test, `inputs_fit`."""
-    from fusion_backend import ops
+    from fusion_backend import launch
     from fusion_backend.config import load_config
 
-    ops.enable_native(load_config().cache_dir)
-    assert ops.native_launcher() == "loaded"
+    launch.enable_native(load_config().cache_dir)
+    assert launch.native_launcher() == "loaded"
     spec = EpilogueSpec(Anchor("addmm"), (Step("mul", inputs=(0,), operand=ONE),), "float32", ("float32",), 64, 1,
                         "linear_pointwise").to_json()
     b, x, wt = torch.zeros(64, device="cuda"), torch.randn(8, 32, device="cuda"), torch.randn(32, 64, device="cuda")

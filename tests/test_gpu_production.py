@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks.workloads import ConvBiasScaleSigmoidGroupNorm, LinearGroupNormLeakyDouble, relative_error
-from fusion_backend import fusedepi, ops
+from fusion_backend import fusedepi, launch
 from fusion_backend.backend import collect_reports
 
 pytestmark = pytest.mark.gpu
@@ -31,9 +31,9 @@ def exact_float32():
 def fresh_cache(tmp_path, monkeypatch, count_builds):
     """An empty kernel cache and no loaded kernels; yields the list of kernel builds (nvcc runs)."""
     monkeypatch.setenv("FUSEDEPI_CACHE_DIR", str(tmp_path / "kernels"))
-    ops.forget_loaded()
+    launch.forget_loaded()
     yield count_builds
-    ops.forget_loaded()
+    launch.forget_loaded()
 
 
 def _fused(reports):
@@ -68,8 +68,8 @@ def test_reduce_overhead_cuda_graphs(dtype, fresh_cache, monkeypatch):
     from torch._dynamo.utils import counters
 
     launches = []
-    real_call = ops.Launcher.__call__
-    monkeypatch.setattr(ops.Launcher, "__call__", lambda self, inputs: (launches.append(1), real_call(self, inputs))[1])
+    real_call = launch.Launcher.__call__
+    monkeypatch.setattr(launch.Launcher, "__call__", lambda self, inputs: (launches.append(1), real_call(self, inputs))[1])
 
     model = _model(dtype)
     counters.clear()
@@ -184,4 +184,4 @@ def test_second_gpu(fresh_cache):
         assert outs[index].device == x.device
         _check(outs[index], local, x)
     assert len(fresh_cache) == 1
-    assert {key[1] for key in ops._launchers} >= {0, 1}
+    assert {key[1] for key in launch._launchers} >= {0, 1}

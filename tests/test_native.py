@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fusion_backend import load_config, native, ops, rewrite
+from fusion_backend import launch, load_config, native, rewrite
 from fusion_backend.rewrite import FusionError
 from lowering.spec import Anchor, Save
 
@@ -55,9 +55,9 @@ def test_build_key_follows_the_source_and_torch(monkeypatch):
 @pytest.fixture
 def native_untried(monkeypatch):
     """ops' launcher state as in a process that has not tried the C++ launcher; restored after."""
-    if ops.native_launcher() == "loaded":
+    if launch.native_launcher() == "loaded":
         pytest.skip("the C++ launcher is loaded in this process")
-    monkeypatch.setattr(ops, "_native_state", "python")
+    monkeypatch.setattr(launch, "_native_state", "python")
 
 
 def _has_cuda_kernel() -> bool:
@@ -71,10 +71,10 @@ def test_a_failed_build_leaves_the_python_launcher_serving(native_untried, monke
     monkeypatch.setattr(native, "build", failing)
     assert _has_cuda_kernel()
     with pytest.raises(native.BuildError, match="no compiler"):
-        ops.enable_native(tmp_path)
-    assert ops.native_launcher() == "failed"
+        launch.enable_native(tmp_path)
+    assert launch.native_launcher() == "failed"
     assert _has_cuda_kernel(), "the Python CUDA implementation was not put back"
-    assert not ops.enable_native(tmp_path), "a failed build is tried again in the same process"
+    assert not launch.enable_native(tmp_path), "a failed build is tried again in the same process"
 
 
 def test_a_failed_build_warns_or_raises_under_strict(native_untried, monkeypatch, tmp_path, caplog):
@@ -89,7 +89,7 @@ def test_a_failed_build_warns_or_raises_under_strict(native_untried, monkeypatch
     monkeypatch.setenv("FUSEDEPI_STRICT", "1")
     with pytest.raises(FusionError, match="C\\+\\+ launcher failed to build: RuntimeError: no compiler"):
         rewrite._enable_native(load_config())
-    monkeypatch.setattr(ops, "_native_state", "python")
+    monkeypatch.setattr(launch, "_native_state", "python")
     monkeypatch.delenv("FUSEDEPI_STRICT")
     with caplog.at_level("WARNING", logger="fusedepi"):
         rewrite._enable_native(load_config())
@@ -107,8 +107,8 @@ def test_a_failed_install_puts_the_python_launcher_back(failure, native_untried,
     monkeypatch.setattr(native, "load", lambda library: None)
     monkeypatch.setattr(native, "install", failing)
     with pytest.raises(native.BuildError if isinstance(failure, Exception) else KeyboardInterrupt):
-        ops.enable_native(tmp_path)
-    assert ops.native_launcher() == "failed"
+        launch.enable_native(tmp_path)
+    assert launch.native_launcher() == "failed"
     assert _has_cuda_kernel(), "the Python CUDA implementation was not put back"
 
 
@@ -152,7 +152,7 @@ def test_a_library_whose_errors_crash_is_refused(tmp_path):
 
 
 def _launcher(anchor, saves=(), **fields):
-    """The attributes of ops.Launcher that native.register reads."""
+    """The attributes of launch.Launcher that native.register reads."""
     spec = SimpleNamespace(anchor=anchor, channels=fields.pop("channels", 16))
     defaults = dict(spec=spec, anchor_path="library anchor", n_operands=anchor.n_operands,
                     gemm_auto=False, row_output=False, keepdim=False, stores_pre_norm=False, running_stats=(),
@@ -199,8 +199,8 @@ def test_plan_layout_of_a_channels_last_conv():
 def python_launches(monkeypatch):
     """Counts the calls that the Python launcher runs."""
     calls = []
-    real = ops.Launcher.__call__
-    monkeypatch.setattr(ops.Launcher, "__call__", lambda self, inputs: (calls.append(self), real(self, inputs))[1])
+    real = launch.Launcher.__call__
+    monkeypatch.setattr(launch.Launcher, "__call__", lambda self, inputs: (calls.append(self), real(self, inputs))[1])
     return calls
 
 
@@ -224,22 +224,22 @@ def test_cpp_and_python_launchers_agree_on_fuzzed_models(gemm, monkeypatch, pyth
     from fuzzer import make_case, run_case
 
     captured = []
-    real = ops.launcher_for
+    real = launch.launcher_for
 
     def capturing(spec, device):
         launcher = real(spec, device)
         return lambda inputs: (captured.append((spec, [t.clone() for t in inputs])), launcher(inputs))[1]
 
-    monkeypatch.setattr(ops, "launcher_for", capturing)
+    monkeypatch.setattr(launch, "launcher_for", capturing)
     for index in range(30):
         result = run_case(make_case(7, index, "cuda", gemm=gemm), "cuda", grad=index % 3 == 0)
         assert result.check != "error", result.finding
-    monkeypatch.setattr(ops, "launcher_for", real)
-    assert ops.native_launcher() == "loaded"
+    monkeypatch.setattr(launch, "launcher_for", real)
+    assert launch.native_launcher() == "loaded"
     assert len(captured) >= 15, f"only {len(captured)} fused calls in 30 models"
     served, kinds = 0, set()
     for spec, inputs in captured:
-        launcher = ops.launcher_for(spec, inputs[0].device)
+        launcher = launch.launcher_for(spec, inputs[0].device)
         covered = native.covers(launcher)
         cpp = _agree(spec, inputs, python_launches)
         assert cpp == covered, f"C++ served: {cpp}, covers the spec: {covered} ({launcher.spec.fusion})"
@@ -269,13 +269,13 @@ def test_cpp_launcher_asks_python_about_new_rows_of_an_in_kernel_gemm(python_lau
     assert "wgmma" in [r.kernel for report in reports for r in report.records][0]
     bias, weight = model[0].bias, model[0].weight
     for rows, in_kernel in ((8192, True), (8, False), (8, False), (8192, True)):
-        launcher = ops.launcher_for(spec, x.device)
+        launcher = launch.launcher_for(spec, x.device)
         inputs = [bias, torch.rand(rows, 256, device="cuda", dtype=torch.bfloat16), weight.t()]
         known = rows in launcher._gemm_rows
         assert _agree(spec, inputs, python_launches) == known, f"{rows} rows"
         assert launcher.in_kernel_gemm(rows) == in_kernel
     # Dropped plans: the next call asks Python again, which plans it anew.
-    ops.forget_loaded()
+    launch.forget_loaded()
     assert native.plan_count() == 0
     assert not _agree(spec, inputs, python_launches)
     assert native.plan_count() == 1
@@ -302,7 +302,7 @@ def test_cpp_and_python_launchers_agree_on_a_padded_gemm(tail, monkeypatch, pyth
     if tail == "batchnorm":
         bn = model[1]
         inputs += [bn.weight, bn.bias, bn.running_mean.clone(), bn.running_var.clone()]
-    ops.launcher_for(record.spec, x.device)  # planned: C++ serves the next call
+    launch.launcher_for(record.spec, x.device)  # planned: C++ serves the next call
     assert _agree(record.spec, inputs, python_launches)
 
 
@@ -324,5 +324,5 @@ def test_cpp_and_python_launchers_agree_on_a_channels_last_conv(monkeypatch, pyt
     assert record.kernel.endswith("(library conv on channels-last operands)")
     conv, norm = model[0], model[1]
     inputs = [x, conv.weight, conv.bias, norm.weight, norm.bias]
-    ops.launcher_for(record.spec, x.device)  # planned: C++ serves the next call
+    launch.launcher_for(record.spec, x.device)  # planned: C++ serves the next call
     assert _agree(record.spec, inputs, python_launches)

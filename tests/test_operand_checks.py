@@ -12,7 +12,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fusion_backend import ops
+from fusion_backend import launch, ops
 from lowering import match_graph
 from lowering.spec import CHANNEL, FULL, ONE, SCALAR, Anchor, EpilogueSpec, Step
 
@@ -101,9 +101,9 @@ def test_param_sizes_name_every_operand():
 
 
 def test_the_launcher_checks_pass_operands_of_the_graphs_sizes():
-    ops.check_params(_params(5), 5, _SPEC)
-    ops.check_anchor_operands([torch.zeros(16), torch.zeros(5, 8), torch.zeros(8, 16)], _SPEC, "library anchor")
-    ops.check_anchor_output(torch.zeros(5, 16), 5, _SPEC)
+    launch.check_params(_params(5), 5, _SPEC)
+    launch.check_anchor_operands([torch.zeros(16), torch.zeros(5, 8), torch.zeros(8, 16)], _SPEC, "library anchor")
+    launch.check_anchor_output(torch.zeros(5, 16), 5, _SPEC)
 
 
 @pytest.mark.parametrize("index, bad", [
@@ -117,31 +117,31 @@ def test_the_launcher_refuses_an_operand_of_another_size_or_dtype(index, bad):
     params = _params(5)
     params[index] = bad
     with pytest.raises(RuntimeError, match=f"operand {index} is"):
-        ops.check_params(params, 5, _SPEC)
+        launch.check_params(params, 5, _SPEC)
 
 
 def test_the_launcher_refuses_inputs_off_the_chains_gpu_and_wrong_anchor_outputs():
     with FakeTensorMode(allow_non_fake_inputs=True):
         on_gpu = [torch.empty(1, device="cuda:0"), torch.empty(1, device="cuda:1")]
-    ops.check_devices(on_gpu[:1], 0, "linear_layernorm")
+    launch.check_devices(on_gpu[:1], 0, "linear_layernorm")
     with pytest.raises(RuntimeError, match="input 1 is on cpu, the chain on cuda:0"):
-        ops.check_devices([on_gpu[0], torch.zeros(1)], 0, "linear_layernorm")
+        launch.check_devices([on_gpu[0], torch.zeros(1)], 0, "linear_layernorm")
     with pytest.raises(RuntimeError, match="input 1 is on cuda:1, the chain on cuda:0"):
-        ops.check_devices(on_gpu, 0, "linear_layernorm")
+        launch.check_devices(on_gpu, 0, "linear_layernorm")
     with pytest.raises(RuntimeError, match="the anchor gave"):
-        ops.check_anchor_output(torch.zeros(5, 15), 5, _SPEC)
+        launch.check_anchor_output(torch.zeros(5, 15), 5, _SPEC)
     with pytest.raises(RuntimeError, match="anchor operand 1 is"):
-        ops.check_anchor_operands([torch.zeros(16), torch.zeros(5, 8, dtype=torch.bfloat16), torch.zeros(8, 16)],
+        launch.check_anchor_operands([torch.zeros(16), torch.zeros(5, 8, dtype=torch.bfloat16), torch.zeros(8, 16)],
                                   _SPEC, "library anchor")
 
 
 def test_in_kernel_anchors_check_the_sizes_they_were_built_for():
     spec = EpilogueSpec(Anchor("addmm", gemm=(8, 0)), (Step("relu"),), "float32", (), 16, 1, "linear_pointwise")
-    ops.check_anchor_operands([torch.zeros(16), torch.zeros(5, 8), torch.zeros(8, 16)], spec, "in-kernel GEMM")
+    launch.check_anchor_operands([torch.zeros(16), torch.zeros(5, 8), torch.zeros(8, 16)], spec, "in-kernel GEMM")
     with pytest.raises(RuntimeError, match="anchor operand 1 is"):
-        ops.check_anchor_operands([torch.zeros(16), torch.zeros(5, 9), torch.zeros(9, 16)], spec, "in-kernel GEMM")
+        launch.check_anchor_operands([torch.zeros(16), torch.zeros(5, 9), torch.zeros(9, 16)], spec, "in-kernel GEMM")
     conv = EpilogueSpec(Anchor("conv", conv=((1, 1), (0, 0), (1, 1), False, (0, 0), 1), direct=(4, 3, 3, 10, 10)),
                         (Step("relu"),), "float32", (), 8, 64, "conv_pointwise")
-    ops.check_anchor_operands([torch.zeros(2, 4, 10, 10), torch.zeros(8, 4, 3, 3)], conv, "direct conv")
+    launch.check_anchor_operands([torch.zeros(2, 4, 10, 10), torch.zeros(8, 4, 3, 3)], conv, "direct conv")
     with pytest.raises(RuntimeError, match="anchor operand 0 is"):
-        ops.check_anchor_operands([torch.zeros(2, 4, 10, 11), torch.zeros(8, 4, 3, 3)], conv, "direct conv")
+        launch.check_anchor_operands([torch.zeros(2, 4, 10, 11), torch.zeros(8, 4, 3, 3)], conv, "direct conv")

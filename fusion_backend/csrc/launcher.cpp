@@ -1,7 +1,7 @@
 // fusedepi's C++ launcher: the CUDA implementation of `fusedepi::chain` without Python
 // in the call.
 //
-// Python (`fusion_backend/ops.py`, class Launcher) stays the one place that decides how
+// Python (`fusion_backend/launch.py`, class Launcher) stays the one place that decides how
 // a spec runs: it builds the kernel, then hands this file a plan (which path, which
 // outputs, which kernel entry points) through `fusedepi_native::plan`. A call whose
 // spec has no plan here, or whose rows the in-kernel GEMM rule has not yet been asked
@@ -340,7 +340,7 @@ at::Tensor run_anchor(const Plan& plan, const std::vector<at::Tensor>& operands)
 // Whether the inputs are what the kernels were built for: every input on the plan's GPU,
 // the anchor's operands in the chain's dtype (and, where a kernel computes the anchor,
 // of the sizes it was built for), every other operand of its dtype and size. A call
-// that does not fit goes to Python's launcher, whose checks (fusion_backend/ops.py,
+// that does not fit goes to Python's launcher, whose checks (fusion_backend/launch.py,
 // check_*) raise an error that names the operand.
 bool inputs_fit(const Plan& plan, at::TensorList inputs) {
   const size_t n = static_cast<size_t>(plan.n_operands);
