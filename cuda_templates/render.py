@@ -712,9 +712,9 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
     else:
         conv = templates.DIRECT_CONV_MMA_KERNELS.substitute(mma=MMA_INSTRUCTIONS[spec.dtype], normalize=normalize, **shape)
         if d.kind == "tf32":
-            phases = (f"{name}_mma_tile<2>(a, n, tile);", f"{name}_apply_tile(a, n, tile);", f"{name}_mma_tile<1>(a, n, tile);")
+            phases = ("mma_tile<2>(a, n, tile);", f"{name}_apply_tile(a, n, tile);", "mma_tile<1>(a, n, tile);")
         else:
-            phases = (f"{name}_mma_tile<0>(a, n, tile);", f"{name}_mma_tile<1>(a, n, tile);")
+            phases = ("mma_tile<0>(a, n, tile);", "mma_tile<1>(a, n, tile);")
     if stats:  # one launch of two phases; its workspace ends in the ticket and image counters
         conv += "\n\n" + templates.TWO_PHASE_KERNEL.substitute(
             kernel=name, eps=eps, phase1=phases[0], phase2=phases[1]
