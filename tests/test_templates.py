@@ -264,7 +264,8 @@ def test_direct_conv_kinds():
     # one launch: statistics pass (phase 1), then the output pass (phase 2), which normalizes in registers
     launches = source[source.index('extern "C" int fusedepi_run'):]
     assert launches.count("<<<") == 1 and "_twophase<<<" in launches
-    assert "_mma_tile<0>(a, n, tile);" in source and "_mma_tile<1>(a, n, tile);" in source
+    assert '#include "fusedepi/direct_conv_mma.cuh"' in source
+    assert "mma_tile<0>(a, n, tile);" in source and "mma_tile<1>(a, n, tile);" in source
     assert cuda_templates.direct_plan(direct_specs()["w5_direct"]).kind == "fma"
     # 3 input channels do not fill a 16-byte chunk: bf16 runs the library conv
     assert "multiples of 8" in cuda_templates.direct_plan(direct_specs("bfloat16")["direct_pointwise_k5_pad2"])
@@ -487,16 +488,16 @@ def test_tf32_direct_conv_plans():
     assert d.kind == "tf32" and d.tile_h == 8 and d.smem <= 110 * 1024  # two blocks per SM
     assert cuda_templates.kernel_name(w5, "sm90", conv_tf32=True).endswith("_tf32")
     source = cuda_templates.render(w5, "sm90", conv_tf32=True)
-    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in source and "cvt.rna.tf32.f32" in source
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in source  # (cvt.rna.tf32: direct_conv_mma.cuh)
     # phase 1 stores the pre-norm value, phase 2 normalizes it
-    assert "_mma_tile<2>(a, n, tile);" in source and "_apply_tile(a, n, tile);" in source
+    assert "mma_tile<2>(a, n, tile);" in source and "_apply_tile(a, n, tile);" in source
     # exact float32 unless TF32 is allowed, and before sm_80
     assert cuda_templates.direct_plan(w5, "sm90").kind == "fma"
     assert cuda_templates.direct_plan(w5, "sm75", conv_tf32=True).kind == "fma"
     # 3 input channels do not fill a 16-byte chunk of 4 floats: FMA
     assert cuda_templates.direct_plan(direct_specs()["direct_pointwise_k5_pad2"], "sm90", conv_tf32=True).kind == "fma"
     pointwise = cuda_templates.render(direct_specs()["direct_pointwise_cin8"], "sm90", conv_tf32=True)
-    assert "_mma_tile<1>(a, n, tile);" in pointwise and "_twophase" not in pointwise
+    assert "mma_tile<1>(a, n, tile);" in pointwise and "_twophase" not in pointwise
 
 
 def test_saved_values_are_stored_where_the_spec_says():
