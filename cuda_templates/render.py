@@ -708,7 +708,7 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
         conv = templates.DIRECT_CONV_KERNELS.substitute(
             copad=d.copad, out_vec=d.out_vec, dst="a.mid" if stats else "a.out", normalize=normalize, **shape
         )
-        phases = (f"{name}_conv_tile(a, n, tile);", f"{name}_apply_tile(a, n, tile);")
+        phases = ("conv_tile(a, n, tile);", f"{name}_apply_tile(a, n, tile);")
     else:
         conv = templates.DIRECT_CONV_MMA_KERNELS.substitute(mma=MMA_INSTRUCTIONS[spec.dtype], normalize=normalize, **shape)
         if d.kind == "tf32":

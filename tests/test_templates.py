@@ -216,10 +216,11 @@ def test_direct_conv_plans():
     # float32: one launch computes the conv and normalizes earlier images (after the counters' reset)
     launches = source[source.index("extern \"C\" int fusedepi_run"):]
     assert "cudaMemsetAsync(conv_counters(a)" in launches and launches.count("<<<") == 1
-    assert "_twophase<<<" in launches and "_conv_tile(a, n, tile);" in source and "_apply_tile(a, n, tile);" in source
+    assert "_twophase<<<" in launches and "conv_tile(a, n, tile);" in source and "_apply_tile(a, n, tile);" in source
+    assert '#include "fusedepi/direct_conv.cuh"' in source and "return a.mid;" in source  # conv_dst: y, then normalized
     pointwise = cuda_templates.render(direct_specs()["direct_pointwise_k5_pad2"], "sm90")
     assert "_apply<<<" not in pointwise and "_onephase<<<" in pointwise  # one kernel writes `out`
-    assert "_conv_tile(a, n, tile);" in pointwise and "_twophase" not in pointwise
+    assert "conv_tile(a, n, tile);" in pointwise and "_twophase" not in pointwise and "return a.out;" in pointwise
     assert cuda_templates.direct_plan(direct_specs()["direct_pointwise_k5_pad2"]).copad == 32  # 20 -> 32
 
 
