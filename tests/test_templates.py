@@ -341,9 +341,58 @@ def _assert_builds(nvcc_builds, test, name, arch="sm90a"):
     assert library.exists() and library.stat().st_size > 0
 
 
+# The compile tests build one representative spec per kernel form and architecture
+# (`representatives`), plus specs until every step appears with every operand kind it
+# takes; FUSEDEPI_TEST_ALL_SPECS=1 builds every spec (after a change to the templates).
+ALL_BUILDS = os.environ.get("FUSEDEPI_TEST_ALL_SPECS", "") == "1"
+
+
+def _form(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> tuple:
+    """What decides which template code a spec's file holds: float32 or 16-bit, its
+    kernels and the launch plan's switches (its steps are covered apart)."""
+    source = cuda_templates.render(spec, arch, conv_tf32=conv_tf32)
+    kernel = cuda_templates.kernel_name(spec, arch, conv_tf32)
+    kernels = tuple(sorted(set(re.findall(rf"\b{re.escape(kernel)}_(\w+)\s*(?:<[^>]*>)?\(", source))))
+    switches = tuple(re.findall(r"constexpr (?:int|bool|long long) (k(?:Staged|StagedApply|Wrap|PadK|Chunks|Team|"
+                                r"Stage0Done|ConvStats|RowReduce|RowReads|Bias)) = (true|false|\d+);", source))
+    coarse = tuple((k, v if v in ("true", "false") else str(int(v) > (32 if k == "kTeam" else 1 if k == "kChunks" else 0)))
+                   for k, v in switches)
+    return ("float32" if spec.dtype == "float32" else "16-bit", kernel.split("_")[0], kernels, coarse)
+
+
+def representatives(specs: dict, arch: str, conv_tf32: bool = False) -> list[str]:
+    """Names of `specs` that cover every form (`_form`), every kernel family in every
+    dtype, every (step, operand kind), and values saved for backward."""
+    if ALL_BUILDS:
+        return list(specs)
+
+    def covers(spec):
+        family = cuda_templates.kernel_name(spec, arch, conv_tf32).split("_")[0]
+        return ({("form",) + _form(spec, arch, conv_tf32), ("dtype", family, spec.dtype), ("saves", bool(spec.saves))}
+                | {("step", s.name, s.operand) for s in spec.steps})
+
+    chosen, covered = [], set()
+    for name, spec in specs.items():
+        new = covers(spec) - covered
+        if new:
+            chosen.append(name)
+            covered |= new
+    return chosen
+
+
+def test_representatives_cover_every_step_and_form():
+    for arch in ("sm80", "sm90a"):
+        chosen = representatives(ALL_SPECS, arch)
+        assert ALL_BUILDS or len(chosen) < len(ALL_SPECS)
+        assert {_form(ALL_SPECS[n], arch) for n in chosen} == {_form(s, arch) for s in ALL_SPECS.values()}
+        assert {ALL_SPECS[n].dtype for n in chosen} == set(DTYPES)
+        assert {(s.name, s.operand) for n in chosen for s in ALL_SPECS[n].steps} == {
+            (s.name, s.operand) for spec in ALL_SPECS.values() for s in spec.steps}
+        assert {s.name for n in chosen for s in ALL_SPECS[n].steps} == set(VOCABULARY)
+
+
 @needs_nvcc
-@pytest.mark.parametrize("arch", ["sm80", "sm90a"])
-@pytest.mark.parametrize("name", list(ALL_SPECS))
+@pytest.mark.parametrize("name, arch", [(n, a) for a in ("sm80", "sm90a") for n in representatives(ALL_SPECS, a)])
 def test_nvcc_compiles(name, arch, nvcc_builds):
     _assert_builds(nvcc_builds, "test_nvcc_compiles", name, arch)
 
@@ -353,8 +402,7 @@ TF32_SPECS = {f"{name}-tf32": spec for name, spec in direct_specs("float32").ite
 
 
 @needs_nvcc
-@pytest.mark.parametrize("arch", ["sm80", "sm90a"])
-@pytest.mark.parametrize("name", list(TF32_SPECS))
+@pytest.mark.parametrize("name, arch", [(n, a) for a in ("sm80", "sm90a") for n in representatives(TF32_SPECS, a, True)])
 def test_nvcc_compiles_tf32_direct_convs(name, arch, nvcc_builds):
     _assert_builds(nvcc_builds, "test_nvcc_compiles_tf32_direct_convs", name, arch)
 
@@ -478,7 +526,7 @@ def test_in_kernel_gemm_in_tf32_stages_float32_tiles_in_two_rounds():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("name", list(GEMM_SPECS))
+@pytest.mark.parametrize("name", representatives(GEMM_SPECS, "sm90"))
 def test_nvcc_compiles_the_in_kernel_gemm(name, nvcc_builds):
     _assert_builds(nvcc_builds, "test_nvcc_compiles_the_in_kernel_gemm", name)
 
