@@ -186,6 +186,10 @@ def _check_dtype(state: _State, node: Node):
         raise Refuse(f"{_name(node)}: result dtype {val.dtype} differs from the chain's {state.dtype}")
 
 
+# Ops a chain never continues into: they start chains (or are left to the library).
+_MATRIX_OPS = frozenset({aten.addmm.default, aten.mm.default, aten.bmm.default, aten.convolution.default})
+
+
 def _name(node: Node) -> str:
     target = node.target
     return getattr(target, "__name__", str(target)) if not isinstance(target, str) else target
@@ -954,6 +958,8 @@ def _next_step(state: _State, users: list) -> _Match | str:
     if first_refusal is not None:
         return first_refusal
     if len(users) == 1:
+        if users[0].target in _MATRIX_OPS:
+            return f"{users[0].name} is the next matrix op ({_name(users[0])}), an anchor of its own"
         return f"{_name(users[0])} is not in the vocabulary"
     return f"none of the value's consumers ({', '.join(u.name for u in users)}) is in the vocabulary"
 

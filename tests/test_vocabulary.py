@@ -288,3 +288,9 @@ def test_every_op_the_matcher_reads_is_held_back_from_decomposition():
     read |= {op for kind in VOCABULARY.values() for op in kind.holds}
     assert read <= set(HELD_BACK_OPS)
     assert not [op for packet in read for op in backend._overloads([packet]) if op in table]
+
+
+def test_a_chain_that_reaches_the_next_linear_says_so():
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    _, fused, _ = compile_records(model, torch.randn(4, 16))
+    assert fused[0].stop.endswith("is the next matrix op (addmm.default), an anchor of its own"), fused[0].stop
