@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 
@@ -221,13 +222,49 @@ def covers(launcher) -> bool:
     return not launcher.gemm_tf32 and not launcher.reads_conv_tf32
 
 
+@dataclass(frozen=True)
+class LaunchLayout:
+    """How a `launch.Launcher` runs its spec, by name: what `fusedepi_native.plan`'s
+    `layout` carries. `encode` lists the fields in this order and `decode` reads them
+    back; csrc/launcher.cpp's `set_plan` reads the same fields in the same order
+    (tests/test_native.py compares the two sources)."""
+
+    path: int  # PATH_CODES
+    anchor: int  # ANCHOR_CODES
+    n_operands: int
+    gemm_auto: bool  # the in-kernel GEMM or the library one, by rows (FUSEDEPI_IN_KERNEL_GEMM=auto)
+    row_output: bool  # a row reduction: [rows] out
+    keepdim: bool
+    channels: int
+    out_h: int  # a direct conv's output plane, else 0
+    out_w: int
+    stores_pre_norm: bool
+    has_bias: bool
+    pad_k: int  # a padded library GEMM's K and N, else 0
+    pad_n: int
+    channels_last: bool
+
+    @classmethod
+    def of(cls, launcher) -> "LaunchLayout":
+        spec = launcher.spec
+        out_h, out_w = spec.anchor.direct_out_hw() if launcher.anchor_path == "direct conv" else (0, 0)
+        pad_k, pad_n = spec.anchor.pad or (0, 0)
+        return cls(PATH_CODES[launcher.anchor_path], ANCHOR_CODES[spec.anchor.kind], launcher.n_operands,
+                   launcher.gemm_auto, launcher.row_output, launcher.keepdim, spec.channels, out_h, out_w,
+                   launcher.stores_pre_norm, spec.anchor.has_bias, pad_k, pad_n, spec.anchor.channels_last)
+
+    def encode(self) -> list[int]:
+        return [int(getattr(self, f.name)) for f in fields(self)]
+
+    @classmethod
+    def decode(cls, layout: list[int]) -> "LaunchLayout":
+        if len(layout) != len(fields(cls)):
+            raise ValueError(f"a layout has {len(fields(cls))} entries, not {len(layout)}")
+        return cls(*(bool(v) if f.type == "bool" else int(v) for f, v in zip(fields(cls), layout)))
+
+
 def _layout(launcher) -> list[int]:
-    spec = launcher.spec
-    out_h, out_w = spec.anchor.direct_out_hw() if launcher.anchor_path == "direct conv" else (0, 0)
-    pad_k, pad_n = spec.anchor.pad or (0, 0)
-    return [PATH_CODES[launcher.anchor_path], ANCHOR_CODES[spec.anchor.kind], launcher.n_operands, int(launcher.gemm_auto),
-            int(launcher.row_output), int(launcher.keepdim), spec.channels, out_h, out_w,
-            int(launcher.stores_pre_norm), int(spec.anchor.has_bias), pad_k, pad_n, int(spec.anchor.channels_last)]
+    return LaunchLayout.of(launcher).encode()
 
 
 def _conv(anchor) -> list[int]:

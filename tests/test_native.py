@@ -7,6 +7,7 @@ C++ one serves every call after a spec's first.
 """
 
 import os
+import re
 import shutil
 import subprocess
 from types import SimpleNamespace
@@ -190,6 +191,36 @@ def test_plan_layout_of_a_padded_gemm():
 def test_plan_layout_of_a_channels_last_conv():
     conv = Anchor("conv", has_bias=True, conv=((1, 1), (1, 1), (1, 1), False, (0, 0), 1), channels_last=True)
     assert native._layout(_launcher(conv)) == [0, 2, 3, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 1]
+
+
+def test_a_layout_decodes_to_the_record_it_encodes():
+    launcher = _launcher(Anchor("addmm", pad=(152, 520)), channels=513, gemm_auto=True, keepdim=True)
+    record = native.LaunchLayout.of(launcher)
+    assert native.LaunchLayout.decode(record.encode()) == record
+    assert record.pad_k == 152 and record.pad_n == 520 and record.gemm_auto is True and record.channels == 513
+    with pytest.raises(ValueError, match="entries"):
+        native.LaunchLayout.decode(record.encode()[:-1])
+
+
+def test_the_cpp_launcher_reads_the_layout_and_codes_python_writes():
+    # One contract, two sources: set_plan reads LaunchLayout's fields in its order, and
+    # the enum and dtype codes are the ones native.py writes.
+    import dataclasses
+
+    source = native.SOURCE.read_text()
+    reads = dict((int(i), name) for name, i in re.findall(r"plan->(\w+) = (?:static_cast<\w+>\()?layout\[(\d+)\]", source))
+    names = [f.name for f in dataclasses.fields(native.LaunchLayout)]
+    assert [reads[i] for i in sorted(reads)] == names and sorted(reads) == list(range(len(names)))
+    assert f"constexpr size_t kLayoutFields = {len(names)};" in source
+    anchors = dict(re.findall(r"(k\w+) = (\d+)", re.search(r"enum class Anchor[^}]*}", source).group(0)))
+    assert {k: int(v) for k, v in anchors.items()} == {"k" + n.capitalize(): c for n, c in native.ANCHOR_CODES.items()}
+    paths = dict(re.findall(r"(k\w+) = (\d+)", re.search(r"enum class Path[^}]*}", source).group(0)))
+    assert {k: int(v) for k, v in paths.items()} == {
+        {"library anchor": "kLibraryAnchor", "in-kernel GEMM": "kGemm", "direct conv": "kDirectConv"}[n]: c
+        for n, c in native.PATH_CODES.items()}
+    dtypes = dict(re.findall(r"case (\d+): return at::k(\w+);", re.search(r"dtype_of\(int64_t code\)[^}]*}", source).group(0)))
+    torch_names = {"Float": "float32", "Half": "float16", "BFloat16": "bfloat16", "Double": "float64"}
+    assert {torch_names[v]: int(k) for k, v in dtypes.items()} == native.DTYPE_CODES
 
 
 # --------------------------------------------------------------------------- GPU

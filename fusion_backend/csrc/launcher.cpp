@@ -151,10 +151,14 @@ T symbol(void* handle, const char* name, const std::string& library) {
 //       output_padding x nd, groups]
 // saves: per save [anchor_value, dtype code, per_row, ndim, dims x ndim].
 // checks: [dtype code, y_row, n, (a row, whole) x n, m, (dtype code, whole, per_row) x m].
+// The fields of native.LaunchLayout, read below in its order (plan->field = layout[i]).
+constexpr size_t kLayoutFields = 14;
+
 void set_plan(std::string_view spec, int64_t device, std::string_view library, std::string_view name,
               at::IntArrayRef layout, at::IntArrayRef running_stats, at::IntArrayRef conv,
               at::IntArrayRef saves, at::IntArrayRef checks) {
-  TORCH_CHECK(layout.size() == 14, "fusedepi_native.plan: layout has ", layout.size(), " entries, not 14");
+  TORCH_CHECK(layout.size() == kLayoutFields, "fusedepi_native.plan: layout has ", layout.size(), " entries, not ",
+              kLayoutFields);
   auto plan = std::make_shared<Plan>();
   plan->spec = std::string(spec);
   plan->device = device;
