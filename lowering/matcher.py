@@ -13,6 +13,10 @@ forms they contain (`x * sigmoid(x)` is tried before `sigmoid` and `mul`), so th
 longest reading of the graph wins. Chains never overlap: a node belongs to one chain
 at most, and chains whose inputs depend on each other's values are dropped
 (`_drop_cycles`).
+
+One file of about 1,200 lines: the step matchers share the chain's state (`_State`),
+its snapshots and the save logic, and their order in `STEP_MATCHERS` is the priority
+rule above; split by file they would only import each other.
 """
 
 from __future__ import annotations

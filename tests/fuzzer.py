@@ -29,6 +29,9 @@ Forward passes run under `torch.no_grad()`; with `--grad` each model also runs
 backward (inputs and parameters require gradients, the upstream gradient is random),
 and its input and parameter gradients are checked like the output: then the fused
 chains return what backward needs as well.
+
+One file (about 950 lines): the generator, the three-way check and the driver are run
+as a script on the device machine as well as imported by tests/test_fuzz.py.
 """
 
 from __future__ import annotations
