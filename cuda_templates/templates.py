@@ -439,99 +439,10 @@ constexpr long long kRowsPerChunk = kRowsPerBatch * kBatches;
 // Workspace: [scale[C], shift[C]], then (mean, M2) per (row chunk, column).
 constexpr long long kPartials = 2 * kChannels;
 
-// One block: kColsPerBlock columns x kRowsPerChunk rows -> (mean, M2) per column.
-// A thread takes batches of 6 rows: the next batch's loads are issued before this
-// batch's arithmetic (two batches in flight, kept as loaded), each batch is reduced in
-// two passes over its loaded copy (mean, then the squares about it) and merged into the
-// thread's moments (Chan et al.), as are the threads' moments after. (One pass of sums
-// about the first row's value ran 10% faster but lost digits where that row lies far
-// out in a skewed column, a ReLU's output for one.)
+#include "fusedepi/column_stats.cuh"
+
 __global__ void __launch_bounds__(256, 2) ${kernel}_colstats(Args a) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int sub = kLaneRows > 1 ? lane / static_cast<int>(kChannels) : 0;  // row within the warp's kLaneRows
-  const long long c0 = kLaneRows > 1 ? lane % kChannels : (long long)blockIdx.x * kColsPerBlock + lane * kColV;
-  // Out-of-range rows and columns read a valid element (row rows-1, column 0) and
-  // are left out of the sums: every load is unconditional, so they are all issued
-  // at once and stage0's per-column operands are loaded once, not once per row.
-  const bool col_ok = c0 < kChannels;
-  const long long c = col_ok ? c0 : 0;
-  const long long first = (long long)blockIdx.y * kRowsPerChunk + warp * kLaneRows + sub;  // rows first + kRowStep i
-  // Row t of batch b, or the last row for those past it (loaded, left out of the sums).
-  const auto row_of = [&](int b, int t) { return min(first + b * kRowsPerBatch + (long long)t * kRowStep, a.rows - 1); };
-  using Raw = fusedepi::Pack<T, kColV>;  // 16-bit values stay packed until used
-  Raw raw[2][kRowsPerThread];            // this batch and the next, as loaded
-  const auto load_batch = [&](int b, Raw (&v)[kRowsPerThread]) {
-#pragma unroll
-    for (int t = 0; t < kRowsPerThread; ++t) v[t] = *reinterpret_cast<const Raw*>(a.y + row_of(b, t) * kYRow + c);
-  };
-  // One batch's values after stage0 (read again from the loaded copy for each pass).
-  const auto values = [&](int b, int t, float (&v)[kColV]) {
-#pragma unroll
-    for (int j = 0; j < kColV; ++j) v[j] = fusedepi::to_float(raw[b % 2][t].v[j]);
-    stage0<kColV>(v, static_cast<int>(c), row_of(b, t) * kChannels + c, a);
-  };
-  float mean[kColV], m2[kColV], n = 0.f;  // this thread's rows so far, merged
-#pragma unroll
-  for (int j = 0; j < kColV; ++j) mean[j] = m2[j] = 0.f;
-  load_batch(0, raw[0]);
-#pragma unroll
-  for (int b = 0; b < kBatches; ++b) {
-    const long long r0 = first + b * kRowsPerBatch;
-    if (r0 >= a.rows) break;
-    if (b + 1 < kBatches) load_batch(b + 1, raw[(b + 1) % 2]);
-    // The batch's rows r0 + kRowStep t below a.rows, two passes: its mean, then its M2.
-    const int rows_b = static_cast<int>(min(static_cast<long long>(kRowsPerThread), (a.rows - r0 + kRowStep - 1) / kRowStep));
-    float bmean[kColV], q[kColV];
-#pragma unroll
-    for (int j = 0; j < kColV; ++j) bmean[j] = q[j] = 0.f;
-#pragma unroll
-    for (int t = 0; t < kRowsPerThread; ++t) {
-      float v[kColV];
-      values(b, t, v);
-      if (t < rows_b) {
-#pragma unroll
-        for (int j = 0; j < kColV; ++j) bmean[j] += v[j];
-      }
-    }
-    const float nb = static_cast<float>(rows_b), inv_nb = 1.f / nb;
-#pragma unroll
-    for (int j = 0; j < kColV; ++j) bmean[j] *= inv_nb;
-#pragma unroll
-    for (int t = 0; t < kRowsPerThread; ++t) {
-      float v[kColV];
-      values(b, t, v);
-      if (t < rows_b) {
-#pragma unroll
-        for (int j = 0; j < kColV; ++j) q[j] = fmaf(v[j] - bmean[j], v[j] - bmean[j], q[j]);
-      }
-    }
-    // Chan et al.'s merge (fusedepi::merge), the counts shared by every column.
-    const float total = n + nb, wb = nb / total;
-#pragma unroll
-    for (int j = 0; j < kColV; ++j) {
-      const float delta = bmean[j] - mean[j];
-      mean[j] += delta * wb;
-      m2[j] += q[j] + delta * delta * n * wb;
-    }
-    n = total;
-  }
-  fusedepi::Moments acc[kColV];
-#pragma unroll
-  for (int j = 0; j < kColV; ++j) acc[j] = {n, mean[j], m2[j]};
-  __shared__ fusedepi::Moments sm[kRowWarps][32 * kColV];
-#pragma unroll
-  for (int j = 0; j < kColV; ++j) sm[warp][lane * kColV + j] = acc[j];
-  __syncthreads();
-  for (int col = threadIdx.x; col < kColsPerBlock; col += blockDim.x) {
-    const long long c = (long long)blockIdx.x * kColsPerBlock + col;
-    if (c >= kChannels) continue;
-    fusedepi::Moments m = {0.f, 0.f, 0.f};  // merge(empty, b) is b
-    for (int w = 0; w < kRowWarps; ++w)
-      for (int s = 0; s < kLaneRows; ++s) m = fusedepi::merge(m, sm[w][s * kColsPerBlock + col]);
-    float* part = a.ws + kPartials + (blockIdx.y * kChannels + c) * 2;
-    part[0] = m.mean;
-    part[1] = m.m2;
-  }
+  column_stats(a);
 }
 
 // Merges the row chunks of each column: kFinalCols columns x kFinalRows chunk lanes a
