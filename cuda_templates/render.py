@@ -711,11 +711,11 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
         conv = templates.DIRECT_CONV_KERNELS.substitute(
             copad=d.copad, out_vec=d.out_vec, dst="a.mid" if stats else "a.out", normalize=normalize, **shape
         )
-        phases = ("conv_tile(a, n, tile);", f"{name}_apply_tile(a, n, tile);")
+        phases = ("conv_tile(a, n, tile);", "apply_tile(a, n, tile);")
     else:
         conv = templates.DIRECT_CONV_MMA_KERNELS.substitute(mma=MMA_INSTRUCTIONS[spec.dtype], normalize=normalize, **shape)
         if d.kind == "tf32":
-            phases = ("mma_tile<2>(a, n, tile);", f"{name}_apply_tile(a, n, tile);", "mma_tile<1>(a, n, tile);")
+            phases = ("mma_tile<2>(a, n, tile);", "apply_tile(a, n, tile);", "mma_tile<1>(a, n, tile);")
         else:
             phases = ("mma_tile<0>(a, n, tile);", "mma_tile<1>(a, n, tile);")
     if stats:  # one launch of two phases; its workspace ends in the ticket and image counters

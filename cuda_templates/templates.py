@@ -614,9 +614,8 @@ ONE_PHASE_KERNEL = Template(
 )
 
 # Phase 2 of a direct conv that stored its pre-norm value in `mid` (float32: the FMA
-# conv, or the TF32 tensor-core conv): ${kernel}_apply_tile normalizes one tile into
-# `out` (stage1). Placeholders: $kernel, $apply_vec (elements per access, see
-# render._apply_vec).
+# conv, or the TF32 tensor-core conv): apply_tile (normalize_tile.cuh) normalizes one tile into
+# `out` (stage1). Placeholder: $apply_vec (elements per access, see render._apply_vec).
 NORMALIZE_TILE = Template(
     r"""// The normalize of one tile: per channel, one run of kTH whole rows (one column
 // tile: the run is contiguous) or kTH runs of kTW columns, in vectors of kAV.
@@ -627,50 +626,7 @@ constexpr int kLaneVecs = (kRuns * kRunVecs + 31) / 32;  // vectors per lane and
 constexpr int kApplyBatch = kLaneVecs < 16 ? kLaneVecs : 16;  // in flight per lane (64 KB a block)
 static_assert((kColTiles == 1 ? kTH * kWo : kTW) % kAV == 0, "see render._apply_vec");
 
-// Normalizes one tile of `mid` into `out` (stage1); its image's statistics are out.
-__device__ __forceinline__ void ${kernel}_apply_tile(const Args& a, const long long n, const int tile) {
-  __shared__ float gstat[kGroups * 2];  // this image's (mean, rstd) per group
-  for (int i = threadIdx.x; i < kGroups * 2; i += blockDim.x) gstat[i] = __ldcg(conv_stats(a) + n * kGroups * 2 + i);
-  __syncthreads();
-  const int oh0 = tile / kColTiles * kTH, ow0 = tile % kColTiles * kTW;
-  const int rows_here = min(kTH, kHo - oh0);
-  const int runs = kColTiles == 1 ? 1 : rows_here;
-  const int run_len = kColTiles == 1 ? rows_here * kWo : min(kTW, kWo - ow0);
-  // Each warp takes whole channels (their operands loaded once); its lanes stride over
-  // the channel's runs in vectors, kApplyBatch vectors in flight per lane.
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int co = warp; co < kCout; co += 8) {
-    const stage1_chan k1 = stage1_chan_of(a, co);
-    const float mean = gstat[co / kCpg * 2], rstd = gstat[co / kCpg * 2 + 1];
-    const long long base = n * kChannels * kInner + (long long)co * kInner + (long long)oh0 * kWo + ow0;
-    const float* src = a.mid + base;
-    float* dst = a.out + base;
-#pragma unroll 1
-    for (int j0 = 0; j0 < kLaneVecs; j0 += kApplyBatch) {
-      float v[kApplyBatch][kAV];
-      int at[kApplyBatch];  // offset from base (0 for a lane past the end: loaded, not stored)
-      bool ok[kApplyBatch];
-#pragma unroll
-      for (int b = 0; b < kApplyBatch; ++b) {  // all loads first, so that they are in flight together
-        const int i = (j0 + b) * 32 + lane;
-        if constexpr (kColTiles == 1) {  // one contiguous run
-          ok[b] = i * kAV < run_len;
-          at[b] = ok[b] ? i * kAV : 0;
-        } else {
-          const int run = i / kRunVecs, off = i % kRunVecs * kAV;
-          ok[b] = run < runs && off < run_len;
-          at[b] = ok[b] ? run * kWo + off : 0;
-        }
-        fusedepi::load_vec_cg<kAV>(src + at[b], v[b]);
-      }
-#pragma unroll
-      for (int b = 0; b < kApplyBatch; ++b) {
-        stage1_at<kAV>(v[b], k1, base + at[b], a, mean, rstd, true);
-        if (ok[b]) fusedepi::store_vec_cs<kAV>(dst + at[b], v[b]);
-      }
-    }
-  }
-}
+#include "fusedepi/normalize_tile.cuh"
 """
 )
 

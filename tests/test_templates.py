@@ -216,7 +216,7 @@ def test_direct_conv_plans():
     # float32: one launch computes the conv and normalizes earlier images (after the counters' reset)
     launches = source[source.index("extern \"C\" int fusedepi_run"):]
     assert "cudaMemsetAsync(conv_counters(a)" in launches and launches.count("<<<") == 1
-    assert "_twophase<<<" in launches and "conv_tile(a, n, tile);" in source and "_apply_tile(a, n, tile);" in source
+    assert "_twophase<<<" in launches and "conv_tile(a, n, tile);" in source and "apply_tile(a, n, tile);" in source
     assert '#include "fusedepi/direct_conv.cuh"' in source and "return a.mid;" in source  # conv_dst: y, then normalized
     pointwise = cuda_templates.render(direct_specs()["direct_pointwise_k5_pad2"], "sm90")
     assert "_apply<<<" not in pointwise and "_onephase<<<" in pointwise  # one kernel writes `out`
@@ -539,7 +539,7 @@ def test_tf32_direct_conv_plans():
     source = cuda_templates.render(w5, "sm90", conv_tf32=True)
     assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in source  # (cvt.rna.tf32: direct_conv_mma.cuh)
     # phase 1 stores the pre-norm value, phase 2 normalizes it
-    assert "mma_tile<2>(a, n, tile);" in source and "_apply_tile(a, n, tile);" in source
+    assert "mma_tile<2>(a, n, tile);" in source and "apply_tile(a, n, tile);" in source
     # exact float32 unless TF32 is allowed, and before sm_80
     assert cuda_templates.direct_plan(w5, "sm90").kind == "fma"
     assert cuda_templates.direct_plan(w5, "sm75", conv_tf32=True).kind == "fma"
