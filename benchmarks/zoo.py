@@ -236,19 +236,10 @@ def _max_error(out, ref) -> float:
 
 def kernel_profile(fn, calls: int = 5, top: int = 8) -> list[tuple[str, float]]:
     """The `top` GPU kernels of a call of `fn` by GPU time: (name, us per call)."""
-    from torch.profiler import ProfilerActivity, profile
+    from .compare import kernel_times
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    totals: dict = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name] = totals.get(event.name, 0.0) + event.device_time / calls
-    return sorted(totals.items(), key=lambda item: -item[1])[:top]
+    rows = sorted(kernel_times(fn, calls), reverse=True)[:top]
+    return [(name, ms * 1000) for ms, _, name in rows]
 
 
 def run_model(zoo: ZooModel, dtype_name: str, time_it: bool = True, profile: bool = False) -> dict:
