@@ -756,11 +756,16 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
             "  const long long items = rows * kTiles;",
             "  const long long resident = 2LL * (device < 64 ? sms[device] : 132);",
             "  long long lag = ((resident + kTiles - 1) / kTiles + 1) * kTiles;",
-            f"  const long long mid_tile = {mid_tile}LL;",
-            "  if (mid_tile > 0 && device < 64) {",
-            "    const long long fit = (3LL * l2[device] / 4 / mid_tile + kTiles - 1) / kTiles * kTiles;",
-            "    lag = fit < lag ? (fit > kTiles ? fit : kTiles) : lag;",
-            "  }",
+        ]
+        if mid_tile:  # (bf16/fp16 store nothing before the norm: no L2 bound, and no division by 0)
+            launches += [
+                f"  const long long mid_tile = {mid_tile}LL;",
+                "  if (device < 64) {",
+                "    const long long fit = (3LL * l2[device] / 4 / mid_tile + kTiles - 1) / kTiles * kTiles;",
+                "    lag = fit < lag ? (fit > kTiles ? fit : kTiles) : lag;",
+                "  }",
+            ]
+        launches += [
             "  lag = lag < items ? lag : items;",
             "  err = cudaMemsetAsync(conv_counters(a), 0, (1 + rows) * sizeof(int), stream);",
             "  if (err != cudaSuccess) return static_cast<int>(err);",
