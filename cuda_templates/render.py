@@ -655,13 +655,18 @@ def _apply_grid(p: Plan) -> str:
 
 
 def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", anchor_inside=0, includes="",
-                 middle="", store=templates.STORE_ELEMENTS, **parts) -> str:
-    if p.flat:
+                 middle="", store=templates.STORE_ELEMENTS, apply=True, **parts) -> str:
+    """The file: `templates.KERNEL_FILE` with the apply kernel (`apply`: a direct conv's file
+    has none, its own kernels write the output) and `parts`' other placeholders."""
+    if not apply:
+        apply_kernel = ""
+    elif p.flat:
         assert not middle and store == templates.STORE_ELEMENTS, "the flat mapping is for pointwise chains"
         apply_kernel = templates.FLAT_APPLY_KERNEL.substitute(kernel=name)
     else:
         apply_kernel = templates.APPLY_KERNEL.substitute(kernel=name, middle=middle, store=store)
     return templates.KERNEL_FILE.substitute(
+        apply_header='#include "fusedepi/apply.cuh"' if apply else "",
         apply_kernel=apply_kernel,
         wrap=p.seg_len if p.flat else 0,
         staged=p.staged,
@@ -776,7 +781,7 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
     middle = ""
     fields, bind = _fields(spec, direct=True)
     return _kernel_file(
-        spec, name, p, stage0_done="true", anchor_inside=1, fields=fields, bind=bind,
+        spec, name, p, stage0_done="true", anchor_inside=1, fields=fields, bind=bind, apply=False,
         stages=_stages(spec), middle=middle, store=templates.STORE_ELEMENTS,
         stats_kernels=conv, launches="\n".join(launches), ws_floats=ws_floats,
     )

@@ -42,7 +42,9 @@ from string import Template
 #   $stages         the two STAGE_FUNCTIONs: stage0 (steps before the reduction, or
 #                   all steps) and stage1 (the reduction's normalize and the steps after)
 #   $stats_kernels  kernels that run before the apply kernel (statistics), or nothing
-#   $apply_kernel   the apply kernel: APPLY_KERNEL (a team a segment) or FLAT_APPLY_KERNEL
+#   $apply_header   `#include "fusedepi/apply.cuh"` where the file has an apply kernel, else nothing
+#   $apply_kernel   the apply kernel: APPLY_KERNEL (a team a segment) or FLAT_APPLY_KERNEL, or
+#                   nothing (a direct conv's own kernels write the output)
 #   $bind           Args assignments from the launcher's pointer array
 #   $launches       the kernel launches, in order
 #   $ws_floats      workspace size in floats, an expression in `rows`
@@ -55,25 +57,27 @@ $includes
 namespace {
 
 using T = $ctype;
-constexpr int kBlock = $block;
-constexpr int kTeam = $team;
-constexpr int kV = $vec;
-constexpr int kNV = $nvec;
-constexpr long long kL = $seg_len;
-constexpr int kChunks = $chunks;
-constexpr long long kChunkLen = (long long)kTeam * kNV * kV;  // elements one team pass covers
-constexpr long long kGroups = $groups;
-constexpr long long kChannels = $channels;
-constexpr int kInner = $inner;
-constexpr long long kYRow = $y_row;  // y's row stride; the output's rows are kGroups * kL
-constexpr long long kRow = kGroups * kL;  // elements of an output row (before a row reduction)
-constexpr long long kWrap = $wrap;  // kRow under the flat mapping: a vector may cross rows
-constexpr long long kPadK = $pad_k;  // K of x's padded rows for a padded library GEMM, else 0
-constexpr int kStaged = $staged;  // images a block stages from a channels-last y, else 0
-constexpr bool kStagedApply = $staged_apply;  // staging applies stage0 (a pointwise chain)
-constexpr bool kFastMath = $fast_math;  // hardware exp/divide in sigmoid and silu
-constexpr bool kStage0Done = $stage0_done;  // y already holds stage0's result
-constexpr bool kBlockPerSegment = kTeam > 32 || kChunks > 1;
+// The launch plan's constants ([[maybe_unused]]: a direct conv's file, which has no apply
+// kernel, reads few of them).
+[[maybe_unused]] constexpr int kBlock = $block;
+[[maybe_unused]] constexpr int kTeam = $team;
+[[maybe_unused]] constexpr int kV = $vec;
+[[maybe_unused]] constexpr int kNV = $nvec;
+[[maybe_unused]] constexpr long long kL = $seg_len;
+[[maybe_unused]] constexpr int kChunks = $chunks;
+[[maybe_unused]] constexpr long long kChunkLen = (long long)kTeam * kNV * kV;  // elements one team pass covers
+[[maybe_unused]] constexpr long long kGroups = $groups;
+[[maybe_unused]] constexpr long long kChannels = $channels;
+[[maybe_unused]] constexpr int kInner = $inner;
+[[maybe_unused]] constexpr long long kYRow = $y_row;  // y's row stride; the output's rows are kGroups * kL
+[[maybe_unused]] constexpr long long kRow = kGroups * kL;  // elements of an output row (before a row reduction)
+[[maybe_unused]] constexpr long long kWrap = $wrap;  // kRow under the flat mapping: a vector may cross rows
+[[maybe_unused]] constexpr long long kPadK = $pad_k;  // K of x's padded rows for a padded library GEMM, else 0
+[[maybe_unused]] constexpr int kStaged = $staged;  // images a block stages from a channels-last y, else 0
+[[maybe_unused]] constexpr bool kStagedApply = $staged_apply;  // staging applies stage0 (a pointwise chain)
+[[maybe_unused]] constexpr bool kFastMath = $fast_math;  // hardware exp/divide in sigmoid and silu
+[[maybe_unused]] constexpr bool kStage0Done = $stage0_done;  // y already holds stage0's result
+[[maybe_unused]] constexpr bool kBlockPerSegment = kTeam > 32 || kChunks > 1;
 
 struct Args {
   const T* __restrict__ y;  // [rows, channels, inner] anchor output, rows kYRow apart
@@ -85,7 +89,8 @@ $fields
 };
 
 $stages
-#include "fusedepi/apply.cuh"
+$apply_header
+#include "fusedepi/pad_rows.cuh"
 
 $stats_kernels
 

@@ -49,7 +49,10 @@ def test_render_is_complete_and_named(name):
     source = cuda_templates.render(spec, "sm90")
     assert "$" not in source.replace("${", "")  # every placeholder substituted
     kernel = cuda_templates.kernel_name(spec, "sm90")
-    assert f"{kernel}_apply" in source and source.startswith(f"// fusedepi epilogue kernel: {kernel}")
+    assert source.startswith(f"// fusedepi epilogue kernel: {kernel}")
+    # Every file has its apply kernel but a direct conv's, whose own kernels write the output.
+    direct = kernel.startswith("directconv_")
+    assert (f"{kernel}_apply(" in source) != direct and ('#include "fusedepi/apply.cuh"' in source) != direct
     assert source == cuda_templates.render(EpilogueSpec.from_json(spec.to_json()), "sm90")
 
 

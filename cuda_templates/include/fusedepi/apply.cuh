@@ -1,8 +1,7 @@
-// The epilogue kernels' shared device code: where a thread's segment lies, the staging
-// of channels-last images, the loads and stage0 of a segment, and the pad kernel of a
-// padded library GEMM's x.
+// The apply kernels' shared device code: where a thread's segment lies, the staging of
+// channels-last images, the loads and stage0 of a segment.
 //
-// Included by every rendered epilogue file (cuda_templates/templates.py, KERNEL_FILE)
+// Included by every rendered file with an apply kernel (cuda_templates/templates.py, KERNEL_FILE)
 // inside its anonymous namespace, after the file has defined what this code reads:
 //   T                     the element type;
 //   kBlock, kTeam, kV, kNV, kL, kChunks, kChunkLen, kGroups, kChannels, kInner, kYRow,
@@ -167,22 +166,4 @@ __device__ __forceinline__ void load_stage0(const Args& a, const Place& p, const
       if (runs(p, k))
         stage0<kV>(v[k], p.rowpos + safe_offset(p, k), p.at * kL + safe_offset(p, k), a, save && valid(p, k));
   }
-}
-
-// fusedepi_pad_rows's kernel: a thread a 16-byte vector of xp's rows (kPadK is a
-// multiple of 8), read element by element from x's unaligned rows of k.
-constexpr int kPadVec = 16 / static_cast<int>(sizeof(T));
-
-__global__ void __launch_bounds__(256) pad_rows(const T* __restrict__ x, T* __restrict__ xp, long long vectors,
-                                                long long k) {
-  const long long v = (long long)blockIdx.x * 256 + threadIdx.x;
-  if (v >= vectors) return;
-  constexpr long long kRowVecs = kPadK > 0 ? kPadK / kPadVec : 1;
-  const long long r = v / kRowVecs;
-  const int c0 = static_cast<int>(v - r * kRowVecs) * kPadVec;
-  const T* src = x + r * k;
-  fusedepi::Pack<T, kPadVec> pk;
-#pragma unroll
-  for (int j = 0; j < kPadVec; ++j) pk.v[j] = c0 + j < k ? src[c0 + j] : fusedepi::from_float<T>(0.f);
-  *reinterpret_cast<fusedepi::Pack<T, kPadVec>*>(xp + v * kPadVec) = pk;
 }
