@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from lowering import Chain
+from lowering import MATRIX_OPS, Chain
 
 from . import timings
 from .config import Config
@@ -101,10 +101,6 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-# Ops Inductor leaves to a library call, which nothing fuses into: a chain's consumers
-# end there.
-_MATRIX_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-               torch.ops.aten.baddbmm.default, torch.ops.aten.convolution.default}
 _MAX_CONSUMERS = 64
 
 
@@ -121,7 +117,7 @@ def consumers(chain: Chain, claimed: frozenset = frozenset()) -> list[Node]:
         for user in node.users:
             if user in inside or user in found or user in claimed or user.op != "call_function":
                 continue
-            if user.target in _MATRIX_OPS or user.is_impure() or _is_random(user):
+            if user.target in MATRIX_OPS or user.is_impure() or _is_random(user):
                 continue
             found[user] = None
             frontier.append(user)
@@ -173,13 +169,7 @@ def subgraphs(chain: Chain, spec: str, claimed: frozenset = frozenset()):
             call = graph.call_function(torch.ops.fusedepi.chain.default,
                                        ([env[n] for n in list(chain.operands) + list(chain.params)], spec))
             items = [graph.call_function(operator.getitem, (call, i)) for i in range(len(chain.outputs()))]
-            env.update(zip(chain.outputs(), items))
-            if chain.view is not None:  # as the rewrite does: the result re-viewed, the nodes before it
-                env[chain.final] = graph.call_function(torch.ops.aten.view.default, (items[0], chain.view.args[1]))
-            for node in chain.same_as_result:
-                env[node] = items[0]
-            for node, saved, shape in chain.views_of_saved:
-                env[node] = graph.call_function(torch.ops.aten.view.default, (env[saved], list(shape)))
+            env.update(chain.stand_ins(graph, items))  # as the rewrite puts them in
             copied = after
         else:
             copied = nodes

@@ -71,17 +71,7 @@ def _replace(graph: torch.fx.Graph, chain: Chain, spec: str, renamed: dict) -> N
             item = graph.call_function(operator.getitem, (call, i))
             item.meta["val"] = val
             outs.append(item)
-        result = outs[0]
-        if chain.view is not None:
-            result = graph.call_function(aten.view.default, (outs[0], chain.view.args[1]))
-            result.meta["val"] = chain.final.meta["val"]
-    stand_ins = [(chain.final, result)] + [(node, outs[0]) for node in chain.same_as_result]
-    stand_ins += list(zip(chain.outputs()[1:], outs[1:]))
-    with graph.inserting_before(chain.final):
-        for node, saved, shape in chain.views_of_saved:
-            view = graph.call_function(aten.view.default, (dict(stand_ins)[saved], list(shape)))
-            view.meta["val"] = node.meta["val"]
-            stand_ins.append((node, view))
+        stand_ins = chain.stand_ins(graph, outs)
     for node, new in stand_ins:
         node.replace_all_uses_with(new)
         renamed[node] = new

@@ -5,12 +5,9 @@ matcher sees them whole (derived from the vocabulary's rows); whatever is not fu
 decomposed afterwards.
 """
 
-import torch
-
-from .matcher import Chain, Refusal, linear_form, match_graph
+from .matcher import MATRIX_OPS, Chain, Refusal, linear_form, match_graph
 from .spec import Anchor, EpilogueSpec, Step
 from .vocabulary import VOCABULARY, held_back_ops, run_reference
-
 
 HELD_BACK_OPS = held_back_ops()
 
@@ -19,6 +16,7 @@ __all__ = [
     "Chain",
     "EpilogueSpec",
     "HELD_BACK_OPS",
+    "MATRIX_OPS",
     "Refusal",
     "Step",
     "VOCABULARY",

@@ -95,6 +95,24 @@ class Chain:
         BatchNorm's new running statistics, the saved values."""
         return [self.final] + list(self.extra) + list(self.saved)
 
+    def stand_ins(self, graph: torch.fx.Graph, outs: list) -> list[tuple]:
+        """(node, its stand-in) for every node whose value the fused op's outputs `outs`
+        (nodes of `graph`, in `outputs()` order) now hold: the result (re-viewed through
+        the chain's last view), nodes holding the result itself, the other outputs, and
+        views of saved values. The views are new nodes at `graph`'s insertion point."""
+        result = outs[0]
+        if self.view is not None:
+            result = graph.call_function(aten.view.default, (outs[0], self.view.args[1]))
+            result.meta["val"] = self.final.meta["val"]
+        pairs = [(self.final, result)] + [(node, outs[0]) for node in self.same_as_result]
+        pairs += list(zip(self.outputs()[1:], outs[1:]))
+        held = dict(pairs)
+        for node, saved, shape in self.views_of_saved:
+            view = graph.call_function(aten.view.default, (held[saved], list(shape)))
+            view.meta["val"] = node.meta["val"]
+            pairs.append((node, view))
+        return pairs
+
 
 @dataclass
 class Refusal:
@@ -190,8 +208,10 @@ def _check_dtype(state: _State, node: Node):
         raise Refuse(f"{_name(node)}: result dtype {val.dtype} differs from the chain's {state.dtype}")
 
 
-# Ops a chain never continues into: they start chains (or are left to the library).
-_MATRIX_OPS = frozenset({aten.addmm.default, aten.mm.default, aten.bmm.default, aten.convolution.default})
+# Matrix ops: a chain never continues into one (it starts chains, or is left to the
+# library, and nothing fuses into a library call).
+MATRIX_OPS = frozenset({aten.addmm.default, aten.mm.default, aten.bmm.default, aten.baddbmm.default,
+                        aten.convolution.default})
 
 
 def _name(node: Node) -> str:
@@ -962,7 +982,7 @@ def _next_step(state: _State, users: list) -> _Match | str:
     if first_refusal is not None:
         return first_refusal
     if len(users) == 1:
-        if users[0].target in _MATRIX_OPS:
+        if users[0].target in MATRIX_OPS:
             return f"{users[0].name} is the next matrix op ({_name(users[0])}), an anchor of its own"
         return f"{_name(users[0])} is not in the vocabulary"
     return f"none of the value's consumers ({', '.join(u.name for u in users)}) is in the vocabulary"

@@ -8,7 +8,6 @@ compute, and are what the op runs on the CPU.
 
 from __future__ import annotations
 
-
 import math
 from dataclasses import dataclass, replace
 from typing import Callable
