@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything one device-machine call does: install, GPU tests, benchmark.
-#   bash benchmarks/device_run.sh tests          # GPU test tier
+#   bash benchmarks/device_run.sh tests          # GPU test tier (WORKERS=8 for 8 pytest-xdist processes)
 #   bash benchmarks/device_run.sh quick          # tests + benchmark --quick
 #   bash benchmarks/device_run.sh bench [args]   # benchmark only, args passed on
 #   bash benchmarks/device_run.sh all [args]     # GPU test tier, then the benchmark with args
@@ -25,6 +25,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 status=0
 if [ "$what" = tests ] || [ "$what" = quick ] || [ "$what" = all ]; then
   [ "$what" = all ] && targs=() || targs=("$@")
+  # WORKERS=N runs the tier in N pytest-xdist processes (kernel builds share a locked cache).
+  [ -n "${WORKERS:-}" ] && targs=(-n "$WORKERS" "${targs[@]}")
   FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_production.py tests/test_training.py tests/test_multi_gpu.py -p no:cacheprovider -rs "${targs[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   status=${PIPESTATUS[0]}
 fi

@@ -72,8 +72,8 @@ def fold(chain, cfg: Config) -> EpilogueSpec:
     bias = chain.operands.pop(0)
     chain.params.append(bias)
     add = Step("add", inputs=(len(spec.param_dtypes),), operand=CHANNEL, reverse=True)
-    return replace(spec, anchor=replace(spec.anchor, kind="mm"), steps=(add,) + tuple(spec.steps),
-                   param_dtypes=tuple(spec.param_dtypes) + (str(bias.meta["val"].dtype).removeprefix("torch."),))
+    folded = spec.with_first_step(add, str(bias.meta["val"].dtype).removeprefix("torch."))
+    return replace(folded, anchor=replace(spec.anchor, kind="mm"))
 
 
 def timed(m: int, k: int, n: int, device: torch.device, cache_dir: Path) -> tuple[float, float]:

@@ -197,6 +197,17 @@ class EpilogueSpec:
             **data,
         )
 
+    def with_first_step(self, step: Step, param_dtype: str) -> "EpilogueSpec":
+        """This spec with `step` run before its steps (and `param_dtype` appended to its
+        tensor inputs), for an anchor whose output no longer includes what `step` adds:
+        the value this spec had after k steps is then the value after k + 1, so every
+        position that names one moves (an EARLIER operand's k, a save's `at`)."""
+        steps = (step,) + tuple(dataclasses.replace(s, consts=(s.consts[0] + 1,) + tuple(s.consts[1:]))
+                                if s.operand == EARLIER else s for s in self.steps)
+        saves = tuple(dataclasses.replace(v, at=v.at + 1) if v.what in ("value", "sigmoid") else v
+                      for v in self.saves)
+        return dataclasses.replace(self, steps=steps, saves=saves, param_dtypes=tuple(self.param_dtypes) + (param_dtype,))
+
     @property
     def reduction(self) -> Step | None:
         """The step that needs statistics over more than one element, if any."""

@@ -51,7 +51,12 @@ def _check(out, model, x, tol=1e-5):
     assert err <= tol, f"relative error {err:.3g}"
 
 
-def test_batch_sizes_share_one_kernel(fresh_cache):
+def test_batch_sizes_share_one_kernel(fresh_cache, monkeypatch):
+    # The timed float32 GEMM decisions (bias in the epilogue, padding) may pick another
+    # form for the batch-1 graph Dynamo specializes; this test is about the kernel the
+    # dynamic graph shares, so both stay at their untimed form.
+    monkeypatch.setenv("FUSEDEPI_FOLD_GEMM_BIAS", "0")
+    monkeypatch.setenv("FUSEDEPI_PAD_GEMM", "0")
     model = _model()
     compiled = torch.compile(model, backend=fusedepi, dynamic=True)
     reports: list = []
@@ -59,7 +64,8 @@ def test_batch_sizes_share_one_kernel(fresh_cache):
         for batch in (1, 7, 1024, 4097):
             x = torch.rand(batch, 256, device="cuda")
             _check(compiled(x), model, x)
-    assert _fused(reports) and len({r.spec for r in _fused(reports)}) == 1
+    specs = {r.spec for r in _fused(reports)}
+    assert len(specs) == 1, "\n".join(sorted(specs))
     assert len(fresh_cache) == 1, f"{len(fresh_cache)} kernel builds for one chain"
 
 
