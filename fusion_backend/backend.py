@@ -22,6 +22,7 @@ from torch._guards import detect_fake_mode
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.decomposition import select_decomp_table
+import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -61,8 +62,12 @@ def _decompose_held_back(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.G
     if not any(n.op == "call_function" and n.target in held for n in gm.graph.nodes):
         return gm
     fake_mode = detect_fake_mode(example_inputs)
-    with fake_mode:
-        return make_fx(gm, decomposition_table=select_decomp_table(), tracing_mode="real")(*example_inputs)
+
+    def run(*args):  # node by node, so that each new node keeps its source node's metadata
+        return torch.fx.Interpreter(gm).run(*args)
+
+    with fake_mode, fx_traceback.preserve_node_meta():
+        return make_fx(run, decomposition_table=select_decomp_table(), tracing_mode="real")(*example_inputs)
 
 
 @contextmanager

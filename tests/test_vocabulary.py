@@ -294,3 +294,23 @@ def test_a_chain_that_reaches_the_next_linear_says_so():
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
     _, fused, _ = compile_records(model, torch.randn(4, 16))
     assert fused[0].stop.endswith("is the next matrix op (addmm.default), an anchor of its own"), fused[0].stop
+
+
+def test_held_back_ops_that_did_not_fuse_reach_inductor_with_their_metadata(monkeypatch):
+    # Inductor names and groups its kernels by the nodes' `original_aten` and source
+    # metadata: a decomposition of an unfused GroupNorm that dropped them ran a bf16
+    # ConvTranspose2d + GroupNorm + tanh tail 2x slower than under plain Inductor.
+    from fusion_backend import backend
+
+    graphs = []
+    real = backend.compile_fx_inner
+    monkeypatch.setattr(backend, "compile_fx_inner", lambda gm, *a, **k: (graphs.append(gm), real(gm, *a, **k))[1])
+    monkeypatch.setenv("FUSEDEPI_CPU_REFERENCE", "0")  # a CPU graph: nothing fuses, all of it goes to Inductor
+    model = nn.Sequential(nn.ConvTranspose2d(8, 16, 3, stride=2), nn.GroupNorm(4, 16), nn.Tanh())
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend="fusedepi")(torch.randn(2, 8, 9, 9))
+    nodes = [n for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert not any(n.target is torch.ops.aten.native_group_norm.default for n in nodes)
+    norm = [n for n in nodes if str(n.meta.get("original_aten")) == "aten.native_group_norm.default"]
+    assert norm and all(n.meta.get("original_aten") for n in nodes), [(n.name, n.meta.get("original_aten")) for n in nodes]
