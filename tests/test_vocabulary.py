@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fusion_backend.backend import collect_reports
 from helpers import Chain, compile_records, steps_of
 
 pytestmark = pytest.mark.usefixtures("cpu_reference")
@@ -296,21 +297,54 @@ def test_a_chain_that_reaches_the_next_linear_says_so():
     assert fused[0].stop.endswith("is the next matrix op (addmm.default), an anchor of its own"), fused[0].stop
 
 
+
+class _NormThenLinear(nn.Module):
+    """A GroupNorm with no anchor before it (held back, never fused), then a Linear chain."""
+
+    def __init__(self):
+        super().__init__()
+        self.gn, self.linear = nn.GroupNorm(4, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return torch.relu(self.linear(self.gn(x)))
+
+
 def test_held_back_ops_that_did_not_fuse_reach_inductor_with_their_metadata(monkeypatch):
     # Inductor names and groups its kernels by the nodes' `original_aten` and source
-    # metadata: a decomposition of an unfused GroupNorm that dropped them ran a bf16
-    # ConvTranspose2d + GroupNorm + tanh tail 2x slower than under plain Inductor.
+    # metadata; a decomposition that drops them changes Inductor's code for the graph.
     from fusion_backend import backend
 
     graphs = []
     real = backend.compile_fx_inner
     monkeypatch.setattr(backend, "compile_fx_inner", lambda gm, *a, **k: (graphs.append(gm), real(gm, *a, **k))[1])
-    monkeypatch.setenv("FUSEDEPI_CPU_REFERENCE", "0")  # a CPU graph: nothing fuses, all of it goes to Inductor
-    model = nn.Sequential(nn.ConvTranspose2d(8, 16, 3, stride=2), nn.GroupNorm(4, 16), nn.Tanh())
+    monkeypatch.setenv("FUSEDEPI_CPU_REFERENCE", "1")
+    torch.manual_seed(0)
+    model, x = _NormThenLinear(), torch.randn(32, 16)
     torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(model, backend="fusedepi")(torch.randn(2, 8, 9, 9))
+    reports: list = []
+    with torch.no_grad(), collect_reports(reports):
+        out = torch.compile(model, backend="fusedepi")(x)
+        torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+    assert [r.status for rep in reports for r in rep.records] == ["fused"]
     nodes = [n for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert not any(n.target is torch.ops.aten.native_group_norm.default for n in nodes)
     norm = [n for n in nodes if str(n.meta.get("original_aten")) == "aten.native_group_norm.default"]
     assert norm and all(n.meta.get("original_aten") for n in nodes), [(n.name, n.meta.get("original_aten")) for n in nodes]
+
+
+def test_a_graph_where_nothing_fuses_is_compiled_by_inductor_as_it_stands(monkeypatch):
+    # Nothing of fusedepi's is left in such a graph: Inductor gets Dynamo's graph and
+    # its own decompositions, as under torch.compile(m).
+    from fusion_backend import backend
+
+    calls = []
+    real = backend.compile_fx
+    monkeypatch.setattr(backend, "compile_fx", lambda gm, ex, **k: (calls.append(sorted(k)), real(gm, ex, **k))[1])
+    monkeypatch.setenv("FUSEDEPI_CPU_REFERENCE", "0")  # a CPU graph: no chain fuses
+    model, x = nn.Sequential(nn.Linear(16, 32), nn.GroupNorm(4, 32), nn.Tanh()), torch.randn(8, 16)
+    torch._dynamo.reset()
+    reports: list = []
+    with torch.no_grad(), collect_reports(reports):
+        out = torch.compile(model, backend="fusedepi")(x)
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+    assert calls == [["decompositions", "inner_compile"], []], calls
