@@ -70,7 +70,14 @@ def _decompose_held_back(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.G
         return torch.fx.Interpreter(gm).run(*args)
 
     with fake_mode, fx_traceback.preserve_node_meta():
-        return make_fx(run, decomposition_table=select_decomp_table(), tracing_mode="real")(*example_inputs)
+        traced = make_fx(run, decomposition_table=select_decomp_table(), tracing_mode="real")(*example_inputs)
+    # What Inductor's compile_fx put on the inputs and the output (which outputs the user
+    # sees, whose strides must be kept: `user_visible_output_idxs`) carries over too.
+    old = [n for n in gm.graph.nodes if n.op in ("placeholder", "output")]
+    new = [n for n in traced.graph.nodes if n.op in ("placeholder", "output")]
+    for before, after in zip(old, new, strict=True):
+        after.meta.update({k: v for k, v in before.meta.items() if k not in after.meta})
+    return traced
 
 
 @contextmanager

@@ -330,6 +330,10 @@ def test_held_back_ops_that_did_not_fuse_reach_inductor_with_their_metadata(monk
     assert not any(n.target is torch.ops.aten.native_group_norm.default for n in nodes)
     norm = [n for n in nodes if str(n.meta.get("original_aten")) == "aten.native_group_norm.default"]
     assert norm and all(n.meta.get("original_aten") for n in nodes), [(n.name, n.meta.get("original_aten")) for n in nodes]
+    # The output keeps what compile_fx put there: Inductor keeps the strides of the
+    # outputs `user_visible_output_idxs` lists, and chooses the others' layout itself.
+    output = next(n for n in graphs[0].graph.nodes if n.op == "output")
+    assert output.meta.get("user_visible_output_idxs") == [0], output.meta
 
 
 def test_a_graph_where_nothing_fuses_is_compiled_by_inductor_as_it_stands(monkeypatch):
