@@ -320,13 +320,19 @@ $tile_partials
   }
 }
 
+// Whether the spare-warp kernel (kOffload) exists: a pointwise chain on 16-bit tiles (float32
+// tiles are staged in two rounds). Where it does not, the launch names only the plain kernel
+// (a discarded branch naming <true> still asks nvcc for a stub of an instantiation that has
+// no definition: warning #20280).
+constexpr bool kSpareWarps = kPointwise && kRounds == 1;
+
 // kOffload: a pointwise chain runs in the producer warpgroup's spare warps (see the module).
 template <bool kOffload>
 __global__ void __launch_bounds__(384, 1) ${kernel}_gemm(const __grid_constant__ CUtensorMap map_a,  // x [rows, kK]
                                                          const __grid_constant__ CUtensorMap map_b,  // w [kChannels, kK]
                                                          const __grid_constant__ CUtensorMap map_c,  // out [rows, kChannels]; unset with kRowReduce
                                                          const Args a) {
-  constexpr bool kWarps = kOffload && kPointwise && kRounds == 1;
+  constexpr bool kWarps = kOffload && kSpareWarps;
   // Registers a thread: the epilogue warps keep their 8 columns' operands (more with
   // kWarps). The consumers' setmaxnreg.inc waits until the producer's dec has freed what
   // it asks for, out of the 168 a thread that the launch gave 384 threads: more hangs.
@@ -420,22 +426,23 @@ __global__ void __launch_bounds__(384, 1) ${kernel}_gemm(const __grid_constant__
       hop::wgmma_wait<0>();
       release((it - 1) % kStages);
       consumer_epilogue(d, half, tid, m0, n0, a, hand_over);  // in registers
-      if constexpr (kRowReduce) continue;  // partial statistics only: no staging tile, no store
-      if constexpr (kWarps) {  // the epilogue warps are done with the staging tile
-        if (!first) hop::named_sync<kBarEmpty, kHandoff>();
-      }
-      for (int round = 0; round < kRounds; ++round) {
-        if constexpr (!kWarps) {  // the previous store has read the staging tile
-          if (tid == 0) hop::bulk_wait_read();
-          hop::named_sync<128>(1 + half);
+      if constexpr (!kRowReduce) {  // a row reduction leaves partial statistics only: no staging tile, no store
+        if constexpr (kWarps) {  // the epilogue warps are done with the staging tile
+          if (!first) hop::named_sync<kBarEmpty, kHandoff>();
         }
-        stage_round(d, staging, half, tid, round);
-        if (hand_over) {
-          hop::named_arrive<kBarFull, kHandoff>();  // the epilogue warps take it from here
-        } else {  // writes visible to the bulk copy, then one thread stores
-          hop::fence_async_shared();
-          hop::named_sync<128>(1 + half);
-          if (tid == 0) store_staged(&map_c, staging, a, m0, n0 + round * kRoundCols, half, 1);
+        for (int round = 0; round < kRounds; ++round) {
+          if constexpr (!kWarps) {  // the previous store has read the staging tile
+            if (tid == 0) hop::bulk_wait_read();
+            hop::named_sync<128>(1 + half);
+          }
+          stage_round(d, staging, half, tid, round);
+          if (hand_over) {
+            hop::named_arrive<kBarFull, kHandoff>();  // the epilogue warps take it from here
+          } else {  // writes visible to the bulk copy, then one thread stores
+            hop::fence_async_shared();
+            hop::named_sync<128>(1 + half);
+            if (tid == 0) store_staged(&map_c, staging, a, m0, n0 + round * kRoundCols, half, 1);
+          }
         }
       }
     }
@@ -455,9 +462,9 @@ int gemm_launch(const Args& a, int device, cudaStream_t stream) {
   if (device >= 64) return static_cast<int>(cudaErrorInvalidDevice);
   if (sms[device] == 0) {  // once a device: the shared-memory limit, and the SM count
     cudaError_t err = cudaFuncSetAttribute(${kernel}_gemm<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemmSmem);
-    if constexpr (kPointwise && kRounds == 1) {  // (only these instantiate the spare-warp kernel)
+    if constexpr (kSpareWarps) {
       if (err == cudaSuccess)
-        err = cudaFuncSetAttribute(${kernel}_gemm<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemmSmem);
+        err = cudaFuncSetAttribute(${kernel}_gemm<kSpareWarps>, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemmSmem);
     }
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return static_cast<int>(err);
@@ -467,9 +474,9 @@ int gemm_launch(const Args& a, int device, cudaStream_t stream) {
   const int grid = static_cast<int>(tiles < sms[device] ? tiles : sms[device]);
   // A pointwise chain in the spare warps where a CTA has enough tiles to hide it under
   // (16-bit outputs: float32 tiles are staged in two rounds, and the consumers run the chain).
-  if constexpr (kPointwise && kRounds == 1) {
+  if constexpr (kSpareWarps) {
     if (tiles >= static_cast<long long>(kWarpsMinTiles) * grid) {
-      ${kernel}_gemm<true><<<grid, 384, kGemmSmem, stream>>>(map_a, map_b, map_c, a);
+      ${kernel}_gemm<kSpareWarps><<<grid, 384, kGemmSmem, stream>>>(map_a, map_b, map_c, a);
       return static_cast<int>(cudaGetLastError());
     }
   }

@@ -232,11 +232,12 @@ $loads
 """ + _STAGE_LOOP + r"""
 // ${name}'s per-channel operands for one channel: the direct conv, which knows its
 // vectors' channel, loads them once per channel and runs ${name}_at on each vector.
+// (Only kernels that know their channels call these: the others leave them unused.)
 struct ${name}_chan {
 $chan_fields
 };
 
-__device__ __forceinline__ ${name}_chan ${name}_chan_of(const Args& a, int c) {
+[[maybe_unused]] __device__ __forceinline__ ${name}_chan ${name}_chan_of(const Args& a, int c) {
   ${name}_chan k;
 $chan_fill
   return k;
@@ -537,8 +538,11 @@ _CONV_WORKSPACE = r"""// Workspace layout with GroupNorm: partials [rows][groups
 __device__ __forceinline__ float* conv_part(const Args& a, long long n, long long g, int tile) {
   return a.ws + ((n * kGroups + g) * kTiles + tile) * 3;
 }
-__host__ __device__ __forceinline__ float* conv_stats(const Args& a) { return a.ws + a.rows * kGroups * kTiles * 3; }
-__host__ __device__ __forceinline__ int* conv_counters(const Args& a) {
+// (The statistics and the counters: GroupNorm's kernels alone use them.)
+[[maybe_unused]] __host__ __device__ __forceinline__ float* conv_stats(const Args& a) {
+  return a.ws + a.rows * kGroups * kTiles * 3;
+}
+[[maybe_unused]] __host__ __device__ __forceinline__ int* conv_counters(const Args& a) {
   return reinterpret_cast<int*>(a.ws + a.rows * kGroups * (kTiles * 3 + 2));
 }
 """

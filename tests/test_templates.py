@@ -5,12 +5,16 @@ import math
 import os
 import re
 import shutil
+import subprocess
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 import cuda_templates
+from cuda_templates import compiler
 from cuda_templates.render import plan
 from cuda_templates.snippets import SNIPPETS, Operands, _float32_reciprocal, cfloat
 from lowering import VOCABULARY, EpilogueSpec
@@ -593,3 +597,41 @@ def test_pointwise_teams_fit_their_segments():
     norm = replace(nchw, steps=(Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=1),), fusion="conv_groupnorm")
     assert plan(norm).team == 256
     assert plan(replace(nchw, anchor=CHANNELS_LAST)).team == 512
+
+
+def _one_file_a_form(arch: str) -> list[tuple[str, str, str]]:
+    """A compile job for the first spec of each (anchor form, float32 or 16-bit, with or
+    without a reduction) at `arch`."""
+    picked: dict = {}
+    for name, spec in ALL_SPECS.items():
+        key = (cuda_templates.kernel_name(spec, arch).split("_")[0], spec.dtype == "float32", spec.reduction is None)
+        picked.setdefault(key, ("test_nvcc_compiles", name, arch))
+    return list(picked.values())
+
+
+@needs_nvcc
+def test_kernel_files_compile_without_warnings():
+    # nvcc's front end on one file of each form: nothing declared and left unused, no
+    # unreachable code, no kernel instantiation named without a definition (a warning on
+    # every build is one a user learns to ignore).
+    jobs = _one_file_a_form("sm90a") + [("test_nvcc_compiles", "direct_pointwise_k5_pad2-float32", "sm80"),
+                                        ("test_nvcc_compiles_tf32_direct_convs", next(iter(TF32_SPECS)), "sm90a")]
+    jobs += [("test_nvcc_compiles_the_in_kernel_gemm", n, "sm90a") for n in ("gemm_pointwise-bfloat16",
+                                                                              "gemm_w2_logsumexp-float32")]
+    nvcc = compiler.find_nvcc()
+
+    def warnings_of(job, directory):
+        source, kernel, arch = _compile_job(*job)
+        path = directory / f"{kernel}.cu"
+        path.write_text(source)
+        number = arch[2:]
+        run = subprocess.run([nvcc, "-std=c++17", f"-gencode=arch=compute_{number},code=sm_{number}", "-cuda", "-I",
+                              str(compiler.INCLUDE_DIR), str(path), "-o", os.devnull],
+                             capture_output=True, text=True, check=False)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return [line for line in run.stderr.splitlines() if "warning" in line]
+
+    with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        found = dict(zip([j[1] for j in jobs], pool.map(lambda job: warnings_of(job, Path(tmp)), jobs)))
+    assert len(jobs) >= 16
+    assert not any(found.values()), {name: lines for name, lines in found.items() if lines}
