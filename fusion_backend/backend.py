@@ -237,6 +237,7 @@ def fusedepi(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=Non
     # Inductor's passes edit the graph they are given: this attempt gets a graph of its
     # own (the module's parameters are shared, not copied).
     attempt = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    attempt.meta.update(gm.meta)  # what Dynamo recorded (compile id, parameter names)
     try:
         with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(
             shape_padding=False, joint_custom_post_pass=keep

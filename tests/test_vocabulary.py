@@ -343,7 +343,9 @@ def test_a_graph_where_nothing_fuses_is_compiled_by_inductor_as_it_stands(monkey
 
     calls = []
     real = backend.compile_fx
-    monkeypatch.setattr(backend, "compile_fx", lambda gm, ex, **k: (calls.append(sorted(k)), real(gm, ex, **k))[1])
+    metas = []
+    monkeypatch.setattr(backend, "compile_fx",
+                        lambda gm, ex, **k: (calls.append(sorted(k)), metas.append(dict(gm.meta)), real(gm, ex, **k))[2])
     monkeypatch.setenv("FUSEDEPI_CPU_REFERENCE", "0")  # a CPU graph: no chain fuses
     model, x = nn.Sequential(nn.Linear(16, 32), nn.GroupNorm(4, 32), nn.Tanh()), torch.randn(8, 16)
     torch._dynamo.reset()
@@ -352,3 +354,4 @@ def test_a_graph_where_nothing_fuses_is_compiled_by_inductor_as_it_stands(monkey
         out = torch.compile(model, backend="fusedepi")(x)
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
     assert calls == [["decompositions", "inner_compile"], []], calls
+    assert metas[0] == metas[1] and metas[1], metas  # the first attempt had Dynamo's record too
