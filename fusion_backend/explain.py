@@ -40,6 +40,8 @@ class ExplainReport:
         )
         parts = [f"fused chains: {len(self.fused)}" + (f"\n{fused}" if self.fused else "")]
         parts.append(f"refused candidates: {len(self.refused)}" + (f"\n{refused}" if self.refused else ""))
+        if not self.fused:
+            parts.append("no chain fused: Inductor compiled the model as it would without fusedepi")
         return "\n\n".join(parts)
 
 

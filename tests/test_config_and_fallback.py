@@ -249,6 +249,15 @@ def test_explain_prints_no_empty_table(monkeypatch):
     assert text.endswith("refused candidates: 0") and "why not fused" not in text
 
 
+def test_explain_says_when_inductor_compiled_everything(monkeypatch):
+    from fusion_backend import explain
+
+    monkeypatch.setenv("FUSEDEPI_DISABLE", "linear_layernorm")
+    report = explain(nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32)), torch.randn(8, 16), verbose=False)
+    assert not report.fused and report.refused
+    assert str(report).endswith("no chain fused: Inductor compiled the model as it would without fusedepi")
+
+
 def test_the_cpu_demo_fuses_both_samples_and_matches_eager(capsys, monkeypatch):
     from fusion_backend import demo
 
