@@ -707,7 +707,7 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
     eps = cfloat(red.consts[0]) if stats else "0.f"
     shape = dict(kernel=name, cin=cin, cout=spec.channels, kh=kh, kw=kw, pad_h=pad_h, pad_w=pad_w,
                  in_h=hi, in_w=wi, out_h=ho, out_w=wo, tile_h=d.tile_h, stats="true" if stats else "false",
-                 cpg=spec.channels // red.groups if stats else 1)
+                 cpg=spec.channels // red.groups if stats else 1, smem=d.smem)
     # fma and tf32 store the pre-norm value; phase 2 normalizes it (NORMALIZE_TILE)
     normalize = ""
     if stats and d.stores_pre_norm:

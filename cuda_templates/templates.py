@@ -655,8 +655,8 @@ static_assert((kColTiles == 1 ? kTH * kWo : kTW) % kAV == 0, "see render._apply_
 # Placeholders: $kernel, $cin, $cout, $copad (output channels padded to 8 x a power
 # of two), $kh, $kw, $pad_h, $pad_w, $in_h, $in_w, $out_h, $out_w, $tile_h (output
 # rows per block), $out_vec (elements per store, divides $out_w), $stats, $cpg
-# (channels per group), $dst (`a.mid` or `a.out`), $normalize (NORMALIZE_TILE with
-# GroupNorm, else nothing).
+# (channels per group), $smem (dynamic shared memory, bytes: DirectPlan.smem), $dst
+# (`a.mid` or `a.out`), $normalize (NORMALIZE_TILE with GroupNorm, else nothing).
 DIRECT_CONV_KERNELS = Template(
     r"""constexpr int kCin = $cin, kCout = $cout, kCoPad = $copad;
 constexpr int kKH = $kh, kKW = $kw, kPadH = $pad_h, kPadW = $pad_w;
@@ -677,8 +677,11 @@ constexpr int kTaps = kCin * kKH * kKW;
 // Statistics slots per 8-channel slice; each slot's channels lie in one group.
 constexpr int kSlots = kCpg % 8 == 0 ? 1 : (8 % kCpg == 0 ? 8 / kCpg : 8);
 constexpr int kSlotCh = 8 / kSlots;
-constexpr int kConvSmem =
-    (int)(sizeof(float) * (kCin * kInRows * kSW + kTaps * kCoPad) + sizeof(fusedepi::Moments) * 8 * kSlots);
+// Dynamic shared memory, bytes: render.direct_plan's figure (it chose the tile by it),
+// checked against this kernel's layout: input rows, weights, statistics slots.
+constexpr int kConvSmem = $smem;
+static_assert(kConvSmem == (int)(sizeof(float) * (kCin * kInRows * kSW + kTaps * kCoPad) +
+                                 sizeof(fusedepi::Moments) * 8 * kSlots), "render._fma_plan's shared memory");
 static_assert(kCog * kRowsAtOnce == 8 && kTH % kRowsAtOnce == 0, "8 warps tile channels x rows");
 static_assert(kWo % kOV == 0 && 4 % kOV == 0, "stores stay inside a row");
 
@@ -711,7 +714,7 @@ $normalize"""
 # runs (ONE_PHASE_KERNEL). TF32 does not recompute: pass 2 stores stage0's value to
 # `mid` and leaves the partials (as the FMA conv does), and NORMALIZE_TILE is phase 2.
 # Placeholders: $kernel, $mma (the mma.sync instruction), $cin, $cout, $kh, $kw, $pad_h,
-# $pad_w, $in_h, $in_w, $out_h, $out_w, $tile_h, $stats, $cpg, $normalize
+# $pad_w, $in_h, $in_w, $out_h, $out_w, $tile_h, $stats, $cpg, $smem (DirectPlan.smem), $normalize
 # (NORMALIZE_TILE for TF32 with GroupNorm, else nothing).
 DIRECT_CONV_MMA_KERNELS = Template(
     r"""constexpr int kCin = $cin, kCout = $cout;
@@ -742,8 +745,12 @@ constexpr int kOutStride = 40;                  // staged output row: 32 columns
 constexpr bool kStageOutput = !kTF32;
 constexpr int kStageOut = kStageOutput ? 8 * kCout * kOutStride * (int)sizeof(T) : 0;  // per block, bytes
 constexpr int kFragEntries = kTF32 ? kMT * kKSteps * 32 : 0;  // TF32 A fragments: [m][step][lane] x 16 bytes
-constexpr int kConvSmem =
-    (int)(16 * (kTileChunks + 1 + kFragEntries) + sizeof(fusedepi::Moments) * 8 * kCtaGroups) + kStageOut;
+// Dynamic shared memory, bytes: render.direct_plan's figure (it chose the tile by it),
+// checked against this kernel's layout: the input tile, TF32's A fragments, statistics
+// slots, the output staging.
+constexpr int kConvSmem = $smem;
+static_assert(kConvSmem == (int)(16 * (kTileChunks + 1 + kFragEntries) + sizeof(fusedepi::Moments) * 8 * kCtaGroups) +
+                               kStageOut, "render._mma_plan's shared memory");
 static_assert(kCin % kCE == 0 && kCout % 16 == 0 && kWo % 2 == 0, "see render.direct_plan");
 
 """ + _CONV_WORKSPACE + r"""
