@@ -5,9 +5,9 @@ Inductor's `compile_fx` runs AOTAutograd with Inductor's decompositions minus
 step rewrites matched chains into fused ops, decomposes whatever held-back ops
 remain, and hands the graph to Inductor's own inner compile. A graph in which no
 chain fuses is compiled again by plain `compile_fx`, so that Inductor sees it exactly
-as it would without fusedepi (at the cost of a second AOTAutograd trace). In training, a pass
-over the joint graph first marks the chains' nodes so that backward gets their
-values from the fused op rather than recomputing them (`KeepChainValues`).
+as it would without fusedepi (at the cost of a second AOTAutograd trace). In
+training, a pass over the joint graph first marks the chains' nodes so that backward
+gets their values from the fused op rather than recomputing them (`KeepChainValues`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import threading
 from contextlib import contextmanager
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
 from torch._guards import detect_fake_mode
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.decomposition import select_decomp_table
-import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 

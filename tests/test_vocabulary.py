@@ -355,3 +355,13 @@ def test_a_graph_where_nothing_fuses_is_compiled_by_inductor_as_it_stands(monkey
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
     assert calls == [["decompositions", "inner_compile"], []], calls
     assert metas[0] == metas[1] and metas[1], metas  # the first attempt had Dynamo's record too
+    # In training too: the forward's compile hands over before the backward's, which is Inductor's.
+    calls.clear()
+    torch._dynamo.reset()
+    x.requires_grad_(True)
+    out = torch.compile(model, backend="fusedepi")(x)
+    out.sum().backward()
+    grad, x.grad = x.grad, None
+    model(x).sum().backward()
+    torch.testing.assert_close(grad, x.grad, atol=1e-5, rtol=1e-5)
+    assert calls == [["decompositions", "inner_compile"], []], calls
