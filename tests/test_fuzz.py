@@ -261,3 +261,23 @@ def test_gradient_fuzz_regressions(case_device, index):
     result = fuzzer.run_case(fuzzer.make_case(0, index, case_device), "cpu", grad=True)
     assert result.check == "ok", result
     assert result.fusion in ("full", "partial"), result
+
+
+def test_cpu_fuzz_with_the_library_call_forms_forced(monkeypatch):
+    # The timed forms of the library call (a float32 GEMM's bias moved into the epilogue,
+    # a 16-bit GEMM on padded operands, a conv on channels-last operands) rewrite the spec
+    # they start from; forced on, the fuzzer's chains go through each (on CPU the
+    # references run them; a moved bias once left earlier-value operands one step short).
+    for name in ("FUSEDEPI_FOLD_GEMM_BIAS", "FUSEDEPI_PAD_GEMM", "FUSEDEPI_CONV_CHANNELS_LAST"):
+        monkeypatch.setenv(name, "1")
+    indices = _earlier_models(24)
+    results = fuzzer.run(seed=0, indices=indices, device="cpu", generation=fuzzer.EARLIER_GENERATION)
+    results += fuzzer.run(seed=0, indices=range(40), device="cpu")
+    summary = fuzzer.summarize(results)
+    assert not summary["findings"], _shown(summary["findings"])
+    assert summary["fusion"].get("full", 0) >= 30, summary["reasons"]
+    # The bias moved into the epilogue where the chain allowed it: fused chains of float32
+    # Linear models whose first step is that bias's add, earlier-value models among them.
+    moved = [r for r in results if r["dtype"] == "float32" and r["anchor"] == "linear" and r["fused_steps"]
+             and r["fused_steps"][0][:1] == ["add"]]
+    assert len(moved) >= 5 and any(r["index"] in indices for r in moved), len(moved)
