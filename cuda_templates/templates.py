@@ -3,8 +3,8 @@
 Every template is rendered from a flat dict of strings that `render.py` computes
 beforehand; nothing here calls back into Python. Device helpers live in
 `include/fusedepi/epilogue.cuh`, the kernel families' shared device code in
-`apply.cuh`, `direct_conv.cuh`, `direct_conv_mma.cuh` (and `gemm_tile.cuh` for
-`gemm_sm90.py`). What stays here (about 880 lines) binds a spec's constants, names
+`apply.cuh`, `direct_conv.cuh`, `direct_conv_mma.cuh` (and `gemm_tile.cuh`,
+`gemm_sm90.cuh` for `gemm_sm90.py`). What stays here (about 880 lines) binds a spec's constants, names
 and rendered steps: the file frame, the stage functions, and the statistics and
 two-phase kernels whose code is spliced from per-spec fragments.
 """
