@@ -75,8 +75,9 @@ def _decompose_held_back(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.G
     # sees, whose strides must be kept: `user_visible_output_idxs`) carries over too.
     old = [n for n in gm.graph.nodes if n.op in ("placeholder", "output")]
     new = [n for n in traced.graph.nodes if n.op in ("placeholder", "output")]
-    for before, after in zip(old, new, strict=True):
-        after.meta.update({k: v for k, v in before.meta.items() if k not in after.meta})
+    if len(old) == len(new):  # one placeholder an input, one output: always, by make_fx
+        for before, after in zip(old, new):
+            after.meta.update({k: v for k, v in before.meta.items() if k not in after.meta})
     return traced
 
 
