@@ -54,27 +54,23 @@ __device__ __forceinline__ void column_stats(const Args& a) {
     float bmean[kColV], q[kColV];
 #pragma unroll
     for (int j = 0; j < kColV; ++j) bmean[j] = q[j] = 0.f;
+    // Folds column j's values of the batch's live rows into r[j] by update(r[j], e, j).
+    const auto fold = [&](float (&r)[kColV], auto update) {
 #pragma unroll
-    for (int t = 0; t < kRowsPerThread; ++t) {
-      float v[kColV];
-      values(b, t, v);
-      if (t < rows_b) {
+      for (int t = 0; t < kRowsPerThread; ++t) {
+        float v[kColV];
+        values(b, t, v);
+        if (t < rows_b) {
 #pragma unroll
-        for (int j = 0; j < kColV; ++j) bmean[j] += v[j];
+          for (int j = 0; j < kColV; ++j) r[j] = update(r[j], v[j], j);
+        }
       }
-    }
+    };
+    fold(bmean, [](float r, float e, int) { return r + e; });
     const float nb = static_cast<float>(rows_b), inv_nb = 1.f / nb;
 #pragma unroll
     for (int j = 0; j < kColV; ++j) bmean[j] *= inv_nb;
-#pragma unroll
-    for (int t = 0; t < kRowsPerThread; ++t) {
-      float v[kColV];
-      values(b, t, v);
-      if (t < rows_b) {
-#pragma unroll
-        for (int j = 0; j < kColV; ++j) q[j] = fmaf(v[j] - bmean[j], v[j] - bmean[j], q[j]);
-      }
-    }
+    fold(q, [&bmean](float r, float e, int j) { return fmaf(e - bmean[j], e - bmean[j], r); });
     // Chan et al.'s merge (fusedepi::merge), the counts shared by every column.
     const float total = n + nb, wb = nb / total;
 #pragma unroll
