@@ -248,7 +248,7 @@ def run_model(zoo: ZooModel, dtype_name: str, time_it: bool = True, profile: boo
 
     from fusion_backend import fusedepi
     from fusion_backend.backend import collect_reports
-    from fusion_backend.choice import gpu_ms
+    from fusion_backend.timings import gpu_ms
 
     _settings()
     dtype = getattr(torch, dtype_name)

@@ -35,9 +35,6 @@ from .ops import conv_allows_tf32, matmul_allows_tf32
 
 log = logging.getLogger("fusedepi")
 
-CACHE_FILE = "choices.json"
-
-
 @dataclass(frozen=True)
 class Choice:
     """What the measurement found: milliseconds a call of each form (0 where nothing was
@@ -85,7 +82,7 @@ def decide(chain: Chain, spec: str, cfg: Config, claimed: frozenset = frozenset(
         [str(v.dtype) for v in vals], matmul_allows_tf32(), conv_allows_tf32()))
     try:
         fused_ms, inductor_ms = timings.cached(
-            Path(cfg.cache_dir) / CACHE_FILE, key,
+            Path(cfg.cache_dir) / timings.CACHE_FILE, key,
             lambda: _measure(chain, inductor_form, fused_form, vals, shapes, device))
     except Exception as err:  # noqa: BLE001 - the chain is fused as matched
         if cfg.strict:
@@ -205,7 +202,7 @@ def _measure(chain: Chain, inductor_form: GraphModule, fused_form: GraphModule, 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             fused = pool.submit(_inductor_compile, fused_form, example).result()
             inductor = pool.submit(_inductor_compile, inductor_form, example).result()
-        times = (gpu_ms(lambda: fused(*example), device), gpu_ms(lambda: inductor(*example), device))
+        times = (timings.gpu_ms(lambda: fused(*example), device), timings.gpu_ms(lambda: inductor(*example), device))
     log.info("fusedepi: %s at %s: fused %.4f ms, Inductor %.4f ms (measured in %.1f s)", chain.spec.fusion,
              chain.anchor.name, times[0], times[1], time.perf_counter() - started)
     return times
@@ -216,34 +213,3 @@ def _inductor_compile(gm: GraphModule, example: list[torch.Tensor]):
 
     with torch.no_grad():
         return compile_fx(gm, example)
-
-
-def gpu_ms(fn, device: torch.device) -> float:
-    """GPU milliseconds of a call of `fn`: replays of a CUDA graph of one call, so that
-    the CPU's cost of a call (which a compiled model's other launches hide) does not
-    decide; a call that cannot be captured is timed as is. On the CPU: wall time."""
-    if device.type != "cuda":
-        fn()
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            for _ in range(5):
-                fn()
-            best = min(best, (time.perf_counter() - start) / 5 * 1e3)
-        return best
-    with torch.cuda.device(device):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up off the capture, as torch.cuda.graphs asks
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                fn()
-        except Exception as err:  # noqa: BLE001 - timed without a graph
-            log.debug("fusedepi: a timed call could not be captured (%s); timing it as is", err)
-            torch.cuda.synchronize()
-            return timings.best_ms(fn)
-        return timings.best_ms(graph.replay)

@@ -19,8 +19,9 @@ from torch.fx import GraphModule
 import cuda_templates
 from lowering import Chain, match_graph
 
-from . import choice, conv_layout, gemm_bias, gemm_padding, launch, native, ops, timings
+from . import choice, forms, launch, native, ops, timings
 from .config import Config
+from .plan import ExecutionPlan
 
 log = logging.getLogger("fusedepi")
 aten = torch.ops.aten
@@ -42,7 +43,12 @@ class Record:
     reason: str = ""
     stop: str = ""
     spec: str = ""
-    measured: str = ""  # the measured choice: both forms' times (`choice.Choice.describe`)
+    plan: ExecutionPlan | None = None  # how a chain that got as far as a measurement runs, or would run
+
+    @property
+    def measured(self) -> str:
+        """The measurements behind the decision (`ExecutionPlan.describe`), or nothing."""
+        return self.plan.describe() if self.plan is not None else ""
 
 
 @dataclass
@@ -211,9 +217,7 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
         names = [n.name for n in chain.nodes]
         claimed = frozenset(n for other in chains if other is not chain for n in other.nodes)
         try:
-            chain.spec = gemm_bias.fold(chain, cfg)
-            chain.spec = gemm_padding.decide(chain, cfg)
-            chain.spec = conv_layout.decide(chain, cfg)
+            form_rows = forms.choose(chain, cfg)
             spec = chain.spec.to_json()
             kernel = _prepare(chain, spec, cfg)
         except (cuda_templates.NotRenderable, OperandMismatch) as err:
@@ -237,16 +241,16 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
                 Record("refused", chain.anchor.name, names, chain.spec.fusion, reason=f"kernel build failed: {first}")
             )
             continue
-        measured = choice.decide(chain, spec, cfg, claimed)
-        if not measured.fuse:
-            reason = f"Inductor is faster here: {measured.describe()}"
+        plan = ExecutionPlan(spec, kernel, form_rows, choice.decide(chain, spec, cfg, claimed))
+        if not plan.fused:
+            reason = f"Inductor is faster here: {plan.choice.describe()}"
             log.info("fusedepi: not fused at %s: %s", chain.anchor.name, reason)
             report.records.append(Record("refused", chain.anchor.name, names, chain.spec.fusion, reason=reason,
-                                         measured=measured.describe()))
+                                         plan=plan))
             continue
         report.records.append(
             Record("fused", chain.anchor.name, names, chain.spec.fusion, kernel=kernel, stop=chain.stop, spec=spec,
-                   measured=measured.describe())
+                   plan=plan)
         )
         fused.append((chain, spec, kernel))
     if cfg.native_launcher and any(chain.anchor.meta["val"].device.type == "cuda" for chain, _, _ in fused):

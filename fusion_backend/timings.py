@@ -1,10 +1,11 @@
-"""Compile-time timings of library call forms, cached on disk per GPU and shape.
+"""The one timing path and the one cache of compile-time measurements.
 
-Some choices the backend makes for a chain depend on which form of a library call is
-faster on the GPU at hand: a GEMM on zero-padded operands (`gemm_padding`), a conv on
-channels-last ones (`conv_layout`). Each form is timed once while compiling, with CUDA
-events, and the times are kept in a JSON file in the cache directory, so that later
-processes (and other graphs with the same shapes) reuse them.
+Every choice the backend makes by measurement (the library anchor's forms in
+`forms.FORMS`, fused or Inductor in `choice`) times GPU work with `gpu_ms` (replays of
+a CUDA graph of one call) and keeps the times in one JSON file in the cache directory
+(`CACHE_FILE`), each entry keyed by what it depends on (GPU, torch version, shapes,
+dtypes, settings), so that later processes and other graphs with the same shapes reuse
+them: a warm start times nothing.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 log = logging.getLogger("fusedepi")
+
+CACHE_FILE = "choices.json"
 
 _cache: dict[tuple, list] = {}  # (cache file, key) -> times
 _read_files: set = set()  # cache files already merged into _cache
@@ -41,36 +45,6 @@ def cached(path: Path, key: str, measure: Callable[[], tuple]) -> tuple:
         _cache[(path, key)] = list(times)
     _store(path, key, times)
     return times
-
-
-# The other form must be at least this much faster than the graph's: it costs a little
-# that a timing of the library call alone does not see (a padding copy's launches, a
-# bias the epilogue loads, the staged epilogue of a channels-last conv).
-MIN_GAIN = 0.9
-
-
-def takes_other_form(setting: str, device: torch.device, strict: bool, timed: Callable[[], tuple],
-                     what: str) -> bool:
-    """Whether a chain's library call takes its other form under a tristate setting:
-    "on" always, "off" never, "auto" on CUDA where `timed()` (ms as the graph has it,
-    ms of the other form) finds the other form at least 1 / MIN_GAIN times faster. A
-    timing that fails (out of memory, say) keeps the graph's form with a warning, or
-    raises under `strict`. `what` names the other form in the log."""
-    if setting != "auto":
-        return setting == "on"
-    if device.type != "cuda":
-        return False
-    try:
-        times = timed()
-    except Exception as err:  # noqa: BLE001 - the chain runs as the graph has it
-        if strict:
-            raise
-        log.warning("fusedepi: timing %s failed (%s: %s); it runs as the graph has it", what, type(err).__name__, err)
-        return False
-    if times[1] >= MIN_GAIN * times[0]:
-        return False
-    log.info("fusedepi: %s: %.3f ms against %.3f ms", what, times[1], times[0])
-    return True
 
 
 def example_shape(val: torch.Tensor) -> tuple | None:
@@ -112,6 +86,37 @@ def round_ms(fn: Callable[[], object], calls: int, rounds: int, warmup: int = 1)
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     return times
+
+
+def gpu_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """GPU milliseconds of a call of `fn`: replays of a CUDA graph of one call, so that
+    the CPU's cost of a call (which a compiled model's other launches hide) does not
+    decide; a call that cannot be captured is timed as is. On the CPU: wall time."""
+    if device.type != "cuda":
+        fn()
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(5):
+                fn()
+            best = min(best, (time.perf_counter() - start) / 5 * 1e3)
+        return best
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up off the capture, as torch.cuda.graphs asks
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                fn()
+        except Exception as err:  # noqa: BLE001 - timed without a graph
+            log.debug("fusedepi: a timed call could not be captured (%s); timing it as is", err)
+            torch.cuda.synchronize()
+            return best_ms(fn)
+        return best_ms(graph.replay)
 
 
 def _read(path: Path) -> dict:

@@ -54,11 +54,11 @@ class Anchor:
             runs on operands padded with zeros to K = k_to and N = n_to (multiples of 8:
             cuBLAS's fast kernels need 16-byte aligned rows); the anchor output then has
             rows of n_to elements, of which the first N are the product. Empty: as the
-            graph has it. The backend sets it (`fusion_backend.gemm_padding`).
+            graph has it. The backend sets it (`fusion_backend.forms`).
         channels_last: a library conv (2-D or 3-D) run on channels-last operands, where
             cuDNN has faster kernels for them: its output is then [rows, inner, channels]
             in memory, which the epilogue kernel reads and writes out in the graph's
-            (contiguous) layout. The backend sets it (`fusion_backend.conv_layout`).
+            (contiguous) layout. The backend sets it (`fusion_backend.forms`).
     """
 
     kind: str

@@ -55,7 +55,7 @@ class Chain(nn.Module):
 
 class LinearLogSoftmax(nn.Module):
     """Linear, a scale, log_softmax over the features, a clamp: a float32 chain whose GEMM
-    may lose its bias to the epilogue (fusion_backend/gemm_bias.py)."""
+    may lose its bias to the epilogue (fusion_backend/forms/gemm_bias.py)."""
 
     def __init__(self, k, n):
         super().__init__()

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fusion_backend import choice
+from fusion_backend import choice, timings
 from fusion_backend.config import load_config
 from helpers import compile_records
 
@@ -59,7 +59,7 @@ def test_the_choice_is_cached_on_disk_and_not_measured_again(timed, monkeypatch)
     model, x = _model(), torch.randn(8, 16)
     compile_records(model, x)
     assert calls == ["addmm"]
-    stored = json.loads((timed / choice.CACHE_FILE).read_text())
+    stored = json.loads((timed / timings.CACHE_FILE).read_text())
     assert list(stored.values()) == [[1.0, 2.0]]
     choice.timings._cache.clear()  # as a new process: only the file is left
     choice.timings._read_files.clear()

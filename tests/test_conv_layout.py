@@ -1,18 +1,15 @@
-"""Channels-last library convs (`Anchor.channels_last`, fusion_backend/conv_layout.py)
+"""Channels-last library convs (`Anchor.channels_last`, fusion_backend/forms/conv_layout.py)
 without a GPU: the conv on channels-last operands, which chains are candidates,
 FUSEDEPI_CONV_CHANNELS_LAST, and the rewrite through the reference implementation
 (FUSEDEPI_CPU_REFERENCE=1)."""
 
 import copy
-from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 
-from fusion_backend import conv_layout, ops
-from fusion_backend.config import load_config
+from fusion_backend import ops
 from helpers import compile_records
 from lowering.spec import Anchor, EpilogueSpec, Step
 
@@ -89,30 +86,3 @@ def test_on_runs_the_conv_channels_last(monkeypatch, conv, tail, x_shape):
 def test_not_channels_last(monkeypatch, setting, conv, tail, x_shape):
     _, _, kernel = _compiled(monkeypatch, setting, conv, tail, x_shape)
     assert "channels-last" not in kernel
-
-
-def _chain(device="cuda"):
-    """A stand-in for a matched chain, enough for `decide` once `candidate` is patched."""
-    spec = EpilogueSpec(Anchor("conv", True, CONV2D), (Step("relu"),), "bfloat16", (), 16, 162, "conv_pointwise")
-    val = SimpleNamespace(device=torch.device(device, 0) if device == "cuda" else torch.device(device))
-    return SimpleNamespace(spec=spec, operands=[SimpleNamespace(meta={"val": val})], anchor=SimpleNamespace(name="conv"))
-
-
-@pytest.mark.parametrize("plain, staged, takes", [(2.0, 0.8, True), (2.0, 1.85, False), (1.0, 1.5, False)])
-def test_auto_takes_channels_last_where_the_timing_says_so(monkeypatch, tmp_path, plain, staged, takes):
-    monkeypatch.setattr(conv_layout, "candidate", lambda chain: ((3, 5, 9, 18), (16, 5, 3, 3), False))
-    monkeypatch.setattr(conv_layout, "timed", lambda *args: (plain, staged))
-    spec = conv_layout.decide(_chain(), load_config({"FUSEDEPI_CACHE_DIR": str(tmp_path)}))
-    assert spec.anchor.channels_last == takes
-    assert spec == replace(_chain().spec, anchor=replace(_chain().spec.anchor, channels_last=takes))
-
-
-def test_a_failed_timing_keeps_the_graphs_layout_or_raises_under_strict(monkeypatch, tmp_path):
-    def fail(*args):
-        raise RuntimeError("CUDA out of memory")
-
-    monkeypatch.setattr(conv_layout, "candidate", lambda chain: ((3, 5, 9, 18), (16, 5, 3, 3), False))
-    monkeypatch.setattr(conv_layout, "timed", fail)
-    assert not conv_layout.decide(_chain(), load_config({"FUSEDEPI_CACHE_DIR": str(tmp_path)})).anchor.channels_last
-    with pytest.raises(RuntimeError, match="out of memory"):
-        conv_layout.decide(_chain(), load_config({"FUSEDEPI_CACHE_DIR": str(tmp_path), "FUSEDEPI_STRICT": "1"}))

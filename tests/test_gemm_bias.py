@@ -1,18 +1,14 @@
-"""The float32 GEMM bias moved into the epilogue (fusion_backend/gemm_bias.py) without
-a GPU: which chains are candidates, FUSEDEPI_FOLD_GEMM_BIAS, the decision by timing, and
+"""The float32 GEMM bias moved into the epilogue (fusion_backend/forms/gemm_bias.py) without
+a GPU: which chains are candidates, FUSEDEPI_FOLD_GEMM_BIAS,
 the rewrite through the reference implementation (FUSEDEPI_CPU_REFERENCE=1)."""
 
 import copy
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from fusion_backend import gemm_bias
-from fusion_backend.config import load_config
 from helpers import LinearLogSoftmax, compile_records
-from lowering.spec import Anchor, EpilogueSpec, Step
 
 
 def _fused(monkeypatch, setting, dtype=torch.float32, grad=False):
@@ -77,33 +73,3 @@ def test_a_moved_bias_moves_the_earlier_values_steps_read(monkeypatch):
 def test_the_gemm_keeps_its_bias(monkeypatch, setting, dtype, grad):
     _, _, spec = _fused(monkeypatch, setting, dtype, grad)
     assert spec["anchor"]["kind"] == "addmm"
-
-
-def _chain():
-    """A stand-in for a matched chain, enough for `fold` once `candidate` is patched."""
-    spec = EpilogueSpec(Anchor("addmm"), (Step("relu"),), "float32", ("float32",), 127, 1, "linear_pointwise")
-    val = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float32)
-    node = SimpleNamespace(meta={"val": val})
-    return SimpleNamespace(spec=spec, operands=[node, node, node], params=[node])
-
-
-@pytest.mark.parametrize("addmm, mm, folds", [(1.15, 0.96, True), (1.0, 0.95, False), (1.0, 1.2, False)])
-def test_auto_folds_where_the_timing_says_so(monkeypatch, tmp_path, addmm, mm, folds):
-    monkeypatch.setattr(gemm_bias, "candidate", lambda chain: (818368, 201, 127))
-    monkeypatch.setattr(gemm_bias, "timed", lambda *args: (addmm, mm))
-    chain = _chain()
-    spec = gemm_bias.fold(chain, load_config({"FUSEDEPI_CACHE_DIR": str(tmp_path)}))
-    assert (spec.anchor.kind == "mm") == folds
-    assert (len(chain.operands), len(chain.params), len(spec.param_dtypes)) == ((2, 2, 2) if folds else (3, 1, 1))
-    assert spec.steps[0] == (Step("add", inputs=(1,), operand="channel", reverse=True) if folds else Step("relu"))
-
-
-def test_a_failed_timing_keeps_addmm_or_raises_under_strict(monkeypatch, tmp_path):
-    def fail(*args):
-        raise RuntimeError("CUDA out of memory")
-
-    monkeypatch.setattr(gemm_bias, "candidate", lambda chain: (818368, 201, 127))
-    monkeypatch.setattr(gemm_bias, "timed", fail)
-    assert gemm_bias.fold(_chain(), load_config({"FUSEDEPI_CACHE_DIR": str(tmp_path)})).anchor.kind == "addmm"
-    with pytest.raises(RuntimeError, match="out of memory"):
-        gemm_bias.fold(_chain(), load_config({"FUSEDEPI_CACHE_DIR": str(tmp_path), "FUSEDEPI_STRICT": "1"}))

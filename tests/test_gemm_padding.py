@@ -1,17 +1,14 @@
-"""The padded library GEMM (`Anchor.pad`, fusion_backend/gemm_padding.py) without a GPU:
-the padded product, which chains are candidates, FUSEDEPI_PAD_GEMM, the timing cache,
+"""The padded library GEMM (`Anchor.pad`, fusion_backend/forms/gemm_padding.py) without a GPU:
+the padded product, which chains are candidates, FUSEDEPI_PAD_GEMM,
 and the rewrite through the reference implementation (FUSEDEPI_CPU_REFERENCE=1)."""
 
 import copy
-import json
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 
-from fusion_backend import gemm_padding, ops, timings
-from fusion_backend.config import load_config
+from fusion_backend import ops
 from helpers import compile_records
 from lowering.spec import Anchor, EpilogueSpec, Step
 
@@ -84,56 +81,3 @@ def test_a_chain_that_saves_for_backward_keeps_its_n(monkeypatch):
     out, eager, kernel = _fused_padding(monkeypatch, "1", 151, 513, grad=True)
     assert "padded to K=152, N=513" in kernel
     torch.testing.assert_close(out, eager, atol=1e-2, rtol=1e-2)
-
-
-def _chain(dtype="bfloat16", device="cuda"):
-    """A stand-in for a matched chain, enough for `decide` once `candidate` is patched."""
-    spec = EpilogueSpec(Anchor("addmm"), (Step("relu"),), dtype, (), 513, 1, "linear_pointwise")
-    val = SimpleNamespace(device=torch.device(device, 0) if device == "cuda" else torch.device(device))
-    return SimpleNamespace(spec=spec, operands=[None, SimpleNamespace(meta={"val": val}), None])
-
-
-@pytest.mark.parametrize("plain, padded, pads", [(2.0, 0.8, True), (2.0, 1.85, False), (1.0, 1.5, False)])
-def test_auto_pads_where_the_timing_says_so(monkeypatch, tmp_path, plain, padded, pads):
-    monkeypatch.setattr(gemm_padding, "candidate", lambda chain: (4096, 151, 513, 152, 520))
-    monkeypatch.setattr(gemm_padding, "timed", lambda *args: (plain, padded))
-    cfg = load_config({"FUSEDEPI_CACHE_DIR": str(tmp_path)})
-    spec = gemm_padding.decide(_chain(), cfg)
-    assert spec.anchor.pad == ((152, 520) if pads else ())
-
-
-def test_a_failed_timing_leaves_the_gemm_unpadded_or_raises_under_strict(monkeypatch, tmp_path):
-    def fail(*args):
-        raise RuntimeError("CUDA out of memory")
-
-    monkeypatch.setattr(gemm_padding, "candidate", lambda chain: (4096, 151, 513, 152, 520))
-    monkeypatch.setattr(gemm_padding, "timed", fail)
-    assert gemm_padding.decide(_chain(), load_config({"FUSEDEPI_CACHE_DIR": str(tmp_path)})).anchor.pad == ()
-    with pytest.raises(RuntimeError, match="out of memory"):
-        gemm_padding.decide(_chain(), load_config({"FUSEDEPI_CACHE_DIR": str(tmp_path), "FUSEDEPI_STRICT": "1"}))
-
-
-def test_timings_are_cached_on_disk(monkeypatch, tmp_path):
-    measured = []
-
-    def measure(*args):
-        measured.append(args)
-        return (2.0, 1.0)
-
-    monkeypatch.setattr(gemm_padding, "_measure", measure)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
-    monkeypatch.setattr(timings, "_cache", {})
-    monkeypatch.setattr(timings, "_read_files", set())
-    args = ("addmm", "bfloat16", 4096, 151, 513, 152, 520, torch.device("cuda", 0), tmp_path)
-    assert gemm_padding.timed(*args) == (2.0, 1.0)
-    assert len(measured) == 1
-    stored = json.loads((tmp_path / gemm_padding.CACHE_FILE).read_text())
-    assert list(stored.values()) == [[2.0, 1.0]] and "Test GPU" in next(iter(stored))
-    monkeypatch.setattr(timings, "_cache", {})  # a new process: read from the file
-    monkeypatch.setattr(timings, "_read_files", set())
-    assert gemm_padding.timed(*args) == (2.0, 1.0)
-    assert len(measured) == 1
-    (tmp_path / gemm_padding.CACHE_FILE).write_text("not json")  # unreadable: measured again
-    monkeypatch.setattr(timings, "_cache", {})
-    monkeypatch.setattr(timings, "_read_files", set())
-    assert gemm_padding.timed(*args) == (2.0, 1.0) and len(measured) == 2

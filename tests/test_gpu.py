@@ -616,7 +616,7 @@ def test_padded_gemm_auto_is_correct_whatever_it_chooses(monkeypatch, tmp_path, 
         out, fused = compile_and_run(model, x, residual)
     assert fused == ["linear_pointwise"]
     assert relative_error(out, ref) <= TOLERANCE[torch.bfloat16]
-    assert (tmp_path / "gemm_padding.json").exists()
+    assert (tmp_path / "choices.json").exists()
 
 
 class _ConvTail(nn.Module):
@@ -696,7 +696,7 @@ def test_channels_last_auto_is_correct_whatever_it_chooses(monkeypatch, tmp_path
         out, fused = compile_and_run(model, x, x)
     assert fused == ["conv_groupnorm"]
     assert relative_error(out, ref) <= TOLERANCE[torch.bfloat16]
-    assert (tmp_path / "conv_layout.json").exists()
+    assert (tmp_path / "choices.json").exists()
 
 
 @pytest.mark.parametrize("setting", ["1", "auto"])
@@ -714,7 +714,7 @@ def test_float32_gemm_bias_in_the_epilogue(setting, monkeypatch, tmp_path, exact
     if setting == "1":
         assert kernels[0].startswith("mm_add_mul_log_softmax"), kernels
     else:
-        assert (tmp_path / "gemm_bias.json").exists()
+        assert (tmp_path / "choices.json").exists()
     err = relative_error(out, ref)
     assert err <= TOLERANCE[torch.float32], f"relative error {err:.3g} (seed {exact_float32})"
 

@@ -1,0 +1,111 @@
+"""The table of forms: the other ways a chain's library anchor can run, each taken where
+it is measured faster at the graph's shapes on the GPU at hand.
+
+A form changes HOW the anchor runs, never WHAT the chain computes: the spec records it
+(`Anchor.pad`, `Anchor.channels_last`, an `mm` whose bias is the first step), so the
+renderer, the launchers and `explain` read the decision instead of re-deriving it.
+
+| form | applies to | the other form |
+|---|---|---|
+| `gemm_bias` | float32 `addmm` of a Linear, matmul precision "highest" | `mm`, the bias added in the epilogue |
+| `gemm_padding` | 16-bit `addmm`/`mm` whose K or N is not a multiple of 8 | the GEMM on zero-padded operands |
+| `conv_layout` | a 2-D/3-D library conv with a channels-last epilogue mapping | cuDNN on channels-last operands |
+
+Each row's setting (`Config`, one environment variable each) is "auto" (time both
+forms of the library call, `timings.gpu_ms`, and take the other where it is at least
+1 / MIN_GAIN times faster; on CUDA only), "on" (always) or "off" (never). Times live in
+the one cache (`timings.CACHE_FILE`), keyed by the form's name and what the call's
+speed depends on. The measured choice (`choice.decide`) then times the chain in the
+forms taken against Inductor.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import timings
+from ..config import Config
+from .base import Form
+from .conv_layout import ConvLayout
+from .gemm_bias import GemmBias
+from .gemm_padding import GemmPadding
+
+log = logging.getLogger("fusedepi")
+
+# In the order they are tried: at most one applies to a chain (float32 Linear, 16-bit
+# Linear, conv), and a later one sees the spec an earlier one made.
+FORMS: tuple[Form, ...] = (GemmBias(), GemmPadding(), ConvLayout())
+
+# The other form must be at least this much faster than the graph's: it costs a little
+# that a timing of the library call alone does not see (a padding copy's launches, a
+# bias the epilogue loads, the staged epilogue of a channels-last conv).
+MIN_GAIN = 0.9
+
+
+@dataclass(frozen=True)
+class FormChoice:
+    """What one row of the table found for a chain: the library call's milliseconds as
+    the graph has it and in the row's form (0 where not timed), and whether the form
+    was taken."""
+
+    form: str
+    what: str  # the other form, in words
+    graph_ms: float
+    form_ms: float
+    taken: bool
+    note: str = ""  # why it was not timed
+
+    def describe(self) -> str:
+        verdict = "taken" if self.taken else "not taken"
+        if self.note:
+            return f"{self.form}: {verdict} ({self.note})"
+        return f"{self.form}: {verdict} ({self.form_ms:.4g} ms against {self.graph_ms:.4g} ms)"
+
+
+def choose(chain, cfg: Config) -> tuple[FormChoice, ...]:
+    """Runs the table on `chain`: each row that applies is decided by its setting and,
+    under "auto", by a timing; a form taken updates `chain.spec` (and, for the bias,
+    moves the bias node from `chain.operands` to `chain.params`). Returns the rows that
+    applied. A timing that fails keeps the graph's form with a warning (raises under
+    strict mode)."""
+    found_rows = []
+    for form in FORMS:
+        setting = getattr(cfg, form.setting)
+        if setting == "off":
+            continue
+        found = form.candidate(chain)
+        if found is None:
+            continue
+        what = form.describe(found)
+        if setting == "on":
+            chain.spec = form.apply(chain, found)
+            found_rows.append(FormChoice(form.name, what, 0.0, 0.0, True, f"{form.env}=1"))
+            continue
+        device = chain.anchor.meta["val"].device
+        if device.type != "cuda":
+            continue
+        key = "|".join(str(part) for part in (form.name, torch.cuda.get_device_name(device), torch.__version__,
+                                              *form.key(found)))
+        try:
+            graph_ms, form_ms = timings.cached(Path(cfg.cache_dir) / timings.CACHE_FILE, key,
+                                               lambda: form.measure(found, device))
+        except Exception as err:  # noqa: BLE001 - the chain runs as the graph has it
+            if cfg.strict:
+                raise
+            log.warning("fusedepi: timing %s failed (%s: %s); it runs as the graph has it", what,
+                        type(err).__name__, err)
+            found_rows.append(FormChoice(form.name, what, 0.0, 0.0, False, f"timing failed: {type(err).__name__}"))
+            continue
+        row = FormChoice(form.name, what, graph_ms, form_ms, form_ms < MIN_GAIN * graph_ms)
+        if row.taken:
+            log.info("fusedepi: %s: %.4f ms against %.4f ms", what, form_ms, graph_ms)
+            chain.spec = form.apply(chain, found)
+        found_rows.append(row)
+    return tuple(found_rows)
+
+
+__all__ = ["FORMS", "MIN_GAIN", "Form", "FormChoice", "choose"]

@@ -1,0 +1,41 @@
+"""One row of the table of forms (`forms.FORMS`)."""
+
+from __future__ import annotations
+
+import torch
+
+from lowering.spec import EpilogueSpec
+
+
+class Form:
+    """Another way to run a chain's library anchor. A subclass names its row and says
+    where it applies, what decides its speed, how to time it and what it makes of the
+    spec; `forms.choose` does the rest."""
+
+    name = ""  # the row's name: in explain, the log and the cache key
+    setting = ""  # the Config field that switches it: "auto", "on" or "off"
+    env = ""  # that field's environment variable
+
+    def candidate(self, chain) -> tuple | None:
+        """What the timing depends on (shapes, mostly) where the form applies to
+        `chain` as it stands, else None."""
+        raise NotImplementedError
+
+    def describe(self, found: tuple) -> str:
+        """The other form at `found`, in words."""
+        raise NotImplementedError
+
+    def key(self, found: tuple) -> tuple:
+        """What the library call's speed depends on besides the GPU and torch's version:
+        the cache key's parts."""
+        raise NotImplementedError
+
+    def measure(self, found: tuple, device: torch.device) -> tuple[float, float]:
+        """(ms as the graph has it, ms in this form) of one library call at `found`, on
+        real tensors of fresh values (`timings.gpu_ms`)."""
+        raise NotImplementedError
+
+    def apply(self, chain, found: tuple) -> EpilogueSpec:
+        """`chain.spec` in this form at `found` (`candidate`'s), `chain`'s operand lists
+        updated where it moves one."""
+        raise NotImplementedError

@@ -1,0 +1,197 @@
+"""GPU-free: the table of forms (fusion_backend/forms/) and the execution plan: each
+row decided by its setting and, under "auto", by one timing through the one cache."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fusion_backend import forms, timings
+from fusion_backend.config import load_config
+from fusion_backend.forms import conv_layout, gemm_bias, gemm_padding
+from fusion_backend.plan import ExecutionPlan
+from fusion_backend.choice import Choice
+from lowering.spec import Anchor, EpilogueSpec, Step
+
+CONV2D = ((1, 1), (1, 1), (1, 1), False, (0, 0), 1)
+
+
+def _node(dtype=torch.float32, device="cuda"):
+    val = SimpleNamespace(device=torch.device(device, 0) if device == "cuda" else torch.device(device), dtype=dtype)
+    return SimpleNamespace(meta={"val": val}, name="node")
+
+
+def _chain(form: str, device="cuda"):
+    """A stand-in for a matched chain that `form`'s row applies to once its `candidate`
+    is patched: (chain, what `candidate` returns)."""
+    node = _node(device=device)
+    if form == "gemm_bias":
+        spec = EpilogueSpec(Anchor("addmm"), (Step("relu"),), "float32", ("float32",), 127, 1, "linear_pointwise")
+        found = (818368, 201, 127)
+        operands, params = [node, node, node], [node]
+    elif form == "gemm_padding":
+        spec = EpilogueSpec(Anchor("addmm"), (Step("relu"),), "bfloat16", (), 513, 1, "linear_pointwise")
+        found = ("addmm", "bfloat16", 4096, 151, 513, 152, 520)
+        operands, params = [node, node, node], []
+    else:
+        spec = EpilogueSpec(Anchor("conv", True, CONV2D), (Step("relu"),), "bfloat16", (), 16, 162, "conv_pointwise")
+        found = (spec.anchor, "bfloat16", (3, 5, 9, 18), (16, 5, 3, 3), False)
+        operands, params = [node, node, node], []
+    return SimpleNamespace(spec=spec, operands=operands, params=params, anchor=node), found
+
+
+# The spec each row makes of its stand-in: (anchor kind, pad, channels-last, first step).
+TAKEN = {
+    "gemm_bias": ("mm", (), False, Step("add", inputs=(1,), operand="channel", reverse=True)),
+    "gemm_padding": ("addmm", (152, 520), False, Step("relu")),
+    "conv_layout": ("conv", (), True, Step("relu")),
+}
+NOT_TAKEN = {"gemm_bias": ("addmm", (), False, Step("relu")), "gemm_padding": ("addmm", (), False, Step("relu")),
+             "conv_layout": ("conv", (), False, Step("relu"))}
+
+
+def _form(name):
+    return next(f for f in forms.FORMS if f.name == name)
+
+
+def _shape(spec):
+    return spec.anchor.kind, spec.anchor.pad, spec.anchor.channels_last, spec.steps[0]
+
+
+@pytest.fixture
+def fresh_cache(monkeypatch, tmp_path):
+    """An empty cache directory, as a new process sees it, on a GPU named "Test GPU"."""
+    monkeypatch.setattr(timings, "_cache", {})
+    monkeypatch.setattr(timings, "_read_files", set())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    return tmp_path
+
+
+def test_the_table_lists_each_form_once_with_its_switch():
+    assert [f.name for f in forms.FORMS] == ["gemm_bias", "gemm_padding", "conv_layout"]
+    cfg = load_config({})
+    for form in forms.FORMS:
+        assert getattr(cfg, form.setting) == "auto"
+        assert load_config({form.env: "0"}).__getattribute__(form.setting) == "off"
+
+
+@pytest.mark.parametrize("name", list(TAKEN))
+@pytest.mark.parametrize("graph_ms, form_ms, takes", [(2.0, 0.8, True), (2.0, 1.85, False), (1.0, 1.5, False)])
+def test_auto_takes_a_form_where_the_timing_says_so(monkeypatch, fresh_cache, name, graph_ms, form_ms, takes):
+    chain, found = _chain(name)
+    form = _form(name)
+    monkeypatch.setattr(form, "candidate", lambda chain: found)
+    monkeypatch.setattr(form, "measure", lambda found, device: (graph_ms, form_ms))
+    rows = forms.choose(chain, load_config({"FUSEDEPI_CACHE_DIR": str(fresh_cache)}))
+    assert _shape(chain.spec) == (TAKEN if takes else NOT_TAKEN)[name]
+    assert len(rows) == 1 and rows[0].form == name and rows[0].taken == takes
+    assert (rows[0].graph_ms, rows[0].form_ms) == (graph_ms, form_ms)
+    assert f"{form_ms:.4g} ms against {graph_ms:.4g} ms" in rows[0].describe()
+    if name == "gemm_bias":  # the bias node moves from the anchor's operands to the epilogue's
+        assert (len(chain.operands), len(chain.params), len(chain.spec.param_dtypes)) == (
+            (2, 2, 2) if takes else (3, 1, 1))
+
+
+@pytest.mark.parametrize("name", list(TAKEN))
+def test_on_takes_a_form_untimed_and_off_skips_it(monkeypatch, tmp_path, name):
+    form = _form(name)
+
+    def measure(found, device):
+        raise AssertionError("timed")
+
+    monkeypatch.setattr(form, "measure", measure)
+    chain, found = _chain(name)
+    monkeypatch.setattr(form, "candidate", lambda chain: found)
+    rows = forms.choose(chain, load_config({"FUSEDEPI_CACHE_DIR": str(tmp_path), form.env: "1"}))
+    assert _shape(chain.spec) == TAKEN[name] and rows[0].taken and form.env in rows[0].describe()
+    chain, _ = _chain(name)
+    assert forms.choose(chain, load_config({"FUSEDEPI_CACHE_DIR": str(tmp_path), form.env: "0"})) == ()
+    assert _shape(chain.spec) == NOT_TAKEN[name]
+
+
+@pytest.mark.parametrize("name", list(TAKEN))
+def test_auto_times_nothing_on_the_cpu(monkeypatch, tmp_path, name):
+    form = _form(name)
+    chain, found = _chain(name, device="cpu")
+    monkeypatch.setattr(form, "candidate", lambda chain: found)
+    monkeypatch.setattr(form, "measure", lambda found, device: pytest.fail("timed on the CPU"))
+    assert forms.choose(chain, load_config({"FUSEDEPI_CACHE_DIR": str(tmp_path)})) == ()
+    assert _shape(chain.spec) == NOT_TAKEN[name]
+
+
+@pytest.mark.parametrize("name", list(TAKEN))
+def test_a_failed_timing_keeps_the_graphs_form_or_raises_under_strict(monkeypatch, fresh_cache, name):
+    def fail(found, device):
+        raise RuntimeError("CUDA out of memory")
+
+    form = _form(name)
+    chain, found = _chain(name)
+    monkeypatch.setattr(form, "candidate", lambda chain: found)
+    monkeypatch.setattr(form, "measure", fail)
+    rows = forms.choose(chain, load_config({"FUSEDEPI_CACHE_DIR": str(fresh_cache)}))
+    assert _shape(chain.spec) == NOT_TAKEN[name]
+    assert not rows[0].taken and "timing failed: RuntimeError" in rows[0].describe()
+    chain, _ = _chain(name)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        forms.choose(chain, load_config({"FUSEDEPI_CACHE_DIR": str(fresh_cache), "FUSEDEPI_STRICT": "1"}))
+
+
+def test_timings_live_in_the_one_cache(monkeypatch, fresh_cache):
+    """Every row's times go to `timings.CACHE_FILE`, keyed by the row, the GPU and what
+    the call's speed depends on; a new process reads them instead of timing; an
+    unreadable file is measured again."""
+    measured = []
+    for name in TAKEN:
+        form = _form(name)
+        monkeypatch.setattr(form, "measure", lambda found, device, name=name: measured.append(name) or (2.0, 1.0))
+    cfg = load_config({"FUSEDEPI_CACHE_DIR": str(fresh_cache)})
+
+    def run_all():
+        for name in TAKEN:
+            chain, found = _chain(name)
+            monkeypatch.setattr(_form(name), "candidate", lambda chain, found=found: found)
+            forms.choose(chain, cfg)
+
+    run_all()
+    assert measured == list(TAKEN)
+    stored = json.loads((fresh_cache / timings.CACHE_FILE).read_text())
+    assert sorted(k.split("|")[0] for k in stored) == sorted(TAKEN)
+    assert all(k.split("|")[1] == "Test GPU" and v == [2.0, 1.0] for k, v in stored.items())
+    monkeypatch.setattr(timings, "_cache", {})  # a new process: read from the file
+    monkeypatch.setattr(timings, "_read_files", set())
+    run_all()
+    assert len(measured) == 3
+    (fresh_cache / timings.CACHE_FILE).write_text("not json")
+    monkeypatch.setattr(timings, "_cache", {})
+    monkeypatch.setattr(timings, "_read_files", set())
+    run_all()
+    assert len(measured) == 6
+
+
+def test_gemm_padding_pads_k_and_n_to_whole_vectors():
+    chain, found = _chain("gemm_padding")
+    spec = gemm_padding.GemmPadding().apply(chain, found)
+    assert spec.anchor.pad == (152, 520) and spec.anchor.gemm == ()
+
+
+def test_the_forms_key_holds_what_the_call_depends_on(monkeypatch):
+    _, found = _chain("conv_layout")
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    key = conv_layout.ConvLayout().key(found)
+    assert (3, 5, 9, 18) in key and (16, 5, 3, 3) in key and CONV2D in key and key[-1] is True
+    _, found = _chain("gemm_bias")
+    torch.set_float32_matmul_precision("high")
+    try:
+        assert gemm_bias.GemmBias().key(found)[-1] is True
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert gemm_bias.GemmBias().key(found)[-1] is False
+
+
+def test_the_plan_describes_the_forms_then_the_choice():
+    row = forms.FormChoice("gemm_padding", "padded", 2.0, 0.8, True)
+    plan = ExecutionPlan("{}", "kernel", (row,), Choice(0.5, 0.6, True))
+    assert plan.fused
+    assert plan.describe() == "gemm_padding: taken (0.8 ms against 2 ms); fused 0.5 ms, Inductor 0.6 ms"
+    assert ExecutionPlan("{}", "kernel", (), Choice(0.0, 0.0, True, "")).describe() == ""
