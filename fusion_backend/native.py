@@ -277,29 +277,83 @@ def _conv(anchor) -> list[int]:
     return [nd, *stride, *padding, *dilation, int(transposed), *output_padding, groups]
 
 
+@dataclass(frozen=True)
+class SaveLayout:
+    """One value a chain saves for backward, as `fusedepi_native.plan`'s `saves` carries
+    it (launcher.cpp's `Save`): `encode` lists anchor_value, dtype, per_row, then the
+    shape's length and dims."""
+
+    anchor_value: bool  # the anchor's own output, handed out as it is (no buffer of its own)
+    dtype: int  # DTYPE_CODES
+    per_row: int  # elements a row (0: a whole tensor, not per row)
+    shape: tuple[int, ...]  # -1 for the rows
+
+    @classmethod
+    def of(cls, save) -> "SaveLayout":
+        return cls(save.what == "value" and save.at == 0, DTYPE_CODES[save.dtype], save.per_row, tuple(save.shape))
+
+    def encode(self) -> list[int]:
+        return [int(self.anchor_value), self.dtype, self.per_row, len(self.shape), *self.shape]
+
+    @classmethod
+    def decode_all(cls, flat: list[int]) -> list["SaveLayout"]:
+        records, at = [], 0
+        while at < len(flat):
+            if at + 4 > len(flat) or at + 4 + flat[at + 3] > len(flat):
+                raise ValueError("a save is cut short")
+            ndim = flat[at + 3]
+            records.append(cls(bool(flat[at]), flat[at + 1], flat[at + 2], tuple(flat[at + 4:at + 4 + ndim])))
+            at += 4 + ndim
+        return records
+
+
+@dataclass(frozen=True)
+class CheckLayout:
+    """What every call's inputs are checked against (`launch.check_*`), as
+    `fusedepi_native.plan`'s `checks` carries it (launcher.cpp: set_plan): `encode` lists
+    dtype, y_row, the anchor sizes' count and pairs, the params' count and triples."""
+
+    dtype: int  # DTYPE_CODES of the chain
+    y_row: int  # elements between rows of the anchor's output
+    anchor_sizes: tuple[tuple[int, int], ...]  # (elements a row, whole) of each anchor operand a kernel reads
+    params: tuple[tuple[int, int, int], ...]  # (dtype code, whole, elements a row) of each epilogue operand
+
+    @classmethod
+    def of(cls, launcher) -> "CheckLayout":
+        from .launch import anchor_operand_sizes
+
+        spec = launcher.spec
+        return cls(DTYPE_CODES[spec.dtype], spec.y_row,
+                   tuple(tuple(sizes) for sizes in anchor_operand_sizes(spec, launcher.anchor_path)),
+                   tuple((DTYPE_CODES[dtype], whole, per_row)
+                         for dtype, (whole, per_row) in zip(spec.param_dtypes, spec.param_sizes())))
+
+    def encode(self) -> list[int]:
+        flat = [self.dtype, self.y_row, len(self.anchor_sizes)]
+        for sizes in self.anchor_sizes:
+            flat += sizes
+        flat.append(len(self.params))
+        for param in self.params:
+            flat += param
+        return flat
+
+    @classmethod
+    def decode(cls, flat: list[int]) -> "CheckLayout":
+        n = flat[2] if len(flat) > 2 else -1
+        m_at = 3 + 2 * n
+        if n < 0 or len(flat) <= m_at or len(flat) != m_at + 1 + 3 * flat[m_at]:
+            raise ValueError(f"checks of {len(flat)} entries do not hold their counts' sizes")
+        pairs = tuple(tuple(flat[3 + 2 * i:5 + 2 * i]) for i in range(n))
+        triples = tuple(tuple(flat[m_at + 1 + 3 * i:m_at + 4 + 3 * i]) for i in range(flat[m_at]))
+        return cls(flat[0], flat[1], pairs, triples)
+
+
 def _saves(launcher) -> list[int]:
-    flat = []
-    for save, _ in launcher.saves:
-        flat += [int(save.what == "value" and save.at == 0), DTYPE_CODES[save.dtype], save.per_row,
-                 len(save.shape), *save.shape]
-    return flat
+    return [v for save, _ in launcher.saves for v in SaveLayout.of(save).encode()]
 
 
 def _checks(launcher) -> list[int]:
-    """What every call's inputs are checked against (`launch.check_*`): [dtype code, y's row,
-    anchor operands read by a kernel, (elements a row, whole) each, params, (dtype code,
-    whole, elements a row) each]."""
-    from .launch import anchor_operand_sizes
-
-    spec = launcher.spec
-    anchor = anchor_operand_sizes(spec, launcher.anchor_path)
-    flat = [DTYPE_CODES[spec.dtype], spec.y_row, len(anchor)]
-    for a_row, whole in anchor:
-        flat += [a_row, whole]
-    flat.append(len(spec.param_dtypes))
-    for dtype, (whole, per_row) in zip(spec.param_dtypes, spec.param_sizes()):
-        flat += [DTYPE_CODES[dtype], whole, per_row]
-    return flat
+    return CheckLayout.of(launcher).encode()
 
 
 def register(launcher, spec: str, device_index: int) -> None:

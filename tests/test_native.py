@@ -202,6 +202,25 @@ def test_a_layout_decodes_to_the_record_it_encodes():
         native.LaunchLayout.decode(record.encode()[:-1])
 
 
+def test_saves_and_checks_decode_to_the_records_they_encode():
+    conv = Anchor("conv", has_bias=True, conv=((2, 1), (1, 0), (1, 3), False, (0, 0), 4))
+    saves = (Save("value", "float32", (-1, 16, 5, 5), 16 * 25, at=0), Save("mean", "bfloat16", (16,), 0))
+    records = [native.SaveLayout.of(s) for s in saves]
+    assert records[0] == native.SaveLayout(True, 0, 400, (-1, 16, 5, 5))
+    assert records[1] == native.SaveLayout(False, 2, 0, (16,))
+    flat = native._saves(_launcher(conv, saves))
+    assert native.SaveLayout.decode_all(flat) == records
+    with pytest.raises(ValueError, match="cut short"):
+        native.SaveLayout.decode_all(flat[:-1])
+    checks = native.CheckLayout(2, 520, ((151, 0), (0, 151 * 513)), ((0, 513, 0), (2, 0, 513)))
+    flat = checks.encode()
+    assert flat == [2, 520, 2, 151, 0, 0, 151 * 513, 2, 0, 513, 0, 2, 0, 513]
+    assert native.CheckLayout.decode(flat) == checks
+    for cut in (flat[:-1], flat + [0], flat[:2]):
+        with pytest.raises(ValueError, match="counts"):
+            native.CheckLayout.decode(cut)
+
+
 def test_the_cpp_launcher_reads_the_layout_and_codes_python_writes():
     # One contract, two sources: set_plan reads LaunchLayout's fields in its order, and
     # the enum and dtype codes are the ones native.py writes.

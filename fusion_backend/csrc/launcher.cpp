@@ -149,8 +149,9 @@ T symbol(void* handle, const char* name, const std::string& library) {
 //          out_w, stores_pre_norm, has_bias, pad_k, pad_n, channels_last]
 // conv: empty, or [nd, stride x nd, padding x nd, dilation x nd, transposed,
 //       output_padding x nd, groups]
-// saves: per save [anchor_value, dtype code, per_row, ndim, dims x ndim].
-// checks: [dtype code, y_row, n, (a row, whole) x n, m, (dtype code, whole, per_row) x m].
+// saves: per save [anchor_value, dtype code, per_row, ndim, dims x ndim] (native.SaveLayout).
+// checks: [dtype code, y_row, n, (a row, whole) x n, m, (dtype code, whole, per_row) x m]
+//         (native.CheckLayout).
 // The fields of native.LaunchLayout, read below in its order (plan->field = layout[i]).
 constexpr size_t kLayoutFields = 14;
 
