@@ -1,12 +1,13 @@
 """CUDA source templates (`string.Template`, `$name` placeholders).
 
 Every template is rendered from a flat dict of strings that `render.py` computes
-beforehand; nothing here calls back into Python. Device helpers live in
-`include/fusedepi/epilogue.cuh`, the kernel families' shared device code in
-`apply.cuh`, `direct_conv.cuh`, `direct_conv_mma.cuh` (and `gemm_tile.cuh`,
-`gemm_sm90.cuh` for `gemm_sm90.py`). What stays here (about 880 lines) binds a spec's constants, names
-and rendered steps: the file frame, the stage functions, and the statistics and
-two-phase kernels whose code is spliced from per-spec fragments.
+beforehand; nothing here calls back into Python. Device code lives in headers under
+`include/fusedepi/`: helpers in `epilogue.cuh`, and per kernel family `apply.cuh`,
+`segment_stats.cuh`, `column_stats.cuh`, `two_phase.cuh`, `normalize_tile.cuh`,
+`direct_conv.cuh`, `direct_conv_mma.cuh` (`gemm_tile.cuh`, `gemm_sm90.cuh` for
+`gemm_sm90.py`). What stays here binds a spec's constants, kernel names and rendered
+steps: the file frame, the stage functions, the reductions' per-spec statements, and
+the `__global__` kernels that call into the headers.
 """
 
 from string import Template
@@ -369,63 +370,27 @@ STORE_ELEMENTS = r"""#pragma unroll
   for (int k = 0; k < kNV; ++k)
     if (valid(p, k)) fusedepi::store_vec<T, kV>(a.out + p.seg * kL + offset_of(p, k), v[k]);"""
 
-# Partial (mean, M2) of each (segment, chunk) in the apply kernel's thread mapping (a
-# team of lanes or a block per segment, kChunks blocks per segment when it is long),
-# at $parts_at (a float* expression) + (segment * kChunks + chunk) * 2.
-# Placeholders: $kernel, $parts_at.
+# Partial (mean, M2) of each (segment, chunk) in the apply kernel's thread mapping, at
+# $parts_at (a float* expression): segment_stats.cuh. Placeholders: $kernel, $parts_at.
 PARTIAL_MOMENTS_KERNEL = Template(
-    r"""__global__ void __launch_bounds__(kBlock) ${kernel}_segparts(Args a) {
-  const Place p = place(a);
-  float v[kNV][kV];
-  load_stage0(a, p, a.y + y_start(p.seg), v, false);
-  const float n = static_cast<float>(min(kChunkLen, kL - (long long)p.first));
-  // Relative to the part's first element: a constant part gets its mean exactly.
-  const float shift = fusedepi::team_first<kTeam>(v[0][0]);
-  float s = 0.f;
-#pragma unroll
-  for (int k = 0; k < kNV; ++k)
-    if (valid(p, k))
-#pragma unroll
-      for (int j = 0; j < kV; ++j) s += v[k][j] - shift;
-  const float mean = shift + fusedepi::team_sum<kTeam>(s) / n;
-  float q = 0.f;
-#pragma unroll
-  for (int k = 0; k < kNV; ++k)
-    if (valid(p, k))
-#pragma unroll
-      for (int j = 0; j < kV; ++j) q += (v[k][j] - mean) * (v[k][j] - mean);
-  q = fusedepi::team_sum<kTeam>(q);
-  if (p.live && p.lane == 0) {
-    float* part = $parts_at + (p.seg * kChunks + p.first / kChunkLen) * 2;
-    part[0] = mean;
-    part[1] = q;
-  }
-}"""
+    r"""#include "fusedepi/segment_stats.cuh"
+
+__global__ void __launch_bounds__(kBlock) ${kernel}_segparts(Args a) { segment_partials(a, $parts_at); }"""
 )
 
 # (mean, rstd) per segment from PARTIAL_MOMENTS_KERNEL's partials at a.ws, for
-# segments too long for one block. Placeholders: $kernel, $eps, $save_stats (writes
-# `mean`, `rstd` of segment `seg` to the saved outputs, or nothing).
+# segments too long for one block (segment_stats.cuh). Placeholders: $kernel, $eps,
+# $save_stats (writes `mean`, `rstd` of segment `seg` to the saved outputs, or nothing).
 SEGMENT_FINAL_KERNEL = Template(
-    r"""// One thread per segment: merges its chunks' partials into (mean, rstd).
-__global__ void __launch_bounds__(256) ${kernel}_segfinal(Args a) {
-  const long long seg = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (seg >= a.rows * kGroups) return;
-  fusedepi::Moments m = {0.f, 0.f, 0.f};
-  for (int t = 0; t < kChunks; ++t) {
-    const float n = static_cast<float>(min(kChunkLen, kL - (long long)t * kChunkLen));
-    const float* part = a.ws + (seg * kChunks + t) * 2;
-    m = fusedepi::merge(m, {n, part[0], part[1]});
-  }
-  float* stats = a.ws + a.rows * kGroups * kChunks * 2 + seg * 2;
-  const float mean = m.mean, rstd = rsqrtf(fmaxf(m.m2 / static_cast<float>(kL), 0.f) + $eps);
-  stats[0] = mean;
-  stats[1] = rstd;
+    r"""__global__ void __launch_bounds__(256) ${kernel}_segfinal(Args a) {
+  segment_final(a, $eps, [&](long long seg, float mean, float rstd) {
 $save_stats
+  });
 }"""
 )
 
-# BatchNorm (training) statistics per column of a [rows, channels] output.
+# BatchNorm (training) statistics per column of a [rows, channels] output: the tiling's
+# constants, then column_stats.cuh's two kernels.
 # Placeholders: $kernel, $col_vec (columns per thread), $finish (BATCH_NORM_FINISH).
 COLUMN_STATS_KERNELS = Template(
     r"""constexpr int kColV = $col_vec;
@@ -447,69 +412,30 @@ constexpr long long kPartials = 2 * kChannels;
 
 #include "fusedepi/column_stats.cuh"
 
-__global__ void __launch_bounds__(256, 2) ${kernel}_colstats(Args a) {
-  column_stats(a);
-}
-
-// Merges the row chunks of each column: kFinalCols columns x kFinalRows chunk lanes a
-// block (a block a column when narrow), then the lanes' moments in a tree; writes the
-// normalize scale/shift and the new running stats.
-constexpr int kFinalCols = kLaneRows > 1 ? 1 : 32;
-constexpr int kFinalRows = 256 / kFinalCols;
+__global__ void __launch_bounds__(256, 2) ${kernel}_colstats(Args a) { column_stats(a); }
 
 __global__ void __launch_bounds__(256) ${kernel}_colfinal(Args a) {
-  const long long c = (long long)blockIdx.x * kFinalCols + threadIdx.x;
-  const long long chunks = (a.rows + kRowsPerChunk - 1) / kRowsPerChunk;
-  fusedepi::Moments m = {0.f, 0.f, 0.f};
-  if (c < kChannels) {
-    for (long long t = threadIdx.y; t < chunks; t += kFinalRows) {
-      const float n = static_cast<float>(min(kRowsPerChunk, a.rows - t * kRowsPerChunk));
-      const float* part = a.ws + kPartials + (t * kChannels + c) * 2;
-      m = fusedepi::merge(m, {n, part[0], part[1]});
-    }
-  }
-  __shared__ fusedepi::Moments sm[kFinalRows][kFinalCols];
-  sm[threadIdx.y][threadIdx.x] = m;
-  __syncthreads();
-#pragma unroll
-  for (int s = kFinalRows / 2; s > 0; s /= 2) {
-    if (threadIdx.y < s) sm[threadIdx.y][threadIdx.x] = fusedepi::merge(sm[threadIdx.y][threadIdx.x], sm[threadIdx.y + s][threadIdx.x]);
-    __syncthreads();
-  }
-  if (threadIdx.y != 0 || c >= kChannels) return;
-  m = sm[0][threadIdx.x];
+  column_final(a, [&](long long c, fusedepi::Moments m) {
 $finish
+  });
 }"""
 )
 
 # BatchNorm (training) statistics per channel of a conv's [rows, channels, inner]
 # output, whose segments (kGroups = channels) are the (row, channel) planes: `segparts`
-# leaves (mean, M2) per (segment, chunk) in the plan's own thread mapping, then one
-# block per channel merges its rows' partials. Placeholders: $kernel, $finish.
+# (PARTIAL_MOMENTS_KERNEL) leaves (mean, M2) per (segment, chunk) in the plan's own
+# thread mapping, then one block per channel merges its rows' partials
+# (segment_stats.cuh). Placeholders: $kernel, $finish.
 CHANNEL_STATS_KERNELS = Template(
     r"""// Workspace: [scale[C], shift[C]], then (mean, M2) per (row, channel, chunk).
 constexpr long long kPartials = 2 * kChannels;
 
-// One block per channel: merges the (row, chunk) partials of the channel.
+#include "fusedepi/segment_stats.cuh"
+
 __global__ void __launch_bounds__(256) ${kernel}_chanfinal(Args a) {
-  const long long c = blockIdx.x;
-  fusedepi::Moments m = {0.f, 0.f, 0.f};
-  for (long long i = threadIdx.x; i < a.rows * kChunks; i += 256) {
-    const long long r = i / kChunks, t = i % kChunks;
-    const float n = static_cast<float>(min(kChunkLen, kL - t * kChunkLen));
-    const float* part = a.ws + kPartials + ((r * kGroups + c) * kChunks + t) * 2;
-    m = fusedepi::merge(m, {n, part[0], part[1]});
-  }
-  __shared__ fusedepi::Moments sm[256];
-  sm[threadIdx.x] = m;
-  __syncthreads();
-  for (int o = 128; o > 0; o >>= 1) {
-    if (threadIdx.x < o) sm[threadIdx.x] = fusedepi::merge(sm[threadIdx.x], sm[threadIdx.x + o]);
-    __syncthreads();
-  }
-  if (threadIdx.x != 0) return;
-  m = sm[0];
+  channel_final(a, kPartials, [&](long long c, fusedepi::Moments m) {
 $finish
+  });
 }"""
 )
 
@@ -547,68 +473,14 @@ __device__ __forceinline__ float* conv_part(const Args& a, long long n, long lon
 }
 """
 
-# A direct conv with GroupNorm as ONE launch of two phases. Phase 1 of a tile leaves
-# (n, mean, M2) partials per (image, group, tile); phase 2 needs its image's (mean,
-# rstd). Blocks take tickets in the order they start (an atomic counter that the
-# launcher zeroes with the image counters): ticket t runs phase 1 of tile t, then
-# phase 2 of tile t - lag. The block that finishes an image's last phase-1 tile merges
-# its partials into (mean, rstd) and releases the image; phase 2 waits for the
-# release. lag >= tiles per image, so every tile a wait depends on holds a smaller
-# ticket: its block has started and waits on nothing before it counts, so the launch
-# cannot deadlock, whichever blocks are resident. The phases of different images
-# overlap: the compute of one with the memory traffic or the stores of the other,
-# and neither waits for the other's tail. Placeholders: $kernel, $eps, $phase1 and
-# $phase2 (statements running a tile (n, tile) of each phase).
+# A direct conv with GroupNorm as ONE launch of two phases, ordered by tickets
+# (two_phase.cuh). Placeholders: $kernel, $eps, $phase1 and $phase2 (statements running
+# a tile (n, tile) of each phase).
 TWO_PHASE_KERNEL = Template(
-    r"""__global__ void __launch_bounds__(256, 2) ${kernel}_twophase(Args a, int lag) {
-  __shared__ int ticket, last;
-  int* const counters = conv_counters(a);
-  if (threadIdx.x == 0) ticket = atomicAdd(counters, 1);
-  __syncthreads();
-  const long long t = ticket, items = a.rows * kTiles;
-  if (t < items) {
-    const long long n = t / kTiles;
-    {
-      const int tile = static_cast<int>(t % kTiles);
-      $phase1
-    }
-    // Every thread's stores (phase-1 output, partials), then the count; thread 0 fences
-    // again after the barrier, so that the others' stores are ordered before its atomic.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      last = atomicAdd(counters + 1 + n, 1) == kTiles - 1;
-    }
-    __syncthreads();
-    if (last) {  // every tile of image n is out: merge its partials, release the image
-      __threadfence();
-      for (int g = threadIdx.x; g < kGroups; g += blockDim.x) {
-        fusedepi::Moments m = {0.f, 0.f, 0.f};
-        for (int k = 0; k < kTiles; ++k) {
-          const float* part = conv_part(a, n, g, k);
-          m = fusedepi::merge(m, {__ldcg(part), __ldcg(part + 1), __ldcg(part + 2)});
-        }
-        float* stats = conv_stats(a) + (n * kGroups + g) * 2;
-        stats[0] = m.mean;
-        stats[1] = rsqrtf(fmaxf(m.m2 / m.n, 0.f) + $eps);
-      }
-      __threadfence();
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(counters + 1 + n, 1);
-      }
-    }
-  }
-  const long long u = t - lag;
-  if (u >= 0 && u < items) {
-    const long long n = u / kTiles;
-    const int tile = static_cast<int>(u % kTiles);
-    if (threadIdx.x == 0) fusedepi::wait_above(counters + 1 + n, kTiles);
-    __syncthreads();  // with thread 0's acquire: the image's writes are visible to the block
-    $phase2
-  }
+    r"""#include "fusedepi/two_phase.cuh"
+
+__global__ void __launch_bounds__(256, 2) ${kernel}_twophase(Args a, int lag) {
+  two_phase(a, lag, $eps, [&](long long n, int tile) { $phase1 }, [&](long long n, int tile) { $phase2 });
 }"""
 )
 

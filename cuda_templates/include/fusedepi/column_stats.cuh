@@ -1,11 +1,13 @@
 // BatchNorm (training) statistics after a Linear: partial (mean, M2) of each column over
-// chunks of rows, which the file's `colfinal` kernel merges.
+// chunks of rows (column_stats), then their merge per column (column_final).
 //
 // Included by the rendered file (cuda_templates/templates.py, COLUMN_STATS_KERNELS)
 // inside its anonymous namespace, after the file has defined what this code reads:
 //   T, Args, kChannels, kYRow (KERNEL_FILE's constants); kColV, kLaneRows, kColsPerBlock,
 //   kRowWarps, kRowsPerThread, kBatches, kRowStep, kRowsPerBatch, kRowsPerChunk, kPartials
 //   (the column statistics' tiling, COLUMN_STATS_KERNELS).
+// column_final's `finish` writes the normalize's scale/shift and the running stats
+// (BATCH_NORM_FINISH).
 // It is not a standalone header: those constants differ per file.
 #pragma once
 
@@ -98,4 +100,35 @@ __device__ __forceinline__ void column_stats(const Args& a) {
     part[0] = m.mean;
     part[1] = m.m2;
   }
+}
+
+// Merges the row chunks of each column: kFinalCols columns x kFinalRows chunk lanes a
+// block (a block a column when narrow), then the lanes' moments in a tree; then
+// finish(c, m) with column c's merged moments (the normalize scale/shift, the new
+// running stats).
+constexpr int kFinalCols = kLaneRows > 1 ? 1 : 32;
+constexpr int kFinalRows = 256 / kFinalCols;
+
+template <class Finish>
+__device__ __forceinline__ void column_final(const Args& a, Finish finish) {
+  const long long c = (long long)blockIdx.x * kFinalCols + threadIdx.x;
+  const long long chunks = (a.rows + kRowsPerChunk - 1) / kRowsPerChunk;
+  fusedepi::Moments m = {0.f, 0.f, 0.f};
+  if (c < kChannels) {
+    for (long long t = threadIdx.y; t < chunks; t += kFinalRows) {
+      const float n = static_cast<float>(min(kRowsPerChunk, a.rows - t * kRowsPerChunk));
+      const float* part = a.ws + kPartials + (t * kChannels + c) * 2;
+      m = fusedepi::merge(m, {n, part[0], part[1]});
+    }
+  }
+  __shared__ fusedepi::Moments sm[kFinalRows][kFinalCols];
+  sm[threadIdx.y][threadIdx.x] = m;
+  __syncthreads();
+#pragma unroll
+  for (int s = kFinalRows / 2; s > 0; s /= 2) {
+    if (threadIdx.y < s) sm[threadIdx.y][threadIdx.x] = fusedepi::merge(sm[threadIdx.y][threadIdx.x], sm[threadIdx.y + s][threadIdx.x]);
+    __syncthreads();
+  }
+  if (threadIdx.y != 0 || c >= kChannels) return;
+  finish(c, sm[0][threadIdx.x]);
 }
