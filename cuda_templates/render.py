@@ -605,9 +605,7 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
             statistics = templates.TEAM_STATISTICS["rmsnorm"].substitute(eps=cfloat(red.consts[0]))
             save_stats = _save_stats(spec, "s0", "s1", "p.seg", "p.live && p.lane == 0")
         else:
-            statistics = templates.TEAM_STATISTICS["softmax"].substitute(
-                finish="logf" if red.name == "log_softmax" else ""
-            )
+            statistics = templates.TEAM_STATISTICS[red.name].substitute()
         middle = templates.TEAM_NORM.substitute(statistics=statistics, save_stats=save_stats,
                                                 apply=templates.APPLY_STAGE1)
     else:
@@ -666,7 +664,7 @@ def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", an
     else:
         apply_kernel = templates.APPLY_KERNEL.substitute(kernel=name, middle=middle, store=store)
     return templates.KERNEL_FILE.substitute(
-        apply_header='#include "fusedepi/apply.cuh"' if apply else "",
+        apply_header='#include "fusedepi/apply.cuh"\n#include "fusedepi/team_reduce.cuh"' if apply else "",
         apply_kernel=apply_kernel,
         wrap=p.seg_len if p.flat else 0,
         staged=p.staged,

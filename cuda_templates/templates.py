@@ -3,11 +3,11 @@
 Every template is rendered from a flat dict of strings that `render.py` computes
 beforehand; nothing here calls back into Python. Device code lives in headers under
 `include/fusedepi/`: helpers in `epilogue.cuh`, and per kernel family `apply.cuh`,
-`segment_stats.cuh`, `column_stats.cuh`, `two_phase.cuh`, `normalize_tile.cuh`,
-`direct_conv.cuh`, `direct_conv_mma.cuh` (`gemm_tile.cuh`, `gemm_sm90.cuh` for
-`gemm_sm90.py`). What stays here binds a spec's constants, kernel names and rendered
-steps: the file frame, the stage functions, the reductions' per-spec statements, and
-the `__global__` kernels that call into the headers.
+`team_reduce.cuh`, `segment_stats.cuh`, `column_stats.cuh`, `two_phase.cuh`,
+`normalize_tile.cuh`, `direct_conv.cuh`, `direct_conv_mma.cuh` (`gemm_tile.cuh`,
+`gemm_sm90.cuh` for `gemm_sm90.py`). What stays here binds a spec's constants, kernel
+names and rendered steps: the file frame, the stage functions, the calls of the
+reductions, and the `__global__` kernels that call into the headers.
 """
 
 from string import Template
@@ -43,7 +43,7 @@ from string import Template
 #   $stages         the two STAGE_FUNCTIONs: stage0 (steps before the reduction, or
 #                   all steps) and stage1 (the reduction's normalize and the steps after)
 #   $stats_kernels  kernels that run before the apply kernel (statistics), or nothing
-#   $apply_header   `#include "fusedepi/apply.cuh"` where the file has an apply kernel, else nothing
+#   $apply_header   the apply kernels' headers (apply.cuh, team_reduce.cuh) where the file has one, else nothing
 #   $apply_kernel   the apply kernel: APPLY_KERNEL (a team a segment) or FLAT_APPLY_KERNEL, or
 #                   nothing (a direct conv's own kernels write the output)
 #   $bind           Args assignments from the launcher's pointer array
@@ -163,42 +163,11 @@ $store
 )
 
 # The apply kernel of a pointwise chain whose rows do not split into whole 16-byte
-# vectors over busy lanes (odd or narrow rows; not a padded GEMM's y): y and the
-# output taken as one flat array, kNV vectors of kV elements a thread, consecutive
-# threads on consecutive vectors. A vector may cross rows (kWrap: each element's
-# channel from its own position); the tensor's last vector may be partial.
+# vectors over busy lanes: y and the output as one flat array (apply.cuh, flat_apply).
 FLAT_APPLY_KERNEL = Template(
     r"""__global__ void __launch_bounds__(kBlock, kMinBlocks) ${kernel}_apply(Args a) {
   static_assert(kWrap == kRow && kGroups == 1 && kYRow == kRow, "the flat mapping is for pointwise chains on y's rows");
-  const long long total = a.rows * kRow;
-  const long long first = ((long long)blockIdx.x * kNV * kBlock + threadIdx.x) * kV;
-  float v[kNV][kV];
-  int pos[kNV];  // each vector's position in its row
-#pragma unroll
-  for (int k = 0; k < kNV; ++k) {  // every load in flight before any arithmetic
-    const long long e = first + (long long)k * kBlock * kV;
-    pos[k] = static_cast<int>(e % kRow);
-    if (e + kV <= total) {
-      fusedepi::load_vec<T, kV>(a.y + e, v[k]);
-    } else {  // the tensor's last vector, element by element
-#pragma unroll
-      for (int j = 0; j < kV; ++j) v[k][j] = e + j < total ? fusedepi::to_float(a.y[e + j]) : 0.f;
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < kNV; ++k) {
-    const long long e = first + (long long)k * kBlock * kV;
-    if (e + kV <= total) {
-      if constexpr (!kStage0Done) stage0<kV>(v[k], pos[k], e, a, true);
-      fusedepi::store_vec<T, kV>(a.out + e, v[k]);
-    } else {
-      for (int j = 0; j < kV && e + j < total; ++j) {  // the tensor's last, partial vector
-        float one[1] = {v[k][j]};
-        if constexpr (!kStage0Done) stage0<1>(one, static_cast<int>((pos[k] + j) % kRow), e + j, a, true);
-        fusedepi::store_vec<T, 1>(a.out + e + j, one);
-      }
-    }
-  }
+  flat_apply(a);
 }"""
 )
 
@@ -268,44 +237,13 @@ $apply
   }"""
 )
 
-def _fold(var: str, init: str, update: str, indent: str = "    ") -> str:
-    """C++ that folds this thread's live elements `e` into a new float `var`: it starts
-    at `init` and becomes `update` (an expression in `var` and `e`) for each element.
-    Under kDense every slot computes `update` and a select keeps it for live ones."""
-    lines = [f"float {var} = {init};", "#pragma unroll", "for (int k = 0; k < kNV; ++k)", "  if (runs(p, k))",
-             "#pragma unroll", "    for (int j = 0; j < kV; ++j) {", "      const float e = v[k][j];",
-             f"      const float u = {update};", f"      {var} = valid(p, k) ? u : {var};", "    }"]
-    return "\n".join(line if line.startswith("#") else indent + line for line in lines)
-
-
-# Per reduction: code that leaves its two statistics in `s0`, `s1` for stage1.
-# Placeholder: $eps (groupnorm, layernorm, rmsnorm).
+# Per reduction: code that leaves its two statistics in `s0`, `s1` for stage1
+# (team_reduce.cuh). Placeholder: $eps (groupnorm, layernorm, rmsnorm).
 TEAM_STATISTICS = {
-    # (mean, rstd), two passes over registers: group and layer norm. The mean is taken
-    # relative to the segment's first element, so a constant segment (a clamp can make
-    # one) has its mean exactly and normalizes to exactly 0, as eager's Welford does.
-    "moments": Template(
-        "    const float shift = fusedepi::team_first<kTeam>(v[0][0]);\n"
-        + _fold("s", "0.f", "s + (e - shift)")
-        + "\n    const float s0 = shift + fusedepi::team_sum<kTeam>(s) / static_cast<float>(kL);\n"
-        + _fold("q", "0.f", "q + (e - s0) * (e - s0)")
-        + "\n    const float var = fusedepi::team_sum<kTeam>(q) / static_cast<float>(kL);"
-        + "\n    const float s1 = rsqrtf(fmaxf(var, 0.f) + $eps);"
-    ),
-    # s1 = rsqrt(mean(x^2) + eps), as the decomposed RMSNorm computes it.
-    "rmsnorm": Template(
-        _fold("q", "0.f", "q + e * e")
-        + "\n    const float s0 = 0.f;"
-        + "\n    const float s1 = rsqrtf(fusedepi::team_sum<kTeam>(q) / static_cast<float>(kL) + $eps);"
-    ),
-    # s0 = row max, s1 = sum of exp(x - s0) (softmax) or its log (log_softmax). A NaN
-    # is skipped by fmaxf but reaches every output through the sum, as in eager.
-    "softmax": Template(
-        _fold("mx", "-INFINITY", "fmaxf(mx, e)")
-        + "\n    const float s0 = fusedepi::team_max<kTeam>(mx);\n"
-        + _fold("s", "0.f", "s + expf(e - s0)")
-        + "\n    const float s1 = $finish(fusedepi::team_sum<kTeam>(s));"
-    ),
+    "moments": Template("    float s0, s1;\n    team_moments(p, v, $eps, s0, s1);"),  # (mean, rstd)
+    "rmsnorm": Template("    float s0, s1;\n    team_rms(p, v, $eps, s0, s1);"),
+    "softmax": Template("    float s0, s1;\n    team_softmax<false>(p, v, s0, s1);"),
+    "log_softmax": Template("    float s0, s1;\n    team_softmax<true>(p, v, s0, s1);"),
 }
 
 # Normalize by the (mean, rstd) per segment that earlier kernels left in the
@@ -344,24 +282,10 @@ TEAM_ROW_REDUCE = Template(
 )
 
 
-# amax/amin: fmaxf skips NaN, so NaNs are counted apart; any NaN gives NaN, as eager.
-_NAN_COUNT = _fold("nans", "0.f", "nans + (isnan(e) ? 1.f : 0.f)", "  ")
-
-# Per row reduction: code that leaves the row's value in `row`.
+# Per row reduction: code that leaves the row's value in `row` (team_reduce.cuh).
 ROW_REDUCE = {
-    # fmaxf skips NaN; a NaN still reaches the result through the sum of exps.
-    "logsumexp": _fold("m", "-INFINITY", "fmaxf(m, e)", "  ")
-    + "\n  const float mx = fusedepi::team_max<kTeam>(m);"
-    + "\n  const float shift = isinf(mx) ? 0.f : mx;\n"
-    + _fold("s", "0.f", "s + expf(e - shift)", "  ")
-    + "\n  float row = logf(fusedepi::team_sum<kTeam>(s)) + shift;",
-    "sum": _fold("s", "0.f", "s + e", "  ") + "\n  float row = fusedepi::team_sum<kTeam>(s);",
-    "mean": _fold("s", "0.f", "s + e", "  ")
-    + "\n  float row = fusedepi::team_sum<kTeam>(s) / static_cast<float>(kL);",
-    "amax": _fold("m", "-INFINITY", "fmaxf(m, e)", "  ") + "\n" + _NAN_COUNT
-    + "\n  float row = fusedepi::team_sum<kTeam>(nans) > 0.f ? NAN : fusedepi::team_max<kTeam>(m);",
-    "amin": _fold("m", "-INFINITY", "fmaxf(m, -e)", "  ") + "\n" + _NAN_COUNT
-    + "\n  float row = fusedepi::team_sum<kTeam>(nans) > 0.f ? NAN : -fusedepi::team_max<kTeam>(m);",
+    name: f"  float row = team_row_reduce<RowReduce::k{name.capitalize()}>(p, v);"
+    for name in ("logsumexp", "sum", "mean", "amax", "amin")
 }
 
 STORE_ROW = r"""  if (p.live && p.lane == 0) a.out[p.seg] = fusedepi::from_float<T>(row);"""

@@ -167,3 +167,40 @@ __device__ __forceinline__ void load_stage0(const Args& a, const Place& p, const
         stage0<kV>(v[k], p.rowpos + safe_offset(p, k), p.at * kL + safe_offset(p, k), a, save && valid(p, k));
   }
 }
+
+// The apply kernel of a pointwise chain whose rows do not split into whole 16-byte
+// vectors over busy lanes (odd or narrow rows; not a padded GEMM's y): y and the
+// output taken as one flat array, kNV vectors of kV elements a thread, consecutive
+// threads on consecutive vectors (kBlock a block). A vector may cross rows (kWrap: each
+// element's channel from its own position); the tensor's last vector may be partial.
+__device__ __forceinline__ void flat_apply(const Args& a) {
+  const long long total = a.rows * kRow;
+  const long long first = ((long long)blockIdx.x * kNV * kBlock + threadIdx.x) * kV;
+  float v[kNV][kV];
+  int pos[kNV];  // each vector's position in its row
+#pragma unroll
+  for (int k = 0; k < kNV; ++k) {  // every load in flight before any arithmetic
+    const long long e = first + (long long)k * kBlock * kV;
+    pos[k] = static_cast<int>(e % kRow);
+    if (e + kV <= total) {
+      fusedepi::load_vec<T, kV>(a.y + e, v[k]);
+    } else {  // the tensor's last vector, element by element
+#pragma unroll
+      for (int j = 0; j < kV; ++j) v[k][j] = e + j < total ? fusedepi::to_float(a.y[e + j]) : 0.f;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kNV; ++k) {
+    const long long e = first + (long long)k * kBlock * kV;
+    if (e + kV <= total) {
+      if constexpr (!kStage0Done) stage0<kV>(v[k], pos[k], e, a, true);
+      fusedepi::store_vec<T, kV>(a.out + e, v[k]);
+    } else {
+      for (int j = 0; j < kV && e + j < total; ++j) {  // the tensor's last, partial vector
+        float one[1] = {v[k][j]};
+        if constexpr (!kStage0Done) stage0<1>(one, static_cast<int>((pos[k] + j) % kRow), e + j, a, true);
+        fusedepi::store_vec<T, 1>(a.out + e + j, one);
+      }
+    }
+  }
+}

@@ -1,0 +1,84 @@
+// The apply kernel's reductions of a segment inside its team (lanes of a warp, or a
+// block): a norm's two statistics for stage1, or a row reduction's value.
+//
+// Included by the rendered file (cuda_templates/templates.py, APPLY_KERNEL) after
+// apply.cuh, which defines what this code reads: Place, valid, runs, and the launch
+// plan's kNV, kV, kTeam, kL.
+// It is not a standalone header: the launch plan's constants differ per file.
+#pragma once
+
+// This thread's live elements folded into one float: it starts at `init` and becomes
+// update(acc, e) for each element e. Under kDense every slot computes the update and a
+// select keeps it for live ones.
+template <class Update>
+__device__ __forceinline__ float team_fold(const Place& p, const float (&v)[kNV][kV], float init, Update update) {
+  float acc = init;
+#pragma unroll
+  for (int k = 0; k < kNV; ++k)
+    if (runs(p, k))
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        const float u = update(acc, v[k][j]);
+        acc = valid(p, k) ? u : acc;
+      }
+  return acc;
+}
+
+// (mean, rstd), two passes over registers: group and layer norm. The mean is taken
+// relative to the segment's first element, so a constant segment (a clamp can make
+// one) has its mean exactly and normalizes to exactly 0, as eager's Welford does.
+__device__ __forceinline__ void team_moments(const Place& p, const float (&v)[kNV][kV], float eps, float& s0,
+                                             float& s1) {
+  const float shift = fusedepi::team_first<kTeam>(v[0][0]);
+  const float s = team_fold(p, v, 0.f, [&](float acc, float e) { return acc + (e - shift); });
+  const float mean = shift + fusedepi::team_sum<kTeam>(s) / static_cast<float>(kL);
+  const float q = team_fold(p, v, 0.f, [&](float acc, float e) { return acc + (e - mean) * (e - mean); });
+  const float var = fusedepi::team_sum<kTeam>(q) / static_cast<float>(kL);
+  s0 = mean;
+  s1 = rsqrtf(fmaxf(var, 0.f) + eps);
+}
+
+// RMSNorm: s1 = rsqrt(mean(x^2) + eps), as the decomposed RMSNorm computes it; s0 = 0.
+__device__ __forceinline__ void team_rms(const Place& p, const float (&v)[kNV][kV], float eps, float& s0, float& s1) {
+  const float q = team_fold(p, v, 0.f, [](float acc, float e) { return acc + e * e; });
+  s0 = 0.f;
+  s1 = rsqrtf(fusedepi::team_sum<kTeam>(q) / static_cast<float>(kL) + eps);
+}
+
+// Softmax: s0 = the row's max, s1 = the sum of exp(x - s0), or its log (kLog:
+// log_softmax). A NaN is skipped by fmaxf but reaches every output through the sum,
+// as in eager.
+template <bool kLog>
+__device__ __forceinline__ void team_softmax(const Place& p, const float (&v)[kNV][kV], float& s0, float& s1) {
+  const float mx = team_fold(p, v, -INFINITY, [](float acc, float e) { return fmaxf(acc, e); });
+  const float max = fusedepi::team_max<kTeam>(mx);
+  const float s = team_fold(p, v, 0.f, [&](float acc, float e) { return acc + expf(e - max); });
+  const float sum = fusedepi::team_sum<kTeam>(s);
+  s0 = max;
+  s1 = kLog ? logf(sum) : sum;
+}
+
+// The row reductions: the row's value. fmaxf skips NaN, so amax/amin count NaNs apart
+// (any NaN gives NaN, as eager), and logsumexp's NaN reaches the result through the sum.
+enum class RowReduce { kLogsumexp, kSum, kMean, kAmax, kAmin };
+
+template <RowReduce kOp>
+__device__ __forceinline__ float team_row_reduce(const Place& p, const float (&v)[kNV][kV]) {
+  if constexpr (kOp == RowReduce::kLogsumexp) {
+    const float m = team_fold(p, v, -INFINITY, [](float acc, float e) { return fmaxf(acc, e); });
+    const float mx = fusedepi::team_max<kTeam>(m);
+    const float shift = isinf(mx) ? 0.f : mx;
+    const float s = team_fold(p, v, 0.f, [&](float acc, float e) { return acc + expf(e - shift); });
+    return logf(fusedepi::team_sum<kTeam>(s)) + shift;
+  } else if constexpr (kOp == RowReduce::kSum || kOp == RowReduce::kMean) {
+    const float s = fusedepi::team_sum<kTeam>(team_fold(p, v, 0.f, [](float acc, float e) { return acc + e; }));
+    return kOp == RowReduce::kMean ? s / static_cast<float>(kL) : s;
+  } else {
+    constexpr bool kMax = kOp == RowReduce::kAmax;  // amin: the max of -x, negated
+    const float m = team_fold(p, v, -INFINITY, [](float acc, float e) { return fmaxf(acc, kMax ? e : -e); });
+    const float nans = team_fold(p, v, 0.f, [](float acc, float e) { return acc + (isnan(e) ? 1.f : 0.f); });
+    if (fusedepi::team_sum<kTeam>(nans) > 0.f) return NAN;
+    const float mx = fusedepi::team_max<kTeam>(m);
+    return kMax ? mx : -mx;
+  }
+}
