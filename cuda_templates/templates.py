@@ -30,6 +30,8 @@ from string import Template
 #   $wrap           the row length under the flat mapping (FLAT_APPLY_KERNEL), else 0
 #   $pad_k          K of x's padded rows when the library GEMM runs on padded operands
 #                   (Anchor.pad; fusedepi_pad_rows fills them), else 0
+#   $pad_header     `#include "fusedepi/pad_rows.cuh"` (the pad kernel) where $pad_k > 0, else nothing
+#   $pad_entry      fusedepi_pad_rows: PAD_ROWS_ENTRY where $pad_k > 0, else NO_PAD_ROWS_ENTRY
 #   $staged         images a block stages in shared memory from a channels-last y
 #                   (Anchor.channels_last, render.staged_plan), else 0
 #   $staged_apply   "true" when staging applies stage0 (a pointwise chain whose operands
@@ -91,7 +93,7 @@ $fields
 
 $stages
 $apply_header
-#include "fusedepi/pad_rows.cuh"
+$pad_header
 
 $stats_kernels
 
@@ -105,23 +107,7 @@ extern "C" long long fusedepi_workspace_floats(long long rows) { return $ws_floa
 // and no anchor output; this library computes the anchor itself.
 extern "C" int fusedepi_anchor_inside() { return $anchor_inside; }
 
-// A padded library GEMM's x: rows of K elements copied into rows of kPadK, zeros after
-// them (ops.padded_gemm). x is contiguous; xp holds rows * kPadK elements.
-extern "C" int fusedepi_pad_rows(const void* x, void* xp, long long rows, long long k, int device,
-                                 void* stream_handle) {
-  if constexpr (kPadK == 0) {
-    return static_cast<int>(cudaErrorNotSupported);
-  } else {
-    if (k > kPadK || k <= 0) return static_cast<int>(cudaErrorInvalidValue);
-    if (rows == 0) return 0;
-    cudaError_t err = cudaSetDevice(device);
-    if (err != cudaSuccess) return static_cast<int>(err);
-    const long long vectors = rows * (kPadK / kPadVec);
-    pad_rows<<<(vectors + 255) / 256, 256, 0, static_cast<cudaStream_t>(stream_handle)>>>(
-        static_cast<const T*>(x), static_cast<T*>(xp), vectors, k);
-    return static_cast<int>(cudaGetLastError());
-  }
-}
+$pad_entry
 
 extern "C" const char* fusedepi_error_string(int code) {
   return cudaGetErrorString(static_cast<cudaError_t>(code));
@@ -146,6 +132,26 @@ $launches
 }
 """
 )
+
+# fusedepi_pad_rows of a padded library GEMM's file: x's rows of K elements copied into
+# rows of kPadK, zeros after them (ops.padded_gemm). x is contiguous; xp holds rows *
+# kPadK elements.
+PAD_ROWS_ENTRY = r"""extern "C" int fusedepi_pad_rows(const void* x, void* xp, long long rows, long long k, int device,
+                                 void* stream_handle) {
+  if (k > kPadK || k <= 0) return static_cast<int>(cudaErrorInvalidValue);
+  if (rows == 0) return 0;
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  const long long vectors = rows * (kPadK / kPadVec);
+  pad_rows<<<(vectors + 255) / 256, 256, 0, static_cast<cudaStream_t>(stream_handle)>>>(
+      static_cast<const T*>(x), static_cast<T*>(xp), vectors, k);
+  return static_cast<int>(cudaGetLastError());
+}"""
+
+# fusedepi_pad_rows of every other file: it has no pad kernel.
+NO_PAD_ROWS_ENTRY = r"""extern "C" int fusedepi_pad_rows(const void*, void*, long long, long long, int, void*) {
+  return static_cast<int>(cudaErrorNotSupported);
+}"""
 
 # The apply kernel: each team (lanes of a warp, or a block) takes a segment, loads it
 # (from y, or from the images the block staged from a channels-last y) and runs

@@ -200,8 +200,11 @@ def test_channels_last_refusals(change, reason):
 
 def test_padded_gemm_files_pad_x_in_their_own_kernel():
     awkward = awkward_specs("bfloat16")
-    assert "constexpr long long kPadK = 152;" in cuda_templates.render(awkward["padded_gemm_pointwise"], "sm90")
-    assert "constexpr long long kPadK = 0;" in cuda_templates.render(awkward["pointwise_only"], "sm90")
+    padded = cuda_templates.render(awkward["padded_gemm_pointwise"], "sm90")
+    assert "constexpr long long kPadK = 152;" in padded and "pad_rows<<<" in padded
+    plain = cuda_templates.render(awkward["pointwise_only"], "sm90")  # no pad kernel: fusedepi_pad_rows refuses
+    assert "constexpr long long kPadK = 0;" in plain and "pad_rows.cuh" not in plain and "pad_rows<<<" not in plain
+    assert "return static_cast<int>(cudaErrorNotSupported);" in plain
 
 
 def test_row_reduction_too_long_is_not_renderable():

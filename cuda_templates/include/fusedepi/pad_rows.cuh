@@ -1,7 +1,7 @@
 // The pad kernel of a padded library GEMM's x (`fusedepi_pad_rows`).
 //
-// Included by every rendered file (cuda_templates/templates.py, KERNEL_FILE) inside its
-// anonymous namespace, after T and kPadK (K of x's padded rows, or 0).
+// Included by a padded library GEMM's rendered file (cuda_templates/templates.py,
+// KERNEL_FILE) inside its anonymous namespace, after T and kPadK (K of x's padded rows).
 // It is not a standalone header: those constants differ per file.
 #pragma once
 
@@ -13,7 +13,7 @@ __global__ void __launch_bounds__(256) pad_rows(const T* __restrict__ x, T* __re
                                                 long long k) {
   const long long v = (long long)blockIdx.x * 256 + threadIdx.x;
   if (v >= vectors) return;
-  constexpr long long kRowVecs = kPadK > 0 ? kPadK / kPadVec : 1;
+  constexpr long long kRowVecs = kPadK / kPadVec;
   const long long r = v / kRowVecs;
   const int c0 = static_cast<int>(v - r * kRowVecs) * kPadVec;
   const T* src = x + r * k;
