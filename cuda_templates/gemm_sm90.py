@@ -23,7 +23,7 @@ Structure (one CTA an output tile of 128 x 256, persistent over tiles, 384 threa
   A float32 tile is twice that: it goes out in two rounds of 128 columns;
 - a row reduction stores no tile: after the steps before the reduction, each consumer
   thread folds its 64 values of a row, its quad's shuffles combine them, and one lane
-  writes the row's partial statistics over the tile's 256 columns (ROW_PARTIALS; for
+  writes the row's partial statistics over the tile's 256 columns (gemm_row_reduce.cuh; for
   logsumexp the tile's max and sum of exps) to the workspace. With no staging tile the
   ring has 4 stages. A second kernel (ROW_FINAL, a warp a row) combines a row's partials
   and runs the steps after the reduction, so the [M, N] product is never written;
@@ -99,59 +99,8 @@ def fills_gpu(rows: int, channels: int, sms: int) -> bool:
     return tiles >= MIN_WAVE_USE * waves * sms
 
 
-def _tile_fold(var: str, init: str, update: str) -> str:
-    """C++ that folds the 64 values of row `h` this consumer thread holds (`d`, wgmma's
-    layout) into a new float `var`: it starts at `init` and becomes `update` (in `var`
-    and the element `e`) for each."""
-    return (f"      float {var} = {init};\n#pragma unroll\n      for (int j = 0; j < 32; ++j)\n#pragma unroll\n"
-            f"        for (int i = 0; i < 2; ++i) {{\n          const float e = d[4 * j + 2 * h + i];\n"
-            f"          {var} = {update};\n        }}\n")
-
-
-_NAN_COUNT = _tile_fold("nans", "0.f", "nans + (isnan(e) ? 1.f : 0.f)") + "      p1 = fusedepi::team_sum_warp<4>(nans);\n"
-_SUM = _tile_fold("s", "0.f", "s + e") + "      p0 = fusedepi::team_sum_warp<4>(s);\n      p1 = 0.f;\n"
-
-
-def _parts_fold(var: str, init: str, update: str, reduce: str) -> str:
-    """C++ of the final kernel that folds a row's partials into `var` (from `init`, by
-    `update` in `var` and the partial `q`, a lane taking every 32nd), then across the
-    warp by fusedepi::team_`reduce`_warp<32>."""
-    return (f"  float {var} = {init};\n  for (int t = lane; t < kTilesN; t += 32) {{\n"
-            f"    const float2 q = parts[t];\n    {var} = {update};\n  }}\n"
-            f"  {var} = fusedepi::team_{reduce}_warp<32>({var});\n")
-
-
-# Max and NaN count: fmaxf skips NaN, so NaNs are counted apart and any NaN gives NaN.
-_MAX_COMBINE = _parts_fold("m", "-INFINITY", "fmaxf(m, q.x)", "max") + _parts_fold("nans", "0.f", "nans + q.y", "sum")
-
-# Row reductions in the in-kernel GEMM, per reduction: (tile, combine).
-# - tile: C++ that leaves the partial statistics (p0, p1) of row `h` of a consumer
-#   thread over the tile's 256 columns: the thread's 64 values, then its quad's shuffles.
-# - combine: C++ that leaves the row's value in `row` from the row's kTilesN partials
-#   `parts[t]`, t = 0 .. kTilesN - 1, in the final kernel (a warp a row).
-# The arithmetic is the epilogue kernel's (templates.ROW_REDUCE), the summation order
-# the tiles'.
-ROW_PARTIALS = {
-    # (max, sum of exp(e - max)) a tile; a tile's sum is rescaled to the row's max by
-    # exp(tile max - row max). Where a maximum is infinite, exp(e) itself (shift 0), as
-    # the epilogue kernel does: a tile of -inf has sum 0 and factor exp(-inf) = 0; a
-    # tile with +inf has sum inf, and the row's shift is then 0. A NaN reaches the
-    # result through the sums.
-    "logsumexp": (
-        _tile_fold("m", "-INFINITY", "fmaxf(m, e)")
-        + "      p0 = fusedepi::team_max_warp<4>(m);\n      const float shift = isinf(p0) ? 0.f : p0;\n"
-        + _tile_fold("s", "0.f", "s + expf(e - shift)") + "      p1 = fusedepi::team_sum_warp<4>(s);\n",
-        _parts_fold("m", "-INFINITY", "fmaxf(m, q.x)", "max") + "  const float shift = isinf(m) ? 0.f : m;\n"
-        + _parts_fold("s", "0.f", "s + q.y * expf(q.x - shift)", "sum")
-        + "  const float row = logf(s) + shift;\n",
-    ),
-    "sum": (_SUM, _parts_fold("s", "0.f", "s + q.x", "sum") + "  const float row = s;\n"),
-    "mean": (_SUM, _parts_fold("s", "0.f", "s + q.x", "sum") + "  const float row = s / static_cast<float>(kChannels);\n"),
-    "amax": (_tile_fold("m", "-INFINITY", "fmaxf(m, e)") + "      p0 = fusedepi::team_max_warp<4>(m);\n" + _NAN_COUNT,
-             _MAX_COMBINE + "  const float row = nans > 0.f ? NAN : m;\n"),
-    "amin": (_tile_fold("m", "-INFINITY", "fmaxf(m, -e)") + "      p0 = fusedepi::team_max_warp<4>(m);\n" + _NAN_COUNT,
-             _MAX_COMBINE + "  const float row = nans > 0.f ? NAN : -m;\n"),
-}
+# Row reductions in the in-kernel GEMM (gemm_row_reduce.cuh): the enumerator of each.
+ROW_PARTIALS = {name: f"fusedepi::RowReduce::k{name.capitalize()}" for name in ("logsumexp", "sum", "mean", "amax", "amin")}
 
 
 def wgmma_asm(dtype: str) -> str:
@@ -187,7 +136,8 @@ def wgmma_asm(dtype: str) -> str:
 #   $row_reads  "true" when a step reads a tensor per element (a residual): rows past M skip it
 #   $row_reduce "true" for a row reduction (sum, mean, amax, amin, logsumexp): the consumers
 #               write each row's partial statistics (ROW_PARTIALS) and no tile
-#   $tile_partials  ROW_PARTIALS' tile code (sets p0, p1 for row h), or "p0 = p1 = 0.f;"
+#   $tile_partials  the call that sets p0, p1 for row h (row_tile_partials, a row
+#               reduction's ROW_PARTIALS entry), or "p0 = p1 = 0.f;"
 #   $warps_min_tiles   tiles a CTA from which a pointwise chain runs in the spare warps
 #   $wgmma      the wgmma_asm() statement
 GEMM_KERNELS = Template(
@@ -231,8 +181,10 @@ __device__ __forceinline__ void wgmma_256(float (&d)[128], uint64_t desc_a, uint
   $wgmma
 }
 
+#include "fusedepi/gemm_row_reduce.cuh"
+
 // A row reduction's partial statistics (p0, p1) of row `h` over this consumer thread's
-// 64 values and its quad's (ROW_PARTIALS).
+// 64 values and its quad's (gemm_row_reduce.cuh).
 __device__ __forceinline__ void tile_partials(const float (&d)[128], int h, float& p0, float& p1) {
 $tile_partials
 }
@@ -287,7 +239,8 @@ int gemm_launch(const Args& a, int device, cudaStream_t stream) {
 
 # A row reduction's last step (after GEMM_KERNELS in the same file): the row's value from
 # its tiles' partials, then stage1 (the steps after the reduction) on it.
-# Placeholders: $kernel; $combine, ROW_PARTIALS' combine code (leaves `row`).
+# Placeholders: $kernel; $combine, the statement that leaves the row's value in `row`
+# (row_combine of the reduction's ROW_PARTIALS entry).
 ROW_FINAL = Template(
     r"""// The row's value from the kTilesN partials the in-kernel GEMM wrote, then stage1; a warp a row.
 __global__ void __launch_bounds__(256) ${kernel}_rowfinal(Args a) {

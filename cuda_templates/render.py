@@ -792,7 +792,9 @@ def _render_gemm(spec: EpilogueSpec, arch: str, p: Plan, g: GemmPlan) -> str:
     second, small one that finishes a row reduction from the tiles' partials."""
     name = g.name(spec, arch)
     red = spec.reduction
-    tile_partials, combine = gemm_sm90.ROW_PARTIALS.get(g.reduce, ("      p0 = p1 = 0.f;", ""))
+    op = gemm_sm90.ROW_PARTIALS.get(g.reduce)
+    tile_partials = f"  row_tile_partials<{op}>(d, h, p0, p1);" if op else "  p0 = p1 = 0.f;"
+    combine = f"  const float row = row_combine<{op}>(parts, lane);" if op else ""
     gemm = gemm_sm90.GEMM_KERNELS.substitute(
         kernel=name, bm=g.block_m, bn=g.block_n, bk=gemm_sm90.block_k(spec.dtype),
         mma_k=gemm_sm90.WGMMA_TYPES[spec.dtype][1],

@@ -508,8 +508,10 @@ def test_in_kernel_gemm_row_reductions_write_partials_then_finish(name):
     assert "constexpr bool kRowReduce = true;" in source
     assert f"kStages = {cuda_templates.gemm_sm90.STAGES_ROW_REDUCE};" in source
     # The tile's partials of this reduction (gemm_sm90.cuh's consumers write them to a.ws).
-    partials = cuda_templates.gemm_sm90.ROW_PARTIALS[spec.reduction.name][0].rstrip("\n")
-    assert "void tile_partials(const float (&d)[128], int h, float& p0, float& p1) {\n" + partials in source
+    op = cuda_templates.gemm_sm90.ROW_PARTIALS[spec.reduction.name]
+    assert ("void tile_partials(const float (&d)[128], int h, float& p0, float& p1) {\n"
+            f"  row_tile_partials<{op}>(d, h, p0, p1);") in source
+    assert f"const float row = row_combine<{op}>(parts, lane);" in source  # the second kernel's
     launch = source[source.index("} else {", source.index("if (a.x == nullptr)")):]
     assert launch.index("gemm_launch(a, device, stream)") < launch.index("_rowfinal<<<(rows + 7) / 8, 256")
     assert "return rows * kTilesN * 2; }" in source  # the workspace: a float2 a (row, column tile)

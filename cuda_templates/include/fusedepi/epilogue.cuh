@@ -285,6 +285,10 @@ __device__ __forceinline__ float minimum(float a, float b) {
 
 // -------------------------------------------------------------- reductions
 
+// The row reductions (a row's one value): the apply kernel's (team_reduce.cuh) and the
+// in-kernel GEMM's (gemm_row_reduce.cuh).
+enum class RowReduce { kLogsumexp, kSum, kMean, kAmax, kAmin };
+
 template <int kWidth>
 __device__ __forceinline__ float team_sum_warp(float v) {
 #pragma unroll

@@ -7,7 +7,8 @@
 //   T, Args, the stage functions and their _chan/_chan_of/_cols forms, kChannels (KERNEL_FILE);
 //   the GEMM's constants (kBM, kBN, kBK, kStages, kK, kBias, kGroup, kG, kRowReads,
 //   kRowReduce, kPointwise, kTilesN, kTileA, kTileB, kRounds, kRoundCols, kBar*, kHandoff,
-//   kEps), wgmma_256 and tile_partials (GEMM_KERNELS), and gemm_tile.cuh's helpers.
+//   kEps), wgmma_256 and tile_partials (GEMM_KERNELS; gemm_row_reduce.cuh), and
+//   gemm_tile.cuh's helpers.
 // It is not a standalone header: those constants differ per file.
 #pragma once
 

@@ -60,7 +60,7 @@ __device__ __forceinline__ void team_softmax(const Place& p, const float (&v)[kN
 
 // The row reductions: the row's value. fmaxf skips NaN, so amax/amin count NaNs apart
 // (any NaN gives NaN, as eager), and logsumexp's NaN reaches the result through the sum.
-enum class RowReduce { kLogsumexp, kSum, kMean, kAmax, kAmin };
+using fusedepi::RowReduce;
 
 template <RowReduce kOp>
 __device__ __forceinline__ float team_row_reduce(const Place& p, const float (&v)[kNV][kV]) {
