@@ -72,7 +72,7 @@ def choose(chain, cfg: Config) -> tuple[FormChoice, ...]:
     moves the bias node from `chain.operands` to `chain.params`). Returns the rows that
     applied. A timing that fails keeps the graph's form with a warning (raises under
     strict mode)."""
-    found_rows = []
+    rows = []
     for form in FORMS:
         setting = getattr(cfg, form.setting)
         if setting == "off":
@@ -83,7 +83,7 @@ def choose(chain, cfg: Config) -> tuple[FormChoice, ...]:
         what = form.describe(found)
         if setting == "on":
             chain.spec = form.apply(chain, found)
-            found_rows.append(FormChoice(form.name, what, 0.0, 0.0, True, f"{form.env}=1"))
+            rows.append(FormChoice(form.name, what, 0.0, 0.0, True, f"{form.env}=1"))
             continue
         device = chain.anchor.meta["val"].device
         if device.type != "cuda":
@@ -98,14 +98,14 @@ def choose(chain, cfg: Config) -> tuple[FormChoice, ...]:
                 raise
             log.warning("fusedepi: timing %s failed (%s: %s); it runs as the graph has it", what,
                         type(err).__name__, err)
-            found_rows.append(FormChoice(form.name, what, 0.0, 0.0, False, f"timing failed: {type(err).__name__}"))
+            rows.append(FormChoice(form.name, what, 0.0, 0.0, False, f"timing failed: {type(err).__name__}"))
             continue
         row = FormChoice(form.name, what, graph_ms, form_ms, form_ms < MIN_GAIN * graph_ms)
         if row.taken:
             log.info("fusedepi: %s: %.4f ms against %.4f ms", what, form_ms, graph_ms)
             chain.spec = form.apply(chain, found)
-        found_rows.append(row)
-    return tuple(found_rows)
+        rows.append(row)
+    return tuple(rows)
 
 
 __all__ = ["FORMS", "MIN_GAIN", "Form", "FormChoice", "choose"]
