@@ -54,6 +54,24 @@ def test_a_chain_is_fused_only_where_it_is_not_slower(timed, monkeypatch, fused_
     torch.testing.assert_close(out, _model()(x))
 
 
+@pytest.mark.parametrize("fused_ms, inductor_ms", [(1.0, 2.0), (2.0, 1.0)])
+def test_the_plan_names_the_forms_the_chain_was_timed_in(timed, monkeypatch, fused_ms, inductor_ms):
+    """A form taken before the choice (here forced: the float32 bias in the epilogue) is
+    part of what was timed: explain's text and a refusal's reason say so."""
+    monkeypatch.setenv("FUSEDEPI_FOLD_GEMM_BIAS", "1")
+    _forced(monkeypatch, fused_ms, inductor_ms)
+    out, fused, refused = compile_records(_model(), torch.randn(8, 16), grad=False)
+    (record,) = fused or refused
+    assert record.plan.forms[0].form == "gemm_bias" and record.plan.forms[0].taken
+    assert record.measured == (f"gemm_bias: taken (FUSEDEPI_FOLD_GEMM_BIAS=1); fused {fused_ms:.4g} ms, "
+                               f"Inductor {inductor_ms:.4g} ms")
+    if refused:
+        assert record.reason == ("Inductor is faster here: fused 2 ms, Inductor 1 ms; "
+                                 "gemm_bias: taken (FUSEDEPI_FOLD_GEMM_BIAS=1)")
+    else:
+        assert '"kind":"mm"' in record.spec  # the spec the kernel runs is the form's
+
+
 def test_the_choice_is_cached_on_disk_and_not_measured_again(timed, monkeypatch):
     calls = _forced(monkeypatch, 1.0, 2.0)
     model, x = _model(), torch.randn(8, 16)
