@@ -55,6 +55,8 @@ from string import Template
 
 from lowering.vocabulary import VOCABULARY
 
+from .templates import ROW_REDUCE_OPS
+
 BLOCK_M, BLOCK_N = 128, 256
 TILE_K_BYTES = 128  # a stage's depth along K: one 128-byte swizzled row (64 16-bit, 32 float32 values)
 STAGES = 3  # ring stages; the 64 KB staging tile takes the place of a fourth
@@ -99,8 +101,9 @@ def fills_gpu(rows: int, channels: int, sms: int) -> bool:
     return tiles >= MIN_WAVE_USE * waves * sms
 
 
-# Row reductions in the in-kernel GEMM (gemm_row_reduce.cuh): the enumerator of each.
-ROW_PARTIALS = {name: f"fusedepi::RowReduce::k{name.capitalize()}" for name in ("logsumexp", "sum", "mean", "amax", "amin")}
+# The row reductions the in-kernel GEMM covers (gemm_row_reduce.cuh), with the enumerator
+# each is instantiated with: all of the apply kernel's.
+ROW_PARTIALS = ROW_REDUCE_OPS
 
 
 def wgmma_asm(dtype: str) -> str:

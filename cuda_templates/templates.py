@@ -288,11 +288,14 @@ TEAM_ROW_REDUCE = Template(
 )
 
 
+# The row reductions' enumerators (fusedepi::RowReduce, epilogue.cuh), by name: what the
+# apply kernel (team_reduce.cuh) and the in-kernel GEMM (gemm_row_reduce.cuh) are
+# instantiated with.
+ROW_REDUCE_OPS = {name: f"fusedepi::RowReduce::k{name.capitalize()}"
+                  for name in ("logsumexp", "sum", "mean", "amax", "amin")}
+
 # Per row reduction: code that leaves the row's value in `row` (team_reduce.cuh).
-ROW_REDUCE = {
-    name: f"  float row = team_row_reduce<RowReduce::k{name.capitalize()}>(p, v);"
-    for name in ("logsumexp", "sum", "mean", "amax", "amin")
-}
+ROW_REDUCE = {name: f"  float row = team_row_reduce<{op}>(p, v);" for name, op in ROW_REDUCE_OPS.items()}
 
 STORE_ROW = r"""  if (p.live && p.lane == 0) a.out[p.seg] = fusedepi::from_float<T>(row);"""
 
