@@ -320,11 +320,8 @@ class CheckLayout:
 
     @classmethod
     def of(cls, launcher) -> "CheckLayout":
-        from .launch import anchor_operand_sizes
-
         spec = launcher.spec
-        return cls(DTYPE_CODES[spec.dtype], spec.y_row,
-                   tuple(tuple(sizes) for sizes in anchor_operand_sizes(spec, launcher.anchor_path)),
+        return cls(DTYPE_CODES[spec.dtype], spec.y_row, tuple(tuple(sizes) for sizes in launcher.anchor_sizes),
                    tuple((DTYPE_CODES[dtype], whole, per_row)
                          for dtype, (whole, per_row) in zip(spec.param_dtypes, spec.param_sizes())))
 

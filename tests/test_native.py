@@ -17,7 +17,7 @@ import torch
 
 from fusion_backend import launch, load_config, native, rewrite
 from fusion_backend.rewrite import FusionError
-from lowering.spec import Anchor, Save
+from lowering.spec import Anchor, EpilogueSpec, Save, Step
 
 GPP = shutil.which("g++")
 
@@ -219,6 +219,10 @@ def test_saves_and_checks_decode_to_the_records_they_encode():
     for cut in (flat[:-1], flat + [0], flat[:2]):
         with pytest.raises(ValueError, match="counts"):
             native.CheckLayout.decode(cut)
+    # A launcher's record: its spec's dtype and row, the anchor sizes it checks every call.
+    spec = EpilogueSpec(Anchor("addmm"), (Step("relu"),), "bfloat16", (), 513, 1, "linear_pointwise")
+    launcher = SimpleNamespace(spec=spec, anchor_sizes=[(151, 0)])
+    assert native._checks(launcher) == [2, 513, 1, 151, 0, 0]
 
 
 def test_the_cpp_launcher_reads_the_layout_and_codes_python_writes():
