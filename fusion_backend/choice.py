@@ -35,6 +35,7 @@ from .ops import conv_allows_tf32, matmul_allows_tf32
 
 log = logging.getLogger("fusedepi")
 
+
 @dataclass(frozen=True)
 class Choice:
     """What the measurement found: milliseconds a call of each form (0 where nothing was

@@ -73,7 +73,7 @@ def test_the_table_lists_each_form_once_with_its_switch():
     cfg = load_config({})
     for form in forms.FORMS:
         assert getattr(cfg, form.setting) == "auto"
-        assert load_config({form.env: "0"}).__getattribute__(form.setting) == "off"
+        assert getattr(load_config({form.env: "0"}), form.setting) == "off"
 
 
 @pytest.mark.parametrize("name", list(TAKEN))
