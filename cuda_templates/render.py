@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lowering.spec import FULL, REDUCTIONS, ROW_NORMS, ROW_REDUCTIONS, SEGMENT_NORMS, EpilogueSpec
+from lowering.spec import FULL, REDUCTIONS, ROW_NORMS, ROW_REDUCTIONS, SEGMENT_NORMS, SPATIAL_REDUCTIONS, EpilogueSpec
 
 from . import gemm_sm90, templates
 from .snippets import cfloat, render_stage
@@ -102,6 +102,8 @@ def plan(spec: EpilogueSpec) -> Plan:
         groups = red.groups
     elif red is not None and red.name == "batchnorm_train" and spec.inner > 1:
         groups = spec.channels  # a conv's BatchNorm: partial statistics per (row, channel)
+    elif red is not None and red.name in SPATIAL_REDUCTIONS:
+        groups = spec.channels  # a value per (row, channel) plane
     else:
         groups = 1
     seg_len = row // groups
@@ -129,7 +131,7 @@ def plan(spec: EpilogueSpec) -> Plan:
     elif vecs <= MAX_BLOCK * BLOCK_TEAM_MAX_VECS:
         team = _block_team(vecs, BLOCK_TEAM_MAX_VECS, pow2=red is not None)
         p = Plan(seg_len, groups, vec, team, _ceil_div(vecs, team), 1, team)
-    elif red is not None and red.name in ROW_REDUCTIONS + ROW_NORMS:
+    elif red is not None and red.name in ROW_REDUCTIONS + ROW_NORMS + SPATIAL_REDUCTIONS:
         limit = MAX_BLOCK * BLOCK_TEAM_MAX_VECS * vec
         raise NotRenderable(f"{red.name} over {seg_len} elements: one block holds at most {limit}")
     else:
@@ -609,7 +611,7 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
         middle = templates.TEAM_NORM.substitute(statistics=statistics, save_stats=save_stats,
                                                 apply=templates.APPLY_STAGE1)
     else:
-        assert red.name in ROW_REDUCTIONS
+        assert red.name in ROW_REDUCTIONS + SPATIAL_REDUCTIONS
         middle = templates.TEAM_ROW_REDUCE.substitute(reduce=templates.ROW_REDUCE[red.name])
         store = templates.STORE_ROW
     launches.append(f"  {name}_apply<<<{apply_grid}, kBlock, 0, stream>>>(a);")

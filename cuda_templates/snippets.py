@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 import re
 
-from lowering.spec import CHANNEL, EARLIER, FULL, ONE, REDUCTIONS, ROW_REDUCTIONS, SCALAR, SELF, Step, to_float32
+from lowering.spec import (CHANNEL, EARLIER, FULL, ONE, REDUCTIONS, ROW_REDUCTIONS, SCALAR, SELF, SPATIAL_REDUCTIONS, Step,
+                           to_float32)
 
 
 def cfloat(value: float) -> str:
@@ -208,7 +209,7 @@ SNIPPETS = {
     "batchnorm_eval": _batchnorm_eval,
     "batchnorm_train": _batchnorm_train,
     # Row reductions are computed by templates.ROW_REDUCE; the steps after them see the row's value.
-    **{name: (lambda s, ops: "") for name in ROW_REDUCTIONS},
+    **{name: (lambda s, ops: "") for name in ROW_REDUCTIONS + SPATIAL_REDUCTIONS},
 }
 
 

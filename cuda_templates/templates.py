@@ -12,6 +12,8 @@ the calls of the reductions, and the `__global__` kernels that call into the hea
 
 from string import Template
 
+from lowering.spec import SPATIAL_REDUCTIONS
+
 # Placeholders of KERNEL_FILE:
 #   $kernel         readable kernel name (also the prefix of every __global__)
 #   $spec           the spec's JSON, for whoever reads the source
@@ -278,12 +280,14 @@ BATCH_NORM_APPLY = (
 )
 
 
-# A row reduction inside the team (one of ROW_REDUCE, which leaves `row`), then
-# stage1 on the row's value. Placeholder: $reduce.
+# A row or spatial reduction inside the team (one of ROW_REDUCE, which leaves `row`),
+# then stage1 on the segment's value: at its channel's position (0 for a row
+# reduction's one segment a row) and flat index p.at (the output's element).
+# Placeholder: $reduce.
 TEAM_ROW_REDUCE = Template(
     r"""$reduce
   float rowv[1] = {row};
-  stage1<1>(rowv, 0, p.at, a, 0.f, 0.f, p.live && p.lane == 0);
+  stage1<1>(rowv, p.rowpos, p.at, a, 0.f, 0.f, p.live && p.lane == 0);
   row = rowv[0];"""
 )
 
@@ -294,8 +298,10 @@ TEAM_ROW_REDUCE = Template(
 ROW_REDUCE_OPS = {name: f"fusedepi::RowReduce::k{name.capitalize()}"
                   for name in ("logsumexp", "sum", "mean", "amax", "amin")}
 
-# Per row reduction: code that leaves the row's value in `row` (team_reduce.cuh).
+# Per row or spatial reduction (`spatial_` + a row reduction's name, the same operation
+# over a channel's plane): code that leaves the segment's value in `row` (team_reduce.cuh).
 ROW_REDUCE = {name: f"  float row = team_row_reduce<{op}>(p, v);" for name, op in ROW_REDUCE_OPS.items()}
+ROW_REDUCE.update({name: ROW_REDUCE[name.removeprefix("spatial_")] for name in SPATIAL_REDUCTIONS})
 
 STORE_ROW = r"""  if (p.live && p.lane == 0) a.out[p.seg] = fusedepi::from_float<T>(row);"""
 

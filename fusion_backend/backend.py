@@ -110,6 +110,10 @@ def _backward_nodes(graph: torch.fx.Graph) -> frozenset:
     return frozenset(seen)
 
 
+# Reductions whose backward compares their input with their result (which elements were largest).
+EXTREMA = ("amax", "amin", "spatial_amax", "spatial_amin")
+
+
 class KeepChainValues(CustomGraphPass):
     """Joint-graph pass (before the forward/backward partition): marks the nodes of
     the chains the rewrite will fuse MUST_SAVE where a recomputation would not match.
@@ -140,7 +144,7 @@ class KeepChainValues(CustomGraphPass):
             log.debug("fusedepi: joint-graph matching failed: %s", err)
             return
         for chain in chains:
-            exact = chain.spec.dtype != "float32" or any(s.name in ("amax", "amin") for s in chain.spec.steps)
+            exact = chain.spec.dtype != "float32" or any(s.name in EXTREMA for s in chain.spec.steps)
             for node in chain.nodes[1:] if exact else ():
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 

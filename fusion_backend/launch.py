@@ -69,9 +69,9 @@ class Launcher:
         cfg = load_config()
         self.lib = kernel_for(spec, device, cfg.cache_dir, conv_tf32, cfg.debug)
         self.n_operands = self.spec.anchor.n_operands
-        red = self.spec.reduction
         self.row_output = self.spec.row_output
-        self.keepdim = red is not None and red.keepdim
+        # A reduced output's dims after the rows: (), (1,), (C,) or (C, 1, ...).
+        self.reduced_tail = self.spec.reduced_tail() if self.row_output else ()
         bn = next((s for s in self.spec.steps if s.name == "batchnorm_train"), None)
         self.running_stats = (bn.inputs[2], bn.inputs[3]) if bn is not None else ()
         self._ws_floats: dict[int, int] = {}
@@ -125,8 +125,9 @@ class Launcher:
                           torch._C._cuda_getCurrentRawStream(self.device_index))
 
     def _row_shape(self, rows: int) -> tuple:
-        """A row reduction's output: a value a row, [rows, 1] with keepdim."""
-        return (rows, 1) if self.keepdim else (rows,)
+        """A reducing chain's output: a value a row ([rows], [rows, 1] with keepdim), or
+        a value per row and channel ([rows, C], [rows, C, 1, ...] with keepdim)."""
+        return (rows,) + self.reduced_tail
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         check_devices(inputs, self.device_index, self.spec.fusion)

@@ -233,8 +233,9 @@ class LaunchLayout:
     anchor: int  # ANCHOR_CODES
     n_operands: int
     gemm_auto: bool  # the in-kernel GEMM or the library one, by rows (FUSEDEPI_IN_KERNEL_GEMM=auto)
-    row_output: bool  # a row reduction: [rows] out
-    keepdim: bool
+    row_output: bool  # a row or spatial reduction: [rows, *reduced tail] out
+    out_channels: int  # the reduced output's channel dim after the rows (a spatial reduction's C), else 0
+    out_ones: int  # the reduced output's trailing dims of 1 (keepdim)
     channels: int
     out_h: int  # a direct conv's output plane, else 0
     out_w: int
@@ -249,8 +250,10 @@ class LaunchLayout:
         spec = launcher.spec
         out_h, out_w = spec.anchor.direct_out_hw() if launcher.anchor_path == "direct conv" else (0, 0)
         pad_k, pad_n = spec.anchor.pad or (0, 0)
+        tail = launcher.reduced_tail
+        out_channels = tail[0] if tail and tail[0] != 1 else 0
         return cls(PATH_CODES[launcher.anchor_path], ANCHOR_CODES[spec.anchor.kind], launcher.n_operands,
-                   launcher.gemm_auto, launcher.row_output, launcher.keepdim, spec.channels, out_h, out_w,
+                   launcher.gemm_auto, launcher.row_output, out_channels, tail.count(1), spec.channels, out_h, out_w,
                    launcher.stores_pre_norm, spec.anchor.has_bias, pad_k, pad_n, spec.anchor.channels_last)
 
     def encode(self) -> list[int]:

@@ -37,6 +37,7 @@ from .spec import (
     REDUCTIONS,
     ROW_REDUCTIONS,
     SCALAR,
+    SPATIAL_REDUCTIONS,
     SELF,
     Anchor,
     EpilogueSpec,
@@ -134,6 +135,7 @@ class _State:
     conv: bool
     channel_axis: int = 1
     reduced: bool = False  # a row reduction has shrunk the value to one per row
+    pooled: bool = False  # a spatial reduction has shrunk a conv's value to one per (row, channel)
     dtype: torch.dtype | None = None  # the value's dtype: the chain's, or float32 while widened
     widened_at: tuple | None = None  # the walk's state where a bf16/fp16 value went to float32
     order: dict = field(default_factory=dict)  # node -> position in the graph
@@ -696,7 +698,8 @@ _VALUE_AND_INDEX = {aten.max.dim: "amax", aten.min.dim: "amin"}
 
 
 def _match_row_reduction(state: _State, user: Node):
-    """A reduction along the features of a 2-D linear output: one value per row."""
+    """A reduction along the features of a 2-D linear output (one value per row), or
+    over every spatial dim of a conv output (one value per row and channel)."""
     if user.target in _VALUE_AND_INDEX:
         name = _VALUE_AND_INDEX[user.target]
         items = _getitems(user)
@@ -716,8 +719,20 @@ def _match_row_reduction(state: _State, user: Node):
     if isinstance(dims, int):
         dims = [dims]
     val = _val(state.node)
-    if state.conv or val.dim() != 2 or [d % val.dim() for d in dims] != [1]:
-        raise Refuse(f"{name} over dims {list(dims)} of a {val.dim()}-D value: only the feature dim of 2-D")
+    ndim = val.dim()
+    axes = sorted(d % ndim for d in dims) if ndim else []
+    if state.conv:
+        spatial = list(range(2, ndim))
+        if state.pooled:
+            raise Refuse(f"{name}: only one reduction per fused kernel (the chain's value is pooled already)")
+        if state.channel_axis != 1 or not spatial or axes != spatial:
+            raise Refuse(f"{name} over dims {list(dims)} of a {ndim}-D conv output: only over all its spatial "
+                         f"dims {spatial}")
+        if f"spatial_{name}" not in SPATIAL_REDUCTIONS:
+            raise Refuse(f"{name} over a conv output's spatial dims is not implemented (sum, mean, amax, amin are)")
+        return _Match(Step(f"spatial_{name}", keepdim=keepdim), consumed, result)
+    if ndim != 2 or axes != [1]:
+        raise Refuse(f"{name} over dims {list(dims)} of a {ndim}-D linear output: only the feature dim of 2-D")
     return _Match(Step(name, keepdim=keepdim), consumed, result)
 
 
@@ -749,7 +764,8 @@ _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 def _match_view(state: _State, user: Node):
-    """A view that only regroups the rows of a linear output (3-D inputs to nn.Linear)."""
+    """A view that only regroups the rows of a linear output (3-D inputs to nn.Linear), or
+    adds or drops dims of 1 after a pooled conv output's channels (`flatten(1)`)."""
     if user.target not in _VIEWS:
         return None
     val = _val(user)
@@ -757,6 +773,12 @@ def _match_view(state: _State, user: Node):
         raise Refuse(f"view to {list(val.shape)} (InstanceNorm's form) not followed by an InstanceNorm "
                      "that fuses: statistics of its input without running statistics, or running "
                      "statistics in eval mode")
+    if state.pooled:
+        # [rows, C] <-> [rows, C, 1, ...]: the same values in the same order, channels at dim 1.
+        if val.dim() < 2 or not _same_shape(val.shape[:2], _val(state.node).shape[:2]) or \
+                any(not _same_size(s, 1) for s in val.shape[2:]):
+            raise Refuse(f"view to {list(val.shape)} of a pooled [rows, channels] value: only [rows, channels, 1, ...]")
+        return _Match(None, [user], user)
     if state.conv or state.reduced or val.shape[-1] != state.channels or not _is_contiguous(val):
         raise Refuse(f"view to {list(val.shape)} changes the feature layout")
     return _Match(None, [user], user)
@@ -951,13 +973,13 @@ def _extend(state: _State, disabled: frozenset) -> str:
 def _snapshot(state: _State) -> tuple:
     c = state.chain
     return (len(c.steps), len(c.nodes), len(c.params), len(c.extra), len(c.saved), c.view, state.node,
-            state.channel_axis, state.reduced, state.dtype)
+            state.channel_axis, state.reduced, state.pooled, state.dtype)
 
 
 def _restore(state: _State, snap: tuple):
     c = state.chain
     (n_steps, n_nodes, n_params, n_extra, n_saved, c.view, state.node, state.channel_axis, state.reduced,
-     state.dtype) = snap
+     state.pooled, state.dtype) = snap
     del c.steps[n_steps:], c.nodes[n_nodes:], c.params[n_params:], c.extra[n_extra:]
     del c.saved[n_saved:], c.saves[n_saved:]
     state.widened_at = None
@@ -1003,6 +1025,13 @@ def _save(state: _State, node: Node, what: str, per_row: int) -> str | None:
     return None
 
 
+def _values_per_row(state: _State) -> int:
+    """Elements a row of the chain's current value holds."""
+    if state.reduced:
+        return 1
+    return state.channels if state.pooled else state.channels * state.inner
+
+
 def _share_saved_values(chain: Chain) -> None:
     """Returns a value saved under two shapes (a Linear's 2-D product and its 3-D view,
     both used by the backward) once: the later node becomes a view of the earlier output."""
@@ -1043,14 +1072,13 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
             return f"{step.name}: per-channel or full operand after a row reduction"
         _check_dtype(state, match.result)
     if any(u not in match.consumed for u in users):
-        why = _save(state, state.node, "value", 1 if state.reduced else state.channels * state.inner)
+        why = _save(state, state.node, "value", _values_per_row(state))
         if why is not None:
             return why
     for what, node in match.stats.items():
         # Per (row, group) for GroupNorm, per row for LayerNorm, per channel for BatchNorm;
         # silu's sigmoid is element-wise.
-        per_row = {"groupnorm": step.groups, "layernorm": 1, "rmsnorm": 1,
-                   "silu": 1 if state.reduced else state.channels * state.inner}
+        per_row = {"groupnorm": step.groups, "layernorm": 1, "rmsnorm": 1, "silu": _values_per_row(state)}
         why = _save(state, node, what, per_row.get(step.name, 0))
         if why is not None:
             return why
@@ -1062,11 +1090,12 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
         state.dtype = match.dtype
     elif step is None:  # a view: regroups rows, re-applied after the fused op
         state.chain.view = match.result
-        state.channel_axis = _val(match.result).dim() - 1
+        state.channel_axis = 1 if state.pooled else _val(match.result).dim() - 1
     else:
         state.chain.steps.append(step)
         state.chain.extra.extend(match.extra)
         state.reduced = state.reduced or step.name in ROW_REDUCTIONS
+        state.pooled = state.pooled or step.name in SPATIAL_REDUCTIONS
     state.chain.nodes.extend(match.consumed)
     state.node = match.result
     if match.dtype is None:  # (a converted value is not the kernel's x)

@@ -96,7 +96,7 @@ class Step:
         operand: for binary steps, one of SCALAR, CHANNEL, ONE, FULL, SELF, EARLIER.
         reverse: for binary steps, the chain's value is the right operand (`p - x`).
         groups: for groupnorm, the number of groups.
-        keepdim: for row reductions.
+        keepdim: for row and spatial reductions.
     """
 
     name: str
@@ -232,25 +232,37 @@ class EpilogueSpec:
         if known is not None:
             return known
         sizes = [(0, 0)] * len(self.param_dtypes)
-        reduced = False
+        per_row = self.channels * self.inner  # elements a row of the chain's value has
         for step in self.steps:
             if step.operand:
                 if step.operand in (CHANNEL, ONE, FULL):
-                    per_row = 1 if reduced else self.channels * self.inner
                     sizes[step.inputs[0]] = {CHANNEL: (self.channels, 0), ONE: (1, 0), FULL: (0, per_row)}[step.operand]
             else:
                 for index in step.inputs:
                     if index >= 0:
                         sizes[index] = (self.channels, 0)
-            reduced = reduced or step.name in ROW_REDUCTIONS
+            if step.name in ROW_REDUCTIONS:
+                per_row = 1
+            elif step.name in SPATIAL_REDUCTIONS:
+                per_row = self.channels
         object.__setattr__(self, "_param_sizes", tuple(sizes))  # not a field: equality and JSON ignore it
         return self._param_sizes
 
     @property
     def row_output(self) -> bool:
-        """True when a row reduction shrinks the output to one value per row."""
+        """True when a reduction shrinks the output to one value per segment: per row (a
+        row reduction) or per (row, channel) (a spatial reduction)."""
         red = self.reduction
-        return red is not None and red.name in ROW_REDUCTIONS
+        return red is not None and red.name in ROW_REDUCTIONS + SPATIAL_REDUCTIONS
+
+    def reduced_tail(self) -> tuple:
+        """The reduced output's dims after the rows (`row_output` only): a row
+        reduction's () or (1,) with keepdim; a spatial reduction's (C,), or (C, 1, ...)
+        with one 1 per spatial dim of the conv."""
+        red = self.reduction
+        if red.name in ROW_REDUCTIONS:
+            return (1,) if red.keepdim else ()
+        return (self.channels,) + ((1,) * len(self.anchor.conv[0]) if red.keepdim else ())
 
     def kernel_name(self, arch: str) -> str:
         """A readable name built from the spec, e.g. addmm_groupnorm_silu_mul_f32_sm90."""
@@ -270,12 +282,16 @@ def _tuples(value):
 # Steps whose statistics span several elements.
 # Row reductions shrink the output to one value per row (of a 2-D linear output).
 ROW_REDUCTIONS = ("logsumexp", "sum", "mean", "amax", "amin")
+# Spatial reductions shrink a conv output [rows, C, *spatial] to one value per (row,
+# channel) (global pooling: `mean(dim=[2, 3])`, `adaptive_avg_pool2d(x, 1)`); each is
+# its row reduction's operation over a channel's `inner` elements.
+SPATIAL_REDUCTIONS = ("spatial_sum", "spatial_mean", "spatial_amax", "spatial_amin")
 # Normalized by (mean, rstd) per segment: a group of channels, or the whole row;
 # segments longer than a block are split over several blocks.
 SEGMENT_NORMS = ("groupnorm", "layernorm")
 # Normalized by two statistics of the whole row, which one team of threads holds.
 ROW_NORMS = ("rmsnorm", "softmax", "log_softmax")
-REDUCTIONS = SEGMENT_NORMS + ROW_NORMS + ROW_REDUCTIONS + ("batchnorm_train",)
+REDUCTIONS = SEGMENT_NORMS + ROW_NORMS + ROW_REDUCTIONS + SPATIAL_REDUCTIONS + ("batchnorm_train",)
 # A fusion is named after its anchor family and the first of these steps it holds,
 # or "pointwise": linear_groupnorm, conv_batchnorm_eval, linear_pointwise, ...
 NAMED_STEPS = REDUCTIONS + ("batchnorm_eval",)

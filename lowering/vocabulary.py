@@ -189,6 +189,11 @@ def _elu(x, step, params):
     return torch.ops.aten.elu(x, alpha, scale, input_scale)
 
 
+def _spatial(x: torch.Tensor) -> tuple:
+    """The spatial dims of a conv output [rows, C, *spatial]."""
+    return tuple(range(2, x.dim()))
+
+
 aten = torch.ops.aten
 
 VOCABULARY: dict[str, StepKind] = {
@@ -291,6 +296,11 @@ VOCABULARY: dict[str, StepKind] = {
         StepKind("mean", lambda x, s, p: torch.mean(x, dim=1, keepdim=s.keepdim)),
         StepKind("amax", lambda x, s, p: torch.amax(x, dim=1, keepdim=s.keepdim), holds=(aten.amax,)),
         StepKind("amin", lambda x, s, p: torch.amin(x, dim=1, keepdim=s.keepdim), holds=(aten.amin,)),
+        # --------------------- spatial reductions (every dim after a conv output's channels)
+        StepKind("spatial_sum", lambda x, s, p: torch.sum(x, dim=_spatial(x), keepdim=s.keepdim)),
+        StepKind("spatial_mean", lambda x, s, p: torch.mean(x, dim=_spatial(x), keepdim=s.keepdim)),
+        StepKind("spatial_amax", lambda x, s, p: torch.amax(x, dim=_spatial(x), keepdim=s.keepdim)),
+        StepKind("spatial_amin", lambda x, s, p: torch.amin(x, dim=_spatial(x), keepdim=s.keepdim)),
     ]
 }
 

@@ -112,11 +112,15 @@ NORMS_LINEAR = ["groupnorm", "layernorm", "rmsnorm", "batchnorm", "softmax", "lo
 NORMS_CONV = ["groupnorm", "batchnorm"]
 # Norms after a conv, by generator generation: a later generation draws more kinds
 # without changing what an earlier one draws (generation 2 adds InstanceNorm).
-CONV_NORMS = {1: NORMS_CONV, 2: NORMS_CONV + ["instancenorm"], 3: NORMS_CONV + ["instancenorm"]}
+CONV_NORMS = {1: NORMS_CONV, 2: NORMS_CONV + ["instancenorm"], 3: NORMS_CONV + ["instancenorm"],
+              4: NORMS_CONV + ["instancenorm"]}
 # From this generation on, a binary step's operand may be an earlier value of the chain
 # (`earlier`: the value `back` steps before the current one, of the same shape).
 EARLIER_GENERATION = 3
 ROW_REDUCTIONS = ["logsumexp", "sum", "mean", "amax", "amin", "max_values"]
+# From this generation on, a conv's chain may pool: a reduction over all its spatial dims.
+POOL_GENERATION = 4
+POOLS = ["pool_sum", "pool_mean", "pool_amax", "pool_amin"]
 # Not in the vocabulary: the chain must stop there, and the model still match eager.
 OUTSIDE = ["cos", "pow3", "dropout_train"]
 # Values after these are in (0, 1] or (0, inf): `log` only follows them.
@@ -131,12 +135,13 @@ STEPS_OF_DRAW = {
     "silu_spelled": ("silu",), "hardtanh": ("clamp",), "relu6": ("clamp",), "clamp_min": ("clamp",),
     "clamp_max": ("clamp",), "selu": ("elu",), "celu": ("elu",), "batchnorm": ("batchnorm_train", "batchnorm_eval"),
     "instancenorm": ("groupnorm",), "max_values": ("amax",),
+    **{pool: (f"spatial_{pool.removeprefix('pool_')}",) for pool in POOLS},
 }
 
 
 def drawn_steps() -> set:
     """The vocabulary steps some generation of the fuzzer draws."""
-    draws = POINTWISE + BINARY + NORMS_LINEAR + ROW_REDUCTIONS + [n for norms in CONV_NORMS.values() for n in norms]
+    draws = POINTWISE + BINARY + NORMS_LINEAR + ROW_REDUCTIONS + POOLS + [n for norms in CONV_NORMS.values() for n in norms]
     return {step for draw in draws for step in STEPS_OF_DRAW.get(draw, (draw,))}
 
 
@@ -181,6 +186,8 @@ def _step(rng: random.Random, ctx: dict) -> dict:
         choices.append(("norm", 4))
         if ctx["row_reducible"]:
             choices.append(("reduction", 3))
+        elif ctx["kind"] == "conv" and ctx["generation"] >= POOL_GENERATION:
+            choices.append(("pool", 3))
     if ctx["allow_outside"]:
         choices.append(("outside", 1))
     family = rng.choices([c for c, _ in choices], weights=[w for _, w in choices])[0]
@@ -234,6 +241,8 @@ def _step(rng: random.Random, ctx: dict) -> dict:
         return step
     if family == "reduction":
         return {"op": rng.choice(ROW_REDUCTIONS), "keepdim": rng.random() < 0.5}
+    if family == "pool":
+        return {"op": rng.choice(POOLS), "keepdim": rng.random() < 0.5}
     return {"op": rng.choice(OUTSIDE)}
 
 
@@ -265,11 +274,11 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         if op in OUTSIDE:
             in_vocabulary = False
             ctx["allow_outside"] = False
-        if op in NORMS_LINEAR + CONV_NORMS[generation] + ROW_REDUCTIONS:
+        if op in NORMS_LINEAR + CONV_NORMS[generation] + ROW_REDUCTIONS + POOLS:
             ctx["has_reduction"] = True
-        if op in ROW_REDUCTIONS:
+        if op in ROW_REDUCTIONS + POOLS:  # (after a pool: no per-channel or full operands of the conv's shape)
             ctx["reduced"] = True
-        ctx["earlier"] = 0 if op in ROW_REDUCTIONS else ctx["earlier"] + 1
+        ctx["earlier"] = 0 if op in ROW_REDUCTIONS + POOLS else ctx["earlier"] + 1
     if gemm:
         dtype = rng.choice(["bfloat16", "float16"]) if device == "cuda" else "bfloat16"
     elif device == "cuda":
@@ -348,6 +357,10 @@ class FuzzStep(nn.Module):
                 return torch.max(x, dim=1, keepdim=keep).values
             return {"logsumexp": torch.logsumexp, "sum": torch.sum, "mean": torch.mean, "amax": torch.amax,
                     "amin": torch.amin}[op](x, 1, keepdim=keep)
+        if op in POOLS:
+            reduce = {"pool_sum": torch.sum, "pool_mean": torch.mean, "pool_amax": torch.amax,
+                      "pool_amin": torch.amin}[op]
+            return reduce(x, tuple(range(2, x.dim())), keepdim=s["keepdim"])
         return _pointwise(op, s, x)
 
 

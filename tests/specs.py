@@ -285,6 +285,16 @@ def vocabulary_specs(dtype="float32"):
         specs[f"{name}_row"] = EpilogueSpec(
             LINEAR, (Step("relu"), Step(name, keepdim=True), Step("sigmoid")), dtype, (), 2056, 1, f"linear_{name}",
         )
+    # Spatial reductions of a conv output (global pooling), then per-channel, full
+    # ([rows, C]) and scalar operands: planes of 7 x 7 (a warp team a plane), 30 x 30
+    # and 128 x 128 (a block a plane).
+    for name, inner in (("sum", 49), ("mean", 900), ("amax", 128 * 128), ("amin", 49)):
+        specs[f"spatial_{name}_{inner}"] = EpilogueSpec(
+            CONV, (Step("add", inputs=(0,), operand=CHANNEL, reverse=True), Step("gelu"),
+                   Step(f"spatial_{name}", keepdim=name in ("mean", "amin")), Step("mul", inputs=(1,), operand=CHANNEL),
+                   Step("add", inputs=(2,), operand=FULL), Step("relu")),
+            dtype, p * 3, 24, inner, f"conv_spatial_{name}",
+        )
     return specs
 
 

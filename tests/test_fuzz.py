@@ -6,7 +6,7 @@ The GPU tier is the same fuzzer with `--device cuda` (benchmarks/device_run.sh f
 
 import math
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -103,6 +103,40 @@ def test_cpu_fuzz_of_earlier_value_operands(grad):
     assert len(results) == len(indices) and not summary["findings"], _shown(summary["findings"])
     fused = [r for r in results if r["fusion"] == "full"]
     assert len(fused) >= len(indices) // 3, summary["reasons"]
+
+
+def _pooled_models(count: int) -> list[int]:
+    """Indices of generation-4 models (seed 0, CPU draw) that pool a conv's output."""
+    found = []
+    for index in range(10_000):
+        steps = fuzzer.make_case(0, index, "cpu", generation=fuzzer.POOL_GENERATION).steps
+        if any(s["op"] in fuzzer.POOLS for s in steps):
+            found.append(index)
+            if len(found) == count:
+                break
+    return found
+
+
+def test_generations_before_pooling_are_unchanged():
+    for generation in range(1, fuzzer.POOL_GENERATION):
+        cases = [fuzzer.make_case(0, i, "cpu", generation=generation) for i in range(400)]
+        assert not any(s["op"] in fuzzer.POOLS for c in cases for s in c.steps)
+    # Generation 4 draws the same models as 3 except where a conv's chain draws a pool.
+    same = sum(fuzzer.make_case(0, i, "cpu", generation=3) == replace(
+        fuzzer.make_case(0, i, "cpu", generation=4), generation=3) for i in range(200))
+    assert same >= 120, same
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+def test_cpu_fuzz_of_pooled_conv_chains(grad):
+    # Generation 4 draws global pooling (sum, mean, amax, amin over every spatial dim,
+    # keepdim either way) inside a conv's random chain, then more steps.
+    indices = _pooled_models(24 if not grad else 12)
+    results = fuzzer.run(seed=0, indices=indices, device="cpu", grad=grad, generation=fuzzer.POOL_GENERATION)
+    summary = fuzzer.summarize(results)
+    assert len(results) == len(indices) and not summary["findings"], _shown(summary["findings"])
+    pooled = [r for r in results if any(name.startswith("spatial_") for steps in r["fused_steps"] for name in steps)]
+    assert len(pooled) >= len(indices) // 3, summary["reasons"]
 
 
 def test_cpu_fuzz_of_in_kernel_gemm_shapes():

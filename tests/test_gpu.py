@@ -478,6 +478,65 @@ def test_batchnorm_train_statistics_of_a_skewed_column(exact_float32):
         assert relative_error(got, want) <= 2 * relative_error(getattr(eager_model[2], name), want) + 1e-7, name
 
 
+class _Pooled(nn.Module):
+    """A conv, then `fn` (which pools) on its output and an optional [N, C] tensor."""
+
+    def __init__(self, conv, fn):
+        super().__init__()
+        self.conv, self.fn = conv, fn
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, conv.out_channels))
+
+    def forward(self, x, *rest):
+        return self.fn(self, self.conv(x), *rest)
+
+
+# Global pooling after a conv: (conv, input shapes, fn, fusion). Planes of 15 x 21 (a
+# warp a plane, odd), 64 x 64 and 128 x 128 (a block a plane), a 3-D and a 1-D conv of
+# batch 1, a transposed conv; operands per channel, scalar and full ([N, C]) after it.
+POOLED = {
+    "mean_odd_plane": (lambda: nn.Conv2d(3, 16, 3), [(5, 3, 17, 23)],
+                       lambda m, y: torch.sigmoid(F.relu(y).mean(dim=[2, 3]) * m.scale), "conv_spatial_mean"),
+    "adaptive_flatten_residual": (lambda: nn.Conv2d(8, 32, 3, padding=1), [(2, 8, 64, 64), (2, 32)],
+                                  lambda m, y, r: F.adaptive_avg_pool2d(F.silu(y), 1).flatten(1) + r,
+                                  "conv_spatial_mean"),
+    "amax_3d": (lambda: nn.Conv3d(3, 8, 3), [(2, 3, 9, 10, 11)],
+                lambda m, y: torch.tanh(torch.amax(F.gelu(y), dim=(2, 3, 4))), "conv_spatial_amax"),
+    "sum_1d_batch1_keepdim": (lambda: nn.Conv1d(4, 12, 5), [(1, 4, 1001)],
+                              lambda m, y: y.sum(dim=2, keepdim=True) * 0.01, "conv_spatial_sum"),
+    "amin_transposed_keepdim": (lambda: nn.ConvTranspose2d(3, 8, 3, stride=2), [(3, 3, 20, 21)],
+                                lambda m, y: torch.amin(y, dim=[2, 3], keepdim=True) + 1.0, "conv_spatial_amin"),
+    "mean_128x128": (lambda: nn.Conv2d(3, 8, 3, padding=1), [(2, 3, 128, 128)],
+                     lambda m, y: F.hardswish(y).mean(dim=(-1, -2)), "conv_spatial_mean"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(POOLED))
+def test_spatial_reductions(name, dtype, exact_float32):
+    factory, shapes, fn, fusion = POOLED[name]
+    model = _Pooled(factory(), fn).cuda().to(dtype)
+    inputs = [torch.rand(s, device="cuda", dtype=dtype) * 2 - 1 for s in shapes]
+    ref, _ = float64_reference(model, *inputs)
+    with torch.no_grad():
+        out, fused = compile_and_run(model, *inputs)
+        eager = model(*inputs)
+    assert fused == [fusion]
+    assert out.shape == ref.shape and out.dtype == dtype
+    err, eager_err = relative_error(out, ref), relative_error(eager, ref)
+    assert err <= max(TOLERANCE[dtype], 2 * eager_err), f"relative error {err:.3g}, eager's {eager_err:.3g} (seed {exact_float32})"
+
+
+def test_spatial_max_propagates_nan_like_eager(exact_float32):
+    model = _Pooled(nn.Conv2d(3, 8, 3), lambda m, y: torch.amax(y, dim=(2, 3))).cuda()
+    x = torch.rand(4, 3, 12, 12, device="cuda")
+    x[1, 0, 5, 5] = float("nan")
+    with torch.no_grad():
+        out, fused = compile_and_run(model, x)
+        eager = model(x)
+    assert fused == ["conv_spatial_amax"] and out[1].isnan().all() and not out[0].isnan().any()
+    torch.testing.assert_close(out, eager, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
 def test_nan_and_inf_propagate_like_eager(exact_float32):
     model = _GroupNormTanh(16, 64, 4).cuda()
     x = torch.rand(8, 16, device="cuda")

@@ -156,7 +156,7 @@ def _launcher(anchor, saves=(), **fields):
     """The attributes of launch.Launcher that native.register reads."""
     spec = SimpleNamespace(anchor=anchor, channels=fields.pop("channels", 16))
     defaults = dict(spec=spec, anchor_path="library anchor", n_operands=anchor.n_operands,
-                    gemm_auto=False, row_output=False, keepdim=False, stores_pre_norm=False, running_stats=(),
+                    gemm_auto=False, row_output=False, reduced_tail=(), stores_pre_norm=False, running_stats=(),
                     saves=[(s, getattr(torch, s.dtype)) for s in saves], gemm_tf32=False, reads_conv_tf32=False)
     defaults.update(fields)
     return SimpleNamespace(**defaults)
@@ -167,15 +167,15 @@ def test_plan_layout_of_a_library_conv_with_saves():
     saves = (Save("value", "float32", (-1, 16, 5, 5), 16 * 25, at=0), Save("mean", "bfloat16", (16,), 0),
              Save("value", "float16", (-1, 16), 16, at=2))
     launcher = _launcher(conv, saves, running_stats=(2, 3))
-    assert native._layout(launcher) == [0, 2, 3, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 0]
+    assert native._layout(launcher) == [0, 2, 3, 0, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 0]
     assert native._conv(conv) == [2, 2, 1, 1, 0, 1, 3, 0, 0, 0, 4]
     assert native._saves(launcher) == [1, 0, 400, 4, -1, 16, 5, 5, 0, 2, 0, 1, 16, 0, 1, 16, 2, -1, 16]
 
 
 def test_plan_layout_of_a_gemm_and_the_variants_python_keeps():
-    launcher = _launcher(Anchor("addmm"), anchor_path="in-kernel GEMM", gemm_auto=True, row_output=True, keepdim=True,
-                         channels=8192)
-    assert native._layout(launcher) == [1, 0, 3, 1, 1, 1, 8192, 0, 0, 0, 0, 0, 0, 0]
+    launcher = _launcher(Anchor("addmm"), anchor_path="in-kernel GEMM", gemm_auto=True, row_output=True,
+                         reduced_tail=(1,), channels=8192)
+    assert native._layout(launcher) == [1, 0, 3, 1, 1, 0, 1, 8192, 0, 0, 0, 0, 0, 0, 0]
     assert native._conv(launcher.spec.anchor) == []
     assert native.covers(launcher)
     assert not native.covers(_launcher(Anchor("mm"), anchor_path="in-kernel GEMM", gemm_tf32=True))
@@ -185,16 +185,28 @@ def test_plan_layout_of_a_gemm_and_the_variants_python_keeps():
 
 def test_plan_layout_of_a_padded_gemm():
     launcher = _launcher(Anchor("addmm", pad=(152, 520)), channels=513)
-    assert native._layout(launcher) == [0, 0, 3, 0, 0, 0, 513, 0, 0, 0, 0, 152, 520, 0]
+    assert native._layout(launcher) == [0, 0, 3, 0, 0, 0, 0, 513, 0, 0, 0, 0, 152, 520, 0]
 
 
 def test_plan_layout_of_a_channels_last_conv():
     conv = Anchor("conv", has_bias=True, conv=((1, 1), (1, 1), (1, 1), False, (0, 0), 1), channels_last=True)
-    assert native._layout(_launcher(conv)) == [0, 2, 3, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 1]
+    assert native._layout(_launcher(conv)) == [0, 2, 3, 0, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 1]
+
+
+@pytest.mark.parametrize("tail, fields", [((), (0, 0)), ((1,), (0, 1)), ((16,), (16, 0)), ((16, 1, 1), (16, 2)),
+                                          ((1, 1, 1), (0, 3))])
+def test_plan_layout_of_a_reduced_output(tail, fields):
+    """A reduced output's shape after its rows travels as (channels, ones): a row
+    reduction's [rows] or [rows, 1], a spatial reduction's [rows, C] or [rows, C, 1, 1]
+    (one channel with keepdim: [rows, 1, 1, 1], all ones)."""
+    conv = Anchor("conv", conv=((1, 1), (1, 1), (1, 1), False, (0, 0), 1))
+    layout = native.LaunchLayout.of(_launcher(conv, row_output=True, reduced_tail=tail))
+    assert (layout.out_channels, layout.out_ones) == fields
+    assert (layout.out_channels,) * bool(layout.out_channels) + (1,) * layout.out_ones == tail
 
 
 def test_a_layout_decodes_to_the_record_it_encodes():
-    launcher = _launcher(Anchor("addmm", pad=(152, 520)), channels=513, gemm_auto=True, keepdim=True)
+    launcher = _launcher(Anchor("addmm", pad=(152, 520)), channels=513, gemm_auto=True, reduced_tail=(1,))
     record = native.LaunchLayout.of(launcher)
     assert native.LaunchLayout.decode(record.encode()) == record
     assert record.pad_k == 152 and record.pad_n == 520 and record.gemm_auto is True and record.channels == 513

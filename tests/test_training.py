@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from fusion_backend import backend, fusedepi
 from helpers import SMALL_WORKLOADS
@@ -154,6 +155,34 @@ def test_instance_norm_gradients(dims, on_device):
     assert [r.fusion for r in fused] == ["conv_groupnorm"]
     if dims > 1:  # the 1-D graph recomputes the statistics in backward
         assert '"what":"mean"' in fused[0].spec and '"what":"rstd"' in fused[0].spec
+
+
+class _PooledHead(nn.Module):
+    """Conv, GELU, global pooling (mean or max over H and W), a per-channel scale, SiLU:
+    backward reads the GELU's input and, for the max, which elements were largest and
+    the pooled value itself (saved after the reduction, a value per row and channel)."""
+
+    def __init__(self, pool):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+        self.pool = pool
+
+    def forward(self, x):
+        y = F.gelu(self.conv(x))
+        y = y.mean(dim=(2, 3)) if self.pool == "mean" else torch.amax(y, dim=(2, 3))
+        return F.silu(y * self.scale)
+
+
+@pytest.mark.parametrize("on_device", DEVICES, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pool", ["mean", "amax"])
+def test_spatial_reduction_gradients(pool, dtype, on_device):
+    torch.manual_seed(0)
+    model = _PooledHead(pool).to(on_device, dtype)
+    eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+    fused = _forward_backward(model, eager, ref, torch.rand(3, 3, 20, 17, device=on_device, dtype=dtype))
+    assert [r.fusion for r in fused] == [f"conv_spatial_{pool}"]
 
 
 class _QuotientByProduct(nn.Module):

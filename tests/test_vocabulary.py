@@ -212,6 +212,59 @@ def test_conv_anchors_with_groupnorm(make, shape):
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
 
 
+SPATIAL = [
+    # (id, conv, input shape, fn on the conv's output, expected steps after the folded bias, output shape)
+    ("mean_2d", lambda: nn.Conv2d(3, 8, 3), (2, 3, 9, 10), lambda y: F.relu(y).mean(dim=[2, 3]),
+     ["relu", "spatial_mean"], (2, 8)),
+    ("adaptive_avg_pool_flatten", lambda: nn.Conv2d(3, 8, 3, padding=1), (2, 3, 7, 7),
+     lambda y: torch.sigmoid(F.adaptive_avg_pool2d(F.silu(y), 1).flatten(1) * 2.0),
+     ["silu", "spatial_mean", "mul", "sigmoid"], (2, 8)),
+    ("sum_keepdim_channel_operand", lambda: nn.Conv2d(3, 8, 3), (2, 3, 8, 8),
+     lambda y: y.sum(dim=(-1, -2), keepdim=True) * torch.linspace(0.5, 1.5, 8).view(8, 1, 1),
+     ["spatial_sum", "mul"], (2, 8, 1, 1)),
+    ("amax_3d", lambda: nn.Conv3d(3, 8, 2), (2, 3, 4, 5, 6), lambda y: torch.amax(F.gelu(y), dim=(2, 3, 4)),
+     ["gelu", "spatial_amax"], (2, 8)),
+    ("max_values_1d", lambda: nn.Conv1d(3, 8, 3), (2, 3, 20), lambda y: torch.tanh(torch.max(y, dim=2).values),
+     ["spatial_amax", "tanh"], (2, 8)),
+    ("amin_transposed", lambda: nn.ConvTranspose2d(3, 8, 3, stride=2), (2, 3, 5, 6),
+     lambda y: torch.amin(y, dim=[2, 3], keepdim=True) + 1.0, ["spatial_amin", "add"], (2, 8, 1, 1)),
+]
+
+
+@pytest.mark.parametrize("make, shape, fn, steps, out_shape", [c[1:] for c in SPATIAL], ids=[c[0] for c in SPATIAL])
+def test_spatial_reductions_of_a_conv_output(make, shape, fn, steps, out_shape):
+    """Global pooling (a reduction over every spatial dim) continues a conv's chain: one
+    value per (row, channel), then per-channel and scalar operands and views to
+    [rows, C] or [rows, C, 1, ...]."""
+    torch.manual_seed(0)
+    model = ConvChain(make(), fn)
+    x = torch.randn(shape)
+    out, fused, refused = compile_records(model, x)
+    assert fused, refused
+    spatial = next(s for s in steps if s.startswith("spatial_"))
+    assert steps_of(fused[0]) == ["add"] + steps and fused[0].fusion == f"conv_{spatial}"
+    assert out.shape == out_shape
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+SPATIAL_REFUSED = [
+    ("mean_one_spatial_dim", lambda y: y.mean(dim=3), "mean over dims [3] of a 4-D conv output: only over all its spatial dims [2, 3]"),
+    ("sum_with_channels", lambda y: y.sum(dim=[1, 2, 3]), "sum over dims [1, 2, 3] of a 4-D conv output"),
+    ("logsumexp_spatial", lambda y: torch.logsumexp(y, dim=(2, 3)), "logsumexp over a conv output's spatial dims is not implemented"),
+    ("two_poolings", lambda y: y.mean(dim=[2, 3], keepdim=True).amax(dim=[2, 3]), "only one reduction per fused kernel"),
+]
+
+
+@pytest.mark.parametrize("fn, reason", [c[1:] for c in SPATIAL_REFUSED], ids=[c[0] for c in SPATIAL_REFUSED])
+def test_spatial_reductions_that_do_not_fit_say_why(fn, reason):
+    model = ConvChain(nn.Conv2d(3, 8, 3), fn)
+    x = torch.randn(2, 3, 9, 10)
+    out, fused, refused = compile_records(model, x)
+    stops = [r.reason for r in refused] + [r.stop for r in fused]
+    assert any(reason in why for why in stops), stops
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
 def test_matmul_with_nd_input_and_no_bias():
     w = torch.randn(16, 32)
     model = Chain(lambda x: F.mish(x @ w))

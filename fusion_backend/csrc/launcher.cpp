@@ -87,7 +87,8 @@ struct Plan {
   int64_t n_operands = 0;
   bool gemm_auto = false;  // kGemm: in-kernel per rows (asked of Python), else every call
   bool row_output = false;
-  bool keepdim = false;
+  int64_t out_channels = 0;  // a reduced output's channel dim after the rows, else 0
+  int64_t out_ones = 0;      // a reduced output's trailing dims of 1 (keepdim)
   int64_t channels = 0;
   int64_t out_h = 0, out_w = 0;  // kDirectConv's output plane
   bool stores_pre_norm = false;  // kDirectConv: y is a buffer beside the output
@@ -145,15 +146,15 @@ T symbol(void* handle, const char* name, const std::string& library) {
   return reinterpret_cast<T>(found);
 }
 
-// layout: [path, anchor, n_operands, gemm_auto, row_output, keepdim, channels, out_h,
-//          out_w, stores_pre_norm, has_bias, pad_k, pad_n, channels_last]
+// layout: [path, anchor, n_operands, gemm_auto, row_output, out_channels, out_ones,
+//          channels, out_h, out_w, stores_pre_norm, has_bias, pad_k, pad_n, channels_last]
 // conv: empty, or [nd, stride x nd, padding x nd, dilation x nd, transposed,
 //       output_padding x nd, groups]
 // saves: per save [anchor_value, dtype code, per_row, ndim, dims x ndim] (native.SaveLayout).
 // checks: [dtype code, y_row, n, (a row, whole) x n, m, (dtype code, whole, per_row) x m]
 //         (native.CheckLayout).
 // The fields of native.LaunchLayout, read below in its order (plan->field = layout[i]).
-constexpr size_t kLayoutFields = 14;
+constexpr size_t kLayoutFields = 15;
 
 void set_plan(std::string_view spec, int64_t device, std::string_view library, std::string_view name,
               at::IntArrayRef layout, at::IntArrayRef running_stats, at::IntArrayRef conv,
@@ -179,15 +180,16 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   plan->n_operands = layout[2];
   plan->gemm_auto = layout[3] != 0;
   plan->row_output = layout[4] != 0;
-  plan->keepdim = layout[5] != 0;
-  plan->channels = layout[6];
-  plan->out_h = layout[7];
-  plan->out_w = layout[8];
-  plan->stores_pre_norm = layout[9] != 0;
-  plan->has_bias = layout[10] != 0;
-  plan->pad_k = layout[11];
-  plan->pad_n = layout[12];
-  plan->channels_last = layout[13] != 0;
+  plan->out_channels = layout[5];
+  plan->out_ones = layout[6];
+  plan->channels = layout[7];
+  plan->out_h = layout[8];
+  plan->out_w = layout[9];
+  plan->stores_pre_norm = layout[10] != 0;
+  plan->has_bias = layout[11] != 0;
+  plan->pad_k = layout[12];
+  plan->pad_n = layout[13];
+  plan->channels_last = layout[14] != 0;
   TORCH_CHECK(layout[0] >= 0 && layout[0] <= 2 && layout[1] >= 0 && layout[1] <= 2,
               "fusedepi_native.plan: bad path or anchor in the layout");
   TORCH_CHECK((plan->pad_k == 0) == (plan->pad_n == 0) &&
@@ -279,8 +281,13 @@ at::Tensor aligned(const at::Tensor& t) {
   return t.clone(at::MemoryFormat::Contiguous);
 }
 
+// A reducing chain's output: [rows], then the channels (a spatial reduction), then the
+// kept dims of 1.
 std::vector<int64_t> row_shape(const Plan& plan, int64_t rows) {
-  return plan.keepdim ? std::vector<int64_t>{rows, 1} : std::vector<int64_t>{rows};
+  std::vector<int64_t> shape{rows};
+  if (plan.out_channels) shape.push_back(plan.out_channels);
+  shape.insert(shape.end(), plan.out_ones, 1);
+  return shape;
 }
 
 // Raises with the kernel file's message when one of its entry points returned an error.
