@@ -12,7 +12,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lowering.spec import FULL, REDUCTIONS, ROW_NORMS, ROW_REDUCTIONS, SEGMENT_NORMS, SPATIAL_REDUCTIONS, EpilogueSpec
+from lowering.spec import (
+    CHANNEL_NORMS,
+    CHANNEL_REDUCTIONS,
+    FULL,
+    REDUCTIONS,
+    ROW_NORMS,
+    ROW_REDUCTIONS,
+    SEGMENT_NORMS,
+    SPATIAL_REDUCTIONS,
+    EpilogueSpec,
+)
 
 from . import gemm_sm90, templates
 from .snippets import cfloat, render_stage
@@ -25,6 +35,7 @@ BLOCK_TEAM_MAX_VECS = 8  # vectors per thread when a whole block shares a segmen
 MAX_BLOCK = 1024
 CHUNK_BLOCK = 256  # threads per block when a segment is split over several blocks
 FLAT_BLOCK = 256  # threads per block of the flat mapping
+CHANNEL_BLOCK = 256  # threads per block of a reduction over a conv's channels (a vector of pixels each)
 FLAT_NVEC = 4  # 16-byte vectors a thread there
 MIN_BUSY = 0.9  # below this share of busy vector slots a segment's team narrows (or a pointwise chain runs flat)
 NARROW_MAX_ELEMENTS = 32  # elements a lane of a narrowed team holds (registers)
@@ -56,6 +67,9 @@ class Plan:
         staged: images (rows) a block copies from a channels-last y into shared memory, in
             the output's order, before the teams read them there (`staged_plan`); 0: the
             teams read y itself.
+        pixels: a reduction over a conv's channels (templates.CHANNEL_APPLY_KERNEL): a
+            thread a vector of `vec` pixels of one row, walking their channels; seg_len is
+            then the row, and team, nvec and chunks are 1.
     """
 
     seg_len: int
@@ -67,6 +81,7 @@ class Plan:
     block: int
     flat: bool = False
     staged: int = 0
+    pixels: bool = False
 
 
 def _pow2_at_least(n: int) -> int:
@@ -110,6 +125,11 @@ def plan(spec: EpilogueSpec) -> Plan:
     if row >= 2**31:
         raise NotRenderable(f"rows of {row} elements: the kernels index a row with 32 bits")
     widest = 16 // ITEMSIZE[spec.dtype]
+    if red is not None and red.name in CHANNEL_REDUCTIONS + CHANNEL_NORMS:
+        if spec.anchor.channels_last:
+            raise NotRenderable(f"{red.name} is not implemented on a channels-last y")
+        vec = next(w for w in (widest, widest // 2, widest // 4, 1) if w >= 1 and spec.inner % w == 0)
+        return Plan(row, 1, vec, 1, 1, 1, CHANNEL_BLOCK, pixels=True)
     vec = _vector_width(seg_len, spec.inner, widest)
     vecs = _ceil_div(seg_len, vec)
     if spec.anchor.channels_last:
@@ -610,6 +630,8 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
             statistics = templates.TEAM_STATISTICS[red.name].substitute()
         middle = templates.TEAM_NORM.substitute(statistics=statistics, save_stats=save_stats,
                                                 apply=templates.APPLY_STAGE1)
+    elif red.name in CHANNEL_REDUCTIONS + CHANNEL_NORMS:
+        middle, store = "", ""  # the kernel's own (channel_reduce.cuh)
     else:
         assert red.name in ROW_REDUCTIONS + SPATIAL_REDUCTIONS
         middle = templates.TEAM_ROW_REDUCE.substitute(reduce=templates.ROW_REDUCE[red.name])
@@ -646,6 +668,8 @@ def staged_applies(spec: EpilogueSpec, p: Plan) -> bool:
 
 
 def _apply_grid(p: Plan) -> str:
+    if p.pixels:
+        return "(rows * (kInner / kV) + kBlock - 1) / kBlock"
     if p.flat:
         return "(rows * kRow + kBlock * kNV * kV - 1) / (kBlock * kNV * kV)"
     if p.team > 32 or p.chunks > 1:
@@ -663,6 +687,9 @@ def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", an
     elif p.flat:
         assert not middle and store == templates.STORE_ELEMENTS, "the flat mapping is for pointwise chains"
         apply_kernel = templates.FLAT_APPLY_KERNEL.substitute(kernel=name)
+    elif p.pixels:
+        norm, op = templates.CHANNEL_OPS[spec.reduction.name]
+        apply_kernel = templates.CHANNEL_APPLY_KERNEL.substitute(kernel=name, norm=norm, op=op)
     else:
         apply_kernel = templates.APPLY_KERNEL.substitute(kernel=name, middle=middle, store=store)
     return templates.KERNEL_FILE.substitute(

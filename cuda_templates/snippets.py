@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 import re
 
-from lowering.spec import (CHANNEL, EARLIER, FULL, ONE, REDUCTIONS, ROW_REDUCTIONS, SCALAR, SELF, SPATIAL_REDUCTIONS, Step,
-                           to_float32)
+from lowering.spec import (CHANNEL, CHANNEL_REDUCTIONS, EARLIER, FULL, ONE, REDUCTIONS, ROW_REDUCTIONS, SCALAR, SELF,
+                           SPATIAL_REDUCTIONS, Step, to_float32)
 
 
 def cfloat(value: float) -> str:
@@ -206,10 +206,12 @@ SNIPPETS = {
     "rmsnorm": lambda s, ops: "x = x * s1;",  # s1 = rsqrt(mean(x^2) + eps)
     "softmax": lambda s, ops: "x = expf(x - s0) / s1;",  # s0 = row max, s1 = sum of exp(x - s0)
     "log_softmax": lambda s, ops: "x = x - s0 - s1;",  # s1 = log of that sum
+    "channel_softmax": lambda s, ops: "x = expf(x - s0) / s1;",  # the same over a pixel's channels
+    "channel_log_softmax": lambda s, ops: "x = x - s0 - s1;",
     "batchnorm_eval": _batchnorm_eval,
     "batchnorm_train": _batchnorm_train,
     # Row reductions are computed by templates.ROW_REDUCE; the steps after them see the row's value.
-    **{name: (lambda s, ops: "") for name in ROW_REDUCTIONS + SPATIAL_REDUCTIONS},
+    **{name: (lambda s, ops: "") for name in ROW_REDUCTIONS + SPATIAL_REDUCTIONS + CHANNEL_REDUCTIONS},
 }
 
 

@@ -12,7 +12,7 @@ the calls of the reductions, and the `__global__` kernels that call into the hea
 
 from string import Template
 
-from lowering.spec import SPATIAL_REDUCTIONS
+from lowering.spec import CHANNEL_REDUCTIONS, SPATIAL_REDUCTIONS
 
 # Placeholders of KERNEL_FILE:
 #   $kernel         readable kernel name (also the prefix of every __global__)
@@ -180,6 +180,19 @@ FLAT_APPLY_KERNEL = Template(
 )
 
 
+# The apply kernel of a reduction over a conv output's channels, per pixel
+# (channel_reduce.cuh). Placeholders: $kernel, $norm (0: a reduction, 1: softmax, 2:
+# log_softmax), $op (the reduction's fusedepi::RowReduce enumerator; logsumexp's for the
+# norms, which do not read it).
+CHANNEL_APPLY_KERNEL = Template(
+    r"""constexpr int kChannelNorm = $norm;
+constexpr fusedepi::RowReduce kChannelOp = $op;
+#include "fusedepi/channel_reduce.cuh"
+
+__global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) { channel_apply(a); }"""
+)
+
+
 # The body both stage variants share: the steps on each element, then the saves.
 _STAGE_LOOP = r"""#pragma unroll
   for (int j = 0; j < W; ++j) {
@@ -302,6 +315,13 @@ ROW_REDUCE_OPS = {name: f"fusedepi::RowReduce::k{name.capitalize()}"
 # over a channel's plane): code that leaves the segment's value in `row` (team_reduce.cuh).
 ROW_REDUCE = {name: f"  float row = team_row_reduce<{op}>(p, v);" for name, op in ROW_REDUCE_OPS.items()}
 ROW_REDUCE.update({name: ROW_REDUCE[name.removeprefix("spatial_")] for name in SPATIAL_REDUCTIONS})
+
+# A reduction over a conv's channels: (kChannelNorm, kChannelOp) of CHANNEL_APPLY_KERNEL.
+CHANNEL_OPS = {
+    **{name: (0, ROW_REDUCE_OPS[name.removeprefix("channel_")]) for name in CHANNEL_REDUCTIONS},
+    "channel_softmax": (1, ROW_REDUCE_OPS["logsumexp"]),
+    "channel_log_softmax": (2, ROW_REDUCE_OPS["logsumexp"]),
+}
 
 STORE_ROW = r"""  if (p.live && p.lane == 0) a.out[p.seg] = fusedepi::from_float<T>(row);"""
 

@@ -111,7 +111,7 @@ def _backward_nodes(graph: torch.fx.Graph) -> frozenset:
 
 
 # Reductions whose backward compares their input with their result (which elements were largest).
-EXTREMA = ("amax", "amin", "spatial_amax", "spatial_amin")
+EXTREMA = ("amax", "amin", "spatial_amax", "spatial_amin", "channel_amax", "channel_amin")
 
 
 class KeepChainValues(CustomGraphPass):

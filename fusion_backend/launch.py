@@ -70,8 +70,10 @@ class Launcher:
         self.lib = kernel_for(spec, device, cfg.cache_dir, conv_tf32, cfg.debug)
         self.n_operands = self.spec.anchor.n_operands
         self.row_output = self.spec.row_output
-        # A reduced output's dims after the rows: (), (1,), (C,) or (C, 1, ...).
+        # A reduced output's dims after the rows: (), (1,), (C,) or (C, 1, ...); then, for a
+        # reduction over a conv's channels, the conv output's spatial dims.
         self.reduced_tail = self.spec.reduced_tail() if self.row_output else ()
+        self.keeps_spatial = self.spec.keeps_spatial
         bn = next((s for s in self.spec.steps if s.name == "batchnorm_train"), None)
         self.running_stats = (bn.inputs[2], bn.inputs[3]) if bn is not None else ()
         self._ws_floats: dict[int, int] = {}
@@ -124,10 +126,11 @@ class Launcher:
         self.lib.pad_rows(x.data_ptr(), xp.data_ptr(), x.shape[0], x.shape[1], self.device_index,
                           torch._C._cuda_getCurrentRawStream(self.device_index))
 
-    def _row_shape(self, rows: int) -> tuple:
-        """A reducing chain's output: a value a row ([rows], [rows, 1] with keepdim), or
-        a value per row and channel ([rows, C], [rows, C, 1, ...] with keepdim)."""
-        return (rows,) + self.reduced_tail
+    def _row_shape(self, rows: int, spatial: tuple = ()) -> tuple:
+        """A reducing chain's output: a value a row ([rows], [rows, 1] with keepdim), a
+        value per row and channel ([rows, C], [rows, C, 1, ...] with keepdim), or a value
+        per row and pixel ([rows, *spatial], [rows, 1, *spatial] with keepdim)."""
+        return (rows,) + self.reduced_tail + (tuple(spatial) if self.keeps_spatial else ())
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         check_devices(inputs, self.device_index, self.spec.fusion)
@@ -159,7 +162,7 @@ class Launcher:
             if not self.spec.anchor.channels_last:
                 y = y.contiguous()
             if self.row_output:
-                out = y.new_empty(self._row_shape(y.shape[0]))
+                out = y.new_empty(self._row_shape(y.shape[0], y.shape[2:]))
             elif self.spec.anchor.pad:
                 out = y.new_empty((y.shape[0], self.spec.channels))
             else:

@@ -36,6 +36,7 @@ from .spec import (
     ONE,
     REDUCTIONS,
     ROW_REDUCTIONS,
+    CHANNEL_REDUCTIONS,
     SCALAR,
     SPATIAL_REDUCTIONS,
     SELF,
@@ -136,6 +137,7 @@ class _State:
     channel_axis: int = 1
     reduced: bool = False  # a row reduction has shrunk the value to one per row
     pooled: bool = False  # a spatial reduction has shrunk a conv's value to one per (row, channel)
+    pixels: bool = False  # a reduction over a conv's channels has shrunk its value to one per (row, pixel)
     dtype: torch.dtype | None = None  # the value's dtype: the chain's, or float32 while widened
     widened_at: tuple | None = None  # the walk's state where a bf16/fp16 value went to float32
     order: dict = field(default_factory=dict)  # node -> position in the graph
@@ -494,7 +496,7 @@ def _operand_kind(state: _State, other) -> str:
     aligned = [1] * (len(out_shape) - len(shape)) + shape
     if all(s == 1 for s in aligned):
         return ONE
-    axis = state.channel_axis if not state.reduced else None
+    axis = state.channel_axis if not (state.reduced or state.pixels) else None
     ok = axis is not None and all(
         s == 1 or (i == axis and s == out_shape[i]) for i, s in enumerate(aligned)
     )
@@ -674,13 +676,24 @@ def _match_batch_norm(state: _State, user: Node):
 
 
 def _match_softmax(state: _State, user: Node):
+    """Softmax over a linear output's features, or over a conv output's channels (per pixel)."""
     name = {aten._softmax.default: "softmax", aten._log_softmax.default: "log_softmax"}.get(user.target)
     if name is None:
         return None
     if user.args[2]:
         raise Refuse(f"{name}: half_to_float")
+    if state.conv and _over_channels(state, user.args[1]):
+        return _Match(Step(f"channel_{name}"), [user], user)
     _require_features(state, name, user.args[1])
     return _Match(Step(name), [user], user)
+
+
+def _over_channels(state: _State, dims) -> bool:
+    """Whether `dims` is exactly a conv output's channel dim (1), with the channels still there."""
+    ndim = _val(state.node).dim()
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return (ndim > 2 and [d % ndim for d in dims] == [1] and state.channel_axis == 1
+            and not (state.reduced or state.pooled or state.pixels))
 
 
 # ----------------------------------------------------------------- reductions
@@ -723,11 +736,13 @@ def _match_row_reduction(state: _State, user: Node):
     axes = sorted(d % ndim for d in dims) if ndim else []
     if state.conv:
         spatial = list(range(2, ndim))
-        if state.pooled:
-            raise Refuse(f"{name}: only one reduction per fused kernel (the chain's value is pooled already)")
+        if state.pooled or state.pixels:
+            raise Refuse(f"{name}: only one reduction per fused kernel (the chain's value is reduced already)")
+        if _over_channels(state, dims):
+            return _Match(Step(f"channel_{name}", keepdim=keepdim), consumed, result)
         if state.channel_axis != 1 or not spatial or axes != spatial:
-            raise Refuse(f"{name} over dims {list(dims)} of a {ndim}-D conv output: only over all its spatial "
-                         f"dims {spatial}")
+            raise Refuse(f"{name} over dims {list(dims)} of a {ndim}-D conv output: only over its channels "
+                         f"(dim 1) or over all its spatial dims {spatial}")
         if f"spatial_{name}" not in SPATIAL_REDUCTIONS:
             raise Refuse(f"{name} over a conv output's spatial dims is not implemented (sum, mean, amax, amin are)")
         return _Match(Step(f"spatial_{name}", keepdim=keepdim), consumed, result)
@@ -973,13 +988,13 @@ def _extend(state: _State, disabled: frozenset) -> str:
 def _snapshot(state: _State) -> tuple:
     c = state.chain
     return (len(c.steps), len(c.nodes), len(c.params), len(c.extra), len(c.saved), c.view, state.node,
-            state.channel_axis, state.reduced, state.pooled, state.dtype)
+            state.channel_axis, state.reduced, state.pooled, state.pixels, state.dtype)
 
 
 def _restore(state: _State, snap: tuple):
     c = state.chain
     (n_steps, n_nodes, n_params, n_extra, n_saved, c.view, state.node, state.channel_axis, state.reduced,
-     state.pooled, state.dtype) = snap
+     state.pooled, state.pixels, state.dtype) = snap
     del c.steps[n_steps:], c.nodes[n_nodes:], c.params[n_params:], c.extra[n_extra:]
     del c.saved[n_saved:], c.saves[n_saved:]
     state.widened_at = None
@@ -1029,6 +1044,8 @@ def _values_per_row(state: _State) -> int:
     """Elements a row of the chain's current value holds."""
     if state.reduced:
         return 1
+    if state.pixels:
+        return state.inner
     return state.channels if state.pooled else state.channels * state.inner
 
 
@@ -1096,6 +1113,7 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
         state.chain.extra.extend(match.extra)
         state.reduced = state.reduced or step.name in ROW_REDUCTIONS
         state.pooled = state.pooled or step.name in SPATIAL_REDUCTIONS
+        state.pixels = state.pixels or step.name in CHANNEL_REDUCTIONS
     state.chain.nodes.extend(match.consumed)
     state.node = match.result
     if match.dtype is None:  # (a converted value is not the kernel's x)

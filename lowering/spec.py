@@ -245,24 +245,34 @@ class EpilogueSpec:
                 per_row = 1
             elif step.name in SPATIAL_REDUCTIONS:
                 per_row = self.channels
+            elif step.name in CHANNEL_REDUCTIONS:
+                per_row = self.inner
         object.__setattr__(self, "_param_sizes", tuple(sizes))  # not a field: equality and JSON ignore it
         return self._param_sizes
 
     @property
     def row_output(self) -> bool:
-        """True when a reduction shrinks the output to one value per segment: per row (a
-        row reduction) or per (row, channel) (a spatial reduction)."""
+        """True when a reduction shrinks the output: to one value per row (a row
+        reduction), per (row, channel) (a spatial reduction) or per (row, pixel) (a
+        reduction over a conv's channels)."""
         red = self.reduction
-        return red is not None and red.name in ROW_REDUCTIONS + SPATIAL_REDUCTIONS
+        return red is not None and red.name in ROW_REDUCTIONS + SPATIAL_REDUCTIONS + CHANNEL_REDUCTIONS
 
     def reduced_tail(self) -> tuple:
-        """The reduced output's dims after the rows (`row_output` only): a row
+        """The reduced output's dims after the rows (`row_output` only), up to the conv's
+        spatial dims, which a reduction over its channels keeps (`keeps_spatial`): a row
         reduction's () or (1,) with keepdim; a spatial reduction's (C,), or (C, 1, ...)
-        with one 1 per spatial dim of the conv."""
+        with one 1 per spatial dim; a channel reduction's (), or (1,) with keepdim."""
         red = self.reduction
-        if red.name in ROW_REDUCTIONS:
+        if red.name in ROW_REDUCTIONS + CHANNEL_REDUCTIONS:
             return (1,) if red.keepdim else ()
         return (self.channels,) + ((1,) * len(self.anchor.conv[0]) if red.keepdim else ())
+
+    @property
+    def keeps_spatial(self) -> bool:
+        """A reduction over a conv's channels: its output ends in the conv's spatial dims."""
+        red = self.reduction
+        return red is not None and red.name in CHANNEL_REDUCTIONS + CHANNEL_NORMS
 
     def kernel_name(self, arch: str) -> str:
         """A readable name built from the spec, e.g. addmm_groupnorm_silu_mul_f32_sm90."""
@@ -286,12 +296,17 @@ ROW_REDUCTIONS = ("logsumexp", "sum", "mean", "amax", "amin")
 # channel) (global pooling: `mean(dim=[2, 3])`, `adaptive_avg_pool2d(x, 1)`); each is
 # its row reduction's operation over a channel's `inner` elements.
 SPATIAL_REDUCTIONS = ("spatial_sum", "spatial_mean", "spatial_amax", "spatial_amin")
+# Reductions over a conv output's channels, per pixel: one value per (row, pixel), or
+# (the norms) the output's shape, normalized over each pixel's channels.
+CHANNEL_REDUCTIONS = ("channel_logsumexp", "channel_sum", "channel_mean", "channel_amax", "channel_amin")
+CHANNEL_NORMS = ("channel_softmax", "channel_log_softmax")
 # Normalized by (mean, rstd) per segment: a group of channels, or the whole row;
 # segments longer than a block are split over several blocks.
 SEGMENT_NORMS = ("groupnorm", "layernorm")
 # Normalized by two statistics of the whole row, which one team of threads holds.
 ROW_NORMS = ("rmsnorm", "softmax", "log_softmax")
-REDUCTIONS = SEGMENT_NORMS + ROW_NORMS + ROW_REDUCTIONS + SPATIAL_REDUCTIONS + ("batchnorm_train",)
+REDUCTIONS = (SEGMENT_NORMS + ROW_NORMS + ROW_REDUCTIONS + SPATIAL_REDUCTIONS + CHANNEL_REDUCTIONS + CHANNEL_NORMS
+              + ("batchnorm_train",))
 # A fusion is named after its anchor family and the first of these steps it holds,
 # or "pointwise": linear_groupnorm, conv_batchnorm_eval, linear_pointwise, ...
 NAMED_STEPS = REDUCTIONS + ("batchnorm_eval",)

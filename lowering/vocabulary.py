@@ -301,6 +301,14 @@ VOCABULARY: dict[str, StepKind] = {
         StepKind("spatial_mean", lambda x, s, p: torch.mean(x, dim=_spatial(x), keepdim=s.keepdim)),
         StepKind("spatial_amax", lambda x, s, p: torch.amax(x, dim=_spatial(x), keepdim=s.keepdim)),
         StepKind("spatial_amin", lambda x, s, p: torch.amin(x, dim=_spatial(x), keepdim=s.keepdim)),
+        # -------------------------- over a conv output's channels (dim 1), per pixel
+        StepKind("channel_softmax", lambda x, s, p: torch.softmax(x, dim=1)),
+        StepKind("channel_log_softmax", lambda x, s, p: torch.log_softmax(x, dim=1)),
+        StepKind("channel_logsumexp", lambda x, s, p: torch.logsumexp(x, dim=1, keepdim=s.keepdim)),
+        StepKind("channel_sum", lambda x, s, p: torch.sum(x, dim=1, keepdim=s.keepdim)),
+        StepKind("channel_mean", lambda x, s, p: torch.mean(x, dim=1, keepdim=s.keepdim)),
+        StepKind("channel_amax", lambda x, s, p: torch.amax(x, dim=1, keepdim=s.keepdim)),
+        StepKind("channel_amin", lambda x, s, p: torch.amin(x, dim=1, keepdim=s.keepdim)),
     ]
 }
 

@@ -113,7 +113,7 @@ NORMS_CONV = ["groupnorm", "batchnorm"]
 # Norms after a conv, by generator generation: a later generation draws more kinds
 # without changing what an earlier one draws (generation 2 adds InstanceNorm).
 CONV_NORMS = {1: NORMS_CONV, 2: NORMS_CONV + ["instancenorm"], 3: NORMS_CONV + ["instancenorm"],
-              4: NORMS_CONV + ["instancenorm"]}
+              4: NORMS_CONV + ["instancenorm"], 5: NORMS_CONV + ["instancenorm", "chan_softmax", "chan_log_softmax"]}
 # From this generation on, a binary step's operand may be an earlier value of the chain
 # (`earlier`: the value `back` steps before the current one, of the same shape).
 EARLIER_GENERATION = 3
@@ -121,6 +121,10 @@ ROW_REDUCTIONS = ["logsumexp", "sum", "mean", "amax", "amin", "max_values"]
 # From this generation on, a conv's chain may pool: a reduction over all its spatial dims.
 POOL_GENERATION = 4
 POOLS = ["pool_sum", "pool_mean", "pool_amax", "pool_amin"]
+# From this generation on, also reductions over a conv's channels (dim 1): softmax and
+# log_softmax among the norms, these among the pools.
+CHANNEL_GENERATION = 5
+CHANNEL_REDUCTIONS = ["chan_logsumexp", "chan_sum", "chan_mean", "chan_amax", "chan_amin", "chan_max_values"]
 # Not in the vocabulary: the chain must stop there, and the model still match eager.
 OUTSIDE = ["cos", "pow3", "dropout_train"]
 # Values after these are in (0, 1] or (0, inf): `log` only follows them.
@@ -136,12 +140,17 @@ STEPS_OF_DRAW = {
     "clamp_max": ("clamp",), "selu": ("elu",), "celu": ("elu",), "batchnorm": ("batchnorm_train", "batchnorm_eval"),
     "instancenorm": ("groupnorm",), "max_values": ("amax",),
     **{pool: (f"spatial_{pool.removeprefix('pool_')}",) for pool in POOLS},
+    **{op: (f"channel_{op.removeprefix('chan_')}",) for op in CHANNEL_REDUCTIONS + ["chan_softmax", "chan_log_softmax"]},
+    "chan_max_values": ("channel_amax",),
 }
 
 
-def drawn_steps() -> set:
-    """The vocabulary steps some generation of the fuzzer draws."""
-    draws = POINTWISE + BINARY + NORMS_LINEAR + ROW_REDUCTIONS + POOLS + [n for norms in CONV_NORMS.values() for n in norms]
+def drawn_steps(generation: int | None = None) -> set:
+    """The vocabulary steps the fuzzer's `generation` draws (None: some generation)."""
+    last = max(CONV_NORMS) if generation is None else generation
+    draws = POINTWISE + BINARY + NORMS_LINEAR + ROW_REDUCTIONS
+    draws += (POOLS if last >= POOL_GENERATION else []) + (CHANNEL_REDUCTIONS if last >= CHANNEL_GENERATION else [])
+    draws += [n for g in range(1, last + 1) for n in CONV_NORMS[g]]
     return {step for draw in draws for step in STEPS_OF_DRAW.get(draw, (draw,))}
 
 
@@ -242,7 +251,8 @@ def _step(rng: random.Random, ctx: dict) -> dict:
     if family == "reduction":
         return {"op": rng.choice(ROW_REDUCTIONS), "keepdim": rng.random() < 0.5}
     if family == "pool":
-        return {"op": rng.choice(POOLS), "keepdim": rng.random() < 0.5}
+        pools = POOLS + CHANNEL_REDUCTIONS if ctx["generation"] >= CHANNEL_GENERATION else POOLS
+        return {"op": rng.choice(pools), "keepdim": rng.random() < 0.5}
     return {"op": rng.choice(OUTSIDE)}
 
 
@@ -274,11 +284,12 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         if op in OUTSIDE:
             in_vocabulary = False
             ctx["allow_outside"] = False
-        if op in NORMS_LINEAR + CONV_NORMS[generation] + ROW_REDUCTIONS + POOLS:
+        if op in NORMS_LINEAR + CONV_NORMS[generation] + ROW_REDUCTIONS + POOLS + CHANNEL_REDUCTIONS:
             ctx["has_reduction"] = True
-        if op in ROW_REDUCTIONS + POOLS:  # (after a pool: no per-channel or full operands of the conv's shape)
+        shrinks = ROW_REDUCTIONS + POOLS + CHANNEL_REDUCTIONS
+        if op in shrinks:  # (then no per-channel or full operands of the conv's shape)
             ctx["reduced"] = True
-        ctx["earlier"] = 0 if op in ROW_REDUCTIONS + POOLS else ctx["earlier"] + 1
+        ctx["earlier"] = 0 if op in shrinks else ctx["earlier"] + 1
     if gemm:
         dtype = rng.choice(["bfloat16", "float16"]) if device == "cuda" else "bfloat16"
     elif device == "cuda":
@@ -361,6 +372,16 @@ class FuzzStep(nn.Module):
             reduce = {"pool_sum": torch.sum, "pool_mean": torch.mean, "pool_amax": torch.amax,
                       "pool_amin": torch.amin}[op]
             return reduce(x, tuple(range(2, x.dim())), keepdim=s["keepdim"])
+        if op == "chan_max_values":
+            return torch.max(x, dim=1, keepdim=s["keepdim"]).values
+        if op in CHANNEL_REDUCTIONS:
+            reduce = {"chan_logsumexp": torch.logsumexp, "chan_sum": torch.sum, "chan_mean": torch.mean,
+                      "chan_amax": torch.amax, "chan_amin": torch.amin}[op]
+            return reduce(x, 1, keepdim=s["keepdim"])
+        if op == "chan_softmax":
+            return F.softmax(x, dim=1)
+        if op == "chan_log_softmax":
+            return F.log_softmax(x, dim=1)
         return _pointwise(op, s, x)
 
 

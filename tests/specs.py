@@ -295,6 +295,18 @@ def vocabulary_specs(dtype="float32"):
                    Step("add", inputs=(2,), operand=FULL), Step("relu")),
             dtype, p * 3, 24, inner, f"conv_spatial_{name}",
         )
+    # Over a conv output's channels, per pixel: channels held in registers (12), or read
+    # again each pass (96); vectors of pixels (planes of 900) or single pixels (49).
+    for name, channels, inner in (("softmax", 12, 900), ("log_softmax", 96, 49), ("logsumexp", 96, 900),
+                                  ("sum", 12, 49), ("mean", 12, 900), ("amax", 96, 900), ("amin", 12, 900)):
+        keepdim = name in ("logsumexp", "amax")
+        after = ((Step("mul", inputs=(1,), operand=CHANNEL),) if name.endswith("softmax")
+                 else (Step("add", inputs=(1,), operand=FULL),)) + (Step("tanh"),)
+        specs[f"channel_{name}_{channels}x{inner}"] = EpilogueSpec(
+            CONV, (Step("add", inputs=(0,), operand=CHANNEL, reverse=True), Step("silu"),
+                   Step(f"channel_{name}", keepdim=keepdim)) + after,
+            dtype, p * 2, channels, inner, f"conv_channel_{name}",
+        )
     return specs
 
 

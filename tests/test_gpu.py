@@ -526,6 +526,63 @@ def test_spatial_reductions(name, dtype, exact_float32):
     assert err <= max(TOLERANCE[dtype], 2 * eager_err), f"relative error {err:.3g}, eager's {eager_err:.3g} (seed {exact_float32})"
 
 
+# Over a conv output's channels, per pixel: (conv, input shapes, fn, fusion). 8 and 16
+# channels (held in registers), 96 and 130 (read again each pass); planes of 15 x 21 (odd:
+# a pixel a thread), 64 x 64, a 3-D conv, a 1-D conv of batch 1; full operands of the
+# reduced shape after a reduction.
+OVER_CHANNELS = {
+    "softmax_odd_plane": (lambda: nn.Conv2d(3, 16, 3), [(5, 3, 17, 23)],
+                          lambda m, y: F.softmax(F.relu(y), dim=1) * m.scale.view(-1, 1, 1), "conv_channel_softmax"),
+    "log_softmax_130": (lambda: nn.Conv2d(8, 130, 1), [(2, 8, 64, 64)],
+                        lambda m, y: torch.tanh(F.log_softmax(y, dim=1)), "conv_channel_log_softmax"),
+    "logsumexp_3d_keepdim": (lambda: nn.Conv3d(3, 8, 3), [(2, 3, 9, 10, 11)],
+                             lambda m, y: torch.logsumexp(F.gelu(y), dim=1, keepdim=True) * 0.5,
+                             "conv_channel_logsumexp"),
+    "sum_1d_batch1_residual": (lambda: nn.Conv1d(4, 96, 5), [(1, 4, 1001), (1, 997)],
+                               lambda m, y, r: y.sum(dim=1) * 0.1 + r, "conv_channel_sum"),
+    "mean_96": (lambda: nn.Conv2d(3, 96, 3), [(2, 3, 34, 34)], lambda m, y: F.silu(y).mean(dim=1),
+                "conv_channel_mean"),
+    "amin_values_keepdim": (lambda: nn.Conv2d(3, 16, 3), [(3, 3, 20, 21)],
+                            lambda m, y: torch.tanh(torch.min(y, dim=1, keepdim=True).values), "conv_channel_amin"),
+    "amax_transposed": (lambda: nn.ConvTranspose2d(3, 8, 3, stride=2), [(3, 3, 20, 21)],
+                        lambda m, y: torch.amax(y, dim=1) + 1.0, "conv_channel_amax"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(OVER_CHANNELS))
+def test_reductions_over_channels(name, dtype, exact_float32):
+    factory, shapes, fn, fusion = OVER_CHANNELS[name]
+    model = _Pooled(factory(), fn).cuda().to(dtype)
+    inputs = [torch.rand(s, device="cuda", dtype=dtype) * 2 - 1 for s in shapes]
+    ref, _ = float64_reference(model, *inputs)
+    with torch.no_grad():
+        out, fused = compile_and_run(model, *inputs)
+        eager = model(*inputs)
+    assert fused == [fusion]
+    assert out.shape == ref.shape and out.dtype == dtype
+    err, eager_err = relative_error(out, ref), relative_error(eager, ref)
+    assert err <= max(TOLERANCE[dtype], 2 * eager_err), f"relative error {err:.3g}, eager's {eager_err:.3g} (seed {exact_float32})"
+
+
+@pytest.mark.parametrize("fn", ["softmax", "logsumexp", "amax"])
+def test_channel_reductions_propagate_nan_and_inf_like_eager(fn, exact_float32):
+    """A NaN input poisons its pixels' values; a pixel of -inf (a NaN's neighbours
+    through the conv stay finite) and +inf values follow eager."""
+    reduce = {"softmax": lambda m, y: F.softmax(y, dim=1), "logsumexp": lambda m, y: torch.logsumexp(y, dim=1),
+              "amax": lambda m, y: torch.amax(y, dim=1)}[fn]
+    model = _Pooled(nn.Conv2d(3, 8, 1, bias=False), lambda m, y: reduce(m, y * m.scale.view(-1, 1, 1))).cuda()
+    x = torch.rand(2, 3, 12, 12, device="cuda")
+    x[1, 0, 5, 5] = float("nan")
+    x[0, :, 2, 3] = float("inf")
+    x[0, :, 4, 4] = -float("inf")
+    with torch.no_grad():
+        out, fused = compile_and_run(model, x)
+        eager = model(x)
+    assert fused == [f"conv_channel_{fn}"]
+    torch.testing.assert_close(out, eager, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
 def test_spatial_max_propagates_nan_like_eager(exact_float32):
     model = _Pooled(nn.Conv2d(3, 8, 3), lambda m, y: torch.amax(y, dim=(2, 3))).cuda()
     x = torch.rand(4, 3, 12, 12, device="cuda")

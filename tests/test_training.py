@@ -185,6 +185,35 @@ def test_spatial_reduction_gradients(pool, dtype, on_device):
     assert [r.fusion for r in fused] == [f"conv_spatial_{pool}"]
 
 
+class _ChannelHead(nn.Module):
+    """Conv, then softmax over its channels times a per-channel scale, or a per-channel
+    scale, SiLU, the maximum over the channels and tanh: backward reads the softmax's
+    output, or which channels were largest."""
+
+    def __init__(self, reduce):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8).view(8, 1, 1))
+        self.reduce = reduce
+
+    def forward(self, x):
+        y = self.conv(x)
+        if self.reduce == "softmax":
+            return F.softmax(y, dim=1) * self.scale
+        return torch.tanh(torch.amax(F.silu(y * self.scale), dim=1))
+
+
+@pytest.mark.parametrize("on_device", DEVICES, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduce", ["softmax", "amax"])
+def test_channel_reduction_gradients(reduce, dtype, on_device):
+    torch.manual_seed(0)
+    model = _ChannelHead(reduce).to(on_device, dtype)
+    eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+    fused = _forward_backward(model, eager, ref, torch.rand(3, 3, 20, 17, device=on_device, dtype=dtype))
+    assert [r.fusion for r in fused] == [f"conv_channel_{reduce}"]
+
+
 class _QuotientByProduct(nn.Module):
     """Linear on a 3-D input, max with a per-feature bound (a buffer), divided by the product: the
     backward reads the Linear's product both as the 2-D addmm output and as its 3-D view."""

@@ -247,8 +247,53 @@ def test_spatial_reductions_of_a_conv_output(make, shape, fn, steps, out_shape):
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
 
 
+CHANNEL = [
+    # (id, conv, input shape, fn on the conv's output, expected steps after the folded bias, output shape)
+    ("softmax_2d", lambda: nn.Conv2d(3, 8, 3), (2, 3, 9, 10), lambda y: F.softmax(F.relu(y), dim=1) * 2.0,
+     ["relu", "channel_softmax", "mul"], (2, 8, 7, 8)),
+    ("log_softmax_3d_channel_operand", lambda: nn.Conv3d(3, 8, 2), (2, 3, 4, 5, 6),
+     lambda y: F.log_softmax(y, dim=1) * torch.linspace(0.5, 1.5, 8).view(8, 1, 1, 1),
+     ["channel_log_softmax", "mul"], (2, 8, 3, 4, 5)),
+    ("logsumexp_keepdim", lambda: nn.Conv2d(3, 8, 3), (2, 3, 9, 10), lambda y: torch.logsumexp(y, dim=1, keepdim=True),
+     ["channel_logsumexp"], (2, 1, 7, 8)),
+    ("sum_1d", lambda: nn.Conv1d(3, 8, 3), (2, 3, 20), lambda y: torch.tanh(F.gelu(y).sum(1)),
+     ["gelu", "channel_sum", "tanh"], (2, 18)),
+    ("mean_neg_dim", lambda: nn.Conv2d(3, 8, 3), (2, 3, 9, 10), lambda y: y.mean(dim=-3), ["channel_mean"], (2, 7, 8)),
+    ("min_values_keepdim", lambda: nn.Conv2d(3, 8, 3), (2, 3, 9, 10),
+     lambda y: torch.tanh(torch.min(y, dim=1, keepdim=True)[0]), ["channel_amin", "tanh"], (2, 1, 7, 8)),
+    ("amax_transposed", lambda: nn.ConvTranspose2d(3, 8, 3, stride=2), (2, 3, 5, 6),
+     lambda y: torch.amax(y, dim=1) + 1.0, ["channel_amax", "add"], (2, 11, 13)),
+]
+
+
+@pytest.mark.parametrize("make, shape, fn, steps, out_shape", [c[1:] for c in CHANNEL], ids=[c[0] for c in CHANNEL])
+def test_reductions_over_a_conv_outputs_channels(make, shape, fn, steps, out_shape):
+    """Softmax, log_softmax and the reductions over dim 1 of a conv output, per pixel,
+    then more steps."""
+    torch.manual_seed(0)
+    model = ConvChain(make(), fn)
+    x = torch.randn(shape)
+    out, fused, refused = compile_records(model, x)
+    assert fused, refused
+    reduction = next(s for s in steps if s.startswith("channel_"))
+    assert steps_of(fused[0]) == ["add"] + steps and fused[0].fusion == f"conv_{reduction}"
+    assert out.shape == out_shape
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_per_channel_operand_after_a_channel_reduction_is_refused():
+    model = ConvChain(nn.Conv2d(3, 8, 3), lambda y: y.sum(1, keepdim=True) * torch.ones(8, 1, 1))
+    x = torch.randn(2, 3, 9, 10)
+    out, fused, refused = compile_records(model, x)
+    assert steps_of(fused[0]) == ["add", "channel_sum"]
+    assert "of shape [8, 1, 1] is neither per-channel, one element nor the full shape [2, 1, 7, 8]" in fused[0].stop
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
 SPATIAL_REFUSED = [
-    ("mean_one_spatial_dim", lambda y: y.mean(dim=3), "mean over dims [3] of a 4-D conv output: only over all its spatial dims [2, 3]"),
+    ("mean_one_spatial_dim", lambda y: y.mean(dim=3),
+     "mean over dims [3] of a 4-D conv output: only over its channels (dim 1) or over all its spatial dims [2, 3]"),
+    ("softmax_over_width", lambda y: F.softmax(y, dim=3), "softmax over dims [3] of a 4-D conv output"),
     ("sum_with_channels", lambda y: y.sum(dim=[1, 2, 3]), "sum over dims [1, 2, 3] of a 4-D conv output"),
     ("logsumexp_spatial", lambda y: torch.logsumexp(y, dim=(2, 3)), "logsumexp over a conv output's spatial dims is not implemented"),
     ("two_poolings", lambda y: y.mean(dim=[2, 3], keepdim=True).amax(dim=[2, 3]), "only one reduction per fused kernel"),

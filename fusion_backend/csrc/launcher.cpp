@@ -89,6 +89,7 @@ struct Plan {
   bool row_output = false;
   int64_t out_channels = 0;  // a reduced output's channel dim after the rows, else 0
   int64_t out_ones = 0;      // a reduced output's trailing dims of 1 (keepdim)
+  bool out_spatial = false;  // then y's spatial dims (a reduction over a conv's channels)
   int64_t channels = 0;
   int64_t out_h = 0, out_w = 0;  // kDirectConv's output plane
   bool stores_pre_norm = false;  // kDirectConv: y is a buffer beside the output
@@ -147,14 +148,15 @@ T symbol(void* handle, const char* name, const std::string& library) {
 }
 
 // layout: [path, anchor, n_operands, gemm_auto, row_output, out_channels, out_ones,
-//          channels, out_h, out_w, stores_pre_norm, has_bias, pad_k, pad_n, channels_last]
+//          out_spatial, channels, out_h, out_w, stores_pre_norm, has_bias, pad_k, pad_n,
+//          channels_last]
 // conv: empty, or [nd, stride x nd, padding x nd, dilation x nd, transposed,
 //       output_padding x nd, groups]
 // saves: per save [anchor_value, dtype code, per_row, ndim, dims x ndim] (native.SaveLayout).
 // checks: [dtype code, y_row, n, (a row, whole) x n, m, (dtype code, whole, per_row) x m]
 //         (native.CheckLayout).
 // The fields of native.LaunchLayout, read below in its order (plan->field = layout[i]).
-constexpr size_t kLayoutFields = 15;
+constexpr size_t kLayoutFields = 16;
 
 void set_plan(std::string_view spec, int64_t device, std::string_view library, std::string_view name,
               at::IntArrayRef layout, at::IntArrayRef running_stats, at::IntArrayRef conv,
@@ -182,14 +184,15 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   plan->row_output = layout[4] != 0;
   plan->out_channels = layout[5];
   plan->out_ones = layout[6];
-  plan->channels = layout[7];
-  plan->out_h = layout[8];
-  plan->out_w = layout[9];
-  plan->stores_pre_norm = layout[10] != 0;
-  plan->has_bias = layout[11] != 0;
-  plan->pad_k = layout[12];
-  plan->pad_n = layout[13];
-  plan->channels_last = layout[14] != 0;
+  plan->out_spatial = layout[7] != 0;
+  plan->channels = layout[8];
+  plan->out_h = layout[9];
+  plan->out_w = layout[10];
+  plan->stores_pre_norm = layout[11] != 0;
+  plan->has_bias = layout[12] != 0;
+  plan->pad_k = layout[13];
+  plan->pad_n = layout[14];
+  plan->channels_last = layout[15] != 0;
   TORCH_CHECK(layout[0] >= 0 && layout[0] <= 2 && layout[1] >= 0 && layout[1] <= 2,
               "fusedepi_native.plan: bad path or anchor in the layout");
   TORCH_CHECK((plan->pad_k == 0) == (plan->pad_n == 0) &&
@@ -282,11 +285,13 @@ at::Tensor aligned(const at::Tensor& t) {
 }
 
 // A reducing chain's output: [rows], then the channels (a spatial reduction), then the
-// kept dims of 1.
-std::vector<int64_t> row_shape(const Plan& plan, int64_t rows) {
+// kept dims of 1, then the spatial dims of `spatial_of` (y: a reduction over a conv's
+// channels).
+std::vector<int64_t> row_shape(const Plan& plan, int64_t rows, at::IntArrayRef spatial_of = {}) {
   std::vector<int64_t> shape{rows};
   if (plan.out_channels) shape.push_back(plan.out_channels);
   shape.insert(shape.end(), plan.out_ones, 1);
+  if (plan.out_spatial && spatial_of.size() > 2) shape.insert(shape.end(), spatial_of.begin() + 2, spatial_of.end());
   return shape;
 }
 
@@ -410,7 +415,7 @@ std::vector<at::Tensor> launch(const Plan& plan, at::TensorList inputs, bool in_
     y = run_anchor(plan, operands);
     if (!plan.channels_last) y = y.contiguous();
     if (plan.row_output) {
-      out = at::empty(row_shape(plan, y.size(0)), y.options());
+      out = at::empty(row_shape(plan, y.size(0), y.sizes()), y.options());
     } else if (plan.pad_k) {
       out = at::empty({y.size(0), plan.channels}, y.options());
     } else {
