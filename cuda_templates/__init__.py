@@ -2,8 +2,8 @@
 
 from .compiler import CompileError, Library, build, load
 from .gemm_sm90 import fills_gpu
-from .render import (DirectPlan, GemmPlan, NotRenderable, Plan, build_arch, direct_plan, gemm_plan, kernel_name, plan,
-                     render, staged_plan)
+from .render import (DirectPlan, GemmPlan, NotRenderable, Plan, build_arch, channels_last_plan, direct_plan, gemm_plan,
+                     kernel_name, plan, render, staged_plan)
 
 __all__ = [
     "CompileError",
@@ -14,6 +14,7 @@ __all__ = [
     "Plan",
     "build",
     "build_arch",
+    "channels_last_plan",
     "direct_plan",
     "fills_gpu",
     "gemm_plan",

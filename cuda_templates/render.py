@@ -36,6 +36,7 @@ MAX_BLOCK = 1024
 CHUNK_BLOCK = 256  # threads per block when a segment is split over several blocks
 FLAT_BLOCK = 256  # threads per block of the flat mapping
 CHANNEL_BLOCK = 256  # threads per block of a reduction over a conv's channels (a vector of pixels each)
+CHANNEL_HOLD = 64  # values a thread holds there (channel_reduce.cuh's kHoldMax)
 FLAT_NVEC = 4  # 16-byte vectors a thread there
 MIN_BUSY = 0.9  # below this share of busy vector slots a segment's team narrows (or a pointwise chain runs flat)
 NARROW_MAX_ELEMENTS = 32  # elements a lane of a narrowed team holds (registers)
@@ -70,6 +71,7 @@ class Plan:
         pixels: a reduction over a conv's channels (templates.CHANNEL_APPLY_KERNEL): a
             thread a vector of `vec` pixels of one row, walking their channels; seg_len is
             then the row, and team, nvec and chunks are 1.
+        cvec: with `pixels`, channels a load from a channels-last y (`vec` is then 1), else 1.
     """
 
     seg_len: int
@@ -82,6 +84,7 @@ class Plan:
     flat: bool = False
     staged: int = 0
     pixels: bool = False
+    cvec: int = 1
 
 
 def _pow2_at_least(n: int) -> int:
@@ -126,10 +129,7 @@ def plan(spec: EpilogueSpec) -> Plan:
         raise NotRenderable(f"rows of {row} elements: the kernels index a row with 32 bits")
     widest = 16 // ITEMSIZE[spec.dtype]
     if red is not None and red.name in CHANNEL_REDUCTIONS + CHANNEL_NORMS:
-        if spec.anchor.channels_last:
-            raise NotRenderable(f"{red.name} is not implemented on a channels-last y")
-        vec = next(w for w in (widest, widest // 2, widest // 4, 1) if w >= 1 and spec.inner % w == 0)
-        return Plan(row, 1, vec, 1, 1, 1, CHANNEL_BLOCK, pixels=True)
+        return _pixels_plan(spec)
     vec = _vector_width(seg_len, spec.inner, widest)
     vecs = _ceil_div(seg_len, vec)
     if spec.anchor.channels_last:
@@ -161,6 +161,34 @@ def plan(spec: EpilogueSpec) -> Plan:
     if _flat_suits(spec, p, widest):
         return Plan(row, 1, widest, 1, FLAT_NVEC, 1, FLAT_BLOCK, flat=True)
     return p
+
+
+def _pixels_plan(spec: EpilogueSpec) -> Plan:
+    """The mapping of a reduction over a conv's channels: a thread a vector of pixels.
+    On a contiguous y, the widest vector that divides the plane; for the two-pass steps
+    (softmax, log_softmax, logsumexp) the widest that keeps every channel's values of a
+    thread's pixels in registers (one read of y), past 64 channels the widest. On a
+    channels-last y, a pixel a thread, its channels read in the widest vectors that
+    divide them."""
+    widest = 16 // ITEMSIZE[spec.dtype]
+    row = spec.channels * spec.inner
+    if spec.anchor.channels_last:
+        cvec = next(w for w in (widest, widest // 2, widest // 4, 1) if w >= 1 and spec.channels % w == 0)
+        return Plan(row, 1, 1, 1, 1, 1, CHANNEL_BLOCK, pixels=True, cvec=cvec)
+    widths = [w for w in (widest, widest // 2, widest // 4, 1) if w >= 1 and spec.inner % w == 0]
+    two_pass = spec.reduction.name in CHANNEL_NORMS + ("channel_logsumexp",)
+    vec = next((w for w in widths if spec.channels * w <= CHANNEL_HOLD), widths[0]) if two_pass else widths[0]
+    return Plan(row, 1, vec, 1, 1, 1, CHANNEL_BLOCK, pixels=True)
+
+
+def channels_last_plan(spec: EpilogueSpec) -> Plan | str:
+    """The mapping of `spec`'s epilogue on a channels-last y (the `conv_layout` form), or
+    the reason there is none: a reduction over the channels reads it a pixel a thread;
+    every other chain stages images (`staged_plan`)."""
+    red = spec.reduction
+    if red is not None and red.name in CHANNEL_REDUCTIONS + CHANNEL_NORMS:
+        return _pixels_plan(spec)
+    return staged_plan(spec)
 
 
 def _flat_suits(spec: EpilogueSpec, p: Plan, widest: int) -> bool:
@@ -689,7 +717,8 @@ def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", an
         apply_kernel = templates.FLAT_APPLY_KERNEL.substitute(kernel=name)
     elif p.pixels:
         norm, op = templates.CHANNEL_OPS[spec.reduction.name]
-        apply_kernel = templates.CHANNEL_APPLY_KERNEL.substitute(kernel=name, norm=norm, op=op)
+        apply_kernel = templates.CHANNEL_APPLY_KERNEL.substitute(
+            kernel=name, norm=norm, op=op, channels_last="true" if spec.anchor.channels_last else "false", cvec=p.cvec)
     else:
         apply_kernel = templates.APPLY_KERNEL.substitute(kernel=name, middle=middle, store=store)
     return templates.KERNEL_FILE.substitute(

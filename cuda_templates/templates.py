@@ -183,10 +183,13 @@ FLAT_APPLY_KERNEL = Template(
 # The apply kernel of a reduction over a conv output's channels, per pixel
 # (channel_reduce.cuh). Placeholders: $kernel, $norm (0: a reduction, 1: softmax, 2:
 # log_softmax), $op (the reduction's fusedepi::RowReduce enumerator; logsumexp's for the
-# norms, which do not read it).
+# norms, which do not read it), $channels_last ("true": y is channels-last), $cvec
+# (channels a load from a channels-last y, else 1).
 CHANNEL_APPLY_KERNEL = Template(
     r"""constexpr int kChannelNorm = $norm;
 constexpr fusedepi::RowReduce kChannelOp = $op;
+constexpr bool kChannelsLastY = $channels_last;
+constexpr int kCV = $cvec;
 #include "fusedepi/channel_reduce.cuh"
 
 __global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) { channel_apply(a); }"""

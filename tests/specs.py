@@ -307,6 +307,15 @@ def vocabulary_specs(dtype="float32"):
                    Step(f"channel_{name}", keepdim=keepdim)) + after,
             dtype, p * 2, channels, inner, f"conv_channel_{name}",
         )
+    # The same on a channels-last y (the conv_layout form): a pixel a thread, its channels
+    # held (32) or read again (96), a full operand after the reduction.
+    for name, channels, inner in (("softmax", 32, 900), ("logsumexp", 96, 49), ("amin", 12, 900)):
+        after = (Step("mul", inputs=(0,), operand=CHANNEL),) if name == "softmax" else \
+            (Step("add", inputs=(0,), operand=FULL),)
+        specs[f"channels_last_{name}_{channels}x{inner}"] = EpilogueSpec(
+            CHANNELS_LAST, (Step("silu"), Step(f"channel_{name}", keepdim=True)) + after + (Step("relu"),),
+            dtype, p, channels, inner, f"conv_channel_{name}",
+        )
     return specs
 
 

@@ -52,6 +52,16 @@ class _ConvChain(nn.Module):
         return self.tail(self.conv(x))
 
 
+class _Softmax1(nn.Module):
+    def forward(self, y):
+        return torch.softmax(y, dim=1) * 2.0
+
+
+class _Amax1(nn.Module):
+    def forward(self, y):
+        return torch.tanh(torch.amax(y, dim=1, keepdim=True))
+
+
 def _compiled(monkeypatch, setting, conv, tail, x_shape):
     """(output, eager output, the fused record's kernel string) with FUSEDEPI_CONV_CHANNELS_LAST=setting."""
     monkeypatch.setenv("FUSEDEPI_CPU_REFERENCE", "1")
@@ -69,6 +79,9 @@ def _compiled(monkeypatch, setting, conv, tail, x_shape):
     (nn.Conv2d(5, 16, 3, padding=1), nn.Sequential(nn.BatchNorm2d(16), nn.ELU()), (3, 5, 9, 18)),
     (nn.ConvTranspose2d(4, 8, 3, stride=2), nn.Sequential(nn.GroupNorm(4, 8), nn.Sigmoid()), (2, 4, 5, 6)),
     (nn.Conv3d(2, 4, 2), nn.GELU(), (2, 2, 4, 5, 3)),
+    # Reductions over the channels read a channels-last y a pixel a thread, at any image size.
+    (nn.Conv2d(64, 64, 3, padding=1), _Softmax1(), (1, 64, 32, 32)),
+    (nn.Conv3d(2, 8, 2), _Amax1(), (2, 2, 4, 5, 3)),
 ])
 def test_on_runs_the_conv_channels_last(monkeypatch, conv, tail, x_shape):
     out, eager, kernel = _compiled(monkeypatch, "1", conv, tail, x_shape)

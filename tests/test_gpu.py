@@ -774,6 +774,14 @@ CHANNELS_LAST = {
         nn.GroupNorm(1, 5), nn.GELU())), (7, 3, 25, 25)),
     "conv3d_instancenorm_silu": (lambda: _ConvTail(nn.Conv3d(3, 4, 2), nn.Sequential(
         nn.InstanceNorm3d(4, affine=True), nn.SiLU())), (9, 3, 5, 6, 7)),
+    # Reductions over the channels: a pixel a thread, its channels held (64) or read again
+    # (96) in vectors of 4 or 8, or of 4 in bf16 (12 channels).
+    "conv2d_softmax_channels_64": (lambda: _ConvTail(nn.Conv2d(16, 64, 3, padding=1), _Lambda(
+        lambda y: F.softmax(F.silu(y), dim=1) * 2.0)), (5, 16, 20, 21)),
+    "conv3d_logsumexp_channels_96": (lambda: _ConvTail(nn.Conv3d(3, 96, 2), _Lambda(
+        lambda y: torch.logsumexp(y, dim=1, keepdim=True))), (3, 3, 5, 6, 7)),
+    "conv2d_min_channels_12": (lambda: _ConvTail(nn.Conv2d(3, 12, 3), _Lambda(
+        lambda y: torch.tanh(torch.min(y, dim=1).values))), (4, 3, 15, 17)),
 }
 
 

@@ -8,7 +8,8 @@ switches a graph's convs to channels-last by a heuristic; this row times both fo
 the graph's shapes (the channels-last one with its copies of x and the weight). The
 epilogue kernel then reads the channels-last output and writes the graph's contiguous
 layout, one image at a time through shared memory (`Anchor.channels_last`,
-`cuda_templates.staged_plan`), so the transpose costs no pass of its own.
+`cuda_templates.staged_plan`), or a pixel a thread for a reduction over the channels
+(`cuda_templates.channels_last_plan`), so the transpose costs no pass of its own.
 FUSEDEPI_CONV_CHANNELS_LAST switches it.
 """
 
@@ -35,7 +36,7 @@ class ConvLayout(Form):
         """(anchor, dtype, x's shape, the weight's shape, whether x is channels-last
         already) where the chain's anchor may run channels-last: a 2-D or 3-D library
         conv (not one the direct conv kernel computes) whose epilogue has a
-        channels-last mapping (`cuda_templates.staged_plan`)."""
+        channels-last mapping (`cuda_templates.channels_last_plan`)."""
         spec = chain.spec
         if spec.anchor.kind != "conv" or spec.anchor.channels_last:
             return None
@@ -46,7 +47,7 @@ class ConvLayout(Form):
                                                    cuda_templates.DirectPlan):
             return None
         staged = replace(spec, anchor=replace(spec.anchor, channels_last=True))
-        if isinstance(cuda_templates.staged_plan(staged), str):
+        if isinstance(cuda_templates.channels_last_plan(staged), str):
             return None
         x_shape, w_shape = timings.example_shape(xv), timings.example_shape(wv)
         if x_shape is None or w_shape is None:

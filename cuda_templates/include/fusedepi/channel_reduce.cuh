@@ -4,29 +4,49 @@
 //
 // y is [rows, kChannels, kInner] (NCHW): a pixel's channels are kInner apart. A thread
 // takes kV consecutive pixels of one row and walks their channels, each step one vector
-// load that the warp's lanes make contiguous. Where the chain's stage0 values of all
-// channels fit in registers (kHold) they are read once; otherwise each pass reads y
-// again (and recomputes stage0): softmax's statistics in one online pass, then the
-// normalize; logsumexp's maximum, then its sum.
+// load that the warp's lanes make contiguous. Or y is channels-last (kChannelsLastY:
+// [rows, kInner, kChannels], a library conv's output in the layout cuDNN is fastest in):
+// a thread takes one pixel (kV = 1) and loads its channels kCV at a time. Either way
+// the output is written in the graph's contiguous layout, consecutive threads on
+// consecutive pixels. Where the chain's stage0 values of all channels fit in registers
+// (kHold) they are read once; otherwise each pass reads y again (and recomputes stage0):
+// softmax's statistics in one online pass, then the normalize; logsumexp's maximum,
+// then its sum.
 //
 // Included by the rendered file (cuda_templates/templates.py, CHANNEL_APPLY_KERNEL) after
 // it defined, besides the launch plan's constants and Args, stage0 and stage1 and:
 //   kChannelNorm   0: a reduction (kChannelOp), 1: softmax, 2: log_softmax;
-//   kChannelOp     the reduction (fusedepi::RowReduce) when kChannelNorm is 0.
+//   kChannelOp     the reduction (fusedepi::RowReduce) when kChannelNorm is 0;
+//   kChannelsLastY y is channels-last; kCV: channels a load there (1 otherwise).
 // It is not a standalone header: the launch plan's constants differ per file.
 #pragma once
 
-constexpr int kHoldMax = 64;  // floats of stage0 values a thread keeps in registers
+constexpr int kHoldMax = 64;  // floats of stage0 values a thread keeps in registers (render.CHANNEL_HOLD)
 constexpr bool kHold = kChannels * kV <= kHoldMax;
 constexpr long long kPixelVecs = kInner / kV;  // vectors of pixels a row
 static_assert(kInner % kV == 0, "a vector of pixels lies in one channel");
+static_assert(!kChannelsLastY || (kV == 1 && kChannels % kCV == 0), "channels-last: a pixel a thread, whole loads");
+static_assert(kChannelsLastY || kCV == 1, "NCHW: a channel a load");
 
-// Channel c's stage0 values of this thread's pixels (row n, first pixel q): y loaded,
-// then stage0 (saving what it saves where `save`).
-__device__ __forceinline__ void channel_values(const Args& a, long long n, int q, int c, float (&v)[kV], bool save) {
-  const long long e0 = (n * kChannels + c) * kInner + q;
-  fusedepi::load_vec<T, kV>(a.y + e0, v);
-  if constexpr (!kStage0Done) stage0<kV>(v, c * static_cast<int>(kInner) + q, e0, a, save);
+// The stage0 values of channels c .. c + kCV - 1 at this thread's pixels (row n, first
+// pixel q): y loaded, then stage0 (saving what it saves where `save`).
+__device__ __forceinline__ void channel_values(const Args& a, long long n, int q, int c, float (&v)[kCV][kV],
+                                               bool save) {
+  if constexpr (kChannelsLastY) {
+    float w[kCV];
+    fusedepi::load_vec<T, kCV>(a.y + (n * kInner + q) * kChannels + c, w);
+#pragma unroll
+    for (int j = 0; j < kCV; ++j) {
+      float one[1] = {w[j]};
+      if constexpr (!kStage0Done)
+        stage0<1>(one, (c + j) * static_cast<int>(kInner) + q, (n * kChannels + c + j) * kInner + q, a, save);
+      v[j][0] = one[0];
+    }
+  } else {
+    const long long e0 = (n * kChannels + c) * kInner + q;
+    fusedepi::load_vec<T, kV>(a.y + e0, v[0]);
+    if constexpr (!kStage0Done) stage0<kV>(v[0], c * static_cast<int>(kInner) + q, e0, a, save);
+  }
 }
 
 // f(c, v) for every channel c in order, v its values: from registers where they are held
@@ -35,17 +55,20 @@ template <class F>
 __device__ __forceinline__ void each_channel(const Args& a, long long n, int q, float (&held)[kHold ? kChannels : 1][kV],
                                              bool first, F f) {
   if constexpr (kHold) {
+    if (first) {
 #pragma unroll
-    for (int c = 0; c < kChannels; ++c) {
-      if (first) channel_values(a, n, q, c, held[c], true);
-      f(c, held[c]);
+      for (int c = 0; c < kChannels; c += kCV)
+        channel_values(a, n, q, c, *reinterpret_cast<float(*)[kCV][kV]>(&held[c]), true);
     }
+#pragma unroll
+    for (int c = 0; c < kChannels; ++c) f(c, held[c]);
   } else {
 #pragma unroll 4
-    for (int c = 0; c < kChannels; ++c) {
-      float v[kV];
+    for (int c = 0; c < kChannels; c += kCV) {
+      float v[kCV][kV];
       channel_values(a, n, q, c, v, first);
-      f(c, v);
+#pragma unroll
+      for (int j = 0; j < kCV; ++j) f(c + j, v[j]);
     }
   }
 }
