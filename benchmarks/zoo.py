@@ -132,6 +132,11 @@ MODELS = [
         _conv(64, 64, groups=64, padding=1), lambda y, m: F.relu(m.bn(y)), bn=nn.BatchNorm2d(64)), (32, 64, 64, 64)),
     ZooModel("conv2d_gn_gelu_global_mean", lambda: Seq(
         _conv(16, 64), lambda y, m: F.gelu(m.gn(y)).mean(dim=(2, 3)), gn=nn.GroupNorm(16, 64)), (32, 16, 64, 64)),
+    # heads: global average pooling before a classifier, per-pixel classes of a segmentation net
+    ZooModel("conv2d_relu_global_avgpool", lambda: Seq(
+        _conv(64, 128, padding=1), lambda y, m: F.adaptive_avg_pool2d(F.relu(y), 1).flatten(1)), (32, 64, 28, 28)),
+    ZooModel("conv2d_1x1_log_softmax_classes", lambda: Seq(_conv(64, 21, 1), lambda y, m: F.log_softmax(y, dim=1)),
+             (16, 64, 64, 64)),
     ZooModel("conv2d_relu_maxpool", lambda: Seq(_conv(16, 32, padding=1), lambda y, m: F.max_pool2d(F.relu(y), 2)),
              (32, 16, 128, 128)),
     ZooModel("conv2d_tanh_avgpool", lambda: Seq(_conv(16, 32, padding=1), lambda y, m: F.avg_pool2d(torch.tanh(y), 2)),
