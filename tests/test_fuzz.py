@@ -38,17 +38,6 @@ def test_generator_covers_every_step_kind():
     assert wanted <= ops, wanted - ops
 
 
-def _instance_norm_models(count: int) -> list[int]:
-    """Indices of generation-2 models (seed 0, CPU draw) with an InstanceNorm step."""
-    found = []
-    for index in range(10_000):
-        if any(s["op"] == "instancenorm" for s in fuzzer.make_case(0, index, "cpu", generation=2).steps):
-            found.append(index)
-            if len(found) == count:
-                return found
-    return found
-
-
 def test_generation_1_is_unchanged_by_later_vocabulary():
     # Recorded results and regression tests name models of generation 1.
     for index in range(500):
@@ -62,7 +51,7 @@ def test_generation_1_is_unchanged_by_later_vocabulary():
 def test_cpu_fuzz_of_instance_norm_chains(grad):
     # Generation 2 draws InstanceNorm (1-D/2-D/3-D, affine or not, with or without
     # running statistics) inside random chains.
-    indices = _instance_norm_models(24 if not grad else 12)
+    indices = _models_with(2, lambda s: s["op"] == "instancenorm", 24 if not grad else 12)
     results = fuzzer.run(seed=0, indices=indices, device="cpu", grad=grad, generation=2)
     summary = fuzzer.summarize(results)
     assert not summary["findings"], _shown(summary["findings"])
@@ -75,16 +64,21 @@ def _shown(findings: list[dict]) -> str:
     return "\n".join(repr(f) for f in findings[:3])
 
 
-def _earlier_models(count: int) -> list[int]:
-    """Indices of generation-3 models (seed 0, CPU draw) with an `earlier` operand."""
+def _models_with(generation: int, drawn, count: int) -> list[int]:
+    """Indices of the first `count` models of `generation` (seed 0, CPU draw) with a step
+    for which drawn(step) holds."""
     found = []
     for index in range(10_000):
-        steps = fuzzer.make_case(0, index, "cpu", generation=fuzzer.EARLIER_GENERATION).steps
-        if any(s.get("operand") == "earlier" for s in steps):
+        if any(drawn(s) for s in fuzzer.make_case(0, index, "cpu", generation=generation).steps):
             found.append(index)
             if len(found) == count:
                 break
     return found
+
+
+def _earlier_models(count: int) -> list[int]:
+    """Indices of generation-3 models with an `earlier` operand."""
+    return _models_with(fuzzer.EARLIER_GENERATION, lambda s: s.get("operand") == "earlier", count)
 
 
 def test_generations_before_earlier_operands_are_unchanged():
@@ -105,60 +99,37 @@ def test_cpu_fuzz_of_earlier_value_operands(grad):
     assert len(fused) >= len(indices) // 3, summary["reasons"]
 
 
-def _pooled_models(count: int) -> list[int]:
-    """Indices of generation-4 models (seed 0, CPU draw) that pool a conv's output."""
-    found = []
-    for index in range(10_000):
-        steps = fuzzer.make_case(0, index, "cpu", generation=fuzzer.POOL_GENERATION).steps
-        if any(s["op"] in fuzzer.POOLS for s in steps):
-            found.append(index)
-            if len(found) == count:
-                break
-    return found
+# Conv reductions by generation: (generation, its new draws, the fused steps they become).
+CONV_REDUCTIONS = {
+    "pooled": (fuzzer.POOL_GENERATION, lambda s: s["op"] in fuzzer.POOLS, "spatial_"),
+    "over_channels": (fuzzer.CHANNEL_GENERATION, lambda s: s["op"].startswith("chan_"), "channel_"),
+}
 
 
-def test_generations_before_pooling_are_unchanged():
-    for generation in range(1, fuzzer.POOL_GENERATION):
-        cases = [fuzzer.make_case(0, i, "cpu", generation=generation) for i in range(400)]
-        assert not any(s["op"] in fuzzer.POOLS for c in cases for s in c.steps)
-    # Generation 4 draws the same models as 3 except where a conv's chain draws a pool.
-    same = sum(fuzzer.make_case(0, i, "cpu", generation=3) == replace(
-        fuzzer.make_case(0, i, "cpu", generation=4), generation=3) for i in range(200))
+@pytest.mark.parametrize("kind", list(CONV_REDUCTIONS))
+def test_generations_before_conv_reductions_are_unchanged(kind):
+    generation, drawn, _ = CONV_REDUCTIONS[kind]
+    for earlier in range(1, generation):
+        cases = [fuzzer.make_case(0, i, "cpu", generation=earlier) for i in range(400)]
+        assert not any(drawn(s) for c in cases for s in c.steps)
+    # A generation draws the same models as the one before except where its new draws come up.
+    same = sum(fuzzer.make_case(0, i, "cpu", generation=generation - 1) == replace(
+        fuzzer.make_case(0, i, "cpu", generation=generation), generation=generation - 1) for i in range(200))
     assert same >= 120, same
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
-def test_cpu_fuzz_of_pooled_conv_chains(grad):
-    # Generation 4 draws global pooling (sum, mean, amax, amin over every spatial dim,
-    # keepdim either way) inside a conv's random chain, then more steps.
-    indices = _pooled_models(24 if not grad else 12)
-    results = fuzzer.run(seed=0, indices=indices, device="cpu", grad=grad, generation=fuzzer.POOL_GENERATION)
+@pytest.mark.parametrize("kind", list(CONV_REDUCTIONS))
+def test_cpu_fuzz_of_conv_reductions(kind, grad):
+    # Generation 4 draws global pooling (sum, mean, amax, amin over every spatial dim),
+    # generation 5 also softmax, log_softmax and the reductions over a conv output's
+    # channels (dim 1); keepdim either way, inside a conv's random chain, then more steps.
+    generation, drawn, prefix = CONV_REDUCTIONS[kind]
+    indices = _models_with(generation, drawn, 24 if not grad else 12)
+    results = fuzzer.run(seed=0, indices=indices, device="cpu", grad=grad, generation=generation)
     summary = fuzzer.summarize(results)
     assert len(results) == len(indices) and not summary["findings"], _shown(summary["findings"])
-    pooled = [r for r in results if any(name.startswith("spatial_") for steps in r["fused_steps"] for name in steps)]
-    assert len(pooled) >= len(indices) // 3, summary["reasons"]
-
-
-def test_generations_before_channel_reductions_are_unchanged():
-    for generation in range(1, fuzzer.CHANNEL_GENERATION):
-        cases = [fuzzer.make_case(0, i, "cpu", generation=generation) for i in range(400)]
-        assert not any(s["op"].startswith("chan_") for c in cases for s in c.steps)
-
-
-@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
-def test_cpu_fuzz_of_reductions_over_a_conv_outputs_channels(grad):
-    # Generation 5 draws softmax, log_softmax and the reductions over a conv output's
-    # channels (dim 1, keepdim either way) inside its random chains.
-    indices = []
-    for index in range(10_000):
-        if any(s["op"].startswith("chan_") for s in fuzzer.make_case(0, index, "cpu", generation=5).steps):
-            indices.append(index)
-            if len(indices) == (24 if not grad else 12):
-                break
-    results = fuzzer.run(seed=0, indices=indices, device="cpu", grad=grad, generation=fuzzer.CHANNEL_GENERATION)
-    summary = fuzzer.summarize(results)
-    assert len(results) == len(indices) and not summary["findings"], _shown(summary["findings"])
-    reduced = [r for r in results if any(name.startswith("channel_") for steps in r["fused_steps"] for name in steps)]
+    reduced = [r for r in results if any(name.startswith(prefix) for steps in r["fused_steps"] for name in steps)]
     assert len(reduced) >= len(indices) // 3, summary["reasons"]
 
 

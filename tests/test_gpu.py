@@ -510,22 +510,6 @@ POOLED = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("name", list(POOLED))
-def test_spatial_reductions(name, dtype, exact_float32):
-    factory, shapes, fn, fusion = POOLED[name]
-    model = _Pooled(factory(), fn).cuda().to(dtype)
-    inputs = [torch.rand(s, device="cuda", dtype=dtype) * 2 - 1 for s in shapes]
-    ref, _ = float64_reference(model, *inputs)
-    with torch.no_grad():
-        out, fused = compile_and_run(model, *inputs)
-        eager = model(*inputs)
-    assert fused == [fusion]
-    assert out.shape == ref.shape and out.dtype == dtype
-    err, eager_err = relative_error(out, ref), relative_error(eager, ref)
-    assert err <= max(TOLERANCE[dtype], 2 * eager_err), f"relative error {err:.3g}, eager's {eager_err:.3g} (seed {exact_float32})"
-
-
 # Over a conv output's channels, per pixel: (conv, input shapes, fn, fusion). 8 and 16
 # channels (held in registers), 96 and 130 (read again each pass); planes of 15 x 21 (odd:
 # a pixel a thread), 64 x 64, a 3-D conv, a 1-D conv of batch 1; full operands of the
@@ -550,9 +534,11 @@ OVER_CHANNELS = {
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("name", list(OVER_CHANNELS))
-def test_reductions_over_channels(name, dtype, exact_float32):
-    factory, shapes, fn, fusion = OVER_CHANNELS[name]
+@pytest.mark.parametrize("name", [f"spatial_{n}" for n in POOLED] + [f"channels_{n}" for n in OVER_CHANNELS])
+def test_reductions_of_a_conv_output(name, dtype, exact_float32):
+    """Global pooling and reductions over the channels, against float64 within eager's error."""
+    kind, case = name.split("_", 1)
+    factory, shapes, fn, fusion = (POOLED if kind == "spatial" else OVER_CHANNELS)[case]
     model = _Pooled(factory(), fn).cuda().to(dtype)
     inputs = [torch.rand(s, device="cuda", dtype=dtype) * 2 - 1 for s in shapes]
     ref, _ = float64_reference(model, *inputs)

@@ -157,61 +157,41 @@ def test_instance_norm_gradients(dims, on_device):
         assert '"what":"mean"' in fused[0].spec and '"what":"rstd"' in fused[0].spec
 
 
-class _PooledHead(nn.Module):
-    """Conv, GELU, global pooling (mean or max over H and W), a per-channel scale, SiLU:
-    backward reads the GELU's input and, for the max, which elements were largest and
-    the pooled value itself (saved after the reduction, a value per row and channel)."""
+class _ReducedHead(nn.Module):
+    """Conv, then a reduction of its output and steps around it:
+    - spatial_mean / spatial_amax: GELU, global pooling over H and W, a per-channel
+      scale, SiLU (backward reads the GELU's input and, for the max, which elements were
+      largest and the pooled value, saved after the reduction: a value per row and channel);
+    - channel_softmax: softmax over the channels times a per-channel scale (backward reads
+      the softmax's output);
+    - channel_amax: a per-channel scale, SiLU, the maximum over the channels, tanh."""
 
-    def __init__(self, pool):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3)
-        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
-        self.pool = pool
-
-    def forward(self, x):
-        y = F.gelu(self.conv(x))
-        y = y.mean(dim=(2, 3)) if self.pool == "mean" else torch.amax(y, dim=(2, 3))
-        return F.silu(y * self.scale)
-
-
-@pytest.mark.parametrize("on_device", DEVICES, indirect=True)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("pool", ["mean", "amax"])
-def test_spatial_reduction_gradients(pool, dtype, on_device):
-    torch.manual_seed(0)
-    model = _PooledHead(pool).to(on_device, dtype)
-    eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
-    fused = _forward_backward(model, eager, ref, torch.rand(3, 3, 20, 17, device=on_device, dtype=dtype))
-    assert [r.fusion for r in fused] == [f"conv_spatial_{pool}"]
-
-
-class _ChannelHead(nn.Module):
-    """Conv, then softmax over its channels times a per-channel scale, or a per-channel
-    scale, SiLU, the maximum over the channels and tanh: backward reads the softmax's
-    output, or which channels were largest."""
-
-    def __init__(self, reduce):
+    def __init__(self, fusion):
         super().__init__()
         self.conv = nn.Conv2d(3, 8, 3)
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8).view(8, 1, 1))
-        self.reduce = reduce
+        self.fusion = fusion
 
     def forward(self, x):
         y = self.conv(x)
-        if self.reduce == "softmax":
+        if self.fusion == "spatial_mean":
+            return F.silu(F.gelu(y).mean(dim=(2, 3)) * self.scale.view(8))
+        if self.fusion == "spatial_amax":
+            return F.silu(torch.amax(F.gelu(y), dim=(2, 3)) * self.scale.view(8))
+        if self.fusion == "channel_softmax":
             return F.softmax(y, dim=1) * self.scale
         return torch.tanh(torch.amax(F.silu(y * self.scale), dim=1))
 
 
 @pytest.mark.parametrize("on_device", DEVICES, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("reduce", ["softmax", "amax"])
-def test_channel_reduction_gradients(reduce, dtype, on_device):
+@pytest.mark.parametrize("fusion", ["spatial_mean", "spatial_amax", "channel_softmax", "channel_amax"])
+def test_conv_reduction_gradients(fusion, dtype, on_device):
     torch.manual_seed(0)
-    model = _ChannelHead(reduce).to(on_device, dtype)
+    model = _ReducedHead(fusion).to(on_device, dtype)
     eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
     fused = _forward_backward(model, eager, ref, torch.rand(3, 3, 20, 17, device=on_device, dtype=dtype))
-    assert [r.fusion for r in fused] == [f"conv_channel_{reduce}"]
+    assert [r.fusion for r in fused] == [f"conv_{fusion}"]
 
 
 class _QuotientByProduct(nn.Module):

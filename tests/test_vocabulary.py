@@ -231,22 +231,6 @@ SPATIAL = [
 ]
 
 
-@pytest.mark.parametrize("make, shape, fn, steps, out_shape", [c[1:] for c in SPATIAL], ids=[c[0] for c in SPATIAL])
-def test_spatial_reductions_of_a_conv_output(make, shape, fn, steps, out_shape):
-    """Global pooling (a reduction over every spatial dim) continues a conv's chain: one
-    value per (row, channel), then per-channel and scalar operands and views to
-    [rows, C] or [rows, C, 1, ...]."""
-    torch.manual_seed(0)
-    model = ConvChain(make(), fn)
-    x = torch.randn(shape)
-    out, fused, refused = compile_records(model, x)
-    assert fused, refused
-    spatial = next(s for s in steps if s.startswith("spatial_"))
-    assert steps_of(fused[0]) == ["add"] + steps and fused[0].fusion == f"conv_{spatial}"
-    assert out.shape == out_shape
-    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
-
-
 CHANNEL = [
     # (id, conv, input shape, fn on the conv's output, expected steps after the folded bias, output shape)
     ("softmax_2d", lambda: nn.Conv2d(3, 8, 3), (2, 3, 9, 10), lambda y: F.softmax(F.relu(y), dim=1) * 2.0,
@@ -266,16 +250,19 @@ CHANNEL = [
 ]
 
 
-@pytest.mark.parametrize("make, shape, fn, steps, out_shape", [c[1:] for c in CHANNEL], ids=[c[0] for c in CHANNEL])
-def test_reductions_over_a_conv_outputs_channels(make, shape, fn, steps, out_shape):
-    """Softmax, log_softmax and the reductions over dim 1 of a conv output, per pixel,
-    then more steps."""
+@pytest.mark.parametrize("make, shape, fn, steps, out_shape", [c[1:] for c in SPATIAL + CHANNEL],
+                         ids=[c[0] for c in SPATIAL + CHANNEL])
+def test_reductions_of_a_conv_output(make, shape, fn, steps, out_shape):
+    """Global pooling (a reduction over every spatial dim: one value per (row, channel),
+    then per-channel and scalar operands and views to [rows, C] or [rows, C, 1, ...]);
+    softmax, log_softmax and the reductions over the channels (dim 1), per pixel; then
+    more steps."""
     torch.manual_seed(0)
     model = ConvChain(make(), fn)
     x = torch.randn(shape)
     out, fused, refused = compile_records(model, x)
     assert fused, refused
-    reduction = next(s for s in steps if s.startswith("channel_"))
+    reduction = next(s for s in steps if s.startswith(("spatial_", "channel_")))
     assert steps_of(fused[0]) == ["add"] + steps and fused[0].fusion == f"conv_{reduction}"
     assert out.shape == out_shape
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
