@@ -30,16 +30,16 @@ from torch.fx import Node
 
 from .spec import (
     CHANNEL,
+    CHANNEL_REDUCTIONS,
     EARLIER,
     FULL,
     NAMED_STEPS,
     ONE,
     REDUCTIONS,
     ROW_REDUCTIONS,
-    CHANNEL_REDUCTIONS,
     SCALAR,
-    SPATIAL_REDUCTIONS,
     SELF,
+    SPATIAL_REDUCTIONS,
     Anchor,
     EpilogueSpec,
     Save,

@@ -96,7 +96,7 @@ class Step:
         operand: for binary steps, one of SCALAR, CHANNEL, ONE, FULL, SELF, EARLIER.
         reverse: for binary steps, the chain's value is the right operand (`p - x`).
         groups: for groupnorm, the number of groups.
-        keepdim: for row and spatial reductions.
+        keepdim: for row, spatial and channel reductions.
     """
 
     name: str
