@@ -784,7 +784,7 @@ def _match_view(state: _State, user: Node):
     if user.target not in _VIEWS:
         return None
     val = _val(user)
-    if state.conv and not state.reduced and _instance_view(val, _val(state.node)):
+    if state.conv and not (state.reduced or state.pooled or state.pixels) and _instance_view(val, _val(state.node)):
         raise Refuse(f"view to {list(val.shape)} (InstanceNorm's form) not followed by an InstanceNorm "
                      "that fuses: statistics of its input without running statistics, or running "
                      "statistics in eval mode")
