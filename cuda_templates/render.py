@@ -98,10 +98,15 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _widths(n: int, widest: int) -> list[int]:
+    """Elements per access that divide `n`, widest first: widest, its half, its quarter, 1."""
+    return [w for w in (widest, widest // 2, widest // 4, 1) if w >= 1 and n % w == 0]
+
+
 def _vector_width(seg_len: int, inner: int, widest: int) -> int:
     """Elements per access: it must divide the segment; widths that keep a vector
     inside one channel are preferred while they are at least half the widest."""
-    widths = [w for w in (widest, widest // 2, widest // 4, 1) if w >= 1 and seg_len % w == 0]
+    widths = _widths(seg_len, widest)
     one_channel = [w for w in widths if inner == 1 or inner % w == 0]
     if one_channel and one_channel[0] * 2 >= widths[0]:
         return one_channel[0]
@@ -173,9 +178,9 @@ def _pixels_plan(spec: EpilogueSpec) -> Plan:
     widest = 16 // ITEMSIZE[spec.dtype]
     row = spec.channels * spec.inner
     if spec.anchor.channels_last:
-        cvec = next(w for w in (widest, widest // 2, widest // 4, 1) if w >= 1 and spec.channels % w == 0)
+        cvec = _widths(spec.channels, widest)[0]
         return Plan(row, 1, 1, 1, 1, 1, CHANNEL_BLOCK, pixels=True, cvec=cvec)
-    widths = [w for w in (widest, widest // 2, widest // 4, 1) if w >= 1 and spec.inner % w == 0]
+    widths = _widths(spec.inner, widest)
     two_pass = spec.reduction.name in CHANNEL_NORMS + ("channel_logsumexp",)
     vec = next((w for w in widths if spec.channels * w <= CHANNEL_HOLD), widths[0]) if two_pass else widths[0]
     return Plan(row, 1, vec, 1, 1, 1, CHANNEL_BLOCK, pixels=True)

@@ -233,7 +233,7 @@ class LaunchLayout:
     anchor: int  # ANCHOR_CODES
     n_operands: int
     gemm_auto: bool  # the in-kernel GEMM or the library one, by rows (FUSEDEPI_IN_KERNEL_GEMM=auto)
-    row_output: bool  # a row or spatial reduction: [rows, *reduced tail] out
+    row_output: bool  # a reduction shrinks the output: [rows, *reduced tail] out
     out_channels: int  # the reduced output's channel dim after the rows (a spatial reduction's C), else 0
     out_ones: int  # the reduced output's trailing dims of 1 (keepdim)
     out_spatial: bool  # then the anchor output's spatial dims (a reduction over a conv's channels)
@@ -254,9 +254,9 @@ class LaunchLayout:
         tail = launcher.reduced_tail
         out_channels = tail[0] if tail and tail[0] != 1 else 0
         return cls(PATH_CODES[launcher.anchor_path], ANCHOR_CODES[spec.anchor.kind], launcher.n_operands,
-                   launcher.gemm_auto, launcher.row_output, out_channels, tail.count(1), launcher.keeps_spatial and launcher.row_output,
-                   spec.channels, out_h, out_w,
-                   launcher.stores_pre_norm, spec.anchor.has_bias, pad_k, pad_n, spec.anchor.channels_last)
+                   launcher.gemm_auto, launcher.row_output, out_channels, tail.count(1), launcher.keeps_spatial,
+                   spec.channels, out_h, out_w, launcher.stores_pre_norm, spec.anchor.has_bias, pad_k, pad_n,
+                   spec.anchor.channels_last)
 
     def encode(self) -> list[int]:
         return [int(getattr(self, f.name)) for f in fields(self)]

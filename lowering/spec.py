@@ -270,9 +270,10 @@ class EpilogueSpec:
 
     @property
     def keeps_spatial(self) -> bool:
-        """A reduction over a conv's channels: its output ends in the conv's spatial dims."""
+        """A reduction over a conv's channels: its reduced output ends in the conv's
+        spatial dims, after `reduced_tail`."""
         red = self.reduction
-        return red is not None and red.name in CHANNEL_REDUCTIONS + CHANNEL_NORMS
+        return red is not None and red.name in CHANNEL_REDUCTIONS
 
     def kernel_name(self, arch: str) -> str:
         """A readable name built from the spec, e.g. addmm_groupnorm_silu_mul_f32_sm90."""
