@@ -175,6 +175,12 @@ MODELS = [
                                            bn=nn.BatchNorm1d(128)), (64, 64, 1024)),
     ZooModel("conv1d_relu_gn", lambda: Seq(nn.Conv1d(32, 64, 3), lambda y, m: m.gn(F.relu(y)), gn=nn.GroupNorm(8, 64)),
              (64, 32, 2048)),
+    # pooling windows after 3-D and 1-D convs
+    ZooModel("conv3d_relu_maxpool3d_scale", lambda: Seq(
+        nn.Conv3d(8, 32, 3), lambda y, m: F.max_pool3d(F.relu(y), 2) * m.s, s=_p(32, 1, 1, 1)), (8, 8, 34, 66, 66)),
+    ZooModel("conv1d_gelu_avgpool1d_bias", lambda: Seq(
+        nn.Conv1d(64, 128, 5, padding=2), lambda y, m: F.avg_pool1d(F.gelu(y), 4) + m.b, b=_p(128, 1)),
+        (32, 64, 2048)),
     # Linear layers
     ZooModel("mlp_gelu", lambda: Seq(nn.Linear(1024, 4096), lambda y, m: F.gelu(y)), (8192, 1024)),
     ZooModel("linear_ln_relu", lambda: Seq(nn.Linear(1024, 1024), lambda y, m: F.relu(m.ln(y)), ln=nn.LayerNorm(1024)),

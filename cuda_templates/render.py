@@ -16,6 +16,7 @@ from lowering.spec import (
     CHANNEL_NORMS,
     CHANNEL_REDUCTIONS,
     FULL,
+    POOLS,
     REDUCTIONS,
     ROW_NORMS,
     ROW_REDUCTIONS,
@@ -37,6 +38,7 @@ CHUNK_BLOCK = 256  # threads per block when a segment is split over several bloc
 FLAT_BLOCK = 256  # threads per block of the flat mapping
 CHANNEL_BLOCK = 256  # threads per block of a reduction over a conv's channels (a vector of pixels each)
 CHANNEL_HOLD = 64  # values a thread holds there (channel_reduce.cuh's kHoldMax)
+POOL_BLOCK = 256  # threads per block of a pooling window's kernel (an output element each)
 FLAT_NVEC = 4  # 16-byte vectors a thread there
 MIN_BUSY = 0.9  # below this share of busy vector slots a segment's team narrows (or a pointwise chain runs flat)
 NARROW_MAX_ELEMENTS = 32  # elements a lane of a narrowed team holds (registers)
@@ -72,6 +74,8 @@ class Plan:
             thread a vector of `vec` pixels of one row, walking their channels; seg_len is
             then the row, and team, nvec and chunks are 1.
         cvec: with `pixels`, channels a load from a channels-last y (`vec` is then 1), else 1.
+        pool: a pooling window (templates.POOL_APPLY_KERNEL): a thread an output element;
+            seg_len is then the row, and vec, team, nvec and chunks are 1.
     """
 
     seg_len: int
@@ -85,6 +89,7 @@ class Plan:
     staged: int = 0
     pixels: bool = False
     cvec: int = 1
+    pool: bool = False
 
 
 def _pow2_at_least(n: int) -> int:
@@ -135,6 +140,8 @@ def plan(spec: EpilogueSpec) -> Plan:
     widest = 16 // ITEMSIZE[spec.dtype]
     if red is not None and red.name in CHANNEL_REDUCTIONS + CHANNEL_NORMS:
         return _pixels_plan(spec)
+    if red is not None and red.name in POOLS:
+        return _pool_plan(spec)
     vec = _vector_width(seg_len, spec.inner, widest)
     vecs = _ceil_div(seg_len, vec)
     if spec.anchor.channels_last:
@@ -186,13 +193,27 @@ def _pixels_plan(spec: EpilogueSpec) -> Plan:
     return Plan(row, 1, vec, 1, 1, 1, CHANNEL_BLOCK, pixels=True)
 
 
+def _pool_plan(spec: EpilogueSpec) -> Plan:
+    """The mapping of a pooling window: a thread an output element (pool.cuh), on either layout of y.
+
+    Raises:
+        NotRenderable: pooled elements a channel or window positions past 32-bit indices.
+    """
+    if spec.channels * spec.inner >= 2**31:
+        raise NotRenderable(f"rows of {spec.channels * spec.inner} elements: the kernels index a row with 32 bits")
+    return Plan(spec.channels * spec.inner, 1, 1, 1, 1, 1, POOL_BLOCK, pool=True)
+
+
 def channels_last_plan(spec: EpilogueSpec) -> Plan | str:
     """The mapping of `spec`'s epilogue on a channels-last y (the `conv_layout` form), or
-    the reason there is none: a reduction over the channels reads it a pixel a thread;
-    every other chain stages images (`staged_plan`)."""
+    the reason there is none: a reduction over the channels reads it a pixel a thread, a
+    pooling window an output element a thread; every other chain stages images
+    (`staged_plan`)."""
     red = spec.reduction
     if red is not None and red.name in CHANNEL_REDUCTIONS + CHANNEL_NORMS:
         return _pixels_plan(spec)
+    if red is not None and red.name in POOLS:
+        return _pool_plan(spec)
     return staged_plan(spec)
 
 
@@ -663,8 +684,8 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
             statistics = templates.TEAM_STATISTICS[red.name].substitute()
         middle = templates.TEAM_NORM.substitute(statistics=statistics, save_stats=save_stats,
                                                 apply=templates.APPLY_STAGE1)
-    elif red.name in CHANNEL_REDUCTIONS + CHANNEL_NORMS:
-        middle, store = "", ""  # the kernel's own (channel_reduce.cuh)
+    elif red.name in CHANNEL_REDUCTIONS + CHANNEL_NORMS + POOLS:
+        middle, store = "", ""  # the kernel's own (channel_reduce.cuh, pool.cuh)
     else:
         assert red.name in ROW_REDUCTIONS + SPATIAL_REDUCTIONS
         middle = templates.TEAM_ROW_REDUCE.substitute(reduce=templates.ROW_REDUCE[red.name])
@@ -701,6 +722,8 @@ def staged_applies(spec: EpilogueSpec, p: Plan) -> bool:
 
 
 def _apply_grid(p: Plan) -> str:
+    if p.pool:
+        return "(rows * kChannels * kOutInner + kBlock - 1) / kBlock"
     if p.pixels:
         return "(rows * (kInner / kV) + kBlock - 1) / kBlock"
     if p.flat:
@@ -724,6 +747,9 @@ def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", an
         norm, op = templates.CHANNEL_OPS[spec.reduction.name]
         apply_kernel = templates.CHANNEL_APPLY_KERNEL.substitute(
             kernel=name, norm=norm, op=op, channels_last="true" if spec.anchor.channels_last else "false", cvec=p.cvec)
+    elif p.pool:
+        apply_kernel = templates.POOL_APPLY_KERNEL.substitute(
+            kernel=name, channels_last="true" if spec.anchor.channels_last else "false", **_window(spec.reduction))
     else:
         apply_kernel = templates.APPLY_KERNEL.substitute(kernel=name, middle=middle, store=store)
     return templates.KERNEL_FILE.substitute(
@@ -754,6 +780,24 @@ def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", an
         anchor_inside=anchor_inside,
         **parts,
     )
+
+
+def _window(step) -> dict[str, str]:
+    """POOL_APPLY_KERNEL's window constants of a pooling step: each per-dim tuple as (D, H, W),
+    a 1-D or 2-D window's unused leading dims of size 1 (kernel 1, stride 1, padding 0)."""
+    sizes, pooled, kernel, stride, padding, dilation = step.window
+    lead = 3 - len(kernel)
+
+    def dhw(values, fill) -> tuple:
+        return (fill,) * lead + tuple(values)
+
+    named = {"in": dhw(sizes, 1), "out": dhw(pooled, 1), "k": dhw(kernel, 1), "s": dhw(stride, 1),
+             "p": dhw(padding, 0), "d": dhw(dilation, 1)}
+    parts = {f"{key}_{axis}": str(v) for key, values in named.items() for axis, v in zip("dhw", values)}
+    avg = step.name == "avgpool"
+    parts.update(pool_max="false" if avg else "true", count_pad="true" if avg and step.consts[1] else "false",
+                 divisor=str(step.consts[2] if avg else 0))
+    return parts
 
 
 def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 
-from lowering.spec import (CHANNEL, CHANNEL_REDUCTIONS, EARLIER, FULL, ONE, REDUCTIONS, ROW_REDUCTIONS, SCALAR, SELF,
+from lowering.spec import (CHANNEL, CHANNEL_REDUCTIONS, EARLIER, FULL, ONE, POOLS, REDUCTIONS, ROW_REDUCTIONS, SCALAR, SELF,
                            SPATIAL_REDUCTIONS, Step, to_float32)
 
 
@@ -212,6 +212,8 @@ SNIPPETS = {
     "batchnorm_train": _batchnorm_train,
     # Row reductions are computed by templates.ROW_REDUCE; the steps after them see the row's value.
     **{name: (lambda s, ops: "") for name in ROW_REDUCTIONS + SPATIAL_REDUCTIONS + CHANNEL_REDUCTIONS},
+    # A pooling window is computed by fusedepi/pool.cuh; the steps after it see the pooled value.
+    **{name: (lambda s, ops: "") for name in POOLS},
 }
 
 

@@ -196,6 +196,26 @@ __global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) { channel_appl
 )
 
 
+# The apply kernel of a pooling window (fusedepi/pool.cuh). Placeholders: $kernel;
+# $pool_max (max, else avg); $in_d/h/w, $out_d/h/w, $k_d/h/w, $s_d/h/w, $p_d/h/w, $d_d/h/w
+# (input and pooled sizes, kernel, stride, padding, dilation per dim); $count_pad,
+# $divisor (avg's count_include_pad and divisor_override or 0); $channels_last (y's layout).
+POOL_APPLY_KERNEL = Template(
+    r"""constexpr bool kPoolMax = $pool_max;
+constexpr int kInD = $in_d, kInH = $in_h, kInW = $in_w;
+constexpr int kOutD = $out_d, kOutH = $out_h, kOutW = $out_w;
+constexpr int kKD = $k_d, kKH = $k_h, kKW = $k_w;
+constexpr int kSD = $s_d, kSH = $s_h, kSW = $s_w;
+constexpr int kPD = $p_d, kPH = $p_h, kPW = $p_w;
+constexpr int kDD = $d_d, kDH = $d_h, kDW = $d_w;
+constexpr bool kCountPad = $count_pad;
+constexpr int kDivisor = $divisor;
+constexpr bool kChannelsLastY = $channels_last;
+#include "fusedepi/pool.cuh"
+
+__global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) { pool_apply(a); }"""
+)
+
 # The body both stage variants share: the steps on each element, then the saves.
 _STAGE_LOOP = r"""#pragma unroll
   for (int j = 0; j < W; ++j) {

@@ -234,8 +234,11 @@ class LaunchLayout:
     n_operands: int
     gemm_auto: bool  # the in-kernel GEMM or the library one, by rows (FUSEDEPI_IN_KERNEL_GEMM=auto)
     row_output: bool  # a reduction shrinks the output: [rows, *reduced tail] out
-    out_channels: int  # the reduced output's channel dim after the rows (a spatial reduction's C), else 0
-    out_ones: int  # the reduced output's trailing dims of 1 (keepdim)
+    out_rank: int  # the reduced output's dims after the rows (its tail, `EpilogueSpec.reduced_tail`), up to 4
+    out_d0: int  # the tail's dims, 0 past out_rank: a spatial reduction's (C, 1, ...), a pool's (C, *pooled)
+    out_d1: int
+    out_d2: int
+    out_d3: int
     out_spatial: bool  # then the anchor output's spatial dims (a reduction over a conv's channels)
     channels: int
     out_h: int  # a direct conv's output plane, else 0
@@ -251,10 +254,12 @@ class LaunchLayout:
         spec = launcher.spec
         out_h, out_w = spec.anchor.direct_out_hw() if launcher.anchor_path == "direct conv" else (0, 0)
         pad_k, pad_n = spec.anchor.pad or (0, 0)
-        tail = launcher.reduced_tail
-        out_channels = tail[0] if tail and tail[0] != 1 else 0
+        tail = tuple(launcher.reduced_tail)
+        if len(tail) > 4:
+            raise ValueError(f"a reduced output's tail {tail} has more than 4 dims")
+        dims = tail + (0,) * (4 - len(tail))
         return cls(PATH_CODES[launcher.anchor_path], ANCHOR_CODES[spec.anchor.kind], launcher.n_operands,
-                   launcher.gemm_auto, launcher.row_output, out_channels, tail.count(1), launcher.keeps_spatial,
+                   launcher.gemm_auto, launcher.row_output, len(tail), *dims, launcher.keeps_spatial,
                    spec.channels, out_h, out_w, launcher.stores_pre_norm, spec.anchor.has_bias, pad_k, pad_n,
                    spec.anchor.channels_last)
 

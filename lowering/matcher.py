@@ -21,6 +21,7 @@ rule above; split by file they would only import each other.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -35,6 +36,7 @@ from .spec import (
     FULL,
     NAMED_STEPS,
     ONE,
+    POOLS,
     REDUCTIONS,
     ROW_REDUCTIONS,
     SCALAR,
@@ -138,6 +140,7 @@ class _State:
     reduced: bool = False  # a row reduction has shrunk the value to one per row
     pooled: bool = False  # a spatial reduction has shrunk a conv's value to one per (row, channel)
     pixels: bool = False  # a reduction over a conv's channels has shrunk its value to one per (row, pixel)
+    windows: int = 0  # after a pooling window: the pooled elements per channel (0: none)
     dtype: torch.dtype | None = None  # the value's dtype: the chain's, or float32 while widened
     widened_at: tuple | None = None  # the walk's state where a bf16/fp16 value went to float32
     order: dict = field(default_factory=dict)  # node -> position in the graph
@@ -751,6 +754,101 @@ def _match_row_reduction(state: _State, user: Node):
     return _Match(Step(name, keepdim=keepdim), consumed, result)
 
 
+# ------------------------------------------------------------ pooling windows
+
+# Max pools (the values are output 0; the indices or offsets, output 1, are backward's).
+_MAX_POOLS = tuple(op for op in (aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default,
+                                 getattr(getattr(prims, "_low_memory_max_pool_with_offsets", None), "default", None))
+                   if op is not None)
+_AVG_POOLS = (aten.avg_pool2d.default, aten.avg_pool3d.default)
+_SQUEEZES = (aten.squeeze.dim, aten.squeeze.dims)
+
+
+def pool_out_size(size: int, kernel: int, stride: int, padding: int, dilation: int, ceil_mode: bool) -> int:
+    """Pooled elements along one dim, by PyTorch's rule (`pooling_output_shape`): with
+    ceil_mode, a last window that would start in the right padding is dropped."""
+    span = size + 2 * padding - dilation * (kernel - 1) - 1 + (stride - 1 if ceil_mode else 0)
+    out = span // stride + 1
+    if ceil_mode and (out - 1) * stride >= size + padding:
+        out -= 1
+    return out
+
+
+def _per_dim(value, nd: int, what: str) -> tuple:
+    values = [value] if isinstance(value, int) else list(value)
+    if len(values) == 1:
+        values = values * nd
+    if len(values) != nd or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise Refuse(f"{what} {value!r} is not {nd} whole numbers")
+    return tuple(values)
+
+
+def _match_pool(state: _State, user: Node):
+    """MaxPool / AvgPool 2-D and 3-D over a conv output's spatial dims; 1-D as PyTorch
+    runs it, a 2-D pool of a 1 x k window between `unsqueeze(-2)` and `squeeze(-2)`."""
+    consumed = []
+    pool = user
+    if user.target is aten.unsqueeze.default:
+        ndim = _val(state.node).dim()
+        dim = _arg(user, 1, "dim")
+        if not state.conv or ndim != 3 or not isinstance(dim, int) or dim % 4 != 2 or len(user.users) != 1:
+            return None
+        pool = next(iter(user.users))
+        if pool.target not in _MAX_POOLS + _AVG_POOLS:
+            return None
+        consumed.append(user)
+    elif user.target not in _MAX_POOLS + _AVG_POOLS:
+        return None
+    name = "maxpool" if pool.target in _MAX_POOLS else "avgpool"
+    if not state.conv or state.channel_axis != 1 or state.reduced or state.pooled or state.pixels:
+        raise Refuse(f"{name}: only over the spatial dims of a conv output")
+    nd = _val(pool.args[0]).dim() - 2
+    kernel = _per_dim(_arg(pool, 1, "kernel_size"), nd, f"{name}: kernel_size")
+    stride = _per_dim(_arg(pool, 2, "stride", None) or kernel, nd, f"{name}: stride")
+    padding = _per_dim(_arg(pool, 3, "padding", 0), nd, f"{name}: padding")
+    if name == "maxpool":
+        dilation = _per_dim(_arg(pool, 4, "dilation", 1), nd, f"{name}: dilation")
+        ceil_mode = bool(_arg(pool, 5, "ceil_mode", False))
+        items = _getitems(pool)
+        if 1 in items and items[1].users:
+            raise Refuse(f"{name}: the graph also uses its indices (in training, for backward), which the pool "
+                         "kernel does not write")
+        if 0 not in items:
+            raise Refuse(f"{name}: values unused")
+        consumed += [pool, items[0]]
+        result = items[0]
+        extra = ()
+    else:
+        dilation = (1,) * nd
+        ceil_mode = bool(_arg(pool, 4, "ceil_mode", False))
+        divisor = _arg(pool, 6, "divisor_override", None)
+        if divisor is not None and (isinstance(divisor, bool) or not isinstance(divisor, int) or divisor <= 0):
+            raise Refuse(f"{name}: divisor_override {divisor!r}")
+        extra = (int(bool(_arg(pool, 5, "count_include_pad", True))), int(divisor or 0))
+        consumed.append(pool)
+        result = pool
+    if consumed[0] is not pool:  # the 1-D form: squeeze the unit dim back, drop it from the window
+        squeeze = next(iter(result.users)) if len(result.users) == 1 else None
+        dims = squeeze.args[1] if squeeze is not None and len(squeeze.args) > 1 else None
+        dims = [dims] if isinstance(dims, int) else list(dims or [])
+        if squeeze is None or squeeze.target not in _SQUEEZES or [d % 4 for d in dims] != [2]:
+            raise Refuse(f"1-D {name}: the pooled value is not squeezed back to 3-D")
+        if (kernel[0], stride[0], padding[0], dilation[0]) != (1, 1, 0, 1):
+            raise Refuse(f"1-D {name}: a window over the unit dim")
+        kernel, stride, padding, dilation = kernel[1:], stride[1:], padding[1:], dilation[1:]
+        consumed.append(squeeze)
+        result = squeeze
+    sizes = tuple(_val(state.node).shape[2:])
+    pooled = tuple(_val(result).shape[2:])
+    want = tuple(pool_out_size(*dims, ceil_mode) for dims in zip(sizes, kernel, stride, padding, dilation))
+    if pooled != want or min(pooled, default=0) < 1:
+        raise Refuse(f"{name}: pooled sizes {list(pooled)}, not the {list(want)} of its window")
+    if any(2 * p > k for p, k in zip(padding, kernel)):
+        raise Refuse(f"{name}: padding {list(padding)} over half the kernel {list(kernel)}")
+    window = (sizes, pooled, kernel, stride, padding, dilation)
+    return _Match(Step(name, consts=(int(ceil_mode),) + extra, window=window), consumed, result)
+
+
 # ---------------------------------------------------------------- conversions
 
 _CONVERTS = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
@@ -812,6 +910,7 @@ STEP_MATCHERS: list[Callable] = [
     _match_batch_norm,
     _match_softmax,
     _match_row_reduction,
+    _match_pool,
     _match_convert,
 ]
 # Forms that consume a value with several users (the value feeds more than one of their nodes).
@@ -988,13 +1087,13 @@ def _extend(state: _State, disabled: frozenset) -> str:
 def _snapshot(state: _State) -> tuple:
     c = state.chain
     return (len(c.steps), len(c.nodes), len(c.params), len(c.extra), len(c.saved), c.view, state.node,
-            state.channel_axis, state.reduced, state.pooled, state.pixels, state.dtype)
+            state.channel_axis, state.reduced, state.pooled, state.pixels, state.windows, state.dtype)
 
 
 def _restore(state: _State, snap: tuple):
     c = state.chain
     (n_steps, n_nodes, n_params, n_extra, n_saved, c.view, state.node, state.channel_axis, state.reduced,
-     state.pooled, state.pixels, state.dtype) = snap
+     state.pooled, state.pixels, state.windows, state.dtype) = snap
     del c.steps[n_steps:], c.nodes[n_nodes:], c.params[n_params:], c.extra[n_extra:]
     del c.saved[n_saved:], c.saves[n_saved:]
     state.widened_at = None
@@ -1040,12 +1139,28 @@ def _save(state: _State, node: Node, what: str, per_row: int) -> str | None:
     return None
 
 
+def _used_before_pool(state: _State, users: list, consumed: list) -> str | None:
+    """Why a pooling window cannot end the values before it, or None: the graph uses one
+    of them besides the chain (in a training graph, saved for backward), and the pool
+    kernel writes only the pooled values."""
+    inside = set(state.chain.nodes) | set(consumed)
+    used = [n for n in state.chain.saved if any(u not in inside for u in n.users)]
+    if any(u not in consumed for u in users):
+        used.append(state.node)
+    if used:
+        return (f"the graph also uses {used[0].name} (before the pool; in training, saved for backward), and the "
+                "pool kernel writes only the pooled values")
+    return None
+
+
 def _values_per_row(state: _State) -> int:
     """Elements a row of the chain's current value holds."""
     if state.reduced:
         return 1
     if state.pixels:
         return state.inner
+    if state.windows:
+        return state.channels * state.windows
     return state.channels if state.pooled else state.channels * state.inner
 
 
@@ -1088,6 +1203,10 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
         if state.reduced and step.operand in (CHANNEL, FULL):
             return f"{step.name}: per-channel or full operand after a row reduction"
         _check_dtype(state, match.result)
+    if step is not None and step.name in POOLS:
+        why = _used_before_pool(state, users, match.consumed)
+        if why is not None:
+            return f"{step.name}: {why}"
     if any(u not in match.consumed for u in users):
         why = _save(state, state.node, "value", _values_per_row(state))
         if why is not None:
@@ -1114,6 +1233,8 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
         state.reduced = state.reduced or step.name in ROW_REDUCTIONS
         state.pooled = state.pooled or step.name in SPATIAL_REDUCTIONS
         state.pixels = state.pixels or step.name in CHANNEL_REDUCTIONS
+        if step.name in POOLS:
+            state.windows = math.prod(step.window[1])
     state.chain.nodes.extend(match.consumed)
     state.node = match.result
     if match.dtype is None:  # (a converted value is not the kernel's x)

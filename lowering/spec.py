@@ -97,6 +97,10 @@ class Step:
         reverse: for binary steps, the chain's value is the right operand (`p - x`).
         groups: for groupnorm, the number of groups.
         keepdim: for row, spatial and channel reductions.
+        window: for a pooling window (`POOLS`) over a conv output's spatial dims, one
+            tuple per dim each: (in_sizes, out_sizes, kernel, stride, padding, dilation);
+            its consts are (ceil_mode,) for maxpool, (ceil_mode, count_include_pad,
+            divisor_override or 0) for avgpool (PyTorch's meanings).
     """
 
     name: str
@@ -106,6 +110,7 @@ class Step:
     reverse: bool = False
     groups: int = 0
     keepdim: bool = False
+    window: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -185,7 +190,8 @@ class EpilogueSpec:
         anchor["gemm"] = _tuples(anchor.get("gemm", ()))
         anchor["pad"] = _tuples(anchor.get("pad", ()))
         steps = tuple(
-            Step(**{**s, "consts": tuple(s["consts"]), "inputs": tuple(s["inputs"])})
+            Step(**{**s, "consts": tuple(s["consts"]), "inputs": tuple(s["inputs"]),
+                    "window": _tuples(s.get("window", ()))})
             for s in data.pop("steps")
         )
         saves = tuple(Save(**{**s, "shape": tuple(s["shape"])}) for s in data.pop("saves", ()))
@@ -247,25 +253,30 @@ class EpilogueSpec:
                 per_row = self.channels
             elif step.name in CHANNEL_REDUCTIONS:
                 per_row = self.inner
+            elif step.name in POOLS:
+                per_row = self.channels * math.prod(step.window[1])
         object.__setattr__(self, "_param_sizes", tuple(sizes))  # not a field: equality and JSON ignore it
         return self._param_sizes
 
     @property
     def row_output(self) -> bool:
         """True when a reduction shrinks the output: to one value per row (a row
-        reduction), per (row, channel) (a spatial reduction) or per (row, pixel) (a
-        reduction over a conv's channels)."""
+        reduction), per (row, channel) (a spatial reduction), per (row, pixel) (a
+        reduction over a conv's channels), or per (row, channel, window) (a pool)."""
         red = self.reduction
-        return red is not None and red.name in ROW_REDUCTIONS + SPATIAL_REDUCTIONS + CHANNEL_REDUCTIONS
+        return red is not None and red.name in ROW_REDUCTIONS + SPATIAL_REDUCTIONS + CHANNEL_REDUCTIONS + POOLS
 
     def reduced_tail(self) -> tuple:
         """The reduced output's dims after the rows (`row_output` only), up to the conv's
         spatial dims, which a reduction over its channels keeps (`keeps_spatial`): a row
         reduction's () or (1,) with keepdim; a spatial reduction's (C,), or (C, 1, ...)
-        with one 1 per spatial dim; a channel reduction's (), or (1,) with keepdim."""
+        with one 1 per spatial dim; a channel reduction's (), or (1,) with keepdim; a
+        pool's (C, *pooled spatial sizes)."""
         red = self.reduction
         if red.name in ROW_REDUCTIONS + CHANNEL_REDUCTIONS:
             return (1,) if red.keepdim else ()
+        if red.name in POOLS:
+            return (self.channels,) + tuple(red.window[1])
         return (self.channels,) + ((1,) * len(self.anchor.conv[0]) if red.keepdim else ())
 
     @property
@@ -301,13 +312,16 @@ SPATIAL_REDUCTIONS = ("spatial_sum", "spatial_mean", "spatial_amax", "spatial_am
 # (the norms) the output's shape, normalized over each pixel's channels.
 CHANNEL_REDUCTIONS = ("channel_logsumexp", "channel_sum", "channel_mean", "channel_amax", "channel_amin")
 CHANNEL_NORMS = ("channel_softmax", "channel_log_softmax")
+# Pooling windows over a conv output's spatial dims (MaxPool / AvgPool 1d, 2d, 3d):
+# [rows, C, *spatial] -> [rows, C, *pooled]; `Step.window` holds the geometry.
+POOLS = ("maxpool", "avgpool")
 # Normalized by (mean, rstd) per segment: a group of channels, or the whole row;
 # segments longer than a block are split over several blocks.
 SEGMENT_NORMS = ("groupnorm", "layernorm")
 # Normalized by two statistics of the whole row, which one team of threads holds.
 ROW_NORMS = ("rmsnorm", "softmax", "log_softmax")
 REDUCTIONS = (SEGMENT_NORMS + ROW_NORMS + ROW_REDUCTIONS + SPATIAL_REDUCTIONS + CHANNEL_REDUCTIONS + CHANNEL_NORMS
-              + ("batchnorm_train",))
+              + POOLS + ("batchnorm_train",))
 # A fusion is named after its anchor family and the first of these steps it holds,
 # or "pointwise": linear_groupnorm, conv_batchnorm_eval, linear_pointwise, ...
 NAMED_STEPS = REDUCTIONS + ("batchnorm_eval",)

@@ -194,6 +194,28 @@ def _spatial(x: torch.Tensor) -> tuple:
     return tuple(range(2, x.dim()))
 
 
+def _pool(x, step, params):
+    """MaxPool / AvgPool over the spatial dims of x [rows, C, *spatial], as the graph computes
+    it: a 1-D window as the 2-D op over a unit dim (PyTorch's own 1-D pools take that path)."""
+    _, _, kernel, stride, padding, dilation = step.window
+    nd = len(kernel)
+    one = nd == 1
+    if one:
+        x = x.unsqueeze(-2)
+        kernel, stride, padding, dilation = ((1,) + tuple(kernel), (1,) + tuple(stride), (0,) + tuple(padding),
+                                             (1,) + tuple(dilation))
+    dims = len(kernel)
+    if step.name == "maxpool":
+        op = F.max_pool2d if dims == 2 else F.max_pool3d
+        out = op(x, kernel, stride, padding, dilation, ceil_mode=bool(step.consts[0]))
+    else:
+        ceil_mode, count_include_pad, divisor = step.consts
+        op = F.avg_pool2d if dims == 2 else F.avg_pool3d
+        out = op(x, kernel, stride, padding, ceil_mode=bool(ceil_mode), count_include_pad=bool(count_include_pad),
+                 divisor_override=int(divisor) or None)
+    return out.squeeze(-2) if one else out
+
+
 aten = torch.ops.aten
 
 VOCABULARY: dict[str, StepKind] = {
@@ -309,6 +331,9 @@ VOCABULARY: dict[str, StepKind] = {
         StepKind("channel_mean", lambda x, s, p: torch.mean(x, dim=1, keepdim=s.keepdim)),
         StepKind("channel_amax", lambda x, s, p: torch.amax(x, dim=1, keepdim=s.keepdim)),
         StepKind("channel_amin", lambda x, s, p: torch.amin(x, dim=1, keepdim=s.keepdim)),
+        # ------------------------ pooling windows over a conv output's spatial dims
+        StepKind("maxpool", _pool, holds=(aten.max_pool2d_with_indices, aten.max_pool3d_with_indices)),
+        StepKind("avgpool", _pool),
     ]
 }
 

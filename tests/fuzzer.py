@@ -113,7 +113,8 @@ NORMS_CONV = ["groupnorm", "batchnorm"]
 # Norms after a conv, by generator generation: a later generation draws more kinds
 # without changing what an earlier one draws (generation 2 adds InstanceNorm).
 CONV_NORMS = {1: NORMS_CONV, 2: NORMS_CONV + ["instancenorm"], 3: NORMS_CONV + ["instancenorm"],
-              4: NORMS_CONV + ["instancenorm"], 5: NORMS_CONV + ["instancenorm", "chan_softmax", "chan_log_softmax"]}
+              4: NORMS_CONV + ["instancenorm"], 5: NORMS_CONV + ["instancenorm", "chan_softmax", "chan_log_softmax"],
+              6: NORMS_CONV + ["instancenorm", "chan_softmax", "chan_log_softmax"]}
 # From this generation on, a binary step's operand may be an earlier value of the chain
 # (`earlier`: the value `back` steps before the current one, of the same shape).
 EARLIER_GENERATION = 3
@@ -125,6 +126,10 @@ POOLS = ["pool_sum", "pool_mean", "pool_amax", "pool_amin"]
 # log_softmax among the norms, these among the pools.
 CHANNEL_GENERATION = 5
 CHANNEL_REDUCTIONS = ["chan_logsumexp", "chan_sum", "chan_mean", "chan_amax", "chan_amin", "chan_max_values"]
+# From this generation on, also pooling windows (MaxPool / AvgPool 1d-3d) among the pools:
+# kernel, stride, padding, dilation, ceil_mode, count_include_pad, divisor_override drawn.
+WINDOW_GENERATION = 6
+WINDOWS = ["maxpool", "avgpool"]
 # Not in the vocabulary: the chain must stop there, and the model still match eager.
 OUTSIDE = ["cos", "pow3", "dropout_train"]
 # Values after these are in (0, 1] or (0, inf): `log` only follows them.
@@ -150,6 +155,7 @@ def drawn_steps(generation: int | None = None) -> set:
     last = max(CONV_NORMS) if generation is None else generation
     draws = POINTWISE + BINARY + NORMS_LINEAR + ROW_REDUCTIONS
     draws += (POOLS if last >= POOL_GENERATION else []) + (CHANNEL_REDUCTIONS if last >= CHANNEL_GENERATION else [])
+    draws += WINDOWS if last >= WINDOW_GENERATION else []
     draws += [n for g in range(1, last + 1) for n in CONV_NORMS[g]]
     return {step for draw in draws for step in STEPS_OF_DRAW.get(draw, (draw,))}
 
@@ -219,7 +225,7 @@ def _step(rng: random.Random, ctx: dict) -> dict:
     if family == "binary":
         op = rng.choice(BINARY)
         operands = ["channel", "one"] if op in ("maximum", "minimum") else ["scalar", "scalar", "channel", "one", "self"]
-        if not ctx["reduced"] and op not in ("maximum", "minimum"):
+        if not ctx["reduced"] and not ctx.get("windowed") and op not in ("maximum", "minimum"):
             operands.append("full")
         if ctx["reduced"]:
             operands = [o for o in operands if o not in ("channel", "full")] or ["one"]
@@ -252,8 +258,34 @@ def _step(rng: random.Random, ctx: dict) -> dict:
         return {"op": rng.choice(ROW_REDUCTIONS), "keepdim": rng.random() < 0.5}
     if family == "pool":
         pools = POOLS + CHANNEL_REDUCTIONS if ctx["generation"] >= CHANNEL_GENERATION else POOLS
-        return {"op": rng.choice(pools), "keepdim": rng.random() < 0.5}
+        pools = pools + WINDOWS * 3 if ctx["generation"] >= WINDOW_GENERATION else pools
+        op = rng.choice(pools)
+        if op in WINDOWS:
+            return _window(rng, op, ctx["spatial"])
+        return {"op": op, "keepdim": rng.random() < 0.5}
     return {"op": rng.choice(OUTSIDE)}
+
+
+def _window(rng: random.Random, op: str, sizes: list) -> dict:
+    """A pooling window that fits the conv output's spatial `sizes` (each pooled size >= 1)."""
+    small = min(sizes)
+    dilation = rng.choice([1, 1, 2]) if op == "maxpool" else 1
+    kernel = rng.choice([k for k in (1, 2, 2, 3) if dilation * (k - 1) + 1 <= small] or [1])
+    padding = rng.choice([0, 0, kernel // 2])
+    step = {"op": op, "kernel": kernel, "stride": rng.choice([kernel, kernel, 1, 2]), "padding": padding,
+            "dilation": dilation, "ceil": rng.random() < 0.3}
+    if op == "avgpool":
+        step["count_pad"] = rng.random() < 0.7
+        step["divisor"] = rng.choice([None, None, None, 3]) if len(sizes) > 1 else None
+    return step
+
+
+def _conv_out_sizes(anchor: dict) -> list:
+    """The spatial sizes of a conv anchor's output."""
+    k, s, p, d = anchor["kernel"], anchor["stride"], anchor["padding"], anchor["dilation"]
+    if anchor["kind"] == "conv_transpose":
+        return [(n - 1) * s - 2 * p + d * (k - 1) + 1 for n in anchor["spatial"]]
+    return [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n in anchor["spatial"]]
 
 
 def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, gemm: bool = False) -> Case:
@@ -274,6 +306,8 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         "last": "",
         "generation": generation,
         "earlier": 0,  # earlier values of the current value's shape (an `earlier` operand's choices)
+        "spatial": [] if linear else _conv_out_sizes(anchor),  # a conv output's spatial sizes
+        "windowed": False,  # after a pooling window: no full operands (the residual has the conv's shape)
     }
     steps, in_vocabulary = [], True
     for _ in range(rng.randint(1, 8)):
@@ -284,12 +318,13 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         if op in OUTSIDE:
             in_vocabulary = False
             ctx["allow_outside"] = False
-        if op in NORMS_LINEAR + CONV_NORMS[generation] + ROW_REDUCTIONS + POOLS + CHANNEL_REDUCTIONS:
+        if op in NORMS_LINEAR + CONV_NORMS[generation] + ROW_REDUCTIONS + POOLS + CHANNEL_REDUCTIONS + WINDOWS:
             ctx["has_reduction"] = True
         shrinks = ROW_REDUCTIONS + POOLS + CHANNEL_REDUCTIONS
         if op in shrinks:  # (then no per-channel or full operands of the conv's shape)
             ctx["reduced"] = True
-        ctx["earlier"] = 0 if op in shrinks else ctx["earlier"] + 1
+        ctx["windowed"] = ctx["windowed"] or op in WINDOWS
+        ctx["earlier"] = 0 if op in shrinks + WINDOWS else ctx["earlier"] + 1
     if gemm:
         dtype = rng.choice(["bfloat16", "float16"]) if device == "cuda" else "bfloat16"
     elif device == "cuda":
@@ -372,6 +407,15 @@ class FuzzStep(nn.Module):
             reduce = {"pool_sum": torch.sum, "pool_mean": torch.mean, "pool_amax": torch.amax,
                       "pool_amin": torch.amin}[op]
             return reduce(x, tuple(range(2, x.dim())), keepdim=s["keepdim"])
+        if op in WINDOWS:
+            nd = x.dim() - 2
+            if op == "maxpool":
+                pool = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[nd]
+                return pool(x, s["kernel"], s["stride"], s["padding"], s["dilation"], ceil_mode=s["ceil"])
+            pool = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}[nd]
+            divisor = {} if nd == 1 else {"divisor_override": s["divisor"]}
+            return pool(x, s["kernel"], s["stride"], s["padding"], ceil_mode=s["ceil"], count_include_pad=s["count_pad"],
+                        **divisor)
         if op == "chan_max_values":
             return torch.max(x, dim=1, keepdim=s["keepdim"]).values
         if op in CHANNEL_REDUCTIONS:

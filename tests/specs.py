@@ -1,5 +1,8 @@
 """Hand-built specs covering every template path (used by the GPU-free template tests)."""
 
+import math
+
+from lowering.matcher import pool_out_size
 from lowering.spec import CHANNEL, EARLIER, FULL, ONE, SCALAR, SELF, Anchor, EpilogueSpec, Step
 
 LINEAR = Anchor("mm")  # nn.Linear in float32 under TF32: the bias moves into the epilogue
@@ -315,6 +318,26 @@ def vocabulary_specs(dtype="float32"):
         specs[f"channels_last_{name}_{channels}x{inner}"] = EpilogueSpec(
             CHANNELS_LAST, (Step("silu"), Step(f"channel_{name}", keepdim=True)) + after + (Step("relu"),),
             dtype, p, channels, inner, f"conv_channel_{name}",
+        )
+    # Pooling windows over a conv output's spatial dims, then per-channel and full (pooled
+    # shape) operands: 2x2 max pool of 30 x 30; 3x3 avg pool, stride 2, padding 1, ceil_mode,
+    # padding not counted, of 31 x 31; a 3-D avg pool with divisor_override; a dilated 1-D
+    # max pool; a 2x2 max pool of a channels-last y.
+    pools = (("maxpool", CONV, (30, 30), (2, 2), (2, 2), (0, 0), (1, 1), (0,)),
+             ("avgpool", CONV, (31, 31), (3, 3), (2, 2), (1, 1), (1, 1), (1, 0, 0)),
+             ("avgpool", CONV, (6, 10, 9), (2, 3, 2), (2, 3, 2), (0, 1, 0), (1, 1, 1), (0, 1, 5)),
+             ("maxpool", CONV, (99,), (3,), (2,), (1,), (2,), (0,)),
+             ("maxpool", CHANNELS_LAST, (30, 30), (2, 2), (2, 2), (0, 0), (1, 1), (0,)))
+    for name, anchor, sizes, kernel, stride, padding, dilation, consts in pools:
+        ceil = bool(consts[0])
+        pooled = tuple(pool_out_size(*d, ceil) for d in zip(sizes, kernel, stride, padding, dilation))
+        window = (sizes, pooled, kernel, stride, padding, dilation)
+        layout = "channels_last_" if anchor.channels_last else ""
+        specs[f"{layout}{name}_{'x'.join(map(str, sizes))}"] = EpilogueSpec(
+            anchor, (Step("add", inputs=(0,), operand=CHANNEL, reverse=True), Step("relu"),
+                     Step(name, consts=consts, window=window), Step("mul", inputs=(1,), operand=CHANNEL),
+                     Step("add", inputs=(2,), operand=FULL), Step("sigmoid")),
+            dtype, p * 3, 12, math.prod(sizes), f"conv_{name}",
         )
     return specs
 

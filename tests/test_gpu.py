@@ -533,12 +533,39 @@ OVER_CHANNELS = {
 }
 
 
+# Pooling windows (MaxPool / AvgPool) after a conv: (conv, input shapes, fn, fusion). Odd
+# planes, kernel == stride and overlapping windows, padding, ceil_mode, dilation,
+# count_include_pad off, divisor_override, 1-D (batch 1), 3-D and transposed convs, a
+# 128 x 128 plane; operands per channel and full (the pooled shape) after the pool.
+WINDOWED = {
+    "maxpool_2x2_odd_plane": (lambda: nn.Conv2d(3, 16, 3), [(5, 3, 17, 24)],
+                              lambda m, y: F.max_pool2d(F.relu(y), 2) * m.scale.view(-1, 1, 1), "conv_maxpool"),
+    "maxpool_3x3_s2_p1_ceil_residual": (lambda: nn.Conv2d(8, 32, 3, padding=1), [(2, 8, 33, 31), (2, 32, 17, 16)],
+                                        lambda m, y, r: F.max_pool2d(y, 3, 2, 1, ceil_mode=True) + r, "conv_maxpool"),
+    "avgpool_3x3_s2_p1_uncounted": (lambda: nn.Conv2d(3, 16, 3), [(3, 3, 20, 21)],
+                                    lambda m, y: F.avg_pool2d(torch.tanh(y), 3, 2, 1, count_include_pad=False),
+                                    "conv_avgpool"),
+    "avgpool_3d_divisor": (lambda: nn.Conv3d(3, 8, 3), [(2, 3, 9, 10, 11)],
+                           lambda m, y: F.avg_pool3d(F.gelu(y), 2, divisor_override=5) - 0.1, "conv_avgpool"),
+    "maxpool_1d_dilated_batch1": (lambda: nn.Conv1d(4, 12, 5), [(1, 4, 1001)],
+                                  lambda m, y: F.max_pool1d(y, 3, 2, 1, dilation=2), "conv_maxpool"),
+    "avgpool_1d_padded": (lambda: nn.Conv1d(4, 12, 5), [(2, 4, 300)],
+                          lambda m, y: torch.sigmoid(F.avg_pool1d(y, 4, padding=2)), "conv_avgpool"),
+    "maxpool_transposed": (lambda: nn.ConvTranspose2d(3, 8, 3, stride=2), [(3, 3, 20, 21)],
+                           lambda m, y: F.max_pool2d(y, 2), "conv_maxpool"),
+    "avgpool_128x128": (lambda: nn.Conv2d(3, 8, 3, padding=1), [(2, 3, 128, 128)],
+                        lambda m, y: F.avg_pool2d(F.hardswish(y), 4), "conv_avgpool"),
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("name", [f"spatial_{n}" for n in POOLED] + [f"channels_{n}" for n in OVER_CHANNELS])
+@pytest.mark.parametrize("name", [f"spatial_{n}" for n in POOLED] + [f"channels_{n}" for n in OVER_CHANNELS]
+                         + [f"windows_{n}" for n in WINDOWED])
 def test_reductions_of_a_conv_output(name, dtype, exact_float32):
-    """Global pooling and reductions over the channels, against float64 within eager's error."""
+    """Global pooling, reductions over the channels and pooling windows, against float64
+    within eager's error."""
     kind, case = name.split("_", 1)
-    factory, shapes, fn, fusion = (POOLED if kind == "spatial" else OVER_CHANNELS)[case]
+    factory, shapes, fn, fusion = {"spatial": POOLED, "channels": OVER_CHANNELS, "windows": WINDOWED}[kind][case]
     model = _Pooled(factory(), fn).cuda().to(dtype)
     inputs = [torch.rand(s, device="cuda", dtype=dtype) * 2 - 1 for s in shapes]
     ref, _ = float64_reference(model, *inputs)
@@ -566,6 +593,22 @@ def test_channel_reductions_propagate_nan_and_inf_like_eager(fn, exact_float32):
         out, fused = compile_and_run(model, x)
         eager = model(x)
     assert fused == [f"conv_channel_{fn}"]
+    torch.testing.assert_close(out, eager, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pool", ["max", "avg"])
+def test_pooling_windows_propagate_nan_and_inf_like_eager(pool, exact_float32):
+    """A NaN in a window wins its max (and poisons its avg); +inf and -inf windows follow eager."""
+    window = {"max": lambda m, y: F.max_pool2d(y, 3, 2, 1), "avg": lambda m, y: F.avg_pool2d(y, 2)}[pool]
+    model = _Pooled(nn.Conv2d(3, 8, 1, bias=False), lambda m, y: window(m, y * m.scale.view(-1, 1, 1))).cuda()
+    x = torch.rand(2, 3, 12, 12, device="cuda")
+    x[1, 0, 5, 5] = float("nan")
+    x[0, :, 2, 3] = float("inf")
+    x[0, :, 8:10, 8:10] = -float("inf")
+    with torch.no_grad():
+        out, fused = compile_and_run(model, x)
+        eager = model(x)
+    assert fused == [f"conv_{pool}pool"] and out[1].isnan().any() and not out[0].isnan().all()
     torch.testing.assert_close(out, eager, equal_nan=True, atol=1e-5, rtol=1e-5)
 
 
@@ -768,6 +811,11 @@ CHANNELS_LAST = {
         lambda y: torch.logsumexp(y, dim=1, keepdim=True))), (3, 3, 5, 6, 7)),
     "conv2d_min_channels_12": (lambda: _ConvTail(nn.Conv2d(3, 12, 3), _Lambda(
         lambda y: torch.tanh(torch.min(y, dim=1).values))), (4, 3, 15, 17)),
+    # Pooling windows: a thread an output element, consecutive threads on consecutive channels.
+    "conv2d_maxpool_ceil_12": (lambda: _ConvTail(nn.Conv2d(3, 12, 3), _Lambda(
+        lambda y: F.max_pool2d(F.relu(y), 3, 2, ceil_mode=True))), (4, 3, 15, 17)),
+    "conv3d_avgpool_padded_16": (lambda: _ConvTail(nn.Conv3d(3, 16, 2), _Lambda(
+        lambda y: F.avg_pool3d(y, 2, padding=1, count_include_pad=False) * 2.0)), (3, 3, 5, 6, 7)),
 }
 
 

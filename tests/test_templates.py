@@ -68,6 +68,10 @@ def test_plan_covers_the_segment(name):
         assert spec.reduction.name.startswith("channel_") and spec.inner % p.vec == 0
         assert (p.team, p.nvec, p.chunks, p.groups) == (1, 1, 1, 1) and p.block % 32 == 0
         return
+    if p.pool:  # a pooling window: a thread an output element (the grid covers them)
+        assert spec.reduction.name in ("maxpool", "avgpool") and (p.vec, p.team, p.nvec, p.chunks) == (1, 1, 1, 1)
+        assert "(rows * kChannels * kOutInner + kBlock - 1) / kBlock" in cuda_templates.render(spec, "sm90")
+        return
     if p.flat:  # the whole output as one array: rows need not split into vectors
         assert spec.reduction is None and spec.inner == 1 and (p.team, p.chunks, p.groups) == (1, 1, 1)
         assert p.seg_len == spec.channels and p.vec * {"float32": 4}.get(spec.dtype, 2) == 16

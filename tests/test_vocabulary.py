@@ -297,6 +297,65 @@ def test_spatial_reductions_that_do_not_fit_say_why(fn, reason):
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
 
 
+POOLS = [
+    # (id, conv, input shape, fn on the conv's output, expected steps after the folded bias)
+    ("maxpool_2d", lambda: nn.Conv2d(3, 8, 3), (2, 3, 10, 11), lambda y: torch.sigmoid(F.max_pool2d(F.relu(y), 2) + 1.0),
+     ["relu", "maxpool", "add", "sigmoid"]),
+    ("maxpool_ceil_padding_channel_operand", lambda: nn.Conv2d(3, 8, 3, padding=1), (2, 3, 9, 10),
+     lambda y: F.max_pool2d(y, 3, 2, 1, ceil_mode=True) * torch.linspace(0.5, 1.5, 8).view(8, 1, 1), ["maxpool", "mul"]),
+    ("maxpool_3d_dilated", lambda: nn.Conv3d(3, 8, 2), (2, 3, 6, 7, 8),
+     lambda y: F.max_pool3d(F.gelu(y), 2, dilation=(1, 2, 1)), ["gelu", "maxpool"]),
+    ("maxpool_transposed", lambda: nn.ConvTranspose2d(3, 8, 3, stride=2), (2, 3, 5, 6), nn.MaxPool2d(2), ["maxpool"]),
+    ("maxpool_1d", lambda: nn.Conv1d(3, 8, 3), (2, 3, 21), lambda y: F.max_pool1d(torch.tanh(y), 3, 2) - 0.5,
+     ["tanh", "maxpool", "sub"]),
+    ("avgpool_padding_not_counted", lambda: nn.Conv2d(3, 8, 3), (2, 3, 10, 11),
+     lambda y: F.avg_pool2d(torch.tanh(y), 3, 2, 1, ceil_mode=True, count_include_pad=False), ["tanh", "avgpool"]),
+    ("avgpool_divisor_override", lambda: nn.Conv2d(3, 8, 3), (2, 3, 10, 11),
+     lambda y: F.avg_pool2d(y, 2, divisor_override=3) + 1.0, ["avgpool", "add"]),
+    ("avgpool_3d", lambda: nn.Conv3d(3, 8, 2), (2, 3, 5, 7, 6), nn.AvgPool3d((2, 3, 2), padding=(1, 1, 0)), ["avgpool"]),
+    ("avgpool_1d_full_operand", lambda: nn.Conv1d(3, 8, 3), (2, 3, 21),
+     lambda y: F.avg_pool1d(F.relu(y), 4, padding=2) + torch.linspace(0.0, 1.0, 2 * 8 * 5).view(2, 8, 5),
+     ["relu", "avgpool", "add"]),
+]
+
+
+@pytest.mark.parametrize("make, shape, fn, steps", [c[1:] for c in POOLS], ids=[c[0] for c in POOLS])
+def test_pooling_windows_of_a_conv_output(make, shape, fn, steps):
+    """MaxPool and AvgPool 1d/2d/3d (kernel, stride, padding, dilation, ceil_mode,
+    count_include_pad, divisor_override), then per-channel, full (pooled shape) and
+    scalar operands."""
+    torch.manual_seed(0)
+    model = ConvChain(make(), fn)
+    x = torch.randn(shape)
+    out, fused, refused = compile_records(model, x)
+    assert fused, refused
+    pool = next(s for s in steps if s.endswith("pool"))
+    assert steps_of(fused[0]) == ["add"] + steps and fused[0].fusion == f"conv_{pool}"
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+POOLS_REFUSED = [
+    # (id, fn on the conv's output, grad, reason)
+    ("maxpool_training", lambda y: F.max_pool2d(y, 2), True,
+     "maxpool: the graph also uses its indices (in training, for backward), which the pool kernel does not write"),
+    ("avgpool_training", lambda y: F.avg_pool2d(torch.tanh(y), 2), True,
+     "avgpool: the graph also uses tanh (before the pool; in training, saved for backward)"),
+    ("pool_after_pool", lambda y: F.max_pool2d(F.avg_pool2d(y, 2), 2), False, "only one reduction per fused kernel"),
+    ("unpooled_value_used_after_the_pool", lambda y: F.max_pool2d(y, 1) * y, False,
+     "maxpool: the graph also uses convolution (before the pool"),
+]
+
+
+@pytest.mark.parametrize("fn, grad, reason", [c[1:] for c in POOLS_REFUSED], ids=[c[0] for c in POOLS_REFUSED])
+def test_pooling_windows_that_do_not_fit_say_why(fn, grad, reason):
+    model = ConvChain(nn.Conv2d(3, 8, 3), fn)
+    x = torch.randn(2, 3, 10, 11, requires_grad=grad)
+    out, fused, refused = compile_records(model, x, grad=grad)
+    stops = [r.reason for r in refused] + [r.stop for r in fused]
+    assert any(reason in why for why in stops), stops
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
 def test_matmul_with_nd_input_and_no_bias():
     w = torch.randn(16, 32)
     model = Chain(lambda x: F.mish(x @ w))

@@ -87,8 +87,9 @@ struct Plan {
   int64_t n_operands = 0;
   bool gemm_auto = false;  // kGemm: in-kernel per rows (asked of Python), else every call
   bool row_output = false;
-  int64_t out_channels = 0;  // a reduced output's channel dim after the rows, else 0
-  int64_t out_ones = 0;      // a reduced output's trailing dims of 1 (keepdim)
+  int64_t out_rank = 0;  // a reduced output's dims after the rows (its tail), up to 4
+  // The tail, 0 past out_rank: a spatial reduction's [C, 1, ...], a pool's [C, *pooled], ...
+  int64_t out_d0 = 0, out_d1 = 0, out_d2 = 0, out_d3 = 0;
   bool out_spatial = false;  // then y's spatial dims (a reduction over a conv's channels)
   int64_t channels = 0;
   int64_t out_h = 0, out_w = 0;  // kDirectConv's output plane
@@ -147,7 +148,7 @@ T symbol(void* handle, const char* name, const std::string& library) {
   return reinterpret_cast<T>(found);
 }
 
-// layout: [path, anchor, n_operands, gemm_auto, row_output, out_channels, out_ones,
+// layout: [path, anchor, n_operands, gemm_auto, row_output, out_rank, out_d0 .. out_d3,
 //          out_spatial, channels, out_h, out_w, stores_pre_norm, has_bias, pad_k, pad_n,
 //          channels_last]
 // conv: empty, or [nd, stride x nd, padding x nd, dilation x nd, transposed,
@@ -156,7 +157,7 @@ T symbol(void* handle, const char* name, const std::string& library) {
 // checks: [dtype code, y_row, n, (a row, whole) x n, m, (dtype code, whole, per_row) x m]
 //         (native.CheckLayout).
 // The fields of native.LaunchLayout, read below in its order (plan->field = layout[i]).
-constexpr size_t kLayoutFields = 16;
+constexpr size_t kLayoutFields = 19;
 
 void set_plan(std::string_view spec, int64_t device, std::string_view library, std::string_view name,
               at::IntArrayRef layout, at::IntArrayRef running_stats, at::IntArrayRef conv,
@@ -182,17 +183,22 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   plan->n_operands = layout[2];
   plan->gemm_auto = layout[3] != 0;
   plan->row_output = layout[4] != 0;
-  plan->out_channels = layout[5];
-  plan->out_ones = layout[6];
-  plan->out_spatial = layout[7] != 0;
-  plan->channels = layout[8];
-  plan->out_h = layout[9];
-  plan->out_w = layout[10];
-  plan->stores_pre_norm = layout[11] != 0;
-  plan->has_bias = layout[12] != 0;
-  plan->pad_k = layout[13];
-  plan->pad_n = layout[14];
-  plan->channels_last = layout[15] != 0;
+  plan->out_rank = layout[5];
+  plan->out_d0 = layout[6];
+  plan->out_d1 = layout[7];
+  plan->out_d2 = layout[8];
+  plan->out_d3 = layout[9];
+  plan->out_spatial = layout[10] != 0;
+  plan->channels = layout[11];
+  plan->out_h = layout[12];
+  plan->out_w = layout[13];
+  plan->stores_pre_norm = layout[14] != 0;
+  plan->has_bias = layout[15] != 0;
+  plan->pad_k = layout[16];
+  plan->pad_n = layout[17];
+  plan->channels_last = layout[18] != 0;
+  TORCH_CHECK(plan->out_rank >= 0 && plan->out_rank <= 4, "fusedepi_native.plan: a reduced output's tail of ",
+              plan->out_rank, " dims");
   TORCH_CHECK(layout[0] >= 0 && layout[0] <= 2 && layout[1] >= 0 && layout[1] <= 2,
               "fusedepi_native.plan: bad path or anchor in the layout");
   TORCH_CHECK((plan->pad_k == 0) == (plan->pad_n == 0) &&
@@ -284,13 +290,13 @@ at::Tensor aligned(const at::Tensor& t) {
   return t.clone(at::MemoryFormat::Contiguous);
 }
 
-// A reducing chain's output: [rows], then the channels (a spatial reduction), then the
-// kept dims of 1, then the spatial dims of `spatial_of` (y: a reduction over a conv's
-// channels).
+// A reducing chain's output: [rows], then its tail (the channels of a spatial reduction or
+// a pool, the kept dims of 1, a pool's pooled sizes), then the spatial dims of `spatial_of`
+// (y: a reduction over a conv's channels).
 std::vector<int64_t> row_shape(const Plan& plan, int64_t rows, at::IntArrayRef spatial_of = {}) {
   std::vector<int64_t> shape{rows};
-  if (plan.out_channels) shape.push_back(plan.out_channels);
-  shape.insert(shape.end(), plan.out_ones, 1);
+  const int64_t tail[4] = {plan.out_d0, plan.out_d1, plan.out_d2, plan.out_d3};
+  shape.insert(shape.end(), tail, tail + plan.out_rank);
   if (plan.out_spatial && spatial_of.size() > 2) shape.insert(shape.end(), spatial_of.begin() + 2, spatial_of.end());
   return shape;
 }
