@@ -39,6 +39,7 @@ FLAT_BLOCK = 256  # threads per block of the flat mapping
 CHANNEL_BLOCK = 256  # threads per block of a reduction over a conv's channels (a vector of pixels each)
 CHANNEL_HOLD = 64  # values a thread holds there (channel_reduce.cuh's kHoldMax)
 POOL_BLOCK = 256  # threads per block of a pooling window's kernel (an output element each)
+POOL_TILE_BYTES = 40 * 1024  # pool.cuh's channels-last tile, [channels][pixels + 1] floats, at most
 FLAT_NVEC = 4  # 16-byte vectors a thread there
 MIN_BUSY = 0.9  # below this share of busy vector slots a segment's team narrows (or a pointwise chain runs flat)
 NARROW_MAX_ELEMENTS = 32  # elements a lane of a narrowed team holds (registers)
@@ -201,7 +202,16 @@ def _pool_plan(spec: EpilogueSpec) -> Plan:
     """
     if spec.channels * spec.inner >= 2**31:
         raise NotRenderable(f"rows of {spec.channels * spec.inner} elements: the kernels index a row with 32 bits")
+    if spec.anchor.channels_last and _pool_tile_bytes(spec.channels) > POOL_TILE_BYTES:
+        raise NotRenderable(f"a pooling window of {spec.channels} channels-last channels: pool.cuh's tile would "
+                            f"take {_pool_tile_bytes(spec.channels)} bytes of shared memory")
     return Plan(spec.channels * spec.inner, 1, 1, 1, 1, 1, POOL_BLOCK, pool=True)
+
+
+def _pool_tile_bytes(channels: int) -> int:
+    """Shared memory of pool.cuh's channels-last tile (its kTilePixels)."""
+    pixels = 1 if channels >= 4 * POOL_BLOCK else 4 * POOL_BLOCK // channels
+    return channels * (pixels + 1) * 4
 
 
 def channels_last_plan(spec: EpilogueSpec) -> Plan | str:
@@ -213,7 +223,10 @@ def channels_last_plan(spec: EpilogueSpec) -> Plan | str:
     if red is not None and red.name in CHANNEL_REDUCTIONS + CHANNEL_NORMS:
         return _pixels_plan(spec)
     if red is not None and red.name in POOLS:
-        return _pool_plan(spec)
+        try:
+            return _pool_plan(spec)
+        except NotRenderable as err:
+            return str(err)
     return staged_plan(spec)
 
 
@@ -723,7 +736,7 @@ def staged_applies(spec: EpilogueSpec, p: Plan) -> bool:
 
 def _apply_grid(p: Plan) -> str:
     if p.pool:
-        return "(rows * kChannels * kOutInner + kBlock - 1) / kBlock"
+        return "rows * kPoolBlocksPerRow"
     if p.pixels:
         return "(rows * (kInner / kV) + kBlock - 1) / kBlock"
     if p.flat:

@@ -70,7 +70,7 @@ def test_plan_covers_the_segment(name):
         return
     if p.pool:  # a pooling window: a thread an output element (the grid covers them)
         assert spec.reduction.name in ("maxpool", "avgpool") and (p.vec, p.team, p.nvec, p.chunks) == (1, 1, 1, 1)
-        assert "(rows * kChannels * kOutInner + kBlock - 1) / kBlock" in cuda_templates.render(spec, "sm90")
+        assert "<<<rows * kPoolBlocksPerRow, kBlock, 0, stream>>>" in cuda_templates.render(spec, "sm90")
         return
     if p.flat:  # the whole output as one array: rows need not split into vectors
         assert spec.reduction is None and spec.inner == 1 and (p.team, p.chunks, p.groups) == (1, 1, 1)
@@ -213,6 +213,17 @@ def test_padded_gemm_files_pad_x_in_their_own_kernel():
     plain = cuda_templates.render(awkward["pointwise_only"], "sm90")  # no pad kernel: fusedepi_pad_rows refuses
     assert "constexpr long long kPadK = 0;" in plain and "pad_rows.cuh" not in plain and "pad_rows<<<" not in plain
     assert "return static_cast<int>(cudaErrorNotSupported);" in plain
+
+
+def test_channels_last_pooling_windows_tile_what_shared_memory_holds():
+    specs = vocabulary_specs()
+    spec = specs["channels_last_maxpool_30x30"]
+    assert cuda_templates.channels_last_plan(spec).pool
+    wide = replace(spec, channels=6000)
+    assert "pooling window of 6000 channels-last channels" in cuda_templates.channels_last_plan(wide)
+    with pytest.raises(cuda_templates.NotRenderable, match="shared memory"):
+        plan(wide)
+    assert plan(replace(wide, anchor=CONV)).pool  # NCHW: no tile
 
 
 def test_row_reduction_too_long_is_not_renderable():

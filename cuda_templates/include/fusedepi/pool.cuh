@@ -4,11 +4,15 @@
 // output in the layout cuDNN is fastest in). The output [rows, kChannels, kOutD, kOutH,
 // kOutW] is contiguous either way.
 //
-// A thread takes one output element (row, channel, pooled pixel) and walks its window in
-// PyTorch's order (depth, height, width), applying stage0 to each element it reads.
-// Consecutive threads take consecutive pooled pixels of one channel (NCHW y), or
-// consecutive channels of one pooled pixel (channels-last y: the loads of a warp are then
-// contiguous). The reduction is PyTorch's CUDA kernels': max keeps the first maximum and a
+// A thread computes one output element (row, channel, pooled pixel) at a time: it walks
+// its window in PyTorch's order (depth, height, width), applying stage0 to each element
+// it reads. On an NCHW y consecutive threads take consecutive pooled pixels of one
+// channel. On a channels-last y a block takes a tile of kTilePixels consecutive pooled
+// pixels of one row with all their channels: consecutive threads take consecutive
+// channels of a pixel (a warp's loads are contiguous), the results wait in shared memory,
+// and the block writes them channel by channel, kTilePixels consecutive elements each
+// (each thread writing its own element would scatter a warp's stores over 32 planes).
+// The reduction is PyTorch's CUDA kernels': max keeps the first maximum and a
 // NaN wins (`v > m || isnan(v)`); avg sums in float32 in window order and divides by
 // divisor_override, else by the window's size clipped to the padded input
 // (count_include_pad) or to the input; a window with no input element gives 0. stage1
@@ -28,23 +32,19 @@
 
 constexpr long long kOutInner = static_cast<long long>(kOutD) * kOutH * kOutW;  // pooled pixels a channel
 static_assert(static_cast<long long>(kInD) * kInH * kInW == kInner, "the window's input sizes are the plane's");
+// Channels-last: the pooled pixels a block's tile holds (about 4 elements a thread), and
+// the tiles a row.
+constexpr int kTilePixels = kChannels >= 4 * kBlock ? 1 : static_cast<int>(4 * kBlock / kChannels);
+constexpr long long kRowTiles = (kOutInner + kTilePixels - 1) / kTilePixels;
+static_assert(!kChannelsLastY || kChannels * (kTilePixels + 1) * 4 <= 40 * 1024,
+              "the tile fits shared memory (render.POOL_TILE_BYTES)");
+// Blocks a row of the output: NCHW, a thread an element; channels-last, a tile a block.
+constexpr long long kPoolBlocksPerRow =
+    kChannelsLastY ? kRowTiles : (kChannels * kOutInner + kBlock - 1) / kBlock;
 
-__device__ __forceinline__ void pool_apply(const Args& a) {
-  const long long t = static_cast<long long>(blockIdx.x) * kBlock + threadIdx.x;
-  if (t >= a.rows * kChannels * kOutInner) return;
-  long long n;
-  int c, o;
-  if constexpr (kChannelsLastY) {  // t = (n * kOutInner + o) * kChannels + c
-    const long long pixel = t / kChannels;
-    c = static_cast<int>(t - pixel * kChannels);
-    n = pixel / kOutInner;
-    o = static_cast<int>(pixel - n * kOutInner);
-  } else {  // t = (n * kChannels + c) * kOutInner + o
-    const long long plane = t / kOutInner;
-    o = static_cast<int>(t - plane * kOutInner);
-    n = plane / kChannels;
-    c = static_cast<int>(plane - n * kChannels);
-  }
+// The output element (n, c, o) before rounding: the window's reduction of stage0's values,
+// then stage1 (which saves what it saves).
+__device__ __forceinline__ float pool_element(const Args& a, long long n, int c, int o) {
   const int ow = o % kOutW, oh = (o / kOutW) % kOutH, od = o / (kOutW * kOutH);
   const int d0 = od * kSD - kPD, h0 = oh * kSH - kPH, w0 = ow * kSW - kPW;
   const long long plane_at = (n * kChannels + c) * static_cast<long long>(kInner);  // y's (n, c) plane, NCHW
@@ -83,8 +83,31 @@ __device__ __forceinline__ void pool_apply(const Args& a) {
   }
   // The steps after the pool, on the pooled value: its channel is c (stage1 reads a
   // channel from a position of the unpooled plane), its flat index the output's.
-  const long long e0 = (n * kChannels + c) * kOutInner + o;
   float v[1] = {r};
-  stage1<1>(v, c * static_cast<int>(kInner), e0, a, 0.f, 0.f, true);
-  a.out[e0] = fusedepi::from_float<T>(v[0]);
+  stage1<1>(v, c * static_cast<int>(kInner), (n * kChannels + c) * kOutInner + o, a, 0.f, 0.f, true);
+  return v[0];
+}
+
+// Grid: rows * kPoolBlocksPerRow blocks of kBlock threads.
+__device__ __forceinline__ void pool_apply(const Args& a) {
+  const long long n = blockIdx.x / kPoolBlocksPerRow;
+  const long long part = blockIdx.x - n * kPoolBlocksPerRow;
+  if constexpr (kChannelsLastY) {
+    __shared__ float tile[kChannels][kTilePixels + 1];  // [channel][pixel], padded against bank conflicts
+    const long long first = part * kTilePixels;  // the tile's first pooled pixel
+    for (int i = threadIdx.x; i < kTilePixels * kChannels; i += kBlock) {
+      const int p = i / static_cast<int>(kChannels), c = i - p * static_cast<int>(kChannels);
+      if (first + p < kOutInner) tile[c][p] = pool_element(a, n, c, static_cast<int>(first + p));
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < kTilePixels * kChannels; i += kBlock) {
+      const int c = i / kTilePixels, p = i - c * kTilePixels;
+      if (first + p < kOutInner) a.out[(n * kChannels + c) * kOutInner + first + p] = fusedepi::from_float<T>(tile[c][p]);
+    }
+  } else {
+    const long long e = part * kBlock + threadIdx.x;  // the element within the row: c * kOutInner + o
+    if (e >= kChannels * kOutInner) return;
+    const int c = static_cast<int>(e / kOutInner), o = static_cast<int>(e - c * kOutInner);
+    a.out[n * kChannels * kOutInner + e] = fusedepi::from_float<T>(pool_element(a, n, c, o));
+  }
 }
