@@ -127,8 +127,8 @@ def plan(spec: EpilogueSpec) -> Plan:
     """
     red = spec.reduction
     row = spec.channels * spec.inner
-    if red is not None and red.name == "groupnorm":
-        groups = red.groups
+    if red is not None and red.name in SEGMENT_NORMS and red.groups:
+        groups = red.groups  # a GroupNorm's groups, a conv LayerNorm's segments
     elif red is not None and red.name == "batchnorm_train" and spec.inner > 1:
         groups = spec.channels  # a conv's BatchNorm: partial statistics per (row, channel)
     elif red is not None and red.name in SPATIAL_REDUCTIONS:
@@ -258,6 +258,8 @@ def staged_plan(spec: EpilogueSpec) -> Plan | str:
         return "a 1 x 1 output: the layouts are the same"
     if red is not None and red.name not in SEGMENT_NORMS:
         return f"{red.name} is not implemented on a channels-last y (pointwise steps and group/layer norms are)"
+    if red is not None and red.normalized:
+        return "a LayerNorm over trailing dims reads its affine per place in the segment, in the graph's layout"
     if spec.saves:
         return "it returns values saved for backward, which are read in the graph's layout"
     row = spec.channels * spec.inner
@@ -607,6 +609,8 @@ def _check_operands(spec: EpilogueSpec, p: Plan):
     for step in spec.steps:
         if step.operand == FULL and p.vec > 1 and spec.dtype != spec.param_dtypes[step.inputs[0]]:
             raise NotRenderable(f"{step.name}: residual dtype differs from the chain's")
+        if step.normalized and p.vec > 1 and any(spec.param_dtypes[i] != spec.dtype for i in step.inputs if i >= 0):
+            raise NotRenderable(f"{step.name}: weight or bias dtype differs from the chain's (read in whole vectors)")
 
 
 def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32: bool = False) -> str:

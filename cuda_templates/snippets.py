@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 
-from lowering.spec import (CHANNEL, CHANNEL_REDUCTIONS, EARLIER, FULL, ONE, POOLS, REDUCTIONS, ROW_REDUCTIONS, SCALAR, SELF,
+from lowering.spec import (CHANNEL, CHANNEL_REDUCTIONS, EARLIER, FULL, ONE, POOLS, REDUCTIONS, SEGMENT, ROW_REDUCTIONS, SCALAR, SELF,
                            SPATIAL_REDUCTIONS, Step, to_float32)
 
 
@@ -58,6 +58,9 @@ class Operands:
             return self._per_channel(name, f"a.p{index}")
         if kind == FULL:
             self._loads[name] = f"float {name}[W];\n  fusedepi::load_full<W>(a.p{index}, e0, {name});"
+            return f"{name}[j]"
+        if kind == SEGMENT:  # e0 % kL: the vector's place in its segment (rows are whole segments)
+            self._loads[name] = f"float {name}[W];\n  fusedepi::load_full<W>(a.p{index}, e0 % kL, {name});"
             return f"{name}[j]"
         assert kind == ONE
         self._loads[name] = f"const float {name} = fusedepi::to_float(a.p{index}[0]);"
@@ -148,9 +151,12 @@ def _float32_reciprocal(value: float) -> float:
 
 
 def _affine_norm(step: Step, ops: Operands) -> str:
-    """Normalize with the group or layer statistics s0 = mean, s1 = rstd in scope."""
-    w = ops.param(step.inputs[0], CHANNEL, "1.f")
-    b = ops.param(step.inputs[1], CHANNEL, "0.f")
+    """Normalize with the group or layer statistics s0 = mean, s1 = rstd in scope; the
+    affine per channel, or (a LayerNorm over a conv output's trailing dims) per place in
+    the segment."""
+    kind = SEGMENT if step.normalized else CHANNEL
+    w = ops.param(step.inputs[0], kind, "1.f")
+    b = ops.param(step.inputs[1], kind, "0.f")
     return f"x = (x - s0) * s1 * {w} + {b};"
 
 

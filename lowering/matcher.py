@@ -641,11 +641,32 @@ def _match_layer_norm(state: _State, user: Node):
     if user.target is not aten.native_layer_norm.default:
         return None
     shape, weight, bias, eps = user.args[1], user.args[2], user.args[3], user.args[4]
-    if state.conv or list(shape) != [state.channels] or state.channel_axis != _val(state.node).dim() - 1:
+    if state.conv:
+        return _conv_layer_norm(state, user, list(shape), weight, bias, eps)
+    if list(shape) != [state.channels] or state.channel_axis != _val(state.node).dim() - 1:
         raise Refuse(f"LayerNorm: normalized_shape {list(shape)} is not the feature dim alone")
     items, consumed, stats = _normalized(user, "LayerNorm")
     inputs = (_add_param(state, weight), _add_param(state, bias))
     return _Match(Step("layernorm", consts=(float(eps),), inputs=inputs), consumed, items[0], stats=stats)
+
+
+def _conv_layer_norm(state: _State, user: Node, shape: list, weight, bias, eps):
+    """LayerNorm over trailing dims of a conv output [rows, C, *spatial] (its last k dims,
+    k >= 1, the channels included or not): a segment norm whose segments are the
+    contiguous runs of those dims, with a weight and bias of their shape (`SEGMENT`)."""
+    val = _val(state.node)
+    tail = list(val.shape[val.dim() - len(shape):]) if 0 < len(shape) < val.dim() else None
+    if tail is None or not all(_same_size(a, b) for a, b in zip(tail, shape)):
+        raise Refuse(f"LayerNorm: normalized_shape {shape} is not trailing dims of the conv output's "
+                     f"{list(val.shape)} (the batch excluded)")
+    if state.channel_axis != 1 or state.reduced or state.pooled or state.pixels or state.windows:
+        raise Refuse("LayerNorm: only over the trailing dims of a conv output itself (not a reduced or pooled one)")
+    segment = math.prod(shape)
+    items, consumed, stats = _normalized(user, "LayerNorm")
+    inputs = (_add_param(state, weight), _add_param(state, bias))
+    step = Step("layernorm", consts=(float(eps),), inputs=inputs, groups=state.channels * state.inner // segment,
+                normalized=tuple(int(d) for d in shape))
+    return _Match(step, consumed, items[0], stats=stats)
 
 
 def _match_batch_norm(state: _State, user: Node):
@@ -1214,7 +1235,7 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
     for what, node in match.stats.items():
         # Per (row, group) for GroupNorm, per row for LayerNorm, per channel for BatchNorm;
         # silu's sigmoid is element-wise.
-        per_row = {"groupnorm": step.groups, "layernorm": 1, "rmsnorm": 1, "silu": _values_per_row(state)}
+        per_row = {"groupnorm": step.groups, "layernorm": step.groups or 1, "rmsnorm": 1, "silu": _values_per_row(state)}
         why = _save(state, node, what, per_row.get(step.name, 0))
         if why is not None:
             return why

@@ -29,6 +29,9 @@ ONE = "one"  # a tensor with a single element
 FULL = "full"  # a contiguous tensor with the chain's own shape (a residual)
 SELF = "self"  # the chain's own value (`x + x`, `x * x`)
 EARLIER = "earlier"  # an earlier value of the chain: consts = (k,), the value after k steps (0: the anchor output)
+# A norm's weight or bias of its segment's shape (LayerNorm over a conv output's trailing
+# dims): element (position in the row) % segment length.
+SEGMENT = "segment"
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,9 @@ class Step:
             tuple per dim each: (in_sizes, out_sizes, kernel, stride, padding, dilation);
             its consts are (ceil_mode,) for maxpool, (ceil_mode, count_include_pad,
             divisor_override or 0) for avgpool (PyTorch's meanings).
+        normalized: for a layernorm over a conv output's trailing dims, their sizes
+            (normalized_shape); `groups` is then the segments a row. Empty: over the
+            features of a linear output.
     """
 
     name: str
@@ -111,6 +117,7 @@ class Step:
     groups: int = 0
     keepdim: bool = False
     window: tuple = ()
+    normalized: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -191,7 +198,7 @@ class EpilogueSpec:
         anchor["pad"] = _tuples(anchor.get("pad", ()))
         steps = tuple(
             Step(**{**s, "consts": tuple(s["consts"]), "inputs": tuple(s["inputs"]),
-                    "window": _tuples(s.get("window", ()))})
+                    "window": _tuples(s.get("window", ())), "normalized": tuple(s.get("normalized", ()))})
             for s in data.pop("steps")
         )
         saves = tuple(Save(**{**s, "shape": tuple(s["shape"])}) for s in data.pop("saves", ()))
@@ -244,9 +251,10 @@ class EpilogueSpec:
                 if step.operand in (CHANNEL, ONE, FULL):
                     sizes[step.inputs[0]] = {CHANNEL: (self.channels, 0), ONE: (1, 0), FULL: (0, per_row)}[step.operand]
             else:
+                per = math.prod(step.normalized) if step.normalized else self.channels
                 for index in step.inputs:
                     if index >= 0:
-                        sizes[index] = (self.channels, 0)
+                        sizes[index] = (per, 0)
             if step.name in ROW_REDUCTIONS:
                 per_row = 1
             elif step.name in SPATIAL_REDUCTIONS:

@@ -125,7 +125,7 @@ def _group_norm_statistics(x, step, params):
 
 def _layer_norm_statistics(x, step, params):
     w, b = (_param(params, i) for i in step.inputs)
-    out = torch.ops.aten.native_layer_norm(x, [x.shape[-1]], w, b, step.consts[0])
+    out = torch.ops.aten.native_layer_norm(x, list(step.normalized or x.shape[-1:]), w, b, step.consts[0])
     return out[1], out[2]
 
 
@@ -288,8 +288,8 @@ VOCABULARY: dict[str, StepKind] = {
         ),
         StepKind(
             "layernorm",
-            lambda x, s, p: F.layer_norm(
-                x, (x.shape[-1],), _param(p, s.inputs[0]), _param(p, s.inputs[1]), s.consts[0]
+            lambda x, s, p: F.layer_norm(  # over the features, or a conv output's trailing dims
+                x, tuple(s.normalized or x.shape[-1:]), _param(p, s.inputs[0]), _param(p, s.inputs[1]), s.consts[0]
             ),
             statistics=_layer_norm_statistics,
             holds=(aten.native_layer_norm,),

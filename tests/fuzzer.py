@@ -114,7 +114,10 @@ NORMS_CONV = ["groupnorm", "batchnorm"]
 # without changing what an earlier one draws (generation 2 adds InstanceNorm).
 CONV_NORMS = {1: NORMS_CONV, 2: NORMS_CONV + ["instancenorm"], 3: NORMS_CONV + ["instancenorm"],
               4: NORMS_CONV + ["instancenorm"], 5: NORMS_CONV + ["instancenorm", "chan_softmax", "chan_log_softmax"],
-              6: NORMS_CONV + ["instancenorm", "chan_softmax", "chan_log_softmax"]}
+              6: NORMS_CONV + ["instancenorm", "chan_softmax", "chan_log_softmax"],
+              7: NORMS_CONV + ["instancenorm", "chan_softmax", "chan_log_softmax", "conv_layernorm"]}
+# Generation 7 adds LayerNorm over a conv output's trailing dims (`conv_layernorm`: the
+# last `dims` of them, the channels included or not).
 # From this generation on, a binary step's operand may be an earlier value of the chain
 # (`earlier`: the value `back` steps before the current one, of the same shape).
 EARLIER_GENERATION = 3
@@ -143,7 +146,7 @@ BOUNDED = {"sigmoid", "tanh", "hardsigmoid", "hardtanh", "relu6", "clamp", "soft
 STEPS_OF_DRAW = {
     "silu_spelled": ("silu",), "hardtanh": ("clamp",), "relu6": ("clamp",), "clamp_min": ("clamp",),
     "clamp_max": ("clamp",), "selu": ("elu",), "celu": ("elu",), "batchnorm": ("batchnorm_train", "batchnorm_eval"),
-    "instancenorm": ("groupnorm",), "max_values": ("amax",),
+    "instancenorm": ("groupnorm",), "max_values": ("amax",), "conv_layernorm": ("layernorm",),
     **{pool: (f"spatial_{pool.removeprefix('pool_')}",) for pool in POOLS},
     **{op: (f"channel_{op.removeprefix('chan_')}",) for op in CHANNEL_REDUCTIONS + ["chan_softmax", "chan_log_softmax"]},
     "chan_max_values": ("channel_amax",),
@@ -253,6 +256,8 @@ def _step(rng: random.Random, ctx: dict) -> dict:
             step["momentum"] = rng.choice([0.1, 0.3])
         elif op == "instancenorm":
             step["affine"], step["running"] = rng.random() < 0.6, rng.random() < 0.3
+        elif op == "conv_layernorm":
+            step["dims"], step["affine"] = rng.randint(1, len(ctx["spatial"]) + 1), rng.random() < 0.8
         return step
     if family == "reduction":
         return {"op": rng.choice(ROW_REDUCTIONS), "keepdim": rng.random() < 0.5}
@@ -368,6 +373,8 @@ class FuzzStep(nn.Module):
             with torch.no_grad():
                 self.norm.running_mean.copy_(torch.randn(channels, generator=gen) * 0.1)
                 self.norm.running_var.copy_(torch.rand(channels, generator=gen) + 0.5)
+        elif op == "conv_layernorm":
+            self.norm = nn.LayerNorm(value_shape[-spec["dims"]:], eps=spec["eps"], elementwise_affine=spec["affine"])
         elif op == "instancenorm":
             cls = {3: nn.InstanceNorm1d, 4: nn.InstanceNorm2d, 5: nn.InstanceNorm3d}[len(value_shape)]
             self.norm = cls(channels, eps=spec["eps"], affine=spec["affine"], track_running_stats=spec["running"])

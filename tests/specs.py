@@ -319,6 +319,18 @@ def vocabulary_specs(dtype="float32"):
             CHANNELS_LAST, (Step("silu"), Step(f"channel_{name}", keepdim=True)) + after + (Step("relu"),),
             dtype, p, channels, inner, f"conv_channel_{name}",
         )
+    # LayerNorm over a conv output's trailing dims: segments of a row (30, a warp team),
+    # of a plane (30 x 30) and of the whole image (12 x 30 x 30, a block; 16 x 64 x 64,
+    # chunks), a weight and bias of the segment's shape, per-channel operands around it.
+    for normalized, channels, inner in (((30,), 12, 900), ((30, 30), 12, 900), ((12, 30, 30), 12, 900),
+                                        ((16, 64, 64), 16, 4096)):
+        segments = channels * inner // math.prod(normalized)
+        specs[f"conv_layernorm_{'x'.join(map(str, normalized))}"] = EpilogueSpec(
+            CONV, (Step("add", inputs=(0,), operand=CHANNEL, reverse=True),
+                   Step("layernorm", consts=(1e-5,), inputs=(1, 2), groups=segments, normalized=normalized),
+                   Step("mul", inputs=(3,), operand=CHANNEL), Step("gelu")),
+            dtype, p * 4, channels, inner, "conv_layernorm",
+        )
     # Pooling windows over a conv output's spatial dims, then per-channel and full (pooled
     # shape) operands: 2x2 max pool of 30 x 30; 3x3 avg pool, stride 2, padding 1, ceil_mode,
     # padding not counted, of 31 x 31; a 3-D avg pool with divisor_override; a dilated 1-D

@@ -104,6 +104,7 @@ CONV_REDUCTIONS = {
     "pooled": (fuzzer.POOL_GENERATION, lambda s: s["op"] in fuzzer.POOLS, "spatial_"),
     "over_channels": (fuzzer.CHANNEL_GENERATION, lambda s: s["op"].startswith("chan_"), "channel_"),
     "windows": (fuzzer.WINDOW_GENERATION, lambda s: s["op"] in fuzzer.WINDOWS, "maxpool avgpool"),
+    "conv_layernorm": (7, lambda s: s["op"] == "conv_layernorm", "layernorm"),
 }
 
 
@@ -126,7 +127,8 @@ def test_cpu_fuzz_of_conv_reductions(kind, grad):
     # generation 5 also softmax, log_softmax and the reductions over a conv output's
     # channels (dim 1); keepdim either way, inside a conv's random chain, then more steps.
     # Generation 6 draws pooling windows (MaxPool / AvgPool 1d-3d), which fuse in
-    # forward graphs only (backward reads the unpooled values, or max pool's indices).
+    # forward graphs only (backward reads the unpooled values, or max pool's indices);
+    # generation 7 LayerNorm over a conv output's trailing dims.
     generation, drawn, prefixes = CONV_REDUCTIONS[kind]
     indices = _models_with(generation, drawn, 24 if not grad else 12)
     results = fuzzer.run(seed=0, indices=indices, device="cpu", grad=grad, generation=generation)

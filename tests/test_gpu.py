@@ -596,6 +596,48 @@ def test_channel_reductions_propagate_nan_and_inf_like_eager(fn, exact_float32):
     torch.testing.assert_close(out, eager, equal_nan=True, atol=1e-5, rtol=1e-5)
 
 
+class _ConvLayerNorm(nn.Module):
+    """A conv, LayerNorm over its output's trailing `normalized` dims (random affine), SiLU x scale."""
+
+    def __init__(self, conv, normalized):
+        super().__init__()
+        self.conv, self.ln = conv, nn.LayerNorm(normalized)
+        with torch.no_grad():
+            self.ln.weight.copy_(torch.rand(normalized) + 0.5)
+            self.ln.bias.copy_(torch.randn(normalized))
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, conv.out_channels).view(-1, *[1] * (conv.weight.dim() - 2)))
+
+    def forward(self, x):
+        return F.silu(self.ln(self.conv(x))) * self.scale
+
+
+# LayerNorm over trailing dims of a conv output: (conv, input shape, normalized_shape).
+# Segments of an odd last dim (a warp team), of a plane, of a whole image (a block) and of
+# a 64 x 64 x 64 image (chunks); a 3-D conv over its last two dims.
+CONV_LAYERNORMS = {
+    "last_dim_odd": (lambda: nn.Conv2d(3, 16, 3), (5, 3, 17, 23), [21]),
+    "plane": (lambda: nn.Conv2d(3, 16, 3, padding=1), (3, 3, 30, 30), [30, 30]),
+    "whole_image": (lambda: nn.Conv2d(3, 12, 3), (3, 3, 32, 32), [12, 30, 30]),
+    "large_image_chunks": (lambda: nn.Conv2d(8, 64, 3, padding=1), (2, 8, 64, 64), [64, 64, 64]),
+    "conv3d_last_two": (lambda: nn.Conv3d(3, 8, 3), (2, 3, 9, 10, 11), [8, 9]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(CONV_LAYERNORMS))
+def test_layer_norm_over_trailing_dims_of_a_conv_output(name, dtype, exact_float32):
+    factory, shape, normalized = CONV_LAYERNORMS[name]
+    model = _ConvLayerNorm(factory(), normalized).cuda().to(dtype)
+    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
+    ref, _ = float64_reference(model, x)
+    with torch.no_grad():
+        out, fused = compile_and_run(model, x)
+        eager = model(x)
+    assert fused == ["conv_layernorm"]
+    err, eager_err = relative_error(out, ref), relative_error(eager, ref)
+    assert err <= max(TOLERANCE[dtype], 2 * eager_err), f"relative error {err:.3g}, eager's {eager_err:.3g} (seed {exact_float32})"
+
+
 @pytest.mark.parametrize("pool", ["max", "avg"])
 def test_pooling_windows_propagate_nan_and_inf_like_eager(pool, exact_float32):
     """A NaN in a window wins its max (and poisons its avg); +inf and -inf windows follow eager."""

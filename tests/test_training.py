@@ -164,13 +164,16 @@ class _ReducedHead(nn.Module):
       largest and the pooled value, saved after the reduction: a value per row and channel);
     - channel_softmax: softmax over the channels times a per-channel scale (backward reads
       the softmax's output);
-    - channel_amax: a per-channel scale, SiLU, the maximum over the channels, tanh."""
+    - channel_amax: a per-channel scale, SiLU, the maximum over the channels, tanh;
+    - layernorm: LayerNorm over the last two dims, GELU (backward reads the statistics per
+      (row, channel) segment)."""
 
     def __init__(self, fusion):
         super().__init__()
         self.conv = nn.Conv2d(3, 8, 3)
         self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8).view(8, 1, 1))
         self.fusion = fusion
+        self.ln = nn.LayerNorm([18, 15]) if fusion == "layernorm" else None
 
     def forward(self, x):
         y = self.conv(x)
@@ -180,12 +183,14 @@ class _ReducedHead(nn.Module):
             return F.silu(torch.amax(F.gelu(y), dim=(2, 3)) * self.scale.view(8))
         if self.fusion == "channel_softmax":
             return F.softmax(y, dim=1) * self.scale
+        if self.fusion == "layernorm":
+            return F.gelu(self.ln(y * self.scale))
         return torch.tanh(torch.amax(F.silu(y * self.scale), dim=1))
 
 
 @pytest.mark.parametrize("on_device", DEVICES, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fusion", ["spatial_mean", "spatial_amax", "channel_softmax", "channel_amax"])
+@pytest.mark.parametrize("fusion", ["spatial_mean", "spatial_amax", "channel_softmax", "channel_amax", "layernorm"])
 def test_conv_reduction_gradients(fusion, dtype, on_device):
     torch.manual_seed(0)
     model = _ReducedHead(fusion).to(on_device, dtype)

@@ -3,6 +3,7 @@ checked against eager through the plain-torch reference (FUSEDEPI_CPU_REFERENCE=
 """
 
 import json
+import math
 
 import pytest
 import torch
@@ -294,6 +295,65 @@ def test_spatial_reductions_that_do_not_fit_say_why(fn, reason):
     out, fused, refused = compile_records(model, x)
     stops = [r.reason for r in refused] + [r.stop for r in fused]
     assert any(reason in why for why in stops), stops
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+class _ConvLayerNorm(nn.Module):
+    """A conv, x 2, LayerNorm over `normalized` trailing dims (random affine), GELU."""
+
+    def __init__(self, conv, normalized):
+        super().__init__()
+        self.conv, self.ln = conv, nn.LayerNorm(normalized)
+        with torch.no_grad():
+            self.ln.weight.copy_(torch.rand(normalized) + 0.5)
+            self.ln.bias.copy_(torch.randn(normalized))
+
+    def forward(self, x):
+        return F.gelu(self.ln(self.conv(x) * 2.0))
+
+
+CONV_LAYERNORMS = [
+    # (id, conv, input shape, normalized_shape)
+    ("last_dim_2d", lambda: nn.Conv2d(3, 8, 3), (2, 3, 10, 11), [9]),
+    ("plane_2d", lambda: nn.Conv2d(3, 8, 3), (2, 3, 10, 11), [8, 9]),
+    ("whole_image_2d", lambda: nn.Conv2d(3, 8, 3), (2, 3, 10, 11), [8, 8, 9]),
+    ("last_dim_3d", lambda: nn.Conv3d(3, 4, 2), (2, 3, 5, 6, 7), [6]),
+    ("transposed_3d_three_dims", lambda: nn.ConvTranspose3d(3, 4, 2), (2, 3, 5, 6, 7), [6, 7, 8]),
+    ("conv1d_whole", lambda: nn.Conv1d(3, 8, 3), (2, 3, 20), [8, 18]),
+]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+@pytest.mark.parametrize("make, shape, normalized", [c[1:] for c in CONV_LAYERNORMS], ids=[c[0] for c in CONV_LAYERNORMS])
+def test_layer_norm_over_trailing_dims_of_a_conv_output(make, shape, normalized, grad):
+    """LayerNorm over the last k dims of a conv output: a segment norm (segments of those
+    dims' size) with a weight and bias of their shape; in training it also returns the
+    statistics backward reads."""
+    torch.manual_seed(0)
+    model = _ConvLayerNorm(make(), normalized)
+    x = torch.randn(shape, requires_grad=grad)
+    out, fused, refused = compile_records(model, x, grad=grad)
+    assert fused, refused
+    assert steps_of(fused[0]) == ["add", "mul", "layernorm", "gelu"] and fused[0].fusion == "conv_layernorm"
+    step = json.loads(fused[0].spec)["steps"][2]
+    assert step["normalized"] == normalized and step["groups"] * math.prod(normalized) == math.prod(out.shape[1:])
+    with torch.set_grad_enabled(grad):
+        expected = model(x)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    if grad:
+        upstream = torch.randn_like(out)
+        ours = torch.autograd.grad(out, [x] + list(model.parameters()), upstream)
+        eager = torch.autograd.grad(expected, [x] + list(model.parameters()), upstream)
+        for a, b in zip(ours, eager):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_layer_norm_over_the_batch_too_is_refused():
+    model = ConvChain(nn.Conv2d(3, 8, 3), lambda y: F.layer_norm(y, y.shape))
+    x = torch.randn(2, 3, 10, 11)
+    out, fused, refused = compile_records(model, x)
+    stops = [r.reason for r in refused] + [r.stop for r in fused]
+    assert any("is not trailing dims of the conv output's [2, 8, 8, 9] (the batch excluded)" in why for why in stops), stops
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
 
 
