@@ -180,7 +180,7 @@ MODELS = [
         nn.ConvTranspose3d(32, 64, 4, stride=2, padding=1), lambda y, m: F.gelu(m.ln(y)) * 2.0, ln=nn.LayerNorm(64)),
         (8, 32, 8, 32, 32)),
     ZooModel("conv2d_layernorm_image_relu", lambda: Seq(
-        _conv(16, 32, padding=1), lambda y, m: F.relu(m.ln(y)), ln=nn.LayerNorm([32, 32, 32])), (64, 16, 32, 32)),
+        _conv(16, 32, padding=1), lambda y, m: F.relu(m.ln(y)), ln=nn.LayerNorm([32, 32, 32])), (256, 16, 32, 32)),
     # pooling windows after 3-D and 1-D convs
     ZooModel("conv3d_relu_maxpool3d_scale", lambda: Seq(
         nn.Conv3d(8, 32, 3), lambda y, m: F.max_pool3d(F.relu(y), 2) * m.s, s=_p(32, 1, 1, 1)), (8, 8, 34, 66, 66)),
