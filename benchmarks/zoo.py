@@ -193,6 +193,8 @@ MODELS = [
              (16384, 1024)),
     ZooModel("linear_bn_relu", lambda: Seq(nn.Linear(1024, 1024), lambda y, m: F.relu(m.bn(y)),
                                            bn=nn.BatchNorm1d(1024)), (16384, 1024)),
+    ZooModel("linear_avgpool_gelu_scale", lambda: Seq(
+        nn.Linear(4096, 8192), lambda y, m: F.gelu(F.avg_pool1d(y.unsqueeze(1), 4).squeeze(1)) * 2.0), (4096, 4096)),
     ZooModel("linear_softmax", lambda: Seq(nn.Linear(512, 4096), lambda y, m: torch.softmax(y, dim=-1)), (4096, 512)),
     ZooModel("classifier_log_softmax", lambda: Seq(nn.Linear(2048, 1000), lambda y, m: F.log_softmax(y, dim=1)),
              (4096, 2048)),

@@ -766,7 +766,8 @@ def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", an
             kernel=name, norm=norm, op=op, channels_last="true" if spec.anchor.channels_last else "false", cvec=p.cvec)
     elif p.pool:
         apply_kernel = templates.POOL_APPLY_KERNEL.substitute(
-            kernel=name, channels_last="true" if spec.anchor.channels_last else "false", **_window(spec.reduction))
+            kernel=name, channels_last="true" if spec.anchor.channels_last else "false",
+            pool_row="false" if spec.anchor.kind == "conv" else "true", **_window(spec.reduction))
     else:
         apply_kernel = templates.APPLY_KERNEL.substitute(kernel=name, middle=middle, store=store)
     return templates.KERNEL_FILE.substitute(

@@ -199,7 +199,8 @@ __global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) { channel_appl
 # The apply kernel of a pooling window (fusedepi/pool.cuh). Placeholders: $kernel;
 # $pool_max (max, else avg); $in_d/h/w, $out_d/h/w, $k_d/h/w, $s_d/h/w, $p_d/h/w, $d_d/h/w
 # (input and pooled sizes, kernel, stride, padding, dilation per dim); $count_pad,
-# $divisor (avg's count_include_pad and divisor_override or 0); $channels_last (y's layout).
+# $divisor (avg's count_include_pad and divisor_override or 0); $channels_last (y's layout);
+# $pool_row (a window over a Linear output's features).
 POOL_APPLY_KERNEL = Template(
     r"""constexpr bool kPoolMax = $pool_max;
 constexpr int kInD = $in_d, kInH = $in_h, kInW = $in_w;
@@ -211,6 +212,7 @@ constexpr int kDD = $d_d, kDH = $d_h, kDW = $d_w;
 constexpr bool kCountPad = $count_pad;
 constexpr int kDivisor = $divisor;
 constexpr bool kChannelsLastY = $channels_last;
+constexpr bool kPoolRow = $pool_row;
 #include "fusedepi/pool.cuh"
 
 __global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) { pool_apply(a); }"""

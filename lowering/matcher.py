@@ -806,13 +806,26 @@ def _per_dim(value, nd: int, what: str) -> tuple:
 
 def _match_pool(state: _State, user: Node):
     """MaxPool / AvgPool 2-D and 3-D over a conv output's spatial dims; 1-D as PyTorch
-    runs it, a 2-D pool of a 1 x k window between `unsqueeze(-2)` and `squeeze(-2)`."""
+    runs it, a 2-D pool of a 1 x k window between `unsqueeze(-2)` and `squeeze(-2)`; and
+    that 1-D pool over a Linear output's features: `unsqueeze(1)` first, then
+    `squeeze(1)` (else the pooled value keeps its unit dim: `keepdim`)."""
     consumed = []
     pool = user
+    features = False  # over a Linear output's features
     if user.target is aten.unsqueeze.default:
-        ndim = _val(state.node).dim()
-        dim = _arg(user, 1, "dim")
-        if not state.conv or ndim != 3 or not isinstance(dim, int) or dim % 4 != 2 or len(user.users) != 1:
+        val, dim = _val(state.node), _arg(user, 1, "dim")
+        if not isinstance(dim, int) or len(user.users) != 1:
+            return None
+        if not state.conv and val.dim() == 2 and dim % 3 == 1:  # [rows, N] -> [rows, 1, N]
+            consumed.append(user)
+            user = next(iter(user.users))
+            dim = _arg(user, 1, "dim")
+            if user.target is not aten.unsqueeze.default or not isinstance(dim, int) or len(user.users) != 1:
+                return None
+            features = True
+        elif not state.conv or val.dim() != 3:
+            return None
+        if dim % 4 != 2:
             return None
         pool = next(iter(user.users))
         if pool.target not in _MAX_POOLS + _AVG_POOLS:
@@ -821,8 +834,10 @@ def _match_pool(state: _State, user: Node):
     elif user.target not in _MAX_POOLS + _AVG_POOLS:
         return None
     name = "maxpool" if pool.target in _MAX_POOLS else "avgpool"
-    if not state.conv or state.channel_axis != 1 or state.reduced or state.pooled or state.pixels:
-        raise Refuse(f"{name}: only over the spatial dims of a conv output")
+    if features and (state.reduced or state.channel_axis != 1):
+        raise Refuse(f"{name}: over a Linear output's features, only on the [rows, N] output itself")
+    if not features and (not state.conv or state.channel_axis != 1 or state.reduced or state.pooled or state.pixels):
+        raise Refuse(f"{name}: only over the spatial dims of a conv output, or a Linear output's features")
     nd = _val(pool.args[0]).dim() - 2
     kernel = _per_dim(_arg(pool, 1, "kernel_size"), nd, f"{name}: kernel_size")
     stride = _per_dim(_arg(pool, 2, "stride", None) or kernel, nd, f"{name}: stride")
@@ -849,25 +864,43 @@ def _match_pool(state: _State, user: Node):
         consumed.append(pool)
         result = pool
     if consumed[0] is not pool:  # the 1-D form: squeeze the unit dim back, drop it from the window
-        squeeze = next(iter(result.users)) if len(result.users) == 1 else None
-        dims = squeeze.args[1] if squeeze is not None and len(squeeze.args) > 1 else None
-        dims = [dims] if isinstance(dims, int) else list(dims or [])
-        if squeeze is None or squeeze.target not in _SQUEEZES or [d % 4 for d in dims] != [2]:
+        squeeze = _squeeze_of(result, 2)
+        if squeeze is None:
             raise Refuse(f"1-D {name}: the pooled value is not squeezed back to 3-D")
         if (kernel[0], stride[0], padding[0], dilation[0]) != (1, 1, 0, 1):
             raise Refuse(f"1-D {name}: a window over the unit dim")
         kernel, stride, padding, dilation = kernel[1:], stride[1:], padding[1:], dilation[1:]
         consumed.append(squeeze)
         result = squeeze
-    sizes = tuple(_val(state.node).shape[2:])
+    val = _val(state.node)
+    sizes = tuple(val.shape[1:] if features else val.shape[2:])
     pooled = tuple(_val(result).shape[2:])
     want = tuple(pool_out_size(*dims, ceil_mode) for dims in zip(sizes, kernel, stride, padding, dilation))
     if pooled != want or min(pooled, default=0) < 1:
         raise Refuse(f"{name}: pooled sizes {list(pooled)}, not the {list(want)} of its window")
     if any(2 * p > k for p, k in zip(padding, kernel)):
         raise Refuse(f"{name}: padding {list(padding)} over half the kernel {list(kernel)}")
+    keepdim = False
+    if features:  # [rows, 1, N'] back to [rows, N'], or kept
+        squeeze = _squeeze_of(result, 1)
+        if squeeze is not None:
+            consumed.append(squeeze)
+            result = squeeze
+        keepdim = squeeze is None
     window = (sizes, pooled, kernel, stride, padding, dilation)
-    return _Match(Step(name, consts=(int(ceil_mode),) + extra, window=window), consumed, result)
+    step = Step(name, consts=(int(ceil_mode),) + extra, window=window, keepdim=keepdim)
+    return _Match(step, consumed, result)
+
+
+def _squeeze_of(node: Node, dim: int) -> Node | None:
+    """The only user of `node` when it squeezes dim `dim` (of a 4-D or 3-D value) alone, else None."""
+    if len(node.users) != 1:
+        return None
+    squeeze = next(iter(node.users))
+    dims = squeeze.args[1] if squeeze.target in _SQUEEZES and len(squeeze.args) > 1 else None
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    ndim = _val(node).dim()
+    return squeeze if [d % ndim for d in dims] == [dim] else None
 
 
 # ---------------------------------------------------------------- conversions
@@ -1180,8 +1213,8 @@ def _values_per_row(state: _State) -> int:
         return 1
     if state.pixels:
         return state.inner
-    if state.windows:
-        return state.channels * state.windows
+    if state.windows:  # a conv's channels pooled, or a Linear row's features
+        return (state.channels if state.conv else 1) * state.windows
     return state.channels if state.pooled else state.channels * state.inner
 
 
@@ -1223,6 +1256,8 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
             return f"{step.name}: only one reduction per fused kernel"
         if state.reduced and step.operand in (CHANNEL, FULL):
             return f"{step.name}: per-channel or full operand after a row reduction"
+        if state.windows and not state.conv and step.operand == CHANNEL:
+            return f"{step.name}: a per-feature operand after pooling the features"
         _check_dtype(state, match.result)
     if step is not None and step.name in POOLS:
         why = _used_before_pool(state, users, match.consumed)

@@ -103,7 +103,9 @@ class Step:
         window: for a pooling window (`POOLS`) over a conv output's spatial dims, one
             tuple per dim each: (in_sizes, out_sizes, kernel, stride, padding, dilation);
             its consts are (ceil_mode,) for maxpool, (ceil_mode, count_include_pad,
-            divisor_override or 0) for avgpool (PyTorch's meanings).
+            divisor_override or 0) for avgpool (PyTorch's meanings). Over a Linear
+            output's features: a 1-D window, keepdim when the pooled [rows, 1, N'] value
+            is not squeezed back to [rows, N'].
         normalized: for a layernorm over a conv output's trailing dims, their sizes
             (normalized_shape); `groups` is then the segments a row. Empty: over the
             features of a linear output.
@@ -261,8 +263,8 @@ class EpilogueSpec:
                 per_row = self.channels
             elif step.name in CHANNEL_REDUCTIONS:
                 per_row = self.inner
-            elif step.name in POOLS:
-                per_row = self.channels * math.prod(step.window[1])
+            elif step.name in POOLS:  # a conv's channels pooled, or a Linear row's features
+                per_row = (self.channels if self.anchor.kind == "conv" else 1) * math.prod(step.window[1])
         object.__setattr__(self, "_param_sizes", tuple(sizes))  # not a field: equality and JSON ignore it
         return self._param_sizes
 
@@ -279,11 +281,14 @@ class EpilogueSpec:
         spatial dims, which a reduction over its channels keeps (`keeps_spatial`): a row
         reduction's () or (1,) with keepdim; a spatial reduction's (C,), or (C, 1, ...)
         with one 1 per spatial dim; a channel reduction's (), or (1,) with keepdim; a
-        pool's (C, *pooled spatial sizes)."""
+        pool's (C, *pooled spatial sizes), or over a Linear output's features (N',), or
+        (1, N') with keepdim (the unit dim the 1-D pool's input had)."""
         red = self.reduction
         if red.name in ROW_REDUCTIONS + CHANNEL_REDUCTIONS:
             return (1,) if red.keepdim else ()
         if red.name in POOLS:
+            if self.anchor.kind != "conv":
+                return ((1,) if red.keepdim else ()) + tuple(red.window[1])
             return (self.channels,) + tuple(red.window[1])
         return (self.channels,) + ((1,) * len(self.anchor.conv[0]) if red.keepdim else ())
 
@@ -321,7 +326,8 @@ SPATIAL_REDUCTIONS = ("spatial_sum", "spatial_mean", "spatial_amax", "spatial_am
 CHANNEL_REDUCTIONS = ("channel_logsumexp", "channel_sum", "channel_mean", "channel_amax", "channel_amin")
 CHANNEL_NORMS = ("channel_softmax", "channel_log_softmax")
 # Pooling windows over a conv output's spatial dims (MaxPool / AvgPool 1d, 2d, 3d):
-# [rows, C, *spatial] -> [rows, C, *pooled]; `Step.window` holds the geometry.
+# [rows, C, *spatial] -> [rows, C, *pooled]; or a 1-D window over a Linear output's
+# features ([rows, N] -> unsqueeze(1) -> pool -> [rows, N']); `Step.window` holds the geometry.
 POOLS = ("maxpool", "avgpool")
 # Normalized by (mean, rstd) per segment: a group of channels, or the whole row;
 # segments longer than a block are split over several blocks.

@@ -196,7 +196,11 @@ def _spatial(x: torch.Tensor) -> tuple:
 
 def _pool(x, step, params):
     """MaxPool / AvgPool over the spatial dims of x [rows, C, *spatial], as the graph computes
-    it: a 1-D window as the 2-D op over a unit dim (PyTorch's own 1-D pools take that path)."""
+    it: a 1-D window as the 2-D op over a unit dim (PyTorch's own 1-D pools take that path).
+    A Linear output [rows, N] is pooled over its features as [rows, 1, N]."""
+    if x.dim() == 2:
+        out = _pool(x.unsqueeze(1), replace(step, keepdim=False), params)
+        return out if step.keepdim else out.squeeze(1)
     _, _, kernel, stride, padding, dilation = step.window
     nd = len(kernel)
     one = nd == 1

@@ -117,7 +117,9 @@ CONV_NORMS = {1: NORMS_CONV, 2: NORMS_CONV + ["instancenorm"], 3: NORMS_CONV + [
               6: NORMS_CONV + ["instancenorm", "chan_softmax", "chan_log_softmax"],
               7: NORMS_CONV + ["instancenorm", "chan_softmax", "chan_log_softmax", "conv_layernorm"]}
 # Generation 7 adds LayerNorm over a conv output's trailing dims (`conv_layernorm`: the
-# last `dims` of them, the channels included or not).
+# last `dims` of them, the channels included or not), and 1-D pooling windows over a
+# 2-D Linear output's features among its row reductions (`FEATURE_POOLS`).
+FEATURE_POOLS = ["feature_maxpool", "feature_avgpool"]
 # From this generation on, a binary step's operand may be an earlier value of the chain
 # (`earlier`: the value `back` steps before the current one, of the same shape).
 EARLIER_GENERATION = 3
@@ -147,6 +149,7 @@ STEPS_OF_DRAW = {
     "silu_spelled": ("silu",), "hardtanh": ("clamp",), "relu6": ("clamp",), "clamp_min": ("clamp",),
     "clamp_max": ("clamp",), "selu": ("elu",), "celu": ("elu",), "batchnorm": ("batchnorm_train", "batchnorm_eval"),
     "instancenorm": ("groupnorm",), "max_values": ("amax",), "conv_layernorm": ("layernorm",),
+    "feature_maxpool": ("maxpool",), "feature_avgpool": ("avgpool",),
     **{pool: (f"spatial_{pool.removeprefix('pool_')}",) for pool in POOLS},
     **{op: (f"channel_{op.removeprefix('chan_')}",) for op in CHANNEL_REDUCTIONS + ["chan_softmax", "chan_log_softmax"]},
     "chan_max_values": ("channel_amax",),
@@ -159,6 +162,7 @@ def drawn_steps(generation: int | None = None) -> set:
     draws = POINTWISE + BINARY + NORMS_LINEAR + ROW_REDUCTIONS
     draws += (POOLS if last >= POOL_GENERATION else []) + (CHANNEL_REDUCTIONS if last >= CHANNEL_GENERATION else [])
     draws += WINDOWS if last >= WINDOW_GENERATION else []
+    draws += FEATURE_POOLS if last >= 7 else []
     draws += [n for g in range(1, last + 1) for n in CONV_NORMS[g]]
     return {step for draw in draws for step in STEPS_OF_DRAW.get(draw, (draw,))}
 
@@ -260,7 +264,11 @@ def _step(rng: random.Random, ctx: dict) -> dict:
             step["dims"], step["affine"] = rng.randint(1, len(ctx["spatial"]) + 1), rng.random() < 0.8
         return step
     if family == "reduction":
-        return {"op": rng.choice(ROW_REDUCTIONS), "keepdim": rng.random() < 0.5}
+        ops = ROW_REDUCTIONS + FEATURE_POOLS * 2 if ctx["generation"] >= 7 else ROW_REDUCTIONS
+        op = rng.choice(ops)
+        if op in FEATURE_POOLS:
+            return {**_window(rng, op.removeprefix("feature_"), [channels]), "op": op}
+        return {"op": op, "keepdim": rng.random() < 0.5}
     if family == "pool":
         pools = POOLS + CHANNEL_REDUCTIONS if ctx["generation"] >= CHANNEL_GENERATION else POOLS
         pools = pools + WINDOWS * 3 if ctx["generation"] >= WINDOW_GENERATION else pools
@@ -323,9 +331,10 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         if op in OUTSIDE:
             in_vocabulary = False
             ctx["allow_outside"] = False
-        if op in NORMS_LINEAR + CONV_NORMS[generation] + ROW_REDUCTIONS + POOLS + CHANNEL_REDUCTIONS + WINDOWS:
+        if op in NORMS_LINEAR + CONV_NORMS[generation] + ROW_REDUCTIONS + POOLS + CHANNEL_REDUCTIONS + WINDOWS \
+                + FEATURE_POOLS:
             ctx["has_reduction"] = True
-        shrinks = ROW_REDUCTIONS + POOLS + CHANNEL_REDUCTIONS
+        shrinks = ROW_REDUCTIONS + POOLS + CHANNEL_REDUCTIONS + FEATURE_POOLS
         if op in shrinks:  # (then no per-channel or full operands of the conv's shape)
             ctx["reduced"] = True
         ctx["windowed"] = ctx["windowed"] or op in WINDOWS
@@ -414,15 +423,10 @@ class FuzzStep(nn.Module):
             reduce = {"pool_sum": torch.sum, "pool_mean": torch.mean, "pool_amax": torch.amax,
                       "pool_amin": torch.amin}[op]
             return reduce(x, tuple(range(2, x.dim())), keepdim=s["keepdim"])
+        if op in FEATURE_POOLS:  # [rows, N] pooled as [rows, 1, N]
+            return _window_pool(op.removeprefix("feature_"), s, x.unsqueeze(1)).squeeze(1)
         if op in WINDOWS:
-            nd = x.dim() - 2
-            if op == "maxpool":
-                pool = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[nd]
-                return pool(x, s["kernel"], s["stride"], s["padding"], s["dilation"], ceil_mode=s["ceil"])
-            pool = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}[nd]
-            divisor = {} if nd == 1 else {"divisor_override": s["divisor"]}
-            return pool(x, s["kernel"], s["stride"], s["padding"], ceil_mode=s["ceil"], count_include_pad=s["count_pad"],
-                        **divisor)
+            return _window_pool(op, s, x)
         if op == "chan_max_values":
             return torch.max(x, dim=1, keepdim=s["keepdim"]).values
         if op in CHANNEL_REDUCTIONS:
@@ -434,6 +438,18 @@ class FuzzStep(nn.Module):
         if op == "chan_log_softmax":
             return F.log_softmax(x, dim=1)
         return _pointwise(op, s, x)
+
+
+def _window_pool(op: str, s: dict, x):
+    """MaxPool / AvgPool (`op`) of x [rows, C, *spatial] with the window of step `s`."""
+    nd = x.dim() - 2
+    if op == "maxpool":
+        pool = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[nd]
+        return pool(x, s["kernel"], s["stride"], s["padding"], s["dilation"], ceil_mode=s["ceil"])
+    pool = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}[nd]
+    divisor = {} if nd == 1 else {"divisor_override": s["divisor"]}
+    return pool(x, s["kernel"], s["stride"], s["padding"], ceil_mode=s["ceil"], count_include_pad=s["count_pad"],
+                **divisor)
 
 
 def _pointwise(op: str, s: dict, x):

@@ -340,17 +340,26 @@ def vocabulary_specs(dtype="float32"):
              ("avgpool", CONV, (6, 10, 9), (2, 3, 2), (2, 3, 2), (0, 1, 0), (1, 1, 1), (0, 1, 5)),
              ("maxpool", CONV, (99,), (3,), (2,), (1,), (2,), (0,)),
              ("maxpool", CHANNELS_LAST, (30, 30), (2, 2), (2, 2), (0, 0), (1, 1), (0,)))
+    pools += (("avgpool", LINEAR, (4096,), (4,), (4,), (0,), (1,), (0, 1, 0)),  # over a Linear output's features
+              ("maxpool", Anchor("addmm", pad=(152, 520)), (513,), (3,), (2,), (1,), (1,), (1,)))  # rows of 520 in y
     for name, anchor, sizes, kernel, stride, padding, dilation, consts in pools:
         ceil = bool(consts[0])
         pooled = tuple(pool_out_size(*d, ceil) for d in zip(sizes, kernel, stride, padding, dilation))
         window = (sizes, pooled, kernel, stride, padding, dilation)
         layout = "channels_last_" if anchor.channels_last else ""
-        specs[f"{layout}{name}_{'x'.join(map(str, sizes))}"] = EpilogueSpec(
-            anchor, (Step("add", inputs=(0,), operand=CHANNEL, reverse=True), Step("relu"),
-                     Step(name, consts=consts, window=window), Step("mul", inputs=(1,), operand=CHANNEL),
-                     Step("add", inputs=(2,), operand=FULL), Step("sigmoid")),
-            dtype, p * 3, 12, math.prod(sizes), f"conv_{name}",
-        )
+        if anchor.kind == "conv":
+            specs[f"{layout}{name}_{'x'.join(map(str, sizes))}"] = EpilogueSpec(
+                anchor, (Step("add", inputs=(0,), operand=CHANNEL, reverse=True), Step("relu"),
+                         Step(name, consts=consts, window=window), Step("mul", inputs=(1,), operand=CHANNEL),
+                         Step("add", inputs=(2,), operand=FULL), Step("sigmoid")),
+                dtype, p * 3, 12, math.prod(sizes), f"conv_{name}",
+            )
+        else:  # no per-feature operand after the pool: the features are pooled
+            specs[f"linear_{name}_{sizes[0]}{'_padded' if anchor.pad else ''}"] = EpilogueSpec(
+                anchor, (Step("add", inputs=(0,), operand=CHANNEL), Step("gelu"), Step(name, consts=consts, window=window),
+                         Step("add", inputs=(1,), operand=FULL), Step("mul", inputs=(2,), operand=ONE)),
+                dtype, p * 3, sizes[0], 1, f"linear_{name}",
+            )
     return specs
 
 

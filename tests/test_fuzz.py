@@ -105,6 +105,7 @@ CONV_REDUCTIONS = {
     "over_channels": (fuzzer.CHANNEL_GENERATION, lambda s: s["op"].startswith("chan_"), "channel_"),
     "windows": (fuzzer.WINDOW_GENERATION, lambda s: s["op"] in fuzzer.WINDOWS, "maxpool avgpool"),
     "conv_layernorm": (7, lambda s: s["op"] == "conv_layernorm", "layernorm"),
+    "feature_pools": (7, lambda s: s["op"] in fuzzer.FEATURE_POOLS, "maxpool avgpool"),
 }
 
 
@@ -136,7 +137,7 @@ def test_cpu_fuzz_of_conv_reductions(kind, grad):
     assert len(results) == len(indices) and not summary["findings"], _shown(summary["findings"])
     reduced = [r for r in results
                if any(name.startswith(tuple(prefixes.split())) for steps in r["fused_steps"] for name in steps)]
-    if kind == "windows" and grad:
+    if kind in ("windows", "feature_pools") and grad:
         assert not reduced and any("the pool kernel" in reason for reason in summary["reasons"]), summary["reasons"]
     else:
         assert len(reduced) >= len(indices) // 3, summary["reasons"]

@@ -638,6 +638,49 @@ def test_layer_norm_over_trailing_dims_of_a_conv_output(name, dtype, exact_float
     assert err <= max(TOLERANCE[dtype], 2 * eager_err), f"relative error {err:.3g}, eager's {eager_err:.3g} (seed {exact_float32})"
 
 
+class _LinearPool(nn.Module):
+    """Linear, then `fn` (which pools its features through unsqueeze(1) ... squeeze(1))."""
+
+    def __init__(self, k, n, fn):
+        super().__init__()
+        self.linear, self.fn = nn.Linear(k, n), fn
+
+    def forward(self, x, *rest):
+        return self.fn(self.linear(x), *rest)
+
+
+# Pooling windows over a Linear output's features: (k, n, input shapes, fn, fusion). Rows
+# of 4096 (AvgPool1d(4), the common head), 513 (odd, overlapping, padded windows; a
+# 16-bit GEMM there runs on rows padded to 520), a full operand after the pool, the unit
+# dim kept.
+FEATURE_POOLS = {
+    "avgpool_4096": (1024, 4096, [(300, 1024)], lambda y: F.gelu(F.avg_pool1d(y.unsqueeze(1), 4).squeeze(1)) * 2.0,
+                     "linear_avgpool"),
+    "maxpool_513_padded": (100, 513, [(77, 100)],
+                           lambda y: torch.tanh(F.max_pool1d(F.relu(y).unsqueeze(1), 3, 2, 1).squeeze(1)),
+                           "linear_maxpool"),
+    "avgpool_residual": (64, 96, [(33, 64), (33, 32)],
+                         lambda y, r: F.avg_pool1d(torch.sigmoid(y).unsqueeze(1), 3).squeeze(1) + r, "linear_avgpool"),
+    "maxpool_keepdim": (64, 128, [(9, 64)], lambda y: F.max_pool1d(y.unsqueeze(1), 2) * 0.5, "linear_maxpool"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(FEATURE_POOLS))
+def test_pooling_windows_over_a_linear_outputs_features(name, dtype, exact_float32):
+    k, n, shapes, fn, fusion = FEATURE_POOLS[name]
+    model = _LinearPool(k, n, fn).cuda().to(dtype)
+    inputs = [torch.rand(s, device="cuda", dtype=dtype) * 2 - 1 for s in shapes]
+    ref, _ = float64_reference(model, *inputs)
+    with torch.no_grad():
+        out, fused = compile_and_run(model, *inputs)
+        eager = model(*inputs)
+    assert fused == [fusion]
+    assert out.shape == ref.shape and out.dtype == dtype
+    err, eager_err = relative_error(out, ref), relative_error(eager, ref)
+    assert err <= max(TOLERANCE[dtype], 2 * eager_err), f"relative error {err:.3g}, eager's {eager_err:.3g} (seed {exact_float32})"
+
+
 @pytest.mark.parametrize("pool", ["max", "avg"])
 def test_pooling_windows_propagate_nan_and_inf_like_eager(pool, exact_float32):
     """A NaN in a window wins its max (and poisons its avg); +inf and -inf windows follow eager."""

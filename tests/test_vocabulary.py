@@ -394,6 +394,42 @@ def test_pooling_windows_of_a_conv_output(make, shape, fn, steps):
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
 
 
+FEATURE_POOLS = [
+    # (id, fn on a Linear(16 -> 32) output (addmm keeps its bias), expected steps, output shape)
+    ("avgpool_module", lambda y: F.gelu(nn.AvgPool1d(4)(y.unsqueeze(1)).squeeze(1)) * 2.0,
+     ["avgpool", "gelu", "mul"], (5, 8)),
+    ("maxpool_padded_overlapping", lambda y: torch.sigmoid(F.max_pool1d(F.relu(y).unsqueeze(1), 3, 2, 1).squeeze(1)),
+     ["relu", "maxpool", "sigmoid"], (5, 16)),
+    ("maxpool_keeps_the_unit_dim", lambda y: F.max_pool1d(y.unsqueeze(1), 2) - 1.0, ["maxpool", "sub"], (5, 1, 16)),
+    ("avgpool_ceil_uncounted_full_operand",
+     lambda y: F.avg_pool1d(y.unsqueeze(1), 3, 2, 1, ceil_mode=True, count_include_pad=False).squeeze(1)
+     + torch.linspace(0.0, 1.0, 5 * 17).view(5, 17), ["avgpool", "add"], (5, 17)),
+]
+
+
+@pytest.mark.parametrize("fn, steps, out_shape", [c[1:] for c in FEATURE_POOLS], ids=[c[0] for c in FEATURE_POOLS])
+def test_pooling_windows_over_a_linear_outputs_features(fn, steps, out_shape):
+    """Linear -> unsqueeze(1) -> MaxPool1d / AvgPool1d -> squeeze(1) (or not), then more steps."""
+    torch.manual_seed(0)
+    model = Chain(fn)
+    x = torch.randn(5, 16)
+    out, fused, refused = compile_records(model, x)
+    assert fused, refused
+    pool = next(s for s in steps if s.endswith("pool"))
+    assert steps_of(fused[0]) == steps and fused[0].fusion == f"linear_{pool}"
+    assert out.shape == out_shape
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_per_feature_operand_after_pooling_the_features_is_refused():
+    model = Chain(lambda y: F.avg_pool1d(y.unsqueeze(1), 2).squeeze(1) * torch.linspace(0.5, 1.5, 16))
+    x = torch.randn(5, 16)
+    out, fused, refused = compile_records(model, x)
+    assert steps_of(fused[0]) == ["avgpool"]
+    assert "mul: a per-feature operand after pooling the features" in fused[0].stop
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
 POOLS_REFUSED = [
     # (id, fn on the conv's output, grad, reason)
     ("maxpool_training", lambda y: F.max_pool2d(y, 2), True,

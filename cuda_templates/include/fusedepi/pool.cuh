@@ -2,7 +2,9 @@
 // conv output: y [rows, kChannels, kInD, kInH, kInW] (NCHW, kInner elements a channel), or
 // channels-last (kChannelsLastY: [rows, kInner, kChannels] in memory, a library conv's
 // output in the layout cuDNN is fastest in). The output [rows, kChannels, kOutD, kOutH,
-// kOutW] is contiguous either way.
+// kOutW] is contiguous either way. Or (kPoolRow) a 1-D window over a Linear output's
+// features: y [rows, kChannels] (rows kYRow apart), each row one plane, the output
+// [rows, kOutW].
 //
 // A thread computes one output element (row, channel, pooled pixel) at a time: it walks
 // its window in PyTorch's order (depth, height, width), applying stage0 to each element
@@ -26,12 +28,16 @@
 //                   kernel 1, stride 1, padding 0, dilation 1);
 //   kCountPad       avg: the divisor counts the padding;
 //   kDivisor        avg: divisor_override, or 0;
-//   kChannelsLastY  y is channels-last.
+//   kChannelsLastY  y is channels-last;
+//   kPoolRow        the window runs over a Linear output's features (a row is one plane).
 // It is not a standalone header: the launch plan's constants differ per file.
 #pragma once
 
-constexpr long long kOutInner = static_cast<long long>(kOutD) * kOutH * kOutW;  // pooled pixels a channel
-static_assert(static_cast<long long>(kInD) * kInH * kInW == kInner, "the window's input sizes are the plane's");
+constexpr long long kOutInner = static_cast<long long>(kOutD) * kOutH * kOutW;  // pooled pixels a plane
+constexpr long long kPlanes = kPoolRow ? 1 : kChannels;  // planes a row: a conv's channels, or the row itself
+constexpr int kPlane = kPoolRow ? static_cast<int>(kChannels) : kInner;  // elements a plane
+static_assert(static_cast<long long>(kInD) * kInH * kInW == kPlane, "the window's input sizes are the plane's");
+static_assert(!kPoolRow || !kChannelsLastY, "a Linear output has one layout");
 // Channels-last: the pooled pixels a block's tile holds (about 4 elements a thread), and
 // the tiles a row.
 constexpr int kTilePixels = kChannels >= 4 * kBlock ? 1 : static_cast<int>(4 * kBlock / kChannels);
@@ -40,14 +46,15 @@ static_assert(!kChannelsLastY || kChannels * (kTilePixels + 1) * 4 <= 40 * 1024,
               "the tile fits shared memory (render.POOL_TILE_BYTES)");
 // Blocks a row of the output: NCHW, a thread an element; channels-last, a tile a block.
 constexpr long long kPoolBlocksPerRow =
-    kChannelsLastY ? kRowTiles : (kChannels * kOutInner + kBlock - 1) / kBlock;
+    kChannelsLastY ? kRowTiles : (kPlanes * kOutInner + kBlock - 1) / kBlock;
 
-// The output element (n, c, o) before rounding: the window's reduction of stage0's values,
-// then stage1 (which saves what it saves).
+// The output element (n, plane c, o) before rounding: the window's reduction of stage0's
+// values, then stage1 (which saves what it saves).
 __device__ __forceinline__ float pool_element(const Args& a, long long n, int c, int o) {
   const int ow = o % kOutW, oh = (o / kOutW) % kOutH, od = o / (kOutW * kOutH);
   const int d0 = od * kSD - kPD, h0 = oh * kSH - kPH, w0 = ow * kSW - kPW;
-  const long long plane_at = (n * kChannels + c) * static_cast<long long>(kInner);  // y's (n, c) plane, NCHW
+  const long long plane_at = (n * kPlanes + c) * static_cast<long long>(kPlane);  // the plane in the output's layout
+  const long long y_plane = n * kYRow + static_cast<long long>(c) * kPlane;  // the plane in y (NCHW)
   float r = kPoolMax ? -INFINITY : 0.f;
 #pragma unroll
   for (int kd = 0; kd < kKD; ++kd) {
@@ -62,9 +69,9 @@ __device__ __forceinline__ float pool_element(const Args& a, long long n, int c,
         const int w = w0 + kw * kDW;
         if (w < 0 || w >= kInW) continue;
         const int q = (d * kInH + h) * kInW + w;
-        const long long at = kChannelsLastY ? (n * kInner + q) * kChannels + c : plane_at + q;
+        const long long at = kChannelsLastY ? (n * kInner + q) * kChannels + c : y_plane + q;
         float v[1] = {fusedepi::to_float(a.y[at])};
-        if constexpr (!kStage0Done) stage0<1>(v, c * static_cast<int>(kInner) + q, plane_at + q, a);
+        if constexpr (!kStage0Done) stage0<1>(v, c * kPlane + q, plane_at + q, a);
         if constexpr (kPoolMax) {
           if (v[0] > r || isnan(v[0])) r = v[0];
         } else {
@@ -82,9 +89,10 @@ __device__ __forceinline__ float pool_element(const Args& a, long long n, int c,
     r = inside > 0 ? __fdiv_rn(r, static_cast<float>(divisor)) : 0.f;  // an empty window: 0, as PyTorch's
   }
   // The steps after the pool, on the pooled value: its channel is c (stage1 reads a
-  // channel from a position of the unpooled plane), its flat index the output's.
+  // channel from a position of the unpooled plane; a pooled Linear row has no
+  // per-feature operands after the pool), its flat index the output's.
   float v[1] = {r};
-  stage1<1>(v, c * static_cast<int>(kInner), (n * kChannels + c) * kOutInner + o, a, 0.f, 0.f, true);
+  stage1<1>(v, c * kPlane, (n * kPlanes + c) * kOutInner + o, a, 0.f, 0.f, true);
   return v[0];
 }
 
@@ -106,8 +114,8 @@ __device__ __forceinline__ void pool_apply(const Args& a) {
     }
   } else {
     const long long e = part * kBlock + threadIdx.x;  // the element within the row: c * kOutInner + o
-    if (e >= kChannels * kOutInner) return;
+    if (e >= kPlanes * kOutInner) return;
     const int c = static_cast<int>(e / kOutInner), o = static_cast<int>(e - c * kOutInner);
-    a.out[n * kChannels * kOutInner + e] = fusedepi::from_float<T>(pool_element(a, n, c, o));
+    a.out[n * kPlanes * kOutInner + e] = fusedepi::from_float<T>(pool_element(a, n, c, o));
   }
 }
