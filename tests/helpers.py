@@ -74,3 +74,12 @@ def sigmoid_times_x(x):
 
 
 __all__ = ["Chain", "F", "LinearLogSoftmax", "SMALL_WORKLOADS", "compile_records", "silu_spelled", "sigmoid_times_x", "steps_of"]
+
+
+def random_layer_norm(normalized) -> nn.LayerNorm:
+    """nn.LayerNorm over `normalized` with a random affine (weight in [0.5, 1.5), bias normal)."""
+    ln = nn.LayerNorm(normalized)
+    with torch.no_grad():
+        ln.weight.copy_(torch.rand(normalized) + 0.5)
+        ln.bias.copy_(torch.randn(normalized))
+    return ln

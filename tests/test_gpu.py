@@ -23,7 +23,7 @@ from benchmarks.workloads import (
 )
 from fusion_backend import fusedepi
 from fusion_backend.backend import collect_reports
-from helpers import Chain, LinearLogSoftmax
+from helpers import Chain, LinearLogSoftmax, random_layer_norm
 from lowering import EpilogueSpec
 from lowering.spec import ONE, Anchor, Step
 
@@ -558,6 +558,20 @@ WINDOWED = {
 }
 
 
+def _fuses_within_eagers_error(model, shapes, dtype, fusion, seed):
+    """`model` on random inputs of `shapes` fuses as `fusion` alone, and its output is as
+    close to float64 as eager's (twice its error) or within the dtype's tolerance."""
+    inputs = [torch.rand(s, device="cuda", dtype=dtype) * 2 - 1 for s in shapes]
+    ref, _ = float64_reference(model, *inputs)
+    with torch.no_grad():
+        out, fused = compile_and_run(model, *inputs)
+        eager = model(*inputs)
+    assert fused == [fusion]
+    assert out.shape == ref.shape and out.dtype == dtype
+    err, eager_err = relative_error(out, ref), relative_error(eager, ref)
+    assert err <= max(TOLERANCE[dtype], 2 * eager_err), f"relative error {err:.3g}, eager's {eager_err:.3g} (seed {seed})"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", [f"spatial_{n}" for n in POOLED] + [f"channels_{n}" for n in OVER_CHANNELS]
                          + [f"windows_{n}" for n in WINDOWED])
@@ -567,15 +581,7 @@ def test_reductions_of_a_conv_output(name, dtype, exact_float32):
     kind, case = name.split("_", 1)
     factory, shapes, fn, fusion = {"spatial": POOLED, "channels": OVER_CHANNELS, "windows": WINDOWED}[kind][case]
     model = _Pooled(factory(), fn).cuda().to(dtype)
-    inputs = [torch.rand(s, device="cuda", dtype=dtype) * 2 - 1 for s in shapes]
-    ref, _ = float64_reference(model, *inputs)
-    with torch.no_grad():
-        out, fused = compile_and_run(model, *inputs)
-        eager = model(*inputs)
-    assert fused == [fusion]
-    assert out.shape == ref.shape and out.dtype == dtype
-    err, eager_err = relative_error(out, ref), relative_error(eager, ref)
-    assert err <= max(TOLERANCE[dtype], 2 * eager_err), f"relative error {err:.3g}, eager's {eager_err:.3g} (seed {exact_float32})"
+    _fuses_within_eagers_error(model, shapes, dtype, fusion, exact_float32)
 
 
 @pytest.mark.parametrize("fn", ["softmax", "logsumexp", "amax"])
@@ -601,10 +607,7 @@ class _ConvLayerNorm(nn.Module):
 
     def __init__(self, conv, normalized):
         super().__init__()
-        self.conv, self.ln = conv, nn.LayerNorm(normalized)
-        with torch.no_grad():
-            self.ln.weight.copy_(torch.rand(normalized) + 0.5)
-            self.ln.bias.copy_(torch.randn(normalized))
+        self.conv, self.ln = conv, random_layer_norm(normalized)
         self.register_buffer("scale", torch.linspace(0.5, 1.5, conv.out_channels).view(-1, *[1] * (conv.weight.dim() - 2)))
 
     def forward(self, x):
@@ -628,14 +631,7 @@ CONV_LAYERNORMS = {
 def test_layer_norm_over_trailing_dims_of_a_conv_output(name, dtype, exact_float32):
     factory, shape, normalized = CONV_LAYERNORMS[name]
     model = _ConvLayerNorm(factory(), normalized).cuda().to(dtype)
-    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
-    ref, _ = float64_reference(model, x)
-    with torch.no_grad():
-        out, fused = compile_and_run(model, x)
-        eager = model(x)
-    assert fused == ["conv_layernorm"]
-    err, eager_err = relative_error(out, ref), relative_error(eager, ref)
-    assert err <= max(TOLERANCE[dtype], 2 * eager_err), f"relative error {err:.3g}, eager's {eager_err:.3g} (seed {exact_float32})"
+    _fuses_within_eagers_error(model, [shape], dtype, "conv_layernorm", exact_float32)
 
 
 class _LinearPool(nn.Module):
@@ -670,15 +666,7 @@ FEATURE_POOLS = {
 def test_pooling_windows_over_a_linear_outputs_features(name, dtype, exact_float32):
     k, n, shapes, fn, fusion = FEATURE_POOLS[name]
     model = _LinearPool(k, n, fn).cuda().to(dtype)
-    inputs = [torch.rand(s, device="cuda", dtype=dtype) * 2 - 1 for s in shapes]
-    ref, _ = float64_reference(model, *inputs)
-    with torch.no_grad():
-        out, fused = compile_and_run(model, *inputs)
-        eager = model(*inputs)
-    assert fused == [fusion]
-    assert out.shape == ref.shape and out.dtype == dtype
-    err, eager_err = relative_error(out, ref), relative_error(eager, ref)
-    assert err <= max(TOLERANCE[dtype], 2 * eager_err), f"relative error {err:.3g}, eager's {eager_err:.3g} (seed {exact_float32})"
+    _fuses_within_eagers_error(model, shapes, dtype, fusion, exact_float32)
 
 
 @pytest.mark.parametrize("pool", ["max", "avg"])

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fusion_backend.backend import collect_reports
-from helpers import Chain, compile_records, steps_of
+from helpers import Chain, compile_records, random_layer_norm, steps_of
 
 pytestmark = pytest.mark.usefixtures("cpu_reference")
 
@@ -303,10 +303,7 @@ class _ConvLayerNorm(nn.Module):
 
     def __init__(self, conv, normalized):
         super().__init__()
-        self.conv, self.ln = conv, nn.LayerNorm(normalized)
-        with torch.no_grad():
-            self.ln.weight.copy_(torch.rand(normalized) + 0.5)
-            self.ln.bias.copy_(torch.randn(normalized))
+        self.conv, self.ln = conv, random_layer_norm(normalized)
 
     def forward(self, x):
         return F.gelu(self.ln(self.conv(x) * 2.0))
