@@ -251,24 +251,6 @@ CHANNEL = [
 ]
 
 
-@pytest.mark.parametrize("make, shape, fn, steps, out_shape", [c[1:] for c in SPATIAL + CHANNEL],
-                         ids=[c[0] for c in SPATIAL + CHANNEL])
-def test_reductions_of_a_conv_output(make, shape, fn, steps, out_shape):
-    """Global pooling (a reduction over every spatial dim: one value per (row, channel),
-    then per-channel and scalar operands and views to [rows, C] or [rows, C, 1, ...]);
-    softmax, log_softmax and the reductions over the channels (dim 1), per pixel; then
-    more steps."""
-    torch.manual_seed(0)
-    model = ConvChain(make(), fn)
-    x = torch.randn(shape)
-    out, fused, refused = compile_records(model, x)
-    assert fused, refused
-    reduction = next(s for s in steps if s.startswith(("spatial_", "channel_")))
-    assert steps_of(fused[0]) == ["add"] + steps and fused[0].fusion == f"conv_{reduction}"
-    assert out.shape == out_shape
-    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
-
-
 def test_a_per_channel_operand_after_a_channel_reduction_is_refused():
     model = ConvChain(nn.Conv2d(3, 8, 3), lambda y: y.sum(1, keepdim=True) * torch.ones(8, 1, 1))
     x = torch.randn(2, 3, 9, 10)
@@ -355,39 +337,48 @@ def test_layer_norm_over_the_batch_too_is_refused():
 
 
 POOLS = [
-    # (id, conv, input shape, fn on the conv's output, expected steps after the folded bias)
+    # (id, conv, input shape, fn on the conv's output, expected steps after the folded bias, output shape)
     ("maxpool_2d", lambda: nn.Conv2d(3, 8, 3), (2, 3, 10, 11), lambda y: torch.sigmoid(F.max_pool2d(F.relu(y), 2) + 1.0),
-     ["relu", "maxpool", "add", "sigmoid"]),
+     ["relu", "maxpool", "add", "sigmoid"], (2, 8, 4, 4)),
     ("maxpool_ceil_padding_channel_operand", lambda: nn.Conv2d(3, 8, 3, padding=1), (2, 3, 9, 10),
-     lambda y: F.max_pool2d(y, 3, 2, 1, ceil_mode=True) * torch.linspace(0.5, 1.5, 8).view(8, 1, 1), ["maxpool", "mul"]),
+     lambda y: F.max_pool2d(y, 3, 2, 1, ceil_mode=True) * torch.linspace(0.5, 1.5, 8).view(8, 1, 1), ["maxpool", "mul"],
+     (2, 8, 5, 6)),
     ("maxpool_3d_dilated", lambda: nn.Conv3d(3, 8, 2), (2, 3, 6, 7, 8),
-     lambda y: F.max_pool3d(F.gelu(y), 2, dilation=(1, 2, 1)), ["gelu", "maxpool"]),
-    ("maxpool_transposed", lambda: nn.ConvTranspose2d(3, 8, 3, stride=2), (2, 3, 5, 6), nn.MaxPool2d(2), ["maxpool"]),
+     lambda y: F.max_pool3d(F.gelu(y), 2, dilation=(1, 2, 1)), ["gelu", "maxpool"], (2, 8, 2, 2, 3)),
+    ("maxpool_transposed", lambda: nn.ConvTranspose2d(3, 8, 3, stride=2), (2, 3, 5, 6), nn.MaxPool2d(2), ["maxpool"],
+     (2, 8, 5, 6)),
     ("maxpool_1d", lambda: nn.Conv1d(3, 8, 3), (2, 3, 21), lambda y: F.max_pool1d(torch.tanh(y), 3, 2) - 0.5,
-     ["tanh", "maxpool", "sub"]),
+     ["tanh", "maxpool", "sub"], (2, 8, 9)),
     ("avgpool_padding_not_counted", lambda: nn.Conv2d(3, 8, 3), (2, 3, 10, 11),
-     lambda y: F.avg_pool2d(torch.tanh(y), 3, 2, 1, ceil_mode=True, count_include_pad=False), ["tanh", "avgpool"]),
+     lambda y: F.avg_pool2d(torch.tanh(y), 3, 2, 1, ceil_mode=True, count_include_pad=False), ["tanh", "avgpool"],
+     (2, 8, 5, 5)),
     ("avgpool_divisor_override", lambda: nn.Conv2d(3, 8, 3), (2, 3, 10, 11),
-     lambda y: F.avg_pool2d(y, 2, divisor_override=3) + 1.0, ["avgpool", "add"]),
-    ("avgpool_3d", lambda: nn.Conv3d(3, 8, 2), (2, 3, 5, 7, 6), nn.AvgPool3d((2, 3, 2), padding=(1, 1, 0)), ["avgpool"]),
+     lambda y: F.avg_pool2d(y, 2, divisor_override=3) + 1.0, ["avgpool", "add"], (2, 8, 4, 4)),
+    ("avgpool_3d", lambda: nn.Conv3d(3, 8, 2), (2, 3, 5, 7, 6), nn.AvgPool3d((2, 3, 2), padding=(1, 1, 0)), ["avgpool"],
+     (2, 8, 3, 2, 2)),
     ("avgpool_1d_full_operand", lambda: nn.Conv1d(3, 8, 3), (2, 3, 21),
      lambda y: F.avg_pool1d(F.relu(y), 4, padding=2) + torch.linspace(0.0, 1.0, 2 * 8 * 5).view(2, 8, 5),
-     ["relu", "avgpool", "add"]),
+     ["relu", "avgpool", "add"], (2, 8, 5)),
 ]
 
 
-@pytest.mark.parametrize("make, shape, fn, steps", [c[1:] for c in POOLS], ids=[c[0] for c in POOLS])
-def test_pooling_windows_of_a_conv_output(make, shape, fn, steps):
-    """MaxPool and AvgPool 1d/2d/3d (kernel, stride, padding, dilation, ceil_mode,
-    count_include_pad, divisor_override), then per-channel, full (pooled shape) and
-    scalar operands."""
+@pytest.mark.parametrize("make, shape, fn, steps, out_shape", [c[1:] for c in SPATIAL + CHANNEL + POOLS],
+                         ids=[c[0] for c in SPATIAL + CHANNEL + POOLS])
+def test_reductions_of_a_conv_output(make, shape, fn, steps, out_shape):
+    """Global pooling (a reduction over every spatial dim: one value per (row, channel),
+    then per-channel and scalar operands and views to [rows, C] or [rows, C, 1, ...]);
+    softmax, log_softmax and the reductions over the channels (dim 1), per pixel;
+    MaxPool and AvgPool 1d/2d/3d (kernel, stride, padding, dilation, ceil_mode,
+    count_include_pad, divisor_override); then more steps (per-channel, full and scalar
+    operands)."""
     torch.manual_seed(0)
     model = ConvChain(make(), fn)
     x = torch.randn(shape)
     out, fused, refused = compile_records(model, x)
     assert fused, refused
-    pool = next(s for s in steps if s.endswith("pool"))
-    assert steps_of(fused[0]) == ["add"] + steps and fused[0].fusion == f"conv_{pool}"
+    reduction = next(s for s in steps if s.startswith(("spatial_", "channel_")) or s.endswith("pool"))
+    assert steps_of(fused[0]) == ["add"] + steps and fused[0].fusion == f"conv_{reduction}"
+    assert out.shape == out_shape
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
 
 
