@@ -77,6 +77,8 @@ class Plan:
         cvec: with `pixels`, channels a load from a channels-last y (`vec` is then 1), else 1.
         pool: a pooling window (templates.POOL_APPLY_KERNEL): a thread an output element;
             seg_len is then the row, and vec, team, nvec and chunks are 1.
+        tile: with `pool` on a channels-last y, the pooled pixels a block stages (all their
+            channels) before writing them plane by plane; else 0.
     """
 
     seg_len: int
@@ -91,6 +93,7 @@ class Plan:
     pixels: bool = False
     cvec: int = 1
     pool: bool = False
+    tile: int = 0
 
 
 def _pow2_at_least(n: int) -> int:
@@ -195,23 +198,23 @@ def _pixels_plan(spec: EpilogueSpec) -> Plan:
 
 
 def _pool_plan(spec: EpilogueSpec) -> Plan:
-    """The mapping of a pooling window: a thread an output element (pool.cuh), on either layout of y.
+    """The mapping of a pooling window: a thread an output element (pool.cuh), on either
+    layout of y; on a channels-last y, blocks of `tile` pooled pixels with all their
+    channels (about 4 elements a thread), staged in shared memory.
 
     Raises:
-        NotRenderable: pooled elements a channel or window positions past 32-bit indices.
+        NotRenderable: rows past 32-bit indices, or a channels-last tile past POOL_TILE_BYTES.
     """
     if spec.channels * spec.inner >= 2**31:
         raise NotRenderable(f"rows of {spec.channels * spec.inner} elements: the kernels index a row with 32 bits")
-    if spec.anchor.channels_last and _pool_tile_bytes(spec.channels) > POOL_TILE_BYTES:
-        raise NotRenderable(f"a pooling window of {spec.channels} channels-last channels: pool.cuh's tile would "
-                            f"take {_pool_tile_bytes(spec.channels)} bytes of shared memory")
-    return Plan(spec.channels * spec.inner, 1, 1, 1, 1, 1, POOL_BLOCK, pool=True)
-
-
-def _pool_tile_bytes(channels: int) -> int:
-    """Shared memory of pool.cuh's channels-last tile (its kTilePixels)."""
-    pixels = 1 if channels >= 4 * POOL_BLOCK else 4 * POOL_BLOCK // channels
-    return channels * (pixels + 1) * 4
+    tile = 0
+    if spec.anchor.channels_last:
+        tile = max(1, 4 * POOL_BLOCK // spec.channels)
+        tile_bytes = spec.channels * (tile + 1) * 4  # [channels][pixels + 1] floats
+        if tile_bytes > POOL_TILE_BYTES:
+            raise NotRenderable(f"a pooling window of {spec.channels} channels-last channels: pool.cuh's tile would "
+                                f"take {tile_bytes} bytes of shared memory")
+    return Plan(spec.channels * spec.inner, 1, 1, 1, 1, 1, POOL_BLOCK, pool=True, tile=tile)
 
 
 def channels_last_plan(spec: EpilogueSpec) -> Plan | str:
@@ -767,7 +770,7 @@ def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", an
     elif p.pool:
         apply_kernel = templates.POOL_APPLY_KERNEL.substitute(
             kernel=name, channels_last="true" if spec.anchor.channels_last else "false",
-            pool_row="false" if spec.anchor.kind == "conv" else "true", **_window(spec.reduction))
+            pool_row="false" if spec.anchor.kind == "conv" else "true", tile=p.tile, **_window(spec.reduction))
     else:
         apply_kernel = templates.APPLY_KERNEL.substitute(kernel=name, middle=middle, store=store)
     return templates.KERNEL_FILE.substitute(

@@ -200,7 +200,8 @@ __global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) { channel_appl
 # $pool_max (max, else avg); $in_d/h/w, $out_d/h/w, $k_d/h/w, $s_d/h/w, $p_d/h/w, $d_d/h/w
 # (input and pooled sizes, kernel, stride, padding, dilation per dim); $count_pad,
 # $divisor (avg's count_include_pad and divisor_override or 0); $channels_last (y's layout);
-# $pool_row (a window over a Linear output's features).
+# $pool_row (a window over a Linear output's features); $tile (render.Plan.tile: the pooled
+# pixels a block stages from a channels-last y, else 0).
 POOL_APPLY_KERNEL = Template(
     r"""constexpr bool kPoolMax = $pool_max;
 constexpr int kInD = $in_d, kInH = $in_h, kInW = $in_w;
@@ -213,6 +214,7 @@ constexpr bool kCountPad = $count_pad;
 constexpr int kDivisor = $divisor;
 constexpr bool kChannelsLastY = $channels_last;
 constexpr bool kPoolRow = $pool_row;
+constexpr int kTilePixels = $tile;
 #include "fusedepi/pool.cuh"
 
 __global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) { pool_apply(a); }"""

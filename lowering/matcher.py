@@ -148,6 +148,11 @@ class _State:
     claimed: set = field(default_factory=set)  # nodes of the chains matched before this one
     held: dict = field(default_factory=dict)  # node -> k: it holds the chain's value after k steps
 
+    @property
+    def reduced_any(self) -> bool:
+        """A reduction has shrunk the value: to one per row, per (row, channel) or per (row, pixel)."""
+        return self.reduced or self.pooled or self.pixels
+
 
 @dataclass
 class _Match:
@@ -659,7 +664,7 @@ def _conv_layer_norm(state: _State, user: Node, shape: list, weight, bias, eps):
     if tail is None or not all(_same_size(a, b) for a, b in zip(tail, shape)):
         raise Refuse(f"LayerNorm: normalized_shape {shape} is not trailing dims of the conv output's "
                      f"{list(val.shape)} (the batch excluded)")
-    if state.channel_axis != 1 or state.reduced or state.pooled or state.pixels or state.windows:
+    if state.channel_axis != 1 or state.reduced_any or state.windows:
         raise Refuse("LayerNorm: only over the trailing dims of a conv output itself (not a reduced or pooled one)")
     segment = math.prod(shape)
     items, consumed, stats = _normalized(user, "LayerNorm")
@@ -717,7 +722,7 @@ def _over_channels(state: _State, dims) -> bool:
     ndim = _val(state.node).dim()
     dims = [dims] if isinstance(dims, int) else list(dims)
     return (ndim > 2 and [d % ndim for d in dims] == [1] and state.channel_axis == 1
-            and not (state.reduced or state.pooled or state.pixels))
+            and not state.reduced_any)
 
 
 # ----------------------------------------------------------------- reductions
@@ -836,7 +841,7 @@ def _match_pool(state: _State, user: Node):
     name = "maxpool" if pool.target in _MAX_POOLS else "avgpool"
     if features and (state.reduced or state.channel_axis != 1):
         raise Refuse(f"{name}: over a Linear output's features, only on the [rows, N] output itself")
-    if not features and (not state.conv or state.channel_axis != 1 or state.reduced or state.pooled or state.pixels):
+    if not features and (not state.conv or state.channel_axis != 1 or state.reduced_any):
         raise Refuse(f"{name}: only over the spatial dims of a conv output, or a Linear output's features")
     nd = _val(pool.args[0]).dim() - 2
     kernel = _per_dim(_arg(pool, 1, "kernel_size"), nd, f"{name}: kernel_size")
@@ -936,7 +941,7 @@ def _match_view(state: _State, user: Node):
     if user.target not in _VIEWS:
         return None
     val = _val(user)
-    if state.conv and not (state.reduced or state.pooled or state.pixels) and _instance_view(val, _val(state.node)):
+    if state.conv and not state.reduced_any and _instance_view(val, _val(state.node)):
         raise Refuse(f"view to {list(val.shape)} (InstanceNorm's form) not followed by an InstanceNorm "
                      "that fuses: statistics of its input without running statistics, or running "
                      "statistics in eval mode")

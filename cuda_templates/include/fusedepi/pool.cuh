@@ -29,7 +29,8 @@
 //   kCountPad       avg: the divisor counts the padding;
 //   kDivisor        avg: divisor_override, or 0;
 //   kChannelsLastY  y is channels-last;
-//   kPoolRow        the window runs over a Linear output's features (a row is one plane).
+//   kPoolRow        the window runs over a Linear output's features (a row is one plane);
+//   kTilePixels     channels-last: the pooled pixels a block's tile holds (render.Plan.tile).
 // It is not a standalone header: the launch plan's constants differ per file.
 #pragma once
 
@@ -38,12 +39,10 @@ constexpr long long kPlanes = kPoolRow ? 1 : kChannels;  // planes a row: a conv
 constexpr int kPlane = kPoolRow ? static_cast<int>(kChannels) : kInner;  // elements a plane
 static_assert(static_cast<long long>(kInD) * kInH * kInW == kPlane, "the window's input sizes are the plane's");
 static_assert(!kPoolRow || !kChannelsLastY, "a Linear output has one layout");
-// Channels-last: the pooled pixels a block's tile holds (about 4 elements a thread), and
-// the tiles a row.
-constexpr int kTilePixels = kChannels >= 4 * kBlock ? 1 : static_cast<int>(4 * kBlock / kChannels);
-constexpr long long kRowTiles = (kOutInner + kTilePixels - 1) / kTilePixels;
-static_assert(!kChannelsLastY || kChannels * (kTilePixels + 1) * 4 <= 40 * 1024,
-              "the tile fits shared memory (render.POOL_TILE_BYTES)");
+// Channels-last: the tiles a row.
+static_assert(!kChannelsLastY || (kTilePixels >= 1 && kChannels * (kTilePixels + 1) * 4 <= 48 * 1024),
+              "a channels-last tile of at least one pixel, in static shared memory");
+constexpr long long kRowTiles = kChannelsLastY ? (kOutInner + kTilePixels - 1) / kTilePixels : 0;
 // Blocks a row of the output: NCHW, a thread an element; channels-last, a tile a block.
 constexpr long long kPoolBlocksPerRow =
     kChannelsLastY ? kRowTiles : (kPlanes * kOutInner + kBlock - 1) / kBlock;
