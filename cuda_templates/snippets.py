@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 import re
 
-from lowering.spec import (CHANNEL, CHANNEL_REDUCTIONS, EARLIER, FULL, ONE, POOLS, REDUCTIONS, SEGMENT, ROW_REDUCTIONS, SCALAR, SELF,
-                           SPATIAL_REDUCTIONS, Step, to_float32)
+from lowering.spec import (CHANNEL, CHANNEL_REDUCTIONS, EARLIER, FULL, ONE, POOLS, REDUCTIONS, ROW_REDUCTIONS, SCALAR,
+                           SEGMENT, SELF, SPATIAL_REDUCTIONS, Step, to_float32)
 
 
 def cfloat(value: float) -> str:
@@ -216,10 +216,9 @@ SNIPPETS = {
     "channel_log_softmax": lambda s, ops: "x = x - s0 - s1;",
     "batchnorm_eval": _batchnorm_eval,
     "batchnorm_train": _batchnorm_train,
-    # Row reductions are computed by templates.ROW_REDUCE; the steps after them see the row's value.
-    **{name: (lambda s, ops: "") for name in ROW_REDUCTIONS + SPATIAL_REDUCTIONS + CHANNEL_REDUCTIONS},
-    # A pooling window is computed by fusedepi/pool.cuh; the steps after it see the pooled value.
-    **{name: (lambda s, ops: "") for name in POOLS},
+    # Reductions are computed by their kernels (templates.ROW_REDUCE, channel_reduce.cuh,
+    # pool.cuh); the steps after them see the reduced value.
+    **{name: (lambda s, ops: "") for name in ROW_REDUCTIONS + SPATIAL_REDUCTIONS + CHANNEL_REDUCTIONS + POOLS},
 }
 
 
