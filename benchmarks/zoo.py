@@ -93,6 +93,30 @@ class ScoresSoftmax(nn.Module):
         return torch.softmax(torch.bmm(q, x.transpose(1, 2)) * self.scale, dim=-1)
 
 
+class ChannelMix(nn.Module):
+    """A channel-mixing weight shared by the batch: bmm(w[C, C] expanded to [B, C, C], x[B, C, L])."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(c, c) / math.sqrt(c))
+
+    def forward(self, x):
+        return torch.bmm(self.w.expand(x.shape[0], -1, -1), x)
+
+
+class AttendNorm(nn.Module):
+    """Self-attention without projections: softmax(x x^T * scale) x -> LayerNorm -> GELU
+    (two bmm chains: scaled softmax over the scores' rows, LayerNorm over the features)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.scale, self.ln = d ** -0.5, nn.LayerNorm(d)
+
+    def forward(self, x):
+        scores = torch.softmax(torch.bmm(x, x.transpose(1, 2)) * self.scale, dim=-1)
+        return F.gelu(self.ln(torch.bmm(scores, x)))
+
+
 @dataclass(frozen=True)
 class ZooModel:
     name: str
@@ -215,7 +239,13 @@ MODELS = [
              (8192, 1024)),
     ZooModel("linear_sigmoid_linear_logsumexp", lambda: TwoLinears(1024, 2048, 512), (8192, 1024)),
     ZooModel("linear_mish_residual", lambda: Seq(nn.Linear(1024, 1024), lambda y, m: y + F.mish(y)), (16384, 1024)),
+    # batched matmuls: attention, channel mixing shared by the batch
     ZooModel("bmm_scores_softmax", lambda: ScoresSoftmax(64), (64, 256, 64)),
+    ZooModel("bmm_attend_layernorm_gelu", lambda: AttendNorm(128), (32, 512, 128)),
+    ZooModel("bmm_mix_groupnorm_silu", lambda: Seq(ChannelMix(256), lambda y, m: F.silu(m.gn(y)),
+                                                   gn=nn.GroupNorm(8, 256)), (32, 256, 1024)),
+    ZooModel("bmm_mix_instancenorm_relu", lambda: Seq(ChannelMix(128), lambda y, m: F.relu(m.norm(y)),
+                                                      norm=nn.InstanceNorm1d(128)), (32, 128, 2048)),
 ]
 BY_NAME = {m.name: m for m in MODELS}
 QUICK = ["conv2d_relu_bias", "conv2d_bn_relu", "conv2d_bias_scale_sigmoid_gn", "conv3d_bn_relu",

@@ -21,6 +21,7 @@ from lowering.spec import (
     ROW_NORMS,
     ROW_REDUCTIONS,
     SEGMENT_NORMS,
+    SPATIAL_NORMS,
     SPATIAL_REDUCTIONS,
     EpilogueSpec,
 )
@@ -134,8 +135,8 @@ def plan(spec: EpilogueSpec) -> Plan:
         groups = red.groups  # a GroupNorm's groups, a conv LayerNorm's segments
     elif red is not None and red.name == "batchnorm_train" and spec.inner > 1:
         groups = spec.channels  # a conv's BatchNorm: partial statistics per (row, channel)
-    elif red is not None and red.name in SPATIAL_REDUCTIONS:
-        groups = spec.channels  # a value per (row, channel) plane
+    elif red is not None and red.name in SPATIAL_REDUCTIONS + SPATIAL_NORMS:
+        groups = spec.channels  # a value per (row, channel) plane, or statistics per plane
     else:
         groups = 1
     seg_len = row // groups
@@ -167,7 +168,7 @@ def plan(spec: EpilogueSpec) -> Plan:
     elif vecs <= MAX_BLOCK * BLOCK_TEAM_MAX_VECS:
         team = _block_team(vecs, BLOCK_TEAM_MAX_VECS, pow2=red is not None)
         p = Plan(seg_len, groups, vec, team, _ceil_div(vecs, team), 1, team)
-    elif red is not None and red.name in ROW_REDUCTIONS + ROW_NORMS + SPATIAL_REDUCTIONS:
+    elif red is not None and red.name in ROW_REDUCTIONS + ROW_NORMS + SPATIAL_NORMS + SPATIAL_REDUCTIONS:
         limit = MAX_BLOCK * BLOCK_TEAM_MAX_VECS * vec
         raise NotRenderable(f"{red.name} over {seg_len} elements: one block holds at most {limit}")
     else:
@@ -695,7 +696,7 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
                 f"  {name}_segfinal<<<(segments + 255) / 256, 256, 0, stream>>>(a);",
             ]
             ws_floats = "rows * kGroups * (kChunks * 2 + 2)"
-    elif red.name in ROW_NORMS:
+    elif red.name in ROW_NORMS + SPATIAL_NORMS:
         save_stats = ""
         if red.name == "rmsnorm":
             statistics = templates.TEAM_STATISTICS["rmsnorm"].substitute(eps=cfloat(red.consts[0]))
@@ -770,7 +771,7 @@ def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", an
     elif p.pool:
         apply_kernel = templates.POOL_APPLY_KERNEL.substitute(
             kernel=name, channels_last="true" if spec.anchor.channels_last else "false",
-            pool_row="false" if spec.anchor.kind == "conv" else "true", tile=p.tile, **_window(spec.reduction))
+            pool_row="false" if spec.anchor.conv_view else "true", tile=p.tile, **_window(spec.reduction))
     else:
         apply_kernel = templates.APPLY_KERNEL.substitute(kernel=name, middle=middle, store=store)
     return templates.KERNEL_FILE.substitute(

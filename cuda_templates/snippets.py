@@ -214,6 +214,8 @@ SNIPPETS = {
     "log_softmax": lambda s, ops: "x = x - s0 - s1;",  # s1 = log of that sum
     "channel_softmax": lambda s, ops: "x = expf(x - s0) / s1;",  # the same over a pixel's channels
     "channel_log_softmax": lambda s, ops: "x = x - s0 - s1;",
+    "spatial_softmax": lambda s, ops: "x = expf(x - s0) / s1;",  # the same over a (row, channel) plane
+    "spatial_log_softmax": lambda s, ops: "x = x - s0 - s1;",
     "batchnorm_eval": _batchnorm_eval,
     "batchnorm_train": _batchnorm_train,
     # Reductions are computed by their kernels (templates.ROW_REDUCE, channel_reduce.cuh,

@@ -293,6 +293,8 @@ TEAM_STATISTICS = {
     "softmax": Template("    float s0, s1;\n    team_softmax<false>(p, v, s0, s1);"),
     "log_softmax": Template("    float s0, s1;\n    team_softmax<true>(p, v, s0, s1);"),
 }
+TEAM_STATISTICS["spatial_softmax"] = TEAM_STATISTICS["softmax"]  # a team a plane instead of a row
+TEAM_STATISTICS["spatial_log_softmax"] = TEAM_STATISTICS["log_softmax"]
 
 # Normalize by the (mean, rstd) per segment that earlier kernels left in the
 # workspace at $stats_at (a float* expression).

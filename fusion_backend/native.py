@@ -40,7 +40,7 @@ LIBRARY = "fusedepi_native.so"
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 # Launcher.anchor_path (launcher.cpp: Path) and the anchors (Anchor).
 PATH_CODES = {"library anchor": 0, "in-kernel GEMM": 1, "direct conv": 2}
-ANCHOR_CODES = {"addmm": 0, "mm": 1, "conv": 2}
+ANCHOR_CODES = {"addmm": 0, "mm": 1, "conv": 2, "bmm": 3}
 
 
 class BuildError(RuntimeError):

@@ -33,6 +33,8 @@ def run_anchor(anchor: Anchor, operands: list[torch.Tensor], for_kernels: bool =
         return aten.addmm.default(*operands)
     if anchor.kind == "mm":
         return aten.mm.default(*operands)
+    if anchor.kind == "bmm":
+        return aten.bmm.default(*operands)
     x, w = operands[:2]
     b = operands[2] if anchor.has_bias else None
     if anchor.channels_last:

@@ -2,7 +2,7 @@
 
 Matching happens at one level: the aten graph that Inductor's AOTAutograd pass
 produces with the decomposition table from `lowering/__init__.py`, which keeps
-the ops below intact. Each anchor (addmm, mm, convolution) starts a chain; the
+the ops below intact. Each anchor (addmm, mm, bmm, convolution) starts a chain; the
 chain grows one step at a time through `STEP_MATCHERS`. Where it stops, and why,
 is recorded. A value the graph also uses elsewhere (in a training graph, what
 backward needs: the matmul output, a norm's statistics, an activation's input)
@@ -705,7 +705,8 @@ def _match_batch_norm(state: _State, user: Node):
 
 
 def _match_softmax(state: _State, user: Node):
-    """Softmax over a linear output's features, or over a conv output's channels (per pixel)."""
+    """Softmax over a linear output's features, over a conv output's channels (per pixel),
+    or over the one spatial dim of a 3-D conv or bmm output (per plane)."""
     name = {aten._softmax.default: "softmax", aten._log_softmax.default: "log_softmax"}.get(user.target)
     if name is None:
         return None
@@ -713,6 +714,11 @@ def _match_softmax(state: _State, user: Node):
         raise Refuse(f"{name}: half_to_float")
     if state.conv and _over_channels(state, user.args[1]):
         return _Match(Step(f"channel_{name}"), [user], user)
+    if state.conv and _over_the_plane(state, user.args[1]):
+        return _Match(Step(f"spatial_{name}"), [user], user)
+    if state.conv:
+        raise Refuse(f"{name} over dims [{user.args[1]}] of a {_val(state.node).dim()}-D conv output: only over its "
+                     "channels (dim 1), or over the plane of a 3-D one (a Conv1d's or a bmm's last dim)")
     _require_features(state, name, user.args[1])
     return _Match(Step(name), [user], user)
 
@@ -723,6 +729,14 @@ def _over_channels(state: _State, dims) -> bool:
     dims = [dims] if isinstance(dims, int) else list(dims)
     return (ndim > 2 and [d % ndim for d in dims] == [1] and state.channel_axis == 1
             and not state.reduced_any)
+
+
+def _over_the_plane(state: _State, dim) -> bool:
+    """Whether `dim` is the one spatial dim of a 3-D conv or bmm output [rows, C, L] (its
+    whole plane), with the channels and the plane still there."""
+    ndim = _val(state.node).dim()
+    return (ndim == 3 and isinstance(dim, int) and dim % ndim == 2 and state.channel_axis == 1
+            and not state.reduced_any and not state.windows)
 
 
 # ----------------------------------------------------------------- reductions
@@ -1014,6 +1028,8 @@ def _match_anchor(node: Node, direct_conv: bool = True, direct_gemm: bool = Fals
     if node.target is aten.mm.default:
         gemm = linear_form(*node.args[:2]) if direct_gemm else ()
         return Anchor("mm", gemm=gemm), list(node.args[:2])
+    if node.target is aten.bmm.default:
+        return Anchor("bmm"), list(node.args[:2])
     if node.target is aten.convolution.default:
         x, w, b, stride, padding, dilation, transposed, out_pad, groups = node.args
         conv = (tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(out_pad), groups)
@@ -1056,7 +1072,7 @@ def _direct_conv(x: Node, w: Node, conv: tuple) -> tuple:
 
 
 def _fusion_name(anchor: Anchor, steps) -> str:
-    family = "conv" if anchor.kind == "conv" else "linear"
+    family = anchor.kind if anchor.conv_view else "linear"
     kind = next((s.name for s in steps if s.name in NAMED_STEPS), "pointwise")
     return f"{family}_{kind}"
 
@@ -1072,7 +1088,7 @@ def _start(node: Node, anchor: Anchor, operands, allow_cpu: bool) -> _State:
                      "CPU chains through their plain-torch reference, to try the rewrite without a GPU)")
     if not _is_contiguous(val):
         raise Refuse("anchor output is not contiguous (channels_last input?)")
-    conv = anchor.kind == "conv"
+    conv = anchor.conv_view
     shape = list(val.shape)
     static = shape[1:]
     if not all(isinstance(s, int) for s in static):

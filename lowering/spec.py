@@ -39,8 +39,11 @@ class Anchor:
     """The matrix op that starts the chain.
 
     Attributes:
-        kind: "addmm" (bias, mat1, mat2), "mm" (mat1, mat2) or "conv"
-            (input, weight[, bias]).
+        kind: "addmm" (bias, mat1, mat2), "mm" (mat1, mat2), "bmm" (mat1[B, M, K],
+            mat2[B, K, N]) or "conv" (input, weight[, bias]). A bmm's output [B, M, N]
+            is read as a Conv1d's: rows B, channels M, one spatial dim of N (`conv_view`),
+            so InstanceNorm, GroupNorm, BatchNorm1d, per-channel [M, 1] operands and
+            LayerNorm over [N] mean what they mean there.
         has_bias: conv only: whether a bias tensor is the third operand.
         conv: conv only: (stride, padding, dilation, transposed, output_padding, groups).
         direct: conv only: (in_channels, kernel_h, kernel_w, in_h, in_w) when the conv
@@ -82,9 +85,20 @@ class Anchor:
     def n_operands(self) -> int:
         if self.kind == "addmm":
             return 3
-        if self.kind == "mm":
+        if self.kind in ("mm", "bmm"):
             return 2
         return 3 if self.has_bias else 2
+
+    @property
+    def conv_view(self) -> bool:
+        """Whether the output is [rows, channels, *spatial] (a conv's, a bmm's), not a
+        Linear's [rows, features]."""
+        return self.kind in ("conv", "bmm")
+
+    @property
+    def spatial_dims(self) -> int:
+        """How many spatial dims the output has after its channels (`conv_view` only)."""
+        return 1 if self.kind == "bmm" else len(self.conv[0])
 
 
 @dataclass(frozen=True)
@@ -163,7 +177,7 @@ class EpilogueSpec:
 
     The anchor output is viewed as [rows, channels, inner]: for a linear layer
     rows = M, channels = N, inner = 1; for a conv rows = batch, channels = C,
-    inner = H*W. `rows` is the only size left to run time.
+    inner = H*W; for a bmm rows = B, channels = M, inner = N. `rows` is the only size left to run time.
 
     Attributes:
         anchor: the matrix op.
@@ -264,7 +278,7 @@ class EpilogueSpec:
             elif step.name in CHANNEL_REDUCTIONS:
                 per_row = self.inner
             elif step.name in POOLS:  # a conv's channels pooled, or a Linear row's features
-                per_row = (self.channels if self.anchor.kind == "conv" else 1) * math.prod(step.window[1])
+                per_row = (self.channels if self.anchor.conv_view else 1) * math.prod(step.window[1])
         object.__setattr__(self, "_param_sizes", tuple(sizes))  # not a field: equality and JSON ignore it
         return self._param_sizes
 
@@ -287,10 +301,10 @@ class EpilogueSpec:
         if red.name in ROW_REDUCTIONS + CHANNEL_REDUCTIONS:
             return (1,) if red.keepdim else ()
         if red.name in POOLS:
-            if self.anchor.kind != "conv":
+            if not self.anchor.conv_view:
                 return ((1,) if red.keepdim else ()) + tuple(red.window[1])
             return (self.channels,) + tuple(red.window[1])
-        return (self.channels,) + ((1,) * len(self.anchor.conv[0]) if red.keepdim else ())
+        return (self.channels,) + ((1,) * self.anchor.spatial_dims if red.keepdim else ())
 
     @property
     def keeps_spatial(self) -> bool:
@@ -334,7 +348,11 @@ POOLS = ("maxpool", "avgpool")
 SEGMENT_NORMS = ("groupnorm", "layernorm")
 # Normalized by two statistics of the whole row, which one team of threads holds.
 ROW_NORMS = ("rmsnorm", "softmax", "log_softmax")
-REDUCTIONS = (SEGMENT_NORMS + ROW_NORMS + ROW_REDUCTIONS + SPATIAL_REDUCTIONS + CHANNEL_REDUCTIONS + CHANNEL_NORMS
+# Softmax over each (row, channel) plane of a conv or bmm output with one spatial dim
+# (`softmax(dim=-1)` of [B, M, N]: attention scores); a team of threads a plane.
+SPATIAL_NORMS = ("spatial_softmax", "spatial_log_softmax")
+REDUCTIONS = (SEGMENT_NORMS + ROW_NORMS + SPATIAL_NORMS + ROW_REDUCTIONS + SPATIAL_REDUCTIONS + CHANNEL_REDUCTIONS
+              + CHANNEL_NORMS
               + POOLS + ("batchnorm_train",))
 # A fusion is named after its anchor family and the first of these steps it holds,
 # or "pointwise": linear_groupnorm, conv_batchnorm_eval, linear_pointwise, ...
@@ -343,4 +361,5 @@ NAMED_STEPS = REDUCTIONS + ("batchnorm_eval",)
 # the library (cuDNN) with only the epilogue fused. (The in-kernel GEMM has its own setting:
 # FUSEDEPI_IN_KERNEL_GEMM.)
 ANCHOR_FORMS = ("direct_conv",)
-FUSION_NAMES = tuple(f"{family}_{kind}" for family in ("linear", "conv") for kind in NAMED_STEPS + ("pointwise",))
+FUSION_NAMES = tuple(f"{family}_{kind}" for family in ("linear", "bmm", "conv")
+                     for kind in NAMED_STEPS + ("pointwise",))

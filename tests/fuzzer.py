@@ -30,7 +30,7 @@ backward (inputs and parameters require gradients, the upstream gradient is rand
 and its input and parameter gradients are checked like the output: then the fused
 chains return what backward needs as well.
 
-One file (about 950 lines): the generator, the three-way check and the driver are run
+One file (about 1,100 lines): the generator, the three-way check and the driver are run
 as a script on the device machine as well as imported by tests/test_fuzz.py.
 """
 
@@ -74,7 +74,7 @@ class Case:
 
     Attributes:
         index, seed: where it comes from (`make_case(seed, index)`).
-        anchor: {"kind": "linear" | "conv" | "conv_transpose", ...sizes}.
+        anchor: {"kind": "linear" | "conv" | "conv_transpose" | "bmm", ...sizes}.
         steps: the chain after the anchor, each {"op": name, ...arguments}.
         dtype: "float32", "bfloat16" or "float16".
         training: the model's mode (BatchNorm uses batch statistics when True).
@@ -115,11 +115,18 @@ NORMS_CONV = ["groupnorm", "batchnorm"]
 CONV_NORMS = {1: NORMS_CONV, 2: NORMS_CONV + ["instancenorm"], 3: NORMS_CONV + ["instancenorm"],
               4: NORMS_CONV + ["instancenorm"], 5: NORMS_CONV + ["instancenorm", "chan_softmax", "chan_log_softmax"],
               6: NORMS_CONV + ["instancenorm", "chan_softmax", "chan_log_softmax"],
-              7: NORMS_CONV + ["instancenorm", "chan_softmax", "chan_log_softmax", "conv_layernorm"]}
+              7: NORMS_CONV + ["instancenorm", "chan_softmax", "chan_log_softmax", "conv_layernorm"],
+              8: NORMS_CONV + ["instancenorm", "chan_softmax", "chan_log_softmax", "conv_layernorm", "plane_softmax",
+                               "plane_log_softmax"]}
 # Generation 7 adds LayerNorm over a conv output's trailing dims (`conv_layernorm`: the
 # last `dims` of them, the channels included or not), and 1-D pooling windows over a
 # 2-D Linear output's features among its row reductions (`FEATURE_POOLS`).
 FEATURE_POOLS = ["feature_maxpool", "feature_avgpool"]
+# From this generation on, a quarter of the anchors are batched matmuls (`torch.bmm`, or
+# `x @ w` with a batched w) whose [B, M, N] product reads as a Conv1d's output, and the
+# norms of a value with one spatial dim include softmax over it (`PLANE_NORMS`).
+BMM_GENERATION = 8
+PLANE_NORMS = ["plane_softmax", "plane_log_softmax"]
 # From this generation on, a binary step's operand may be an earlier value of the chain
 # (`earlier`: the value `back` steps before the current one, of the same shape).
 EARLIER_GENERATION = 3
@@ -150,6 +157,7 @@ STEPS_OF_DRAW = {
     "clamp_max": ("clamp",), "selu": ("elu",), "celu": ("elu",), "batchnorm": ("batchnorm_train", "batchnorm_eval"),
     "instancenorm": ("groupnorm",), "max_values": ("amax",), "conv_layernorm": ("layernorm",),
     "feature_maxpool": ("maxpool",), "feature_avgpool": ("avgpool",),
+    "plane_softmax": ("spatial_softmax",), "plane_log_softmax": ("spatial_log_softmax",),
     **{pool: (f"spatial_{pool.removeprefix('pool_')}",) for pool in POOLS},
     **{op: (f"channel_{op.removeprefix('chan_')}",) for op in CHANNEL_REDUCTIONS + ["chan_softmax", "chan_log_softmax"]},
     "chan_max_values": ("channel_amax",),
@@ -163,6 +171,7 @@ def drawn_steps(generation: int | None = None) -> set:
     draws += (POOLS if last >= POOL_GENERATION else []) + (CHANNEL_REDUCTIONS if last >= CHANNEL_GENERATION else [])
     draws += WINDOWS if last >= WINDOW_GENERATION else []
     draws += FEATURE_POOLS if last >= 7 else []
+    draws += PLANE_NORMS if last >= BMM_GENERATION else []
     draws += [n for g in range(1, last + 1) for n in CONV_NORMS[g]]
     return {step for draw in draws for step in STEPS_OF_DRAW.get(draw, (draw,))}
 
@@ -172,6 +181,13 @@ WIDTHS = [1, 3, 7, 16, 33, 64, 100, 127, 255, 256, 384, 513, 1000, 2048, 4100]
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _bmm_anchor(rng: random.Random) -> dict:
+    """x[batch, out, in] times a weight [batch, in, N]: the product's plane is N (`spatial`)."""
+    return {"kind": "bmm", "batch": rng.randint(1, 4), "in": rng.randint(1, 64),
+            "out": rng.choice([1, 2, 4, 6, 8, 12, 16, 32, 64]), "spatial": [rng.randint(2, 80)],
+            "matmul": rng.random() < 0.5}
 
 
 def _anchor(rng: random.Random) -> dict:
@@ -249,7 +265,8 @@ def _step(rng: random.Random, ctx: dict) -> dict:
         if ctx["nd_linear"]:  # [B, T, N]: only norms over the last dim keep their meaning
             op = rng.choice(["layernorm", "rmsnorm", "softmax", "log_softmax"])
         else:
-            op = rng.choice(NORMS_LINEAR if ctx["kind"] == "linear" else CONV_NORMS[ctx["generation"]])
+            ops = NORMS_LINEAR if ctx["kind"] == "linear" else CONV_NORMS[ctx["generation"]]
+            op = rng.choice([o for o in ops if o not in PLANE_NORMS or len(ctx["spatial"]) == 1])
         step = {"op": op, "eps": rng.choice([1e-5, 1e-6, 1e-3])}
         if op == "groupnorm":
             step["groups"] = rng.choice(_divisors(channels))
@@ -306,7 +323,10 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
     generator's `generation` and `gemm`: a 16-bit Linear of the in-kernel GEMM's shapes,
     drawn from a stream of its own)."""
     rng = random.Random(f"{seed}/{index}/{device}" + ("/gemm" if gemm else ""))
-    anchor = _gemm_anchor(rng) if gemm else _anchor(rng)
+    # Whether a bmm is drawn comes from a stream of its own: the other models of a
+    # generation that draws bmm anchors stay the ones the generation before drew.
+    bmm = generation >= BMM_GENERATION and not gemm and random.Random(f"{seed}/{index}/{device}/bmm").random() < 0.25
+    anchor = _gemm_anchor(rng) if gemm else _bmm_anchor(rng) if bmm else _anchor(rng)
     linear = anchor["kind"] == "linear"
     ctx = {
         "kind": "linear" if linear else "conv",
@@ -319,7 +339,8 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         "last": "",
         "generation": generation,
         "earlier": 0,  # earlier values of the current value's shape (an `earlier` operand's choices)
-        "spatial": [] if linear else _conv_out_sizes(anchor),  # a conv output's spatial sizes
+        # a conv output's spatial sizes (a bmm's: its N)
+        "spatial": [] if linear else list(anchor["spatial"]) if anchor["kind"] == "bmm" else _conv_out_sizes(anchor),
         "windowed": False,  # after a pooling window: no full operands (the residual has the conv's shape)
     }
     steps, in_vocabulary = [], True
@@ -327,11 +348,11 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         step = _step(rng, ctx)
         steps.append(step)
         op = step["op"]
-        ctx["last"] = "softmax" if op == "softmax" else op
+        ctx["last"] = "softmax" if op in ("softmax", "plane_softmax") else op
         if op in OUTSIDE:
             in_vocabulary = False
             ctx["allow_outside"] = False
-        if op in NORMS_LINEAR + CONV_NORMS[generation] + ROW_REDUCTIONS + POOLS + CHANNEL_REDUCTIONS + WINDOWS \
+        if op in NORMS_LINEAR + CONV_NORMS[generation] + PLANE_NORMS + ROW_REDUCTIONS + POOLS + CHANNEL_REDUCTIONS + WINDOWS \
                 + FEATURE_POOLS:
             ctx["has_reduction"] = True
         shrinks = ROW_REDUCTIONS + POOLS + CHANNEL_REDUCTIONS + FEATURE_POOLS
@@ -437,6 +458,10 @@ class FuzzStep(nn.Module):
             return F.softmax(x, dim=1)
         if op == "chan_log_softmax":
             return F.log_softmax(x, dim=1)
+        if op == "plane_softmax":
+            return F.softmax(x, dim=-1)
+        if op == "plane_log_softmax":
+            return F.log_softmax(x, dim=-1)
         return _pointwise(op, s, x)
 
 
@@ -491,6 +516,18 @@ def _pointwise(op: str, s: dict, x):
     raise ValueError(f"unknown fuzz step {op!r}")
 
 
+class BatchedProduct(nn.Module):
+    """x[B, M, K] times a weight w[B, K, N]: `torch.bmm(x, w)`, or `x @ w` (`matmul`)."""
+
+    def __init__(self, batch: int, k: int, n: int, matmul: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(batch, k, n) / math.sqrt(k))
+        self.matmul = matmul
+
+    def forward(self, x):
+        return x @ self.weight if self.matmul else torch.bmm(x, self.weight)
+
+
 class FuzzModel(nn.Module):
     """anchor -> steps; a residual input feeds the `full` operands."""
 
@@ -503,6 +540,10 @@ class FuzzModel(nn.Module):
             self.anchor = nn.Linear(a["in"], a["out"], bias=a["bias"])
             value_shape = a["lead"] + [a["out"]]
             channel_shape = [a["out"]]
+        elif a["kind"] == "bmm":
+            self.anchor = BatchedProduct(a["batch"], a["in"], a["spatial"][0], a["matmul"])
+            value_shape = [a["batch"], a["out"], a["spatial"][0]]
+            channel_shape = [a["out"], 1]
         else:
             transposed = a["kind"] == "conv_transpose"
             cls = {(1, False): nn.Conv1d, (2, False): nn.Conv2d, (3, False): nn.Conv3d,
@@ -533,7 +574,12 @@ def make_inputs(case: Case, model: FuzzModel, device: str, draw: int = 0, on_dev
     seed = (hash((case.seed, case.index)) + 1 + 7919 * draw) & 0xFFFFFFFF
     gen = torch.Generator(device if on_device else "cpu").manual_seed(seed)
     a = case.anchor
-    shape = a["lead"] + [a["in"]] if a["kind"] == "linear" else [a["batch"], a["in"]] + a["spatial"]
+    if a["kind"] == "linear":
+        shape = a["lead"] + [a["in"]]
+    elif a["kind"] == "bmm":
+        shape = [a["batch"], a["out"], a["in"]]
+    else:
+        shape = [a["batch"], a["in"]] + a["spatial"]
     dtype = getattr(torch, case.dtype)
     where = device if on_device else "cpu"
     x = torch.randn(shape, generator=gen, device=where).to(device=device, dtype=dtype)
@@ -881,6 +927,8 @@ def scale_case(case: Case, nbytes: int = BENCH_BYTES) -> Case:
         anchor["lead"] = [rows] if len(anchor["lead"]) == 1 else [rows // 64, 64]
     else:
         per_image = math.prod(FuzzModel(case).value_shape[1:]) + anchor["in"] * math.prod(anchor["spatial"])
+        if anchor["kind"] == "bmm":  # and x's [M, K] a batch entry
+            per_image += anchor["in"] * anchor["out"]
         anchor["batch"] = max(BENCH_IMAGES, nbytes // (per_image * size))
     return Case(case.index, case.seed, anchor, case.steps, case.dtype, case.training, case.in_vocabulary,
                 case.generation, case.gemm, case.tf32)

@@ -8,6 +8,7 @@ from lowering.spec import CHANNEL, EARLIER, FULL, ONE, SCALAR, SELF, Anchor, Epi
 LINEAR = Anchor("mm")  # nn.Linear in float32 under TF32: the bias moves into the epilogue
 CONV = Anchor("conv", has_bias=False, conv=((1, 1), (0, 0), (1, 1), False, (0, 0), 1))
 CHANNELS_LAST = Anchor("conv", has_bias=True, conv=((1, 1), (1, 1), (1, 1), False, (0, 0), 1), channels_last=True)
+BMM = Anchor("bmm")  # torch.bmm: [B, M, N] read as a Conv1d's output (channels M, a plane of N)
 
 
 def _bias(index):
@@ -331,6 +332,19 @@ def vocabulary_specs(dtype="float32"):
                    Step("mul", inputs=(3,), operand=CHANNEL), Step("gelu")),
             dtype, p * 4, channels, inner, "conv_layernorm",
         )
+    # Softmax over the plane of a bmm's product (attention scores, a team a (row, channel)
+    # plane: 37, a warp team; 1000 and 4100, a block), then per-channel and scalar
+    # operands; an InstanceNorm (a group a channel) of a bmm's product.
+    for name, channels, inner in (("softmax", 48, 1000), ("log_softmax", 8, 37), ("softmax", 8, 4100)):
+        specs[f"bmm_spatial_{name}_{channels}x{inner}"] = EpilogueSpec(
+            BMM, (Step("mul", consts=(0.125,), operand=SCALAR), Step(f"spatial_{name}"),
+                  Step("mul", inputs=(0,), operand=CHANNEL)),
+            dtype, p, channels, inner, f"bmm_spatial_{name}",
+        )
+    specs["bmm_instance_norm_24x37"] = EpilogueSpec(
+        BMM, (Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=24), Step("relu")), dtype, (), 24, 37,
+        "bmm_groupnorm",
+    )
     # Pooling windows over a conv output's spatial dims, then per-channel and full (pooled
     # shape) operands: 2x2 max pool of 30 x 30; 3x3 avg pool, stride 2, padding 1, ceil_mode,
     # padding not counted, of 31 x 31; a 3-D avg pool with divisor_override; a dilated 1-D

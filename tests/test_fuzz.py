@@ -106,6 +106,7 @@ CONV_REDUCTIONS = {
     "windows": (fuzzer.WINDOW_GENERATION, lambda s: s["op"] in fuzzer.WINDOWS, "maxpool avgpool"),
     "conv_layernorm": (7, lambda s: s["op"] == "conv_layernorm", "layernorm"),
     "feature_pools": (7, lambda s: s["op"] in fuzzer.FEATURE_POOLS, "maxpool avgpool"),
+    "plane_norms": (fuzzer.BMM_GENERATION, lambda s: s["op"] in fuzzer.PLANE_NORMS, "spatial_softmax spatial_log"),
 }
 
 
@@ -141,6 +142,19 @@ def test_cpu_fuzz_of_conv_reductions(kind, grad):
         assert not reduced and any("the pool kernel" in reason for reason in summary["reasons"]), summary["reasons"]
     else:
         assert len(reduced) >= len(indices) // 3, summary["reasons"]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+def test_cpu_fuzz_of_batched_matmuls(grad):
+    # Generation 8 draws a quarter of its anchors as batched matmuls (torch.bmm, or x @ w
+    # with a batched w), whose random chains read the product as a Conv1d's output.
+    cases = [fuzzer.make_case(0, i, "cpu", generation=fuzzer.BMM_GENERATION) for i in range(80)]
+    indices = [c.index for c in cases if c.anchor["kind"] == "bmm"][: 20 if not grad else 10]
+    assert len(indices) >= 10
+    results = fuzzer.run(seed=0, indices=indices, device="cpu", grad=grad, generation=fuzzer.BMM_GENERATION)
+    summary = fuzzer.summarize(results)
+    assert len(results) == len(indices) and not summary["findings"], _shown(summary["findings"])
+    assert sum(r["fusion"] != "none" for r in results) >= len(indices) // 2, summary["reasons"]
 
 
 def test_cpu_fuzz_of_in_kernel_gemm_shapes():

@@ -584,6 +584,50 @@ def test_reductions_of_a_conv_output(name, dtype, exact_float32):
     _fuses_within_eagers_error(model, shapes, dtype, fusion, exact_float32)
 
 
+class _Batched(nn.Module):
+    """torch.bmm of x[B, M, K] and a weight w[B, K, N], then `fn` on the [B, M, N] product
+    and the optional further inputs; `scale` is a per-channel [M, 1] operand."""
+
+    def __init__(self, batch, m, k, n, fn):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(batch, k, n) / k**0.5)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, m).view(m, 1))
+        self.fn = fn
+
+    def forward(self, x, *rest):
+        return self.fn(self, torch.bmm(x, self.w), *rest)
+
+
+# Batched matmul anchors: (batch, M, K, N, further input shapes, fn, fusion). Odd planes
+# (37: a warp team; 1000 and 4100: a block), batch 1, channels not a power of 2; norms per
+# (row, channel) plane, per group of channels and over the channels, global pooling with a
+# residual, a pointwise chain with per-channel and full operands.
+BATCHED = {
+    "instance_norm_odd_plane": (5, 24, 40, 37, [], lambda m, y: F.relu(F.instance_norm(y)), "bmm_groupnorm"),
+    "group_norm_silu_scale": (3, 64, 64, 130, [], lambda m, y: F.silu(F.group_norm(y, 8)) * m.scale,
+                              "bmm_groupnorm"),
+    "softmax_scaled_batch1": (1, 48, 64, 1000, [], lambda m, y: F.softmax(y * 0.125, dim=-1), "bmm_spatial_softmax"),
+    "log_softmax_long_plane": (2, 8, 32, 4100, [], lambda m, y: F.log_softmax(y, dim=-1) * m.scale,
+                               "bmm_spatial_log_softmax"),
+    "layer_norm_plane": (4, 16, 32, 96, [], lambda m, y: F.gelu(F.layer_norm(y, (96,))), "bmm_layernorm"),
+    "softmax_over_channels": (4, 30, 16, 50, [], lambda m, y: F.softmax(y, dim=1) + 1.0, "bmm_channel_softmax"),
+    "mean_over_plane_residual": (3, 32, 16, 77, [(3, 32)], lambda m, y, r: torch.tanh(y.mean(-1)) + r,
+                                 "bmm_spatial_mean"),
+    "pointwise_full_operand": (2, 64, 128, 256, [(2, 64, 256)], lambda m, y, r: F.gelu(y * m.scale + r),
+                               "bmm_pointwise"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(BATCHED))
+def test_bmm_chains(name, dtype, exact_float32):
+    """A batched matmul (cuBLAS) and its chain in the epilogue kernel, against float64
+    within eager's error."""
+    batch, m, k, n, rest, fn, fusion = BATCHED[name]
+    model = _Batched(batch, m, k, n, fn).cuda().to(dtype)
+    _fuses_within_eagers_error(model, [(batch, m, k)] + rest, dtype, fusion, exact_float32)
+
+
 @pytest.mark.parametrize("fn", ["softmax", "logsumexp", "amax"])
 def test_channel_reductions_propagate_nan_and_inf_like_eager(fn, exact_float32):
     """A NaN input poisons its pixels' values; a pixel of -inf (a NaN's neighbours

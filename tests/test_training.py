@@ -199,6 +199,42 @@ def test_conv_reduction_gradients(fusion, dtype, on_device):
     assert [r.fusion for r in fused] == [f"conv_{fusion}"]
 
 
+class _BmmHead(nn.Module):
+    """torch.bmm of x[B, 6, 10] and a weight [B, 10, 12], then by `fusion`:
+    - groupnorm: GroupNorm(3, 6) (backward reads its statistics per (row, group)), GELU;
+    - spatial_softmax: a scale, softmax over the last dim, a per-channel scale (backward reads
+      the softmax's output);
+    - batchnorm_train: BatchNorm1d over the 6 channels (batch statistics, running stats
+      updated), SiLU."""
+
+    def __init__(self, fusion, batch=3):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(batch, 10, 12) / 3)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 6).view(6, 1)) if fusion == "spatial_softmax" else None
+        self.norm = {"groupnorm": nn.GroupNorm(3, 6), "batchnorm_train": nn.BatchNorm1d(6)}.get(fusion)
+        self.fusion = fusion
+
+    def forward(self, x):
+        y = torch.bmm(x, self.w)
+        if self.fusion == "spatial_softmax":
+            return F.softmax(y * 0.5, dim=-1) * self.scale
+        return (F.gelu if self.fusion == "groupnorm" else F.silu)(self.norm(y))
+
+
+@pytest.mark.parametrize("on_device", DEVICES, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fusion", ["groupnorm", "spatial_softmax", "batchnorm_train"])
+def test_bmm_chain_gradients(fusion, dtype, on_device):
+    torch.manual_seed(0)
+    model = _BmmHead(fusion).to(on_device, dtype)
+    eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+    fused = _forward_backward(model, eager, ref, torch.rand(3, 6, 10, device=on_device, dtype=dtype))
+    assert [r.fusion for r in fused] == [f"bmm_{fusion}"]
+    for b, be, br in zip(model.buffers(), eager.buffers(), ref.buffers()):
+        if b.is_floating_point():
+            _close(b, be, br, "running statistics")
+
+
 class _QuotientByProduct(nn.Module):
     """Linear on a 3-D input, max with a per-feature bound (a buffer), divided by the product: the
     backward reads the Linear's product both as the 2-D addmm output and as its 3-D view."""

@@ -263,7 +263,8 @@ def test_a_per_channel_operand_after_a_channel_reduction_is_refused():
 SPATIAL_REFUSED = [
     ("mean_one_spatial_dim", lambda y: y.mean(dim=3),
      "mean over dims [3] of a 4-D conv output: only over its channels (dim 1) or over all its spatial dims [2, 3]"),
-    ("softmax_over_width", lambda y: F.softmax(y, dim=3), "softmax over dims [3] of a 4-D conv output"),
+    ("softmax_over_width", lambda y: F.softmax(y, dim=3),
+     "softmax over dims [3] of a 4-D conv output: only over its channels (dim 1), or over the plane of a 3-D one"),
     ("sum_with_channels", lambda y: y.sum(dim=[1, 2, 3]), "sum over dims [1, 2, 3] of a 4-D conv output"),
     ("logsumexp_spatial", lambda y: torch.logsumexp(y, dim=(2, 3)), "logsumexp over a conv output's spatial dims is not implemented"),
     ("two_poolings", lambda y: y.mean(dim=[2, 3], keepdim=True).amax(dim=[2, 3]), "only one reduction per fused kernel"),
@@ -379,6 +380,64 @@ def test_reductions_of_a_conv_output(make, shape, fn, steps, out_shape):
     reduction = next(s for s in steps if s.startswith(("spatial_", "channel_")) or s.endswith("pool"))
     assert steps_of(fused[0]) == ["add"] + steps and fused[0].fusion == f"conv_{reduction}"
     assert out.shape == out_shape
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+class BmmChain(nn.Module):
+    """torch.bmm(x, w) (or the 3-D matmul `x @ w`) of x[B, 6, 8] and a weight w[B, 8, 12],
+    then `fn` on the [B, 6, 12] product: rows B, channels 6, a plane of 12 (a Conv1d's)."""
+
+    def __init__(self, fn, batch=4, matmul=False):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(batch, 8, 12) / 3)
+        self.fn, self.matmul = fn, matmul
+
+    def forward(self, x):
+        return self.fn(x @ self.w if self.matmul else torch.bmm(x, self.w))
+
+
+BMMS = [
+    # (id, fn on the bmm's [4, 6, 12] output, through matmul, expected steps, output shape)
+    ("instance_norm_relu", lambda y: F.relu(F.instance_norm(y)), False, ["groupnorm", "relu"], (4, 6, 12)),
+    ("instance_norm_affine", nn.InstanceNorm1d(6, affine=True), True, ["groupnorm"], (4, 6, 12)),
+    ("group_norm_silu", lambda y: F.silu(F.group_norm(y, 2)), True, ["groupnorm", "silu"], (4, 6, 12)),
+    ("layer_norm_over_the_plane", lambda y: F.gelu(F.layer_norm(y, (12,))), False, ["layernorm", "gelu"], (4, 6, 12)),
+    ("scaled_softmax", lambda y: F.softmax(y * 0.3, dim=-1), False, ["mul", "spatial_softmax"], (4, 6, 12)),
+    ("log_softmax_channel_operand", lambda y: F.log_softmax(y, dim=2) * torch.linspace(0.5, 1.5, 6).view(6, 1),
+     True, ["spatial_log_softmax", "mul"], (4, 6, 12)),
+    ("softmax_over_channels", lambda y: F.softmax(y, dim=1) + 1.0, False, ["channel_softmax", "add"], (4, 6, 12)),
+    ("mean_over_the_plane", lambda y: torch.tanh(y.mean(-1)), False, ["spatial_mean", "tanh"], (4, 6)),
+    ("maxpool1d", lambda y: F.max_pool1d(F.relu(y), 2), False, ["relu", "maxpool"], (4, 6, 6)),
+    ("channel_scale_residual", lambda y: F.relu(y * torch.linspace(0.5, 1.5, 6).view(6, 1)
+                                                + torch.linspace(-1.0, 1.0, 288).view(4, 6, 12)),
+     False, ["mul", "add", "relu"], (4, 6, 12)),
+]
+
+
+@pytest.mark.parametrize("fn, matmul, steps, out_shape", [c[1:] for c in BMMS], ids=[c[0] for c in BMMS])
+def test_bmm_chains(fn, matmul, steps, out_shape):
+    """A batched matmul starts a chain: its [B, M, N] product is read as a Conv1d's output
+    (channels M, a plane of N), so InstanceNorm, GroupNorm, LayerNorm over N, softmax over
+    N (per plane) or over M (per column), global and windowed pooling and per-channel
+    operands mean what they mean after a Conv1d."""
+    torch.manual_seed(0)
+    model = BmmChain(fn, matmul=matmul)
+    x = torch.randn(4, 6, 8)
+    out, fused, refused = compile_records(model, x)
+    assert fused, refused
+    named = next((s for s in steps if s not in ("relu", "silu", "gelu", "tanh", "mul", "add")), "pointwise")
+    assert steps_of(fused[0]) == steps and fused[0].fusion == f"bmm_{named}"
+    assert out.shape == out_shape
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_softmax_over_the_plane_of_a_conv1d_output():
+    model = ConvChain(nn.Conv1d(3, 8, 3), lambda y: F.log_softmax(F.relu(y), dim=-1) * 2.0)
+    x = torch.randn(2, 3, 20)
+    out, fused, refused = compile_records(model, x)
+    assert fused, refused
+    assert steps_of(fused[0]) == ["add", "relu", "spatial_log_softmax", "mul"]
+    assert fused[0].fusion == "conv_spatial_log_softmax"
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
 
 

@@ -18,6 +18,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/addmm.h>
+#include <ATen/ops/bmm.h>
 #include <ATen/ops/convolution.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -53,7 +54,7 @@ enum class Path : int64_t {
   kDirectConv = 2,     // the file computes the conv itself
 };
 
-enum class Anchor : int64_t { kAddmm = 0, kMm = 1, kConv = 2 };
+enum class Anchor : int64_t { kAddmm = 0, kMm = 1, kConv = 2, kBmm = 3 };
 
 // An extra output (lowering.spec.Save): the anchor output itself, converted, or a new tensor.
 struct Save {
@@ -199,7 +200,7 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   plan->channels_last = layout[18] != 0;
   TORCH_CHECK(plan->out_rank >= 0 && plan->out_rank <= 4, "fusedepi_native.plan: a reduced output's tail of ",
               plan->out_rank, " dims");
-  TORCH_CHECK(layout[0] >= 0 && layout[0] <= 2 && layout[1] >= 0 && layout[1] <= 2,
+  TORCH_CHECK(layout[0] >= 0 && layout[0] <= 2 && layout[1] >= 0 && layout[1] <= 3,
               "fusedepi_native.plan: bad path or anchor in the layout");
   TORCH_CHECK((plan->pad_k == 0) == (plan->pad_n == 0) &&
                   (plan->pad_k == 0 || (plan->path == Path::kLibraryAnchor && plan->anchor != Anchor::kConv)),
@@ -345,6 +346,8 @@ at::Tensor run_anchor(const Plan& plan, const std::vector<at::Tensor>& operands)
       return at::addmm(operands[0], operands[1], operands[2]);
     case Anchor::kMm:
       return at::mm(operands[0], operands[1]);
+    case Anchor::kBmm:
+      return at::bmm(operands[0], operands[1]);
     case Anchor::kConv:
       break;
   }
@@ -370,7 +373,8 @@ bool inputs_fit(const Plan& plan, at::TensorList inputs) {
   if (inputs.size() != n + plan.params.size()) return false;
   for (const auto& t : inputs)
     if (!t.is_cuda() || t.device().index() != plan.device) return false;
-  const int64_t rows = inputs[plan.anchor == Anchor::kConv ? 0 : n - 2].size(0);  // x's (conv: images)
+  // x's rows (conv: images; bmm: mat1's batch)
+  const int64_t rows = inputs[plan.anchor == Anchor::kConv || plan.anchor == Anchor::kBmm ? 0 : n - 2].size(0);
   for (size_t i = 0; i < n; ++i) {
     if (inputs[i].scalar_type() != plan.dtype) return false;
     if (!plan.anchor_sizes.empty()) {
