@@ -141,6 +141,10 @@ class _State:
     pooled: bool = False  # a spatial reduction has shrunk a conv's value to one per (row, channel)
     pixels: bool = False  # a reduction over a conv's channels has shrunk its value to one per (row, pixel)
     windows: int = 0  # after a pooling window: the pooled elements per channel (0: none)
+    # A view has regrouped a conv or bmm value's rows ([B*H, M, N] -> [B, H, M, N]) or
+    # flattened its spatial dims ([N, C, H, W] -> [N, C, H*W]): [..., C, inner], the
+    # channels at dim -2; the fused op's output is re-viewed, so no step may change its shape.
+    regrouped: bool = False
     dtype: torch.dtype | None = None  # the value's dtype: the chain's, or float32 while widened
     widened_at: tuple | None = None  # the walk's state where a bf16/fp16 value went to float32
     order: dict = field(default_factory=dict)  # node -> position in the graph
@@ -731,12 +735,20 @@ def _over_channels(state: _State, dims) -> bool:
             and not state.reduced_any)
 
 
+def _flattened(state: _State) -> bool:
+    """Whether the value is a conv output [N, C, *spatial] viewed as [N, C, prod(spatial)]."""
+    val, anchor = _val(state.node), _val(state.chain.anchor)
+    return state.regrouped and val.dim() == 3 and _same_size(val.shape[0], anchor.shape[0])
+
+
 def _over_the_plane(state: _State, dim) -> bool:
-    """Whether `dim` is the one spatial dim of a 3-D conv or bmm output [rows, C, L] (its
-    whole plane), with the channels and the plane still there."""
-    ndim = _val(state.node).dim()
-    return (ndim == 3 and isinstance(dim, int) and dim % ndim == 2 and state.channel_axis == 1
-            and not state.reduced_any and not state.windows)
+    """Whether `dim` is the last dim of a conv or bmm value [..., C, L] that holds each
+    channel's whole plane: a Conv1d's or bmm's output, or a view that flattened a conv's
+    spatial dims or regrouped the rows (`_State.regrouped`)."""
+    val = _val(state.node)
+    ndim = val.dim()
+    return (ndim >= 3 and isinstance(dim, int) and dim % ndim == ndim - 1 and state.channel_axis == ndim - 2
+            and _same_size(val.shape[-1], state.inner) and not state.reduced_any and not state.windows)
 
 
 # ----------------------------------------------------------------- reductions
@@ -783,6 +795,9 @@ def _match_row_reduction(state: _State, user: Node):
             raise Refuse(f"{name}: only one reduction per fused kernel (the chain's value is reduced already)")
         if _over_channels(state, dims):
             return _Match(Step(f"channel_{name}", keepdim=keepdim), consumed, result)
+        if state.regrouped and not _flattened(state):
+            raise Refuse(f"{name} after a view to {list(val.shape)} that regroups the rows of a conv or bmm output: "
+                         "only steps that keep its shape follow")
         if state.channel_axis != 1 or not spatial or axes != spatial:
             raise Refuse(f"{name} over dims {list(dims)} of a {ndim}-D conv output: only over its channels "
                          f"(dim 1) or over all its spatial dims {spatial}")
@@ -950,8 +965,10 @@ _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 def _match_view(state: _State, user: Node):
-    """A view that only regroups the rows of a linear output (3-D inputs to nn.Linear), or
-    adds or drops dims of 1 after a pooled conv output's channels (`flatten(1)`)."""
+    """A view that only regroups the rows of a linear output (3-D inputs to nn.Linear);
+    adds or drops dims of 1 after a pooled conv output's channels (`flatten(1)`); or keeps
+    a conv or bmm value's channels and elements per channel as its last two dims,
+    regrouping the rows or flattening the spatial dims (`_State.regrouped`)."""
     if user.target not in _VIEWS:
         return None
     val = _val(user)
@@ -965,6 +982,10 @@ def _match_view(state: _State, user: Node):
                 any(not _same_size(s, 1) for s in val.shape[2:]):
             raise Refuse(f"view to {list(val.shape)} of a pooled [rows, channels] value: only [rows, channels, 1, ...]")
         return _Match(None, [user], user)
+    if state.conv and not state.reduced_any and not state.windows and _is_contiguous(val) and (
+            _same_shape(val.shape, _val(state.chain.anchor).shape)
+            or (val.dim() >= 3 and _same_size(val.shape[-2], state.channels) and _same_size(val.shape[-1], state.inner))):
+        return _Match(None, [user], user)  # (a view keeps the element count: the leading dims hold the rows)
     if state.conv or state.reduced or val.shape[-1] != state.channels or not _is_contiguous(val):
         raise Refuse(f"view to {list(val.shape)} changes the feature layout")
     return _Match(None, [user], user)
@@ -1162,13 +1183,13 @@ def _extend(state: _State, disabled: frozenset) -> str:
 def _snapshot(state: _State) -> tuple:
     c = state.chain
     return (len(c.steps), len(c.nodes), len(c.params), len(c.extra), len(c.saved), c.view, state.node,
-            state.channel_axis, state.reduced, state.pooled, state.pixels, state.windows, state.dtype)
+            state.channel_axis, state.reduced, state.pooled, state.pixels, state.windows, state.regrouped, state.dtype)
 
 
 def _restore(state: _State, snap: tuple):
     c = state.chain
     (n_steps, n_nodes, n_params, n_extra, n_saved, c.view, state.node, state.channel_axis, state.reduced,
-     state.pooled, state.pixels, state.windows, state.dtype) = snap
+     state.pooled, state.pixels, state.windows, state.regrouped, state.dtype) = snap
     del c.steps[n_steps:], c.nodes[n_nodes:], c.params[n_params:], c.extra[n_extra:]
     del c.saved[n_saved:], c.saves[n_saved:]
     state.widened_at = None
@@ -1275,6 +1296,11 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
             return f"step {step.name} disabled by FUSEDEPI_DISABLE"
         if step.name in REDUCTIONS and any(s.name in REDUCTIONS for s in state.chain.steps):
             return f"{step.name}: only one reduction per fused kernel"
+        if state.regrouped and step.name in ROW_REDUCTIONS + SPATIAL_REDUCTIONS + CHANNEL_REDUCTIONS + POOLS \
+                and not (step.name in SPATIAL_REDUCTIONS and not step.keepdim and _flattened(state)):
+            return (f"{step.name} after a view to {list(_val(state.node).shape)}: after a view that regroups a "
+                    "conv or bmm output only steps that keep its shape follow, or a reduction over the "
+                    "flattened spatial dims without keepdim")
         if state.reduced and step.operand in (CHANNEL, FULL):
             return f"{step.name}: per-channel or full operand after a row reduction"
         if state.windows and not state.conv and step.operand == CHANNEL:
@@ -1303,12 +1329,19 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
         state.dtype = match.dtype
     elif step is None:  # a view: regroups rows, re-applied after the fused op
         state.chain.view = match.result
-        state.channel_axis = 1 if state.pooled else _val(match.result).dim() - 1
+        val = _val(match.result)
+        if state.conv and not state.pooled:
+            state.regrouped = not _same_shape(val.shape, _val(state.chain.anchor).shape)
+            state.channel_axis = val.dim() - 2 if state.regrouped else 1
+        else:
+            state.channel_axis = 1 if state.pooled else val.dim() - 1
     else:
         state.chain.steps.append(step)
         state.chain.extra.extend(match.extra)
         state.reduced = state.reduced or step.name in ROW_REDUCTIONS
         state.pooled = state.pooled or step.name in SPATIAL_REDUCTIONS
+        if state.regrouped and step.name in SPATIAL_REDUCTIONS:  # [N, C]: the fused op's own output
+            state.chain.view, state.regrouped, state.channel_axis = None, False, 1
         state.pixels = state.pixels or step.name in CHANNEL_REDUCTIONS
         if step.name in POOLS:
             state.windows = math.prod(step.window[1])

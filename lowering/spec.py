@@ -348,8 +348,10 @@ POOLS = ("maxpool", "avgpool")
 SEGMENT_NORMS = ("groupnorm", "layernorm")
 # Normalized by two statistics of the whole row, which one team of threads holds.
 ROW_NORMS = ("rmsnorm", "softmax", "log_softmax")
-# Softmax over each (row, channel) plane of a conv or bmm output with one spatial dim
-# (`softmax(dim=-1)` of [B, M, N]: attention scores); a team of threads a plane.
+# Softmax over each (row, channel) plane of a conv or bmm output: `softmax(dim=-1)` of a
+# Conv1d's or bmm's [B, M, N] (attention scores), or of a view that flattened a conv's
+# spatial dims ([N, C, H*W]) or regrouped the rows ([B*H, L, L] -> [B, H, L, L]); a team
+# of threads a plane.
 SPATIAL_NORMS = ("spatial_softmax", "spatial_log_softmax")
 REDUCTIONS = (SEGMENT_NORMS + ROW_NORMS + SPATIAL_NORMS + ROW_REDUCTIONS + SPATIAL_REDUCTIONS + CHANNEL_REDUCTIONS
               + CHANNEL_NORMS

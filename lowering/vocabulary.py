@@ -327,9 +327,9 @@ VOCABULARY: dict[str, StepKind] = {
         StepKind("spatial_mean", lambda x, s, p: torch.mean(x, dim=_spatial(x), keepdim=s.keepdim)),
         StepKind("spatial_amax", lambda x, s, p: torch.amax(x, dim=_spatial(x), keepdim=s.keepdim)),
         StepKind("spatial_amin", lambda x, s, p: torch.amin(x, dim=_spatial(x), keepdim=s.keepdim)),
-        # -------------- softmax over each plane of a conv or bmm output with one spatial dim
-        StepKind("spatial_softmax", lambda x, s, p: torch.softmax(x, dim=-1)),
-        StepKind("spatial_log_softmax", lambda x, s, p: torch.log_softmax(x, dim=-1)),
+        # ------------------- softmax over each (row, channel) plane of a conv or bmm output
+        StepKind("spatial_softmax", lambda x, s, p: torch.softmax(x.flatten(2), dim=-1).view_as(x)),
+        StepKind("spatial_log_softmax", lambda x, s, p: torch.log_softmax(x.flatten(2), dim=-1).view_as(x)),
         # -------------------------- over a conv output's channels (dim 1), per pixel
         StepKind("channel_softmax", lambda x, s, p: torch.softmax(x, dim=1)),
         StepKind("channel_log_softmax", lambda x, s, p: torch.log_softmax(x, dim=1)),

@@ -124,7 +124,8 @@ CONV_NORMS = {1: NORMS_CONV, 2: NORMS_CONV + ["instancenorm"], 3: NORMS_CONV + [
 FEATURE_POOLS = ["feature_maxpool", "feature_avgpool"]
 # From this generation on, a quarter of the anchors are batched matmuls (`torch.bmm`, or
 # `x @ w` with a batched w) whose [B, M, N] product reads as a Conv1d's output, and the
-# norms of a value with one spatial dim include softmax over it (`PLANE_NORMS`).
+# norms after a conv or bmm include softmax over each channel's plane (`PLANE_NORMS`:
+# its spatial dims flattened, softmax over them, the shape restored).
 BMM_GENERATION = 8
 PLANE_NORMS = ["plane_softmax", "plane_log_softmax"]
 # From this generation on, a binary step's operand may be an earlier value of the chain
@@ -265,8 +266,7 @@ def _step(rng: random.Random, ctx: dict) -> dict:
         if ctx["nd_linear"]:  # [B, T, N]: only norms over the last dim keep their meaning
             op = rng.choice(["layernorm", "rmsnorm", "softmax", "log_softmax"])
         else:
-            ops = NORMS_LINEAR if ctx["kind"] == "linear" else CONV_NORMS[ctx["generation"]]
-            op = rng.choice([o for o in ops if o not in PLANE_NORMS or len(ctx["spatial"]) == 1])
+            op = rng.choice(NORMS_LINEAR if ctx["kind"] == "linear" else CONV_NORMS[ctx["generation"]])
         step = {"op": op, "eps": rng.choice([1e-5, 1e-6, 1e-3])}
         if op == "groupnorm":
             step["groups"] = rng.choice(_divisors(channels))
@@ -458,10 +458,9 @@ class FuzzStep(nn.Module):
             return F.softmax(x, dim=1)
         if op == "chan_log_softmax":
             return F.log_softmax(x, dim=1)
-        if op == "plane_softmax":
-            return F.softmax(x, dim=-1)
-        if op == "plane_log_softmax":
-            return F.log_softmax(x, dim=-1)
+        if op in PLANE_NORMS:  # over each channel's plane: the spatial dims flattened, then viewed back
+            fn = F.softmax if op == "plane_softmax" else F.log_softmax
+            return fn(x.flatten(2), dim=-1).view_as(x)
         return _pointwise(op, s, x)
 
 

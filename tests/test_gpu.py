@@ -628,6 +628,31 @@ def test_bmm_chains(name, dtype, exact_float32):
     _fuses_within_eagers_error(model, [(batch, m, k)] + rest, dtype, fusion, exact_float32)
 
 
+class _Scores(nn.Module):
+    """Attention scores of q, k [B, heads, L, d]: softmax(q @ k^T * d^-0.5) over the keys."""
+
+    def forward(self, q, k):
+        return F.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, dim=-1)
+
+
+# Views that regroup a conv or bmm output (the channels and a channel's elements last):
+# (model, input shapes, fusion). 197 keys (a block team a plane), a conv's 30 x 30 pixels.
+REGROUPED = {
+    "attention_scores_4d": (_Scores, [(2, 8, 197, 64), (2, 8, 197, 64)], "bmm_spatial_softmax"),
+    "conv_softmax_over_pixels": (lambda: _Pooled(nn.Conv2d(3, 16, 3), lambda m, y: F.softmax(
+        y.flatten(2), dim=-1).view_as(y) * m.scale.view(-1, 1, 1)), [(3, 3, 32, 32)], "conv_spatial_softmax"),
+    "conv_flatten_mean": (lambda: _Pooled(nn.Conv2d(3, 16, 3), lambda m, y: F.silu(y).flatten(2).mean(-1) * m.scale),
+                          [(3, 3, 32, 32)], "conv_spatial_mean"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(REGROUPED))
+def test_views_that_regroup_a_conv_or_bmm_output(name, dtype, exact_float32):
+    factory, shapes, fusion = REGROUPED[name]
+    _fuses_within_eagers_error(factory().cuda().to(dtype), shapes, dtype, fusion, exact_float32)
+
+
 @pytest.mark.parametrize("fn", ["softmax", "logsumexp", "amax"])
 def test_channel_reductions_propagate_nan_and_inf_like_eager(fn, exact_float32):
     """A NaN input poisons its pixels' values; a pixel of -inf (a NaN's neighbours

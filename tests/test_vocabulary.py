@@ -441,6 +441,75 @@ def test_softmax_over_the_plane_of_a_conv1d_output():
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
 
 
+class _HeadsAttention(nn.Module):
+    """Multi-head self-attention: q @ k^T of [B, heads, L, d] (a bmm of [B*heads, L, d]
+    viewed back to 4-D), / 2, softmax over the keys, @ v."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        b, length, _ = x.shape
+        q, k, v = self.qkv(x).view(b, length, 3, 4, 4).permute(2, 0, 3, 1, 4)
+        attention = F.softmax(q @ k.transpose(-1, -2) / 2.0, dim=-1)
+        return (attention @ v).transpose(1, 2).reshape(b, length, 16)
+
+
+REGROUPED = [
+    # (id, model, input shape, fusion, its steps, output shape)
+    ("attention_heads", _HeadsAttention, (2, 6, 16), "bmm_spatial_softmax", ["div", "spatial_softmax"], (2, 6, 16)),
+    ("conv_softmax_over_pixels", lambda: ConvChain(nn.Conv2d(3, 4, 3), lambda y: F.softmax(y.flatten(2), -1).view_as(y) * 2.0),
+     (2, 3, 9, 9), "conv_spatial_softmax", ["add", "spatial_softmax", "mul"], (2, 4, 7, 7)),
+    ("conv_flatten_mean", lambda: ConvChain(nn.Conv2d(3, 4, 3), lambda y: torch.tanh(F.relu(y).view(2, 4, -1).mean(2))),
+     (2, 3, 9, 9), "conv_spatial_mean", ["add", "relu", "spatial_mean", "tanh"], (2, 4)),
+]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+@pytest.mark.parametrize("make, shape, fusion, steps, out_shape", [c[1:] for c in REGROUPED], ids=[c[0] for c in REGROUPED])
+def test_views_that_regroup_a_conv_or_bmm_output(make, shape, fusion, steps, out_shape, grad):
+    """A view that keeps the channels and the elements per channel as the last two dims
+    (the rows regrouped: 4-D attention scores; the spatial dims flattened) continues the
+    chain: softmax over the last dim is then over each plane, a mean over it global
+    pooling; the fused op's output is viewed back."""
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(shape, requires_grad=grad)
+    out, fused, refused = compile_records(model, x, grad=grad)
+    assert [r.fusion for r in fused] == [fusion] and steps_of(fused[0]) == steps
+    with torch.set_grad_enabled(grad):
+        expected = model(x)
+    assert out.shape == out_shape
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    if grad:
+        upstream = torch.randn_like(out)
+        ours = torch.autograd.grad(out, [x] + list(model.parameters()), upstream)
+        eager = torch.autograd.grad(expected, [x] + list(model.parameters()), upstream)
+        for a, b in zip(ours, eager):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+REGROUPED_REFUSED = [
+    ("mean_keepdim", lambda: ConvChain(nn.Conv2d(3, 4, 3), lambda y: F.relu(y).flatten(2).mean(-1, keepdim=True)),
+     (2, 3, 9, 9), "or a reduction over the flattened spatial dims without keepdim"),
+    ("amax_of_4d_scores", lambda: BmmChain(lambda y: y.view(2, 2, 6, 12).amax(-1) * 2.0, batch=4), (4, 6, 8),
+     "amax after a view to [2, 2, 6, 12] that regroups the rows of a conv or bmm output"),
+    ("mean_of_4d_scores", lambda: BmmChain(lambda y: y.view(2, 2, 6, 12).mean((2, 3)), batch=4), (4, 6, 8),
+     "mean after a view to [2, 2, 6, 12] that regroups the rows"),
+]
+
+
+@pytest.mark.parametrize("make, shape, reason", [c[1:] for c in REGROUPED_REFUSED], ids=[c[0] for c in REGROUPED_REFUSED])
+def test_shape_changing_steps_after_a_regrouping_view_are_refused(make, shape, reason):
+    model = make()
+    x = torch.randn(shape)
+    out, fused, refused = compile_records(model, x)
+    stops = [r.reason for r in refused] + [r.stop for r in fused]
+    assert any(reason in why for why in stops), stops
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
 FEATURE_POOLS = [
     # (id, fn on a Linear(16 -> 32) output (addmm keeps its bias), expected steps, output shape)
     ("avgpool_module", lambda y: F.gelu(nn.AvgPool1d(4)(y.unsqueeze(1)).squeeze(1)) * 2.0,
