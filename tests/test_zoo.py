@@ -1,4 +1,5 @@
-"""GPU-free: the zoo's models build and run (one sample each), and its command line lists them."""
+"""GPU-free: the zoo's models build and run (one sample each), fuse their whole chains (through the
+fused op's reference), and the command line lists them."""
 
 import subprocess
 import sys
@@ -26,3 +27,33 @@ def test_each_model_runs_one_sample(name):
 def test_list_prints_one_name_a_line():
     out = subprocess.run([sys.executable, "-m", "benchmarks.zoo", "--list"], capture_output=True, text=True, check=True)
     assert out.stdout.split() == list(zoo.BY_NAME)
+
+
+# Zoo models whose chain does not fuse whole, with the reason it stops (one chain a model).
+PARTIAL = {
+    "conv2d_gn_gelu_global_mean": "spatial_mean: only one reduction per fused kernel",
+}
+# Where a chain may end and still be whole: the graph's output, or the next matrix op.
+WHOLE = ("end of the graph", "is the next matrix op")
+
+
+@pytest.mark.parametrize("name", list(zoo.BY_NAME))
+def test_each_model_fuses_its_whole_chain(name, cpu_reference):
+    """Every zoo model's chains fuse to their end (through the fused op's reference on the
+    CPU, at batch 2), and the model still computes what eager computes."""
+    from helpers import compile_records
+
+    torch.manual_seed(0)
+    model = zoo.BY_NAME[name].make()
+    x = torch.rand((2,) + zoo.BY_NAME[name].shape[1:])
+    with torch.no_grad():
+        out, fused, refused = compile_records(model, x)
+        expected = model(x)
+    assert fused, [r.reason for r in refused]
+    assert all(WHOLE[1] in r.reason for r in refused), [r.reason for r in refused]  # (a Linear feeding a bmm)
+    stops = [r.stop for r in fused]
+    if name in PARTIAL:
+        assert any(PARTIAL[name] in stop for stop in stops), stops
+    else:
+        assert all(stop.startswith(WHOLE[0]) or WHOLE[1] in stop for stop in stops), stops
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
