@@ -185,9 +185,13 @@ def _random_like(val: torch.Tensor, shape: tuple) -> torch.Tensor:
     strides = timings.hinted(val.stride())
     if strides is None:
         t = torch.empty(shape, dtype=val.dtype, device=val.device)
-    else:
-        t = torch.empty_strided(shape, strides, dtype=val.dtype, device=val.device)
-    return t.uniform_(0.5, 1.5) if t.is_floating_point() else t.zero_()
+        return t.uniform_(0.5, 1.5) if t.is_floating_point() else t.zero_()
+    # Filled through the storage the strides span: an expanded operand (a stride of 0, a
+    # weight shared by a bmm's batch) has elements that share memory, and may not be written.
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if all(n > 0 for n in shape) else 0
+    base = torch.empty(span, dtype=val.dtype, device=val.device)
+    base = base.uniform_(0.5, 1.5) if base.is_floating_point() else base.zero_()
+    return base.as_strided(shape, strides)
 
 
 def _measure(chain: Chain, inductor_form: GraphModule, fused_form: GraphModule, vals: list, shapes: list,

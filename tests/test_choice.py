@@ -110,6 +110,28 @@ def test_measuring_against_inductor_changes_no_state(timed):
     assert record.measured.startswith("fused ") and "ms, Inductor" in record.measured
 
 
+class _SharedMix(nn.Module):
+    """A weight shared by the batch, expanded (stride 0) into a bmm, then GroupNorm and SiLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.gn = nn.Parameter(torch.randn(8, 8)), nn.GroupNorm(2, 8)
+
+    def forward(self, x):
+        return torch.nn.functional.silu(self.gn(torch.bmm(self.w.expand(x.shape[0], -1, -1), x)))
+
+
+def test_operands_whose_elements_share_memory_are_timed(timed):
+    """The timing's random inputs keep each operand's strides, an expanded one's 0 too:
+    they are filled through the memory the strides span, which a stride of 0 shares."""
+    torch.manual_seed(0)
+    model, x = _SharedMix(), torch.randn(3, 8, 20)
+    out, fused, refused = compile_records(model, x)
+    (record,) = fused + refused
+    assert record.measured.startswith("fused ") and "ms, Inductor" in record.measured, record.measured
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
 def test_both_forms_compute_the_neighbourhood_as_the_whole_graph_does():
     """The chain with its consumers (here the sum of a value it also returns, and a
     tanh after it), cut out twice: as the graph has it, and with the fused op in place
