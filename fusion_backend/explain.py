@@ -80,7 +80,7 @@ def explain(model: torch.nn.Module, *example_inputs, verbose: bool = True) -> Ex
         from .config import load_config
 
         result.note = ("FUSEDEPI_DISABLE=all: every graph went to Inductor unfused" if load_config().disable_all
-                       else "no candidate chain: no graph holds a matmul (linear, addmm, mm, matmul) or a "
+                       else "no candidate chain: no graph holds a matmul (linear, addmm, mm, matmul, bmm) or a "
                             "convolution that fusedepi starts a chain at")
     if verbose:
         print(result)
