@@ -13,6 +13,12 @@ settings, GPU and torch version: a warm start times nothing.
 
 Timing never touches the model's state: inputs are fresh tensors (BatchNorm's running
 statistics included), and no random op is part of a chain.
+
+The two forms' results on those inputs are compared too: a fused op whose result differs
+from Inductor's by more than `AGREEMENT` (norm of the difference over the norm of
+Inductor's result, per output) is not taken, whatever the times, and a warning says so.
+The bound is loose (the forms may round the anchor differently: a conv in another
+layout, TF32): it catches a kernel that computes something else, not a rounding.
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ from .ops import conv_allows_tf32, matmul_allows_tf32
 
 log = logging.getLogger("fusedepi")
 
+# The largest relative difference (per output, in norm) between the fused form's result
+# and Inductor's on the timing's random inputs for which the fused op is still taken.
+AGREEMENT = 0.05
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -45,6 +55,7 @@ class Choice:
     inductor_ms: float
     fuse: bool
     note: str = ""
+    difference: float = 0.0  # the results' relative difference, where it exceeded AGREEMENT
 
     def describe(self) -> str:
         if not self.inductor_ms:
@@ -82,8 +93,8 @@ def decide(chain: Chain, spec: str, cfg: Config, claimed: frozenset = frozenset(
         _device_name(device), torch.__version__, fused_form.code, inductor_form.code, shapes, strides,
         [str(v.dtype) for v in vals], matmul_allows_tf32(), conv_allows_tf32()))
     try:
-        fused_ms, inductor_ms = timings.cached(
-            Path(cfg.cache_dir) / timings.CACHE_FILE, key,
+        fused_ms, inductor_ms, difference = timings.cached(
+            Path(cfg.cache_dir) / timings.CACHE_FILE, key + "|compared",
             lambda: _measure(chain, inductor_form, fused_form, vals, shapes, device))
     except Exception as err:  # noqa: BLE001 - the chain is fused as matched
         if cfg.strict:
@@ -92,6 +103,13 @@ def decide(chain: Chain, spec: str, cfg: Config, claimed: frozenset = frozenset(
                     chain.spec.fusion, chain.anchor.name, type(err).__name__, err)
         return Choice(0.0, 0.0, True, f"not timed: {type(err).__name__}")
     note = " (at the size hints of a dynamic shape)" if dynamic else ""
+    if difference > AGREEMENT:
+        message = (f"the fused result differs from Inductor's by {difference:.3g} (relative, on random inputs of "
+                   f"the graph's shapes): {chain.spec.fusion} at {chain.anchor.name} is left to Inductor")
+        if cfg.strict:
+            raise RuntimeError(f"fusedepi: {message}")
+        log.warning("fusedepi: %s", message)
+        return Choice(fused_ms, inductor_ms, False, note, difference)
     return Choice(fused_ms, inductor_ms, fused_ms <= inductor_ms, note)
 
 
@@ -195,8 +213,9 @@ def _random_like(val: torch.Tensor, shape: tuple) -> torch.Tensor:
 
 
 def _measure(chain: Chain, inductor_form: GraphModule, fused_form: GraphModule, vals: list, shapes: list,
-             device: torch.device) -> tuple[float, float]:
-    """(ms of the fused form, ms of Inductor's form), each compiled by Inductor."""
+             device: torch.device) -> tuple[float, float, float]:
+    """(ms of the fused form, ms of Inductor's form, each compiled by Inductor; the
+    relative difference of their results, `difference`)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     started = time.perf_counter()
@@ -208,9 +227,34 @@ def _measure(chain: Chain, inductor_form: GraphModule, fused_form: GraphModule, 
             fused = pool.submit(_inductor_compile, fused_form, example).result()
             inductor = pool.submit(_inductor_compile, inductor_form, example).result()
         times = (timings.gpu_ms(lambda: fused(*example), device), timings.gpu_ms(lambda: inductor(*example), device))
-    log.info("fusedepi: %s at %s: fused %.4f ms, Inductor %.4f ms (measured in %.1f s)", chain.spec.fusion,
-             chain.anchor.name, times[0], times[1], time.perf_counter() - started)
-    return times
+        apart = difference(fused(*example), inductor(*example))
+    log.info("fusedepi: %s at %s: fused %.4f ms, Inductor %.4f ms, results %.3g apart (measured in %.1f s)",
+             chain.spec.fusion, chain.anchor.name, times[0], times[1], apart, time.perf_counter() - started)
+    return times + (apart,)
+
+
+def difference(ours, theirs) -> float:
+    """The largest relative difference between two forms' outputs: per floating output,
+    the norm of the difference over the norm of `theirs` (float64), over the elements
+    both hold finite; infinity where the outputs' shapes differ or where more than 1% of
+    the elements are finite in one and not the other."""
+    ours, theirs = list(ours), list(theirs)
+    if len(ours) != len(theirs):
+        return float("inf")
+    worst = 0.0
+    for a, b in zip(ours, theirs):
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or not b.is_floating_point():
+            continue
+        if a.shape != b.shape:
+            return float("inf")
+        a, b = a.detach().double(), b.detach().double()
+        both = torch.isfinite(a) & torch.isfinite(b)
+        if (torch.isfinite(a) != torch.isfinite(b)).sum().item() > 0.01 * max(a.numel(), 1):
+            return float("inf")
+        gap = torch.linalg.vector_norm(torch.where(both, a - b, 0.0)).item()
+        scale = torch.linalg.vector_norm(torch.where(both, b, 0.0)).item()
+        worst = max(worst, gap / scale if scale > 0 else (0.0 if gap == 0 else float("inf")))
+    return worst
 
 
 def _inductor_compile(gm: GraphModule, example: list[torch.Tensor]):

@@ -243,7 +243,9 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
             continue
         plan = ExecutionPlan(spec, kernel, form_rows, choice.decide(chain, spec, cfg, claimed))
         if not plan.fused:
-            reason = f"Inductor is faster here: {plan.choice.describe()}" + "".join(
+            why = (f"its result differs from Inductor's by {plan.choice.difference:.3g} (relative, on random "
+                   "inputs)" if plan.choice.difference else "Inductor is faster here")
+            reason = f"{why}: {plan.choice.describe()}" + "".join(
                 f"; {row.describe()}" for row in plan.forms)  # the forms it was timed in
             log.info("fusedepi: not fused at %s: %s", chain.anchor.name, reason)
             report.records.append(Record("refused", chain.anchor.name, names, chain.spec.fusion, reason=reason,

@@ -30,12 +30,12 @@ def _model():
     return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.GELU())
 
 
-def _forced(monkeypatch, fused_ms, inductor_ms):
+def _forced(monkeypatch, fused_ms, inductor_ms, difference=0.0):
     calls = []
 
     def measure(chain, inductor_form, fused_form, vals, shapes, device):
         calls.append(chain.anchor.name)
-        return fused_ms, inductor_ms
+        return fused_ms, inductor_ms, difference
 
     monkeypatch.setattr(choice, "_measure", measure)
     return calls
@@ -78,11 +78,39 @@ def test_the_choice_is_cached_on_disk_and_not_measured_again(timed, monkeypatch)
     compile_records(model, x)
     assert calls == ["addmm"]
     stored = json.loads((timed / timings.CACHE_FILE).read_text())
-    assert list(stored.values()) == [[1.0, 2.0]]
+    assert list(stored.values()) == [[1.0, 2.0, 0.0]]
     choice.timings._cache.clear()  # as a new process: only the file is left
     choice.timings._read_files.clear()
     _, fused, _ = compile_records(model, x)
     assert calls == ["addmm"] and len(fused) == 1
+
+
+def test_a_fused_result_that_differs_from_inductors_is_not_taken(timed, monkeypatch, caplog):
+    """A fused op that computes something else than Inductor's form of the same nodes (here
+    its reference made wrong by half) is left to Inductor, however fast; the reason says
+    by how much, and a warning is logged."""
+    from fusion_backend import ops
+
+    right = ops.reference
+    monkeypatch.setattr(ops, "reference", lambda inputs, spec: [t * 1.5 for t in right(inputs, spec)])
+    model, x = _model().eval(), torch.randn(8, 16)
+    with caplog.at_level("WARNING", logger="fusedepi"):
+        out, fused, refused = compile_records(model, x)
+    assert not fused and refused[0].reason.startswith("its result differs from Inductor's by 0.5 (relative")
+    assert "is left to Inductor" in caplog.text
+    torch.testing.assert_close(out, _model().eval()(x))
+
+
+def test_the_difference_of_two_forms_results():
+    a = torch.linspace(-1.0, 2.0, 12).view(3, 4)
+    assert choice.difference([a], [a.clone()]) == 0.0
+    assert choice.difference([a * 1.01, a], [a, a]) == pytest.approx(0.01)
+    assert choice.difference([a.t().contiguous().view(3, 4)], [a]) > 0.5  # the same values elsewhere
+    assert choice.difference([a[:2]], [a]) == float("inf")
+    nan = a.clone()
+    nan[0, 0] = float("nan")
+    assert choice.difference([nan], [nan.clone()]) == 0.0  # NaN where both have it
+    assert choice.difference([nan], [a]) == float("inf")  # one element of 12 finite in one only
 
 
 def test_a_failed_timing_keeps_the_fused_op_with_the_reason(timed, monkeypatch):
