@@ -84,6 +84,7 @@ def decide(chain: Chain, spec: str, cfg: Config, claimed: frozenset = frozenset(
                     chain.spec.fusion, chain.anchor.name, type(err).__name__, err)
         return Choice(0.0, 0.0, True, f"not timed: {type(err).__name__}")
     vals = [n.meta["val"] for n in inputs]
+    anchor = set(chain.operands)
     shapes = [timings.example_shape(v) for v in vals]
     strides = [timings.hinted(v.stride()) for v in vals]
     if any(s is None for s in shapes):
@@ -95,7 +96,7 @@ def decide(chain: Chain, spec: str, cfg: Config, claimed: frozenset = frozenset(
     try:
         fused_ms, inductor_ms, difference = timings.cached(
             Path(cfg.cache_dir) / timings.CACHE_FILE, key + "|compared",
-            lambda: _measure(chain, inductor_form, fused_form, vals, shapes, device))
+            lambda: _measure(chain, inductor_form, fused_form, vals, shapes, device, [n in anchor for n in inputs]))
     except Exception as err:  # noqa: BLE001 - the chain is fused as matched
         if cfg.strict:
             raise
@@ -196,31 +197,35 @@ def subgraphs(chain: Chain, spec: str, claimed: frozenset = frozenset()):
     return forms[0], forms[1], inputs
 
 
-def _random_like(val: torch.Tensor, shape: tuple) -> torch.Tensor:
+def _random_like(val: torch.Tensor, shape: tuple, centered: bool = False) -> torch.Tensor:
     """A real tensor of val's dtype, device, shape and strides (a transposed weight stays
     transposed, a channels-last activation channels-last; symbolic sizes at their hints):
-    values in [0.5, 1.5) (a valid variance, a divisor away from zero), integers zero."""
+    values in [0.5, 1.5) (a valid variance, a divisor away from zero), integers zero.
+    `centered`: in [-1, 1) (the anchor's operands: a product of mean 0, whose rounding
+    a normalization after it does not magnify, as it would that of a mean far from 0)."""
+    low, high = (-1.0, 1.0) if centered else (0.5, 1.5)
     strides = timings.hinted(val.stride())
     if strides is None:
         t = torch.empty(shape, dtype=val.dtype, device=val.device)
-        return t.uniform_(0.5, 1.5) if t.is_floating_point() else t.zero_()
+        return t.uniform_(low, high) if t.is_floating_point() else t.zero_()
     # Filled through the storage the strides span: an expanded operand (a stride of 0, a
     # weight shared by a bmm's batch) has elements that share memory, and may not be written.
     span = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if all(n > 0 for n in shape) else 0
     base = torch.empty(span, dtype=val.dtype, device=val.device)
-    base = base.uniform_(0.5, 1.5) if base.is_floating_point() else base.zero_()
+    base = base.uniform_(low, high) if base.is_floating_point() else base.zero_()
     return base.as_strided(shape, strides)
 
 
 def _measure(chain: Chain, inductor_form: GraphModule, fused_form: GraphModule, vals: list, shapes: list,
-             device: torch.device) -> tuple[float, float, float]:
+             device: torch.device, centered: list) -> tuple[float, float, float]:
     """(ms of the fused form, ms of Inductor's form, each compiled by Inductor; the
-    relative difference of their results, `difference`)."""
+    relative difference of their results, `difference`). `centered`: which inputs are
+    the anchor's operands (`_random_like`)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     started = time.perf_counter()
     with unset_fake_temporarily(), torch.no_grad():
-        example = [_random_like(v, s) for v, s in zip(vals, shapes)]
+        example = [_random_like(v, s, c) for v, s, c in zip(vals, shapes, centered)]
         # A clean thread: the compile around us holds its fake mode and tracing context
         # in thread-local state, which Inductor's own compiles must not see.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -33,7 +33,7 @@ def _model():
 def _forced(monkeypatch, fused_ms, inductor_ms, difference=0.0):
     calls = []
 
-    def measure(chain, inductor_form, fused_form, vals, shapes, device):
+    def measure(chain, inductor_form, fused_form, vals, shapes, device, centered):
         calls.append(chain.anchor.name)
         return fused_ms, inductor_ms, difference
 
