@@ -106,7 +106,7 @@ class Chain:
         views of saved values. The views are new nodes at `graph`'s insertion point."""
         result = outs[0]
         if self.view is not None:
-            result = graph.call_function(aten.view.default, (outs[0], self.view.args[1]))
+            result = graph.call_function(aten.view.default, (outs[0], view_shape(self.view)))
             result.meta["val"] = self.final.meta["val"]
         pairs = [(self.final, result)] + [(node, outs[0]) for node in self.same_as_result]
         pairs += list(zip(self.outputs()[1:], outs[1:]))
@@ -962,13 +962,35 @@ def _match_convert(state: _State, user: Node):
 # ---------------------------------------------------------------------- views
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+# Views that name dims rather than a shape: taken as views of a conv or bmm value where its
+# shape rules below accept them (else they are left to the other matchers: a 1-D pool's
+# `unsqueeze`); re-applied as a view to their static shape (`view_shape`).
+_SQUEEZE_LIKE = (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default)
+
+
+def view_shape(node: Node) -> list:
+    """The shape a view node gives its value, as a view of the fused op's output takes it:
+    a view's own shape argument; a squeeze's or unsqueeze's static shape, -1 for its one
+    symbolic size (the matcher takes none with more)."""
+    if node.target in _VIEWS:
+        return node.args[1]
+    return [d if isinstance(d, int) else -1 for d in _val(node).shape]
 
 
 def _match_view(state: _State, user: Node):
     """A view that only regroups the rows of a linear output (3-D inputs to nn.Linear);
-    adds or drops dims of 1 after a pooled conv output's channels (`flatten(1)`); or keeps
-    a conv or bmm value's channels and elements per channel as its last two dims,
-    regrouping the rows or flattening the spatial dims (`_State.regrouped`)."""
+    adds or drops dims of 1 after a pooled conv output's channels (`flatten(1)`, a
+    squeeze), or after its channels reduced (keepdim's dim); or keeps a conv or bmm
+    value's channels and elements per channel as its last two dims, regrouping the rows
+    or flattening the spatial dims (`_State.regrouped`)."""
+    if user.target in _SQUEEZE_LIKE:
+        val = _val(user)
+        if not state.conv or sum(not isinstance(d, int) for d in val.shape) > 1:
+            return None
+        try:
+            return _conv_view(state, user, val)
+        except Refuse:
+            return None
     if user.target not in _VIEWS:
         return None
     val = _val(user)
@@ -976,19 +998,33 @@ def _match_view(state: _State, user: Node):
         raise Refuse(f"view to {list(val.shape)} (InstanceNorm's form) not followed by an InstanceNorm "
                      "that fuses: statistics of its input without running statistics, or running "
                      "statistics in eval mode")
+    if state.conv:
+        return _conv_view(state, user, val)
+    if state.reduced or val.shape[-1] != state.channels or not _is_contiguous(val):
+        raise Refuse(f"view to {list(val.shape)} changes the feature layout")
+    return _Match(None, [user], user)
+
+
+def _conv_view(state: _State, user: Node, val) -> _Match:
+    """A view of a conv or bmm value (`_match_view`), or Refuse."""
+    anchor = _val(state.chain.anchor)
     if state.pooled:
         # [rows, C] <-> [rows, C, 1, ...]: the same values in the same order, channels at dim 1.
         if val.dim() < 2 or not _same_shape(val.shape[:2], _val(state.node).shape[:2]) or \
                 any(not _same_size(s, 1) for s in val.shape[2:]):
             raise Refuse(f"view to {list(val.shape)} of a pooled [rows, channels] value: only [rows, channels, 1, ...]")
         return _Match(None, [user], user)
-    if state.conv and not state.reduced_any and not state.windows and _is_contiguous(val) and (
-            _same_shape(val.shape, _val(state.chain.anchor).shape)
+    if state.pixels:
+        # [rows, *spatial] <-> [rows, 1, *spatial]: a reduction over the channels, keepdim toggled.
+        rows, spatial = list(anchor.shape[:1]), list(anchor.shape[2:])
+        if not (_same_shape(val.shape, rows + spatial) or _same_shape(val.shape, rows + [1] + spatial)):
+            raise Refuse(f"view to {list(val.shape)} of a value reduced over the channels: only [rows, (1,) *spatial]")
+        return _Match(None, [user], user)
+    if not state.reduced_any and not state.windows and _is_contiguous(val) and (
+            _same_shape(val.shape, anchor.shape)
             or (val.dim() >= 3 and _same_size(val.shape[-2], state.channels) and _same_size(val.shape[-1], state.inner))):
         return _Match(None, [user], user)  # (a view keeps the element count: the leading dims hold the rows)
-    if state.conv or state.reduced or val.shape[-1] != state.channels or not _is_contiguous(val):
-        raise Refuse(f"view to {list(val.shape)} changes the feature layout")
-    return _Match(None, [user], user)
+    raise Refuse(f"view to {list(val.shape)} changes the feature layout")
 
 
 # Ordered: multi-node forms first (see the module docstring).
@@ -1330,11 +1366,11 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
     elif step is None:  # a view: regroups rows, re-applied after the fused op
         state.chain.view = match.result
         val = _val(match.result)
-        if state.conv and not state.pooled:
+        if state.conv and not state.reduced_any:
             state.regrouped = not _same_shape(val.shape, _val(state.chain.anchor).shape)
             state.channel_axis = val.dim() - 2 if state.regrouped else 1
-        else:
-            state.channel_axis = 1 if state.pooled else val.dim() - 1
+        else:  # a reduced conv value keeps its channels (if any) at dim 1
+            state.channel_axis = 1 if state.conv else val.dim() - 1
     else:
         state.chain.steps.append(step)
         state.chain.extra.extend(match.extra)

@@ -490,6 +490,37 @@ def test_views_that_regroup_a_conv_or_bmm_output(make, shape, fusion, steps, out
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+SQUEEZED = [
+    # (id, fn on a Conv2d(3 -> 8, k3) output of 2 x 3 x 9 x 9, steps after the folded bias, output shape)
+    ("pooled_squeezed_twice", lambda y: torch.sigmoid(F.adaptive_avg_pool2d(F.relu(y), 1).squeeze(-1).squeeze(-1)) * 2,
+     ["relu", "spatial_mean", "sigmoid", "mul"], (2, 8)),
+    ("pooled_squeezed_whole", lambda y: torch.sigmoid(F.adaptive_avg_pool2d(y, 1).squeeze()), ["spatial_mean", "sigmoid"],
+     (2, 8)),
+    ("pooled_unsqueezed_back", lambda y: torch.tanh(y.mean((2, 3)).unsqueeze(-1)) * torch.linspace(0.5, 1.5, 8).view(8, 1),
+     ["spatial_mean", "tanh", "mul"], (2, 8, 1)),
+    ("channels_reduced_squeezed", lambda y: torch.tanh(y.amax(1, keepdim=True).squeeze(1)), ["channel_amax", "tanh"],
+     (2, 7, 7)),
+]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic_batch"])
+@pytest.mark.parametrize("fn, steps, out_shape", [c[1:] for c in SQUEEZED], ids=[c[0] for c in SQUEEZED])
+def test_squeezes_of_a_reduced_conv_output(fn, steps, out_shape, dynamic):
+    """squeeze and unsqueeze continue a chain like the views they are: the unit dims of a
+    pooled [N, C, 1, 1] or of a [N, 1, H, W] reduced over the channels come and go; the
+    fused op's output is viewed to the last one's shape (a dynamic batch as -1)."""
+    torch.manual_seed(0)
+    model = ConvChain(nn.Conv2d(3, 8, 3), fn)
+    x = torch.randn(2, 3, 9, 9)
+    if dynamic:
+        torch._dynamo.mark_dynamic(x, 0)
+    out, fused, refused = compile_records(model, x)
+    assert fused, refused
+    assert steps_of(fused[0]) == ["add"] + steps and fused[0].stop == "end of the graph"
+    assert out.shape == out_shape
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
 REGROUPED_REFUSED = [
     ("mean_keepdim", lambda: ConvChain(nn.Conv2d(3, 4, 3), lambda y: F.relu(y).flatten(2).mean(-1, keepdim=True)),
      (2, 3, 9, 9), "or a reduction over the flattened spatial dims without keepdim"),
