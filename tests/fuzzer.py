@@ -125,7 +125,8 @@ FEATURE_POOLS = ["feature_maxpool", "feature_avgpool"]
 # From this generation on, a quarter of the anchors are batched matmuls (`torch.bmm`, or
 # `x @ w` with a batched w) whose [B, M, N] product reads as a Conv1d's output, and the
 # norms after a conv or bmm include softmax over each channel's plane (`PLANE_NORMS`:
-# its spatial dims flattened, softmax over them, the shape restored).
+# its spatial dims flattened, softmax over them, the shape restored); a global pool or a
+# reduction over the channels with keepdim may squeeze its unit dims away after it.
 BMM_GENERATION = 8
 PLANE_NORMS = ["plane_softmax", "plane_log_softmax"]
 # From this generation on, a binary step's operand may be an earlier value of the chain
@@ -292,7 +293,10 @@ def _step(rng: random.Random, ctx: dict) -> dict:
         op = rng.choice(pools)
         if op in WINDOWS:
             return _window(rng, op, ctx["spatial"])
-        return {"op": op, "keepdim": rng.random() < 0.5}
+        step = {"op": op, "keepdim": rng.random() < 0.5}
+        if step["keepdim"] and ctx["generation"] >= BMM_GENERATION:  # then its unit dims squeezed away, or not
+            step["squeeze"] = rng.random() < 0.5
+        return step
     return {"op": rng.choice(OUTSIDE)}
 
 
@@ -443,17 +447,18 @@ class FuzzStep(nn.Module):
         if op in POOLS:
             reduce = {"pool_sum": torch.sum, "pool_mean": torch.mean, "pool_amax": torch.amax,
                       "pool_amin": torch.amin}[op]
-            return reduce(x, tuple(range(2, x.dim())), keepdim=s["keepdim"])
+            out = reduce(x, tuple(range(2, x.dim())), keepdim=s["keepdim"])
+            return out.squeeze(tuple(range(2, out.dim()))) if s.get("squeeze") else out
         if op in FEATURE_POOLS:  # [rows, N] pooled as [rows, 1, N]
             return _window_pool(op.removeprefix("feature_"), s, x.unsqueeze(1)).squeeze(1)
         if op in WINDOWS:
             return _window_pool(op, s, x)
-        if op == "chan_max_values":
-            return torch.max(x, dim=1, keepdim=s["keepdim"]).values
         if op in CHANNEL_REDUCTIONS:
             reduce = {"chan_logsumexp": torch.logsumexp, "chan_sum": torch.sum, "chan_mean": torch.mean,
-                      "chan_amax": torch.amax, "chan_amin": torch.amin}[op]
-            return reduce(x, 1, keepdim=s["keepdim"])
+                      "chan_amax": torch.amax, "chan_amin": torch.amin,
+                      "chan_max_values": lambda v, d, keepdim: torch.max(v, d, keepdim=keepdim).values}[op]
+            out = reduce(x, 1, keepdim=s["keepdim"])
+            return out.squeeze(1) if s.get("squeeze") else out
         if op == "chan_softmax":
             return F.softmax(x, dim=1)
         if op == "chan_log_softmax":
