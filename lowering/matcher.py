@@ -804,8 +804,11 @@ def _match_row_reduction(state: _State, user: Node):
         if f"spatial_{name}" not in SPATIAL_REDUCTIONS:
             raise Refuse(f"{name} over a conv output's spatial dims is not implemented (sum, mean, amax, amin are)")
         return _Match(Step(f"spatial_{name}", keepdim=keepdim), consumed, result)
-    if ndim != 2 or axes != [1]:
-        raise Refuse(f"{name} over dims {list(dims)} of a {ndim}-D linear output: only the feature dim of 2-D")
+    if axes != [ndim - 1] or state.channel_axis != ndim - 1 or ndim < 2:
+        raise Refuse(f"{name} over dims {list(dims)} of a {ndim}-D linear output: only over its features (the last dim)")
+    if sum(not isinstance(d, int) for d in _val(result).shape) > 1:
+        raise Refuse(f"{name} of a {ndim}-D linear output: its result {list(_val(result).shape)} has more than one "
+                     "dynamic size (the fused op's [rows] output is viewed to it with one -1)")
     return _Match(Step(name, keepdim=keepdim), consumed, result)
 
 
@@ -970,8 +973,9 @@ _SQUEEZE_LIKE = (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten
 
 def view_shape(node: Node) -> list:
     """The shape a view node gives its value, as a view of the fused op's output takes it:
-    a view's own shape argument; a squeeze's or unsqueeze's static shape, -1 for its one
-    symbolic size (the matcher takes none with more)."""
+    a view's own shape argument; a squeeze's or unsqueeze's (or an N-D Linear's row
+    reduction's) static shape, -1 for its one symbolic size (the matcher takes none with
+    more)."""
     if node.target in _VIEWS:
         return node.args[1]
     return [d if isinstance(d, int) else -1 for d in _val(node).shape]
@@ -1375,6 +1379,8 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
         state.chain.steps.append(step)
         state.chain.extra.extend(match.extra)
         state.reduced = state.reduced or step.name in ROW_REDUCTIONS
+        if step.name in ROW_REDUCTIONS and state.chain.view is not None:  # an N-D Linear's [rows] viewed back
+            state.chain.view = match.result
         state.pooled = state.pooled or step.name in SPATIAL_REDUCTIONS
         if state.regrouped and step.name in SPATIAL_REDUCTIONS:  # [N, C]: the fused op's own output
             state.chain.view, state.regrouped, state.channel_axis = None, False, 1

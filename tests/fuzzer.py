@@ -282,7 +282,7 @@ def _step(rng: random.Random, ctx: dict) -> dict:
             step["dims"], step["affine"] = rng.randint(1, len(ctx["spatial"]) + 1), rng.random() < 0.8
         return step
     if family == "reduction":
-        ops = ROW_REDUCTIONS + FEATURE_POOLS * 2 if ctx["generation"] >= 7 else ROW_REDUCTIONS
+        ops = ROW_REDUCTIONS + FEATURE_POOLS * 2 if ctx["generation"] >= 7 and not ctx["nd_linear"] else ROW_REDUCTIONS
         op = rng.choice(ops)
         if op in FEATURE_POOLS:
             return {**_window(rng, op.removeprefix("feature_"), [channels]), "op": op}
@@ -337,7 +337,8 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         "channels": anchor["out"],
         "reduced": False,
         "has_reduction": False,
-        "row_reducible": linear and len(anchor["lead"]) == 1,
+        # (N-D inputs from generation 8: a value per (b, t) row, viewed back to [B, T])
+        "row_reducible": linear and (len(anchor["lead"]) == 1 or generation >= BMM_GENERATION),
         "nd_linear": linear and len(anchor["lead"]) > 1,
         "allow_outside": rng.random() < 0.1,
         "last": "",
@@ -438,12 +439,12 @@ class FuzzStep(nn.Module):
                 return torch.minimum(other, x)
             a, b = (other, x) if s["reverse"] else (x, other)
             return {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}[op](a, b)
-        if op in ROW_REDUCTIONS:
+        if op in ROW_REDUCTIONS:  # over the features: the last dim
             keep = s["keepdim"]
             if op == "max_values":
-                return torch.max(x, dim=1, keepdim=keep).values
+                return torch.max(x, dim=-1, keepdim=keep).values
             return {"logsumexp": torch.logsumexp, "sum": torch.sum, "mean": torch.mean, "amax": torch.amax,
-                    "amin": torch.amin}[op](x, 1, keepdim=keep)
+                    "amin": torch.amin}[op](x, -1, keepdim=keep)
         if op in POOLS:
             reduce = {"pool_sum": torch.sum, "pool_mean": torch.mean, "pool_amax": torch.amax,
                       "pool_amin": torch.amin}[op]

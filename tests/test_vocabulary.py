@@ -132,6 +132,43 @@ def test_reductions_over_rows_are_refused(name, fn):
     torch.testing.assert_close(out, model(x))
 
 
+ND_ROW_REDUCTIONS = [
+    # (id, fn on a Linear(16 -> 32) output of a [3, 5, 16] input, steps after it, output shape)
+    ("logsumexp", lambda y: torch.logsumexp(y, -1), ["logsumexp"], (3, 5)),
+    ("mean_keepdim_then_steps", lambda y: torch.tanh(y.mean(-1, keepdim=True)) * 2, ["mean", "tanh", "mul"], (3, 5, 1)),
+    ("amax", lambda y: F.relu(y).amax(dim=2), ["relu", "amax"], (3, 5)),
+]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+@pytest.mark.parametrize("fn, steps, out_shape", [c[1:] for c in ND_ROW_REDUCTIONS], ids=[c[0] for c in ND_ROW_REDUCTIONS])
+def test_row_reductions_of_an_nd_linear_output(fn, steps, out_shape, grad):
+    """A reduction over the features of a Linear applied to [B, T, K]: one value per
+    (b, t) row of the product, the fused op's [rows] output viewed to [B, T] (keepdim:
+    [B, T, 1])."""
+    torch.manual_seed(0)
+    model = Chain(fn)
+    x = torch.randn(3, 5, 16, requires_grad=grad)
+    out, fused, refused = compile_records(model, x, grad=grad)
+    assert fused and steps_of(fused[0]) == steps, (fused, refused)
+    with torch.set_grad_enabled(grad):
+        expected = model(x)
+    assert out.shape == out_shape
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    if grad:
+        upstream = torch.randn_like(out)
+        ours = torch.autograd.grad(out, [x] + list(model.parameters()), upstream)
+        eager = torch.autograd.grad(expected, [x] + list(model.parameters()), upstream)
+        for a, b in zip(ours, eager):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_reduction_over_an_nd_linear_outputs_rows_is_refused():
+    model = Chain(lambda y: y.sum(1))
+    out, fused, refused = compile_records(model, torch.randn(3, 5, 16))
+    assert not fused and "sum over dims [1] of a 3-D linear output: only over its features" in refused[0].reason
+
+
 def test_softmax_on_3d_linear_output():
     model = Chain(lambda x: F.softmax(x, dim=-1))
     x = torch.randn(2, 3, 16)
