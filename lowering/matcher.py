@@ -742,12 +742,12 @@ def _flattened(state: _State) -> bool:
 
 
 def _over_the_plane(state: _State, dim) -> bool:
-    """Whether `dim` is the last dim of a conv or bmm value [..., C, L] that holds each
-    channel's whole plane: a Conv1d's or bmm's output, or a view that flattened a conv's
-    spatial dims or regrouped the rows (`_State.regrouped`)."""
+    """Whether `dim` is the last dim of a conv or bmm value that holds each channel's
+    whole plane after its channel dim (and dims of 1): a Conv1d's or bmm's output, or a
+    view that flattened a conv's spatial dims or regrouped the rows (`_State.regrouped`)."""
     val = _val(state.node)
     ndim = val.dim()
-    return (ndim >= 3 and isinstance(dim, int) and dim % ndim == ndim - 1 and state.channel_axis == ndim - 2
+    return (ndim >= 3 and isinstance(dim, int) and dim % ndim == ndim - 1 and state.channel_axis < ndim - 1
             and _same_size(val.shape[-1], state.inner) and not state.reduced_any and not state.windows)
 
 
@@ -968,7 +968,29 @@ _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 # Views that name dims rather than a shape: taken as views of a conv or bmm value where its
 # shape rules below accept them (else they are left to the other matchers: a 1-D pool's
 # `unsqueeze`); re-applied as a view to their static shape (`view_shape`).
-_SQUEEZE_LIKE = (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default)
+_SQUEEZE_LIKE = (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default,
+                 aten.permute.default)
+
+
+def _keeps_order(user: Node) -> bool:
+    """A squeeze or unsqueeze; a permute that only moves dims of size 1 (einsum's)."""
+    if user.target is not aten.permute.default:
+        return True
+    sizes, order = _val(user.args[0]).shape, list(user.args[1])
+    moved = [d % len(sizes) for d in order if not _same_size(sizes[d], 1)]
+    return moved == sorted(moved)
+
+
+def _channel_axis(val, channels: int, inner: int) -> int | None:
+    """The dim of `val` (a view of a conv or bmm value [rows, C, inner]) that holds its
+    channels: the first a >= 1 with C elements and `inner` elements in the dims after it
+    (the dims before it then hold the rows, the element order being kept); else None."""
+    shape = list(val.shape)
+    for a in range(1, len(shape)):
+        after = shape[a + 1:]
+        if _same_size(shape[a], channels) and all(isinstance(d, int) for d in after) and math.prod(after) == inner:
+            return a
+    return None
 
 
 def view_shape(node: Node) -> list:
@@ -985,11 +1007,12 @@ def _match_view(state: _State, user: Node):
     """A view that only regroups the rows of a linear output (3-D inputs to nn.Linear);
     adds or drops dims of 1 after a pooled conv output's channels (`flatten(1)`, a
     squeeze), or after its channels reduced (keepdim's dim); or keeps a conv or bmm
-    value's channels and elements per channel as its last two dims, regrouping the rows
-    or flattening the spatial dims (`_State.regrouped`)."""
+    value's channels as one dim followed by dims holding each channel's elements,
+    regrouping the rows or flattening the spatial dims (`_State.regrouped`; einsum's
+    views, unit dims moved by a permute)."""
     if user.target in _SQUEEZE_LIKE:
         val = _val(user)
-        if not state.conv or sum(not isinstance(d, int) for d in val.shape) > 1:
+        if not state.conv or sum(not isinstance(d, int) for d in val.shape) > 1 or not _keeps_order(user):
             return None
         try:
             return _conv_view(state, user, val)
@@ -1025,9 +1048,8 @@ def _conv_view(state: _State, user: Node, val) -> _Match:
             raise Refuse(f"view to {list(val.shape)} of a value reduced over the channels: only [rows, (1,) *spatial]")
         return _Match(None, [user], user)
     if not state.reduced_any and not state.windows and _is_contiguous(val) and (
-            _same_shape(val.shape, anchor.shape)
-            or (val.dim() >= 3 and _same_size(val.shape[-2], state.channels) and _same_size(val.shape[-1], state.inner))):
-        return _Match(None, [user], user)  # (a view keeps the element count: the leading dims hold the rows)
+            _same_shape(val.shape, anchor.shape) or _channel_axis(val, state.channels, state.inner) is not None):
+        return _Match(None, [user], user)
     raise Refuse(f"view to {list(val.shape)} changes the feature layout")
 
 
@@ -1036,6 +1058,7 @@ STEP_MATCHERS: list[Callable] = [
     _match_silu_pair,
     _match_rms_norm,
     _match_instance_norm,
+    _match_pool,  # (a 1-D pool's unsqueeze before the views, which would take it alone)
     _match_view,
     _match_unary,
     _match_binary,
@@ -1044,7 +1067,6 @@ STEP_MATCHERS: list[Callable] = [
     _match_batch_norm,
     _match_softmax,
     _match_row_reduction,
-    _match_pool,
     _match_convert,
 ]
 # Forms that consume a value with several users (the value feeds more than one of their nodes).
@@ -1372,7 +1394,7 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
         val = _val(match.result)
         if state.conv and not state.reduced_any:
             state.regrouped = not _same_shape(val.shape, _val(state.chain.anchor).shape)
-            state.channel_axis = val.dim() - 2 if state.regrouped else 1
+            state.channel_axis = _channel_axis(val, state.channels, state.inner) if state.regrouped else 1
         else:  # a reduced conv value keeps its channels (if any) at dim 1
             state.channel_axis = 1 if state.conv else val.dim() - 1
     else:

@@ -635,10 +635,18 @@ class _Scores(nn.Module):
         return F.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, dim=-1)
 
 
+class _EinsumScores(nn.Module):
+    """log_softmax over the keys of einsum("bhid,bhjd->bhij", q, k) / 4."""
+
+    def forward(self, q, k):
+        return F.log_softmax(torch.einsum("bhid,bhjd->bhij", q, k) / 4.0, dim=-1)
+
+
 # Views that regroup a conv or bmm output (the channels and a channel's elements last):
 # (model, input shapes, fusion). 197 keys (a block team a plane), a conv's 30 x 30 pixels.
 REGROUPED = {
     "attention_scores_4d": (_Scores, [(2, 8, 197, 64), (2, 8, 197, 64)], "bmm_spatial_softmax"),
+    "einsum_scores": (lambda: _EinsumScores(), [(2, 8, 100, 32), (2, 8, 100, 32)], "bmm_spatial_log_softmax"),
     "conv_softmax_over_pixels": (lambda: _Pooled(nn.Conv2d(3, 16, 3), lambda m, y: F.softmax(
         y.flatten(2), dim=-1).view_as(y) * m.scale.view(-1, 1, 1)), [(3, 3, 32, 32)], "conv_spatial_softmax"),
     "conv_flatten_mean": (lambda: _Pooled(nn.Conv2d(3, 16, 3), lambda m, y: F.silu(y).flatten(2).mean(-1) * m.scale),
