@@ -18,6 +18,21 @@ pytestmark = pytest.mark.usefixtures("cpu_reference")
 SELU_ALPHA = 1.6732632423543772848170429916717
 SELU_SCALE = 1.0507009873554804934193349852946
 
+
+def _like_eager(model, x, out, grad: bool, tol: float) -> None:
+    """`out` (the compiled model's on `x`) is eager's; with `grad`, so are the gradients
+    of x and the parameters for one random upstream gradient."""
+    with torch.set_grad_enabled(grad):
+        expected = model(x)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    if grad:
+        upstream = torch.randn_like(out)
+        ours = torch.autograd.grad(out, [x] + list(model.parameters()), upstream)
+        eager = torch.autograd.grad(expected, [x] + list(model.parameters()), upstream)
+        for a, b in zip(ours, eager):
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
 # (id, fn on the linear's output, expected steps, expected constants of the last step or None)
 POINTWISE = [
     ("mish", F.mish, ["mish"], None),
@@ -151,16 +166,8 @@ def test_row_reductions_of_an_nd_linear_output(fn, steps, out_shape, grad):
     x = torch.randn(3, 5, 16, requires_grad=grad)
     out, fused, refused = compile_records(model, x, grad=grad)
     assert fused and steps_of(fused[0]) == steps, (fused, refused)
-    with torch.set_grad_enabled(grad):
-        expected = model(x)
     assert out.shape == out_shape
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    if grad:
-        upstream = torch.randn_like(out)
-        ours = torch.autograd.grad(out, [x] + list(model.parameters()), upstream)
-        eager = torch.autograd.grad(expected, [x] + list(model.parameters()), upstream)
-        for a, b in zip(ours, eager):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    _like_eager(model, x, out, grad, 1e-5)
 
 
 def test_a_reduction_over_an_nd_linear_outputs_rows_is_refused():
@@ -354,15 +361,7 @@ def test_layer_norm_over_trailing_dims_of_a_conv_output(make, shape, normalized,
     assert steps_of(fused[0]) == ["add", "mul", "layernorm", "gelu"] and fused[0].fusion == "conv_layernorm"
     step = json.loads(fused[0].spec)["steps"][2]
     assert step["normalized"] == normalized and step["groups"] * math.prod(normalized) == math.prod(out.shape[1:])
-    with torch.set_grad_enabled(grad):
-        expected = model(x)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    if grad:
-        upstream = torch.randn_like(out)
-        ours = torch.autograd.grad(out, [x] + list(model.parameters()), upstream)
-        eager = torch.autograd.grad(expected, [x] + list(model.parameters()), upstream)
-        for a, b in zip(ours, eager):
-            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    _like_eager(model, x, out, grad, 1e-4)
 
 
 def test_layer_norm_over_the_batch_too_is_refused():
@@ -535,16 +534,8 @@ def test_views_that_regroup_a_conv_or_bmm_output(make, shape, fusion, steps, out
     x = torch.randn(shape, requires_grad=grad)
     out, fused, refused = compile_records(model, x, grad=grad)
     assert [r.fusion for r in fused] == fusion.split() and steps_of(fused[0]) == steps
-    with torch.set_grad_enabled(grad):
-        expected = model(x)
     assert out.shape == out_shape
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    if grad:
-        upstream = torch.randn_like(out)
-        ours = torch.autograd.grad(out, [x] + list(model.parameters()), upstream)
-        eager = torch.autograd.grad(expected, [x] + list(model.parameters()), upstream)
-        for a, b in zip(ours, eager):
-            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    _like_eager(model, x, out, grad, 1e-4)
 
 
 SQUEEZED = [
