@@ -142,8 +142,9 @@ class _State:
     pixels: bool = False  # a reduction over a conv's channels has shrunk its value to one per (row, pixel)
     windows: int = 0  # after a pooling window: the pooled elements per channel (0: none)
     # A view has regrouped a conv or bmm value's rows ([B*H, M, N] -> [B, H, M, N]) or
-    # flattened its spatial dims ([N, C, H, W] -> [N, C, H*W]): [..., C, inner], the
-    # channels at dim -2; the fused op's output is re-viewed, so no step may change its shape.
+    # flattened its spatial dims ([N, C, H, W] -> [N, C, H*W]): its channels at
+    # `channel_axis`, each channel's elements in the dims after it; the fused op's output
+    # is viewed back, so no step may change the shape (but global pooling of the flattened).
     regrouped: bool = False
     dtype: torch.dtype | None = None  # the value's dtype: the chain's, or float32 while widened
     widened_at: tuple | None = None  # the walk's state where a bf16/fp16 value went to float32
@@ -710,7 +711,8 @@ def _match_batch_norm(state: _State, user: Node):
 
 def _match_softmax(state: _State, user: Node):
     """Softmax over a linear output's features, over a conv output's channels (per pixel),
-    or over the one spatial dim of a 3-D conv or bmm output (per plane)."""
+    or over the last dim of a conv or bmm value where it holds each channel's whole plane
+    (`_over_the_plane`)."""
     name = {aten._softmax.default: "softmax", aten._log_softmax.default: "log_softmax"}.get(user.target)
     if name is None:
         return None
@@ -722,7 +724,8 @@ def _match_softmax(state: _State, user: Node):
         return _Match(Step(f"spatial_{name}"), [user], user)
     if state.conv:
         raise Refuse(f"{name} over dims [{user.args[1]}] of a {_val(state.node).dim()}-D conv output: only over its "
-                     "channels (dim 1), or over the plane of a 3-D one (a Conv1d's or a bmm's last dim)")
+                     "channels (dim 1), or over its last dim where that holds the whole plane (a Conv1d's or "
+                     "bmm's output; a view that flattened the spatial dims)")
     _require_features(state, name, user.args[1])
     return _Match(Step(name), [user], user)
 

@@ -177,7 +177,8 @@ class EpilogueSpec:
 
     The anchor output is viewed as [rows, channels, inner]: for a linear layer
     rows = M, channels = N, inner = 1; for a conv rows = batch, channels = C,
-    inner = H*W; for a bmm rows = B, channels = M, inner = N. `rows` is the only size left to run time.
+    inner = H*W; for a bmm rows = B, channels = M, inner = N. `rows` is the only size
+    left to run time.
 
     Attributes:
         anchor: the matrix op.
@@ -354,8 +355,7 @@ ROW_NORMS = ("rmsnorm", "softmax", "log_softmax")
 # of threads a plane.
 SPATIAL_NORMS = ("spatial_softmax", "spatial_log_softmax")
 REDUCTIONS = (SEGMENT_NORMS + ROW_NORMS + SPATIAL_NORMS + ROW_REDUCTIONS + SPATIAL_REDUCTIONS + CHANNEL_REDUCTIONS
-              + CHANNEL_NORMS
-              + POOLS + ("batchnorm_train",))
+              + CHANNEL_NORMS + POOLS + ("batchnorm_train",))
 # A fusion is named after its anchor family and the first of these steps it holds,
 # or "pointwise": linear_groupnorm, conv_batchnorm_eval, linear_pointwise, ...
 NAMED_STEPS = REDUCTIONS + ("batchnorm_eval",)

@@ -308,7 +308,7 @@ SPATIAL_REFUSED = [
     ("mean_one_spatial_dim", lambda y: y.mean(dim=3),
      "mean over dims [3] of a 4-D conv output: only over its channels (dim 1) or over all its spatial dims [2, 3]"),
     ("softmax_over_width", lambda y: F.softmax(y, dim=3),
-     "softmax over dims [3] of a 4-D conv output: only over its channels (dim 1), or over the plane of a 3-D one"),
+     "softmax over dims [3] of a 4-D conv output: only over its channels (dim 1), or over its last dim where"),
     ("sum_with_channels", lambda y: y.sum(dim=[1, 2, 3]), "sum over dims [1, 2, 3] of a 4-D conv output"),
     ("logsumexp_spatial", lambda y: torch.logsumexp(y, dim=(2, 3)), "logsumexp over a conv output's spatial dims is not implemented"),
     ("two_poolings", lambda y: y.mean(dim=[2, 3], keepdim=True).amax(dim=[2, 3]), "only one reduction per fused kernel"),
