@@ -186,10 +186,14 @@ def _divisors(n: int) -> list[int]:
 
 
 def _bmm_anchor(rng: random.Random) -> dict:
-    """x[batch, out, in] times a weight [batch, in, N]: the product's plane is N (`spatial`)."""
-    return {"kind": "bmm", "batch": rng.randint(1, 4), "in": rng.randint(1, 64),
-            "out": rng.choice([1, 2, 4, 6, 8, 12, 16, 32, 64]), "spatial": [rng.randint(2, 80)],
-            "matmul": rng.random() < 0.5}
+    """x[batch, out, in] times a weight [batch, in, N]: the product's plane is N (`spatial`);
+    with `heads` > 1 the product is viewed [batch / heads, heads, out, N] (attention
+    scores), after which only steps that keep the shape are drawn."""
+    a = {"kind": "bmm", "batch": rng.randint(1, 4), "in": rng.randint(1, 64),
+         "out": rng.choice([1, 2, 4, 6, 8, 12, 16, 32, 64]), "spatial": [rng.randint(2, 80)],
+         "matmul": rng.random() < 0.5}
+    a["heads"] = rng.choice([h for h in (1, 1, 2, 4) if a["batch"] % h == 0])
+    return a
 
 
 def _anchor(rng: random.Random) -> dict:
@@ -226,7 +230,7 @@ def _step(rng: random.Random, ctx: dict) -> dict:
         choices.append(("norm", 4))
         if ctx["row_reducible"]:
             choices.append(("reduction", 3))
-        elif ctx["kind"] == "conv" and ctx["generation"] >= POOL_GENERATION:
+        elif ctx["kind"] == "conv" and ctx["generation"] >= POOL_GENERATION and not ctx.get("heads"):
             choices.append(("pool", 3))
     if ctx["allow_outside"]:
         choices.append(("outside", 1))
@@ -266,6 +270,8 @@ def _step(rng: random.Random, ctx: dict) -> dict:
     if family == "norm":
         if ctx["nd_linear"]:  # [B, T, N]: only norms over the last dim keep their meaning
             op = rng.choice(["layernorm", "rmsnorm", "softmax", "log_softmax"])
+        elif ctx.get("heads"):  # [B / h, h, M, N]: softmax over each plane
+            op = rng.choice(PLANE_NORMS)
         else:
             op = rng.choice(NORMS_LINEAR if ctx["kind"] == "linear" else CONV_NORMS[ctx["generation"]])
         step = {"op": op, "eps": rng.choice([1e-5, 1e-6, 1e-3])}
@@ -346,6 +352,8 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         "earlier": 0,  # earlier values of the current value's shape (an `earlier` operand's choices)
         # a conv output's spatial sizes (a bmm's: its N)
         "spatial": [] if linear else list(anchor["spatial"]) if anchor["kind"] == "bmm" else _conv_out_sizes(anchor),
+        "heads": anchor.get("heads", 1) > 1,  # a bmm's product viewed to 4-D
+
         "windowed": False,  # after a pooling window: no full operands (the residual has the conv's shape)
     }
     steps, in_vocabulary = [], True
@@ -391,6 +399,7 @@ class FuzzStep(nn.Module):
         self.spec = dict(spec)
         op = spec["op"]
         self.norm = None
+        self.heads = False  # set by FuzzModel
         if op in BINARY and spec["operand"] in ("channel", "one"):
             shape = channel_shape if spec["operand"] == "channel" else []
             t = torch.rand(shape, generator=gen) + 0.5  # away from zero: `div` stays well conditioned
@@ -466,7 +475,7 @@ class FuzzStep(nn.Module):
             return F.log_softmax(x, dim=1)
         if op in PLANE_NORMS:  # over each channel's plane: the spatial dims flattened, then viewed back
             fn = F.softmax if op == "plane_softmax" else F.log_softmax
-            return fn(x.flatten(2), dim=-1).view_as(x)
+            return fn(x, dim=-1) if self.heads else fn(x.flatten(2), dim=-1).view_as(x)
         return _pointwise(op, s, x)
 
 
@@ -522,15 +531,17 @@ def _pointwise(op: str, s: dict, x):
 
 
 class BatchedProduct(nn.Module):
-    """x[B, M, K] times a weight w[B, K, N]: `torch.bmm(x, w)`, or `x @ w` (`matmul`)."""
+    """x[B, M, K] times a weight w[B, K, N]: `torch.bmm(x, w)`, or `x @ w` (`matmul`);
+    viewed [B / heads, heads, M, N] where `heads` > 1."""
 
-    def __init__(self, batch: int, k: int, n: int, matmul: bool):
+    def __init__(self, batch: int, k: int, n: int, matmul: bool, heads: int = 1):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(batch, k, n) / math.sqrt(k))
-        self.matmul = matmul
+        self.matmul, self.heads = matmul, heads
 
     def forward(self, x):
-        return x @ self.weight if self.matmul else torch.bmm(x, self.weight)
+        y = x @ self.weight if self.matmul else torch.bmm(x, self.weight)
+        return y.view(-1, self.heads, *y.shape[1:]) if self.heads > 1 else y
 
 
 class FuzzModel(nn.Module):
@@ -546,8 +557,9 @@ class FuzzModel(nn.Module):
             value_shape = a["lead"] + [a["out"]]
             channel_shape = [a["out"]]
         elif a["kind"] == "bmm":
-            self.anchor = BatchedProduct(a["batch"], a["in"], a["spatial"][0], a["matmul"])
-            value_shape = [a["batch"], a["out"], a["spatial"][0]]
+            heads = a.get("heads", 1)
+            self.anchor = BatchedProduct(a["batch"], a["in"], a["spatial"][0], a["matmul"], heads)
+            value_shape = ([a["batch"] // heads, heads] if heads > 1 else [a["batch"]]) + [a["out"], a["spatial"][0]]
             channel_shape = [a["out"], 1]
         else:
             transposed = a["kind"] == "conv_transpose"
@@ -563,6 +575,8 @@ class FuzzModel(nn.Module):
             channel_shape = [a["out"]] + [1] * a["dims"]
         self.value_shape = value_shape
         self.steps = nn.ModuleList(FuzzStep(s, a["out"], channel_shape, value_shape, gen) for s in case.steps)
+        for step in self.steps:  # a bmm's product viewed [B / h, h, M, N]: its planes are its last dim
+            step.heads = a.get("heads", 1) > 1
 
     def forward(self, x, residual):
         x = self.anchor(x)
@@ -932,9 +946,10 @@ def scale_case(case: Case, nbytes: int = BENCH_BYTES) -> Case:
         anchor["lead"] = [rows] if len(anchor["lead"]) == 1 else [rows // 64, 64]
     else:
         per_image = math.prod(FuzzModel(case).value_shape[1:]) + anchor["in"] * math.prod(anchor["spatial"])
-        if anchor["kind"] == "bmm":  # and x's [M, K] a batch entry
-            per_image += anchor["in"] * anchor["out"]
+        if anchor["kind"] == "bmm":  # a batch entry's product [M, N], x [M, K] and weight [K, N]
+            per_image = (anchor["out"] + anchor["in"]) * anchor["spatial"][0] + anchor["in"] * anchor["out"]
         anchor["batch"] = max(BENCH_IMAGES, nbytes // (per_image * size))
+        anchor["batch"] -= anchor["batch"] % anchor.get("heads", 1)  # whole heads
     return Case(case.index, case.seed, anchor, case.steps, case.dtype, case.training, case.in_vocabulary,
                 case.generation, case.gemm, case.tf32)
 

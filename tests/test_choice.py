@@ -101,6 +101,20 @@ def test_a_fused_result_that_differs_from_inductors_is_not_taken(timed, monkeypa
     torch.testing.assert_close(out, _model().eval()(x))
 
 
+@pytest.mark.parametrize("centered, within", [(True, True), (False, False)])
+def test_centered_operands_keep_a_rounding_of_the_product_from_looking_like_a_wrong_result(centered, within):
+    """Two forms may round a conv's product differently (TF32, a bf16 output of another
+    algorithm). After a normalization, operands in [0.5, 1.5) (a product of large mean,
+    small spread) magnify that rounding up to the bound; operands centered on 0 do not."""
+    torch.manual_seed(0)
+    x = choice._random_like(torch.empty(8, 64, 18, 18), (8, 64, 18, 18), centered)
+    w = choice._random_like(torch.empty(64, 64, 3, 3), (64, 64, 3, 3), centered)
+    y = torch.nn.functional.conv2d(x, w)
+    other = y * (1 + torch.randn_like(y) * 2**-12)  # a rounding of TF32's size
+    chain = lambda t: torch.nn.functional.group_norm(t.bfloat16().float(), 8).bfloat16()  # noqa: E731
+    assert (choice.difference([chain(y)], [chain(other)]) < choice.AGREEMENT / 5) == within
+
+
 def test_the_difference_of_two_forms_results():
     a = torch.linspace(-1.0, 2.0, 12).view(3, 4)
     assert choice.difference([a], [a.clone()]) == 0.0

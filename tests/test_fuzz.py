@@ -148,10 +148,11 @@ def test_cpu_fuzz_of_conv_reductions(kind, grad):
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
 def test_cpu_fuzz_of_batched_matmuls(grad):
     # Generation 8 draws a quarter of its anchors as batched matmuls (torch.bmm, or x @ w
-    # with a batched w), whose random chains read the product as a Conv1d's output.
+    # with a batched w), whose random chains read the product as a Conv1d's output, or
+    # as attention scores viewed [B / heads, heads, M, N].
     cases = [fuzzer.make_case(0, i, "cpu", generation=fuzzer.BMM_GENERATION) for i in range(80)]
     indices = [c.index for c in cases if c.anchor["kind"] == "bmm"][: 20 if not grad else 10]
-    assert len(indices) >= 10
+    assert len(indices) >= 10 and any(cases[i].anchor["heads"] > 1 for i in indices)  # some viewed to 4-D
     results = fuzzer.run(seed=0, indices=indices, device="cpu", grad=grad, generation=fuzzer.BMM_GENERATION)
     summary = fuzzer.summarize(results)
     assert len(results) == len(indices) and not summary["findings"], _shown(summary["findings"])
