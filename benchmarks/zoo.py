@@ -117,6 +117,75 @@ class AttendNorm(nn.Module):
         return F.gelu(self.ln(torch.bmm(scores, x)))
 
 
+class BasicBlock(nn.Module):
+    """ResNet's basic block: conv-BN-ReLU, conv-BN, + the input, ReLU."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.c2, self.b2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return F.relu(self.b2(self.c2(F.relu(self.b1(self.c1(x))))) + x)
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block: 1x1 expand-BN-ReLU6, 3x3 depthwise-BN-ReLU6, 1x1 project-BN, + input."""
+
+    def __init__(self, c, expand):
+        super().__init__()
+        e = c * expand
+        self.a, self.bna = nn.Conv2d(c, e, 1, bias=False), nn.BatchNorm2d(e)
+        self.b, self.bnb = nn.Conv2d(e, e, 3, padding=1, groups=e, bias=False), nn.BatchNorm2d(e)
+        self.c, self.bnc = nn.Conv2d(e, c, 1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        y = F.relu6(self.bnb(self.b(F.relu6(self.bna(self.a(x))))))
+        return x + self.bnc(self.c(y))
+
+
+class SqueezeExcite(nn.Module):
+    """conv-BN-ReLU, then squeeze-and-excitation: the channels scaled by a gate computed
+    from their means (two Linears)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.fc1, self.fc2 = nn.Linear(c, c // 4), nn.Linear(c // 4, c)
+
+    def forward(self, x):
+        y = F.relu(self.bn(self.conv(x)))
+        gate = torch.sigmoid(self.fc2(F.relu(self.fc1(y.mean((2, 3))))))
+        return y * gate[:, :, None, None]
+
+
+class TimeEmbeddingResBlock(nn.Module):
+    """A diffusion UNet's ResBlock half: conv, + a per-image time embedding (a Linear of
+    a per-image vector, here the input's channel means), GroupNorm, SiLU."""
+
+    def __init__(self, c, groups):
+        super().__init__()
+        self.conv, self.temb, self.norm = nn.Conv2d(c, c, 3, padding=1), nn.Linear(c, c), nn.GroupNorm(groups, c)
+
+    def forward(self, x):
+        t = self.temb(F.silu(x.mean((2, 3))))
+        return F.silu(self.norm(self.conv(x) + t[:, :, None, None]))
+
+
+class ConvNeXtBlock(nn.Module):
+    """ConvNeXt's block: 7x7 depthwise conv, channels last, LayerNorm, Linear 4x, GELU,
+    Linear back, channels first, + input."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(c), nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+
+    def forward(self, x):
+        y = self.fc2(F.gelu(self.fc1(self.ln(self.dw(x).permute(0, 2, 3, 1)))))
+        return x + y.permute(0, 3, 1, 2)
+
+
 @dataclass(frozen=True)
 class ZooModel:
     name: str
@@ -239,6 +308,12 @@ MODELS = [
              (8192, 1024)),
     ZooModel("linear_sigmoid_linear_logsumexp", lambda: TwoLinears(1024, 2048, 512), (8192, 1024)),
     ZooModel("linear_mish_residual", lambda: Seq(nn.Linear(1024, 1024), lambda y, m: y + F.mish(y)), (16384, 1024)),
+    # blocks of well-known networks
+    ZooModel("resnet_basic_block", lambda: BasicBlock(64), (32, 64, 56, 56)),
+    ZooModel("mobilenet_inverted_residual", lambda: InvertedResidual(24, 6), (32, 24, 56, 56)),
+    ZooModel("se_conv_block", lambda: SqueezeExcite(64), (32, 64, 56, 56)),
+    ZooModel("unet_resblock_time_embedding", lambda: TimeEmbeddingResBlock(128, 32), (16, 128, 32, 32)),
+    ZooModel("convnext_block", lambda: ConvNeXtBlock(96), (32, 96, 56, 56)),
     # batched matmuls: attention, channel mixing shared by the batch
     ZooModel("bmm_scores_softmax", lambda: ScoresSoftmax(64), (64, 256, 64)),
     ZooModel("bmm_attend_layernorm_gelu", lambda: AttendNorm(128), (32, 512, 128)),

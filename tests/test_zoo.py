@@ -29,9 +29,12 @@ def test_list_prints_one_name_a_line():
     assert out.stdout.split() == list(zoo.BY_NAME)
 
 
-# Zoo models whose chain does not fuse whole, with the reason it stops (one chain a model).
+# Zoo models with a chain that does not fuse whole, with the reason it stops or is refused.
 PARTIAL = {
     "conv2d_gn_gelu_global_mean": "spatial_mean: only one reduction per fused kernel",
+    "se_conv_block": "spatial_mean: only one reduction per fused kernel",  # and its gate is the chain's own
+    "unet_resblock_time_embedding": "of shape [2, 128, 1, 1] is neither per-channel",  # a value per (image, channel)
+    "convnext_block": "permute.default is not in the vocabulary",  # LayerNorm over channels moved last
 }
 # Where a chain may end and still be whole: the graph's output, or the next matrix op.
 WHOLE = ("end of the graph", "is the next matrix op")
@@ -40,7 +43,8 @@ WHOLE = ("end of the graph", "is the next matrix op")
 @pytest.mark.parametrize("name", list(zoo.BY_NAME))
 def test_each_model_fuses_its_whole_chain(name, cpu_reference):
     """Every zoo model's chains fuse to their end (through the fused op's reference on the
-    CPU, at batch 2), and the model still computes what eager computes."""
+    CPU, at batch 2), but those PARTIAL names with the reason, and the model still
+    computes what eager computes."""
     from helpers import compile_records
 
     torch.manual_seed(0)
@@ -49,11 +53,10 @@ def test_each_model_fuses_its_whole_chain(name, cpu_reference):
     with torch.no_grad():
         out, fused, refused = compile_records(model, x)
         expected = model(x)
-    assert fused, [r.reason for r in refused]
-    assert all(WHOLE[1] in r.reason for r in refused), [r.reason for r in refused]  # (a Linear feeding a bmm)
-    stops = [r.stop for r in fused]
+    assert fused or name in PARTIAL, [r.reason for r in refused]
+    stops = [r.stop for r in fused] + [r.reason for r in refused]
     if name in PARTIAL:
         assert any(PARTIAL[name] in stop for stop in stops), stops
-    else:
+    else:  # (a refusal: the Linear that computes a bmm's operand)
         assert all(stop.startswith(WHOLE[0]) or WHOLE[1] in stop for stop in stops), stops
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
