@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import operator
 import time
 from dataclasses import dataclass
@@ -205,9 +206,8 @@ def _random_like(val: torch.Tensor, shape: tuple, centered: bool = False) -> tor
     a normalization after it does not magnify, as it would that of a mean far from 0)."""
     low, high = (-1.0, 1.0) if centered else (0.5, 1.5)
     strides = timings.hinted(val.stride())
-    if strides is None:
-        t = torch.empty(shape, dtype=val.dtype, device=val.device)
-        return t.uniform_(low, high) if t.is_floating_point() else t.zero_()
+    if strides is None:  # contiguous
+        strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
     # Filled through the storage the strides span: an expanded operand (a stride of 0, a
     # weight shared by a bmm's batch) has elements that share memory, and may not be written.
     span = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if all(n > 0 for n in shape) else 0

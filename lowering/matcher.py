@@ -971,8 +971,7 @@ _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 # Views that name dims rather than a shape: taken as views of a conv or bmm value where its
 # shape rules below accept them (else they are left to the other matchers: a 1-D pool's
 # `unsqueeze`); re-applied as a view to their static shape (`view_shape`).
-_SQUEEZE_LIKE = (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default,
-                 aten.permute.default)
+_SQUEEZE_LIKE = _SQUEEZES + (aten.squeeze.default, aten.unsqueeze.default, aten.permute.default)
 
 
 def _keeps_order(user: Node) -> bool:

@@ -353,7 +353,6 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         # a conv output's spatial sizes (a bmm's: its N)
         "spatial": [] if linear else list(anchor["spatial"]) if anchor["kind"] == "bmm" else _conv_out_sizes(anchor),
         "heads": anchor.get("heads", 1) > 1,  # a bmm's product viewed to 4-D
-
         "windowed": False,  # after a pooling window: no full operands (the residual has the conv's shape)
     }
     steps, in_vocabulary = [], True
@@ -365,7 +364,7 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         if op in OUTSIDE:
             in_vocabulary = False
             ctx["allow_outside"] = False
-        if op in NORMS_LINEAR + CONV_NORMS[generation] + PLANE_NORMS + ROW_REDUCTIONS + POOLS + CHANNEL_REDUCTIONS + WINDOWS \
+        if op in NORMS_LINEAR + CONV_NORMS[generation] + ROW_REDUCTIONS + POOLS + CHANNEL_REDUCTIONS + WINDOWS \
                 + FEATURE_POOLS:
             ctx["has_reduction"] = True
         shrinks = ROW_REDUCTIONS + POOLS + CHANNEL_REDUCTIONS + FEATURE_POOLS
@@ -394,12 +393,14 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
 class FuzzStep(nn.Module):
     """One step of a Case, with its tensors registered so `.to()` and `.double()` reach them."""
 
-    def __init__(self, spec: dict, channels: int, channel_shape: list, value_shape: list, gen: torch.Generator):
+    def __init__(self, spec: dict, channels: int, channel_shape: list, value_shape: list, gen: torch.Generator,
+                 heads: bool = False):
+        """`heads`: the value is a bmm's product viewed [B / h, h, M, N]; its planes are its last dim."""
         super().__init__()
         self.spec = dict(spec)
         op = spec["op"]
         self.norm = None
-        self.heads = False  # set by FuzzModel
+        self.heads = heads
         if op in BINARY and spec["operand"] in ("channel", "one"):
             shape = channel_shape if spec["operand"] == "channel" else []
             t = torch.rand(shape, generator=gen) + 0.5  # away from zero: `div` stays well conditioned
@@ -574,9 +575,8 @@ class FuzzModel(nn.Module):
             value_shape = [a["batch"]] + list(probe.shape[1:])
             channel_shape = [a["out"]] + [1] * a["dims"]
         self.value_shape = value_shape
-        self.steps = nn.ModuleList(FuzzStep(s, a["out"], channel_shape, value_shape, gen) for s in case.steps)
-        for step in self.steps:  # a bmm's product viewed [B / h, h, M, N]: its planes are its last dim
-            step.heads = a.get("heads", 1) > 1
+        heads = a.get("heads", 1) > 1
+        self.steps = nn.ModuleList(FuzzStep(s, a["out"], channel_shape, value_shape, gen, heads) for s in case.steps)
 
     def forward(self, x, residual):
         x = self.anchor(x)

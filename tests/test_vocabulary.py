@@ -525,9 +525,9 @@ REGROUPED = [
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
 @pytest.mark.parametrize("make, shape, fusion, steps, out_shape", [c[1:] for c in REGROUPED], ids=[c[0] for c in REGROUPED])
 def test_views_that_regroup_a_conv_or_bmm_output(make, shape, fusion, steps, out_shape, grad):
-    """A view that keeps the channels and the elements per channel as the last two dims
-    (the rows regrouped: 4-D attention scores; the spatial dims flattened) continues the
-    chain: softmax over the last dim is then over each plane, a mean over it global
+    """A view that keeps the channels as one dim, each channel's elements in the dims
+    after it (the rows regrouped: 4-D attention scores, einsum's views; the spatial dims
+    flattened), continues the chain: softmax over the last dim is then over each plane, a mean over it global
     pooling; the fused op's output is viewed back."""
     torch.manual_seed(0)
     model = make()
