@@ -1418,6 +1418,47 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
     return None
 
 
+def _squeezed_batch_of_one(node) -> Node | None:
+    """x where `node` is `x.squeeze(0)` of a 3-D x whose first dim is 1, else None."""
+    if not isinstance(node, Node) or node.target not in _SQUEEZES or len(node.args) < 2:
+        return None
+    dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+    source = node.args[0]
+    val = _val(source) if isinstance(source, Node) else None
+    if list(dims) != [0] or not isinstance(val, torch.Tensor) or val.dim() != 3 or val.shape[0] != 1:
+        return None
+    return source
+
+
+def restore_batch_one_bmm(graph: torch.fx.Graph) -> int:
+    """Puts back the bmm of a batch of one that Inductor's joint-graph pass `bmm_to_mm`
+    spells `mm(a.squeeze(0), b.squeeze(0)).unsqueeze(0)` on CUDA tensors, so that its
+    chain matches as a bmm chain (the [1, M, N] product read as a Conv1d output) on the
+    GPU as on the CPU. The same product, in place; returns how many were restored."""
+    restored = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.unsqueeze.default or node.args[1:] != (0,):
+            continue
+        mm = node.args[0]
+        if not isinstance(mm, Node) or mm.target is not aten.mm.default or len(mm.users) != 1:
+            continue
+        sources = [_squeezed_batch_of_one(arg) for arg in mm.args[:2]]
+        if any(s is None for s in sources):
+            continue
+        with graph.inserting_before(node):
+            bmm = graph.call_function(aten.bmm.default, tuple(sources))
+        bmm.meta.update(node.meta)  # the [1, M, N] value, contiguous as bmm's
+        node.replace_all_uses_with(bmm)
+        squeezes = list(mm.args[:2])
+        graph.erase_node(node)
+        graph.erase_node(mm)
+        for squeeze in dict.fromkeys(squeezes):
+            if not squeeze.users:
+                graph.erase_node(squeeze)
+        restored += 1
+    return restored
+
+
 def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, matmul_tf32=False,
                 backward=frozenset(), in_kernel_gemm="auto"):
     """Finds every fusible chain in `graph`.
@@ -1437,8 +1478,10 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
             `auto_takes_gemm` keeps (measured faster or level there); "on", all; "off", none.
 
     Returns:
-        (chains, refusals): chains to rewrite, and candidates that were refused.
+        (chains, refusals): chains to rewrite, and candidates that were refused. The
+        graph's batch-one bmms are restored first, in place (`restore_batch_one_bmm`).
     """
+    restore_batch_one_bmm(graph)
     chains, refusals = [], []
     order = {n: i for i, n in enumerate(graph.nodes)}
     claimed: set = set()

@@ -467,6 +467,35 @@ def test_bmm_chains(fn, matmul, steps, out_shape):
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
 
 
+class _BatchOfOneAsMm(nn.Module):
+    """A bmm of a batch of one as Inductor's joint-graph pass `bmm_to_mm` leaves it on
+    CUDA tensors: mm(x.squeeze(0), w.squeeze(0)).unsqueeze(0), then `fn`."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(1, 8, 12) / 3)
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(torch.mm(x.squeeze(0), self.w.squeeze(0)).unsqueeze(0))
+
+
+@pytest.mark.parametrize("fn, steps", [
+    (lambda y: F.softmax(y * 0.125, dim=-1), ["mul", "spatial_softmax"]),
+    (lambda y: F.relu(F.instance_norm(y)), ["groupnorm", "relu"]),
+], ids=["softmax", "instance_norm"])
+def test_a_bmm_of_a_batch_of_one_spelled_as_mm(fn, steps):
+    """The mm + unsqueeze(0) spelling of a batch-one bmm fuses as the bmm it is: softmax
+    over the last dim is per plane, InstanceNorm per channel, as for any bmm."""
+    torch.manual_seed(0)
+    model = _BatchOfOneAsMm(fn)
+    x = torch.randn(1, 6, 8)
+    out, fused, refused = compile_records(model, x)
+    assert [r.fusion for r in fused] == [f"bmm_{steps[-2] if steps[-1] == 'relu' else steps[-1]}"], refused
+    assert steps_of(fused[0]) == steps
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
 def test_softmax_over_the_plane_of_a_conv1d_output():
     model = ConvChain(nn.Conv1d(3, 8, 3), lambda y: F.log_softmax(F.relu(y), dim=-1) * 2.0)
     x = torch.randn(2, 3, 20)
