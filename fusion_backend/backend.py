@@ -5,7 +5,8 @@ Inductor's `compile_fx` runs AOTAutograd with Inductor's decompositions minus
 step rewrites matched chains into fused ops, decomposes whatever held-back ops
 remain, and hands the graph to Inductor's own inner compile. A graph in which no
 chain fuses is compiled again by plain `compile_fx`, so that Inductor sees it exactly
-as it would without fusedepi (at the cost of a second AOTAutograd trace). In
+as it would without fusedepi (at the cost of a second AOTAutograd trace); so is a graph
+whose fused form runs slower as a whole than Inductor's (`choice.whole_graph`). In
 training, a pass over the joint graph first marks the chains' nodes so that backward
 gets their values from the fused op rather than recomputing them (`KeepChainValues`).
 """
@@ -31,6 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from lowering import HELD_BACK_OPS, match_graph
 
+from . import choice
 from .config import Config, load_config
 from .ops import matmul_allows_tf32
 from .rewrite import Report, rewrite
@@ -166,7 +168,7 @@ class _NothingFused(Exception):
     backend then hands Dynamo's graph to Inductor as it stands (`fusedepi`)."""
 
 
-def _inner_compile(gm, example_inputs, *, cfg: Config, **kwargs):
+def _inner_compile(gm, example_inputs, *, cfg: Config, reports: list, **kwargs):
     # compile_fx hands our table to the inner compile wrapped in an object that
     # Inductor's FX graph cache pickles into its key; the table holds functions that do
     # not pickle, and every compile bypassed the cache (a warm start redid Inductor's
@@ -176,6 +178,7 @@ def _inner_compile(gm, example_inputs, *, cfg: Config, **kwargs):
         kwargs["get_decomp_fn"] = _inductor_decompositions
     if not kwargs.get("is_backward", False):
         report = rewrite(gm, cfg)
+        reports.append(report)
         with _sinks_lock:
             for sink in _sinks:
                 sink.append(report)
@@ -243,14 +246,15 @@ def fusedepi(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=Non
     # own (the module's parameters are shared, not copied).
     attempt = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     attempt.meta.update(gm.meta)  # what Dynamo recorded (compile id, parameter names)
+    reports: list = []  # this graph's (its forward's)
     try:
         with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(
             shape_padding=False, joint_custom_post_pass=keep
         ):
-            return compile_fx(
+            ours = compile_fx(
                 attempt,
                 example_inputs,
-                inner_compile=functools.partial(_inner_compile, cfg=cfg),
+                inner_compile=functools.partial(_inner_compile, cfg=cfg, reports=reports),
                 decompositions=table,
                 **kwargs,
             )
@@ -262,6 +266,10 @@ def fusedepi(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=Non
         # ConvTranspose2d + GroupNorm + tanh tail: 43 against 23 us on an H100).
         log.debug("fusedepi: no chain fused in this graph; Inductor compiles it as it stands")
         return compile_fx(gm, example_inputs, **kwargs)
+    # The chains were chosen one by one; the whole graph with them must not be slower than
+    # Inductor's (a fused op changes what Inductor fuses and lays out around it).
+    fused = [r for report in reports for r in report.records if r.status == "fused"]
+    return choice.whole_graph(gm, example_inputs, ours, fused, cfg, lambda: compile_fx(gm, example_inputs, **kwargs))
 
 
 __all__ = ["Report", "collect_reports", "fusedepi"]

@@ -14,6 +14,15 @@ settings, GPU and torch version: a warm start times nothing.
 Timing never touches the model's state: inputs are fresh tensors (BatchNorm's running
 statistics included), and no random op is part of a chain.
 
+The chains' choices are made one at a time, but a fused op also changes what Inductor
+makes of the rest of the graph (which kernels it fuses across the chain's ends, which
+layouts it picks for the next conv). So where any chain of a graph was fused, the whole
+graph is timed too (`whole_graph`): its compile with the fused ops against Inductor's
+compile of the graph as Dynamo gave it, on random inputs of the graph's shapes; where
+the fused graph is slower, Inductor's is run and every chain of the graph is reported
+as left to Inductor, with both times. Forward only: a training graph's backward is
+compiled alongside and not timed.
+
 The two forms' results on those inputs are compared too: a fused op whose result differs
 from Inductor's by more than `AGREEMENT` (norm of the difference over the norm of
 Inductor's result, per output) is not taken, whatever the times, and a warning says so.
@@ -267,3 +276,73 @@ def _inductor_compile(gm: GraphModule, example: list[torch.Tensor]):
 
     with torch.no_grad():
         return compile_fx(gm, example)
+
+
+def whole_graph(gm: GraphModule, example_inputs: list, ours, fused: list, cfg: Config, inductor):
+    """The compiled graph to run: `ours` (the graph with its fused ops), or Inductor's
+    compile of Dynamo's graph `gm` (`inductor()`, compiled only where needed) where that
+    runs faster on the GPU. `fused`: the graph's records of fused chains, which become
+    refusals, with both times, where Inductor's graph is taken.
+
+    Timed where the chains are (`decide`'s rule for FUSEDEPI_AUTOTUNE), on random
+    inputs of the example inputs' shapes, strides, dtypes and devices (memory for a
+    second copy of the inputs is needed: where the GPU lacks it, `ours` is kept), and
+    cached like the chains' times. A failure keeps `ours` with a warning (raises under
+    strict mode).
+    """
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    device = next((x.device for x in tensors if x.device.type == "cuda"), torch.device("cpu"))
+    if not fused or cfg.autotune == "off" or (cfg.autotune == "auto" and device.type != "cuda"):
+        return ours
+    theirs = []  # Inductor's compile, once it is made
+
+    def compiled():
+        if not theirs:
+            theirs.append(inductor())
+        return theirs[0]
+
+    shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else repr(x) for x in example_inputs]
+    key = "|".join(str(part) for part in (
+        "graph", _device_name(device), torch.__version__, gm.code, shapes,
+        [tuple(x.stride()) for x in tensors], [str(x.dtype) for x in tensors], matmul_allows_tf32(),
+        conv_allows_tf32(), sorted(r.spec for r in fused)))
+    try:
+        fused_ms, inductor_ms = timings.cached(Path(cfg.cache_dir) / timings.CACHE_FILE, key,
+                                               lambda: _measure_graphs(ours, compiled(), example_inputs, device))
+        if fused_ms <= inductor_ms:
+            return ours
+        chosen = compiled()
+    except Exception as err:  # noqa: BLE001 - the fused graph as compiled
+        if cfg.strict:
+            raise
+        log.warning("fusedepi: timing the whole graph against Inductor's failed (%s: %s); its fused chains are "
+                    "kept", type(err).__name__, err)
+        return ours
+    reason = (f"the graph with its fused ops is slower than Inductor's: {fused_ms:.4g} ms against "
+              f"{inductor_ms:.4g} ms for the whole graph, which Inductor then compiles as it stands")
+    log.info("fusedepi: %s", reason)
+    for record in fused:
+        record.status, record.reason = "refused", reason
+    return chosen
+
+
+def _measure_graphs(ours, theirs, example_inputs: list, device: torch.device) -> tuple[float, float]:
+    """(ms of a call of `ours`, of `theirs`) on random inputs like `example_inputs`,
+    without grad, leaving the RNG as it was."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    started = time.perf_counter()
+    with unset_fake_temporarily(), torch.no_grad(), torch.random.fork_rng(
+            devices=[device] if device.type == "cuda" else []):
+        tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+        if device.type == "cuda":
+            need = sum(x.untyped_storage().nbytes() for x in tensors if x.device == device)
+            free, _ = torch.cuda.mem_get_info(device)
+            if need > free // 2:
+                raise RuntimeError(f"a copy of the graph's inputs ({need / 2**30:.1f} GiB) would not fit beside them")
+        inputs = [_random_like(x, tuple(x.shape)) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+        # Called as Dynamo calls a backend's result: one argument an input.
+        times = (timings.gpu_ms(lambda: ours(*inputs), device), timings.gpu_ms(lambda: theirs(*inputs), device))
+    log.info("fusedepi: the whole graph: fused %.4f ms, Inductor %.4f ms (measured in %.1f s)",
+             times[0], times[1], time.perf_counter() - started)
+    return times

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from fusion_backend import choice, timings
+from fusion_backend.backend import collect_reports
 from fusion_backend.config import load_config
 from helpers import compile_records
 
@@ -30,14 +31,21 @@ def _model():
     return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.GELU())
 
 
-def _forced(monkeypatch, fused_ms, inductor_ms, difference=0.0):
+def _forced(monkeypatch, fused_ms, inductor_ms, difference=0.0, graph=(1.0, 1.0)):
+    """Forces the chains' times (and `graph`, the whole graph's: fused, Inductor's);
+    returns the list of what was measured, anchors' names and "graph"."""
     calls = []
 
     def measure(chain, inductor_form, fused_form, vals, shapes, device, centered):
         calls.append(chain.anchor.name)
         return fused_ms, inductor_ms, difference
 
+    def measure_graphs(ours, theirs, example_inputs, device):
+        calls.append("graph")
+        return graph
+
     monkeypatch.setattr(choice, "_measure", measure)
+    monkeypatch.setattr(choice, "_measure_graphs", measure_graphs)
     return calls
 
 
@@ -76,13 +84,42 @@ def test_the_choice_is_cached_on_disk_and_not_measured_again(timed, monkeypatch)
     calls = _forced(monkeypatch, 1.0, 2.0)
     model, x = _model(), torch.randn(8, 16)
     compile_records(model, x)
-    assert calls == ["addmm"]
+    assert calls == ["addmm", "graph"]
     stored = json.loads((timed / timings.CACHE_FILE).read_text())
-    assert list(stored.values()) == [[1.0, 2.0, 0.0]]
+    assert sorted(stored.values()) == [[1.0, 1.0], [1.0, 2.0, 0.0]]
     choice.timings._cache.clear()  # as a new process: only the file is left
     choice.timings._read_files.clear()
     _, fused, _ = compile_records(model, x)
-    assert calls == ["addmm"] and len(fused) == 1
+    assert calls == ["addmm", "graph"] and len(fused) == 1
+
+
+@pytest.mark.parametrize("graph, fuses", [((1.0, 1.0), True), ((2.0, 1.0), False)])
+def test_a_graph_slower_as_a_whole_runs_as_inductor_compiles_it(timed, monkeypatch, graph, fuses):
+    """Each chain wins on its own (1 ms against 2), but where the graph with its fused ops
+    is slower than Inductor's compile of the whole graph, Inductor's runs: the fused op is
+    never called, and the chain's record says why, with both graphs' times."""
+    from fusion_backend import ops
+
+    calls = _forced(monkeypatch, 1.0, 2.0, graph=graph)
+    model, x = _model().eval(), torch.randn(8, 16)
+    torch._dynamo.reset()
+    reports: list = []
+    with torch.no_grad(), collect_reports(reports):
+        compiled = torch.compile(model, backend="fusedepi")
+        compiled(x)
+    (record,) = [r for report in reports for r in report.records]
+    assert calls == ["addmm", "graph"]
+    ran = []
+    right = ops.reference
+    monkeypatch.setattr(ops, "reference", lambda inputs, spec: ran.append(spec) or right(inputs, spec))
+    with torch.no_grad():
+        out = compiled(x)
+    torch.testing.assert_close(out, _model().eval()(x))
+    assert (record.status == "fused") == fuses and bool(ran) == fuses
+    if not fuses:
+        assert record.reason == ("the graph with its fused ops is slower than Inductor's: 2 ms against 1 ms for "
+                                 "the whole graph, which Inductor then compiles as it stands")
+        assert record.measured == "fused 1 ms, Inductor 2 ms"  # the chain's own times stay in the plan
 
 
 def test_a_fused_result_that_differs_from_inductors_is_not_taken(timed, monkeypatch, caplog):
@@ -132,6 +169,7 @@ def test_a_failed_timing_keeps_the_fused_op_with_the_reason(timed, monkeypatch):
         raise RuntimeError("out of memory")
 
     monkeypatch.setattr(choice, "_measure", fail)
+    monkeypatch.setattr(choice, "_measure_graphs", fail)  # and the whole graph's
     _, fused, _ = compile_records(_model(), torch.randn(8, 16))
     assert len(fused) == 1 and fused[0].measured == "not timed: RuntimeError"
 
@@ -150,6 +188,26 @@ def test_measuring_against_inductor_changes_no_state(timed):
     torch.testing.assert_close(model[1].running_var, reference[1].running_var)
     (record,) = fused + refused
     assert record.measured.startswith("fused ") and "ms, Inductor" in record.measured
+
+
+def test_measuring_the_whole_graph_changes_no_state(timed, monkeypatch):
+    """The chain forced to win on its own, the whole graph measured for real (on the CPU):
+    BatchNorm's running statistics, the RNG and the result are as eager leaves them,
+    whichever graph runs."""
+    monkeypatch.setattr(choice, "_measure", lambda *args: (1.0, 2.0, 0.0))
+    measured = []
+    real = choice._measure_graphs
+    monkeypatch.setattr(choice, "_measure_graphs", lambda *args: measured.append(real(*args)) or measured[-1])
+    model, x = _model().train(), torch.randn(8, 16)
+    reference = _model().train()
+    state = torch.get_rng_state()
+    out, fused, refused = compile_records(model, x, grad=False)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert len(measured) == 1 and all(ms > 0 for ms in measured[0])
+    torch.testing.assert_close(out, reference(x))
+    torch.testing.assert_close(model[1].running_mean, reference[1].running_mean)
+    torch.testing.assert_close(model[1].running_var, reference[1].running_var)
+    assert len(fused + refused) == 1
 
 
 class _SharedMix(nn.Module):
@@ -242,4 +300,4 @@ def test_a_new_process_with_a_warm_cache_measures_nothing(tmp_path):
         run = subprocess.run([sys.executable, "-c", _COMPILE_ONCE], capture_output=True, text=True, env=env, timeout=600)
         assert run.returncode == 0, run.stderr[-2000:]
         measured.append(run.stderr.count("measured in"))
-    assert measured == [1, 0]
+    assert measured[0] >= 1 and measured[1] == 0  # the chain (and the graph, where it fused), then nothing
