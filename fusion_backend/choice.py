@@ -326,6 +326,16 @@ def whole_graph(gm: GraphModule, example_inputs: list, ours, fused: list, cfg: C
     return chosen
 
 
+def _hint(value):
+    """A graph input that is no tensor, as a call passes it: a symbolic size at its hint."""
+    if isinstance(value, torch.SymInt):
+        hinted = timings.hinted([value])
+        if hinted is None:
+            raise RuntimeError(f"the size {value} has no hint to time at")
+        return hinted[0]
+    return value
+
+
 def _measure_graphs(ours, theirs, example_inputs: list, device: torch.device) -> tuple[float, float]:
     """(ms of a call of `ours`, of `theirs`) on random inputs like `example_inputs`,
     without grad, leaving the RNG as it was."""
@@ -340,7 +350,8 @@ def _measure_graphs(ours, theirs, example_inputs: list, device: torch.device) ->
             free, _ = torch.cuda.mem_get_info(device)
             if need > free // 2:
                 raise RuntimeError(f"a copy of the graph's inputs ({need / 2**30:.1f} GiB) would not fit beside them")
-        inputs = [_random_like(x, tuple(x.shape)) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+        inputs = [_random_like(x, timings.example_shape(x)) if isinstance(x, torch.Tensor)
+                  else _hint(x) for x in example_inputs]
         # Called as Dynamo calls a backend's result: one argument an input.
         times = (timings.gpu_ms(lambda: ours(*inputs), device), timings.gpu_ms(lambda: theirs(*inputs), device))
     log.info("fusedepi: the whole graph: fused %.4f ms, Inductor %.4f ms (measured in %.1f s)",

@@ -210,6 +210,25 @@ def test_measuring_the_whole_graph_changes_no_state(timed, monkeypatch):
     assert len(fused + refused) == 1
 
 
+def test_the_whole_graph_is_timed_at_a_dynamic_sizes_hint(timed, monkeypatch):
+    """With a dynamic batch, Dynamo hands the backend the size as a symbolic int among the
+    inputs: the whole graph is timed with its hint there (a symbolic int passed on as
+    it is would be read as a garbage size), and both sizes run right."""
+    monkeypatch.setenv("FUSEDEPI_STRICT", "1")  # a failed timing raises
+    monkeypatch.setattr(choice, "_measure", lambda *args: (1.0, 2.0, 0.0))
+    measured = []
+    real = choice._measure_graphs
+    monkeypatch.setattr(choice, "_measure_graphs", lambda *args: measured.append(real(*args)) or measured[-1])
+    model = _model().eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusedepi", dynamic=True)
+    with torch.no_grad():
+        for batch in (8, 13):
+            x = torch.randn(batch, 16)
+            torch.testing.assert_close(compiled(x), model(x))
+    assert len(measured) == 1
+
+
 class _SharedMix(nn.Module):
     """A weight shared by the batch, expanded (stride 0) into a bmm, then GroupNorm and SiLU."""
 
