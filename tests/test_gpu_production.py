@@ -153,6 +153,38 @@ def test_channels_last_conv_input(fresh_cache):
     assert relative_error(out, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_the_measured_choice_times_the_whole_graph(dynamic, fresh_cache, monkeypatch):
+    """FUSEDEPI_AUTOTUNE at its default: each chain and then the whole graph are timed on
+    the GPU against Inductor (a dynamic batch at its hint; a failed timing raises under
+    strict mode), and whichever graph runs, both batch sizes match float64."""
+    from fusion_backend import choice
+
+    monkeypatch.setenv("FUSEDEPI_AUTOTUNE", "auto")
+    monkeypatch.setenv("FUSEDEPI_STRICT", "1")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # either graph exact in float32
+    measured = []
+    real = choice._measure_graphs
+    monkeypatch.setattr(choice, "_measure_graphs", lambda *args: measured.append(real(*args)) or measured[-1])
+    torch.manual_seed(0)
+    model = ConvBiasScaleSigmoidGroupNorm(8, 32, 8).cuda()
+    compiled = torch.compile(model, backend=fusedepi, dynamic=dynamic)
+    reports: list = []
+    with torch.no_grad(), collect_reports(reports):
+        for batch in (6, 9):
+            x = torch.rand(batch, 8, 66, 70, device="cuda")
+            out = compiled(x)
+            ref = copy.deepcopy(model).double()(x.double())
+            assert relative_error(out, ref) <= 1e-5
+    records = [r for report in reports for r in report.records]
+    timed_chains = [r for r in records if r.plan is not None and r.plan.choice.inductor_ms > 0]
+    assert timed_chains, [r.reason for r in records]
+    # The whole graph is timed exactly where a chain stayed fused after its own timing.
+    fused_graphs = sum(any(r.status == "fused" or "whole graph" in r.reason for r in report.records)
+                       for report in reports)
+    assert len(measured) == fused_graphs and all(ms > 0 for pair in measured for ms in pair)
+
+
 def test_warm_start_runs_no_nvcc(tmp_path):
     """A new process with a warm kernel cache compiles and runs the chain without building."""
     code = (
