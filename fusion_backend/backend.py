@@ -269,7 +269,9 @@ def fusedepi(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=Non
     # The chains were chosen one by one; the whole graph with them must not be slower than
     # Inductor's (a fused op changes what Inductor fuses and lays out around it).
     fused = [r for report in reports for r in report.records if r.status == "fused"]
-    return choice.whole_graph(gm, example_inputs, ours, fused, cfg, lambda: compile_fx(gm, example_inputs, **kwargs))
+    cuda_graphs = bool(kwargs.get("config_patches", {}).get("triton.cudagraphs", inductor_config.triton.cudagraphs))
+    return choice.whole_graph(gm, example_inputs, ours, fused, cfg, lambda: compile_fx(gm, example_inputs, **kwargs),
+                              cuda_graphs)
 
 
 __all__ = ["Report", "collect_reports", "fusedepi"]

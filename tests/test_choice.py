@@ -40,7 +40,7 @@ def _forced(monkeypatch, fused_ms, inductor_ms, difference=0.0, graph=(1.0, 1.0)
         calls.append(chain.anchor.name)
         return fused_ms, inductor_ms, difference
 
-    def measure_graphs(ours, theirs, example_inputs, device):
+    def measure_graphs(ours, theirs, example_inputs, device, cuda_graphs=False):
         calls.append("graph")
         return graph
 

@@ -153,11 +153,13 @@ def test_channels_last_conv_input(fresh_cache):
     assert relative_error(out, ref) <= 1e-5
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_the_measured_choice_times_the_whole_graph(dynamic, fresh_cache, monkeypatch):
+@pytest.mark.parametrize("dynamic, mode", [(False, None), (True, None), (False, "reduce-overhead")],
+                         ids=["static", "dynamic", "cuda_graphs"])
+def test_the_measured_choice_times_the_whole_graph(dynamic, mode, fresh_cache, monkeypatch):
     """FUSEDEPI_AUTOTUNE at its default: each chain and then the whole graph are timed on
-    the GPU against Inductor (a dynamic batch at its hint; a failed timing raises under
-    strict mode), and whichever graph runs, both batch sizes match float64."""
+    the GPU against Inductor (a dynamic batch at its hint; under reduce-overhead, graphs
+    that replay CUDA graphs of their own; a failed timing raises under strict mode), and
+    whichever graph runs, both batch sizes match float64."""
     from fusion_backend import choice
 
     monkeypatch.setenv("FUSEDEPI_AUTOTUNE", "auto")
@@ -168,12 +170,12 @@ def test_the_measured_choice_times_the_whole_graph(dynamic, fresh_cache, monkeyp
     monkeypatch.setattr(choice, "_measure_graphs", lambda *args: measured.append(real(*args)) or measured[-1])
     torch.manual_seed(0)
     model = ConvBiasScaleSigmoidGroupNorm(8, 32, 8).cuda()
-    compiled = torch.compile(model, backend=fusedepi, dynamic=dynamic)
+    compiled = torch.compile(model, backend="fusedepi", dynamic=dynamic, mode=mode)
     reports: list = []
     with torch.no_grad(), collect_reports(reports):
         for batch in (6, 9):
             x = torch.rand(batch, 8, 66, 70, device="cuda")
-            out = compiled(x)
+            out = compiled(x).clone()
             ref = copy.deepcopy(model).double()(x.double())
             assert relative_error(out, ref) <= 1e-5
     records = [r for report in reports for r in report.records]
