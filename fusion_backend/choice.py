@@ -282,8 +282,8 @@ def whole_graph(gm: GraphModule, example_inputs: list, ours, fused: list, cfg: C
                 cuda_graphs: bool = False):
     """The compiled graph to run: `ours` (the graph with its fused ops), or Inductor's
     compile of Dynamo's graph `gm` (`inductor()`, compiled only where needed) where that
-    runs faster on the GPU. `fused`: the graph's records of fused chains, which become
-    refusals, with both times, where Inductor's graph is taken.
+    runs faster on the GPU. `fused`: the graph's records of fused chains; each gets both
+    times (`Record.graph`), and becomes a refusal where Inductor's graph is taken.
 
     Timed where the chains are (`decide`'s rule for FUSEDEPI_AUTOTUNE), on random
     inputs of the example inputs' shapes, strides, dtypes and devices (memory for a
@@ -312,6 +312,8 @@ def whole_graph(gm: GraphModule, example_inputs: list, ours, fused: list, cfg: C
         fused_ms, inductor_ms = timings.cached(Path(cfg.cache_dir) / timings.CACHE_FILE, key,
                                                lambda: _measure_graphs(ours, compiled(), example_inputs, device,
                                                                        cuda_graphs))
+        for record in fused:
+            record.graph = f"whole graph: fused {fused_ms:.4g} ms, Inductor {inductor_ms:.4g} ms"
         if fused_ms <= inductor_ms:
             return ours
         chosen = compiled()

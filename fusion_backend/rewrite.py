@@ -44,11 +44,14 @@ class Record:
     stop: str = ""
     spec: str = ""
     plan: ExecutionPlan | None = None  # how a chain that got as far as a measurement runs, or would run
+    graph: str = ""  # the whole graph's timing, where it was timed (`choice.whole_graph`)
 
     @property
     def measured(self) -> str:
-        """The measurements behind the decision (`ExecutionPlan.describe`), or nothing."""
-        return self.plan.describe() if self.plan is not None else ""
+        """The measurements behind the decision (`ExecutionPlan.describe`, then the whole
+        graph's), or nothing."""
+        parts = [self.plan.describe() if self.plan is not None else "", self.graph]
+        return "; ".join(p for p in parts if p)
 
 
 @dataclass
