@@ -1425,7 +1425,9 @@ def _squeezed_batch_of_one(node) -> Node | None:
     dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
     source = node.args[0]
     val = _val(source) if isinstance(source, Node) else None
-    if list(dims) != [0] or not isinstance(val, torch.Tensor) or val.dim() != 3 or val.shape[0] != 1:
+    # A static 1 only: a symbolic size compared here would add a guard to the graph.
+    if list(dims) != [0] or not isinstance(val, torch.Tensor) or val.dim() != 3 or not (
+            isinstance(val.shape[0], int) and val.shape[0] == 1):
         return None
     return source
 
