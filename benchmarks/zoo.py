@@ -13,6 +13,7 @@ then a summary of both ratios.
     python -m benchmarks.zoo --models conv2d_bn_relu linear_ln_relu --dtypes bfloat16
     python -m benchmarks.zoo --warm 12 --json zoo.json   # build kernels in 12 processes first
     python -m benchmarks.zoo --models linear_hardtanh --profile   # and each backend's GPU kernels
+    python -m benchmarks.zoo --table zoo_a.json zoo_b.json   # RESULTS.md's tables from --json files
 
 `--warm N` first compiles every selected model with both backends in N processes
 (FUSEDEPI_AUTOTUNE=off there: nothing is timed), so that the timed pass finds nvcc's
@@ -433,6 +434,47 @@ def summary(rows: list[dict], key: str = "ratio") -> dict:
     }
 
 
+def markdown(results: list[dict]) -> str:
+    """RESULTS.md's two zoo tables from the `--json` results of one or more runs (shards):
+    per dtype the GPU-time and wall summaries, the models that fused a chain and theirs;
+    then one row per model and dtype, in the zoo's order.
+
+    Raises:
+        ValueError: the runs hold one model and dtype twice, or a row failed.
+    """
+    rows: dict = {}
+    for result in results:
+        for row in result["rows"]:
+            key = (row["model"], row["dtype"])
+            if key in rows:
+                raise ValueError(f"{row['model']} {row['dtype']} is in more than one run")
+            if "failed" in row:
+                raise ValueError(f"{row['model']} {row['dtype']} failed: {row['failed']}")
+            rows[key] = row
+    order = {name: i for i, name in enumerate(BY_NAME)}
+    ordered = sorted(rows.values(), key=lambda r: (order.get(r["model"], len(order)), DTYPES.index(r["dtype"])))
+    lines = ["| dtype | models | GPU time: min / geometric mean / below 0.97x | wall: min / geometric mean / "
+             "below 0.97x | chains fused | those models, GPU time: min / geometric mean |",
+             "|---|---|---|---|---|---|"]
+    for dtype_name in DTYPES:
+        these = [r for r in ordered if r["dtype"] == dtype_name]
+        if not these:
+            continue
+        gpu, wall = summary(these, "gpu_ratio"), summary(these, "ratio")
+        fused = summary([r for r in these if r.get("fused")], "gpu_ratio")
+        tail = f"{fused['min']:.2f} / {fused['geomean']:.3f}" if fused["models"] else "-"
+        lines.append(f"| {dtype_name} | {gpu['models']} | {gpu['min']:.2f} / {gpu['geomean']:.3f} / "
+                     f"{gpu['below_0.97']} | {wall['min']:.2f} / {wall['geomean']:.3f} / {wall['below_0.97']} | "
+                     f"{fused['models']} models | {tail} |")
+    lines += ["", "| model | dtype | Inductor GPU ms | fusedepi GPU ms | GPU ratio | wall ratio | "
+                  "fused (measured) / not fused |", "|---|---|---|---|---|---|---|"]
+    for r in ordered:
+        what = "; ".join(list(r["fused"]) + [f"not fused: {x}" for x in r["refused"]])
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['inductor_gpu_ms']:.3f} | {r['fusedepi_gpu_ms']:.3f} | "
+                     f"{r['gpu_ratio']:.2f} | {r['ratio']:.2f} | {what} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--list", action="store_true", help="print the model names and exit")
@@ -443,9 +485,21 @@ def main(argv=None) -> int:
     parser.add_argument("--warm", type=int, default=0, metavar="N", help="compile everything in N processes first")
     parser.add_argument("--json", help="also write the rows and the summary here")
     parser.add_argument("--profile", action="store_true", help="also list each backend's GPU kernels per call")
+    parser.add_argument("--table", nargs="+", metavar="JSON", help="print RESULTS.md's tables from --json files")
     args = parser.parse_args(argv)
     if args.list:
         print("\n".join(BY_NAME))
+        return 0
+    if args.table:
+        results = []
+        for path in args.table:
+            with open(path) as handle:
+                results.append(json.load(handle))
+        try:
+            print(markdown(results))
+        except ValueError as err:
+            print(f"benchmarks.zoo --table: {err}", file=sys.stderr)
+            return 2
         return 0
     names = args.models or (QUICK if args.quick else list(BY_NAME))
     index, count = (int(v) for v in args.shard.split("/"))

@@ -29,6 +29,35 @@ def test_list_prints_one_name_a_line():
     assert out.stdout.split() == list(zoo.BY_NAME)
 
 
+def _row(model, dtype, gpu_ratio, ratio, fused=()):
+    return {"model": model, "dtype": dtype, "inductor_gpu_ms": gpu_ratio * 0.1, "fusedepi_gpu_ms": 0.1,
+            "gpu_ratio": gpu_ratio, "ratio": ratio, "fused": list(fused), "refused": [] if fused else ["conv: why"]}
+
+
+def test_the_results_tables_from_two_shards(tmp_path):
+    """`--table` joins the shards' rows in the zoo's order, and summarizes each dtype: GPU
+    time and wall (min / geometric mean / below 0.97x), and the models that fused."""
+    import json
+
+    first, second = list(zoo.BY_NAME)[:2]
+    shards = [{"rows": [_row(second, "float32", 2.0, 1.0, ["conv_pointwise (fused 1 ms)"])]},
+              {"rows": [_row(first, "float32", 0.5, 0.9), _row(first, "bfloat16", 1.0, 1.0)]}]
+    paths = []
+    for i, shard in enumerate(shards):
+        paths.append(tmp_path / f"zoo_{i}.json")
+        paths[-1].write_text(json.dumps(shard))
+    run = subprocess.run([sys.executable, "-m", "benchmarks.zoo", "--table", *map(str, paths)],
+                         capture_output=True, text=True, check=True)
+    lines = run.stdout.splitlines()
+    assert lines[2] == "| float32 | 2 | 0.50 / 1.000 / 1 | 0.90 / 0.949 / 1 | 1 models | 2.00 / 2.000 |"
+    assert lines[3] == "| bfloat16 | 1 | 1.00 / 1.000 / 0 | 1.00 / 1.000 / 0 | 0 models | - |"
+    rows = [line.split(" | ")[:2] for line in lines[7:]]
+    assert rows == [[f"| {first}", "float32"], [f"| {first}", "bfloat16"], [f"| {second}", "float32"]]
+    assert lines[-1].endswith("| 2.00 | 1.00 | conv_pointwise (fused 1 ms) |")
+    with pytest.raises(ValueError, match="in more than one run"):
+        zoo.markdown(shards + shards[:1])
+
+
 # Zoo models with a chain that does not fuse whole, with the reason it stops or is refused.
 PARTIAL = {
     "conv2d_gn_gelu_global_mean": "spatial_mean: only one reduction per fused kernel",
