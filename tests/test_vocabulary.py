@@ -484,16 +484,25 @@ class _BatchOfOneAsMm(nn.Module):
     (lambda y: F.softmax(y * 0.125, dim=-1), ["mul", "spatial_softmax"]),
     (lambda y: F.relu(F.instance_norm(y)), ["groupnorm", "relu"]),
 ], ids=["softmax", "instance_norm"])
-def test_a_bmm_of_a_batch_of_one_spelled_as_mm(fn, steps):
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_a_bmm_of_a_batch_of_one_spelled_as_mm(fn, steps, grad):
     """The mm + unsqueeze(0) spelling of a batch-one bmm fuses as the bmm it is: softmax
-    over the last dim is per plane, InstanceNorm per channel, as for any bmm."""
+    over the last dim is per plane, InstanceNorm per channel, as for any bmm; in training
+    (the joint graph restored too) the gradients are eager's."""
     torch.manual_seed(0)
     model = _BatchOfOneAsMm(fn)
-    x = torch.randn(1, 6, 8)
-    out, fused, refused = compile_records(model, x)
+    x = torch.randn(1, 6, 8, requires_grad=grad)
+    out, fused, refused = compile_records(model, x, grad=grad)
     assert [r.fusion for r in fused] == [f"bmm_{steps[-2] if steps[-1] == 'relu' else steps[-1]}"], refused
     assert steps_of(fused[0]) == steps
-    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+    want = model(x)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    if grad:
+        g = torch.randn_like(want)
+        ours = torch.autograd.grad(out, [x, model.w], g)
+        theirs = torch.autograd.grad(want, [x, model.w], g)
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_softmax_over_the_plane_of_a_conv1d_output():
