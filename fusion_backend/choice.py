@@ -83,7 +83,7 @@ def decide(chain: Chain, spec: str, cfg: Config, claimed: frozenset = frozenset(
     under strict mode).
     """
     device = chain.anchor.meta["val"].device
-    if cfg.autotune == "off" or (cfg.autotune == "auto" and device.type != "cuda"):
+    if not _timed_on(device, cfg):
         return Choice(0.0, 0.0, True, "not timed (FUSEDEPI_AUTOTUNE)" if cfg.autotune == "off" else "")
     try:
         inductor_form, fused_form, inputs = subgraphs(chain, spec, claimed)
@@ -122,6 +122,11 @@ def decide(chain: Chain, spec: str, cfg: Config, claimed: frozenset = frozenset(
         log.warning("fusedepi: %s", message)
         return Choice(fused_ms, inductor_ms, False, note, difference)
     return Choice(fused_ms, inductor_ms, fused_ms <= inductor_ms, note)
+
+
+def _timed_on(device: torch.device, cfg: Config) -> bool:
+    """Whether work on `device` is timed, by FUSEDEPI_AUTOTUNE (see `decide`)."""
+    return cfg.autotune == "on" or (cfg.autotune == "auto" and device.type == "cuda")
 
 
 def _device_name(device: torch.device) -> str:
@@ -285,7 +290,7 @@ def whole_graph(gm: GraphModule, example_inputs: list, ours, fused: list, cfg: C
     runs faster on the GPU. `fused`: the graph's records of fused chains; each gets both
     times (`Record.graph`), and becomes a refusal where Inductor's graph is taken.
 
-    Timed where the chains are (`decide`'s rule for FUSEDEPI_AUTOTUNE), on random
+    Timed where the chains are (`_timed_on`), on random
     inputs of the example inputs' shapes, strides, dtypes and devices (memory for a
     second copy of the inputs is needed: where the GPU lacks it, `ours` is kept), and
     cached like the chains' times. A failure keeps `ours` with a warning (raises under
@@ -294,7 +299,7 @@ def whole_graph(gm: GraphModule, example_inputs: list, ours, fused: list, cfg: C
     """
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     device = next((x.device for x in tensors if x.device.type == "cuda"), torch.device("cpu"))
-    if not fused or cfg.autotune == "off" or (cfg.autotune == "auto" and device.type != "cuda"):
+    if not fused or not _timed_on(device, cfg):
         return ours
     theirs = []  # Inductor's compile, once it is made
 

@@ -1432,12 +1432,11 @@ def _squeezed_batch_of_one(node) -> Node | None:
     return source
 
 
-def restore_batch_one_bmm(graph: torch.fx.Graph) -> int:
+def restore_batch_one_bmm(graph: torch.fx.Graph) -> None:
     """Puts back the bmm of a batch of one that Inductor's joint-graph pass `bmm_to_mm`
     spells `mm(a.squeeze(0), b.squeeze(0)).unsqueeze(0)` on CUDA tensors, so that its
     chain matches as a bmm chain (the [1, M, N] product read as a Conv1d output) on the
-    GPU as on the CPU. The same product, in place; returns how many were restored."""
-    restored = 0
+    GPU as on the CPU. The same product, in place."""
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.unsqueeze.default or node.args[1:] != (0,):
             continue
@@ -1457,8 +1456,6 @@ def restore_batch_one_bmm(graph: torch.fx.Graph) -> int:
         for squeeze in dict.fromkeys(squeezes):
             if not squeeze.users:
                 graph.erase_node(squeeze)
-        restored += 1
-    return restored
 
 
 def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, matmul_tf32=False,
