@@ -210,6 +210,8 @@ MODELS = [
         gn=nn.GroupNorm(8, 32)), (32, 8, 128, 128)),
     ZooModel("conv2d_relu_bias", lambda: Seq(_conv(64, 128), lambda y, m: F.relu(y) + m.b, b=_p(128, 1, 1)),
              (32, 64, 64, 64)),
+    ZooModel("conv2d_wide_relu_bias", lambda: Seq(_conv(64, 128), lambda y, m: F.relu(y) + m.b, b=_p(128, 1, 1)),
+             (128, 64, 128, 128)),  # a 1.04 GB float32 conv output
     ZooModel("conv2d_relu_hardswish_spelled", lambda: Seq(_conv(8, 64), lambda y, m: _hardswish_spelled(F.relu(y))),
              (32, 8, 128, 128)),
     ZooModel("conv2d_mish_spelled_bn", lambda: Seq(

@@ -26,7 +26,7 @@ from lowering.spec import (
     EpilogueSpec,
 )
 
-from . import gemm_sm90, templates
+from . import conv_sm90, gemm_sm90, templates
 from .snippets import cfloat, render_stage
 
 CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -528,6 +528,38 @@ def gemm_plan(spec: EpilogueSpec, arch: str) -> GemmPlan | str:
     return GemmPlan(k, group)
 
 
+def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> conv_sm90.ConvGemmPlan | str:
+    """The in-kernel conv (an implicit GEMM, `conv_sm90`) for `spec` on `arch`, or the
+    reason it does not apply. It takes the direct-conv candidates (2-D, stride 1,
+    dilation 1, groups 1) that the direct conv does not cover (`direct_plan`), with a
+    pointwise chain. conv_tf32: a float32 conv may use TF32
+    (`torch.backends.cudnn.allow_tf32`); without it float32 is not taken."""
+    anchor = spec.anchor
+    if anchor.kind != "conv" or not anchor.direct or anchor.channels_last:
+        return "not a 2-D conv with stride 1, dilation 1 and groups 1"
+    if arch != "sm90":
+        return f"the in-kernel conv needs sm_90 (wgmma, TMA), not {arch}"
+    if isinstance(direct_plan(spec, arch, conv_tf32), DirectPlan):
+        return "the direct conv covers it"
+    if spec.dtype not in gemm_sm90.WGMMA_TYPES or (spec.dtype == "float32" and not conv_tf32):
+        return f"{spec.dtype}: the in-kernel conv takes bfloat16, float16, and float32 where TF32 is allowed"
+    if anchor.has_bias:
+        return "the conv keeps its bias (the matcher moves it into the epilogue)"
+    if spec.saves:
+        return "it returns values saved for backward, and the in-kernel conv writes only the result"
+    if spec.reduction is not None:
+        return f"{spec.reduction.name} after the in-kernel conv is not implemented (pointwise chains only)"
+    cin, kh, kw, _, _ = anchor.direct
+    ho, wo = anchor.direct_out_hw()
+    if ho < 1 or wo < 1 or ho * wo != spec.inner:
+        return f"output {ho}x{wo} does not match the chain's {spec.inner} elements per channel"
+    per_16_bytes = 16 // ITEMSIZE[spec.dtype]
+    if cin % per_16_bytes or spec.channels % 8:
+        return (f"{cin} -> {spec.channels} channels (the in-kernel conv takes input channels in multiples of "
+                f"{per_16_bytes}, output channels in multiples of 8)")
+    return conv_sm90.tiling(spec.channels, wo)
+
+
 def kernel_name(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> str:
     """The spec's kernel name; "directconv" instead of "conv" when the kernel computes the
     conv, and "_tf32" at the end when it does so in TF32; "wgmma128x256_" in front (the
@@ -535,14 +567,19 @@ def kernel_name(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> str:
     gemm = gemm_plan(spec, arch)
     if isinstance(gemm, GemmPlan):
         return gemm.name(spec, arch)
+    conv = conv_gemm_plan(spec, arch, conv_tf32)
+    if isinstance(conv, conv_sm90.ConvGemmPlan):
+        return conv.name(spec, arch)
     direct = direct_plan(spec, arch, conv_tf32)
     return _direct_name(spec, arch, direct) if isinstance(direct, DirectPlan) else spec.kernel_name(arch)
 
 
-def build_arch(spec: EpilogueSpec, arch: str) -> str:
+def build_arch(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> str:
     """The architecture to compile `spec`'s kernel for: sm90a (wgmma, TMA) for the
-    in-kernel GEMM, else `arch`."""
-    return arch + "a" if isinstance(gemm_plan(spec, arch), GemmPlan) else arch
+    in-kernel GEMM and conv, else `arch`."""
+    if isinstance(gemm_plan(spec, arch), GemmPlan):
+        return arch + "a"
+    return arch + "a" if isinstance(conv_gemm_plan(spec, arch, conv_tf32), conv_sm90.ConvGemmPlan) else arch
 
 
 def _direct_name(spec: EpilogueSpec, arch: str, d: DirectPlan) -> str:
@@ -631,6 +668,9 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
     gemm = gemm_plan(spec, arch)
     if isinstance(gemm, GemmPlan):
         return _render_gemm(spec, arch, p, gemm)
+    conv = conv_gemm_plan(spec, arch, conv_tf32)
+    if isinstance(conv, conv_sm90.ConvGemmPlan):
+        return _render_conv_gemm(spec, arch, p, conv)
     direct = direct_plan(spec, arch, conv_tf32)
     if isinstance(direct, DirectPlan):
         return _render_direct(spec, arch, p, direct)
@@ -963,6 +1003,25 @@ def _render_gemm(spec: EpilogueSpec, arch: str, p: Plan, g: GemmPlan) -> str:
         stages=_stages(spec), middle=middle, store=store, stats_kernels=gemm,
         launches="\n".join(launches), ws_floats=ws_floats,
     )
+
+
+def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvGemmPlan) -> str:
+    """The in-kernel conv computes the anchor and the (pointwise) chain: one launch."""
+    name = c.name(spec, arch)
+    cin, kh, kw, h, w = spec.anchor.direct
+    ho, wo = spec.anchor.direct_out_hw()
+    ph, pw = spec.anchor.conv[1]
+    conv = conv_sm90.CONV_KERNELS.substitute(
+        kernel=name, bm=conv_sm90.BLOCK_M, bn=c.block_n, bk=conv_sm90.block_k(spec.dtype),
+        mma_k=gemm_sm90.WGMMA_TYPES[spec.dtype][1], stages=c.stages, th=c.tile_h, tw=c.tile_w,
+        cin=cin, h=h, w=w, kh=kh, kw=kw, ph=ph, pw=pw, ho=ho, wo=wo,
+        wgmma=conv_sm90.wgmma_asm(spec.dtype, c.block_n),
+    )
+    fields, bind = _fields(spec, direct=True)
+    launches = "  err = static_cast<cudaError_t>(conv_launch(a, device, stream));\n  if (err != cudaSuccess) return static_cast<int>(err);"
+    return _kernel_file(spec, name, p, anchor_inside=1, includes='#include "fusedepi/hopper.cuh"\n', apply=False,
+                        fields=fields, bind=bind, stages=_stages(spec), stats_kernels=conv, launches=launches,
+                        ws_floats="0")
 
 
 def _apply_vec(d: DirectPlan, ho: int, wo: int) -> int:

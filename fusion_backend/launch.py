@@ -44,7 +44,8 @@ def kernel_for(spec: str, device: torch.device, cache_dir: Path, conv_tf32: bool
         parsed = _parse(spec)
         source = cuda_templates.render(parsed, arch, conv_tf32=conv_tf32)
         name = cuda_templates.kernel_name(parsed, arch, conv_tf32)
-        lib = cuda_templates.load(source, name, cuda_templates.build_arch(parsed, arch), cache_dir, line_info)
+        lib = cuda_templates.load(source, name, cuda_templates.build_arch(parsed, arch, conv_tf32), cache_dir,
+                                   line_info)
         with _kernels_lock:
             _kernels[key] = lib
     return lib
@@ -92,9 +93,12 @@ class Launcher:
         self._gemm_rows: dict[int, bool] = {}
         # Who computes the anchor: the in-kernel GEMM (or, per call, the library GEMM and the
         # file's epilogue kernel), the file's direct conv, or the library before the kernels.
-        # The C++ launcher takes the same three paths (native.PATH_CODES).
+        # The C++ launcher takes the same paths (native.PATH_CODES) but the in-kernel conv's.
         if self.gemm:
             self.anchor_path = "in-kernel GEMM"
+        elif self.lib.anchor_inside and isinstance(cuda_templates.conv_gemm_plan(self.spec, arch_of(device), conv_tf32),
+                                                   cuda_templates.ConvGemmPlan):
+            self.anchor_path = "in-kernel conv"
         elif self.lib.anchor_inside:
             self.anchor_path = "direct conv"
         else:
@@ -154,6 +158,12 @@ class Launcher:
             x = anchor_operands[0]
             out = x.new_empty((x.shape[0], self.spec.channels, *self.spec.anchor.direct_out_hw()))
             y = torch.empty_like(out) if self.stores_pre_norm else out
+        elif self.anchor_path == "in-kernel conv":
+            # The implicit GEMM reads x channels-last ([rows, H, W, C_in] in memory) and the
+            # weight as [C_out, kh, kw, C_in], both by TMA (16-byte aligned).
+            anchor_operands = channels_last_operands(anchor_operands, self.spec)
+            x = anchor_operands[0]
+            out = y = x.new_empty((x.shape[0], self.spec.channels, *self.spec.anchor.direct_out_hw()))
         else:
             # A padded GEMM's y keeps its padded rows: the kernels read them with that stride.
             # A channels-last conv's y stays channels-last: the kernel writes the output
@@ -204,6 +214,25 @@ class Launcher:
 # hands a call that fails to the Python launcher, whose checks raise.
 
 
+def channels_last_operands(operands: list[torch.Tensor], spec: EpilogueSpec) -> list[torch.Tensor]:
+    """The in-kernel conv's x and weight in the memory order its tensor maps read: x
+    [rows, C_in, H, W] channels-last, the weight [C_out, C_in, kh, kw] as [C_out, kh, kw,
+    C_in] contiguous, each 16-byte aligned.
+
+    Raises:
+        RuntimeError: x or the weight is not of the shape the kernel was built for.
+    """
+    cin, kh, kw, h, w = spec.anchor.direct
+    x, wt = operands[0], operands[1]
+    if x.dim() != 4 or tuple(x.shape[1:]) != (cin, h, w) or tuple(wt.shape) != (spec.channels, cin, kh, kw):
+        raise RuntimeError(f"fusedepi::chain ({spec.fusion}): conv operands {tuple(x.shape)} and {tuple(wt.shape)}; "
+                           f"the kernel was built for [rows, {cin}, {h}, {w}] and [{spec.channels}, {cin}, {kh}, {kw}]")
+    x = x.contiguous(memory_format=torch.channels_last)
+    if x.data_ptr() % 16:
+        x = x.clone(memory_format=torch.channels_last)
+    return [x, wt.permute(0, 2, 3, 1).contiguous()]
+
+
 def check_devices(inputs: list[torch.Tensor], device_index: int, fusion: str) -> None:
     """Every input on the CUDA device the chain runs on.
 
@@ -225,8 +254,8 @@ def check_anchor_output(y: torch.Tensor, rows: int, spec: EpilogueSpec) -> None:
 
 def anchor_operand_sizes(spec: EpilogueSpec, path: str) -> list[tuple[int, int]]:
     """(elements a row, elements whole) of each anchor operand that a kernel reads itself
-    (`path` "direct conv": x, w[, b]; "in-kernel GEMM": [bias,] x, w[N, K]); else none."""
-    if path == "direct conv":
+    (`path` "direct conv" or "in-kernel conv": x, w[, b]; "in-kernel GEMM": [bias,] x, w[N, K]); else none."""
+    if path in ("direct conv", "in-kernel conv"):
         c_in, kh, kw, h, w = spec.anchor.direct
         return [(c_in * h * w, 0), (0, spec.channels * c_in * kh * kw), (0, spec.channels)][: spec.anchor.n_operands]
     if path == "in-kernel GEMM":

@@ -218,8 +218,8 @@ def install() -> None:
 def covers(launcher) -> bool:
     """Whether the C++ side can run `launcher`'s spec by itself. Not: the variants that
     read a TF32 setting at every call (float32 in the in-kernel GEMM, float32 direct conv),
-    which Python keeps."""
-    return not launcher.gemm_tf32 and not launcher.reads_conv_tf32
+    which Python keeps, and the in-kernel conv (its operands change layout first)."""
+    return not launcher.gemm_tf32 and not launcher.reads_conv_tf32 and launcher.anchor_path != "in-kernel conv"
 
 
 @dataclass(frozen=True)

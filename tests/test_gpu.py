@@ -1123,6 +1123,85 @@ def test_direct_conv_nan_and_zero_batch(exact_float32):
     assert empty.shape == (0, 16, 8, 256)
 
 
+# The in-kernel conv (an implicit GEMM on sm_90, cuda_templates/conv_sm90.py): convs the
+# direct conv does not take (more than 32 output channels in 16-bit) with pointwise chains.
+IN_KERNEL_CONVS = {
+    # name: (cin, cout, k, padding, input shape); each a tiling corner
+    "c64_to_128_k3": (64, 128, 3, 0, (2, 64, 20, 70)),  # patches of 2 x 64, partial ones at the edges
+    "c32_to_96_pad1_narrow": (32, 96, 3, 1, (3, 32, 9, 13)),  # 8 x 16 patches, a 96-channel tile
+    "c8_to_320_k5_pad2": (8, 320, 5, 2, (2, 8, 6, 140)),  # a k-step wider than C_in; two 160-channel tiles
+    "c72_to_64_1x1": (72, 64, 1, 0, (2, 72, 7, 33)),  # two k-steps a tap, the second partial
+    "c16_to_256_k7_pad3": (16, 256, 7, 3, (1, 16, 30, 30)),  # 49 taps, a 256-channel tile
+}
+
+
+def _needs_sm90():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the in-kernel conv is sm_90 only")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("name", list(IN_KERNEL_CONVS))
+def test_in_kernel_conv(name, dtype, exact_float32):
+    # 16-bit at eager's error; float32 only where cuDNN may use TF32, at TF32's error.
+    # Then TF32 switched off without recompiling: the next call does not run it.
+    _needs_sm90()
+    cin, cout, k, padding, shape = IN_KERNEL_CONVS[name]
+    model = _ConvChain(cin, cout, k, padding, 0).cuda().to(dtype)
+    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
+    ref, _ = float64_reference(model, x)
+    saved = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        with torch.no_grad():
+            fn = torch.compile(model, backend=fusedepi)
+            out, kernels = _kernels(model, x)
+            ran = _fusedepi_kernels_run(fn, x)
+            if dtype == torch.float32:
+                torch.backends.cudnn.allow_tf32 = False
+                ran_exact = _fusedepi_kernels_run(fn, x)
+                exact = fn(x)
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    assert len(kernels) == 1 and kernels[0].startswith("igemm128x"), kernels
+    assert ran and all(r.startswith("igemm128x") for r in ran), ran
+    err = relative_error(out, ref)
+    assert err <= (2e-3 if dtype == torch.float32 else TOLERANCE[dtype]), f"relative error {err:.3g} (seed {exact_float32})"
+    if dtype == torch.float32:
+        assert ran_exact and not any(r.startswith("igemm") for r in ran_exact), ran_exact
+        err = relative_error(exact, ref)
+        assert err <= TOLERANCE[torch.float32], f"relative error {err:.3g} after TF32 was switched off"
+
+
+class _ConvResidual(nn.Module):
+    """Conv2d -> + residual (a full-shape operand, read at its NCHW place) -> relu."""
+
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, padding=1)
+
+    def forward(self, x, residual):
+        return torch.relu(self.conv(x) + residual)
+
+
+def test_in_kernel_conv_residual_nan_and_zero_batch(exact_float32):
+    _needs_sm90()
+    model = _ConvResidual(16, 64).cuda().bfloat16()
+    x = torch.rand(3, 16, 11, 45, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(3, 64, 11, 45, device="cuda", dtype=torch.bfloat16)
+    x[1, 3, 5, 20] = float("nan")
+    ref, _ = float64_reference(model, x, residual)
+    with torch.no_grad():
+        out, kernels = _kernels(model, x, residual)
+        eager = model(x, residual)
+        empty, _ = _kernels(model, x[:0], residual[:0])
+    assert kernels and kernels[0].startswith("igemm128x64_"), kernels
+    assert torch.equal(out.isnan(), eager.isnan()) and out[1].isnan().any()
+    err = relative_error(out[0], ref[0])
+    assert err <= TOLERANCE[torch.bfloat16], f"relative error {err:.3g} (seed {exact_float32})"
+    assert empty.shape == (0, 64, 11, 45)
+
+
 class _LinearResidual(nn.Module):
     """Linear without bias -> x * 0.5 + residual -> relu: a step that reads a tensor per element."""
 

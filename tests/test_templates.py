@@ -23,6 +23,7 @@ from specs import (
     CHANNELS_LAST,
     CONV,
     awkward_specs,
+    conv_gemm_specs,
     gemm_specs,
     conv_batchnorm_specs,
     direct_specs,
@@ -330,9 +331,10 @@ def test_constants_are_exact_float_conversions():
 def test_template_headers_document_every_placeholder():
     from cuda_templates import templates
 
-    from cuda_templates import gemm_sm90
+    from cuda_templates import conv_sm90, gemm_sm90
 
-    for module, template in ((templates, templates.KERNEL_FILE), (gemm_sm90, gemm_sm90.GEMM_KERNELS)):
+    for module, template in ((templates, templates.KERNEL_FILE), (gemm_sm90, gemm_sm90.GEMM_KERNELS),
+                             (conv_sm90, conv_sm90.CONV_KERNELS)):
         documented = set(re.findall(r"#\s+\$(\w+)", open(module.__file__).read()))
         used = set(re.findall(r"\$\{?(\w+)", template.template))
         assert used and used <= documented, used - documented
@@ -346,11 +348,15 @@ def _compile_job(test: str, name: str, arch: str = "sm90a") -> tuple[str, str, s
     if test == "test_nvcc_compiles_tf32_direct_convs":
         spec = TF32_SPECS[name]
         return cuda_templates.render(spec, arch, conv_tf32=True), cuda_templates.kernel_name(spec, arch, True), arch
+    if test == "test_nvcc_compiles_the_in_kernel_conv":  # wgmma and TMA, sm_90a only; float32 where TF32 is allowed
+        spec = CONV_GEMM_SPECS[name]
+        return cuda_templates.render(spec, "sm90", conv_tf32=True), cuda_templates.kernel_name(spec, "sm90", True), "sm90a"
     spec = GEMM_SPECS[name]  # test_nvcc_compiles_the_in_kernel_gemm: wgmma and TMA, sm_90a only (build_arch)
     return cuda_templates.render(spec, "sm90"), cuda_templates.kernel_name(spec, "sm90"), "sm90a"
 
 
-_COMPILE_TESTS = ("test_nvcc_compiles", "test_nvcc_compiles_tf32_direct_convs", "test_nvcc_compiles_the_in_kernel_gemm")
+_COMPILE_TESTS = ("test_nvcc_compiles", "test_nvcc_compiles_tf32_direct_convs", "test_nvcc_compiles_the_in_kernel_gemm",
+                  "test_nvcc_compiles_the_in_kernel_conv")
 
 
 @pytest.fixture(scope="session")
@@ -566,6 +572,56 @@ def test_nvcc_compiles_the_in_kernel_gemm(name, nvcc_builds):
     _assert_builds(nvcc_builds, "test_nvcc_compiles_the_in_kernel_gemm", name)
 
 
+CONV_GEMM_SPECS = {
+    f"{name}-{dtype}": spec for dtype in ("bfloat16", "float16", "float32") for name, spec in conv_gemm_specs(dtype).items()
+}
+
+
+@pytest.mark.parametrize("name", list(CONV_GEMM_SPECS))
+def test_in_kernel_conv_plans_and_names(name):
+    spec = CONV_GEMM_SPECS[name]
+    c = cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True)
+    assert isinstance(c, cuda_templates.ConvGemmPlan), c
+    # Channel tiles of at most 256, in 8s, as few as cover C_out; a 128-pixel patch at
+    # least as wide as the output (8 to 128).
+    tiles = -(-spec.channels // c.block_n)
+    assert c.block_n % 8 == 0 and c.block_n <= 256 and tiles == -(-spec.channels // 256)
+    ho, wo = spec.anchor.direct_out_hw()
+    assert c.tile_h * c.tile_w == 128 and c.tile_w >= min(wo, 128) and (c.tile_w == 8 or c.tile_w < 2 * wo)
+    assert cuda_templates.build_arch(spec, "sm90", True) == "sm90a"
+    kernel = cuda_templates.kernel_name(spec, "sm90", True)
+    assert kernel.startswith(f"igemm128x{c.block_n}_") and kernel.endswith("_sm90a")
+    source = cuda_templates.render(spec, "sm90", conv_tf32=True)
+    t, k = {"bfloat16": ("bf16", 16), "float16": ("f16", 16), "float32": ("tf32", 8)}[spec.dtype]
+    acc = c.block_n // 2
+    assert f"wgmma.mma_async.sync.aligned.m64n{c.block_n}k{k}.f32.{t}.{t} " in source
+    assert f"%{acc - 1}}}, %{acc}, %{acc + 1}, p, 1, 1{'' if t == 'tf32' else ', 0, 0'};" in source
+    assert "fusedepi_anchor_inside() { return 1; }" in source and "_apply(" not in source
+    # Without TF32 a float32 conv is not taken (exact float32 stays with the library);
+    # nor on sm_80, nor where the direct conv covers the chain.
+    if spec.dtype == "float32":
+        assert "TF32" in cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=False)
+    assert "sm_90" in cuda_templates.conv_gemm_plan(spec, "sm80", conv_tf32=True)
+
+
+def test_in_kernel_conv_refuses_what_it_does_not_cover():
+    base = CONV_GEMM_SPECS["igemm_relu_bias_64_128-bfloat16"]
+    direct = direct_specs("bfloat16")["direct_pointwise_cin8"]  # 16 output channels: the direct conv's
+    assert "direct conv covers" in cuda_templates.conv_gemm_plan(direct, "sm90")
+    norm = direct_specs("bfloat16")["direct_groupnorm_cpg16_two_column_tiles"]
+    assert "not implemented" in cuda_templates.conv_gemm_plan(norm, "sm90")
+    odd_cin = replace(base, anchor=replace(base.anchor, direct=(60, 3, 3, 64, 64)))
+    assert "multiples of 8" in cuda_templates.conv_gemm_plan(odd_cin, "sm90")
+    odd_cout = replace(base, channels=100)
+    assert "output channels in multiples of 8" in cuda_templates.conv_gemm_plan(odd_cout, "sm90")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", representatives(CONV_GEMM_SPECS, "sm90", True))
+def test_nvcc_compiles_the_in_kernel_conv(name, nvcc_builds):
+    _assert_builds(nvcc_builds, "test_nvcc_compiles_the_in_kernel_conv", name)
+
+
 def test_tf32_direct_conv_plans():
     w5 = direct_specs()["w5_direct"]
     d = cuda_templates.direct_plan(w5, "sm90", conv_tf32=True)
@@ -644,6 +700,7 @@ def test_kernel_files_compile_without_warnings():
                                         ("test_nvcc_compiles_tf32_direct_convs", next(iter(TF32_SPECS)), "sm90a")]
     jobs += [("test_nvcc_compiles_the_in_kernel_gemm", n, "sm90a") for n in ("gemm_pointwise-bfloat16",
                                                                               "gemm_w2_logsumexp-float32")]
+    jobs += [("test_nvcc_compiles_the_in_kernel_conv", "igemm_1x1_residual-float32", "sm90a")]
     nvcc = compiler.find_nvcc()
 
     def warnings_of(job, directory):

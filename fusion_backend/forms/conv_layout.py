@@ -35,7 +35,7 @@ class ConvLayout(Form):
     def candidate(self, chain) -> tuple | None:
         """(anchor, dtype, x's shape, the weight's shape, whether x is channels-last
         already) where the chain's anchor may run channels-last: a 2-D or 3-D library
-        conv (not one the direct conv kernel computes) whose epilogue has a
+        conv (not one the direct or the in-kernel conv computes) whose epilogue has a
         channels-last mapping (`cuda_templates.channels_last_plan`)."""
         spec = chain.spec
         if spec.anchor.kind != "conv" or spec.anchor.channels_last:
@@ -43,9 +43,12 @@ class ConvLayout(Form):
         xv, wv = chain.operands[0].meta["val"], chain.operands[1].meta["val"]
         if xv.dim() not in (4, 5):
             return None
-        if xv.device.type == "cuda" and isinstance(cuda_templates.direct_plan(spec, arch_of(xv.device)),
-                                                   cuda_templates.DirectPlan):
-            return None
+        if xv.device.type == "cuda":
+            arch, tf32 = arch_of(xv.device), spec.dtype == "float32" and conv_allows_tf32()
+            if isinstance(cuda_templates.direct_plan(spec, arch, tf32), cuda_templates.DirectPlan):
+                return None
+            if isinstance(cuda_templates.conv_gemm_plan(spec, arch, tf32), cuda_templates.ConvGemmPlan):
+                return None  # the in-kernel conv computes it (on a channels-last copy of x)
         staged = replace(spec, anchor=replace(spec.anchor, channels_last=True))
         if isinstance(cuda_templates.channels_last_plan(staged), str):
             return None

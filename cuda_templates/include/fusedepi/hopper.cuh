@@ -1,4 +1,4 @@
-// Hopper (sm_90a) building blocks of the in-kernel GEMM (cuda_templates/gemm_sm90.py):
+// Hopper (sm_90a) building blocks of the in-kernel GEMM and conv (cuda_templates/gemm_sm90.py, conv_sm90.py):
 // mbarriers, named barriers, bulk tensor copies (TMA) in both directions, shared-memory
 // matrix descriptors for wgmma, and pairs of output values (16-bit packing, or two
 // floats). Host side: tensor-map encoding through the driver entry point the runtime
@@ -97,6 +97,23 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
       : "memory");
 }
+// The same for 3-D and 4-D maps (coordinates innermost first; negative ones and ones past
+// the tensor's end read zeros too: the implicit-GEMM conv's padding).
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
+                                            int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(
+          smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
 // A box of shared memory to global memory, in this thread's bulk group; elements outside
 // the tensor are not written.
 __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int c0, int c1) {
@@ -190,13 +207,13 @@ __device__ __forceinline__ void sts_pair(void* p, float a, float b) {
 
 // ------------------------------------------------------------------- host
 
-// A 2-D tensor map over a row-major [rows, cols] matrix of T (bf16, fp16 or float32),
-// boxes of box_rows x box_cols (box_cols * sizeof(T) == 128 bytes: the 128-byte
-// swizzle's row).
+// A tensor map of `rank` dims over T (bf16, fp16 or float32): dims and boxes innermost
+// first, strides[i] the bytes between steps of dim i + 1 (multiples of 16), the box's
+// inner dim 128 bytes at most (the 128-byte swizzle's row).
 // Returns a cudaError_t value.
 template <typename T>
-inline int encode_map_2d(CUtensorMap* map, const void* base, long long rows, long long cols, int box_rows,
-                         int box_cols) {
+inline int encode_map(CUtensorMap* map, const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
+                      const cuuint32_t* box) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (encode == nullptr) {
     cudaDriverEntryPointQueryResult found;
@@ -207,18 +224,26 @@ inline int encode_map_2d(CUtensorMap* map, const void* base, long long rows, lon
       return static_cast<int>(cudaErrorNotSupported);
     encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   static_assert(sizeof(T) == 2 || std::is_same_v<T, float>, "bf16, fp16 or float32");
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * sizeof(T)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t elem[2] = {1, 1};
+  const cuuint32_t elem[5] = {1, 1, 1, 1, 1};
   const CUtensorMapDataType type = std::is_same_v<T, float>    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
                                    : std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                                                : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  const CUresult r = encode(map, type, 2, const_cast<void*>(base), dims, strides, box, elem,
+  const CUresult r = encode(map, type, rank, const_cast<void*>(base), dims, strides, box, elem,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? 0 : static_cast<int>(cudaErrorInvalidValue);
+}
+
+// A 2-D tensor map over a row-major [rows, cols] matrix of T, boxes of box_rows x box_cols
+// (box_cols * sizeof(T) == 128 bytes).
+template <typename T>
+inline int encode_map_2d(CUtensorMap* map, const void* base, long long rows, long long cols, int box_rows,
+                         int box_cols) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * sizeof(T)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
+  return encode_map<T>(map, base, 2, dims, strides, box);
 }
 
 }  // namespace sm90

@@ -1,0 +1,174 @@
+"""The in-kernel conv for Hopper (sm_90a): out = chain(conv2d(x, w)) in one launch, an
+implicit GEMM whose output tile gets the chain in registers and is written once.
+
+The GEMM: M = the output's pixels (rows x Ho x Wo), N = the output channels, K = kh x kw x
+C_in. `render.conv_gemm_plan` decides where it applies (2-D, stride 1, dilation 1, groups
+1, pointwise chains, C_in a multiple of 16 bytes, sm_90) and renders it into
+`templates.KERNEL_FILE` with the spec's stage functions; the launcher hands it the input
+in channels-last memory ([rows, H, W, C_in]; one copy, as Inductor's channels-last conv
+makes) and the weight as [C_out, kh, kw, C_in].
+
+Structure (include/fusedepi/conv_sm90.cuh; one CTA an output tile of 128 pixels x kBN
+channels, persistent over tiles, 384 threads):
+- a tile's 128 pixels are a patch of kTH x kTW output pixels of one image (kTW: the output
+  width rounded up to a power of two, 8 to 128);
+- warpgroup 0's first thread is the producer: for each k-step (a tap, and a block of 64
+  input channels, 32 in float32: 128 bytes) it copies by TMA the patch of input pixels
+  that tap reads (a 4-D box of the channels-last input, shifted by the tap; coordinates
+  outside the image read zeros, which is the conv's zero padding, and channels past C_in
+  too) and the tap's weights (a 3-D box of [C_out, taps, C_in]: its channels past C_in
+  read zeros as well, so a k-step never mixes two taps). Both land as rows of 128 bytes
+  in the 128-byte swizzle, the layout of the in-kernel GEMM's tiles, in a ring of stages;
+- warpgroups 1 and 2 are the consumers: wgmma m64nBNk16 (k8 in TF32), float32
+  accumulators, then the epilogue on them: rounded to the output type (what the library
+  conv's output holds), stage0, stored to the NCHW output (the 8 lanes of a column hold 8
+  neighbouring pixels of a row). The producer loads the next tile meanwhile.
+
+float32 runs in TF32 (wgmma reads the operands' top 19 bits), only where
+`torch.backends.cudnn.allow_tf32` allows it, as cuDNN's conv does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from string import Template
+
+from .gemm_sm90 import WGMMA_TYPES, block_k
+
+BLOCK_M = 128  # output pixels a tile
+MAX_BLOCK_N = 256  # output channels a tile, at most (wgmma's N)
+SMEM_BUDGET = 200 * 1024  # the ring's stages
+
+
+@dataclass(frozen=True)
+class ConvGemmPlan:
+    """The in-kernel conv's tiling.
+
+    Attributes:
+        block_n: output channels a tile (a multiple of 8, at most 256).
+        tile_h, tile_w: the output pixel patch of a tile (tile_h x tile_w = BLOCK_M).
+        stages: the ring's depth.
+    """
+
+    block_n: int
+    tile_h: int
+    tile_w: int
+    stages: int
+
+    def name(self, spec, arch: str) -> str:
+        return f"igemm{BLOCK_M}x{self.block_n}_" + spec.kernel_name(arch + "a")
+
+
+def tiling(cout: int, wo: int) -> ConvGemmPlan:
+    """The tile for C_out channels and an output width `wo`: the fewest channel tiles of
+    at most 256 (multiples of 8), a patch as wide as the output (a power of two, 8 to 128)."""
+    n_tiles = -(-cout // MAX_BLOCK_N)
+    block_n = -(-(-(-cout // n_tiles)) // 8) * 8
+    tile_w = 8
+    while tile_w < min(wo, BLOCK_M):
+        tile_w *= 2
+    stage = BLOCK_M * 128 + block_n * 128  # an x box and a w box of 128-byte rows
+    stages = max(2, min(8, SMEM_BUDGET // stage))
+    return ConvGemmPlan(block_n, BLOCK_M // tile_w, tile_w, stages)
+
+
+def wgmma_asm(dtype: str, n: int) -> str:
+    """One m64nNk16 wgmma (k8 in TF32): N / 2 float32 accumulators `d`, both operands
+    K-major from shared memory."""
+    t, k = WGMMA_TYPES[dtype]
+    acc = n // 2
+    regs = ", ".join(f"%{i}" for i in range(acc))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(acc))
+    transpose = ", 0, 0" if t != "tf32" else ""
+    return (
+        "asm volatile(\n"
+        f'      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 2}, 0;\\n"\n'
+        f'      "wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{t}.{t} {{{regs}}}, %{acc}, %{acc + 1}, p, 1, 1{transpose};\\n}}\\n"\n'
+        f"      : {outs}\n"
+        '      : "l"(desc_a), "l"(desc_b), "r"(scale_d));'
+    )
+
+
+# The conv's constants, the wgmma instruction, the kernel named per spec around
+# conv_sm90.cuh's body, and its launch; inside KERNEL_FILE (after Args and the stage
+# functions). Placeholders:
+#   $kernel     the kernel name (prefix of the __global__)
+#   $bm         tile pixels (BLOCK_M)
+#   $bn         tile channels (ConvGemmPlan.block_n)
+#   $bk         input channels a k-step (block_k: 128 bytes of them)
+#   $mma_k      K of one wgmma instruction
+#   $stages     the ring's depth
+#   $th         the tile's pixel patch: rows
+#   $tw         ... and columns
+#   $cin        the input's channels
+#   $h          the input's height
+#   $w          the input's width
+#   $kh         the kernel's height
+#   $kw         the kernel's width
+#   $ph         the padding of the height
+#   $pw         the padding of the width
+#   $ho         the output's height
+#   $wo         the output's width
+#   $wgmma      the wgmma_asm() statement
+CONV_KERNELS = Template(
+    r"""// In-kernel conv (cuda_templates/conv_sm90.py): out = chain(conv2d(x, w)), an implicit GEMM.
+namespace hop = fusedepi::sm90;
+
+constexpr int kBM = $bm, kBN = $bn, kBK = $bk, kStages = $stages, kMmaK = $mma_k;
+constexpr int kTH = $th, kTW = $tw;  // the tile's output pixels: kTH rows of kTW
+constexpr int kCin = $cin, kH = $h, kW = $w;
+constexpr int kKH = $kh, kKW = $kw, kPH = $ph, kPW = $pw, kTaps = kKH * kKW;
+constexpr int kHo = $ho, kWo = $wo;
+constexpr long long kPlane = static_cast<long long>(kHo) * kWo;
+constexpr int kCBlocks = (kCin + kBK - 1) / kBK;  // k-steps a tap
+constexpr int kKSteps = kTaps * kCBlocks;
+constexpr int kTilesN = static_cast<int>((kChannels + kBN - 1) / kBN);
+constexpr int kTilesPerImage = (kHo + kTH - 1) / kTH * ((kWo + kTW - 1) / kTW) * kTilesN;
+constexpr int kElem = static_cast<int>(sizeof(T));
+constexpr int kTileA = kBM * kBK * kElem, kTileB = kBN * kBK * kElem;  // bytes a stage
+constexpr int kConvSmem = kStages * (kTileA + kTileB) + 1024;  // + alignment slack
+static_assert(kTH * kTW == kBM && kTW >= 8, "a tile's patch: 128 pixels, rows of 8 or more");
+static_assert(kBK * kElem == 128 && kBK % kMmaK == 0 && kMmaK * kElem == 32, "128-byte rows, 32 bytes a wgmma");
+static_assert(kBN % 8 == 0 && kBN <= 256 && kChannels % 8 == 0, "wgmma's N; whole 8-channel chunks");
+static_assert(kCin * kElem % 16 == 0, "TMA's 16-byte strides");
+static_assert(kConvSmem <= 227 * 1024, "sm_90's dynamic shared memory a block");
+
+__device__ __forceinline__ void wgmma_n(float (&d)[kBN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  $wgmma
+}
+
+#include "fusedepi/conv_sm90.cuh"
+
+__global__ void __launch_bounds__(384, 1) ${kernel}_conv(const __grid_constant__ CUtensorMap map_x,
+                                                         const __grid_constant__ CUtensorMap map_w, const Args a) {
+  conv_body(map_x, map_w, a);
+}
+
+// Launches the conv on `device`: one CTA an SM (its shared memory), at most one a tile.
+int conv_launch(const Args& a, int device, cudaStream_t stream) {
+  CUtensorMap map_x, map_w;
+  const cuuint64_t x_dims[4] = {kCin, kW, kH, static_cast<cuuint64_t>(a.rows)};
+  const cuuint64_t x_strides[3] = {static_cast<cuuint64_t>(kCin) * kElem, static_cast<cuuint64_t>(kW) * kCin * kElem,
+                                   static_cast<cuuint64_t>(kH) * kW * kCin * kElem};
+  const cuuint32_t x_box[4] = {kBK, kTW, kTH, 1};
+  if (int e = hop::encode_map<T>(&map_x, a.x, 4, x_dims, x_strides, x_box)) return e;
+  const cuuint64_t w_dims[3] = {kCin, kTaps, static_cast<cuuint64_t>(kChannels)};
+  const cuuint64_t w_strides[2] = {static_cast<cuuint64_t>(kCin) * kElem, static_cast<cuuint64_t>(kTaps) * kCin * kElem};
+  const cuuint32_t w_box[3] = {kBK, 1, kBN};
+  if (int e = hop::encode_map<T>(&map_w, a.w, 3, w_dims, w_strides, w_box)) return e;
+  static int sms[64] = {};
+  if (device >= 64) return static_cast<int>(cudaErrorInvalidDevice);
+  if (sms[device] == 0) {  // once a device: the shared-memory limit, and the SM count
+    cudaError_t err = cudaFuncSetAttribute(${kernel}_conv, cudaFuncAttributeMaxDynamicSharedMemorySize, kConvSmem);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  const long long tiles = a.rows * kTilesPerImage;
+  if (tiles > 0x7fffffffLL) return static_cast<int>(cudaErrorInvalidValue);
+  const int grid = static_cast<int>(tiles < sms[device] ? tiles : sms[device]);
+  ${kernel}_conv<<<grid, 384, kConvSmem, stream>>>(map_x, map_w, a);
+  return static_cast<int>(cudaGetLastError());
+}"""
+)
+
+__all__ = ["BLOCK_M", "CONV_KERNELS", "ConvGemmPlan", "block_k", "tiling", "wgmma_asm"]
