@@ -95,14 +95,18 @@ def decide(chain: Chain, spec: str, cfg: Config, claimed: frozenset = frozenset(
         return Choice(0.0, 0.0, True, f"not timed: {type(err).__name__}")
     vals = [n.meta["val"] for n in inputs]
     anchor = set(chain.operands)
-    shapes = [timings.example_shape(v) for v in vals]
-    strides = [timings.hinted(v.stride()) for v in vals]
+    # A tensor's shape; a size (a symbolic int: the neighbourhood views a value by the
+    # batch) as (its hint,), which `_measure` passes as the int itself.
+    tensors = [isinstance(v, torch.Tensor) for v in vals]
+    shapes = [timings.example_shape(v) if t else timings.hinted([v]) for v, t in zip(vals, tensors)]
+    strides = [timings.hinted(v.stride()) if t else () for v, t in zip(vals, tensors)]
     if any(s is None for s in shapes):
         return Choice(0.0, 0.0, True, "not timed: a size without a hint")
-    dynamic = any(not isinstance(d, int) for v in vals for d in v.shape)
+    dynamic = any(not isinstance(d, int) for v, t in zip(vals, tensors) for d in (v.shape if t else [v]))
     key = "|".join(str(part) for part in (
         _device_name(device), torch.__version__, fused_form.code, inductor_form.code, shapes, strides,
-        [str(v.dtype) for v in vals], matmul_allows_tf32(), conv_allows_tf32()))
+        [str(v.dtype) if t else type(v).__name__ for v, t in zip(vals, tensors)], matmul_allows_tf32(),
+        conv_allows_tf32()))
     try:
         fused_ms, inductor_ms, difference = timings.cached(
             Path(cfg.cache_dir) / timings.CACHE_FILE, key + "|compared",
@@ -239,7 +243,8 @@ def _measure(chain: Chain, inductor_form: GraphModule, fused_form: GraphModule, 
 
     started = time.perf_counter()
     with unset_fake_temporarily(), torch.no_grad():
-        example = [_random_like(v, s, c) for v, s, c in zip(vals, shapes, centered)]
+        example = [_random_like(v, s, c) if isinstance(v, torch.Tensor) else s[0]
+                   for v, s, c in zip(vals, shapes, centered)]
         # A clean thread: the compile around us holds its fake mode and tracing context
         # in thread-local state, which Inductor's own compiles must not see.
         with concurrent.futures.ThreadPoolExecutor(1) as pool:

@@ -231,6 +231,36 @@ def test_the_whole_graph_is_timed_at_a_dynamic_sizes_hint(timed, monkeypatch):
     assert len(measured) == 1
 
 
+class _ConvGroupNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.gn = nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8)
+
+    def forward(self, x):
+        return torch.relu(self.gn(self.conv(x)))
+
+
+def test_a_chain_whose_neighbourhood_takes_a_dynamic_size_is_timed_at_its_hint(timed, monkeypatch):
+    """GroupNorm's decomposition views the conv output by the batch: with a dynamic batch
+    the chain's neighbourhood takes that size, a symbolic int, as an input, which the
+    chain's own timing passes at its hint (measured for real, on the CPU)."""
+    monkeypatch.setenv("FUSEDEPI_STRICT", "1")  # a failed timing raises
+    measured = []
+    real = choice._measure
+    monkeypatch.setattr(choice, "_measure", lambda *args: measured.append(args[3:5]) or real(*args))
+    torch.manual_seed(0)
+    model = _ConvGroupNorm().eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusedepi")
+    with torch.no_grad():
+        for batch in (2, 5):
+            x = torch.randn(batch, 3, 10, 12)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x), model(x))
+    vals, shapes = measured[0]
+    assert [s for v, s in zip(vals, shapes) if isinstance(v, torch.SymInt)] == [(2,)], shapes
+
+
 class _SharedMix(nn.Module):
     """A weight shared by the batch, expanded (stride 0) into a bmm, then GroupNorm and SiLU."""
 
