@@ -20,9 +20,12 @@ channels, persistent over tiles, 384 threads):
   read zeros as well, so a k-step never mixes two taps). Both land as rows of 128 bytes
   in the 128-byte swizzle, the layout of the in-kernel GEMM's tiles, in a ring of stages;
 - warpgroups 1 and 2 are the consumers: wgmma m64nBNk16 (k8 in TF32), float32
-  accumulators, then the epilogue on them: rounded to the output type (what the library
-  conv's output holds), stage0, stored to the NCHW output (the 8 lanes of a column hold 8
-  neighbouring pixels of a row). The producer loads the next tile meanwhile.
+  accumulators, rounded to the output type (what the library conv's output holds) into a
+  staging tile, a channel's pixels contiguous; then on to the next tile;
+- warps 1-3 of warpgroup 0 run stage0 on the staged tile, 16 bytes of a channel's pixels
+  at a time, and store them to the NCHW output (16-byte stores where the output's rows
+  keep them aligned, else pairs or single values). Named barriers hand the staging tile
+  over and back, so the chain of one tile runs under the next tile's wgmma.
 
 float32 runs in TF32 (wgmma reads the operands' top 19 bits), only where
 `torch.backends.cudnn.allow_tf32` allows it, as cuDNN's conv does.
@@ -36,8 +39,9 @@ from string import Template
 from .gemm_sm90 import WGMMA_TYPES, block_k
 
 BLOCK_M = 128  # output pixels a tile
-MAX_BLOCK_N = 256  # output channels a tile, at most (wgmma's N)
-SMEM_BUDGET = 200 * 1024  # the ring's stages
+MAX_BLOCK_N = {2: 256, 4: 128}  # output channels a tile, at most, by element size (the staging tile's bytes)
+SMEM_BUDGET = 220 * 1024  # the ring's stages and the staging tile
+MIN_STAGES = 3
 
 
 @dataclass(frozen=True)
@@ -59,16 +63,19 @@ class ConvGemmPlan:
         return f"igemm{BLOCK_M}x{self.block_n}_" + spec.kernel_name(arch + "a")
 
 
-def tiling(cout: int, wo: int) -> ConvGemmPlan:
+def tiling(cout: int, wo: int, itemsize: int) -> ConvGemmPlan:
     """The tile for C_out channels and an output width `wo`: the fewest channel tiles of
-    at most 256 (multiples of 8), a patch as wide as the output (a power of two, 8 to 128)."""
-    n_tiles = -(-cout // MAX_BLOCK_N)
+    at most MAX_BLOCK_N (multiples of 8), a patch as wide as the output (a power of two,
+    8 to 128), and as many ring stages as shared memory holds beside the staging tile."""
+    n_tiles = -(-cout // MAX_BLOCK_N[itemsize])
     block_n = -(-(-(-cout // n_tiles)) // 8) * 8
     tile_w = 8
     while tile_w < min(wo, BLOCK_M):
         tile_w *= 2
     stage = BLOCK_M * 128 + block_n * 128  # an x box and a w box of 128-byte rows
-    stages = max(2, min(8, SMEM_BUDGET // stage))
+    staging = block_n * (BLOCK_M * itemsize + 16)  # conv_sm90.cuh's kStaging
+    stages = min(8, (SMEM_BUDGET - staging) // stage)
+    assert stages >= MIN_STAGES, (cout, itemsize)
     return ConvGemmPlan(block_n, BLOCK_M // tile_w, tile_w, stages)
 
 
@@ -126,18 +133,19 @@ constexpr int kTilesN = static_cast<int>((kChannels + kBN - 1) / kBN);
 constexpr int kTilesPerImage = (kHo + kTH - 1) / kTH * ((kWo + kTW - 1) / kTW) * kTilesN;
 constexpr int kElem = static_cast<int>(sizeof(T));
 constexpr int kTileA = kBM * kBK * kElem, kTileB = kBN * kBK * kElem;  // bytes a stage
-constexpr int kConvSmem = kStages * (kTileA + kTileB) + 1024;  // + alignment slack
-static_assert(kTH * kTW == kBM && kTW >= 8, "a tile's patch: 128 pixels, rows of 8 or more");
-static_assert(kBK * kElem == 128 && kBK % kMmaK == 0 && kMmaK * kElem == 32, "128-byte rows, 32 bytes a wgmma");
-static_assert(kBN % 8 == 0 && kBN <= 256 && kChannels % 8 == 0, "wgmma's N; whole 8-channel chunks");
-static_assert(kCin * kElem % 16 == 0, "TMA's 16-byte strides");
-static_assert(kConvSmem <= 227 * 1024, "sm_90's dynamic shared memory a block");
 
 __device__ __forceinline__ void wgmma_n(float (&d)[kBN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   $wgmma
 }
 
 #include "fusedepi/conv_sm90.cuh"
+
+constexpr int kConvSmem = kStages * (kTileA + kTileB) + kStaging + 1024;  // + alignment slack
+static_assert(kTH * kTW == kBM && kTW >= 8, "a tile's patch: 128 pixels, rows of 8 or more");
+static_assert(kBK * kElem == 128 && kBK % kMmaK == 0 && kMmaK * kElem == 32, "128-byte rows, 32 bytes a wgmma");
+static_assert(kBN % 8 == 0 && kBN <= 256 && kChannels % 8 == 0, "wgmma's N; whole 8-channel chunks");
+static_assert(kCin * kElem % 16 == 0, "TMA's 16-byte strides");
+static_assert(kConvSmem <= 227 * 1024, "sm_90's dynamic shared memory a block");
 
 __global__ void __launch_bounds__(384, 1) ${kernel}_conv(const __grid_constant__ CUtensorMap map_x,
                                                          const __grid_constant__ CUtensorMap map_w, const Args a) {

@@ -557,7 +557,7 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     if cin % per_16_bytes or spec.channels % 8:
         return (f"{cin} -> {spec.channels} channels (the in-kernel conv takes input channels in multiples of "
                 f"{per_16_bytes}, output channels in multiples of 8)")
-    return conv_sm90.tiling(spec.channels, wo)
+    return conv_sm90.tiling(spec.channels, wo, ITEMSIZE[spec.dtype])
 
 
 def kernel_name(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> str:

@@ -1,11 +1,11 @@
 // The in-kernel conv (sm_90a): an implicit GEMM over a channels-last input whose output
-// tile gets the chain in registers and is written once, in the graph's NCHW layout.
+// tile gets the chain on chip and is written once, in the graph's NCHW layout.
 //
 // Included by the rendered file (cuda_templates/conv_sm90.py, CONV_KERNELS) inside its
 // anonymous namespace, after the file has defined what this code reads:
 //   T, Args (x: the input [rows, H, W, C_in] in memory, w: the weight [kChannels, kTaps,
-//   C_in]), stage0_chan, stage0_chan_of, stage0_cols, kChannels, kRowReads (KERNEL_FILE
-//   and CONV_KERNELS' constants: kBM, kBN, kBK, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
+//   C_in]), stage0_chan, stage0_chan_of, stage0_at, kChannels (KERNEL_FILE and
+//   CONV_KERNELS' constants: kBM, kBN, kBK, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
 //   kHo, kWo, kCBlocks, kTilesN, kTileA, kTileB, kMmaK, wgmma_n), and hopper.cuh.
 // It is not a standalone header: those constants differ per file.
 #pragma once
@@ -23,41 +23,109 @@ __device__ __forceinline__ void conv_tile_origin(int tile, int& img, int& h0, in
   img = m / kTilesH;
 }
 
-// The consumers' epilogue of one tile: each value rounded to T (what the library conv's
-// output holds), stage0, then stored to out[img, channel, h, w]. For 8-column chunk j a
-// thread holds tile rows r0 and r0 + 8 (r0 = 64 * half + 16 * warp + lane / 4: pixel
-// (r / kTW, r % kTW) of the patch) and channels n0 + 8j + 2 * (lane % 4) + {0, 1}; the 8
-// lanes of a column hold 8 neighbouring pixels of a row (kTW >= 8).
-__device__ __forceinline__ void conv_epilogue(float (&d)[kBN / 2], int half, int tid, int img, int h0, int w0, int n0,
-                                              const Args& a) {
+// The staging tile: the rounded values of a tile, kBN channels of kBM pixels each, a
+// channel's pixels contiguous and channels kPitch elements apart (16 bytes of padding: the
+// consumers' writes, 8 pixels x 4 channels a warp, fall in distinct banks).
+constexpr int kOutV = 16 / kElem;  // elements a 16-byte vector
+constexpr int kPitch = kBM + kOutV;
+constexpr int kStaging = kBN * kPitch * kElem;
+constexpr int kHandoff = 256 + 96;  // the consumers and the epilogue warps
+constexpr int kBarFull = 1, kBarEmpty = 2;
+
+// One value into shared memory as T.
+__device__ __forceinline__ void sts_value(uint8_t* p, float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(hop::smem_u32(p)), "f"(x) : "memory");
+  } else {
+    const T t = fusedepi::from_float<T>(x);
+    asm volatile("st.shared.b16 [%0], %1;" ::"r"(hop::smem_u32(p)), "h"(*reinterpret_cast<const unsigned short*>(&t))
+                 : "memory");
+  }
+}
+
+// The consumers' part of a tile's epilogue: each accumulator rounded to T (what the
+// library conv's output holds) into the staging tile. For 8-column chunk j a thread holds
+// tile rows r0 and r0 + 8 (r0 = 64 * half + 16 * warp + lane / 4) and channels
+// 8j + 2 * (lane % 4) + {0, 1} of the tile.
+__device__ __forceinline__ void stage_tile(const float (&d)[kBN / 2], uint8_t* staging, int half, int tid, int n0) {
   const int warp = tid / 32, lane = tid % 32;
   const int r0 = half * 64 + warp * 16 + lane / 4;
-  long long at[2];  // the output's flat index of this thread's two pixels in channel 0
-  bool live[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = r0 + 8 * h, ph = h0 + r / kTW, pw = w0 + r % kTW;
-    live[h] = ph < kHo && pw < kWo;
-    at[h] = static_cast<long long>(img) * kChannels * kPlane + ph * kWo + pw;
-  }
 #pragma unroll
   for (int j = 0; j < kBN / 8; ++j) {
-    const int col = n0 + 8 * j + 2 * (lane % 4);
-    if (n0 + 8 * j >= kChannels) break;  // a chunk lies inside the channels or past them (kChannels % 8 == 0)
-    const stage0_chan k[2][1] = {{stage0_chan_of(a, col)}, {stage0_chan_of(a, col + 1)}};
+    if (n0 + 8 * j >= kChannels) break;  // kChannels % 8 == 0: a chunk is inside the channels or past them
+    const int c = 8 * j + 2 * (lane % 4);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (!live[h]) continue;
-      const float2 y = hop::round_pair<T>(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-      const float yv[2] = {y.x, y.y};
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const long long i = at[h] + static_cast<long long>(col + e) * kPlane;
-        float v[1] = {yv[e]};
-        stage0_cols<1>(v, k[e], i, a);
-        a.out[i] = fusedepi::from_float<T>(v[0]);
+      for (int e = 0; e < 2; ++e) sts_value(staging + ((c + e) * kPitch + r0 + 8 * h) * kElem, d[4 * j + 2 * h + e]);
+  }
+}
+
+// n values of T from x[] to out + i: 16 bytes at a time where aligned, else pairs (16-bit,
+// even i) or one by one.
+__device__ __forceinline__ void store_run(T* out, long long i, const float* x, int n) {
+  if (n == kOutV && i % kOutV == 0) {
+    uint4 v;
+    uint32_t* w = reinterpret_cast<uint32_t*>(&v);
+    if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) w[e] = __float_as_uint(x[e]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) w[e] = hop::pack2<T>(x[2 * e], x[2 * e + 1]);
+    }
+    *reinterpret_cast<uint4*>(out + i) = v;
+    return;
+  }
+  if constexpr (kElem == 2) {
+    if (i % 2 == 0) {
+      int e = 0;
+      for (; e + 1 < n; e += 2) *reinterpret_cast<uint32_t*>(out + i + e) = hop::pack2<T>(x[e], x[e + 1]);
+      if (e < n) out[i + e] = fusedepi::from_float<T>(x[e]);
+      return;
+    }
+  }
+  for (int e = 0; e < n; ++e) out[i + e] = fusedepi::from_float<T>(x[e]);
+}
+
+// The epilogue warps' part (thread `et` of 96): stage0 on the staged tile, 16 bytes of one
+// channel's pixels at a time (a patch row holds whole vectors: kTW >= 8), stored to
+// out[img, channel, h, w]; the pixels past the output's edge are skipped.
+__device__ __forceinline__ void finish_tile(const uint8_t* staging, int et, int img, int h0, int w0, int n0,
+                                            const Args& a) {
+  constexpr int kVecsPerChannel = kBM / kOutV;
+  for (int v = et; v < kBN * kVecsPerChannel; v += 96) {
+    const int cl = v / kVecsPerChannel, r = v % kVecsPerChannel * kOutV, col = n0 + cl;
+    if (col >= kChannels) break;
+    const int ph = h0 + r / kTW, pw = w0 + r % kTW;
+    if (ph >= kHo || pw >= kWo) continue;
+    const uint4 raw = hop::lds128(staging + (cl * kPitch + r) * kElem);
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(&raw);
+    float x[kOutV];
+    if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[e] = __uint_as_float(w[e]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = hop::unpack2<T>(w[e]);
+        x[2 * e] = f.x;
+        x[2 * e + 1] = f.y;
       }
     }
+    const long long i = (static_cast<long long>(img) * kChannels + col) * kPlane + ph * kWo + pw;
+    const stage0_chan k = stage0_chan_of(a, col);
+    const int n = kWo - pw < kOutV ? kWo - pw : kOutV;
+    if (n == kOutV) {
+      stage0_at<kOutV>(x, k, i, a);
+    } else {  // the output's last pixels of a row: a residual is read no further than they go
+      for (int e = 0; e < n; ++e) {
+        float y[1] = {x[e]};
+        stage0_at<1>(y, k, i + e, a);
+        x[e] = y[0];
+      }
+    }
+    store_run(a.out, i, x, n);
   }
 }
 
@@ -66,16 +134,18 @@ __device__ __forceinline__ void conv_epilogue(float (&d)[kBN / 2], int half, int
 // [kChannels, kTaps, C_in] (dims C_in, kTaps, kChannels). Warpgroup 0's first thread
 // loads, by TMA, for each k-step (tap, channel block) the patch of input pixels that tap
 // reads (coordinates shifted by the tap, zeros past the image: the conv's padding) and
-// the tap's weights; warpgroups 1 and 2 multiply (wgmma) and run the epilogue while the
-// producer loads the next tile's first k-steps. Persistent: CTA b takes tiles b,
-// b + gridDim.x, ...; the ring's stage and phase run on across tiles.
+// the tap's weights; warpgroups 1 and 2 multiply (wgmma) and stage the tile, then go on
+// with the next; warps 1-3 of warpgroup 0 run the chain on the staged tile and store it.
+// Persistent: CTA b takes tiles b, b + gridDim.x, ...; the ring's stage and phase run on
+// across tiles. Named barriers hand the staging tile over (kBarFull) and back (kBarEmpty).
 __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtensorMap& map_w, const Args& a) {
-  constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+  constexpr int kProducerRegs = 72, kConsumerRegs = 216;
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168, "the CTA's registers");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* tiles_a = smem;
   uint8_t* tiles_b = smem + kStages * kTileA;
+  uint8_t* staging = smem + kStages * (kTileA + kTileB);
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
 
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
@@ -89,9 +159,9 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
   }
   __syncthreads();
 
-  if (wg == 0) {  // producer
+  if (wg == 0) {
     hop::regs_dec<kProducerRegs>();
-    if (tid == 0) {
+    if (tid == 0) {  // the producer
       int it = 0;
       for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
         int img, h0, w0, n0;
@@ -103,6 +173,15 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
           hop::tma_load_4d(tiles_a + s * kTileA, &map_x, &full[s], c0, w0 + tap % kKW - kPW, h0 + tap / kKW - kPH, img);
           hop::tma_load_3d(tiles_b + s * kTileB, &map_w, &full[s], c0, tap, n0);
         }
+      }
+    } else if (tid >= 32) {  // the epilogue warps
+      for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+        int img, h0, w0, n0;
+        conv_tile_origin(tile, img, h0, w0, n0);
+        hop::named_sync<kBarFull, kHandoff>();  // the consumers have staged the tile
+        finish_tile(staging, tid - 32, img, h0, w0, n0, a);
+        // The staging tile is free (the consumers wait for this before their next tile's).
+        if (tile + static_cast<int>(gridDim.x) < n_tiles) hop::named_arrive<kBarEmpty, kHandoff>();
       }
     }
   } else {  // consumers: tile rows 64 * (wg - 1) .. + 64
@@ -134,7 +213,9 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
       }
       hop::wgmma_wait<0>();
       release((it - 1) % kStages);
-      conv_epilogue(d, half, tid, img, h0, w0, n0, a);
+      if (tile != static_cast<int>(blockIdx.x)) hop::named_sync<kBarEmpty, kHandoff>();  // the last tile is out
+      stage_tile(d, staging, half, tid, n0);
+      hop::named_arrive<kBarFull, kHandoff>();  // the epilogue warps take it from here
     }
   }
 }
