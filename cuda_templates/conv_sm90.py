@@ -16,8 +16,8 @@ channels, persistent over tiles, 384 threads):
   input channels, 32 in float32: 128 bytes) it copies by TMA the patch of input pixels
   that tap reads (a 4-D box of the channels-last input, shifted by the tap; coordinates
   outside the image read zeros, which is the conv's zero padding, and channels past C_in
-  too) and the tap's weights (a 3-D box of [C_out, taps, C_in]: its channels past C_in
-  read zeros as well, so a k-step never mixes two taps). Both land as rows of 128 bytes
+  too) and the tap's weights (a 3-D box of [C_out, taps, C_in'], C_in' padded with zeros
+  by the launcher to whole k-steps, so a k-step never mixes two taps). Both land as rows of 128 bytes
   in the 128-byte swizzle, the layout of the in-kernel GEMM's tiles, in a ring of stages;
 - warpgroups 1 and 2 are the consumers: wgmma m64nBNk16 (k8 in TF32), float32
   accumulators, rounded to the output type (what the library conv's output holds) into a
@@ -128,6 +128,7 @@ constexpr int kKH = $kh, kKW = $kw, kPH = $ph, kPW = $pw, kTaps = kKH * kKW;
 constexpr int kHo = $ho, kWo = $wo;
 constexpr long long kPlane = static_cast<long long>(kHo) * kWo;
 constexpr int kCBlocks = (kCin + kBK - 1) / kBK;  // k-steps a tap
+constexpr int kCinPad = kCBlocks * kBK;  // the weight's input channels, padded with zeros by the launcher
 constexpr int kKSteps = kTaps * kCBlocks;
 constexpr int kTilesN = static_cast<int>((kChannels + kBN - 1) / kBN);
 constexpr int kTilesPerImage = (kHo + kTH - 1) / kTH * ((kWo + kTW - 1) / kTW) * kTilesN;
@@ -160,8 +161,9 @@ int conv_launch(const Args& a, int device, cudaStream_t stream) {
                                    static_cast<cuuint64_t>(kH) * kW * kCin * kElem};
   const cuuint32_t x_box[4] = {kBK, kTW, kTH, 1};
   if (int e = hop::encode_map<T>(&map_x, a.x, 4, x_dims, x_strides, x_box)) return e;
-  const cuuint64_t w_dims[3] = {kCin, kTaps, static_cast<cuuint64_t>(kChannels)};
-  const cuuint64_t w_strides[2] = {static_cast<cuuint64_t>(kCin) * kElem, static_cast<cuuint64_t>(kTaps) * kCin * kElem};
+  const cuuint64_t w_dims[3] = {kCinPad, kTaps, static_cast<cuuint64_t>(kChannels)};
+  const cuuint64_t w_strides[2] = {static_cast<cuuint64_t>(kCinPad) * kElem,
+                                   static_cast<cuuint64_t>(kTaps) * kCinPad * kElem};
   const cuuint32_t w_box[3] = {kBK, 1, kBN};
   if (int e = hop::encode_map<T>(&map_w, a.w, 3, w_dims, w_strides, w_box)) return e;
   static int sms[64] = {};

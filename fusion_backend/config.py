@@ -36,6 +36,9 @@ class Config:
             matmul precision allows it): "auto" (the default: 16-bit pointwise chains and
             row reductions, float32 row reductions, at the calls whose rows fill the GPU
             with tiles), "on" (every chain the kernel covers, every call) or "off".
+        in_kernel_conv: whether a 2-D stride-1 conv that the direct conv does not take
+            runs, with a pointwise chain, in one kernel that also computes the conv, on
+            sm_90 (FUSEDEPI_IN_KERNEL_CONV=1; off by default: README "In-kernel conv").
         native_launcher: launch fused ops on CUDA from C++ (FUSEDEPI_NATIVE_LAUNCHER,
             default on): built once per torch version at the first compile of a CUDA
             chain, then loaded for the rest of the process.
@@ -67,6 +70,7 @@ class Config:
     log_level: str
     cpu_reference: bool
     in_kernel_gemm: str = "auto"
+    in_kernel_conv: bool = False
     native_launcher: bool = True
     pad_gemm: str = "auto"
     conv_channels_last: str = "auto"
@@ -111,6 +115,7 @@ def load_config(environ=None) -> Config:
         log_level=level,
         cpu_reference=_switch("FUSEDEPI_CPU_REFERENCE", env.get("FUSEDEPI_CPU_REFERENCE", ""), False),
         in_kernel_gemm=_tristate("FUSEDEPI_IN_KERNEL_GEMM", env.get("FUSEDEPI_IN_KERNEL_GEMM", "")),
+        in_kernel_conv=_switch("FUSEDEPI_IN_KERNEL_CONV", env.get("FUSEDEPI_IN_KERNEL_CONV", ""), False),
         native_launcher=_switch("FUSEDEPI_NATIVE_LAUNCHER", env.get("FUSEDEPI_NATIVE_LAUNCHER", ""), True),
         pad_gemm=_tristate("FUSEDEPI_PAD_GEMM", env.get("FUSEDEPI_PAD_GEMM", "")),
         conv_channels_last=_tristate("FUSEDEPI_CONV_CHANNELS_LAST", env.get("FUSEDEPI_CONV_CHANNELS_LAST", "")),

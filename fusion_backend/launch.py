@@ -217,7 +217,8 @@ class Launcher:
 def channels_last_operands(operands: list[torch.Tensor], spec: EpilogueSpec) -> list[torch.Tensor]:
     """The in-kernel conv's x and weight in the memory order its tensor maps read: x
     [rows, C_in, H, W] channels-last, the weight [C_out, C_in, kh, kw] as [C_out, kh, kw,
-    C_in] contiguous, each 16-byte aligned.
+    C_in'] contiguous (C_in' = C_in padded with zeros to whole k-steps), each 16-byte
+    aligned.
 
     Raises:
         RuntimeError: x or the weight is not of the shape the kernel was built for.
@@ -230,7 +231,12 @@ def channels_last_operands(operands: list[torch.Tensor], spec: EpilogueSpec) -> 
     x = x.contiguous(memory_format=torch.channels_last)
     if x.data_ptr() % 16:
         x = x.clone(memory_format=torch.channels_last)
-    return [x, wt.permute(0, 2, 3, 1).contiguous()]
+    # The weight's input channels padded with zeros to whole k-steps: its boxes never
+    # reach past a row's end.
+    step = cuda_templates.conv_sm90.block_k(spec.dtype)
+    padded = wt.new_zeros((spec.channels, kh, kw, -(-cin // step) * step))
+    padded[..., :cin] = wt.permute(0, 2, 3, 1)
+    return [x, padded]
 
 
 def check_devices(inputs: list[torch.Tensor], device_index: int, fusion: str) -> None:

@@ -206,7 +206,7 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
     try:
         tf32 = ops.matmul_allows_tf32()
         chains, refusals = match_graph(gm.graph, cfg.disabled, cfg.cpu_reference, matmul_tf32=tf32,
-                                       in_kernel_gemm=cfg.in_kernel_gemm)
+                                       in_kernel_gemm=cfg.in_kernel_gemm, in_kernel_conv=cfg.in_kernel_conv)
     except Exception as err:  # a matcher bug must not stop the user's model
         if cfg.strict:
             raise FusionError(f"fusedepi: matching failed: {err}") from err

@@ -1097,11 +1097,12 @@ def auto_takes_gemm(steps, dtype: torch.dtype, matmul_tf32: bool) -> bool:
     return True
 
 
-def _match_anchor(node: Node, direct_conv: bool = True, direct_gemm: bool = False):
+def _match_anchor(node: Node, direct_conv: bool = True, direct_gemm: bool = False, implicit_conv: bool = False):
     """Returns (Anchor, operand nodes) for an anchor node, else None.
 
-    direct_conv: mark 2-D stride-1 convolutions as candidates for the in-kernel conv.
+    direct_conv: mark 2-D stride-1 convolutions as candidates for the direct conv.
     direct_gemm: mark x @ w^T products (a Linear's) as candidates for the in-kernel GEMM.
+    implicit_conv: mark those convolutions as candidates for the in-kernel conv too.
     """
     if node.op != "call_function":
         return None
@@ -1120,7 +1121,8 @@ def _match_anchor(node: Node, direct_conv: bool = True, direct_gemm: bool = Fals
         conv = (tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(out_pad), groups)
         operands = [x, w] + ([b] if b is not None else [])
         direct = _direct_conv(x, w, conv) if direct_conv and not transposed else ()
-        return Anchor("conv", has_bias=b is not None, conv=conv, direct=direct), operands
+        return Anchor("conv", has_bias=b is not None, conv=conv, direct=direct,
+                      implicit=bool(direct) and implicit_conv), operands
     return None
 
 
@@ -1459,7 +1461,7 @@ def restore_batch_one_bmm(graph: torch.fx.Graph) -> None:
 
 
 def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, matmul_tf32=False,
-                backward=frozenset(), in_kernel_gemm="auto"):
+                backward=frozenset(), in_kernel_gemm="auto", in_kernel_conv=False):
     """Finds every fusible chain in `graph`.
 
     Args:
@@ -1475,6 +1477,8 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
         in_kernel_gemm: which Linear products to mark as candidates for the in-kernel
             GEMM (FUSEDEPI_IN_KERNEL_GEMM, see the README): "auto", those
             `auto_takes_gemm` keeps (measured faster or level there); "on", all; "off", none.
+        in_kernel_conv: mark direct-conv candidates for the in-kernel conv as well
+            (FUSEDEPI_IN_KERNEL_CONV; `Anchor.implicit`).
 
     Returns:
         (chains, refusals): chains to rewrite, and candidates that were refused. The
@@ -1487,7 +1491,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
     for node in list(graph.nodes):
         try:
             found = _match_anchor(node, direct_conv="direct_conv" not in disabled,
-                                  direct_gemm=in_kernel_gemm != "off")
+                                  direct_gemm=in_kernel_gemm != "off", implicit_conv=in_kernel_conv)
         except Refuse as err:
             refusals.append(Refusal(node.name, [node.name], str(err)))
             continue

@@ -61,6 +61,9 @@ class Anchor:
             cuBLAS's fast kernels need 16-byte aligned rows); the anchor output then has
             rows of n_to elements, of which the first N are the product. Empty: as the
             graph has it. The backend sets it (`fusion_backend.forms`).
+        implicit: conv with `direct` only: the in-kernel conv (an implicit GEMM on sm_90,
+            `cuda_templates.conv_gemm_plan`) may compute it where the direct conv does
+            not (FUSEDEPI_IN_KERNEL_CONV=1; off by default).
         channels_last: a library conv (2-D or 3-D) run on channels-last operands, where
             cuDNN has faster kernels for them: its output is then [rows, inner, channels]
             in memory, which the epilogue kernel reads and writes out in the graph's
@@ -74,6 +77,7 @@ class Anchor:
     gemm: tuple = ()
     pad: tuple = ()
     channels_last: bool = False
+    implicit: bool = False
 
     def direct_out_hw(self) -> tuple[int, int]:
         """Output (H, W) of a direct-conv candidate (stride 1, dilation 1)."""

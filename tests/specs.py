@@ -161,6 +161,12 @@ def direct_specs(dtype="float32"):
     }
 
 
+def _implicit(pad, direct):
+    """A conv anchor the in-kernel conv may compute (FUSEDEPI_IN_KERNEL_CONV=1)."""
+    return Anchor("conv", has_bias=False, conv=((1, 1), (pad, pad), (1, 1), False, (0, 0), 1), direct=direct,
+                  implicit=True)
+
+
 def conv_gemm_specs(dtype="bfloat16"):
     """Convs the in-kernel conv computes (`conv_gemm_plan`): more output channels than
     the direct conv takes; padding, a tile wider than the output, two channel tiles,
@@ -169,18 +175,18 @@ def conv_gemm_specs(dtype="bfloat16"):
     p = (dtype,)
     return {
         "igemm_relu_bias_64_128": EpilogueSpec(  # conv2d_relu_bias: 62 x 62 output
-            _direct(0, (64, 3, 3, 64, 64)), (Step("relu"), Step("add", inputs=(0,), operand=CHANNEL)),
+            _implicit(0, (64, 3, 3, 64, 64)), (Step("relu"), Step("add", inputs=(0,), operand=CHANNEL)),
             dtype, p, 128, 62 * 62, "conv_pointwise",
         ),
         "igemm_pad1_gelu_96": EpilogueSpec(  # 96 channels, padding 1, width 13
-            _direct(1, (32, 3, 3, 9, 13)), (_bias(0), Step("gelu")), dtype, p, 96, 9 * 13, "conv_pointwise",
+            _implicit(1, (32, 3, 3, 9, 13)), (_bias(0), Step("gelu")), dtype, p, 96, 9 * 13, "conv_pointwise",
         ),
         "igemm_cin8_k5_320": EpilogueSpec(  # 8 input channels, two channel tiles of 160
-            _direct(2, (8, 5, 5, 20, 140)), (Step("silu"), Step("mul", consts=(2.0,), operand=SCALAR)),
+            _implicit(2, (8, 5, 5, 20, 140)), (Step("silu"), Step("mul", consts=(2.0,), operand=SCALAR)),
             dtype, p, 320, 20 * 140, "conv_pointwise",
         ),
         "igemm_1x1_residual": EpilogueSpec(  # a 1 x 1 conv, then + a full-shape residual
-            _direct(0, (72, 1, 1, 7, 33)), (_bias(0), Step("add", inputs=(1,), operand=FULL), Step("relu")),
+            _implicit(0, (72, 1, 1, 7, 33)), (_bias(0), Step("add", inputs=(1,), operand=FULL), Step("relu")),
             dtype, p * 2, 64, 7 * 33, "conv_pointwise",
         ),
     }

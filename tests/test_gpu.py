@@ -1123,8 +1123,9 @@ def test_direct_conv_nan_and_zero_batch(exact_float32):
     assert empty.shape == (0, 16, 8, 256)
 
 
-# The in-kernel conv (an implicit GEMM on sm_90, cuda_templates/conv_sm90.py): convs the
-# direct conv does not take (more than 32 output channels in 16-bit) with pointwise chains.
+# The in-kernel conv (an implicit GEMM on sm_90, cuda_templates/conv_sm90.py; opt-in,
+# FUSEDEPI_IN_KERNEL_CONV=1): convs the direct conv does not take (more than 32 output
+# channels in 16-bit) with pointwise chains.
 IN_KERNEL_CONVS = {
     # name: (cin, cout, k, padding, input shape); each a tiling corner
     "c64_to_128_k3": (64, 128, 3, 0, (2, 64, 20, 70)),  # patches of 2 x 64, partial ones at the edges
@@ -1142,10 +1143,11 @@ def _needs_sm90():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("name", list(IN_KERNEL_CONVS))
-def test_in_kernel_conv(name, dtype, exact_float32):
+def test_in_kernel_conv(name, dtype, exact_float32, monkeypatch):
     # 16-bit at eager's error; float32 only where cuDNN may use TF32, at TF32's error.
     # Then TF32 switched off without recompiling: the next call does not run it.
     _needs_sm90()
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
     cin, cout, k, padding, shape = IN_KERNEL_CONVS[name]
     model = _ConvChain(cin, cout, k, padding, 0).cuda().to(dtype)
     x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
@@ -1184,8 +1186,9 @@ class _ConvResidual(nn.Module):
         return torch.relu(self.conv(x) + residual)
 
 
-def test_in_kernel_conv_residual_nan_and_zero_batch(exact_float32):
+def test_in_kernel_conv_residual_nan_and_zero_batch(exact_float32, monkeypatch):
     _needs_sm90()
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
     model = _ConvResidual(16, 64).cuda().bfloat16()
     x = torch.rand(3, 16, 11, 45, device="cuda", dtype=torch.bfloat16)
     residual = torch.randn(3, 64, 11, 45, device="cuda", dtype=torch.bfloat16)

@@ -581,6 +581,20 @@ def test_other_convs_use_the_library_conv(conv):
     torch.testing.assert_close(out, model(x))
 
 
+@pytest.mark.parametrize("setting, implicit", [(None, False), ("1", True), ("0", False)])
+def test_the_in_kernel_conv_is_opt_in(setting, implicit, monkeypatch):
+    import json
+
+    if setting is not None:
+        monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", setting)
+    model = nn.Sequential(nn.Conv2d(8, 64, 3), nn.ReLU())
+    x = torch.randn(2, 8, 10, 10)
+    out, fused, _ = compile_records(model, x)
+    anchor = json.loads(fused[0].spec)["anchor"]
+    assert anchor["implicit"] is implicit and anchor["direct"] == [8, 3, 3, 10, 10]
+    torch.testing.assert_close(out, model(x))
+
+
 def test_direct_conv_can_be_disabled(monkeypatch):
     import json
 

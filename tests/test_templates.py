@@ -608,9 +608,15 @@ def test_in_kernel_conv_plans_and_names(name):
 
 def test_in_kernel_conv_refuses_what_it_does_not_cover():
     base = CONV_GEMM_SPECS["igemm_relu_bias_64_128-bfloat16"]
-    direct = direct_specs("bfloat16")["direct_pointwise_cin8"]  # 16 output channels: the direct conv's
+
+    def implicit(spec):
+        return replace(spec, anchor=replace(spec.anchor, implicit=True))
+
+    off = replace(base, anchor=replace(base.anchor, implicit=False))  # FUSEDEPI_IN_KERNEL_CONV unset
+    assert "FUSEDEPI_IN_KERNEL_CONV" in cuda_templates.conv_gemm_plan(off, "sm90")
+    direct = implicit(direct_specs("bfloat16")["direct_pointwise_cin8"])  # 16 output channels: the direct conv's
     assert "direct conv covers" in cuda_templates.conv_gemm_plan(direct, "sm90")
-    norm = direct_specs("bfloat16")["direct_groupnorm_cpg16_two_column_tiles"]
+    norm = implicit(direct_specs("bfloat16")["direct_groupnorm_cpg16_two_column_tiles"])
     assert "not implemented" in cuda_templates.conv_gemm_plan(norm, "sm90")
     odd_cin = replace(base, anchor=replace(base.anchor, direct=(60, 3, 3, 64, 64)))
     assert "multiples of 8" in cuda_templates.conv_gemm_plan(odd_cin, "sm90")

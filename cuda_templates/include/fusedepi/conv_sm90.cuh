@@ -4,7 +4,7 @@
 // Included by the rendered file (cuda_templates/conv_sm90.py, CONV_KERNELS) inside its
 // anonymous namespace, after the file has defined what this code reads:
 //   T, Args (x: the input [rows, H, W, C_in] in memory, w: the weight [kChannels, kTaps,
-//   C_in]), stage0_chan, stage0_chan_of, stage0_at, kChannels (KERNEL_FILE and
+//   kCinPad]), stage0_chan, stage0_chan_of, stage0_at, kChannels (KERNEL_FILE and
 //   CONV_KERNELS' constants: kBM, kBN, kBK, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
 //   kHo, kWo, kCBlocks, kTilesN, kTileA, kTileB, kMmaK, wgmma_n), and hopper.cuh.
 // It is not a standalone header: those constants differ per file.
@@ -131,7 +131,7 @@ __device__ __forceinline__ void finish_tile(const uint8_t* staging, int et, int 
 
 // The kernel's body (the file's __global__ wrapper calls it with its __grid_constant__
 // tensor maps): map_x over x [rows, H, W, C_in] (dims C_in, W, H, rows), map_w over w
-// [kChannels, kTaps, C_in] (dims C_in, kTaps, kChannels). Warpgroup 0's first thread
+// [kChannels, kTaps, kCinPad] (dims kCinPad, kTaps, kChannels). Warpgroup 0's first thread
 // loads, by TMA, for each k-step (tap, channel block) the patch of input pixels that tap
 // reads (coordinates shifted by the tap, zeros past the image: the conv's padding) and
 // the tap's weights; warpgroups 1 and 2 multiply (wgmma) and stage the tile, then go on
