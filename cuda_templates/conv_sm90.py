@@ -16,7 +16,7 @@ channels, persistent over tiles, 384 threads):
   input channels, 32 in float32: 128 bytes) it copies by TMA the patch of input pixels
   that tap reads (a 4-D box of the channels-last input, shifted by the tap; coordinates
   outside the image read zeros, which is the conv's zero padding, and channels past C_in
-  too) and the tap's weights (a 3-D box of [C_out, taps, C_in'], C_in' padded with zeros
+  too) and the tap's weights (a 2-D box of [C_out, taps x C_in'], C_in' padded with zeros
   by the launcher to whole k-steps, so a k-step never mixes two taps). Both land as rows of 128 bytes
   in the 128-byte swizzle, the layout of the in-kernel GEMM's tiles, in a ring of stages;
 - warpgroups 1 and 2 are the consumers: wgmma m64nBNk16 (k8 in TF32), float32
@@ -116,6 +116,7 @@ def wgmma_asm(dtype: str, n: int) -> str:
 #   $pw         the padding of the width
 #   $ho         the output's height
 #   $wo         the output's width
+#   $row_reads  "true" when a step reads a full-shape operand (a residual)
 #   $wgmma      the wgmma_asm() statement
 CONV_KERNELS = Template(
     r"""// In-kernel conv (cuda_templates/conv_sm90.py): out = chain(conv2d(x, w)), an implicit GEMM.
@@ -126,6 +127,7 @@ constexpr int kTH = $th, kTW = $tw;  // the tile's output pixels: kTH rows of kT
 constexpr int kCin = $cin, kH = $h, kW = $w;
 constexpr int kKH = $kh, kKW = $kw, kPH = $ph, kPW = $pw, kTaps = kKH * kKW;
 constexpr int kHo = $ho, kWo = $wo;
+constexpr bool kRowReads = $row_reads;  // a step reads a tensor per element (vector loads at aligned places)
 constexpr long long kPlane = static_cast<long long>(kHo) * kWo;
 constexpr int kCBlocks = (kCin + kBK - 1) / kBK;  // k-steps a tap
 constexpr int kCinPad = kCBlocks * kBK;  // the weight's input channels, padded with zeros by the launcher
@@ -161,11 +163,7 @@ int conv_launch(const Args& a, int device, cudaStream_t stream) {
                                    static_cast<cuuint64_t>(kH) * kW * kCin * kElem};
   const cuuint32_t x_box[4] = {kBK, kTW, kTH, 1};
   if (int e = hop::encode_map<T>(&map_x, a.x, 4, x_dims, x_strides, x_box)) return e;
-  const cuuint64_t w_dims[3] = {kCinPad, kTaps, static_cast<cuuint64_t>(kChannels)};
-  const cuuint64_t w_strides[2] = {static_cast<cuuint64_t>(kCinPad) * kElem,
-                                   static_cast<cuuint64_t>(kTaps) * kCinPad * kElem};
-  const cuuint32_t w_box[3] = {kBK, 1, kBN};
-  if (int e = hop::encode_map<T>(&map_w, a.w, 3, w_dims, w_strides, w_box)) return e;
+  if (int e = hop::encode_map_2d<T>(&map_w, a.w, kChannels, kTaps * kCinPad, kBN, kBK)) return e;
   static int sms[64] = {};
   if (device >= 64) return static_cast<int>(cudaErrorInvalidDevice);
   if (sms[device] == 0) {  // once a device: the shared-memory limit, and the SM count

@@ -5,7 +5,7 @@
 // anonymous namespace, after the file has defined what this code reads:
 //   T, Args (x: the input [rows, H, W, C_in] in memory, w: the weight [kChannels, kTaps,
 //   kCinPad]), stage0_chan, stage0_chan_of, stage0_at, kChannels (KERNEL_FILE and
-//   CONV_KERNELS' constants: kBM, kBN, kBK, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
+//   CONV_KERNELS' constants: kRowReads,: kBM, kBN, kBK, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
 //   kHo, kWo, kCBlocks, kTilesN, kTileA, kTileB, kMmaK, wgmma_n), and hopper.cuh.
 // It is not a standalone header: those constants differ per file.
 #pragma once
@@ -116,9 +116,9 @@ __device__ __forceinline__ void finish_tile(const uint8_t* staging, int et, int 
     const long long i = (static_cast<long long>(img) * kChannels + col) * kPlane + ph * kWo + pw;
     const stage0_chan k = stage0_chan_of(a, col);
     const int n = kWo - pw < kOutV ? kWo - pw : kOutV;
-    if (n == kOutV) {
+    if (n == kOutV && (!kRowReads || i % kOutV == 0)) {
       stage0_at<kOutV>(x, k, i, a);
-    } else {  // the output's last pixels of a row: a residual is read no further than they go
+    } else {  // a residual is read in whole vectors at aligned places only, and no further than the row goes
       for (int e = 0; e < n; ++e) {
         float y[1] = {x[e]};
         stage0_at<1>(y, k, i + e, a);
@@ -131,7 +131,7 @@ __device__ __forceinline__ void finish_tile(const uint8_t* staging, int et, int 
 
 // The kernel's body (the file's __global__ wrapper calls it with its __grid_constant__
 // tensor maps): map_x over x [rows, H, W, C_in] (dims C_in, W, H, rows), map_w over w
-// [kChannels, kTaps, kCinPad] (dims kCinPad, kTaps, kChannels). Warpgroup 0's first thread
+// [kChannels, kTaps x kCinPad]. Warpgroup 0's first thread
 // loads, by TMA, for each k-step (tap, channel block) the patch of input pixels that tap
 // reads (coordinates shifted by the tap, zeros past the image: the conv's padding) and
 // the tap's weights; warpgroups 1 and 2 multiply (wgmma) and stage the tile, then go on
@@ -171,7 +171,7 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
           if (it >= kStages) hop::mbar_wait(&empty[s], ((it / kStages) + 1) & 1);
           hop::mbar_expect_tx(&full[s], kTileA + kTileB);
           hop::tma_load_4d(tiles_a + s * kTileA, &map_x, &full[s], c0, w0 + tap % kKW - kPW, h0 + tap / kKW - kPH, img);
-          hop::tma_load_3d(tiles_b + s * kTileB, &map_w, &full[s], c0, tap, n0);
+          hop::tma_load_2d(tiles_b + s * kTileB, &map_w, &full[s], tap * kCinPad + c0, n0);
         }
       }
     } else if (tid >= 32) {  // the epilogue warps
