@@ -579,14 +579,17 @@ CONV_GEMM_SPECS = {
 
 @pytest.mark.parametrize("name", list(CONV_GEMM_SPECS))
 def test_in_kernel_conv_plans_and_names(name):
+    from cuda_templates import conv_sm90
+
     spec = CONV_GEMM_SPECS[name]
     c = cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True)
     assert isinstance(c, cuda_templates.ConvGemmPlan), c
     # Channel tiles of at most 256, in 8s, as few as cover C_out; a 128-pixel patch at
     # least as wide as the output (8 to 128).
-    widest = 256 if spec.dtype != "float32" else 128  # the staging tile's bytes
+    widths = conv_sm90.BLOCK_N[2 if spec.dtype != "float32" else 4]  # the widths checked on a GPU
     tiles = -(-spec.channels // c.block_n)
-    assert c.block_n % 8 == 0 and c.block_n <= widest and tiles == -(-spec.channels // widest)
+    assert c.block_n in widths and tiles == -(-spec.channels // widths[-1])
+    assert c.block_n == min(n for n in widths if n * tiles >= spec.channels)
     assert c.stages >= 3
     ho, wo = spec.anchor.direct_out_hw()
     assert c.tile_h * c.tile_w == 128 and c.tile_w >= min(wo, 128) and (c.tile_w == 8 or c.tile_w < 2 * wo)
