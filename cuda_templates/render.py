@@ -222,7 +222,10 @@ def channels_last_plan(spec: EpilogueSpec) -> Plan | str:
     """The mapping of `spec`'s epilogue on a channels-last y (the `conv_layout` form), or
     the reason there is none: a reduction over the channels reads it a pixel a thread, a
     pooling window an output element a thread; every other chain stages images
-    (`staged_plan`)."""
+    (`staged_plan`). None returns values saved for backward: the anchor output among
+    them would be handed on channels-last, where the graph expects its own layout."""
+    if spec.saves:
+        return "it returns values saved for backward, which are read in the graph's layout"
     red = spec.reduction
     if red is not None and red.name in CHANNEL_REDUCTIONS + CHANNEL_NORMS:
         return _pixels_plan(spec)

@@ -227,6 +227,15 @@ def test_channels_last_pooling_windows_tile_what_shared_memory_holds():
     assert plan(replace(wide, anchor=CONV)).pool  # NCHW: no tile
 
 
+def test_no_channels_last_form_returns_values_saved_for_backward():
+    # A training graph's saved anchor output would leave the fused op channels-last,
+    # where the graph (and the op's fake) has it contiguous.
+    spec = replace(vocabulary_specs()["channel_amax_96x900"], anchor=CHANNELS_LAST)
+    assert cuda_templates.channels_last_plan(spec).pixels
+    saved = replace(spec, saves=(Save("value", spec.dtype, (-1, 96, 30, 30), 96 * 900, at=0),))
+    assert "saved for backward" in cuda_templates.channels_last_plan(saved)
+
+
 def test_row_reduction_too_long_is_not_renderable():
     spec = workload_specs("float32")["w2_logsumexp"]
     long_row = EpilogueSpec(spec.anchor, spec.steps, spec.dtype, (), 1 << 20, 1, spec.fusion)
