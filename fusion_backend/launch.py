@@ -160,7 +160,7 @@ class Launcher:
             y = torch.empty_like(out) if self.stores_pre_norm else out
         elif self.anchor_path == "in-kernel conv":
             # The implicit GEMM reads x channels-last ([rows, H, W, C_in] in memory) and the
-            # weight as [C_out, kh, kw, C_in], both by TMA (16-byte aligned).
+            # weight as [C_out, kh, kw, C_in'], both by TMA (`channels_last_operands`).
             anchor_operands = channels_last_operands(anchor_operands, self.spec)
             x = anchor_operands[0]
             out = y = x.new_empty((x.shape[0], self.spec.channels, *self.spec.anchor.direct_out_hw()))
