@@ -145,3 +145,24 @@ def test_in_kernel_anchors_check_the_sizes_they_were_built_for():
     launch.check_anchor_operands([torch.zeros(2, 4, 10, 10), torch.zeros(8, 4, 3, 3)], conv, "direct conv")
     with pytest.raises(RuntimeError, match="anchor operand 0 is"):
         launch.check_anchor_operands([torch.zeros(2, 4, 10, 11), torch.zeros(8, 4, 3, 3)], conv, "direct conv")
+
+
+@pytest.mark.parametrize("dtype, cin, padded", [("bfloat16", 20, 64), ("float32", 40, 64), ("float16", 64, 64)])
+def test_the_in_kernel_conv_reads_its_operands_in_its_own_layout(dtype, cin, padded):
+    """The in-kernel conv's operands, as the launcher hands them to its tensor maps: x
+    channels-last, the weight [C_out, kh, kw, C_in'] with C_in' padded with zeros to whole
+    k-steps (64 16-bit or 32 float32 channels), values unchanged; a shape other than the
+    kernel's raises before any kernel runs."""
+    anchor = Anchor("conv", conv=((1, 1), (1, 1), (1, 1), False, (0, 0), 1), direct=(cin, 3, 3, 6, 7), implicit=True)
+    spec = EpilogueSpec(anchor, (Step("relu"),), dtype, (), 16, 42, "conv_pointwise")
+    t = getattr(torch, dtype)
+    x, w = torch.randn(2, cin, 6, 7).to(t), torch.randn(16, cin, 3, 3).to(t)
+    launch.check_anchor_operands([x, w], spec, "in-kernel conv")
+    xc, wp = launch.channels_last_operands([x, w], spec)
+    assert xc.is_contiguous(memory_format=torch.channels_last) and torch.equal(xc, x)
+    assert wp.shape == (16, 3, 3, padded) and wp.is_contiguous()
+    assert torch.equal(wp[..., :cin], w.permute(0, 2, 3, 1)) and not wp[..., cin:].any()
+    with pytest.raises(RuntimeError, match="the kernel was built for"):
+        launch.channels_last_operands([x.transpose(2, 3), w], spec)
+    with pytest.raises(RuntimeError, match="the kernel was built for"):
+        launch.channels_last_operands([x, w[:8]], spec)
