@@ -4,7 +4,7 @@
 #   bash benchmarks/device_run.sh quick          # tests + benchmark --quick
 #   bash benchmarks/device_run.sh bench [args]   # benchmark only, args passed on
 #   bash benchmarks/device_run.sh all [args]     # GPU test tier, then the benchmark with args
-#   bash benchmarks/device_run.sh ncu SKIP COUNT WORKLOAD PRECISION [--eval]  # ncu on fusedepi's kernels
+#   bash benchmarks/device_run.sh ncu SKIP COUNT NAME PRECISION [--eval]  # ncu on fusedepi's kernels (a workload or zoo model)
 #   bash benchmarks/device_run.sh fuzz MODELS FIRST WORKERS SECONDS [SEED [GENERATION]]  # GPU differential fuzzer
 #   bash benchmarks/device_run.sh fuzzgrad MODELS FIRST WORKERS SECONDS [SEED [GENERATION]]  # the same with backward
 #   bash benchmarks/device_run.sh backward [args]                            # training-step benchmark
@@ -36,10 +36,10 @@ fi
 if [ "$what" = ncu ]; then
   skip=$1 count=$2; shift 2
   log="$OUT/ncu_$(echo "$*" | tr ' ' '_' | tr -d '-').log"
-  /usr/local/cuda/bin/ncu --kernel-name regex:_sm[0-9]+_ --launch-skip "$skip" --launch-count "$count" \
+  /usr/local/cuda/bin/ncu --kernel-name regex:_sm[0-9]+a?_ --launch-skip "$skip" --launch-count "$count" \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
     --section MemoryWorkloadAnalysis --section WarpStateStats python3 -m benchmarks.once "$@" >"$log" 2>&1 || status=1
-  grep -E "_sm[0-9]+_|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Grid Size|Block Size|Stall|Issue Slots Busy|Waves Per SM" "$log" | grep -v "^==PROF==" | head -80
+  grep -E "_sm[0-9]+a?_|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Grid Size|Block Size|Stall|Issue Slots Busy|Waves Per SM" "$log" | grep -v "^==PROF==" | head -80
 fi
 if [ "$what" = fuzz ] || [ "$what" = fuzzgrad ]; then
   models=$1 first=$2 workers=$3 limit=$4 seed=${5:-0} generation=${6:-1}

@@ -29,6 +29,16 @@ def test_list_prints_one_name_a_line():
     assert out.stdout.split() == list(zoo.BY_NAME)
 
 
+def test_the_ncu_target_takes_zoo_models_as_well_as_workloads():
+    from benchmarks import once
+
+    model, x = once.model_and_input("conv2d_relu", torch.bfloat16, train=True, device="cpu")
+    assert model.training and x.shape == zoo.BY_NAME["conv2d_relu"].shape and x.dtype == torch.bfloat16
+    assert next(model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(SystemExit):  # argparse: neither a workload nor a zoo model
+        once.main(["no_such_model", "bf16"])
+
+
 def _row(model, dtype, gpu_ratio, ratio, fused=()):
     return {"model": model, "dtype": dtype, "inductor_gpu_ms": gpu_ratio * 0.1, "fusedepi_gpu_ms": 0.1,
             "gpu_ratio": gpu_ratio, "ratio": ratio, "fused": list(fused), "refused": [] if fused else ["conv: why"]}
