@@ -44,6 +44,8 @@ fi
 if [ "$what" = fuzz ] || [ "$what" = fuzzgrad ]; then
   models=$1 first=$2 workers=$3 limit=$4 seed=${5:-0} generation=${6:-1}
   gargs=(); [ "$what" = fuzzgrad ] && gargs=(--grad)
+  # FUZZ_ARGS: more fuzzer flags, e.g. FUZZ_ARGS=--in-kernel-conv (or --in-kernel-gemm)
+  read -r -a extra <<<"${FUZZ_ARGS:-}"; gargs+=("${extra[@]}")
   FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 tests/fuzzer.py --device cuda \
     --models "$models" --first "$first" --workers "$workers" --seed "$seed" --time-limit "$limit" "${gargs[@]}" \
     --generation "$generation" \

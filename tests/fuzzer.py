@@ -15,12 +15,16 @@ model is "ill_conditioned". A model eager refuses to run must fail alike ("rejec
     python tests/fuzzer.py --device cuda --models 2000 --workers 12 --json fuzz.json
     python tests/fuzzer.py --bench 50                           # speed against Inductor (CUDA)
     python tests/fuzzer.py --device cuda --in-kernel-gemm --models 400 --workers 12
+    python tests/fuzzer.py --device cuda --in-kernel-conv --models 400 --workers 12
 
 `--in-kernel-gemm` draws Linear anchors of the in-kernel GEMM's shapes (N a multiple of
 256, K of 8; bf16, fp16, and on CUDA a third of them float32 under matmul precision
 "high", where the kernel computes in TF32) and runs them with FUSEDEPI_IN_KERNEL_GEMM=1, so that its
 kernel (sm_90) meets random chains; the default setting takes it only at row counts
-too large for the fuzzer.
+too large for the fuzzer. `--in-kernel-conv` likewise draws 2-D convs of the in-kernel
+conv's shapes (stride 1, input channels in 8s, 40-256 output channels in 8s; float32
+ones with `cudnn.allow_tf32`, for eager and fusedepi alike) and runs them with
+FUSEDEPI_IN_KERNEL_CONV=1 (opt-in, sm_90).
 
 On CPU the fused op runs its plain-torch reference (FUSEDEPI_CPU_REFERENCE=1): this
 checks matching and rewriting. On CUDA it runs the rendered kernels.
@@ -85,6 +89,8 @@ class Case:
             FUSEDEPI_IN_KERNEL_GEMM=1.
         tf32: a float32 model run under matmul precision "high" (TF32 allowed, for
             eager and fusedepi alike); only with `gemm`.
+        implicit: drawn for the in-kernel conv (`make_case`), and run with
+            FUSEDEPI_IN_KERNEL_CONV=1 (a float32 one with `cudnn.allow_tf32`).
     """
 
     index: int
@@ -97,6 +103,7 @@ class Case:
     generation: int = 1
     gemm: bool = False
     tf32: bool = False
+    implicit: bool = False
 
 
 # ------------------------------------------------------------------ generation
@@ -222,6 +229,17 @@ def _gemm_anchor(rng: random.Random) -> dict:
             "bias": rng.random() < 0.8}
 
 
+def _implicit_anchor(rng: random.Random) -> dict:
+    """A 2-D conv the in-kernel conv covers: stride 1, dilation 1, input channels in 8s,
+    more output channels than the direct conv takes; outputs narrower and wider than its
+    patches."""
+    kernel = rng.choice([1, 3, 3, 5])
+    return {"kind": "conv", "dims": 2, "batch": rng.randint(1, 4), "in": 8 * rng.randint(1, 10),
+            "out": 8 * rng.randint(5, 32), "spatial": [rng.randint(kernel, 24), rng.randint(kernel, 150)],
+            "kernel": kernel, "stride": 1, "padding": rng.choice([0, 1, 2]), "dilation": 1,
+            "bias": rng.random() < 0.8}
+
+
 def _step(rng: random.Random, ctx: dict) -> dict:
     """One random step valid for the chain's current value (`ctx`)."""
     channels = ctx["channels"]
@@ -328,15 +346,20 @@ def _conv_out_sizes(anchor: dict) -> list:
     return [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n in anchor["spatial"]]
 
 
-def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, gemm: bool = False) -> Case:
+def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, gemm: bool = False,
+              implicit: bool = False) -> Case:
     """The `index`-th random model of `seed` (a pure function of the two, `device`, the
-    generator's `generation` and `gemm`: a 16-bit Linear of the in-kernel GEMM's shapes,
-    drawn from a stream of its own)."""
-    rng = random.Random(f"{seed}/{index}/{device}" + ("/gemm" if gemm else ""))
+    generator's `generation`, `gemm`: a 16-bit Linear of the in-kernel GEMM's shapes, and
+    `implicit`: a conv of the in-kernel conv's; each drawn from a stream of its own)."""
+    rng = random.Random(f"{seed}/{index}/{device}" + ("/gemm" if gemm else "") + ("/implicit" if implicit else ""))
     # Whether a bmm is drawn comes from a stream of its own: the other models of a
     # generation that draws bmm anchors stay the ones the generation before drew.
-    bmm = generation >= BMM_GENERATION and not gemm and random.Random(f"{seed}/{index}/{device}/bmm").random() < 0.25
-    anchor = _gemm_anchor(rng) if gemm else _bmm_anchor(rng) if bmm else _anchor(rng)
+    bmm = (generation >= BMM_GENERATION and not gemm and not implicit
+           and random.Random(f"{seed}/{index}/{device}/bmm").random() < 0.25)
+    if implicit:
+        anchor = _implicit_anchor(rng)
+    else:
+        anchor = _gemm_anchor(rng) if gemm else _bmm_anchor(rng) if bmm else _anchor(rng)
     linear = anchor["kind"] == "linear"
     ctx = {
         "kind": "linear" if linear else "conv",
@@ -374,17 +397,21 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         ctx["earlier"] = 0 if op in shrinks + WINDOWS else ctx["earlier"] + 1
     if gemm:
         dtype = rng.choice(["bfloat16", "float16"]) if device == "cuda" else "bfloat16"
+    elif implicit:
+        # On the CPU float32: a 16-bit CPU conv rounds conv + bias once, where cuDNN's
+        # (through torch) and the fused op round the conv, then the sum.
+        dtype = rng.choice(["bfloat16", "float16"]) if device == "cuda" else "float32"
     elif device == "cuda":
         dtype = rng.choices(["float32", "bfloat16", "float16"], weights=[5, 3, 2])[0]
     else:
         dtype = rng.choices(["float32", "bfloat16"], weights=[4, 1])[0]
     training = rng.random() < 0.4
     # Drawn last, so that the models drawn before TF32 was added keep everything else.
-    tf32 = gemm and device == "cuda" and rng.random() < 1 / 3
+    tf32 = (gemm or implicit) and device == "cuda" and rng.random() < 1 / 3
     if tf32:
         dtype = "float32"
     return Case(index, seed, anchor, steps, dtype, training=training, in_vocabulary=in_vocabulary,
-                generation=generation, gemm=gemm, tf32=tf32)
+                generation=generation, gemm=gemm, tf32=tf32, implicit=implicit)
 
 
 # -------------------------------------------------------------------- models
@@ -648,6 +675,7 @@ class Result:
     finding: str = ""  # what failed the check
     fused_steps: list = field(default_factory=list)
     in_kernel: bool = False  # the fused op computed its GEMM (a wgmma kernel, not cuBLAS first)
+    in_kernel_conv: bool = False  # the fused op computed its conv as an implicit GEMM (an igemm kernel)
 
 
 def _outputs(model: nn.Module, fn, x, residual, upstream) -> list[torch.Tensor]:
@@ -692,6 +720,8 @@ def run_case(case: Case, device: str, grad: bool = False, draw: int = 0) -> Resu
         grad: also run backward and compare the gradients.
         draw: which random inputs (`make_inputs`); 0 is the Case's own.
     """
+    if case.implicit:
+        return _run_implicit(case, device, grad, draw)
     if not case.gemm:
         return _run_case(case, device, grad, draw)
     before = os.environ.get("FUSEDEPI_IN_KERNEL_GEMM")
@@ -707,6 +737,22 @@ def run_case(case: Case, device: str, grad: bool = False, draw: int = 0) -> Resu
             del os.environ["FUSEDEPI_IN_KERNEL_GEMM"]
         else:
             os.environ["FUSEDEPI_IN_KERNEL_GEMM"] = before
+
+
+def _run_implicit(case: Case, device: str, grad: bool, draw: int) -> Result:
+    """`_run_case` with the in-kernel conv on, and cuDNN's TF32 allowed for a `tf32` case."""
+    before = os.environ.get("FUSEDEPI_IN_KERNEL_CONV")
+    allow_tf32 = torch.backends.cudnn.allow_tf32
+    os.environ["FUSEDEPI_IN_KERNEL_CONV"] = "1"
+    torch.backends.cudnn.allow_tf32 = case.tf32
+    try:
+        return _run_case(case, device, grad, draw)
+    finally:
+        torch.backends.cudnn.allow_tf32 = allow_tf32
+        if before is None:
+            del os.environ["FUSEDEPI_IN_KERNEL_CONV"]
+        else:
+            os.environ["FUSEDEPI_IN_KERNEL_CONV"] = before
 
 
 def _run_case(case: Case, device: str, grad: bool, draw: int) -> Result:
@@ -754,6 +800,7 @@ def _run_case(case: Case, device: str, grad: bool, draw: int) -> Result:
     refused = [r for r in records if r.status == "refused"]
     result.fused_steps = [[s["name"] for s in json.loads(r.spec)["steps"]] for r in fused]
     result.in_kernel = any(r.kernel.startswith("wgmma") and "library GEMM first" not in r.kernel for r in fused)
+    result.in_kernel_conv = any(r.kernel.startswith("igemm") for r in fused)
     worst = 0
     tol = TF32_TOLERANCE if case.tf32 else TOLERANCE[case.dtype]
     if dropout:
@@ -842,8 +889,8 @@ def _setup_worker(device: str):
 
 
 def _work(args):
-    seed, index, device, grad, generation, gemm = args
-    return asdict(run_case(make_case(seed, index, device, generation, gemm), device, grad))
+    seed, index, device, grad, generation, gemm, implicit = args
+    return asdict(run_case(make_case(seed, index, device, generation, gemm, implicit), device, grad))
 
 
 def normalize_reason(reason: str) -> str:
@@ -871,13 +918,14 @@ def summarize(results: list[dict]) -> dict:
         "any_fusion": fusion["full"] + fusion["partial"],
         "in_kernel_gemm": sum(r.get("in_kernel", False) for r in results),
         "in_kernel_gemm_float32": sum(r.get("in_kernel", False) and r["dtype"] == "float32" for r in results),
+        "in_kernel_conv": sum(r.get("in_kernel_conv", False) for r in results),
         "reasons": dict(reasons.most_common()),
         "findings": [r for r in results if r["check"] in ("mismatch", "error")],
     }
 
 
 def run(seed: int, indices, device: str, workers: int = 1, progress=None, time_limit=None,
-        grad: bool = False, generation: int = 1, gemm: bool = False) -> list[dict]:
+        grad: bool = False, generation: int = 1, gemm: bool = False, implicit: bool = False) -> list[dict]:
     """Runs the cases `indices` of `seed`; returns their results (as dicts), in index order.
 
     Args:
@@ -887,8 +935,9 @@ def run(seed: int, indices, device: str, workers: int = 1, progress=None, time_l
         time_limit: seconds; models not finished by then are left out (the count says so).
         generation: the generator's vocabulary (`make_case`).
         gemm: draw the in-kernel GEMM's anchors and run them with it (`make_case`).
+        implicit: the same for the in-kernel conv.
     """
-    jobs = [(seed, i, device, grad, generation, gemm) for i in indices]
+    jobs = [(seed, i, device, grad, generation, gemm, implicit) for i in indices]
     results = []
     start = time.time()
     import multiprocessing
@@ -951,7 +1000,7 @@ def scale_case(case: Case, nbytes: int = BENCH_BYTES) -> Case:
         anchor["batch"] = max(BENCH_IMAGES, nbytes // (per_image * size))
         anchor["batch"] -= anchor["batch"] % anchor.get("heads", 1)  # whole heads
     return Case(case.index, case.seed, anchor, case.steps, case.dtype, case.training, case.in_vocabulary,
-                case.generation, case.gemm, case.tf32)
+                case.generation, case.gemm, case.tf32, case.implicit)
 
 
 def cpu_us(fn, calls: int = 200) -> float:
@@ -1105,6 +1154,9 @@ def main(argv=None):
     parser.add_argument("--in-kernel-gemm", action="store_true",
                         help="draw Linear anchors of the in-kernel GEMM's shapes (bf16, fp16, float32 in TF32), "
                              "run with FUSEDEPI_IN_KERNEL_GEMM=1")
+    parser.add_argument("--in-kernel-conv", action="store_true",
+                        help="draw 2-D conv anchors of the in-kernel conv's shapes (bf16, fp16, float32 with cuDNN's "
+                             "TF32), run with FUSEDEPI_IN_KERNEL_CONV=1")
     args = parser.parse_args(argv)
     if args.bench:
         out = bench(args.seed, args.bench, args.first, mode=args.mode, profile=args.profile,
@@ -1116,9 +1168,11 @@ def main(argv=None):
     indices = args.only if args.only else range(args.first, args.first + args.models)
     if args.only:
         for i in indices:
-            print(json.dumps(asdict(make_case(args.seed, i, args.device, args.generation, args.in_kernel_gemm))))
+            print(json.dumps(asdict(make_case(args.seed, i, args.device, args.generation, args.in_kernel_gemm,
+                                              args.in_kernel_conv))))
     results = run(args.seed, indices, args.device, args.workers, progress=max(1, len(indices) // 20),
-                  time_limit=args.time_limit, grad=args.grad, generation=args.generation, gemm=args.in_kernel_gemm)
+                  time_limit=args.time_limit, grad=args.grad, generation=args.generation, gemm=args.in_kernel_gemm,
+                  implicit=args.in_kernel_conv)
     summary = summarize(results)
     print(json.dumps({k: v for k, v in summary.items() if k != "findings"}, indent=1))
     print(f"{len(summary['findings'])} findings (printed above as they came)")
@@ -1126,6 +1180,7 @@ def main(argv=None):
         Path(args.json).write_text(json.dumps({"seed": args.seed, "device": args.device, "grad": args.grad,
                                                "generation": args.generation,
                                                "in_kernel_gemm": args.in_kernel_gemm,
+                                               "in_kernel_conv": args.in_kernel_conv,
                                                "summary": summary,
                                                "results": results}, indent=1))
     return 1 if summary["findings"] else 0

@@ -211,6 +211,33 @@ def test_in_kernel_gemm_fuzz_draws_tf32_models_on_cuda():
     assert all(r.check in ("ok", "rejected") for r in results), results
 
 
+def test_cpu_fuzz_of_in_kernel_conv_shapes():
+    # --in-kernel-conv: 2-D convs the in-kernel conv covers, a stream of their own, run
+    # with FUSEDEPI_IN_KERNEL_CONV=1 and, for float32, cuDNN's TF32 (on CPU the rewrite
+    # through references, in float32: a 16-bit CPU conv rounds conv + bias once, unlike
+    # cuDNN through torch and the fused op; the GPU fuzzer runs the kernel).
+    import dataclasses
+
+    cases = [fuzzer.make_case(0, i, "cuda", implicit=True) for i in range(60)]
+    assert all(c.implicit and not c.gemm and c.anchor["kind"] == "conv" and c.anchor["dims"] == 2 for c in cases)
+    assert all(c.anchor["in"] % 8 == 0 and c.anchor["out"] % 8 == 0 and c.anchor["out"] > 32 for c in cases)
+    assert all(c.anchor["stride"] == 1 and c.anchor["dilation"] == 1 for c in cases)
+    assert 10 <= sum(c.tf32 for c in cases) <= 30 and all(c.dtype == "float32" for c in cases if c.tf32)
+    plain = [fuzzer.make_case(0, i, "cuda") for i in range(60)]
+    assert sum(p.anchor == c.anchor and p.steps == c.steps for p, c in zip(plain, cases)) == 0  # a stream of its own
+    before = os.environ.get("FUSEDEPI_IN_KERNEL_CONV")
+    results = fuzzer.run(seed=0, indices=range(12), device="cpu", implicit=True)  # (its worker setup: TF32 off)
+    allow_tf32 = torch.backends.cudnn.allow_tf32
+    tf32 = fuzzer.run_case(dataclasses.replace(fuzzer.make_case(0, 0, "cpu", implicit=True), dtype="float32",
+                                               tf32=True), "cpu")
+    assert os.environ.get("FUSEDEPI_IN_KERNEL_CONV") == before  # the settings are the case's only
+    assert torch.backends.cudnn.allow_tf32 == allow_tf32
+    summary = fuzzer.summarize(results)
+    assert not summary["findings"] and tf32.check in ("ok", "rejected"), _shown(summary["findings"])
+    assert summary["fusion"].get("full", 0) >= 4, summary["reasons"]
+    assert summary["in_kernel_conv"] == 0  # no igemm kernel runs on CPU
+
+
 def test_cases_and_models_are_reproducible():
     a, b = fuzzer.make_case(7, 11), fuzzer.make_case(7, 11)
     assert a == b and a != fuzzer.make_case(7, 12)
