@@ -565,26 +565,32 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     return conv_sm90.tiling(spec.channels, wo, ITEMSIZE[spec.dtype])
 
 
+def anchor_plan(spec: EpilogueSpec, arch: str,
+                conv_tf32: bool = False) -> GemmPlan | conv_sm90.ConvGemmPlan | DirectPlan | None:
+    """Which of the file's own kernels computes the anchor, in the order they are tried:
+    the in-kernel GEMM, the in-kernel conv, the direct conv; None where the library
+    computes it before the epilogue kernel."""
+    for planned in (gemm_plan(spec, arch), conv_gemm_plan(spec, arch, conv_tf32), direct_plan(spec, arch, conv_tf32)):
+        if not isinstance(planned, str):
+            return planned
+    return None
+
+
 def kernel_name(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> str:
     """The spec's kernel name; "directconv" instead of "conv" when the kernel computes the
-    conv, and "_tf32" at the end when it does so in TF32; "wgmma128x256_" in front (the
-    tile) when it computes the GEMM, for the arch it is built for (sm90a)."""
-    gemm = gemm_plan(spec, arch)
-    if isinstance(gemm, GemmPlan):
-        return gemm.name(spec, arch)
-    conv = conv_gemm_plan(spec, arch, conv_tf32)
-    if isinstance(conv, conv_sm90.ConvGemmPlan):
-        return conv.name(spec, arch)
-    direct = direct_plan(spec, arch, conv_tf32)
-    return _direct_name(spec, arch, direct) if isinstance(direct, DirectPlan) else spec.kernel_name(arch)
+    conv, and "_tf32" at the end when it does so in TF32; "wgmma128x256_" or
+    "igemm128x<N>_" in front (the tile) when it computes the GEMM or the conv as one, for
+    the arch it is built for (sm90a)."""
+    planned = anchor_plan(spec, arch, conv_tf32)
+    if isinstance(planned, DirectPlan):
+        return _direct_name(spec, arch, planned)
+    return planned.name(spec, arch) if planned is not None else spec.kernel_name(arch)
 
 
 def build_arch(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> str:
     """The architecture to compile `spec`'s kernel for: sm90a (wgmma, TMA) for the
     in-kernel GEMM and conv, else `arch`."""
-    if isinstance(gemm_plan(spec, arch), GemmPlan):
-        return arch + "a"
-    return arch + "a" if isinstance(conv_gemm_plan(spec, arch, conv_tf32), conv_sm90.ConvGemmPlan) else arch
+    return arch + "a" if isinstance(anchor_plan(spec, arch, conv_tf32), (GemmPlan, conv_sm90.ConvGemmPlan)) else arch
 
 
 def _direct_name(spec: EpilogueSpec, arch: str, d: DirectPlan) -> str:
@@ -670,15 +676,13 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
     """
     p = launch or plan(spec)
     _check_operands(spec, p)
-    gemm = gemm_plan(spec, arch)
-    if isinstance(gemm, GemmPlan):
-        return _render_gemm(spec, arch, p, gemm)
-    conv = conv_gemm_plan(spec, arch, conv_tf32)
-    if isinstance(conv, conv_sm90.ConvGemmPlan):
-        return _render_conv_gemm(spec, arch, p, conv)
-    direct = direct_plan(spec, arch, conv_tf32)
-    if isinstance(direct, DirectPlan):
-        return _render_direct(spec, arch, p, direct)
+    planned = anchor_plan(spec, arch, conv_tf32)
+    if isinstance(planned, GemmPlan):
+        return _render_gemm(spec, arch, p, planned)
+    if isinstance(planned, conv_sm90.ConvGemmPlan):
+        return _render_conv_gemm(spec, arch, p, planned)
+    if isinstance(planned, DirectPlan):
+        return _render_direct(spec, arch, p, planned)
     name = spec.kernel_name(arch)
     red = spec.reduction
     fields, bind = _fields(spec)
@@ -780,11 +784,16 @@ def staged_applies(spec: EpilogueSpec, p: Plan) -> bool:
     follows (no reduction)."""
     if not p.staged or spec.reduction is not None or spec.saves:
         return False
-    if any(s.operand == FULL for s in spec.steps):
+    if _reads_full(spec):
         return False
     row_bytes = spec.channels * spec.inner * ITEMSIZE[spec.dtype]
     stage_vec = 16 // ITEMSIZE[spec.dtype] if row_bytes % 16 == 0 else 1  # templates' kStageVec
     return (p.block * stage_vec) % spec.channels == 0
+
+
+def _reads_full(spec: EpilogueSpec) -> bool:
+    """Whether a step reads a full-shape operand (a residual), element by element."""
+    return any(s.operand == FULL for s in spec.steps)
 
 
 def _apply_grid(p: Plan) -> str:
@@ -975,7 +984,7 @@ def _render_gemm(spec: EpilogueSpec, arch: str, p: Plan, g: GemmPlan) -> str:
         stages=gemm_sm90.STAGES_ROW_REDUCE if g.reduce else gemm_sm90.STAGES, k=g.k,
         bias="true" if spec.anchor.kind == "addmm" else "false", group=g.group,
         eps=cfloat(red.consts[0]) if red is not None and g.group else "0.f",
-        row_reads="true" if any(s.operand == FULL for s in spec.steps) else "false",
+        row_reads="true" if _reads_full(spec) else "false",
         row_reduce="true" if g.reduce else "false", tile_partials=tile_partials.rstrip("\n"),
         warps_min_tiles=gemm_sm90.WARPS_MIN_TILES, wgmma=gemm_sm90.wgmma_asm(spec.dtype),
     )
@@ -1020,7 +1029,7 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
         kernel=name, bm=conv_sm90.BLOCK_M, bn=c.block_n, bk=conv_sm90.block_k(spec.dtype),
         mma_k=gemm_sm90.WGMMA_TYPES[spec.dtype][1], stages=c.stages, th=c.tile_h, tw=c.tile_w,
         cin=cin, h=h, w=w, kh=kh, kw=kw, ph=ph, pw=pw, ho=ho, wo=wo,
-        row_reads="true" if any(s.operand == FULL for s in spec.steps) else "false",
+        row_reads="true" if _reads_full(spec) else "false",
         wgmma=conv_sm90.wgmma_asm(spec.dtype, c.block_n),
     )
     fields, bind = _fields(spec, direct=True)

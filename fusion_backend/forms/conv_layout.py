@@ -43,12 +43,9 @@ class ConvLayout(Form):
         xv, wv = chain.operands[0].meta["val"], chain.operands[1].meta["val"]
         if xv.dim() not in (4, 5):
             return None
-        if xv.device.type == "cuda":
-            arch, tf32 = arch_of(xv.device), spec.dtype == "float32" and conv_allows_tf32()
-            if isinstance(cuda_templates.direct_plan(spec, arch, tf32), cuda_templates.DirectPlan):
-                return None
-            if isinstance(cuda_templates.conv_gemm_plan(spec, arch, tf32), cuda_templates.ConvGemmPlan):
-                return None  # the in-kernel conv computes it (on a channels-last copy of x)
+        tf32 = spec.dtype == "float32" and conv_allows_tf32()
+        if xv.device.type == "cuda" and cuda_templates.anchor_plan(spec, arch_of(xv.device), tf32) is not None:
+            return None  # the direct or the in-kernel conv computes it
         staged = replace(spec, anchor=replace(spec.anchor, channels_last=True))
         if isinstance(cuda_templates.channels_last_plan(staged), str):
             return None
