@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import json
 import math
@@ -720,39 +721,35 @@ def run_case(case: Case, device: str, grad: bool = False, draw: int = 0) -> Resu
         grad: also run backward and compare the gradients.
         draw: which random inputs (`make_inputs`); 0 is the Case's own.
     """
-    if case.implicit:
-        return _run_implicit(case, device, grad, draw)
-    if not case.gemm:
+    with _case_settings(case):
         return _run_case(case, device, grad, draw)
-    before = os.environ.get("FUSEDEPI_IN_KERNEL_GEMM")
-    precision = torch.get_float32_matmul_precision()
-    os.environ["FUSEDEPI_IN_KERNEL_GEMM"] = "1"
-    if case.tf32:
+
+
+@contextlib.contextmanager
+def _case_settings(case: Case):
+    """The settings a Case runs under, as they were again afterwards: for `gemm`,
+    FUSEDEPI_IN_KERNEL_GEMM=1 and, for a `tf32` one, matmul precision "high"; for
+    `implicit`, FUSEDEPI_IN_KERNEL_CONV=1 and cuDNN's TF32 as `tf32` says; else none."""
+    name = "FUSEDEPI_IN_KERNEL_CONV" if case.implicit else "FUSEDEPI_IN_KERNEL_GEMM" if case.gemm else ""
+    if not name:
+        yield
+        return
+    before, precision, allow_tf32 = (os.environ.get(name), torch.get_float32_matmul_precision(),
+                                     torch.backends.cudnn.allow_tf32)
+    os.environ[name] = "1"
+    if case.implicit:
+        torch.backends.cudnn.allow_tf32 = case.tf32
+    elif case.tf32:
         torch.set_float32_matmul_precision("high")
     try:
-        return _run_case(case, device, grad, draw)
+        yield
     finally:
         torch.set_float32_matmul_precision(precision)
-        if before is None:
-            del os.environ["FUSEDEPI_IN_KERNEL_GEMM"]
-        else:
-            os.environ["FUSEDEPI_IN_KERNEL_GEMM"] = before
-
-
-def _run_implicit(case: Case, device: str, grad: bool, draw: int) -> Result:
-    """`_run_case` with the in-kernel conv on, and cuDNN's TF32 allowed for a `tf32` case."""
-    before = os.environ.get("FUSEDEPI_IN_KERNEL_CONV")
-    allow_tf32 = torch.backends.cudnn.allow_tf32
-    os.environ["FUSEDEPI_IN_KERNEL_CONV"] = "1"
-    torch.backends.cudnn.allow_tf32 = case.tf32
-    try:
-        return _run_case(case, device, grad, draw)
-    finally:
         torch.backends.cudnn.allow_tf32 = allow_tf32
         if before is None:
-            del os.environ["FUSEDEPI_IN_KERNEL_CONV"]
+            del os.environ[name]
         else:
-            os.environ["FUSEDEPI_IN_KERNEL_CONV"] = before
+            os.environ[name] = before
 
 
 def _run_case(case: Case, device: str, grad: bool, draw: int) -> Result:
