@@ -94,6 +94,20 @@ class ScoresSoftmax(nn.Module):
         return torch.softmax(torch.bmm(q, x.transpose(1, 2)) * self.scale, dim=-1)
 
 
+class ScoresBiasSoftmax(nn.Module):
+    """Attention scores with a learned bias per (query, key) position (Swin, T5): bmm(q,
+    k^T) * scale + bias[L, L] -> softmax."""
+
+    def __init__(self, d, length):
+        super().__init__()
+        self.q, self.scale = nn.Linear(d, d), d ** -0.5
+        self.bias = nn.Parameter(torch.randn(length, length) * 0.1)
+
+    def forward(self, x):
+        q = self.q(x)
+        return torch.softmax(torch.bmm(q, x.transpose(1, 2)) * self.scale + self.bias, dim=-1)
+
+
 class ChannelMix(nn.Module):
     """A channel-mixing weight shared by the batch: bmm(w[C, C] expanded to [B, C, C], x[B, C, L])."""
 
@@ -171,6 +185,34 @@ class TimeEmbeddingResBlock(nn.Module):
     def forward(self, x):
         t = self.temb(F.silu(x.mean((2, 3))))
         return F.silu(self.norm(self.conv(x) + t[:, :, None, None]))
+
+
+class AdaGroupNormBlock(nn.Module):
+    """A diffusion UNet's conditioned norm (AdaGN / FiLM): conv, GroupNorm, then a scale
+    and shift per (image, channel) from a Linear of a per-image vector (here the input's
+    channel means), SiLU."""
+
+    def __init__(self, c, groups):
+        super().__init__()
+        self.conv, self.emb, self.norm = nn.Conv2d(c, c, 3, padding=1), nn.Linear(c, 2 * c), nn.GroupNorm(groups, c)
+
+    def forward(self, x):
+        scale, shift = self.emb(F.silu(x.mean((2, 3)))).chunk(2, dim=1)
+        h = self.norm(self.conv(x)) * (1 + scale[:, :, None, None]) + shift[:, :, None, None]
+        return F.silu(h)
+
+
+class PatchEmbedding(nn.Module):
+    """A ViT's patch embedding on flattened patches: Linear, + a position embedding
+    [1, S, D], LayerNorm."""
+
+    def __init__(self, patch, d, length):
+        super().__init__()
+        self.proj, self.norm = nn.Linear(patch, d), nn.LayerNorm(d)
+        self.pos = nn.Parameter(torch.randn(1, length, d) * 0.02)
+
+    def forward(self, x):
+        return self.norm(self.proj(x) + self.pos)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -317,8 +359,11 @@ MODELS = [
     ZooModel("se_conv_block", lambda: SqueezeExcite(64), (32, 64, 56, 56)),
     ZooModel("unet_resblock_time_embedding", lambda: TimeEmbeddingResBlock(128, 32), (16, 128, 32, 32)),
     ZooModel("convnext_block", lambda: ConvNeXtBlock(96), (32, 96, 56, 56)),
+    ZooModel("unet_adagn_film", lambda: AdaGroupNormBlock(128, 32), (16, 128, 32, 32)),
+    ZooModel("vit_patch_embedding", lambda: PatchEmbedding(768, 768, 196), (32, 196, 768)),
     # batched matmuls: attention, channel mixing shared by the batch
     ZooModel("bmm_scores_softmax", lambda: ScoresSoftmax(64), (64, 256, 64)),
+    ZooModel("bmm_scores_bias_softmax", lambda: ScoresBiasSoftmax(64, 256), (64, 256, 64)),
     ZooModel("bmm_attend_layernorm_gelu", lambda: AttendNorm(128), (32, 512, 128)),
     ZooModel("bmm_mix_groupnorm_silu", lambda: Seq(ChannelMix(256), lambda y, m: F.silu(m.gn(y)),
                                                    gn=nn.GroupNorm(8, 256)), (32, 256, 1024)),

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from lowering.spec import (
+    BROADCAST,
     CHANNEL_NORMS,
     CHANNEL_REDUCTIONS,
     FULL,
@@ -784,7 +785,7 @@ def staged_applies(spec: EpilogueSpec, p: Plan) -> bool:
     follows (no reduction)."""
     if not p.staged or spec.reduction is not None or spec.saves:
         return False
-    if _reads_full(spec):
+    if _reads_by_element(spec):
         return False
     row_bytes = spec.channels * spec.inner * ITEMSIZE[spec.dtype]
     stage_vec = 16 // ITEMSIZE[spec.dtype] if row_bytes % 16 == 0 else 1  # templates' kStageVec
@@ -794,6 +795,12 @@ def staged_applies(spec: EpilogueSpec, p: Plan) -> bool:
 def _reads_full(spec: EpilogueSpec) -> bool:
     """Whether a step reads a full-shape operand (a residual), element by element."""
     return any(s.operand == FULL for s in spec.steps)
+
+
+def _reads_by_element(spec: EpilogueSpec) -> bool:
+    """Whether a step reads an operand at each element's place in the output (a full
+    or a broadcast operand): the kernel must know that place (`e0`)."""
+    return any(s.operand in (FULL, BROADCAST) for s in spec.steps)
 
 
 def _apply_grid(p: Plan) -> str:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 import re
 
-from lowering.spec import (CHANNEL, CHANNEL_REDUCTIONS, EARLIER, FULL, ONE, POOLS, REDUCTIONS, ROW_REDUCTIONS, SCALAR,
-                           SEGMENT, SELF, SPATIAL_REDUCTIONS, Step, to_float32)
+from lowering.spec import (BROADCAST, CHANNEL, CHANNEL_REDUCTIONS, EARLIER, FULL, ONE, POOLS, REDUCTIONS, ROW_REDUCTIONS,
+                           SCALAR, SEGMENT, SELF, SPATIAL_REDUCTIONS, Step, broadcast_terms, to_float32)
 
 
 def cfloat(value: float) -> str:
@@ -66,6 +66,21 @@ class Operands:
         self._loads[name] = f"const float {name} = fusedepi::to_float(a.p{index}[0]);"
         return name
 
+    def gathered(self, index: int, consts: tuple) -> str:
+        """A BROADCAST operand: element j of the vector reads the operand at
+        `broadcast_index(consts, e0 + j)`, one load an element (whatever the vector's
+        alignment: its elements may fall in different runs of the operand)."""
+        name = f"pv{index}_{'_'.join(map(str, consts))}"
+        index_of = []
+        for div, mod, stride in broadcast_terms(consts):
+            term = "e" if div == 1 else f"(e / {div}LL)"
+            term = f"({term} % {mod}LL)" if mod else term
+            index_of.append(term if stride == 1 else f"{term} * {stride}LL")
+        self._loads[name] = (f"float {name}[W];\n#pragma unroll\n  for (int j = 0; j < W; ++j) {{\n"
+                             f"    const long long e = e0 + j;\n"
+                             f"    {name}[j] = fusedepi::to_float(a.p{index}[{' + '.join(index_of)}]);\n  }}")
+        return f"{name}[j]"
+
     def derived(self, name: str, expr: str) -> str:
         """A value computed from per-channel operands (`pvN[j]` in `expr`): once per
         vector element here, once per channel where the caller knows the channels."""
@@ -84,6 +99,8 @@ class Operands:
             return "x"
         if step.operand == EARLIER:  # held by render_stage
             return f"h{int(step.consts[0])}"
+        if step.operand == BROADCAST:
+            return self.gathered(step.inputs[0], step.consts)
         return self.param(step.inputs[0], step.operand)
 
     def render_loads(self, indent: str = "  ") -> str:

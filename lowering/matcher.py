@@ -30,6 +30,7 @@ import torch
 from torch.fx import Node
 
 from .spec import (
+    BROADCAST,
     CHANNEL,
     CHANNEL_REDUCTIONS,
     EARLIER,
@@ -510,15 +511,43 @@ def _operand_kind(state: _State, other) -> str:
     if all(s == 1 for s in aligned):
         return ONE
     axis = state.channel_axis if not (state.reduced or state.pixels) else None
-    ok = axis is not None and all(
-        s == 1 or (i == axis and s == out_shape[i]) for i, s in enumerate(aligned)
-    )
-    if not ok:
-        raise Refuse(
-            f"operand {other.name} of shape {shape} is neither per-channel, one element "
-            f"nor the full shape {out_shape}"
-        )
-    return CHANNEL
+    if axis is not None and all(s == 1 or (i == axis and s == out_shape[i]) for i, s in enumerate(aligned)):
+        return CHANNEL
+    if not all(_same_size(s, 1) or _same_size(s, o) for s, o in zip(aligned, out_shape)):
+        raise Refuse(f"operand {other.name} of shape {shape} broadcasts the chain's shape {out_shape} up")
+    return BROADCAST
+
+
+def _broadcast_consts(state: _State, other: Node) -> tuple:
+    """The BROADCAST operand's (div, mod, stride) triples (`spec.broadcast_terms`) for
+    `other`, which has the chain's sizes in some dims and 1 in the others: one triple
+    a run of dims where it has the chain's sizes, in the graph's (contiguous) order.
+
+    Raises Refuse where the kernels could not index it: after a reduction or a pooling
+    window (its elements are no longer the anchor output's), with a symbolic size
+    beyond the batch, or where its leading dims do not split into whole anchor rows."""
+    val, out = _val(other), list(_val(state.node).shape)
+    if state.reduced_any or state.windows:
+        raise Refuse(f"operand {other.name} of shape {list(val.shape)}: a broadcast operand after a reduction "
+                     "or a pooling window")
+    if any(not isinstance(o, int) for o in out[1:]):
+        raise Refuse(f"operand {other.name} of shape {list(val.shape)}: the chain's shape {out} has a "
+                     "symbolic size beyond the batch")
+    aligned = [1] * (len(out) - val.dim()) + list(val.shape)
+    full = [not _same_size(o, 1) and not _same_size(a, 1) for a, o in zip(aligned, out)]
+    consts, d = [], 0
+    while d < len(out):
+        if not full[d]:
+            d += 1
+            continue
+        b = next((i for i in range(d, len(out)) if not full[i]), len(out))
+        div, stride = math.prod(out[b:]), math.prod(aligned[b:])
+        consts += [div, 0 if d == 0 else math.prod(out[d:b]), stride]
+        d = b
+    if full[0] and (state.channels * state.inner) % consts[0]:
+        raise Refuse(f"operand {other.name} of shape {list(val.shape)}: its leading dims do not split "
+                     f"into whole rows of the anchor output")
+    return tuple(consts)
 
 
 # 0-dim tensors made in `forward` (`torch.tensor(0.5)`) reach the graph as one of these.
@@ -586,8 +615,9 @@ def _match_binary(state: _State, user: Node):
     kind = _operand_kind(state, other)
     if kind == SCALAR:
         return _Match(Step(name, consts=(float(other),), operand=SCALAR, reverse=reverse), [user], user)
+    consts = _broadcast_consts(state, other) if kind == BROADCAST else ()
     index = _add_param(state, other)
-    return _Match(Step(name, inputs=(index,), operand=kind, reverse=reverse), [user], user)
+    return _Match(Step(name, consts=consts, inputs=(index,), operand=kind, reverse=reverse), [user], user)
 
 
 # ------------------------------------------------------------ normalizations
@@ -1214,6 +1244,8 @@ def _fold_bias(state: _State, anchor: Anchor, gemm_bias: bool) -> Anchor | None:
         try:  # broadcast like any operand: [N] and [1, N] per column, [M, N] in full
             kind = _operand_kind(state, chain.operands[0])
         except Refuse:
+            return None
+        if kind == BROADCAST:  # ([M, 1]: the library adds it)
             return None
         bias = chain.operands.pop(0)
         folded = replace(anchor, kind="mm")

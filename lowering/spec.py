@@ -32,6 +32,41 @@ EARLIER = "earlier"  # an earlier value of the chain: consts = (k,), the value a
 # A norm's weight or bias of its segment's shape (LayerNorm over a conv output's trailing
 # dims): element (position in the row) % segment length.
 SEGMENT = "segment"
+# A contiguous tensor that broadcasts over some of the chain's dims and has the chain's
+# sizes in the others: [N, C, 1, 1] (a value per image and channel: a UNet's time
+# embedding), [1, C, H, W] or [L, L] (the same for every image or batch: a position
+# embedding, an attention bias), [N, 1, H, W] (per pixel), [M, 1] (per row), ... Its
+# consts are `broadcast_terms`: element e of the chain's value (flat, in the graph's
+# order) reads the operand's element sum((e // div % mod) * stride) over the
+# (div, mod, stride) triples, mod 0 meaning no modulus (the leading dims, whose size is
+# the batch's).
+BROADCAST = "broadcast"
+
+
+def broadcast_terms(consts: tuple) -> list[tuple[int, int, int]]:
+    """The (div, mod, stride) triples of a BROADCAST operand's consts."""
+    return [tuple(consts[i : i + 3]) for i in range(0, len(consts), 3)]
+
+
+def broadcast_index(consts: tuple, e):
+    """The operand's element for element(s) `e` of the chain's value (ints or a tensor)."""
+    total = 0
+    for div, mod, stride in broadcast_terms(consts):
+        q = e // div
+        total = total + (q % mod if mod else q) * stride
+    return total
+
+
+def broadcast_sizes(consts: tuple, per_row: int) -> tuple[int, int]:
+    """(elements, elements a row) a BROADCAST operand holds, for rows of `per_row`
+    elements of the chain's value: a row's worth for every row where a term has no
+    modulus (the leading dims), else a fixed count."""
+    terms = broadcast_terms(consts)
+    lead = [(div, stride) for div, mod, stride in terms if not mod]
+    if lead:
+        div, stride = lead[0]
+        return 0, per_row // div * stride
+    return 1 + sum((mod - 1) * stride for _, mod, stride in terms), 0
 
 
 @dataclass(frozen=True)
@@ -114,7 +149,8 @@ class Step:
         consts: compile-time numbers (slope, eps, momentum, a scalar operand).
         inputs: indices into the fused op's tensor list (after the anchor operands).
             For norms: (weight, bias[, running_mean, running_var]), -1 where absent.
-        operand: for binary steps, one of SCALAR, CHANNEL, ONE, FULL, SELF, EARLIER.
+        operand: for binary steps, one of SCALAR, CHANNEL, ONE, FULL, SELF, EARLIER,
+            BROADCAST.
         reverse: for binary steps, the chain's value is the right operand (`p - x`).
         groups: for groupnorm, the number of groups.
         keepdim: for row, spatial and channel reductions.
@@ -260,8 +296,8 @@ class EpilogueSpec:
         """(elements, elements a row) of each tensor input after the anchor operands, as
         the kernels read it: a per-channel operand or a norm's weight, bias and running
         statistics hold `channels` elements, a single-element operand one, a full
-        operand (a residual) a row's worth for every row of the anchor output: the
-        launchers check every call's inputs against these before any kernel reads them."""
+        operand (a residual) a row's worth for every row of the anchor output, a broadcast
+        one what `broadcast_sizes` says: the launchers check every call's inputs against these before any kernel reads them."""
         known = self.__dict__.get("_param_sizes")  # computed once a spec (launchers ask at every call)
         if known is not None:
             return known
@@ -271,6 +307,8 @@ class EpilogueSpec:
             if step.operand:
                 if step.operand in (CHANNEL, ONE, FULL):
                     sizes[step.inputs[0]] = {CHANNEL: (self.channels, 0), ONE: (1, 0), FULL: (0, per_row)}[step.operand]
+                elif step.operand == BROADCAST:
+                    sizes[step.inputs[0]] = broadcast_sizes(step.consts, per_row)
             else:
                 per = math.prod(step.normalized) if step.normalized else self.channels
                 for index in step.inputs:

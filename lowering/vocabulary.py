@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .spec import CHANNEL, EARLIER, FULL, ONE, SCALAR, SELF, Step
+from .spec import BROADCAST, CHANNEL, EARLIER, FULL, ONE, SCALAR, SELF, Step, broadcast_index
 
 
 class Refuse(Exception):
@@ -72,12 +72,17 @@ def _operand(x, step: Step, params):
         # The chain may have passed through views (3-D linear); the fused op
         # works on the 2-D anchor output, so residuals are read flat.
         return t.reshape(x.shape)
+    if step.operand == BROADCAST:  # element e of x reads the operand's broadcast_index(e)
+        e = torch.arange(x.numel(), device=x.device)
+        return t.reshape(-1)[broadcast_index(step.consts, e)].reshape(x.shape)
     if step.operand == CHANNEL:
         # Per-channel operands broadcast on the channel axis (dim 1), whatever their
         # own shape ([C], [C, 1, 1], ...): a folded conv bias is [C].
         return t.reshape([1, -1] + [1] * (x.dim() - 2))
     assert step.operand == ONE
-    return t
+    # Of x's dims at most: a [1, 1, 1] operand of a 3-D Linear's chain must not add a dim
+    # to the 2-D x (0-dim stays 0-dim: eager's type promotion tells the two apart).
+    return t if t.dim() <= x.dim() else t.reshape([1] * x.dim())
 
 
 def _binary(fn):

@@ -126,6 +126,7 @@ CONV_NORMS = {1: NORMS_CONV, 2: NORMS_CONV + ["instancenorm"], 3: NORMS_CONV + [
               7: NORMS_CONV + ["instancenorm", "chan_softmax", "chan_log_softmax", "conv_layernorm"],
               8: NORMS_CONV + ["instancenorm", "chan_softmax", "chan_log_softmax", "conv_layernorm", "plane_softmax",
                                "plane_log_softmax"]}
+CONV_NORMS[9] = CONV_NORMS[8]
 # Generation 7 adds LayerNorm over a conv output's trailing dims (`conv_layernorm`: the
 # last `dims` of them, the channels included or not), and 1-D pooling windows over a
 # 2-D Linear output's features among its row reductions (`FEATURE_POOLS`).
@@ -140,6 +141,11 @@ PLANE_NORMS = ["plane_softmax", "plane_log_softmax"]
 # From this generation on, a binary step's operand may be an earlier value of the chain
 # (`earlier`: the value `back` steps before the current one, of the same shape).
 EARLIER_GENERATION = 3
+# From this generation on, a binary step's operand may broadcast over some of the chain's
+# dims (`broadcast`: `mask` marks the dims, of the last ones, where it has the value's
+# size; `squeeze` drops its leading unit dims): per (image, channel), per position, per
+# pixel, per row, per image.
+BROADCAST_GENERATION = 9
 ROW_REDUCTIONS = ["logsumexp", "sum", "mean", "amax", "amin", "max_values"]
 # From this generation on, a conv's chain may pool: a reduction over all its spatial dims.
 POOL_GENERATION = 4
@@ -279,12 +285,22 @@ def _step(rng: random.Random, ctx: dict) -> dict:
             operands = [o for o in operands if o not in ("channel", "full")] or ["one"]
         if ctx["generation"] >= EARLIER_GENERATION and ctx["earlier"] and op not in ("maximum", "minimum"):
             operands += ["earlier", "earlier"]
+        if ctx["generation"] >= BROADCAST_GENERATION and not ctx["reduced"] and not ctx.get("windowed"):
+            operands += ["broadcast", "broadcast"]
         operand = rng.choice(operands)
         step = {"op": op, "operand": operand, "reverse": rng.random() < 0.3 and operand != "self"}
         if operand == "scalar":
             step["value"] = round(rng.choice([-1, 1]) * rng.uniform(0.5, 2.0), 3)
         elif operand == "earlier":
             step["back"] = rng.randint(1, ctx["earlier"])
+        elif operand == "broadcast":
+            step["mask"] = [rng.random() < 0.5 for _ in range(6)]
+            # The leading dims split whole anchor rows only: [B, T, N]'s rows are (b, t)
+            # pairs, a bmm's [B / h, h, M, N] has rows of (b, h): b full needs t (h) full.
+            lead = -3 if ctx["nd_linear"] else -4 if ctx.get("heads") else 0
+            if lead:
+                step["mask"][lead] = step["mask"][lead] and step["mask"][lead + 1]
+            step["squeeze"] = rng.random() < 0.5
         return step
     if family == "norm":
         if ctx["nd_linear"]:  # [B, T, N]: only norms over the last dim keep their meaning
@@ -429,8 +445,12 @@ class FuzzStep(nn.Module):
         op = spec["op"]
         self.norm = None
         self.heads = heads
-        if op in BINARY and spec["operand"] in ("channel", "one"):
+        if op in BINARY and spec["operand"] in ("channel", "one", "broadcast"):
             shape = channel_shape if spec["operand"] == "channel" else []
+            if spec["operand"] == "broadcast":
+                shape = [n if full else 1 for n, full in zip(value_shape, spec["mask"][-len(value_shape):])]
+                while spec["squeeze"] and shape and shape[0] == 1:
+                    shape = shape[1:]
             t = torch.rand(shape, generator=gen) + 0.5  # away from zero: `div` stays well conditioned
             t = t * torch.where(torch.rand(shape, generator=gen) < 0.3, -1.0, 1.0)
             self.register_buffer("operand", t)

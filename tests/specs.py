@@ -3,7 +3,7 @@
 import math
 
 from lowering.matcher import pool_out_size
-from lowering.spec import CHANNEL, EARLIER, FULL, ONE, SCALAR, SELF, Anchor, EpilogueSpec, Step
+from lowering.spec import BROADCAST, CHANNEL, EARLIER, FULL, ONE, SCALAR, SELF, Anchor, EpilogueSpec, Step
 
 LINEAR = Anchor("mm")  # nn.Linear in float32 under TF32: the bias moves into the epilogue
 CONV = Anchor("conv", has_bias=False, conv=((1, 1), (0, 0), (1, 1), False, (0, 0), 1))
@@ -110,6 +110,10 @@ def gemm_specs(dtype="bfloat16"):
             (Step("mul", consts=(0.5,), operand=SCALAR), Step("amin"), Step("abs")),
             dtype, p, 512, 1, "linear_amin",
         ),
+        "gemm_row_scale": EpilogueSpec(  # an operand per row [M, 1]
+            Anchor("addmm", gemm=(64, 1)), (_broadcast("mul", 0, (512, 0, 1)), Step("tanh")),
+            dtype, p, 512, 1, "linear_pointwise",
+        ),
         "gemm_relu_mean": EpilogueSpec(
             Anchor("addmm", gemm=(64, 1)),
             (Step("relu"), Step("mean", keepdim=True), Step("sigmoid")),
@@ -185,9 +189,79 @@ def conv_gemm_specs(dtype="bfloat16"):
             _implicit(2, (8, 5, 5, 20, 140)), (Step("silu"), Step("mul", consts=(2.0,), operand=SCALAR)),
             dtype, p, 320, 20 * 140, "conv_pointwise",
         ),
+        "igemm_time_embedding": EpilogueSpec(  # + an operand per (image, channel) [N, C, 1, 1]
+            _implicit(0, (64, 3, 3, 12, 20)), (_bias(0), _broadcast("add", 1, (180, 0, 1)), Step("relu")),
+            dtype, p * 2, 128, 10 * 18, "conv_pointwise",
+        ),
         "igemm_1x1_residual": EpilogueSpec(  # a 1 x 1 conv, then + a full-shape residual
             _implicit(0, (72, 1, 1, 7, 33)), (_bias(0), Step("add", inputs=(1,), operand=FULL), Step("relu")),
             dtype, p * 2, 64, 7 * 33, "conv_pointwise",
+        ),
+    }
+
+
+def _broadcast(name, index, *terms):
+    """A binary step whose operand `index` broadcasts: (div, mod, stride) triples."""
+    return Step(name, consts=tuple(v for t in terms for v in t), inputs=(index,), operand=BROADCAST)
+
+
+def broadcast_specs(dtype="float32"):
+    """Operands that broadcast over some of the chain's dims, in each kernel family: per
+    row of a Linear output (flat mapping; before BatchNorm's column statistics), per
+    position of a 3-D Linear's [1, S, D], per (image, channel) around a GroupNorm (a
+    UNet's time embedding and FiLM), per position and per pixel in the direct conv, per
+    position before a softmax over the channels, per pixel before a pool, per (image,
+    channel) on a channels-last y, and an attention bias [L, L] before a bmm's plane
+    softmax."""
+    p = (dtype,)
+    pooled = ((30, 30), (15, 15), (2, 2), (2, 2), (0, 0), (1, 1))
+    return {
+        "broadcast_linear_rows_flat": EpilogueSpec(
+            Anchor("mm"), (Step("add", inputs=(0,), operand=CHANNEL), _broadcast("mul", 1, (33, 0, 1)), Step("sigmoid")),
+            dtype, p * 2, 33, 1, "linear_pointwise",
+        ),
+        "broadcast_linear_position_layernorm": EpilogueSpec(
+            Anchor("mm"), (_broadcast("add", 0, (1, 640, 1)), Step("layernorm", consts=(1e-5,), inputs=(-1, -1))),
+            dtype, p, 64, 1, "linear_layernorm",
+        ),
+        "broadcast_linear_rows_batchnorm_train": EpilogueSpec(
+            LINEAR, (_broadcast("mul", 0, (96, 0, 1)), Step("batchnorm_train", consts=(0.1, 1e-5), inputs=(1, 2, 3, 4)),
+                     Step("relu")),
+            dtype, p * 5, 96, 1, "linear_batchnorm_train",
+        ),
+        "broadcast_conv_film_groupnorm": EpilogueSpec(
+            CONV, (_bias(0), _broadcast("add", 1, (480, 0, 1)), Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=8),
+                   Step("silu"), _broadcast("mul", 2, (480, 0, 1)), _broadcast("add", 3, (480, 0, 1))),
+            dtype, p * 4, 32, 20 * 24, "conv_groupnorm",
+        ),
+        "broadcast_direct_position": EpilogueSpec(
+            _direct(0, (3, 3, 3, 10, 202)), (_bias(0), _broadcast("add", 1, (1, 16 * 1600, 1)), Step("sigmoid")),
+            dtype, p * 2, 16, 8 * 200, "conv_pointwise",
+        ),
+        "broadcast_direct_pixel_groupnorm": EpilogueSpec(
+            _direct(1, (4, 3, 3, 11, 256)),
+            (_bias(0), _broadcast("mul", 1, (24 * 2816, 0, 2816), (1, 2816, 1)),
+             Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=4)),
+            dtype, p * 2, 24, 11 * 256, "conv_groupnorm",
+        ),
+        "broadcast_direct_cin8_time_embedding": EpilogueSpec(  # bf16/fp16: the tensor-core direct conv
+            _direct(1, (8, 3, 3, 7, 256)), (_bias(0), _broadcast("add", 1, (1792, 0, 1)), Step("silu")),
+            dtype, p * 2, 16, 7 * 256, "conv_pointwise",
+        ),
+        "broadcast_position_channel_softmax": EpilogueSpec(
+            CONV, (_broadcast("add", 0, (1, 16 * 315, 1)), Step("channel_softmax")), dtype, p, 16, 15 * 21,
+            "conv_channel_softmax",
+        ),
+        "broadcast_pixel_maxpool": EpilogueSpec(
+            CONV, (_broadcast("mul", 0, (12 * 900, 0, 900), (1, 900, 1)), Step("maxpool", consts=(0,), window=pooled)),
+            dtype, p, 12, 900, "conv_maxpool",
+        ),
+        "broadcast_channels_last_time_embedding": EpilogueSpec(
+            CHANNELS_LAST, (Step("add", inputs=(0,), operand=CHANNEL), _broadcast("add", 1, (162, 0, 1)), Step("gelu")),
+            dtype, p * 2, 16, 9 * 18, "conv_pointwise",
+        ),
+        "broadcast_bmm_attention_bias_softmax": EpilogueSpec(
+            BMM, (_broadcast("add", 0, (1, 1600, 1)), Step("spatial_softmax")), dtype, p, 40, 40, "bmm_spatial_softmax",
         ),
     }
 

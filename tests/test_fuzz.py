@@ -159,6 +159,30 @@ def test_cpu_fuzz_of_batched_matmuls(grad):
     assert sum(r["fusion"] != "none" for r in results) >= len(indices) // 2, summary["reasons"]
 
 
+def test_generation_9_adds_broadcast_operands_only():
+    broadcast = lambda c: any(s.get("operand") == "broadcast" for s in c.steps)  # noqa: E731
+    earlier = [fuzzer.make_case(0, i, "cpu", generation=fuzzer.BROADCAST_GENERATION - 1) for i in range(200)]
+    assert not any(broadcast(c) for c in earlier)
+    later = [fuzzer.make_case(0, i, "cpu", generation=fuzzer.BROADCAST_GENERATION) for i in range(200)]
+    same = sum(a == replace(b, generation=a.generation) for a, b in zip(earlier, later))
+    assert sum(map(broadcast, later)) >= 30 and same >= 100, same  # (a binary step draws from more operands)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+def test_cpu_fuzz_of_broadcast_operands(grad):
+    # Generation 9: operands per (image, channel), position, pixel, row, ... (a random
+    # subset of the value's dims at its sizes, the rest 1), in random chains.
+    gen = fuzzer.BROADCAST_GENERATION
+    cases = [fuzzer.make_case(0, i, "cpu", generation=gen) for i in range(200)]
+    picked = [c for c in cases if any(s.get("operand") == "broadcast" for s in c.steps) and c.in_vocabulary]
+    picked = picked[: 24 if not grad else 12]
+    results = fuzzer.run(seed=0, indices=[c.index for c in picked], device="cpu", grad=grad, generation=gen)
+    summary = fuzzer.summarize(results)
+    assert len(results) == len(picked) and not summary["findings"], _shown(summary["findings"])
+    whole = [r for r in results if r["fusion"] == "full"]
+    assert len(whole) >= len(picked) * 2 // 3, summary["reasons"]
+
+
 def test_cpu_fuzz_of_row_reductions_of_nd_linear_outputs():
     # Generation 8 also reduces the features of a Linear applied to [B, T, K] inputs.
     gen = fuzzer.BMM_GENERATION

@@ -18,11 +18,12 @@ from cuda_templates import compiler
 from cuda_templates.render import plan
 from cuda_templates.snippets import SNIPPETS, Operands, _float32_reciprocal, cfloat
 from lowering import VOCABULARY, EpilogueSpec
-from lowering.spec import SCALAR, Anchor, Save, Step
+from lowering.spec import BROADCAST, SCALAR, Anchor, Save, Step
 from specs import (
     CHANNELS_LAST,
     CONV,
     awkward_specs,
+    broadcast_specs,
     conv_gemm_specs,
     gemm_specs,
     conv_batchnorm_specs,
@@ -38,7 +39,7 @@ ALL_SPECS = {
     for dtype in DTYPES
     for name, spec in {
         **workload_specs(dtype), **awkward_specs(dtype), **direct_specs(dtype), **vocabulary_specs(dtype),
-        **training_specs(dtype), **conv_batchnorm_specs(dtype),
+        **training_specs(dtype), **conv_batchnorm_specs(dtype), **broadcast_specs(dtype),
     }.items()
 }
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -414,8 +415,10 @@ def representatives(specs: dict, arch: str, conv_tf32: bool = False) -> list[str
 
     def covers(spec):
         family = cuda_templates.kernel_name(spec, arch, conv_tf32).split("_")[0]
-        return ({("form",) + _form(spec, arch, conv_tf32), ("dtype", family, spec.dtype), ("saves", bool(spec.saves))}
-                | {("step", s.name, s.operand) for s in spec.steps})
+        form = _form(spec, arch, conv_tf32)
+        return ({("form",) + form, ("dtype", family, spec.dtype), ("saves", bool(spec.saves))}
+                | {("step", s.name, s.operand) for s in spec.steps}
+                | {("broadcast",) + form for s in spec.steps if s.operand == BROADCAST})
 
     chosen, covered = [], set()
     for name, spec in specs.items():
