@@ -68,17 +68,36 @@ class Operands:
 
     def gathered(self, index: int, consts: tuple) -> str:
         """A BROADCAST operand: element j of the vector reads the operand at
-        `broadcast_index(consts, e0 + j)`, one load an element (whatever the vector's
-        alignment: its elements may fall in different runs of the operand)."""
+        `broadcast_index(consts, e0 + j)`. Where the vector starts at a multiple of W and
+        every term keeps its elements together (a quotient by a multiple of W: the same
+        for all of them; a remainder by a multiple of W: consecutive), the index is
+        computed once and steps by a constant; else once an element."""
         name = f"pv{index}_{'_'.join(map(str, consts))}"
-        index_of = []
-        for div, mod, stride in broadcast_terms(consts):
+        terms = broadcast_terms(consts)
+        index_of, whole, step = [], [], 0
+        for div, mod, stride in terms:
             term = "e" if div == 1 else f"(e / {div}LL)"
             term = f"({term} % {mod}LL)" if mod else term
             index_of.append(term if stride == 1 else f"{term} * {stride}LL")
-        self._loads[name] = (f"float {name}[W];\n#pragma unroll\n  for (int j = 0; j < W; ++j) {{\n"
-                             f"    const long long e = e0 + j;\n"
-                             f"    {name}[j] = fusedepi::to_float(a.p{index}[{' + '.join(index_of)}]);\n  }}")
+            if div == 1:
+                whole.append(f"{mod} % W == 0" if mod else "true")
+                step += stride
+            else:
+                whole.append(f"{div} % W == 0")
+        at = " + ".join(index_of)
+        self._loads[name] = (
+            f"float {name}[W];\n"
+            f"  if (W > 1 && {' && '.join(whole)} && e0 % W == 0) {{  // one index a vector\n"
+            f"    const long long e = e0, i = {at};\n"
+            f"#pragma unroll\n"
+            f"    for (int j = 0; j < W; ++j) {name}[j] = fusedepi::to_float(a.p{index}[i + j * {step}LL]);\n"
+            f"  }} else {{\n"
+            f"#pragma unroll\n"
+            f"    for (int j = 0; j < W; ++j) {{\n"
+            f"      const long long e = e0 + j;\n"
+            f"      {name}[j] = fusedepi::to_float(a.p{index}[{at}]);\n"
+            f"    }}\n"
+            f"  }}")
         return f"{name}[j]"
 
     def derived(self, name: str, expr: str) -> str:
