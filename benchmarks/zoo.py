@@ -215,6 +215,18 @@ class PatchEmbedding(nn.Module):
         return self.norm(self.proj(x) + self.pos)
 
 
+class PatchifyStem(nn.Module):
+    """ConvNeXt's stem: a 4 x 4 conv of stride 4, then LayerNorm over the channels in
+    timm's LayerNorm2d form (channels moved last, normalized, moved back)."""
+
+    def __init__(self, cin, c):
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(cin, c, 4, stride=4), nn.LayerNorm(c)
+
+    def forward(self, x):
+        return self.norm(self.conv(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
 class ConvNeXtBlock(nn.Module):
     """ConvNeXt's block: 7x7 depthwise conv, channels last, LayerNorm, Linear 4x, GELU,
     Linear back, channels first, + input."""
@@ -359,6 +371,7 @@ MODELS = [
     ZooModel("se_conv_block", lambda: SqueezeExcite(64), (32, 64, 56, 56)),
     ZooModel("unet_resblock_time_embedding", lambda: TimeEmbeddingResBlock(128, 32), (16, 128, 32, 32)),
     ZooModel("convnext_block", lambda: ConvNeXtBlock(96), (32, 96, 56, 56)),
+    ZooModel("convnext_stem_layernorm2d", lambda: PatchifyStem(3, 96), (32, 3, 224, 224)),
     ZooModel("unet_adagn_film", lambda: AdaGroupNormBlock(128, 32), (16, 128, 32, 32)),
     ZooModel("vit_patch_embedding", lambda: PatchEmbedding(768, 768, 196), (32, 196, 768)),
     # batched matmuls: attention, channel mixing shared by the batch

@@ -248,6 +248,7 @@ class LaunchLayout:
     pad_k: int  # a padded library GEMM's K and N, else 0
     pad_n: int
     channels_last: bool
+    permuted: bool  # a library conv's output read as [N x spatial, C] rows
 
     @classmethod
     def of(cls, launcher) -> "LaunchLayout":
@@ -261,7 +262,7 @@ class LaunchLayout:
         return cls(PATH_CODES[launcher.anchor_path], ANCHOR_CODES[spec.anchor.kind], launcher.n_operands,
                    launcher.gemm_auto, launcher.row_output, len(tail), *dims, launcher.keeps_spatial,
                    spec.channels, out_h, out_w, launcher.stores_pre_norm, spec.anchor.has_bias, pad_k, pad_n,
-                   spec.anchor.channels_last)
+                   spec.anchor.channels_last, spec.anchor.permuted)
 
     def encode(self) -> list[int]:
         return [int(getattr(self, f.name)) for f in fields(self)]

@@ -138,8 +138,8 @@ def _check_operands(chain: Chain) -> None:
     """
     spec = chain.spec
     anchor_val = chain.anchor.meta["val"]
-    rows = timings.example_shape(anchor_val)
-    rows = rows[0] if rows else None
+    shape = timings.example_shape(anchor_val)  # rows: the anchor output's elements over a row's
+    rows = math.prod(shape) // (spec.channels * spec.inner) if shape else None
     for node, dtype, (whole, per_row) in zip(chain.params, spec.param_dtypes, spec.param_sizes()):
         val = node.meta["val"]
         numel = timings.example_shape(val)

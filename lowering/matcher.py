@@ -153,6 +153,7 @@ class _State:
     backward: frozenset = frozenset()  # a joint graph's backward nodes: users, never steps
     claimed: set = field(default_factory=set)  # nodes of the chains matched before this one
     held: dict = field(default_factory=dict)  # node -> k: it holds the chain's value after k steps
+    permuted: bool = False  # a conv's output with its channels moved last (`Anchor.permuted`)
 
     @property
     def reduced_any(self) -> bool:
@@ -1189,12 +1190,24 @@ def _direct_conv(x: Node, w: Node, conv: tuple) -> tuple:
 
 
 def _fusion_name(anchor: Anchor, steps) -> str:
-    family = anchor.kind if anchor.conv_view else "linear"
+    family = anchor.kind if anchor.conv_view or anchor.permuted else "linear"
     kind = next((s.name for s in steps if s.name in NAMED_STEPS), "pointwise")
     return f"{family}_{kind}"
 
 
-def _start(node: Node, anchor: Anchor, operands, allow_cpu: bool) -> _State:
+def _channels_last_permute(node: Node) -> Node | None:
+    """The permute that moves a conv output's channels last (dims 0, 2, ..., n - 1, 1:
+    ConvNeXt's and timm's LayerNorm2d's `y.permute(0, 2, 3, 1)`), where it is the output's
+    only user; else None."""
+    users = list(node.users)
+    if len(users) != 1 or users[0].target is not aten.permute.default:
+        return None
+    ndim = _val(node).dim()
+    dims = [d % ndim for d in users[0].args[1]]
+    return users[0] if ndim >= 3 and dims == [0] + list(range(2, ndim)) + [1] else None
+
+
+def _start(node: Node, anchor: Anchor, operands, allow_cpu: bool, permute: Node | None = None) -> _State:
     val = _val(node)
     if not isinstance(val, torch.Tensor):
         raise Refuse("anchor has no example value")
@@ -1213,6 +1226,10 @@ def _start(node: Node, anchor: Anchor, operands, allow_cpu: bool) -> _State:
     inner = 1
     for s in shape[2:]:
         inner *= s
+    if permute is not None:  # the chain goes on from [N, *spatial, C], read as a Linear's rows
+        chain = Chain(anchor=node, operands=operands, nodes=[node, permute], view=permute)
+        return _State(node=permute, chain=chain, channels=shape[1], inner=1, conv=False,
+                      channel_axis=len(shape) - 1, dtype=val.dtype, permuted=True)
     chain = Chain(anchor=node, operands=operands, nodes=[node])
     return _State(node=node, chain=chain, channels=shape[1], inner=inner, conv=conv, dtype=val.dtype)
 
@@ -1320,6 +1337,9 @@ def _next_step(state: _State, users: list) -> _Match | str:
 
 def _save(state: _State, node: Node, what: str, per_row: int) -> str | None:
     """Makes the fused op return `node` too; returns why it cannot, or None."""
+    if state.permuted:
+        return (f"{node.name} is used elsewhere (in training, saved for backward), and a chain after a permute "
+                "of the conv's channels returns its result only")
     val = _val(node)
     shape = list(val.shape)
     if per_row and not all(isinstance(d, int) for d in shape[1:]):
@@ -1530,8 +1550,11 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
         if found is None:
             continue
         anchor, operands = found
+        permute = _channels_last_permute(node) if anchor.kind == "conv" and node not in backward else None
+        if permute is not None:
+            anchor = replace(anchor, permuted=True, direct=(), implicit=False)
         try:
-            state = _start(node, anchor, operands, allow_cpu)
+            state = _start(node, anchor, operands, allow_cpu, permute)
             state.order, state.backward, state.claimed = order, backward, claimed
             folded = _fold_bias(state, anchor, matmul_tf32)
             state.held[state.node] = len(state.chain.steps)
@@ -1544,6 +1567,11 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
         names = [n.name for n in chain.nodes]
         if len(chain.steps) == (folded is not None):
             refusals.append(Refusal(node.name, names, f"no epilogue to fuse: {stop}"))
+            continue
+        if anchor.permuted and not _is_contiguous(_val(state.node)):
+            refusals.append(Refusal(node.name, names, f"after a permute of the conv's channels the chain's value "
+                                    f"{state.node.name} is not contiguous (the fused op returns contiguous rows); "
+                                    f"it stops at: {stop}"))
             continue
         # A trailing view carries no step: re-applied after the fused op, it stays in the graph.
         chain.final = state.node

@@ -103,6 +103,11 @@ class Anchor:
             cuDNN has faster kernels for them: its output is then [rows, inner, channels]
             in memory, which the epilogue kernel reads and writes out in the graph's
             (contiguous) layout. The backend sets it (`fusion_backend.forms`).
+        permuted: conv only: the chain follows a permute that moves the conv output's
+            channels last (`y.permute(0, 2, 3, 1)`: ConvNeXt's LayerNorm, timm's
+            LayerNorm2d). The conv runs on channels-last operands, and its output is
+            read as a Linear's: rows = N x spatial, features = C (`conv_view` is
+            False); the fused op returns [rows, C], viewed back to [N, *spatial, C].
     """
 
     kind: str
@@ -113,6 +118,7 @@ class Anchor:
     pad: tuple = ()
     channels_last: bool = False
     implicit: bool = False
+    permuted: bool = False
 
     def direct_out_hw(self) -> tuple[int, int]:
         """Output (H, W) of a direct-conv candidate (stride 1, dilation 1)."""
@@ -131,8 +137,8 @@ class Anchor:
     @property
     def conv_view(self) -> bool:
         """Whether the output is [rows, channels, *spatial] (a conv's, a bmm's), not a
-        Linear's [rows, features]."""
-        return self.kind in ("conv", "bmm")
+        Linear's [rows, features]: a permuted conv's is read as the latter)."""
+        return self.kind in ("conv", "bmm") and not self.permuted
 
     @property
     def spatial_dims(self) -> int:

@@ -746,6 +746,40 @@ def test_broadcast_operands(name, dtype, exact_float32, monkeypatch):
     _fuses_within_eagers_error(model, shapes, dtype, fusion, exact_float32)
 
 
+class _Permuted(nn.Module):
+    """A conv, its output's channels moved last, LayerNorm over them, then `fn`."""
+
+    def __init__(self, conv, fn):
+        super().__init__()
+        self.conv, self.fn, self.ln = conv, fn, nn.LayerNorm(conv.out_channels)
+        with torch.no_grad():
+            self.ln.weight.uniform_(0.5, 1.5)
+            self.ln.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.fn(self.ln(y.permute(0, *range(2, y.dim()), 1)))
+
+
+# Chains after a permute of a conv's channels (`Anchor.permuted`): (conv, input shape, fn).
+PERMUTED = {
+    "convnext_depthwise": (lambda: nn.Conv2d(64, 64, 7, padding=3, groups=64), (2, 64, 28, 28), F.gelu),
+    "layernorm2d_permuted_back": (lambda: nn.Conv2d(16, 32, 3), (3, 16, 20, 24), lambda y: y.permute(0, 3, 1, 2)),
+    "conv3d_odd": (lambda: nn.Conv3d(4, 24, 2), (2, 4, 6, 7, 9), lambda y: y * 2.0),
+    "conv1d_odd_channels": (lambda: nn.Conv1d(5, 20, 3), (3, 5, 37), torch.tanh),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(PERMUTED))
+def test_layer_norm_after_a_permute_of_the_conv_channels(name, dtype, exact_float32):
+    """ConvNeXt's and timm's LayerNorm2d: the conv channels-last, its output read as rows
+    of C, against float64 within eager's error."""
+    conv, shape, fn = PERMUTED[name]
+    _fuses_within_eagers_error(_Permuted(conv(), fn).cuda().to(dtype), [shape], dtype, "conv_layernorm",
+                               exact_float32)
+
+
 @pytest.mark.parametrize("fn", ["softmax", "logsumexp", "amax"])
 def test_channel_reductions_propagate_nan_and_inf_like_eager(fn, exact_float32):
     """A NaN input poisons its pixels' values; a pixel of -inf (a NaN's neighbours

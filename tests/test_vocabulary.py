@@ -405,6 +405,69 @@ def test_broadcast_operands_the_kernels_cannot_index_are_refused(anchor, shapes,
     torch.testing.assert_close(out, model(*inputs), atol=1e-5, rtol=1e-5)
 
 
+class ChannelsLastNorm(nn.Module):
+    """conv, its channels moved last (`permute`), then `fn`: ConvNeXt's LayerNorm, timm's
+    LayerNorm2d (which permutes back after it)."""
+
+    def __init__(self, conv, fn, channels):
+        super().__init__()
+        self.conv, self.fn, self.ln = conv, fn, nn.LayerNorm(channels)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.fn(self, y.permute(0, *range(2, y.dim()), 1))
+
+
+# (conv, input shape, fn on the permuted output, the fused steps, why the chain stops)
+PERMUTED = [
+    ("layernorm2d", lambda: nn.Conv2d(3, 8, 3), (2, 3, 7, 9), lambda m, y: m.ln(y).permute(0, 3, 1, 2),
+     ["add", "layernorm"], "permute.default is not in the vocabulary"),
+    ("convnext_depthwise", lambda: nn.Conv2d(8, 8, 7, padding=3, groups=8), (2, 8, 9, 10),
+     lambda m, y: F.gelu(m.ln(y)) * 2.0, ["add", "layernorm", "gelu", "mul"], "end of the graph"),
+    ("conv3d_tanh", lambda: nn.Conv3d(3, 8, 2), (2, 3, 4, 5, 6),
+     lambda m, y: torch.tanh(m.ln(y)), ["add", "layernorm", "tanh"], "end of the graph"),
+    ("conv1d_no_bias", lambda: nn.Conv1d(3, 8, 3, bias=False), (2, 3, 12),
+     lambda m, y: m.ln(y) + 1.0, ["layernorm", "add"], "end of the graph"),
+]
+
+
+@pytest.mark.parametrize("name, conv, shape, fn, steps, stop", PERMUTED, ids=[p[0] for p in PERMUTED])
+def test_chains_after_a_permute_of_the_conv_channels(name, conv, shape, fn, steps, stop, cpu_reference):
+    """A conv whose output's channels move last (`y.permute(0, 2, 3, 1)`) is read as a
+    Linear's rows: norms over the channels fuse (`Anchor.permuted`), the result is the
+    contiguous [N, *spatial, C] the graph expects."""
+    torch.manual_seed(0)
+    model = ChannelsLastNorm(conv(), fn, 8)
+    x = torch.randn(shape)
+    out, fused, refused = compile_records(model, x)
+    assert len(fused) == 1 and not refused, [r.reason for r in refused]
+    spec = EpilogueSpec.from_json(fused[0].spec)
+    assert spec.anchor.permuted and not spec.anchor.conv_view and spec.inner == 1 and spec.channels == 8
+    assert [s.name for s in spec.steps] == steps and fused[0].stop.startswith(stop)
+    expected = model(x)
+    assert out.shape == expected.shape and out.stride() == expected.stride()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_after_a_permute_of_the_conv_channels_a_strided_result_or_saved_value_is_refused(cpu_reference):
+    # Pointwise steps keep the permuted (strided) layout in eager: the fused op's rows
+    # would be contiguous. In training, the values backward reads are not returned.
+    model = ChannelsLastNorm(nn.Conv2d(3, 8, 3), lambda m, y: F.gelu(y), 8)
+    x = torch.randn(2, 3, 7, 9)
+    out, fused, refused = compile_records(model, x)
+    assert not fused and "is not contiguous (the fused op returns contiguous rows)" in refused[0].reason
+    torch.testing.assert_close(out, model(x))
+    model = ChannelsLastNorm(nn.Conv2d(3, 8, 3), lambda m, y: F.gelu(m.ln(y)), 8)
+    x.requires_grad_(True)
+    out, fused, refused = compile_records(model, x, grad=True)
+    assert not fused and "a chain after a permute of the conv's channels returns its result only" in refused[0].reason
+    out.sum().backward()
+    grad = x.grad.clone()
+    x.grad = None
+    model(x).sum().backward()
+    torch.testing.assert_close(grad, x.grad, atol=1e-5, rtol=1e-5)
+
+
 SPATIAL_REFUSED = [
     ("mean_one_spatial_dim", lambda y: y.mean(dim=3),
      "mean over dims [3] of a 4-D conv output: only over its channels (dim 1) or over all its spatial dims [2, 3]"),

@@ -77,6 +77,8 @@ PARTIAL = {
     # (the conv chain fuses whole, its [N, C, 1, 1] operand a BROADCAST one).
     "unet_resblock_time_embedding": "no epilogue to fuse: unsqueeze.default is not in the vocabulary",
     "unet_adagn_film": "no epilogue to fuse: split.Tensor is not in the vocabulary",  # (its scale and shift)
+    # The LayerNorm ends the chain; the permute back to channels-first is a view the graph keeps.
+    "convnext_stem_layernorm2d": "permute.default is not in the vocabulary",
 }
 # Where a chain may end and still be whole: the graph's output, or the next matrix op.
 WHOLE = ("end of the graph", "is the next matrix op")

@@ -99,6 +99,7 @@ struct Plan {
   bool has_bias = false;  // a library conv's bias operand
   int64_t pad_k = 0, pad_n = 0;  // a padded library GEMM's K and N (Anchor.pad), else 0
   bool channels_last = false;  // a library conv on channels-last operands (Anchor.channels_last)
+  bool permuted = false;  // a library conv whose output is read as [N x spatial, C] rows (Anchor.permuted)
   std::vector<int64_t> stride, padding, dilation, output_padding;
   bool transposed = false;
   int64_t groups = 1;
@@ -151,14 +152,14 @@ T symbol(void* handle, const char* name, const std::string& library) {
 
 // layout: [path, anchor, n_operands, gemm_auto, row_output, out_rank, out_d0 .. out_d3,
 //          out_spatial, channels, out_h, out_w, stores_pre_norm, has_bias, pad_k, pad_n,
-//          channels_last]
+//          channels_last, permuted]
 // conv: empty, or [nd, stride x nd, padding x nd, dilation x nd, transposed,
 //       output_padding x nd, groups]
 // saves: per save [anchor_value, dtype code, per_row, ndim, dims x ndim] (native.SaveLayout).
 // checks: [dtype code, y_row, n, (a row, whole) x n, m, (dtype code, whole, per_row) x m]
 //         (native.CheckLayout).
 // The fields of native.LaunchLayout, read below in its order (plan->field = layout[i]).
-constexpr size_t kLayoutFields = 19;
+constexpr size_t kLayoutFields = 20;
 
 void set_plan(std::string_view spec, int64_t device, std::string_view library, std::string_view name,
               at::IntArrayRef layout, at::IntArrayRef running_stats, at::IntArrayRef conv,
@@ -198,6 +199,7 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   plan->pad_k = layout[16];
   plan->pad_n = layout[17];
   plan->channels_last = layout[18] != 0;
+  plan->permuted = layout[19] != 0;
   TORCH_CHECK(plan->out_rank >= 0 && plan->out_rank <= 4, "fusedepi_native.plan: a reduced output's tail of ",
               plan->out_rank, " dims");
   TORCH_CHECK(layout[0] >= 0 && layout[0] <= 2 && layout[1] >= 0 && layout[1] <= 3,
@@ -224,6 +226,9 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   TORCH_CHECK(!plan->channels_last || (plan->anchor == Anchor::kConv && plan->path == Path::kLibraryAnchor &&
                                        (conv[0] == 2 || conv[0] == 3)),
               "fusedepi_native.plan: channels-last is for a 2-D or 3-D library conv");
+  TORCH_CHECK(!plan->permuted || (plan->anchor == Anchor::kConv && plan->path == Path::kLibraryAnchor &&
+                                  !plan->channels_last),
+              "fusedepi_native.plan: a permuted output is a library conv's");
 
   for (size_t at = 0; at < saves.size();) {
     TORCH_CHECK(at + 4 <= saves.size(), "fusedepi_native.plan: a save is cut short");
@@ -338,7 +343,8 @@ at::MemoryFormat channels_last_format(const at::Tensor& x) {
 }
 
 // The anchor op exactly as the graph had it (ops.run_anchor), as the epilogue kernels
-// read it: in padded rows if padded, in channels-last memory if channels-last.
+// read it: in padded rows if padded, in channels-last memory if channels-last, as
+// [N x spatial, C] rows if permuted (a view of a 2-D or 3-D conv's channels-last output).
 at::Tensor run_anchor(const Plan& plan, const std::vector<at::Tensor>& operands) {
   if (plan.pad_k) return padded_gemm(plan, operands);
   switch (plan.anchor) {
@@ -353,6 +359,17 @@ at::Tensor run_anchor(const Plan& plan, const std::vector<at::Tensor>& operands)
   }
   std::optional<at::Tensor> bias;
   if (plan.has_bias) bias = operands[2];
+  if (plan.permuted) {
+    at::Tensor x = operands[0], w = operands[1];
+    if (x.dim() == 4 || x.dim() == 5) {
+      const at::MemoryFormat layout = channels_last_format(x);
+      x = x.contiguous(layout);
+      w = w.contiguous(layout);
+    }
+    const at::Tensor y = at::convolution(x, w, bias, plan.stride, plan.padding, plan.dilation, plan.transposed,
+                                         plan.output_padding, plan.groups);
+    return y.movedim(1, -1).reshape({-1, y.size(1)});
+  }
   if (plan.channels_last) {
     const at::MemoryFormat layout = channels_last_format(operands[0]);
     return at::convolution(operands[0].contiguous(layout), operands[1].contiguous(layout), bias, plan.stride,
@@ -385,7 +402,9 @@ bool inputs_fit(const Plan& plan, at::TensorList inputs) {
   for (size_t i = 0; i < plan.params.size(); ++i) {
     const Plan::Param& want = plan.params[i];
     const at::Tensor& t = inputs[n + i];
-    if (t.scalar_type() != want.dtype || t.numel() != (want.whole ? want.whole : want.per_row * rows)) return false;
+    if (t.scalar_type() != want.dtype) return false;
+    // (a permuted conv's rows are its output's pixels: `launch` checks those once y is known)
+    if (want.whole ? t.numel() != want.whole : !plan.permuted && t.numel() != want.per_row * rows) return false;
   }
   return true;
 }
@@ -435,6 +454,12 @@ std::vector<at::Tensor> launch(const Plan& plan, at::TensorList inputs, bool in_
   const int64_t rows = y.size(0);
   if ((plan.path == Path::kLibraryAnchor || library_gemm) && !anchor_output_fits(plan, y, rows)) {
     return python_chain(inputs, plan.spec);  // which raises, naming what the anchor gave
+  }
+  if (plan.permuted) {  // the operands of a row's worth each, now that the rows are known
+    for (size_t i = 0; i < plan.params.size(); ++i) {
+      const Plan::Param& want = plan.params[i];
+      if (!want.whole && params[i].numel() != want.per_row * rows) return python_chain(inputs, plan.spec);
+    }
   }
 
   std::vector<at::Tensor> result;

@@ -38,7 +38,7 @@ class ConvLayout(Form):
         conv (not one the direct or the in-kernel conv computes) whose epilogue has a
         channels-last mapping (`cuda_templates.channels_last_plan`)."""
         spec = chain.spec
-        if spec.anchor.kind != "conv" or spec.anchor.channels_last:
+        if spec.anchor.kind != "conv" or spec.anchor.channels_last or spec.anchor.permuted:
             return None
         xv, wv = chain.operands[0].meta["val"], chain.operands[1].meta["val"]
         if xv.dim() not in (4, 5):
