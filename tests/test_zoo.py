@@ -72,7 +72,7 @@ def test_the_results_tables_from_two_shards(tmp_path):
 PARTIAL = {
     "conv2d_gn_gelu_global_mean": "spatial_mean: only one reduction per fused kernel",
     "se_conv_block": "spatial_mean: only one reduction per fused kernel",  # and its gate is the chain's own
-    "convnext_block": "permute.default is not in the vocabulary",  # LayerNorm over channels moved last
+    "convnext_block": "permute.default is not in the vocabulary",  # its second Linear, then the permute back
     # The time embedding's Linear only feeds the conv chain's operand, through unsqueezes
     # (the conv chain fuses whole, its [N, C, 1, 1] operand a BROADCAST one).
     "unet_resblock_time_embedding": "no epilogue to fuse: unsqueeze.default is not in the vocabulary",
