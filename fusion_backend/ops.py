@@ -24,9 +24,10 @@ def run_anchor(anchor: Anchor, operands: list[torch.Tensor], for_kernels: bool =
     """The anchor op exactly as the graph had it (so matmul precision settings apply).
     An anchor with `pad` runs its GEMM on zero-padded operands (`padded_gemm`, which
     `pad_x` passes on), one with `channels_last` its conv on channels-last operands: the
-    result is the product either way; a `permuted` conv's is [N x spatial, C], its output's
-    channels moved last (a 2-D or 3-D conv runs channels-last, so that this is a view). `for_kernels` returns it as the epilogue kernels
-    read it: in its padded rows, or in channels-last memory; else contiguous."""
+    result is the product either way. A `permuted` conv's result is [N x spatial, C], its
+    output's channels moved last (a 2-D or 3-D conv runs channels-last, so that this is a
+    view). `for_kernels` returns it as the epilogue kernels read it: in its padded rows,
+    or in channels-last memory; else contiguous."""
     if anchor.pad:
         y = padded_gemm(anchor, operands, pad_x)
         return y if for_kernels else y[:, : operands[-1].shape[1]].contiguous()
@@ -38,18 +39,16 @@ def run_anchor(anchor: Anchor, operands: list[torch.Tensor], for_kernels: bool =
         return aten.bmm.default(*operands)
     x, w = operands[:2]
     b = operands[2] if anchor.has_bias else None
-    if anchor.permuted:  # [N x spatial, C]: of a 2-D or 3-D conv's channels-last output, a view
-        if x.dim() in (4, 5):
-            layout = channels_last_format(x)
-            x, w = x.contiguous(memory_format=layout), w.contiguous(memory_format=layout)
-        y = aten.convolution.default(x, w, b, *anchor.conv)
-        return y.movedim(1, -1).reshape(-1, y.shape[1])
-    if anchor.channels_last:
+    channels_last = anchor.channels_last or (anchor.permuted and x.dim() in (4, 5))
+    if channels_last:
         layout = channels_last_format(x)
-        y = aten.convolution.default(x.contiguous(memory_format=layout), w.contiguous(memory_format=layout), b,
-                                     *anchor.conv)
+        x, w = x.contiguous(memory_format=layout), w.contiguous(memory_format=layout)
+    y = aten.convolution.default(x, w, b, *anchor.conv)
+    if anchor.permuted:
+        return y.movedim(1, -1).reshape(-1, y.shape[1])
+    if channels_last:
         return y.contiguous(memory_format=layout) if for_kernels else y.contiguous()
-    return aten.convolution.default(x, w, b, *anchor.conv)
+    return y
 
 
 def channels_last_format(x: torch.Tensor) -> torch.memory_format:

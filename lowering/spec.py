@@ -62,9 +62,8 @@ def broadcast_sizes(consts: tuple, per_row: int) -> tuple[int, int]:
     elements of the chain's value: a row's worth for every row where a term has no
     modulus (the leading dims), else a fixed count."""
     terms = broadcast_terms(consts)
-    lead = [(div, stride) for div, mod, stride in terms if not mod]
-    if lead:
-        div, stride = lead[0]
+    div, mod, stride = terms[0]
+    if not mod:  # only the first term can lead
         return 0, per_row // div * stride
     return 1 + sum((mod - 1) * stride for _, mod, stride in terms), 0
 
@@ -303,7 +302,8 @@ class EpilogueSpec:
         the kernels read it: a per-channel operand or a norm's weight, bias and running
         statistics hold `channels` elements, a single-element operand one, a full
         operand (a residual) a row's worth for every row of the anchor output, a broadcast
-        one what `broadcast_sizes` says: the launchers check every call's inputs against these before any kernel reads them."""
+        one what `broadcast_sizes` says: the launchers check every call's inputs against
+        these before any kernel reads them."""
         known = self.__dict__.get("_param_sizes")  # computed once a spec (launchers ask at every call)
         if known is not None:
             return known
