@@ -282,7 +282,13 @@ MODELS = [
         _conv(64, 64, groups=64, padding=1), lambda y, m: F.relu(m.bn(y)), bn=nn.BatchNorm2d(64)), (32, 64, 64, 64)),
     ZooModel("conv2d_gn_gelu_global_mean", lambda: Seq(
         _conv(16, 64), lambda y, m: F.gelu(m.gn(y)).mean(dim=(2, 3)), gn=nn.GroupNorm(16, 64)), (32, 16, 64, 64)),
+    ZooModel("conv2d_gn_silu_global_max", lambda: Seq(
+        _conv(64, 128, padding=1), lambda y, m: torch.amax(F.silu(m.gn(y)), dim=(2, 3)), gn=nn.GroupNorm(32, 128)),
+        (32, 64, 32, 32)),
     # heads: global average pooling before a classifier, per-pixel classes of a segmentation net
+    ZooModel("resnet_head_bn_relu_avgpool", lambda: Seq(
+        _conv(256, 512, padding=1), lambda y, m: F.adaptive_avg_pool2d(F.relu(m.bn(y)), 1).flatten(1),
+        bn=nn.BatchNorm2d(512)), (64, 256, 7, 7)),
     ZooModel("conv2d_relu_global_avgpool", lambda: Seq(
         _conv(64, 128, padding=1), lambda y, m: F.adaptive_avg_pool2d(F.relu(y), 1).flatten(1)), (32, 64, 28, 28)),
     ZooModel("conv2d_1x1_log_softmax_classes", lambda: Seq(_conv(64, 21, 1), lambda y, m: F.log_softmax(y, dim=1)),

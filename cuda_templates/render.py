@@ -10,6 +10,7 @@ renderers live in one file (about 1,080 lines) because every kernel file is one
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from lowering.spec import (
@@ -17,10 +18,13 @@ from lowering.spec import (
     CHANNEL_NORMS,
     CHANNEL_REDUCTIONS,
     FULL,
+    NORMS_BEFORE_A_REDUCTION,
     POOLS,
     REDUCTIONS,
+    REDUCTIONS_AFTER_A_NORM,
     ROW_NORMS,
     ROW_REDUCTIONS,
+    SECOND_REDUCTION_MAX_CHANNELS,
     SEGMENT_NORMS,
     SPATIAL_NORMS,
     SPATIAL_REDUCTIONS,
@@ -393,6 +397,8 @@ def direct_plan(spec: EpilogueSpec, arch: str = "sm90", conv_tf32: bool = False)
     red = spec.reduction
     if red is not None and red.name != "groupnorm":
         return f"{red.name} after a direct conv is not implemented"
+    if spec.second_reduction is not None:
+        return f"{spec.second_reduction.name} after its {red.name}: the epilogue kernel reduces the normalized value"
     cin, kh, kw, _, _ = anchor.direct
     ho, wo = anchor.direct_out_hw()
     if ho * wo != spec.inner or ho < 1 or wo < 1:
@@ -509,6 +515,8 @@ def gemm_plan(spec: EpilogueSpec, arch: str) -> GemmPlan | str:
     if k % per_16_bytes:
         return f"K={k} is not a multiple of {per_16_bytes} (the bulk copies' 16-byte row pitch)"
     red = spec.reduction
+    if spec.second_reduction is not None:
+        return f"{spec.second_reduction.name} after its {red.name}: the epilogue kernel reduces the normalized value"
     if red is not None and red.name in gemm_sm90.ROW_PARTIALS:
         # The consumers run the steps before the reduction, exposed at each tile's end;
         # the steps after it run on one value a row.
@@ -762,8 +770,41 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
         middle = templates.TEAM_ROW_REDUCE.substitute(reduce=templates.ROW_REDUCE[red.name])
         store = templates.STORE_ROW
     launches.append(f"  {name}_apply<<<{apply_grid}, kBlock, 0, stream>>>(a);")
+    if spec.second_reduction is not None:
+        store, more, ws_floats = _second_reduction(spec, p, name, ws_floats)
+        stats_kernels = "\n\n".join(filter(None, [stats_kernels, more]))
+        launches.append(f"  {name}_partfinal<<<(rows * kGroups * kParts + 255) / 256, 256, 0, stream>>>(a);")
     return _kernel_file(spec, name, p, fields=fields, bind=bind, stages=_stages(spec), middle=middle,
                         store=store, stats_kernels=stats_kernels, launches="\n".join(launches), ws_floats=ws_floats)
+
+
+def _second_reduction(spec: EpilogueSpec, p: Plan, name: str, ws_floats: str) -> tuple[str, str, str]:
+    """The apply kernel's store, the finishing kernel and the workspace size (in `rows`)
+    of a reduction after the norm: the apply kernel leaves each (segment, chunk, channel
+    of the segment)'s value after the workspace the norm uses, the finishing kernel
+    merges them.
+
+    Raises:
+        NotRenderable: a norm whose segments are not whole channels, or too many of them.
+    """
+    red, second = spec.reduction, spec.second_reduction
+    if red.name not in NORMS_BEFORE_A_REDUCTION or second.name not in REDUCTIONS_AFTER_A_NORM or p.flat or p.pixels \
+            or p.pool:
+        raise NotRenderable(f"{second.name} after {red.name}: no kernel here reduces that")
+    parts = 1
+    if spec.anchor.conv_view:
+        if p.seg_len % spec.inner:
+            raise NotRenderable(f"{second.name} after {red.name}: its segments of {p.seg_len} split the channels")
+        parts = p.seg_len // spec.inner
+    if parts > SECOND_REDUCTION_MAX_CHANNELS:
+        raise NotRenderable(f"{second.name} after {red.name} of {parts} channels a segment (at most "
+                            f"{SECOND_REDUCTION_MAX_CHANNELS})")
+    op = templates.ROW_REDUCE_OPS[second.name.removeprefix("spatial_")]
+    at = re.sub(r"\brows\b", "a.rows", ws_floats)
+    parts_at = f"(a.ws + ({at}))"
+    more = templates.PART_FINAL_KERNEL.substitute(kernel=name, op=op, parts=parts, parts_at=parts_at)
+    return (templates.PART_REDUCE.substitute(parts_at=parts_at), more,
+            f"{ws_floats} + rows * kGroups * kChunks * {parts}")
 
 
 def _team_moments_norm(spec: EpilogueSpec, red) -> str:
@@ -1056,36 +1097,44 @@ def _apply_vec(d: DirectPlan, ho: int, wo: int) -> int:
 
 def _stages(spec: EpilogueSpec) -> str:
     """stage0 (steps before the reduction, or all) and stage1 (the reduction's normalize
-    and the steps after it) as device functions."""
+    and the steps after it) as device functions; with a reduction after the norm
+    (`second_reduction`), stage1 ends before it and stage2 holds it and the steps after."""
     steps, red = list(spec.steps), spec.reduction
     split = steps.index(red) if red is not None else len(steps)
+    second = spec.second_reduction
+    bounds = [0, split] + ([steps.index(second)] if second is not None else []) + [len(steps)]
+    stage_of = lambda at: next(i for i in range(len(bounds) - 1) if at < bounds[i + 1] or i == len(bounds) - 2)
     # A value saved after `at` steps is stored after step at - 1 of its stage; at 0 it
     # is the anchor output itself, which the launcher returns.
     # A silu's sigmoid is stored from the silu step's input. A 16-bit value saved
-    # before the reduction is rounded in registers, so the statistics (amax's maximum,
+    # before a reduction is rounded in registers, so the statistics (amax's maximum,
     # a norm's mean) are those of the value backward reads, as in eager; later values
     # keep float32, as Inductor does (a rounded tiny softplus fed log's gradient a
     # factor 12 off eager's in float16).
-    saves_after: list[dict] = [{}, {}]
-    sigmoids_at: list[dict] = [{}, {}]
+    count = len(bounds) - 1
+    saves_after: list[dict] = [{} for _ in range(count)]
+    sigmoids_at: list[dict] = [{} for _ in range(count)]
     for slot, save in enumerate(spec.saves):
         if save.what == "value" and save.at > 0:
-            stage, index = (0, save.at - 1) if save.at <= split else (1, save.at - 1 - split)
-            saves_after[stage].setdefault(index, []).append((slot, CTYPES[save.dtype], stage == 0 and red is not None))
+            stage = stage_of(save.at - 1)
+            rounded = red is not None and stage < count - 1
+            saves_after[stage].setdefault(save.at - 1 - bounds[stage], []).append((slot, CTYPES[save.dtype], rounded))
         elif save.what == "sigmoid":
-            stage, index = (0, save.at) if save.at < split else (1, save.at - split)
-            sigmoids_at[stage].setdefault(index, []).append((slot, CTYPES[save.dtype]))
-    # stage1 opens with the reduction's own normalize statement (none for logsumexp).
+            stage = stage_of(save.at)
+            sigmoids_at[stage].setdefault(save.at - bounds[stage], []).append((slot, CTYPES[save.dtype]))
+    # stage1 opens with the reduction's own normalize statement (none for logsumexp),
+    # stage2 with the second reduction's (none).
+    comments = ("Steps before the reduction (all of them when there is none).",
+                "The reduction's normalize, then the steps after it" + (" up to the next reduction." if second else "."),
+                "The steps after the reduction that follows the norm, on its value.")
     stages = []
-    for stage, extra, comment, run, saves, sigmoids, first in (
-        ("stage0", "", "Steps before the reduction (all of them when there is none).", steps[:split],
-         saves_after[0], sigmoids_at[0], 0),
-        ("stage1", ", float s0, float s1", "The reduction's normalize, then the steps after it.",
-         steps[split:], saves_after[1], sigmoids_at[1], split),
-    ):
+    for i in range(max(count, 2)):
+        run = steps[bounds[i]:bounds[i + 1]] if i < count else []
         stages.append(
             templates.STAGE_FUNCTION.substitute(
-                name=stage, extra=extra, comment=comment, **render_stage(run, saves, sigmoids, first)
+                name=f"stage{i}", extra="" if i != 1 else ", float s0, float s1", comment=comments[i],
+                **render_stage(run, saves_after[i] if i < count else {}, sigmoids_at[i] if i < count else {},
+                               bounds[i] if i < count else len(steps))
             )
         )
     return "\n".join(stages)

@@ -44,8 +44,10 @@ from lowering.spec import CHANNEL_REDUCTIONS, SPATIAL_REDUCTIONS
 #   $includes       headers besides epilogue.cuh (the in-kernel GEMM's hopper.cuh), or nothing
 #   $fields         Args fields for extra outputs (BatchNorm's running stats x0, x1;
 #                   saved values sv0, ...) and tensor inputs (p0, ...)
-#   $stages         the two STAGE_FUNCTIONs: stage0 (steps before the reduction, or
-#                   all steps) and stage1 (the reduction's normalize and the steps after)
+#   $stages         the STAGE_FUNCTIONs: stage0 (steps before the reduction, or
+#                   all steps) and stage1 (the reduction's normalize and the steps after);
+#                   with a reduction after the norm, stage1 ends before it and stage2
+#                   holds the steps after it
 #   $stats_kernels  kernels that run before the apply kernel (statistics), or nothing
 #   $apply_header   the apply kernels' headers (apply.cuh, team_reduce.cuh) where the file has one, else nothing
 #   $apply_kernel   the apply kernel: APPLY_KERNEL (a team a segment) or FLAT_APPLY_KERNEL, or
@@ -357,6 +359,30 @@ STORE_ROW = r"""  if (p.live && p.lane == 0) a.out[p.seg] = fusedepi::from_float
 STORE_ELEMENTS = r"""#pragma unroll
   for (int k = 0; k < kNV; ++k)
     if (valid(p, k)) fusedepi::store_vec<T, kV>(a.out + p.seg * kL + offset_of(p, k), v[k]);"""
+
+# A reduction after the chain's norm (EpilogueSpec.second_reduction): the apply kernel's
+# store is PART_REDUCE, which leaves a value per (segment, chunk, channel of the segment)
+# at $parts_at (team_reduce.cuh, team_part_reduce); then PART_FINAL_KERNEL merges each
+# output element's chunks, runs stage2 (the steps after the reduction) on it and writes
+# the [rows, channels] (a conv's) or [rows] (a Linear's) output. Placeholders: $kernel,
+# $op (the reduction's fusedepi::RowReduce), $parts (channels of one norm segment),
+# $parts_at (a float* expression).
+PART_REDUCE = Template("  team_part_reduce<kPartOp, kParts>(p, v, $parts_at);")
+
+PART_FINAL_KERNEL = Template(
+    r"""constexpr int kParts = $parts;  // channels of one norm segment, reduced apart
+constexpr fusedepi::RowReduce kPartOp = $op;
+
+__global__ void __launch_bounds__(256) ${kernel}_partfinal(Args a) {
+  const long long o = (long long)blockIdx.x * 256 + threadIdx.x;  // (segment, channel of it)
+  if (o >= a.rows * kGroups * kParts) return;
+  float r[1] = {part_value<kPartOp, kParts>($parts_at, o)};
+  // its channel's place in the row, as stage2's per-channel operands read it
+  const int pos = static_cast<int>((o / kParts) % kGroups * kL + (o % kParts) * (kL / kParts));
+  stage2<1>(r, pos, o, a, true);
+  a.out[o] = fusedepi::from_float<T>(r[0]);
+}"""
+)
 
 # Partial (mean, M2) of each (segment, chunk) in the apply kernel's thread mapping, at
 # $parts_at (a float* expression): segment_stats.cuh. Placeholders: $kernel, $parts_at.

@@ -36,7 +36,10 @@ from .spec import (
     EARLIER,
     FULL,
     NAMED_STEPS,
+    NORMS_BEFORE_A_REDUCTION,
     ONE,
+    REDUCTIONS_AFTER_A_NORM,
+    SECOND_REDUCTION_MAX_CHANNELS,
     POOLS,
     REDUCTIONS,
     ROW_REDUCTIONS,
@@ -1394,6 +1397,39 @@ def _share_saved_values(chain: Chain) -> None:
     chain.saves = [chain.saves[i] for i in keep]
 
 
+def _reduction_after(state: _State, step: Step) -> str | None:
+    """Why `step`, a reduction, cannot follow the chain's reductions so far, or None.
+    One reduction a chain, but a second after a norm (`REDUCTIONS_AFTER_A_NORM`) whose
+    segments hold whole channels: a conv's GroupNorm of at most
+    SECOND_REDUCTION_MAX_CHANNELS channels a group, its BatchNorm or InstanceNorm, a
+    LayerNorm over whole channels, then a spatial reduction; a Linear's LayerNorm or
+    BatchNorm1d, then a row reduction."""
+    before = [s for s in state.chain.steps if s.name in REDUCTIONS]
+    if not before:
+        return None
+    first = before[0]
+    if len(before) > 1 or first.name not in NORMS_BEFORE_A_REDUCTION or step.name not in REDUCTIONS_AFTER_A_NORM:
+        return (f"{step.name}: only one reduction per fused kernel, or a sum, mean, amax or amin after a "
+                f"GroupNorm, LayerNorm or BatchNorm (here after {first.name})")
+    if state.permuted:
+        return f"{step.name} after {first.name} of a conv output with its channels moved last is not implemented"
+    channels = 1  # channels of one norm segment
+    if first.name == "groupnorm":
+        if not state.conv:
+            return f"{step.name} after a Linear's GroupNorm: the row spans {first.groups} of its groups"
+        channels = state.channels // first.groups
+    elif first.name == "layernorm" and first.normalized:
+        segment = math.prod(first.normalized)
+        if segment % state.inner:
+            return (f"{step.name} after a LayerNorm over {list(first.normalized)}: its segments split a conv "
+                    "output's channels")
+        channels = segment // state.inner
+    if channels > SECOND_REDUCTION_MAX_CHANNELS:
+        return (f"{step.name} after {first.name} of {channels} channels a segment: the kernel reduces at most "
+                f"{SECOND_REDUCTION_MAX_CHANNELS} channels of one segment apart")
+    return None
+
+
 def _extend_once(state: _State, disabled: frozenset) -> str | None:
     """Adds one step to the chain; returns why it cannot, or None."""
     users = list(state.node.users)
@@ -1412,8 +1448,10 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
     if step is not None:
         if step.name in disabled:
             return f"step {step.name} disabled by FUSEDEPI_DISABLE"
-        if step.name in REDUCTIONS and any(s.name in REDUCTIONS for s in state.chain.steps):
-            return f"{step.name}: only one reduction per fused kernel"
+        if step.name in REDUCTIONS:
+            why = _reduction_after(state, step)
+            if why is not None:
+                return why
         if state.regrouped and step.name in ROW_REDUCTIONS + SPATIAL_REDUCTIONS + CHANNEL_REDUCTIONS + POOLS \
                 and not (step.name in SPATIAL_REDUCTIONS and not step.keepdim and _flattened(state)):
             return (f"{step.name} after a view to {list(_val(state.node).shape)}: after a view that regroups a "

@@ -285,11 +285,23 @@ class EpilogueSpec:
 
     @property
     def reduction(self) -> Step | None:
-        """The step that needs statistics over more than one element, if any."""
+        """The first step that needs statistics over more than one element, if any."""
         for step in self.steps:
             if step.name in REDUCTIONS:
                 return step
         return None
+
+    @property
+    def second_reduction(self) -> Step | None:
+        """A reduction after the chain's norm (`REDUCTIONS_AFTER_A_NORM`), if any: it
+        shrinks the normalized value, which is then never written."""
+        found = [step for step in self.steps if step.name in REDUCTIONS]
+        return found[1] if len(found) > 1 else None
+
+    @property
+    def output_reduction(self) -> Step | None:
+        """The reduction that shapes the output: the second, else the first."""
+        return self.second_reduction or self.reduction
 
     @property
     def y_row(self) -> int:
@@ -336,7 +348,7 @@ class EpilogueSpec:
         """True when a reduction shrinks the output: to one value per row (a row
         reduction), per (row, channel) (a spatial reduction), per (row, pixel) (a
         reduction over a conv's channels), or per (row, channel, window) (a pool)."""
-        red = self.reduction
+        red = self.output_reduction
         return red is not None and red.name in ROW_REDUCTIONS + SPATIAL_REDUCTIONS + CHANNEL_REDUCTIONS + POOLS
 
     def reduced_tail(self) -> tuple:
@@ -346,7 +358,7 @@ class EpilogueSpec:
         with one 1 per spatial dim; a channel reduction's (), or (1,) with keepdim; a
         pool's (C, *pooled spatial sizes), or over a Linear output's features (N',), or
         (1, N') with keepdim (the unit dim the 1-D pool's input had)."""
-        red = self.reduction
+        red = self.output_reduction
         if red.name in ROW_REDUCTIONS + CHANNEL_REDUCTIONS:
             return (1,) if red.keepdim else ()
         if red.name in POOLS:
@@ -359,7 +371,7 @@ class EpilogueSpec:
     def keeps_spatial(self) -> bool:
         """A reduction over a conv's channels: its reduced output ends in the conv's
         spatial dims, after `reduced_tail`."""
-        red = self.reduction
+        red = self.output_reduction
         return red is not None and red.name in CHANNEL_REDUCTIONS
 
     def kernel_name(self, arch: str) -> str:
@@ -404,6 +416,17 @@ ROW_NORMS = ("rmsnorm", "softmax", "log_softmax")
 SPATIAL_NORMS = ("spatial_softmax", "spatial_log_softmax")
 REDUCTIONS = (SEGMENT_NORMS + ROW_NORMS + SPATIAL_NORMS + ROW_REDUCTIONS + SPATIAL_REDUCTIONS + CHANNEL_REDUCTIONS
               + CHANNEL_NORMS + POOLS + ("batchnorm_train",))
+# A second reduction may follow one of these norms (with pointwise steps between and
+# after): a spatial reduction of a conv's GroupNorm / InstanceNorm / BatchNorm (training)
+# or of a LayerNorm over whole channels (global pooling after the norm), or a row
+# reduction of a Linear's LayerNorm or BatchNorm1d. Each norm segment (a group, a
+# channel, a row) is reduced per channel inside the kernel that normalizes it, so the
+# normalized value is never written.
+NORMS_BEFORE_A_REDUCTION = SEGMENT_NORMS + ("batchnorm_train",)
+REDUCTIONS_AFTER_A_NORM = ("sum", "mean", "amax", "amin") + SPATIAL_REDUCTIONS
+# Channels of one norm segment the second reduction takes apart (a GroupNorm's channels
+# per group): the kernel reduces each with its own pass over the team's values.
+SECOND_REDUCTION_MAX_CHANNELS = 16
 # A fusion is named after its anchor family and the first of these steps it holds,
 # or "pointwise": linear_groupnorm, conv_batchnorm_eval, linear_pointwise, ...
 NAMED_STEPS = REDUCTIONS + ("batchnorm_eval",)

@@ -519,3 +519,48 @@ def training_specs(dtype="float32"):
         "train_layernorm_residual": replace(awkward_specs(dtype)["layernorm_residual"], saves=(
             value(2, 513), value(4, 513, per_row=513), stats("mean", 1, (-1, 1), stat), stats("rstd", 1, (-1, 1), stat))),
     }
+
+
+def second_reduction_specs(dtype="float32"):
+    """A reduction after the chain's norm (`EpilogueSpec.second_reduction`): global pooling
+    after a conv's GroupNorm (channels per group apart, one block or several a group),
+    InstanceNorm (planes split over several blocks) and BatchNorm (the ReLU's value also
+    returned, as a squeeze-and-excitation block uses it), on a channels-last y, after a
+    bmm's InstanceNorm, and a row reduction after a Linear's LayerNorm and BatchNorm1d."""
+    from lowering.spec import Save
+
+    p = (dtype,)
+    gn = lambda groups, inputs=(-1, -1): Step("groupnorm", consts=(1e-5,), inputs=inputs, groups=groups)
+    bn = Step("batchnorm_train", consts=(0.1, 1e-5), inputs=(0, 1, 2, 3))
+    return {
+        "second_conv_groupnorm_mean": EpilogueSpec(
+            CONV, (_bias(0), gn(8, (1, 2)), Step("gelu"), Step("spatial_mean"), Step("add", inputs=(3,), operand=CHANNEL),
+                   Step("relu")),
+            dtype, p * 4, 32, 20 * 24, "conv_groupnorm",
+        ),
+        "second_conv_groupnorm_amin_chunks": EpilogueSpec(
+            CONV, (gn(16), Step("silu"), Step("spatial_amin", keepdim=True)), dtype, (), 64, 100 * 100, "conv_groupnorm",
+        ),
+        "second_conv_instancenorm_sum_chunks": EpilogueSpec(
+            CONV, (gn(8), Step("leaky_relu", consts=(0.2,)), Step("spatial_sum"), Step("mul", consts=(0.5,), operand=SCALAR)),
+            dtype, (), 8, 201 * 203, "conv_groupnorm",
+        ),
+        "second_conv_batchnorm_amax_saves": EpilogueSpec(
+            CONV, (bn, Step("relu"), Step("spatial_amax")), dtype, p * 4, 16, 30 * 30, "conv_batchnorm_train",
+            saves=(Save("value", dtype, (-1, 16, 30, 30), 16 * 900, 2),),
+        ),
+        "second_channels_last_groupnorm_mean": EpilogueSpec(
+            CHANNELS_LAST, (gn(4), Step("relu"), Step("spatial_mean")), dtype, (), 16, 14 * 14, "conv_groupnorm",
+        ),
+        "second_bmm_instancenorm_mean": EpilogueSpec(
+            BMM, (gn(24), Step("tanh"), Step("spatial_mean", keepdim=True)), dtype, (), 24, 100, "bmm_groupnorm",
+        ),
+        "second_linear_layernorm_sum": EpilogueSpec(
+            LINEAR, (_bias(0), Step("layernorm", consts=(1e-5,), inputs=(1, 2)), Step("relu"), Step("sum", keepdim=True),
+                     Step("sigmoid")),
+            dtype, p * 3, 1000, 1, "linear_layernorm",
+        ),
+        "second_linear_batchnorm_mean": EpilogueSpec(
+            LINEAR, (bn, Step("gelu"), Step("mean")), dtype, p * 4, 96, 1, "linear_batchnorm_train",
+        ),
+    }

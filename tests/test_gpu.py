@@ -584,6 +584,92 @@ def test_reductions_of_a_conv_output(name, dtype, exact_float32):
     _fuses_within_eagers_error(model, shapes, dtype, fusion, exact_float32)
 
 
+class _NormThenReduce(nn.Module):
+    """An anchor (a conv, a Linear or a bmm against a weight [B, K, N]), a norm, then `fn`
+    on the normalized value: steps, a reduction, steps on its value."""
+
+    def __init__(self, anchor, norm, fn):
+        super().__init__()
+        self.anchor, self.norm, self.fn = anchor, norm, fn
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 64))
+
+    def forward(self, x):
+        y = torch.bmm(x, self.anchor) if isinstance(self.anchor, nn.Parameter) else self.anchor(x)
+        return self.fn(self, self.norm(y))
+
+
+# A reduction after the norm (`EpilogueSpec.second_reduction`): (anchor, norm, input shape,
+# fn, fusion, environment). GroupNorm of 4 channels a group (one block a group), of 4
+# channels over 100 x 100 (several blocks a group); InstanceNorm over odd 201 x 203 planes
+# (several blocks a plane); BatchNorm in training (running statistics too), also with its
+# normalized value returned as well (squeeze-and-excitation); 3-D; a LayerNorm over a conv
+# output's [C, H, W]; a bmm's InstanceNorm; channels-last; a Linear's LayerNorm and
+# BatchNorm1d then a row reduction.
+NORM_THEN_REDUCE = {
+    "conv_groupnorm_gelu_mean_scale": (
+        lambda: nn.Conv2d(8, 32, 3), lambda: nn.GroupNorm(8, 32), (4, 8, 22, 26),
+        lambda m, y: F.relu(F.gelu(y).mean(dim=(2, 3)) * m.scale[:32]), "conv_groupnorm", {}),
+    "conv_groupnorm_silu_amin_keepdim_chunks": (
+        lambda: nn.Conv2d(4, 64, 3, padding=1), lambda: nn.GroupNorm(16, 64), (2, 4, 100, 100),
+        lambda m, y: torch.amin(F.silu(y), dim=(2, 3), keepdim=True), "conv_groupnorm", {}),
+    "conv_instancenorm_leaky_sum_odd_chunks": (
+        lambda: nn.Conv2d(3, 8, 3), lambda: nn.InstanceNorm2d(8, affine=True), (2, 3, 203, 205),
+        lambda m, y: F.leaky_relu(y, 0.2).sum(dim=(2, 3)) * 0.5, "conv_groupnorm", {}),
+    "conv_batchnorm_relu_adaptive_avgpool": (
+        lambda: nn.Conv2d(16, 32, 3, padding=1), lambda: nn.BatchNorm2d(32), (4, 16, 30, 30),
+        lambda m, y: F.adaptive_avg_pool2d(F.relu(y), 1).flatten(1), "conv_batchnorm_train", {}),
+    "conv_batchnorm_relu_amax_and_value": (
+        lambda: nn.Conv2d(16, 16, 3), lambda: nn.BatchNorm2d(16), (3, 16, 33, 35),
+        lambda m, y: (lambda r: (r, torch.amax(r, dim=(2, 3))))(F.relu(y)), "conv_batchnorm_train", {}),
+    "conv3d_groupnorm_mean": (
+        lambda: nn.Conv3d(3, 16, 3), lambda: nn.GroupNorm(4, 16), (2, 3, 9, 10, 11),
+        lambda m, y: torch.tanh(y).mean(dim=(2, 3, 4)), "conv_groupnorm", {}),
+    "conv_layernorm_chw_mean": (
+        lambda: nn.Conv2d(3, 8, 3), lambda: nn.LayerNorm((8, 18, 20)), (3, 3, 20, 22),
+        lambda m, y: F.gelu(y).mean(dim=(2, 3)), "conv_layernorm", {}),
+    "bmm_instancenorm_tanh_mean_keepdim": (
+        lambda: nn.Parameter(torch.randn(5, 40, 37) / 40**0.5), lambda: nn.InstanceNorm1d(24), (5, 24, 40),
+        lambda m, y: torch.tanh(y).mean(dim=-1, keepdim=True), "bmm_groupnorm", {}),
+    "channels_last_conv_groupnorm_mean": (
+        lambda: nn.Conv2d(5, 16, 3, padding=1), lambda: nn.GroupNorm(4, 16), (37, 5, 9, 18),
+        lambda m, y: F.relu(y).mean(dim=(2, 3)), "conv_groupnorm",
+        {"FUSEDEPI_CONV_CHANNELS_LAST": "1", "FUSEDEPI_DISABLE": "direct_conv"}),
+    "linear_layernorm_relu_sum_sigmoid": (
+        lambda: nn.Linear(64, 1000), lambda: nn.LayerNorm(1000), (37, 64),
+        lambda m, y: torch.sigmoid(F.relu(y).sum(dim=1, keepdim=True) * 0.01), "linear_layernorm", {}),
+    "linear_batchnorm_gelu_mean": (
+        lambda: nn.Linear(32, 96), lambda: nn.BatchNorm1d(96), (501, 32),
+        lambda m, y: F.gelu(y).mean(dim=1), "linear_batchnorm_train", {}),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(NORM_THEN_REDUCE))
+def test_a_reduction_after_the_norm(name, dtype, exact_float32, monkeypatch):
+    """The norm's chain and the reduction after it in one fused op (the kernel's name
+    holds both), against float64 within eager's error; BatchNorm's running statistics
+    as eager updates them."""
+    anchor, norm, shape, fn, fusion, env = NORM_THEN_REDUCE[name]
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    model = _NormThenReduce(anchor(), norm(), fn).cuda().to(dtype)
+    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
+    ref, ref_model = float64_reference(model, x)
+    with torch.no_grad():
+        eager = copy.deepcopy(model)(x)
+        out, kernels = _kernels(model, x)
+    assert len(kernels) == 1 and re.search(r"norm(_[a-z]+)*_(spatial_)?(sum|mean|amax|amin)_", kernels[0]), kernels
+    outs, refs, eagers = [(t,) if isinstance(t, torch.Tensor) else t for t in (out, ref, eager)]
+    for o, r, e in zip(outs, refs, eagers, strict=True):
+        assert o.shape == r.shape and o.dtype == dtype
+        err = relative_error(o, r)
+        assert err <= max(TOLERANCE[dtype], 2 * relative_error(e, r)), f"relative error {err:.3g} (seed {exact_float32})"
+    if isinstance(model.norm, nn.BatchNorm1d | nn.BatchNorm2d):
+        for buffer in ("running_mean", "running_var"):
+            got, want = getattr(model.norm, buffer), getattr(ref_model.norm, buffer)
+            assert relative_error(got, want) <= TOLERANCE[dtype], buffer
+
+
 class _Batched(nn.Module):
     """torch.bmm of x[B, M, K] and a weight w[B, K, N], then `fn` on the [B, M, N] product
     and the optional further inputs; `scale` is a per-channel [M, 1] operand."""

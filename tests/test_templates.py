@@ -27,6 +27,7 @@ from specs import (
     conv_gemm_specs,
     gemm_specs,
     conv_batchnorm_specs,
+    second_reduction_specs,
     direct_specs,
     training_specs,
     vocabulary_specs,
@@ -40,6 +41,7 @@ ALL_SPECS = {
     for name, spec in {
         **workload_specs(dtype), **awkward_specs(dtype), **direct_specs(dtype), **vocabulary_specs(dtype),
         **training_specs(dtype), **conv_batchnorm_specs(dtype), **broadcast_specs(dtype),
+        **second_reduction_specs(dtype),
     }.items()
 }
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

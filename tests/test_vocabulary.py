@@ -2,6 +2,7 @@
 checked against eager through the plain-torch reference (FUSEDEPI_CPU_REFERENCE=1).
 """
 
+import copy
 import json
 import math
 
@@ -483,6 +484,91 @@ SPATIAL_REFUSED = [
 def test_spatial_reductions_that_do_not_fit_say_why(fn, reason):
     model = ConvChain(nn.Conv2d(3, 8, 3), fn)
     x = torch.randn(2, 3, 9, 10)
+    out, fused, refused = compile_records(model, x)
+    stops = [r.reason for r in refused] + [r.stop for r in fused]
+    assert any(reason in why for why in stops), stops
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+class _NormThenReduce(nn.Module):
+    """An anchor (conv or Linear), a norm, then `fn` on the normalized value."""
+
+    def __init__(self, anchor, norm, fn):
+        super().__init__()
+        self.anchor, self.norm, self.fn = anchor, norm, fn
+
+    def forward(self, x):
+        return self.fn(self.norm(self.anchor(x)))
+
+
+# A reduction after the norm: (id, anchor, norm, input shape, fn, the fused steps after the norm).
+NORM_THEN_REDUCE = [
+    ("groupnorm_gelu_mean", lambda: nn.Conv2d(3, 16, 3), lambda: nn.GroupNorm(4, 16), (2, 3, 9, 10),
+     lambda y: F.gelu(y).mean(dim=(2, 3)) * 2.0, ["gelu", "spatial_mean", "mul"]),
+    ("instancenorm_amax_keepdim", lambda: nn.Conv3d(3, 4, 2), lambda: nn.InstanceNorm3d(4, affine=True),
+     (2, 3, 5, 6, 7), lambda y: torch.amax(F.silu(y), dim=(2, 3, 4), keepdim=True), ["silu", "spatial_amax"]),
+    ("batchnorm_relu_adaptive_avgpool", lambda: nn.Conv2d(3, 8, 3, padding=1), lambda: nn.BatchNorm2d(8),
+     (4, 3, 7, 9), lambda y: F.adaptive_avg_pool2d(F.relu(y), 1).flatten(1), ["relu", "spatial_mean"]),
+    ("layernorm_chw_sum", lambda: nn.Conv2d(3, 8, 3), lambda: nn.LayerNorm((8, 7, 8)), (2, 3, 9, 10),
+     lambda y: torch.sum(y, dim=(2, 3)), ["spatial_sum"]),
+    ("linear_layernorm_amin", lambda: nn.Linear(16, 40), lambda: nn.LayerNorm(40), (5, 16),
+     lambda y: torch.amin(F.relu(y), dim=1), ["relu", "amin"]),
+    ("linear_batchnorm_mean_keepdim", lambda: nn.Linear(16, 40), lambda: nn.BatchNorm1d(40), (6, 16),
+     lambda y: torch.tanh(F.gelu(y).mean(dim=-1, keepdim=True)), ["gelu", "mean", "tanh"]),
+]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+@pytest.mark.parametrize("anchor, norm, shape, fn, after", [c[1:] for c in NORM_THEN_REDUCE],
+                         ids=[c[0] for c in NORM_THEN_REDUCE])
+def test_a_reduction_after_the_norm_fuses_into_its_chain(anchor, norm, shape, fn, after, grad, cpu_reference):
+    """Global pooling after a conv's GroupNorm, InstanceNorm, BatchNorm (training) or
+    LayerNorm over whole channels, and a row reduction after a Linear's LayerNorm or
+    BatchNorm1d: one chain to the end of the graph, with the values backward reads."""
+    torch.manual_seed(0)
+    model = _NormThenReduce(anchor(), norm(), fn)
+    expected_model = copy.deepcopy(model)
+    x = torch.randn(shape, requires_grad=grad)
+    out, fused, refused = compile_records(model, x, grad=grad)
+    assert len(fused) == 1 and not refused, [r.reason for r in refused]
+    steps = steps_of(fused[0])
+    norm_at = next(i for i, s in enumerate(steps) if s in ("groupnorm", "layernorm", "batchnorm_train"))
+    assert steps[norm_at + 1:] == after
+    assert grad or fused[0].stop.startswith("end of the graph")  # (backward may read the reduced value)
+    expected = expected_model(x)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for name, buffer in expected_model.norm.named_buffers():  # BatchNorm's running statistics
+        torch.testing.assert_close(getattr(model.norm, name), buffer, atol=1e-6, rtol=1e-5)
+    if grad:
+        out.sum().backward()
+        got = x.grad.clone()
+        x.grad = None
+        expected.sum().backward()
+        torch.testing.assert_close(got, x.grad, atol=1e-5, rtol=1e-5)
+
+
+REDUCTION_AFTER_NORM_REFUSED = [
+    ("groupnorm_of_32_channels", lambda: nn.Conv2d(3, 64, 3), lambda: nn.GroupNorm(2, 64),
+     lambda y: y.mean(dim=(2, 3)), "spatial_mean after groupnorm of 32 channels a segment: the kernel reduces at most 16"),
+    ("linear_groupnorm", lambda: nn.Linear(16, 32), lambda: nn.GroupNorm(4, 32),
+     lambda y: y.sum(dim=1), "sum after a Linear's GroupNorm: the row spans 4 of its groups"),
+    ("layernorm_over_the_width", lambda: nn.Conv2d(3, 8, 3), lambda: nn.LayerNorm(8),
+     lambda y: y.mean(dim=(2, 3)), "its segments split a conv output's channels"),
+    ("over_the_channels", lambda: nn.Conv2d(3, 8, 3), lambda: nn.GroupNorm(4, 8),
+     lambda y: y.sum(dim=1), "channel_sum: only one reduction per fused kernel"),
+    ("logsumexp", lambda: nn.Linear(16, 32), lambda: nn.LayerNorm(32),
+     lambda y: torch.logsumexp(y, dim=1), "only one reduction per fused kernel, or a sum, mean, amax or amin after"),
+    ("softmax_then_sum", lambda: nn.Linear(16, 32), lambda: nn.Softmax(dim=1),
+     lambda y: y.sum(dim=1), "(here after softmax)"),
+]
+
+
+@pytest.mark.parametrize("anchor, norm, fn, reason", [c[1:] for c in REDUCTION_AFTER_NORM_REFUSED],
+                         ids=[c[0] for c in REDUCTION_AFTER_NORM_REFUSED])
+def test_a_reduction_after_the_norm_that_does_not_fit_says_why(anchor, norm, fn, reason, cpu_reference):
+    torch.manual_seed(0)
+    model = _NormThenReduce(anchor(), norm(), fn)
+    x = torch.randn((2, 3, 10, 10) if isinstance(model.anchor, nn.Conv2d) else (4, 16))
     out, fused, refused = compile_records(model, x)
     stops = [r.reason for r in refused] + [r.stop for r in fused]
     assert any(reason in why for why in stops), stops

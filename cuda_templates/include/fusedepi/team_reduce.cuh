@@ -82,3 +82,64 @@ __device__ __forceinline__ float team_row_reduce(const Place& p, const float (&v
     return kMax ? mx : -mx;
   }
 }
+
+// A reduction after the chain's norm (EpilogueSpec.second_reduction: sum, mean, amax,
+// amin): this team's values after stage1, reduced apart for each of the kParts channels
+// of its segment (kPartLen elements each; kParts is 1 where a segment is one channel, or
+// a Linear's row). The value of (segment, chunk, channel) goes to
+// parts[(seg * kChunks + chunk) * kParts + channel]: a sum (kSum, kMean), a max or a min,
+// or NaN where that share holds one (fmaxf skips NaN); part_value merges the chunks.
+template <RowReduce kOp, int kParts>
+__device__ __forceinline__ void team_part_reduce(const Place& p, const float (&v)[kNV][kV], float* parts) {
+  constexpr long long kPartLen = kL / kParts;
+  constexpr bool kSum = kOp == RowReduce::kSum || kOp == RowReduce::kMean;
+  constexpr bool kMax = kOp == RowReduce::kAmax;  // amin: the max of -x, negated
+  static_assert(kOp != RowReduce::kLogsumexp, "logsumexp does not follow a norm");
+  const long long at = (p.seg * kChunks + p.first / kChunkLen) * kParts;
+  for (int part = 0; part < kParts; ++part) {
+    float acc = kSum ? 0.f : -INFINITY;
+    float nans = 0.f;
+#pragma unroll
+    for (int k = 0; k < kNV; ++k) {
+      if (!valid(p, k)) continue;
+      const int o = offset_of(p, k);
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        if (kParts > 1 && (o + j) / kPartLen != part) continue;
+        const float e = v[k][j];
+        if constexpr (kSum) {
+          acc += e;
+        } else {
+          acc = fmaxf(acc, kMax ? e : -e);
+          nans += isnan(e) ? 1.f : 0.f;
+        }
+      }
+    }
+    float value;
+    if constexpr (kSum) {
+      value = fusedepi::team_sum<kTeam>(acc);
+    } else {
+      const float mx = fusedepi::team_max<kTeam>(acc);
+      value = fusedepi::team_sum<kTeam>(nans) > 0.f ? NAN : (kMax ? mx : -mx);
+    }
+    if (p.live && p.lane == 0) parts[at + part] = value;
+  }
+}
+
+// Output element o (= segment * kParts + channel of the segment) of a reduction after
+// the norm: its chunks' values from team_part_reduce merged (a NaN in any gives NaN),
+// a mean divided by the channel's kL / kParts elements.
+template <RowReduce kOp, int kParts>
+__device__ __forceinline__ float part_value(const float* parts, long long o) {
+  constexpr bool kSum = kOp == RowReduce::kSum || kOp == RowReduce::kMean;
+  const float* at = parts + (o / kParts) * kChunks * kParts + o % kParts;
+  float r = at[0];
+  bool nan = isnan(r);
+  for (int c = 1; c < kChunks; ++c) {
+    const float u = at[(long long)c * kParts];
+    nan = nan || isnan(u);
+    r = kSum ? r + u : (kOp == RowReduce::kAmax ? fmaxf(r, u) : fminf(r, u));
+  }
+  if (!kSum && nan) return NAN;
+  return kOp == RowReduce::kMean ? r / static_cast<float>(kL / kParts) : r;
+}
