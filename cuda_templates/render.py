@@ -85,6 +85,9 @@ class Plan:
             seg_len is then the row, and vec, team, nvec and chunks are 1.
         tile: with `pool` on a channels-last y, the pooled pixels a block stages (all their
             channels) before writing them plane by plane; else 0.
+        pixel_groups: a GroupNorm on a channels-last y (templates.PIXEL_GROUPS_APPLY_KERNEL,
+            `pixel_group_plan`): a vector is `vec` channels of a group at one pixel; a team
+            a segment, as in the graph's layout.
     """
 
     seg_len: int
@@ -100,6 +103,7 @@ class Plan:
     cvec: int = 1
     pool: bool = False
     tile: int = 0
+    pixel_groups: bool = False
 
 
 def _pow2_at_least(n: int) -> int:
@@ -155,7 +159,7 @@ def plan(spec: EpilogueSpec) -> Plan:
     vec = _vector_width(seg_len, spec.inner, widest)
     vecs = _ceil_div(seg_len, vec)
     if spec.anchor.channels_last:
-        staged = staged_plan(spec)
+        staged = _staged_or_pixel_groups(spec)
         if isinstance(staged, str):
             raise NotRenderable(f"channels-last conv: {staged}")
         return staged
@@ -239,7 +243,50 @@ def channels_last_plan(spec: EpilogueSpec) -> Plan | str:
             return _pool_plan(spec)
         except NotRenderable as err:
             return str(err)
-    return staged_plan(spec)
+    return _staged_or_pixel_groups(spec)
+
+
+def _staged_or_pixel_groups(spec: EpilogueSpec) -> Plan | str:
+    """The staged mapping where whole images fit it, else a GroupNorm's pixel groups."""
+    staged = staged_plan(spec)
+    if not isinstance(staged, str):
+        return staged
+    grouped = pixel_group_plan(spec)
+    return grouped if isinstance(grouped, Plan) else f"{staged}; {grouped}"
+
+
+PIXEL_GROUP_MIN_BYTES = 8  # a pixel's channels of a group read at once, at least
+
+
+def pixel_group_plan(spec: EpilogueSpec) -> Plan | str:
+    """The mapping of a GroupNorm chain on a channels-last y where a group's channels of
+    one pixel make a vector of at least PIXEL_GROUP_MIN_BYTES (a pixel's group read in
+    one load, not a channel's pixels one element each), or the reason there is none.
+    Teams take segments as `plan` does on a contiguous y, of whole pixels each; no chunks
+    (a segment fits a block); the output is written in the graph's layout. No operands
+    read per element and no saves (read in the graph's order)."""
+    red = spec.reduction
+    if red is None or red.name != "groupnorm" or not red.groups:
+        return "pixel groups are for GroupNorm chains"
+    if _reads_by_element(spec) or spec.saves:
+        return "an operand or a saved value read at each element's place in the graph's layout"
+    cpg = spec.channels // red.groups
+    widest = 16 // ITEMSIZE[spec.dtype]
+    vec = _widths(cpg, widest)[0]
+    if vec * ITEMSIZE[spec.dtype] < PIXEL_GROUP_MIN_BYTES:
+        return f"{cpg} channels a group: a pixel's group is less than {PIXEL_GROUP_MIN_BYTES} bytes"
+    sub = cpg // vec
+    vecs = spec.inner * sub
+    if vecs <= 32 * WARP_TEAM_MAX_VECS:
+        team = max(sub, min(32, _pow2_at_least(vecs)))
+        block = max(256, team)
+    else:
+        team = block = _block_team(vecs, BLOCK_TEAM_MAX_VECS, pow2=True)
+    if team > MAX_BLOCK or team * BLOCK_TEAM_MAX_VECS < vecs:
+        return f"a group of {cpg * spec.inner} elements: more than a block holds"
+    if team % sub:
+        return f"{sub} vectors a pixel do not divide a team of {team} threads"
+    return Plan(cpg * spec.inner, red.groups, vec, team, _ceil_div(vecs, team), 1, block, pixel_groups=True)
 
 
 def _flat_suits(spec: EpilogueSpec, p: Plan, widest: int) -> bool:
@@ -770,6 +817,8 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
         middle = templates.TEAM_ROW_REDUCE.substitute(reduce=templates.ROW_REDUCE[red.name])
         store = templates.STORE_ROW
     launches.append(f"  {name}_apply<<<{apply_grid}, kBlock, 0, stream>>>(a);")
+    if p.pixel_groups:
+        store = templates.PIXEL_GROUPS_STORE
     if spec.second_reduction is not None:
         store, more, ws_floats = _second_reduction(spec, p, name, ws_floats)
         stats_kernels = "\n\n".join(filter(None, [stats_kernels, more]))
@@ -803,7 +852,8 @@ def _second_reduction(spec: EpilogueSpec, p: Plan, name: str, ws_floats: str) ->
     at = re.sub(r"\brows\b", "a.rows", ws_floats)
     parts_at = f"(a.ws + ({at}))"
     more = templates.PART_FINAL_KERNEL.substitute(kernel=name, op=op, parts=parts, parts_at=parts_at)
-    return (templates.PART_REDUCE.substitute(parts_at=parts_at), more,
+    reduce = templates.PIXEL_GROUPS_PART_REDUCE if p.pixel_groups else templates.PART_REDUCE
+    return (reduce.substitute(parts_at=parts_at), more,
             f"{ws_floats} + rows * kGroups * kChunks * {parts}")
 
 
@@ -870,6 +920,10 @@ def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", an
         norm, op = templates.CHANNEL_OPS[spec.reduction.name]
         apply_kernel = templates.CHANNEL_APPLY_KERNEL.substitute(
             kernel=name, norm=norm, op=op, channels_last="true" if spec.anchor.channels_last else "false", cvec=p.cvec)
+    elif p.pixel_groups:
+        apply_kernel = templates.PIXEL_GROUPS_APPLY_KERNEL.substitute(
+            kernel=name, sub=p.seg_len // spec.inner // p.vec, group_channels=p.seg_len // spec.inner,
+            eps=cfloat(spec.reduction.consts[0]), store=store)
     elif p.pool:
         apply_kernel = templates.POOL_APPLY_KERNEL.substitute(
             kernel=name, channels_last="true" if spec.anchor.channels_last else "false",

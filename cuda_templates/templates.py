@@ -222,6 +222,41 @@ constexpr int kTilePixels = $tile;
 __global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) { pool_apply(a); }"""
 )
 
+# The apply kernel of a GroupNorm chain on a channels-last y, a vector a pixel's channels
+# of a group (fusedepi/pixel_groups.cuh, render.Plan.pixel_groups): loads, stage0, the
+# segment's (mean, rstd), stage1, then $store (PIXEL_GROUPS_STORE, or a reduction after
+# the norm: PIXEL_GROUPS_PART_REDUCE). Placeholders: $kernel, $sub (vectors a pixel),
+# $group_channels (channels a group), $eps, $store.
+PIXEL_GROUPS_APPLY_KERNEL = Template(
+    r"""constexpr int kSub = $sub;
+constexpr int kGroupChannels = $group_channels;
+#include "fusedepi/pixel_groups.cuh"
+
+__global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) {
+  const Place p = place(a);
+  const int c0 = pixel_group_channel(p);
+  float v[kNV][kV];
+  pixel_group_load(a, p, c0, v);
+  stage0_chan k0[kV];
+#pragma unroll
+  for (int j = 0; j < kV; ++j) k0[j] = stage0_chan_of(a, c0 + j);
+#pragma unroll
+  for (int k = 0; k < kNV; ++k)
+    if (valid(p, k)) stage0_cols<kV>(v[k], k0, 0, a);
+  float s0, s1;
+  team_moments(p, v, $eps, s0, s1);
+  stage1_chan k1[kV];
+#pragma unroll
+  for (int j = 0; j < kV; ++j) k1[j] = stage1_chan_of(a, c0 + j);
+#pragma unroll
+  for (int k = 0; k < kNV; ++k)
+    if (valid(p, k)) stage1_cols<kV>(v[k], k1, 0, a, s0, s1);
+$store
+}"""
+)
+PIXEL_GROUPS_STORE = "  pixel_group_store(a, p, c0, v);"
+PIXEL_GROUPS_PART_REDUCE = Template("  team_part_reduce<kPartOp, kParts>(p, v, $parts_at, pixel_group_parts(p));")
+
 # The body both stage variants share: the steps on each element, then the saves.
 _STAGE_LOOP = r"""#pragma unroll
   for (int j = 0; j < W; ++j) {
@@ -367,7 +402,7 @@ STORE_ELEMENTS = r"""#pragma unroll
 # the [rows, channels] (a conv's) or [rows] (a Linear's) output. Placeholders: $kernel,
 # $op (the reduction's fusedepi::RowReduce), $parts (channels of one norm segment),
 # $parts_at (a float* expression).
-PART_REDUCE = Template("  team_part_reduce<kPartOp, kParts>(p, v, $parts_at);")
+PART_REDUCE = Template("  team_part_reduce<kPartOp, kParts>(p, v, $parts_at, parts_in_order<kParts>(p));")
 
 PART_FINAL_KERNEL = Template(
     r"""constexpr int kParts = $parts;  // channels of one norm segment, reduced apart

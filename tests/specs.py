@@ -564,3 +564,20 @@ def second_reduction_specs(dtype="float32"):
             LINEAR, (bn, Step("gelu"), Step("mean")), dtype, p * 4, 96, 1, "linear_batchnorm_train",
         ),
     }
+
+
+def pixel_group_specs(dtype="float32"):
+    """GroupNorm on a channels-last y whose images do not fit the staged kernel: a vector
+    a pixel's channels of a group (`render.pixel_group_plan`): one vector a pixel (4 or 8
+    channels a group), four (16), warp teams (short segments of a wide image), and a
+    reduction after the norm."""
+    p = (dtype,)
+    gn = lambda groups, inputs=(-1, -1): Step("groupnorm", consts=(1e-5,), inputs=inputs, groups=groups)
+    return {
+        "pixel_groups_gn_silu": EpilogueSpec(
+            CHANNELS_LAST, (_bias(0), gn(16, (1, 2)), Step("silu")), dtype, p * 3, 64, 64 * 64, "conv_groupnorm"),
+        "pixel_groups_sixteen_channels_mean": EpilogueSpec(
+            CHANNELS_LAST, (_bias(0), gn(4), Step("relu"), Step("spatial_mean")), dtype, p, 64, 37 * 41, "conv_groupnorm"),
+        "pixel_groups_warp_teams": EpilogueSpec(
+            CHANNELS_LAST, (gn(64), Step("mul", inputs=(0,), operand=CHANNEL)), dtype, p, 512, 30, "conv_groupnorm"),
+    }

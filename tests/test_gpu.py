@@ -634,6 +634,10 @@ NORM_THEN_REDUCE = {
         lambda: nn.Conv2d(5, 16, 3, padding=1), lambda: nn.GroupNorm(4, 16), (37, 5, 9, 18),
         lambda m, y: F.relu(y).mean(dim=(2, 3)), "conv_groupnorm",
         {"FUSEDEPI_CONV_CHANNELS_LAST": "1", "FUSEDEPI_DISABLE": "direct_conv"}),
+    "channels_last_large_image_groupnorm_amax": (
+        lambda: nn.Conv2d(4, 64, 3, padding=1), lambda: nn.GroupNorm(16, 64), (2, 4, 48, 50),
+        lambda m, y: torch.amax(F.gelu(y), dim=(2, 3)), "conv_groupnorm",
+        {"FUSEDEPI_CONV_CHANNELS_LAST": "1", "FUSEDEPI_DISABLE": "direct_conv"}),
     "linear_layernorm_relu_sum_sigmoid": (
         lambda: nn.Linear(64, 1000), lambda: nn.LayerNorm(1000), (37, 64),
         lambda m, y: torch.sigmoid(F.relu(y).sum(dim=1, keepdim=True) * 0.01), "linear_layernorm", {}),
@@ -1158,6 +1162,15 @@ CHANNELS_LAST = {
         nn.GroupNorm(1, 5), nn.GELU())), (7, 3, 25, 25)),
     "conv3d_instancenorm_silu": (lambda: _ConvTail(nn.Conv3d(3, 4, 2), nn.Sequential(
         nn.InstanceNorm3d(4, affine=True), nn.SiLU())), (9, 3, 5, 6, 7)),
+    # GroupNorm where an image does not fit the staged kernel: a vector a pixel's channels
+    # of a group (4 a group: one vector; 16 over an odd 37 x 41 plane: 2 or 4 vectors a
+    # pixel; 8 a group of a wide 1 x 1 conv's short segments: warp teams).
+    "conv2d_groupnorm_silu_large_image": (lambda: _ConvTail(nn.Conv2d(8, 64, 3, padding=1), nn.Sequential(
+        nn.GroupNorm(16, 64), nn.SiLU())), (3, 8, 64, 64)),
+    "conv2d_groupnorm16_odd_plane_scale": (lambda: _ConvTail(nn.Conv2d(5, 64, 3), _GroupNormTimesScale(4, 64)),
+                                           (2, 5, 39, 43)),
+    "conv2d_wide_groupnorm_warp_teams": (lambda: _ConvTail(nn.Conv2d(8, 512, 1), nn.Sequential(
+        nn.GroupNorm(64, 512), nn.ReLU())), (3, 8, 5, 6)),
     # Reductions over the channels: a pixel a thread, its channels held (64) or read again
     # (96) in vectors of 4 or 8, or of 4 in bf16 (12 channels).
     "conv2d_softmax_channels_64": (lambda: _ConvTail(nn.Conv2d(16, 64, 3, padding=1), _Lambda(

@@ -15,10 +15,10 @@ import torch
 
 import cuda_templates
 from cuda_templates import compiler
-from cuda_templates.render import plan
+from cuda_templates.render import pixel_group_plan, plan
 from cuda_templates.snippets import SNIPPETS, Operands, _float32_reciprocal, cfloat
 from lowering import VOCABULARY, EpilogueSpec
-from lowering.spec import BROADCAST, SCALAR, Anchor, Save, Step
+from lowering.spec import BROADCAST, FULL, SCALAR, Anchor, Save, Step
 from specs import (
     CHANNELS_LAST,
     CONV,
@@ -27,6 +27,7 @@ from specs import (
     conv_gemm_specs,
     gemm_specs,
     conv_batchnorm_specs,
+    pixel_group_specs,
     second_reduction_specs,
     direct_specs,
     training_specs,
@@ -41,7 +42,7 @@ ALL_SPECS = {
     for name, spec in {
         **workload_specs(dtype), **awkward_specs(dtype), **direct_specs(dtype), **vocabulary_specs(dtype),
         **training_specs(dtype), **conv_batchnorm_specs(dtype), **broadcast_specs(dtype),
-        **second_reduction_specs(dtype),
+        **second_reduction_specs(dtype), **pixel_group_specs(dtype),
     }.items()
 }
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -198,8 +199,8 @@ def test_channels_last_pointwise_chains_apply_while_staging():
 @pytest.mark.parametrize("change, reason", [
     (dict(channels=64, inner=32 * 32), "does not fit 48 KiB"),
     (dict(inner=1), "1 x 1 output"),
-    (dict(steps=(Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=2),), channels=8, inner=400),
-     "longer than a warp holds"),
+    (dict(steps=(Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=4),), channels=4, inner=4000),
+     "longer than a warp holds"),  # (and one channel a group: 2 bytes a pixel, too few for pixel groups)
     (dict(steps=(Step("batchnorm_train", consts=(0.1, 1e-5), inputs=(0, 1, 2, 3)),)), "batchnorm_train is not"),
     (dict(saves=(Save("value", "bfloat16", (-1, 16, 9, 18), 16 * 162),)), "saved for backward"),
 ])
@@ -208,6 +209,24 @@ def test_channels_last_refusals(change, reason):
     assert reason in cuda_templates.staged_plan(spec)
     with pytest.raises(cuda_templates.NotRenderable, match="channels-last conv: "):
         plan(spec)
+
+
+def test_channels_last_groupnorm_reads_pixel_groups_where_images_do_not_fit():
+    """A GroupNorm's group of a pixel is a vector of y where the staged kernel cannot hold
+    the image; not where it is under 8 bytes, nor with an operand read per element."""
+    spec = pixel_group_specs("float32")["pixel_groups_gn_silu"]
+    assert "does not fit 48 KiB" in cuda_templates.staged_plan(spec)
+    p = plan(spec)
+    assert p.pixel_groups and p.vec == 4 and p.team == 512 and p.chunks == 1
+    source = cuda_templates.render(spec, "sm90")
+    assert "pixel_group_store(a, p, c0, v);" in source and "constexpr int kSub = 1;" in source
+    sixteen = plan(pixel_group_specs("bfloat16")["pixel_groups_sixteen_channels_mean"])
+    assert sixteen.pixel_groups and sixteen.vec == 8 and sixteen.team % 2 == 0
+    assert "pixel_group_parts(p)" in cuda_templates.render(pixel_group_specs("bfloat16")["pixel_groups_sixteen_channels_mean"], "sm90")
+    narrow = replace(spec, steps=(Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=64),))
+    assert "less than 8 bytes" in pixel_group_plan(narrow)
+    residual = replace(spec, steps=spec.steps + (Step("add", inputs=(3,), operand=FULL),), param_dtypes=("float32",) * 4)
+    assert "read at each element's place" in pixel_group_plan(residual)
 
 
 def test_padded_gemm_files_pad_x_in_their_own_kernel():
@@ -403,7 +422,7 @@ def _form(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> tuple:
     kernel = cuda_templates.kernel_name(spec, arch, conv_tf32)
     kernels = tuple(sorted(set(re.findall(rf"\b{re.escape(kernel)}_(\w+)\s*(?:<[^>]*>)?\(", source))))
     switches = tuple(re.findall(r"constexpr (?:int|bool|long long) (k(?:Staged|StagedApply|Wrap|PadK|Chunks|Team|"
-                                r"Stage0Done|ConvStats|RowReduce|RowReads|Bias)) = (true|false|\d+);", source))
+                                r"Stage0Done|ConvStats|RowReduce|RowReads|Bias|Sub)) = (true|false|\d+);", source))
     coarse = tuple((k, v if v in ("true", "false") else str(int(v) > (32 if k == "kTeam" else 1 if k == "kChunks" else 0)))
                    for k, v in switches)
     return ("float32" if spec.dtype == "float32" else "16-bit", kernel.split("_")[0], kernels, coarse)

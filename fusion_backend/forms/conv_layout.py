@@ -8,8 +8,10 @@ switches a graph's convs to channels-last by a heuristic; this row times both fo
 the graph's shapes (the channels-last one with its copies of x and the weight). The
 epilogue kernel then reads the channels-last output and writes the graph's contiguous
 layout, one image at a time through shared memory (`Anchor.channels_last`,
-`cuda_templates.staged_plan`), or a pixel a thread for a reduction over the channels
-(`cuda_templates.channels_last_plan`), so the transpose costs no pass of its own.
+`cuda_templates.staged_plan`), a pixel a thread for a reduction over the channels
+(`cuda_templates.channels_last_plan`), or, for a GroupNorm whose images do not fit
+there, a pixel's channels of a group as one vector (`render.pixel_group_plan`), so the
+transpose costs no pass of its own.
 FUSEDEPI_CONV_CHANNELS_LAST switches it.
 """
 

@@ -85,13 +85,14 @@ __device__ __forceinline__ float team_row_reduce(const Place& p, const float (&v
 
 // A reduction after the chain's norm (EpilogueSpec.second_reduction: sum, mean, amax,
 // amin): this team's values after stage1, reduced apart for each of the kParts channels
-// of its segment (kPartLen elements each; kParts is 1 where a segment is one channel, or
-// a Linear's row). The value of (segment, chunk, channel) goes to
-// parts[(seg * kChunks + chunk) * kParts + channel]: a sum (kSum, kMean), a max or a min,
-// or NaN where that share holds one (fmaxf skips NaN); part_value merges the chunks.
-template <RowReduce kOp, int kParts>
-__device__ __forceinline__ void team_part_reduce(const Place& p, const float (&v)[kNV][kV], float* parts) {
-  constexpr long long kPartLen = kL / kParts;
+// of its segment (kParts is 1 where a segment is one channel, or a Linear's row;
+// part_of(k, j) is the channel of the segment that element j of vector k holds). The
+// value of (segment, chunk, channel) goes to parts[(seg * kChunks + chunk) * kParts +
+// channel]: a sum (kSum, kMean), a max or a min, or NaN where that share holds one
+// (fmaxf skips NaN); part_value merges the chunks.
+template <RowReduce kOp, int kParts, class PartOf>
+__device__ __forceinline__ void team_part_reduce(const Place& p, const float (&v)[kNV][kV], float* parts,
+                                                 PartOf part_of) {
   constexpr bool kSum = kOp == RowReduce::kSum || kOp == RowReduce::kMean;
   constexpr bool kMax = kOp == RowReduce::kAmax;  // amin: the max of -x, negated
   static_assert(kOp != RowReduce::kLogsumexp, "logsumexp does not follow a norm");
@@ -102,10 +103,9 @@ __device__ __forceinline__ void team_part_reduce(const Place& p, const float (&v
 #pragma unroll
     for (int k = 0; k < kNV; ++k) {
       if (!valid(p, k)) continue;
-      const int o = offset_of(p, k);
 #pragma unroll
       for (int j = 0; j < kV; ++j) {
-        if (kParts > 1 && (o + j) / kPartLen != part) continue;
+        if (kParts > 1 && part_of(k, j) != part) continue;
         const float e = v[k][j];
         if constexpr (kSum) {
           acc += e;
@@ -142,4 +142,11 @@ __device__ __forceinline__ float part_value(const float* parts, long long o) {
   }
   if (!kSum && nan) return NAN;
   return kOp == RowReduce::kMean ? r / static_cast<float>(kL / kParts) : r;
+}
+
+// The segment's channel of element j of vector k in the apply kernel's own mapping: the
+// segment's kParts channels of kL / kParts elements each, in order.
+template <int kParts>
+__device__ __forceinline__ auto parts_in_order(const Place& p) {
+  return [&p](int k, int j) { return static_cast<int>((offset_of(p, k) + j) / (kL / kParts)); };
 }
