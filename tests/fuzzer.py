@@ -127,6 +127,7 @@ CONV_NORMS = {1: NORMS_CONV, 2: NORMS_CONV + ["instancenorm"], 3: NORMS_CONV + [
               8: NORMS_CONV + ["instancenorm", "chan_softmax", "chan_log_softmax", "conv_layernorm", "plane_softmax",
                                "plane_log_softmax"]}
 CONV_NORMS[9] = CONV_NORMS[8]
+CONV_NORMS[10] = CONV_NORMS[9]
 # Generation 7 adds LayerNorm over a conv output's trailing dims (`conv_layernorm`: the
 # last `dims` of them, the channels included or not), and 1-D pooling windows over a
 # 2-D Linear output's features among its row reductions (`FEATURE_POOLS`).
@@ -146,6 +147,11 @@ EARLIER_GENERATION = 3
 # size; `squeeze` drops its leading unit dims): per (image, channel), per position, per
 # pixel, per row, per image.
 BROADCAST_GENERATION = 9
+# From this generation on, a reduction may follow a GroupNorm, InstanceNorm, BatchNorm or
+# LayerNorm (with steps between): global pooling after a conv's, a sum, mean, amax or amin
+# over a Linear's features after its.
+SECOND_REDUCTION_GENERATION = 10
+NORMS_BEFORE_A_REDUCTION = ("groupnorm", "instancenorm", "batchnorm", "layernorm", "conv_layernorm")
 ROW_REDUCTIONS = ["logsumexp", "sum", "mean", "amax", "amin", "max_values"]
 # From this generation on, a conv's chain may pool: a reduction over all its spatial dims.
 POOL_GENERATION = 4
@@ -257,6 +263,11 @@ def _step(rng: random.Random, ctx: dict) -> dict:
             choices.append(("reduction", 3))
         elif ctx["kind"] == "conv" and ctx["generation"] >= POOL_GENERATION and not ctx.get("heads"):
             choices.append(("pool", 3))
+    elif ctx.get("after_norm") and not ctx["reduced"]:  # a reduction after the norm
+        if ctx["row_reducible"]:
+            choices.append(("reduction", 3))
+        elif ctx["kind"] == "conv" and not ctx.get("heads"):
+            choices.append(("pool", 3))
     if ctx["allow_outside"]:
         choices.append(("outside", 1))
     family = rng.choices([c for c, _ in choices], weights=[w for _, w in choices])[0]
@@ -322,6 +333,10 @@ def _step(rng: random.Random, ctx: dict) -> dict:
         elif op == "conv_layernorm":
             step["dims"], step["affine"] = rng.randint(1, len(ctx["spatial"]) + 1), rng.random() < 0.8
         return step
+    if family == "reduction" and ctx["has_reduction"]:
+        return {"op": rng.choice(ROW_REDUCTIONS[1:]), "keepdim": rng.random() < 0.5}
+    if family == "pool" and ctx["has_reduction"]:
+        return {"op": rng.choice(POOLS), "keepdim": rng.random() < 0.5}
     if family == "reduction":
         ops = ROW_REDUCTIONS + FEATURE_POOLS * 2 if ctx["generation"] >= 7 and not ctx["nd_linear"] else ROW_REDUCTIONS
         op = rng.choice(ops)
@@ -411,6 +426,8 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         if op in shrinks:  # (then no per-channel or full operands of the conv's shape)
             ctx["reduced"] = True
         ctx["windowed"] = ctx["windowed"] or op in WINDOWS
+        ctx["after_norm"] = ctx.get("after_norm") or (generation >= SECOND_REDUCTION_GENERATION
+                                                      and op in NORMS_BEFORE_A_REDUCTION)
         ctx["earlier"] = 0 if op in shrinks + WINDOWS else ctx["earlier"] + 1
     if gemm:
         dtype = rng.choice(["bfloat16", "float16"]) if device == "cuda" else "bfloat16"

@@ -183,6 +183,39 @@ def test_cpu_fuzz_of_broadcast_operands(grad):
     assert len(whole) >= len(picked) * 2 // 3, summary["reasons"]
 
 
+def _second_reduction(case) -> bool:
+    """Whether a reduction follows a norm in `case`'s draws."""
+    ops = [s["op"] for s in case.steps]
+    norm = next((i for i, op in enumerate(ops) if op in fuzzer.NORMS_BEFORE_A_REDUCTION), None)
+    return norm is not None and any(op in fuzzer.ROW_REDUCTIONS + fuzzer.POOLS for op in ops[norm + 1:])
+
+
+def test_generation_10_adds_reductions_after_a_norm_only():
+    gen = fuzzer.SECOND_REDUCTION_GENERATION
+    earlier = [fuzzer.make_case(0, i, "cpu", generation=gen - 1) for i in range(300)]
+    assert not any(map(_second_reduction, earlier))
+    later = [fuzzer.make_case(0, i, "cpu", generation=gen) for i in range(300)]
+    same = sum(a == replace(b, generation=a.generation) for a, b in zip(earlier, later))
+    assert sum(map(_second_reduction, later)) >= 15 and same >= 200, same
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+def test_cpu_fuzz_of_reductions_after_a_norm(grad):
+    # Generation 10: global pooling after a conv's GroupNorm, InstanceNorm, BatchNorm or
+    # LayerNorm, a row reduction after a Linear's, with random steps between and after.
+    gen = fuzzer.SECOND_REDUCTION_GENERATION
+    cases = [fuzzer.make_case(0, i, "cpu", generation=gen) for i in range(400)]
+    picked = [c for c in cases if _second_reduction(c) and c.in_vocabulary][: 20 if not grad else 10]
+    results = fuzzer.run(seed=0, indices=[c.index for c in picked], device="cpu", grad=grad, generation=gen)
+    summary = fuzzer.summarize(results)
+    assert len(results) == len(picked) and not summary["findings"], _shown(summary["findings"])
+    norms = ("groupnorm", "layernorm", "batchnorm_train")
+    second = [r for r in results for steps in r["fused_steps"]
+              if any(n in norms for n in steps) and any(n in ("sum", "mean", "amax", "amin") or n.startswith("spatial_")
+                                                         for n in steps[[n in norms for n in steps].index(True):])]
+    assert len(second) >= len(picked) // 3, summary["reasons"]
+
+
 def test_cpu_fuzz_of_row_reductions_of_nd_linear_outputs():
     # Generation 8 also reduces the features of a Linear applied to [B, T, K] inputs.
     gen = fuzzer.BMM_GENERATION
