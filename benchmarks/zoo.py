@@ -94,6 +94,21 @@ class ScoresSoftmax(nn.Module):
         return torch.softmax(torch.bmm(q, x.transpose(1, 2)) * self.scale, dim=-1)
 
 
+class AlibiScoresSoftmax(nn.Module):
+    """Attention scores as BLOOM computes them: baddbmm(alibi, q, k^T, alpha=scale) with a
+    per-(head, key) linear bias alibi[B*heads, 1, L], then softmax."""
+
+    def __init__(self, d, length):
+        super().__init__()
+        self.q, self.scale = nn.Linear(d, d), d ** -0.5
+        self.register_buffer("alibi", -torch.linspace(0, 1, length).view(1, 1, length))
+
+    def forward(self, x):
+        q = self.q(x)
+        alibi = self.alibi.expand(x.shape[0], 1, -1)
+        return torch.softmax(torch.baddbmm(alibi, q, x.transpose(1, 2), alpha=self.scale), dim=-1)
+
+
 class ScoresBiasSoftmax(nn.Module):
     """Attention scores with a learned bias per (query, key) position (Swin, T5): bmm(q,
     k^T) * scale + bias[L, L] -> softmax."""
@@ -383,6 +398,7 @@ MODELS = [
     # batched matmuls: attention, channel mixing shared by the batch
     ZooModel("bmm_scores_softmax", lambda: ScoresSoftmax(64), (64, 256, 64)),
     ZooModel("bmm_scores_bias_softmax", lambda: ScoresBiasSoftmax(64, 256), (64, 256, 64)),
+    ZooModel("baddbmm_alibi_scores_softmax", lambda: AlibiScoresSoftmax(64, 256), (64, 256, 64)),
     ZooModel("bmm_attend_layernorm_gelu", lambda: AttendNorm(128), (32, 512, 128)),
     ZooModel("bmm_mix_groupnorm_silu", lambda: Seq(ChannelMix(256), lambda y, m: F.silu(m.gn(y)),
                                                    gn=nn.GroupNorm(8, 256)), (32, 256, 1024)),

@@ -1150,6 +1150,12 @@ def _match_anchor(node: Node, direct_conv: bool = True, direct_gemm: bool = Fals
         return Anchor("mm", gemm=gemm), list(node.args[:2])
     if node.target is aten.bmm.default:
         return Anchor("bmm"), list(node.args[:2])
+    if node.target is aten.baddbmm.default:  # input + alpha * (b1 @ b2): the bmm, then steps (`_fold_bias`)
+        if _arg(node, 3, "beta", 1) != 1:
+            raise Refuse("baddbmm with beta != 1")
+        if _arg(node, 4, "alpha", 1) == 0:
+            raise Refuse("baddbmm with alpha == 0")
+        return Anchor("bmm", has_bias=True), list(node.args[1:3]) + [node.args[0]]
     if node.target is aten.convolution.default:
         x, w, b, stride, padding, dilation, transposed, out_pad, groups = node.args
         conv = (tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(out_pad), groups)
@@ -1254,6 +1260,18 @@ def _fold_bias(state: _State, anchor: Anchor, gemm_bias: bool) -> Anchor | None:
     float32 chains when `gemm_bias` (TF32 allowed) is set. Results do not depend on it.
     """
     chain = state.chain
+    if anchor.kind == "bmm" and anchor.has_bias:
+        # baddbmm: its input and alpha always move (no library call here adds them). Where
+        # the graph uses its value too (saved for backward), the fused op returns the value
+        # after these steps: the product rounded, then the sum (eager rounds once).
+        kind = _operand_kind(state, chain.operands[-1])
+        alpha = _arg(chain.anchor, 4, "alpha", 1)
+        if alpha != 1:
+            chain.steps.append(Step("mul", consts=(float(alpha),), operand=SCALAR))
+        consts = _broadcast_consts(state, chain.operands[-1]) if kind == BROADCAST else ()
+        chain.steps.append(Step("add", consts=consts, inputs=(_add_param(state, chain.operands.pop()),), operand=kind,
+                                reverse=True))
+        return replace(anchor, has_bias=False)
     if len(chain.anchor.users) > 1:
         # The graph also uses the anchor's output (saved for backward): the library
         # adds the bias, so that value is the library's own output, rounded once as
@@ -1595,7 +1613,8 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
             state = _start(node, anchor, operands, allow_cpu, permute)
             state.order, state.backward, state.claimed = order, backward, claimed
             folded = _fold_bias(state, anchor, matmul_tf32)
-            state.held[state.node] = len(state.chain.steps)
+            moved = len(state.chain.steps)  # steps the anchor's bias (baddbmm's input, alpha) became
+            state.held[state.node] = moved
             stop = _extend(state, disabled)
         except Refuse as err:
             refusals.append(Refusal(node.name, [node.name], str(err)))
@@ -1603,7 +1622,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
         chain = state.chain
         chain.stop = stop
         names = [n.name for n in chain.nodes]
-        if len(chain.steps) == (folded is not None):
+        if len(chain.steps) == moved:
             refusals.append(Refusal(node.name, names, f"no epilogue to fuse: {stop}"))
             continue
         if anchor.permuted and not _is_contiguous(_val(state.node)):

@@ -78,7 +78,9 @@ class Anchor:
             is read as a Conv1d's: rows B, channels M, one spatial dim of N (`conv_view`),
             so InstanceNorm, GroupNorm, BatchNorm1d, per-channel [M, 1] operands and
             LayerNorm over [N] mean what they mean there.
-        has_bias: conv only: whether a bias tensor is the third operand.
+        has_bias: conv: whether a bias tensor is the third operand; bmm: a `baddbmm`,
+            whose input is the third (the matcher always moves it into the epilogue, with
+            alpha, so a spec never holds a bmm with a bias).
         conv: conv only: (stride, padding, dilation, transposed, output_padding, groups).
         direct: conv only: (in_channels, kernel_h, kernel_w, in_h, in_w) when the conv
             is a candidate for the in-kernel direct convolution (2-D, stride 1,

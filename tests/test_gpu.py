@@ -718,6 +718,42 @@ def test_bmm_chains(name, dtype, exact_float32):
     _fuses_within_eagers_error(model, [(batch, m, k)] + rest, dtype, fusion, exact_float32)
 
 
+class _BaddbmmChain(nn.Module):
+    """torch.baddbmm(input, x, w, alpha=alpha) of x[B, M, K], a weight w[B, K, N] and an
+    input of `input_shape`, then `fn`."""
+
+    def __init__(self, batch, m, k, n, input_shape, alpha, fn):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(batch, k, n) / k**0.5)
+        self.input = nn.Parameter(torch.randn(input_shape))
+        self.alpha, self.fn = alpha, fn
+
+    def forward(self, x):
+        return self.fn(torch.baddbmm(self.input, x, self.w, alpha=self.alpha))
+
+
+# baddbmm anchors: (batch, M, K, N, input shape, alpha, fn, fusion). An attention bias
+# [L, L] and a scale before softmax over the plane; a full input before InstanceNorm; a
+# per-channel [M, 1] input before GELU over odd planes.
+BADDBMMS = {
+    "attention_bias_scaled_softmax": (6, 100, 64, 100, (100, 100), 0.125, lambda y: F.softmax(y, dim=-1),
+                                      "bmm_spatial_softmax"),
+    "full_input_instance_norm": (3, 48, 32, 257, (3, 48, 257), 1.0, lambda y: F.relu(F.instance_norm(y)),
+                                 "bmm_groupnorm"),
+    "per_channel_input_gelu": (5, 24, 40, 37, (24, 1), 2.0, F.gelu, "bmm_pointwise"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(BADDBMMS))
+def test_baddbmm_chains(name, dtype, exact_float32):
+    """baddbmm: cuBLAS's bmm, then alpha and the input in the epilogue kernel with the
+    chain, against float64 within eager's error."""
+    batch, m, k, n, input_shape, alpha, fn, fusion = BADDBMMS[name]
+    model = _BaddbmmChain(batch, m, k, n, input_shape, alpha, fn).cuda().to(dtype)
+    _fuses_within_eagers_error(model, [(batch, m, k)], dtype, fusion, exact_float32)
+
+
 class _Scores(nn.Module):
     """Attention scores of q, k [B, heads, L, d]: softmax(q @ k^T * d^-0.5) over the keys."""
 

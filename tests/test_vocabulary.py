@@ -717,6 +717,63 @@ def test_bmm_chains(fn, matmul, steps, out_shape):
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
 
 
+class _Baddbmm(nn.Module):
+    """torch.baddbmm(input, x, w, alpha=alpha) with an input of `input_shape`, then `fn`."""
+
+    def __init__(self, input_shape, fn, alpha=1.0, beta=1.0):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 8, 12))
+        self.input = nn.Parameter(torch.randn(input_shape))
+        self.fn, self.alpha, self.beta = fn, alpha, beta
+
+    def forward(self, x):
+        return self.fn(torch.baddbmm(self.input, x, self.w, beta=self.beta, alpha=self.alpha))
+
+
+# (id, input shape, alpha, fn, the steps its chain fuses)
+BADDBMMS = [
+    ("full_input_softmax", (4, 6, 12), 1.0, lambda y: F.softmax(y, dim=-1), ["add", "spatial_softmax"]),
+    ("attention_bias_scaled", (6, 12), 0.125, lambda y: F.softmax(y, dim=-1), ["mul", "add", "spatial_softmax"]),
+    ("per_channel_instance_norm", (6, 1), 1.0, lambda y: F.relu(F.instance_norm(y)), ["add", "groupnorm", "relu"]),
+    ("one_element_gelu", (1,), 2.0, F.gelu, ["mul", "add", "gelu"]),
+]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+@pytest.mark.parametrize("input_shape, alpha, fn, steps", [c[1:] for c in BADDBMMS], ids=[c[0] for c in BADDBMMS])
+def test_baddbmm_is_a_bmm_anchor_with_its_input_added(input_shape, alpha, fn, steps, grad, cpu_reference):
+    """baddbmm(input, x, w, alpha=a) is a bmm whose chain opens with `* a` (unless 1) and
+    `+ input` (full, per position, per channel or one value), in forward and training graphs."""
+    torch.manual_seed(0)
+    model = _Baddbmm(input_shape, fn, alpha)
+    x = torch.randn(4, 6, 8, requires_grad=grad)
+    out, fused, refused = compile_records(model, x, grad=grad)
+    assert len(fused) == 1 and not refused, [r.reason for r in refused]
+    assert steps_of(fused[0]) == steps and fused[0].fusion.startswith("bmm_")
+    expected = model(x)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    if grad:
+        out.sum().backward()
+        got = [x.grad.clone(), model.input.grad.clone(), model.w.grad.clone()]
+        x.grad = model.input.grad = model.w.grad = None
+        expected.sum().backward()
+        for a, b in zip(got, [x.grad, model.input.grad, model.w.grad]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("beta, alpha, fn, reason", [
+    (0.5, 1.0, torch.tanh, "baddbmm with beta != 1"),
+    (1.0, 0.0, torch.tanh, "baddbmm with alpha == 0"),
+    (1.0, 1.0, lambda y: y, "no epilogue to fuse"),
+], ids=["beta", "alpha_zero", "nothing_after"])
+def test_baddbmm_that_does_not_fit_says_why(beta, alpha, fn, reason, cpu_reference):
+    model = _Baddbmm((4, 6, 12), fn, alpha, beta)
+    x = torch.randn(4, 6, 8)
+    out, fused, refused = compile_records(model, x)
+    assert not fused and any(reason in r.reason for r in refused), [r.reason for r in refused]
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
 class _BatchOfOneAsMm(nn.Module):
     """A bmm of a batch of one as Inductor's joint-graph pass `bmm_to_mm` leaves it on
     CUDA tensors: mm(x.squeeze(0), w.squeeze(0)).unsqueeze(0), then `fn`."""
