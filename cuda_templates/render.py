@@ -1153,11 +1153,15 @@ def _stages(spec: EpilogueSpec) -> str:
     """stage0 (steps before the reduction, or all) and stage1 (the reduction's normalize
     and the steps after it) as device functions; with a reduction after the norm
     (`second_reduction`), stage1 ends before it and stage2 holds it and the steps after."""
-    steps, red = list(spec.steps), spec.reduction
-    split = steps.index(red) if red is not None else len(steps)
-    second = spec.second_reduction
-    bounds = [0, split] + ([steps.index(second)] if second is not None else []) + [len(steps)]
-    stage_of = lambda at: next(i for i in range(len(bounds) - 1) if at < bounds[i + 1] or i == len(bounds) - 2)
+    steps, red, second = list(spec.steps), spec.reduction, spec.second_reduction
+    # Where each stage starts, and the end: stage i runs steps[bounds[i]:bounds[i + 1]].
+    bounds = [0, steps.index(red) if red is not None else len(steps)]
+    bounds += ([steps.index(second)] if second is not None else []) + [len(steps)]
+    count = len(bounds) - 1
+
+    def stage_of(step: int) -> int:  # the stage that runs step `step` (past the end: the last)
+        return next((i for i in range(count) if step < bounds[i + 1]), count - 1)
+
     # A value saved after `at` steps is stored after step at - 1 of its stage; at 0 it
     # is the anchor output itself, which the launcher returns.
     # A silu's sigmoid is stored from the silu step's input. A 16-bit value saved
@@ -1165,7 +1169,6 @@ def _stages(spec: EpilogueSpec) -> str:
     # a norm's mean) are those of the value backward reads, as in eager; later values
     # keep float32, as Inductor does (a rounded tiny softplus fed log's gradient a
     # factor 12 off eager's in float16).
-    count = len(bounds) - 1
     saves_after: list[dict] = [{} for _ in range(count)]
     sigmoids_at: list[dict] = [{} for _ in range(count)]
     for slot, save in enumerate(spec.saves):
@@ -1181,14 +1184,9 @@ def _stages(spec: EpilogueSpec) -> str:
     comments = ("Steps before the reduction (all of them when there is none).",
                 "The reduction's normalize, then the steps after it" + (" up to the next reduction." if second else "."),
                 "The steps after the reduction that follows the norm, on its value.")
-    stages = []
-    for i in range(max(count, 2)):
-        run = steps[bounds[i]:bounds[i + 1]] if i < count else []
-        stages.append(
-            templates.STAGE_FUNCTION.substitute(
-                name=f"stage{i}", extra="" if i != 1 else ", float s0, float s1", comment=comments[i],
-                **render_stage(run, saves_after[i] if i < count else {}, sigmoids_at[i] if i < count else {},
-                               bounds[i] if i < count else len(steps))
-            )
-        )
-    return "\n".join(stages)
+    return "\n".join(
+        templates.STAGE_FUNCTION.substitute(
+            name=f"stage{i}", extra=", float s0, float s1" if i == 1 else "", comment=comments[i],
+            **render_stage(steps[bounds[i]:bounds[i + 1]], saves_after[i], sigmoids_at[i], bounds[i]))
+        for i in range(count)
+    )
