@@ -259,12 +259,14 @@ PIXEL_GROUP_MIN_BYTES = 8  # a pixel's channels of a group read at once, at leas
 
 
 def pixel_group_plan(spec: EpilogueSpec) -> Plan | str:
-    """The mapping of a GroupNorm chain on a channels-last y where a group's channels of
-    one pixel make a vector of at least PIXEL_GROUP_MIN_BYTES (a pixel's group read in
-    one load, not a channel's pixels one element each), or the reason there is none.
-    Teams take segments as `plan` does on a contiguous y, of whole pixels each; no chunks
-    (a segment fits a block); the output is written in the graph's layout. No operands
-    read per element and no saves (read in the graph's order)."""
+    """The mapping of a GroupNorm chain on a channels-last y where a vector holds a pixel's
+    channels of one group, or of several whole groups (a bundle: InstanceNorm's channels
+    four or eight at a time), of at least PIXEL_GROUP_MIN_BYTES: a pixel's group read in
+    one load, not a channel's pixels one element each. Or the reason there is none. A
+    team takes a bundle's segment of whole pixels, as `plan` takes a group on a
+    contiguous y (`groups` counts bundles, `seg_len` is a bundle's); no chunks (a segment
+    fits a block); the output is written in the graph's layout. No operands read per
+    element and no saves (read in the graph's order)."""
     red = spec.reduction
     if red is None or red.name != "groupnorm" or not red.groups:
         return "pixel groups are for GroupNorm chains"
@@ -272,10 +274,12 @@ def pixel_group_plan(spec: EpilogueSpec) -> Plan | str:
         return "an operand or a saved value read at each element's place in the graph's layout"
     cpg = spec.channels // red.groups
     widest = 16 // ITEMSIZE[spec.dtype]
-    vec = _widths(cpg, widest)[0]
+    vec = next((w for w in _widths(spec.channels, widest) if w % cpg == 0 or cpg % w == 0), 1)
     if vec * ITEMSIZE[spec.dtype] < PIXEL_GROUP_MIN_BYTES:
-        return f"{cpg} channels a group: a pixel's group is less than {PIXEL_GROUP_MIN_BYTES} bytes"
-    sub = cpg // vec
+        return (f"{cpg} channels a group of {spec.channels}: a pixel's vector of whole groups or of one group's "
+                f"channels is less than {PIXEL_GROUP_MIN_BYTES} bytes")
+    bundle = max(cpg, vec)
+    sub = bundle // vec
     vecs = spec.inner * sub
     if vecs <= 32 * WARP_TEAM_MAX_VECS:
         team = max(sub, min(32, _pow2_at_least(vecs)))
@@ -283,10 +287,11 @@ def pixel_group_plan(spec: EpilogueSpec) -> Plan | str:
     else:
         team = block = _block_team(vecs, BLOCK_TEAM_MAX_VECS, pow2=True)
     if team > MAX_BLOCK or team * BLOCK_TEAM_MAX_VECS < vecs:
-        return f"a group of {cpg * spec.inner} elements: more than a block holds"
+        return f"a group of {bundle * spec.inner} elements: more than a block holds"
     if team % sub:
         return f"{sub} vectors a pixel do not divide a team of {team} threads"
-    return Plan(cpg * spec.inner, red.groups, vec, team, _ceil_div(vecs, team), 1, block, pixel_groups=True)
+    return Plan(bundle * spec.inner, spec.channels // bundle, vec, team, _ceil_div(vecs, team), 1, block,
+                pixel_groups=True)
 
 
 def _flat_suits(spec: EpilogueSpec, p: Plan, widest: int) -> bool:
@@ -921,8 +926,10 @@ def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", an
         apply_kernel = templates.CHANNEL_APPLY_KERNEL.substitute(
             kernel=name, norm=norm, op=op, channels_last="true" if spec.anchor.channels_last else "false", cvec=p.cvec)
     elif p.pixel_groups:
+        bundle = p.seg_len // spec.inner
         apply_kernel = templates.PIXEL_GROUPS_APPLY_KERNEL.substitute(
-            kernel=name, sub=p.seg_len // spec.inner // p.vec, group_channels=p.seg_len // spec.inner,
+            kernel=name, sub=bundle // p.vec, bundle=bundle,
+            vec_groups=p.vec // (spec.channels // spec.reduction.groups) if bundle == p.vec else 1,
             eps=cfloat(spec.reduction.consts[0]), store=store)
     elif p.pool:
         apply_kernel = templates.POOL_APPLY_KERNEL.substitute(

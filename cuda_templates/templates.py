@@ -223,13 +223,16 @@ __global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) { pool_apply(a
 )
 
 # The apply kernel of a GroupNorm chain on a channels-last y, a vector a pixel's channels
-# of a group (fusedepi/pixel_groups.cuh, render.Plan.pixel_groups): loads, stage0, the
-# segment's (mean, rstd), stage1, then $store (PIXEL_GROUPS_STORE, or a reduction after
-# the norm: PIXEL_GROUPS_PART_REDUCE). Placeholders: $kernel, $sub (vectors a pixel),
-# $group_channels (channels a group), $eps, $store.
+# of a group, or of several whole groups (fusedepi/pixel_groups.cuh,
+# render.Plan.pixel_groups): loads, stage0, the (mean, rstd) of the bundle's groups,
+# stage1, then $store (PIXEL_GROUPS_STORE, or a reduction after the norm:
+# PIXEL_GROUPS_PART_REDUCE). Placeholders: $kernel, $sub (vectors a pixel), $bundle
+# (channels a team's segment holds), $vec_groups (whole groups a vector holds, 1 where a
+# group spans one or more vectors), $eps, $store.
 PIXEL_GROUPS_APPLY_KERNEL = Template(
     r"""constexpr int kSub = $sub;
-constexpr int kGroupChannels = $group_channels;
+constexpr int kBundle = $bundle;
+constexpr int kVecGroups = $vec_groups;
 #include "fusedepi/pixel_groups.cuh"
 
 __global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) {
@@ -243,14 +246,29 @@ __global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) {
 #pragma unroll
   for (int k = 0; k < kNV; ++k)
     if (valid(p, k)) stage0_cols<kV>(v[k], k0, 0, a);
-  float s0, s1;
-  team_moments(p, v, $eps, s0, s1);
   stage1_chan k1[kV];
 #pragma unroll
   for (int j = 0; j < kV; ++j) k1[j] = stage1_chan_of(a, c0 + j);
+  if constexpr (kVecGroups == 1) {
+    float s0, s1;
+    team_moments(p, v, $eps, s0, s1);
 #pragma unroll
-  for (int k = 0; k < kNV; ++k)
-    if (valid(p, k)) stage1_cols<kV>(v[k], k1, 0, a, s0, s1);
+    for (int k = 0; k < kNV; ++k)
+      if (valid(p, k)) stage1_cols<kV>(v[k], k1, 0, a, s0, s1);
+  } else {  // element j in group j / (kV / kVecGroups) of the vector
+    float s0[kVecGroups], s1[kVecGroups];
+    pixel_group_moments(p, v, $eps, s0, s1);
+#pragma unroll
+    for (int k = 0; k < kNV; ++k)
+      if (valid(p, k))
+#pragma unroll
+        for (int j = 0; j < kV; ++j) {
+          float one[1] = {v[k][j]};
+          const stage1_chan kj[1] = {k1[j]};
+          stage1_cols<1>(one, kj, 0, a, s0[j / (kV / kVecGroups)], s1[j / (kV / kVecGroups)]);
+          v[k][j] = one[0];
+        }
+  }
 $store
 }"""
 )

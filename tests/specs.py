@@ -570,7 +570,8 @@ def pixel_group_specs(dtype="float32"):
     """GroupNorm on a channels-last y whose images do not fit the staged kernel: a vector
     a pixel's channels of a group (`render.pixel_group_plan`): one vector a pixel (4 or 8
     channels a group), four (16), warp teams (short segments of a wide image), and a
-    reduction after the norm."""
+    reduction after the norm; bundles of whole groups where a group is narrower than a
+    vector (InstanceNorm; 2 channels a group), a reduction after them."""
     p = (dtype,)
     gn = lambda groups, inputs=(-1, -1): Step("groupnorm", consts=(1e-5,), inputs=inputs, groups=groups)
     return {
@@ -580,4 +581,9 @@ def pixel_group_specs(dtype="float32"):
             CHANNELS_LAST, (_bias(0), gn(4), Step("relu"), Step("spatial_mean")), dtype, p, 64, 37 * 41, "conv_groupnorm"),
         "pixel_groups_warp_teams": EpilogueSpec(
             CHANNELS_LAST, (gn(64), Step("mul", inputs=(0,), operand=CHANNEL)), dtype, p, 512, 30, "conv_groupnorm"),
+        "pixel_groups_instancenorm_bundles": EpilogueSpec(
+            CHANNELS_LAST, (gn(32, (0, 1)), Step("leaky_relu", consts=(0.2,))), dtype, p * 2, 32, 48 * 48,
+            "conv_groupnorm"),
+        "pixel_groups_two_channels_max": EpilogueSpec(
+            CHANNELS_LAST, (gn(32), Step("tanh"), Step("spatial_amax")), dtype, (), 64, 45 * 47, "conv_groupnorm"),
     }

@@ -638,6 +638,10 @@ NORM_THEN_REDUCE = {
         lambda: nn.Conv2d(4, 64, 3, padding=1), lambda: nn.GroupNorm(16, 64), (2, 4, 48, 50),
         lambda m, y: torch.amax(F.gelu(y), dim=(2, 3)), "conv_groupnorm",
         {"FUSEDEPI_CONV_CHANNELS_LAST": "1", "FUSEDEPI_DISABLE": "direct_conv"}),
+    "channels_last_instancenorm_mean": (
+        lambda: nn.Conv2d(4, 16, 3, padding=1), lambda: nn.InstanceNorm2d(16), (2, 4, 50, 50),
+        lambda m, y: F.silu(y).mean(dim=(2, 3)), "conv_groupnorm",
+        {"FUSEDEPI_CONV_CHANNELS_LAST": "1", "FUSEDEPI_DISABLE": "direct_conv"}),
     "linear_layernorm_relu_sum_sigmoid": (
         lambda: nn.Linear(64, 1000), lambda: nn.LayerNorm(1000), (37, 64),
         lambda m, y: torch.sigmoid(F.relu(y).sum(dim=1, keepdim=True) * 0.01), "linear_layernorm", {}),
@@ -1207,6 +1211,12 @@ CHANNELS_LAST = {
                                            (2, 5, 39, 43)),
     "conv2d_wide_groupnorm_warp_teams": (lambda: _ConvTail(nn.Conv2d(8, 512, 1), nn.Sequential(
         nn.GroupNorm(64, 512), nn.ReLU())), (3, 8, 5, 6)),
+    # Groups narrower than a vector: bundles of whole groups (InstanceNorm: 4 or 8 channels
+    # a vector; 2 channels a group over an odd 39 x 45 plane).
+    "conv2d_instancenorm_leaky_large_image": (lambda: _ConvTail(nn.Conv2d(8, 32, 3, padding=1), nn.Sequential(
+        nn.InstanceNorm2d(32, affine=True), nn.LeakyReLU(0.2))), (3, 8, 48, 48)),
+    "conv2d_groupnorm_two_channels_odd_plane": (lambda: _ConvTail(nn.Conv2d(5, 64, 3), nn.Sequential(
+        nn.GroupNorm(32, 64), nn.Tanh())), (2, 5, 41, 47)),
     # Reductions over the channels: a pixel a thread, its channels held (64) or read again
     # (96) in vectors of 4 or 8, or of 4 in bf16 (12 channels).
     "conv2d_softmax_channels_64": (lambda: _ConvTail(nn.Conv2d(16, 64, 3, padding=1), _Lambda(

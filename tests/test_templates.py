@@ -199,8 +199,8 @@ def test_channels_last_pointwise_chains_apply_while_staging():
 @pytest.mark.parametrize("change, reason", [
     (dict(channels=64, inner=32 * 32), "does not fit 48 KiB"),
     (dict(inner=1), "1 x 1 output"),
-    (dict(steps=(Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=4),), channels=4, inner=4000),
-     "longer than a warp holds"),  # (and one channel a group: 2 bytes a pixel, too few for pixel groups)
+    (dict(steps=(Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=3),), channels=3, inner=4000),
+     "longer than a warp holds"),  # (and 3 channels: vectors of one, 2 bytes, too few for pixel groups)
     (dict(steps=(Step("batchnorm_train", consts=(0.1, 1e-5), inputs=(0, 1, 2, 3)),)), "batchnorm_train is not"),
     (dict(saves=(Save("value", "bfloat16", (-1, 16, 9, 18), 16 * 162),)), "saved for backward"),
 ])
@@ -223,8 +223,13 @@ def test_channels_last_groupnorm_reads_pixel_groups_where_images_do_not_fit():
     sixteen = plan(pixel_group_specs("bfloat16")["pixel_groups_sixteen_channels_mean"])
     assert sixteen.pixel_groups and sixteen.vec == 8 and sixteen.team % 2 == 0
     assert "pixel_group_parts(p)" in cuda_templates.render(pixel_group_specs("bfloat16")["pixel_groups_sixteen_channels_mean"], "sm90")
-    narrow = replace(spec, steps=(Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=64),))
+    narrow = replace(spec, steps=(Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=5),), channels=5,
+                     param_dtypes=())
     assert "less than 8 bytes" in pixel_group_plan(narrow)
+    bundles = plan(pixel_group_specs("float32")["pixel_groups_instancenorm_bundles"])
+    assert bundles.pixel_groups and bundles.vec == 4 and bundles.groups == 8 and bundles.seg_len == 4 * 48 * 48
+    source = cuda_templates.render(pixel_group_specs("bfloat16")["pixel_groups_instancenorm_bundles"], "sm90")
+    assert "constexpr int kVecGroups = 8;" in source and "constexpr int kBundle = 8;" in source
     residual = replace(spec, steps=spec.steps + (Step("add", inputs=(3,), operand=FULL),), param_dtypes=("float32",) * 4)
     assert "read at each element's place" in pixel_group_plan(residual)
 
@@ -422,8 +427,8 @@ def _form(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> tuple:
     kernel = cuda_templates.kernel_name(spec, arch, conv_tf32)
     kernels = tuple(sorted(set(re.findall(rf"\b{re.escape(kernel)}_(\w+)\s*(?:<[^>]*>)?\(", source))))
     switches = tuple(re.findall(r"constexpr (?:int|bool|long long) (k(?:Staged|StagedApply|Wrap|PadK|Chunks|Team|"
-                                r"Stage0Done|ConvStats|RowReduce|RowReads|Bias|Sub)) = (true|false|\d+);", source))
-    coarse = tuple((k, v if v in ("true", "false") else str(int(v) > (32 if k == "kTeam" else 1 if k == "kChunks" else 0)))
+                                r"Stage0Done|ConvStats|RowReduce|RowReads|Bias|Sub|VecGroups)) = (true|false|\d+);", source))
+    coarse = tuple((k, v if v in ("true", "false") else str(int(v) > (32 if k == "kTeam" else 1 if k in ("kChunks", "kVecGroups") else 0)))
                    for k, v in switches)
     return ("float32" if spec.dtype == "float32" else "16-bit", kernel.split("_")[0], kernels, coarse)
 
