@@ -128,6 +128,7 @@ CONV_NORMS = {1: NORMS_CONV, 2: NORMS_CONV + ["instancenorm"], 3: NORMS_CONV + [
                                "plane_log_softmax"]}
 CONV_NORMS[9] = CONV_NORMS[8]
 CONV_NORMS[10] = CONV_NORMS[9]
+CONV_NORMS[11] = CONV_NORMS[10]
 # Generation 7 adds LayerNorm over a conv output's trailing dims (`conv_layernorm`: the
 # last `dims` of them, the channels included or not), and 1-D pooling windows over a
 # 2-D Linear output's features among its row reductions (`FEATURE_POOLS`).
@@ -151,6 +152,11 @@ BROADCAST_GENERATION = 9
 # LayerNorm (with steps between): global pooling after a conv's, a sum, mean, amax or amin
 # over a Linear's features after its.
 SECOND_REDUCTION_GENERATION = 10
+# From this generation on, a third of the bmm anchors are `torch.baddbmm(input, x, w,
+# alpha=...)` (`baddbmm`: the input's shape, full, per position, per channel, per
+# column or one value, and alpha), drawn from a stream of their own.
+BADDBMM_GENERATION = 11
+BADDBMM_INPUTS = ["full", "position", "channel", "column", "one"]
 NORMS_BEFORE_A_REDUCTION = ("groupnorm", "instancenorm", "batchnorm", "layernorm", "conv_layernorm")
 ROW_REDUCTIONS = ["logsumexp", "sum", "mean", "amax", "amin", "max_values"]
 # From this generation on, a conv's chain may pool: a reduction over all its spatial dims.
@@ -392,6 +398,10 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         anchor = _implicit_anchor(rng)
     else:
         anchor = _gemm_anchor(rng) if gemm else _bmm_anchor(rng) if bmm else _anchor(rng)
+    if bmm and generation >= BADDBMM_GENERATION:
+        extra = random.Random(f"{seed}/{index}/{device}/baddbmm")
+        if extra.random() < 1 / 3:
+            anchor["baddbmm"] = {"input": extra.choice(BADDBMM_INPUTS), "alpha": extra.choice([1.0, 0.125, 2.0, -0.5])}
     linear = anchor["kind"] == "linear"
     ctx = {
         "kind": "linear" if linear else "conv",
@@ -597,16 +607,25 @@ def _pointwise(op: str, s: dict, x):
 
 
 class BatchedProduct(nn.Module):
-    """x[B, M, K] times a weight w[B, K, N]: `torch.bmm(x, w)`, or `x @ w` (`matmul`);
-    viewed [B / heads, heads, M, N] where `heads` > 1."""
+    """x[B, M, K] times a weight w[B, K, N]: `torch.bmm(x, w)`, or `x @ w` (`matmul`), or
+    with `baddbmm` ({"input": kind, "alpha": a}) `torch.baddbmm(input, x, w, alpha=a)`
+    with an input of that kind's shape; viewed [B / heads, heads, M, N] where `heads` > 1."""
 
-    def __init__(self, batch: int, k: int, n: int, matmul: bool, heads: int = 1):
+    def __init__(self, batch: int, m: int, k: int, n: int, matmul: bool, heads: int = 1, baddbmm: dict | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(batch, k, n) / math.sqrt(k))
-        self.matmul, self.heads = matmul, heads
+        self.matmul, self.heads, self.alpha = matmul, heads, (baddbmm or {}).get("alpha", 1.0)
+        self.input = None
+        if baddbmm:
+            shape = {"full": (batch, m, n), "position": (m, n), "channel": (m, 1), "column": (1, n),
+                     "one": (1,)}[baddbmm["input"]]
+            self.input = nn.Parameter(torch.randn(shape))
 
     def forward(self, x):
-        y = x @ self.weight if self.matmul else torch.bmm(x, self.weight)
+        if self.input is not None:
+            y = torch.baddbmm(self.input, x, self.weight, alpha=self.alpha)
+        else:
+            y = x @ self.weight if self.matmul else torch.bmm(x, self.weight)
         return y.view(-1, self.heads, *y.shape[1:]) if self.heads > 1 else y
 
 
@@ -624,7 +643,8 @@ class FuzzModel(nn.Module):
             channel_shape = [a["out"]]
         elif a["kind"] == "bmm":
             heads = a.get("heads", 1)
-            self.anchor = BatchedProduct(a["batch"], a["in"], a["spatial"][0], a["matmul"], heads)
+            self.anchor = BatchedProduct(a["batch"], a["out"], a["in"], a["spatial"][0], a["matmul"], heads,
+                                         a.get("baddbmm"))
             value_shape = ([a["batch"] // heads, heads] if heads > 1 else [a["batch"]]) + [a["out"], a["spatial"][0]]
             channel_shape = [a["out"], 1]
         else:

@@ -216,6 +216,31 @@ def test_cpu_fuzz_of_reductions_after_a_norm(grad):
     assert len(second) >= len(picked) // 3, summary["reasons"]
 
 
+def test_generation_11_adds_baddbmm_anchors_only():
+    gen = fuzzer.BADDBMM_GENERATION
+    earlier = [fuzzer.make_case(0, i, "cpu", generation=gen - 1) for i in range(300)]
+    later = [fuzzer.make_case(0, i, "cpu", generation=gen) for i in range(300)]
+    assert not any("baddbmm" in c.anchor for c in earlier)
+    changed = [b for a, b in zip(earlier, later) if a != replace(b, generation=a.generation)]
+    assert changed and all("baddbmm" in c.anchor for c in changed), len(changed)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+def test_cpu_fuzz_of_baddbmm_anchors(grad):
+    # Generation 11: baddbmm with a full, per-position, per-channel, per-column or
+    # one-element input and alpha, then random chains.
+    gen = fuzzer.BADDBMM_GENERATION
+    cases = [fuzzer.make_case(0, i, "cpu", generation=gen) for i in range(600)]
+    picked = [c for c in cases if "baddbmm" in c.anchor and c.in_vocabulary][: 16 if not grad else 8]
+    assert len(picked) >= (16 if not grad else 8)
+    results = fuzzer.run(seed=0, indices=[c.index for c in picked], device="cpu", grad=grad, generation=gen)
+    summary = fuzzer.summarize(results)
+    assert len(results) == len(picked) and not summary["findings"], _shown(summary["findings"])
+    added = [r for r in results if any(steps[:1] == ["add"] or steps[:2] == ["mul", "add"]
+                                       for steps in r["fused_steps"])]
+    assert len(added) >= len(picked) // 2, summary["reasons"]
+
+
 def test_cpu_fuzz_of_row_reductions_of_nd_linear_outputs():
     # Generation 8 also reduces the features of a Linear applied to [B, T, K] inputs.
     gen = fuzzer.BMM_GENERATION
