@@ -1,7 +1,7 @@
 """GPU tier: numerics of the fused kernels against float64, on fresh random inputs.
 
 Each test also asserts that the fusion fired, so a silent fallback to Inductor fails.
-Run on an H100/H200 with `pytest -m gpu`; skipped without CUDA. One file (about 1,100
+Run on an H100/H200 with `pytest -m gpu`; skipped without CUDA. One file (about 1,750
 lines) so that the device machine runs the tier with one command and one `-k`.
 """
 
