@@ -3,8 +3,9 @@
 `plan()` decides how threads map onto the data; `render()` turns spec + plan into
 a flat dict of strings and substitutes it into `templates.KERNEL_FILE`. The planners
 (`plan` with `staged_plan` and `pixel_group_plan`, `direct_plan`, `gemm_plan`,
-`conv_gemm_plan`) and their renderers live in one file (about 1,200 lines) because every kernel file is one
-`KERNEL_FILE` whose apply kernel, fields and launches they all fill.
+`conv_gemm_plan`) and their renderers live in one file (about 1,200 lines) because
+every kernel file is one `KERNEL_FILE` whose apply kernel, fields and launches they
+all fill.
 """
 
 from __future__ import annotations
