@@ -87,8 +87,9 @@ class Plan:
         tile: with `pool` on a channels-last y, the pooled pixels a block stages (all their
             channels) before writing them plane by plane; else 0.
         pixel_groups: a GroupNorm on a channels-last y (templates.PIXEL_GROUPS_APPLY_KERNEL,
-            `pixel_group_plan`): a vector is `vec` channels of a group at one pixel; a team
-            a segment, as in the graph's layout.
+            `pixel_group_plan`): a vector is `vec` channels at one pixel, of one group or of
+            a bundle of whole groups; a team a segment (`groups` counts bundles a row,
+            `seg_len` is a bundle's), as in the graph's layout.
     """
 
     seg_len: int

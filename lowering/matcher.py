@@ -38,12 +38,12 @@ from .spec import (
     NAMED_STEPS,
     NORMS_BEFORE_A_REDUCTION,
     ONE,
-    REDUCTIONS_AFTER_A_NORM,
-    SECOND_REDUCTION_MAX_CHANNELS,
     POOLS,
     REDUCTIONS,
+    REDUCTIONS_AFTER_A_NORM,
     ROW_REDUCTIONS,
     SCALAR,
+    SECOND_REDUCTION_MAX_CHANNELS,
     SELF,
     SPATIAL_REDUCTIONS,
     Anchor,
@@ -619,9 +619,14 @@ def _match_binary(state: _State, user: Node):
     kind = _operand_kind(state, other)
     if kind == SCALAR:
         return _Match(Step(name, consts=(float(other),), operand=SCALAR, reverse=reverse), [user], user)
+    return _Match(_tensor_operand_step(state, name, other, kind, reverse), [user], user)
+
+
+def _tensor_operand_step(state: _State, name: str, other: Node, kind: str, reverse: bool) -> Step:
+    """The binary step `name` whose other operand is the tensor `other`, of operand kind
+    `kind` (`_operand_kind`): the tensor becomes one of the fused op's inputs."""
     consts = _broadcast_consts(state, other) if kind == BROADCAST else ()
-    index = _add_param(state, other)
-    return _Match(Step(name, consts=consts, inputs=(index,), operand=kind, reverse=reverse), [user], user)
+    return Step(name, consts=consts, inputs=(_add_param(state, other),), operand=kind, reverse=reverse)
 
 
 # ------------------------------------------------------------ normalizations
@@ -1268,9 +1273,7 @@ def _fold_bias(state: _State, anchor: Anchor, gemm_bias: bool) -> Anchor | None:
         alpha = _arg(chain.anchor, 4, "alpha", 1)
         if alpha != 1:
             chain.steps.append(Step("mul", consts=(float(alpha),), operand=SCALAR))
-        consts = _broadcast_consts(state, chain.operands[-1]) if kind == BROADCAST else ()
-        chain.steps.append(Step("add", consts=consts, inputs=(_add_param(state, chain.operands.pop()),), operand=kind,
-                                reverse=True))
+        chain.steps.append(_tensor_operand_step(state, "add", chain.operands.pop(), kind, reverse=True))
         return replace(anchor, has_bias=False)
     if len(chain.anchor.users) > 1:
         # The graph also uses the anchor's output (saved for backward): the library
@@ -1293,7 +1296,7 @@ def _fold_bias(state: _State, anchor: Anchor, gemm_bias: bool) -> Anchor | None:
         folded = replace(anchor, has_bias=False)
     else:
         return None
-    chain.steps.append(Step("add", inputs=(_add_param(state, bias),), operand=kind, reverse=True))
+    chain.steps.append(_tensor_operand_step(state, "add", bias, kind, reverse=True))
     return folded
 
 
