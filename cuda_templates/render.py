@@ -85,11 +85,16 @@ class Plan:
         pool: a pooling window (templates.POOL_APPLY_KERNEL): a thread an output element;
             seg_len is then the row, and vec, team, nvec and chunks are 1.
         tile: with `pool` on a channels-last y, the pooled pixels a block stages (all their
-            channels) before writing them plane by plane; else 0.
+            channels) before writing them plane by plane; with `tiled`, a tile's pixels;
+            else 0.
         pixel_groups: a GroupNorm on a channels-last y (templates.PIXEL_GROUPS_APPLY_KERNEL,
             `pixel_group_plan`): a vector is `vec` channels at one pixel, of one group or of
             a bundle of whole groups; a team a segment (`groups` counts bundles a row,
             `seg_len` is a bundle's), as in the graph's layout.
+        tiled: a pointwise or BatchNorm chain on a channels-last y (templates.TILED_APPLY_KERNEL,
+            `tiled_plan`): a block a tile of `tile` pixels x `tile_c` channels, read in
+            loads of `cvec` channels, written in vectors of `vec` pixels of one channel;
+            seg_len is then the row, and team, nvec and chunks are 1.
     """
 
     seg_len: int
@@ -106,6 +111,8 @@ class Plan:
     pool: bool = False
     tile: int = 0
     pixel_groups: bool = False
+    tiled: bool = False
+    tile_c: int = 0
 
 
 def _pow2_at_least(n: int) -> int:
@@ -161,10 +168,10 @@ def plan(spec: EpilogueSpec) -> Plan:
     vec = _vector_width(seg_len, spec.inner, widest)
     vecs = _ceil_div(seg_len, vec)
     if spec.anchor.channels_last:
-        staged = _staged_or_pixel_groups(spec)
-        if isinstance(staged, str):
-            raise NotRenderable(f"channels-last conv: {staged}")
-        return staged
+        mapped = _channels_last_images(spec)
+        if isinstance(mapped, str):
+            raise NotRenderable(f"channels-last conv: {mapped}")
+        return mapped
     if vecs <= 32 * WARP_TEAM_MAX_VECS or _ceil_div(vecs, 32) * vec <= NARROW_MAX_ELEMENTS:
         # One vector per lane while the segment fits a warp: each access is coalesced.
         # Unless that leaves many lanes idle (33 vectors: 32 lanes x 2, 31 of the second
@@ -233,8 +240,10 @@ def channels_last_plan(spec: EpilogueSpec) -> Plan | str:
     """The mapping of `spec`'s epilogue on a channels-last y (the `conv_layout` form), or
     the reason there is none: a reduction over the channels reads it a pixel a thread, a
     pooling window an output element a thread; every other chain stages images
-    (`staged_plan`). None returns values saved for backward: the anchor output among
-    them would be handed on channels-last, where the graph expects its own layout."""
+    (`staged_plan`), or, where they do not fit, reads a GroupNorm's pixel groups
+    (`pixel_group_plan`) or tiles of pixels x channels (`tiled_plan`). None returns values
+    saved for backward: the anchor output among them would be handed on channels-last,
+    where the graph expects its own layout."""
     if spec.saves:
         return "it returns values saved for backward, which are read in the graph's layout"
     red = spec.reduction
@@ -245,16 +254,56 @@ def channels_last_plan(spec: EpilogueSpec) -> Plan | str:
             return _pool_plan(spec)
         except NotRenderable as err:
             return str(err)
-    return _staged_or_pixel_groups(spec)
+    return _channels_last_images(spec)
 
 
-def _staged_or_pixel_groups(spec: EpilogueSpec) -> Plan | str:
-    """The staged mapping where whole images fit it, else a GroupNorm's pixel groups."""
-    staged = staged_plan(spec)
-    if not isinstance(staged, str):
-        return staged
-    grouped = pixel_group_plan(spec)
-    return grouped if isinstance(grouped, Plan) else f"{staged}; {grouped}"
+def _channels_last_images(spec: EpilogueSpec) -> Plan | str:
+    """The staged mapping where whole images fit it, else a GroupNorm's pixel groups,
+    else tiles of pixels x channels; or the three reasons."""
+    reasons = []
+    for planner in (staged_plan, pixel_group_plan, tiled_plan):
+        found = planner(spec)
+        if isinstance(found, Plan):
+            return found
+        reasons.append(found)
+    return "; ".join(reasons)
+
+
+TILE_BYTES = 128  # a tile's channels of one pixel, read from y (at most: all of them)
+TILE_ELEMENTS = 4096  # a tile's pixels x channels, 16 a thread of TILED_BLOCK
+TILED_BLOCK = 256
+TILED_MAX_PVEC = 4  # pixels a vector of the output (the tile's rows in shared memory are read with a stride of it)
+
+
+def tiled_plan(spec: EpilogueSpec) -> Plan | str:
+    """The mapping of a pointwise or BatchNorm (training) chain on a channels-last y whose
+    images need not fit shared memory, or the reason there is none: y read as a matrix
+    of pixels x channels, a block a tile of it (TILE_ELEMENTS, at most TILE_BYTES of
+    channels a pixel) transposed through shared memory, the chain run in the output's
+    order (`tiles.cuh`), so its operands are read as in the graph's layout. BatchNorm's
+    statistics come from the column kernels over the same matrix, which run the steps
+    before the norm per channel: none of those may read an operand by element."""
+    red = spec.reduction
+    if spec.inner == 1:
+        return "a 1 x 1 output: the layouts are the same"
+    if red is not None and red.name != "batchnorm_train":
+        return f"tiles are for pointwise and BatchNorm chains, not {red.name}"
+    if spec.second_reduction is not None:
+        return f"tiles write the chain's value: {spec.second_reduction.name} after the norm is not read from them"
+    if spec.saves:
+        return "it returns values saved for backward, which are read in the graph's layout"
+    if red is not None and any(s.operand in (FULL, BROADCAST) for s in spec.steps[:spec.steps.index(red)]):
+        return "an operand read by element before BatchNorm: its statistics read the channels-last y by channel"
+    if spec.channels * spec.inner >= 2**31:
+        return f"rows of {spec.channels * spec.inner} elements: the kernels index a row with 32 bits"
+    item = ITEMSIZE[spec.dtype]
+    widest = 16 // item
+    tile_c = min(spec.channels, TILE_BYTES // item)
+    cvec = next(w for w in _widths(spec.channels, widest) if tile_c % w == 0)
+    pvec = _widths(spec.inner, TILED_MAX_PVEC)[0]
+    tile_p = max(pvec, min(1024, 2 ** int(math.log2(max(1, TILE_ELEMENTS // tile_c)))))
+    return Plan(spec.channels * spec.inner, 1, pvec, 1, 1, 1, TILED_BLOCK, tile=tile_p, tiled=True, tile_c=tile_c,
+                cvec=cvec)
 
 
 PIXEL_GROUP_MIN_BYTES = 8  # a pixel's channels of a group read at once, at least
@@ -769,17 +818,21 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
             save_stats=_save_stats(spec, "m.mean", "invstd", "c"),
         )
         finish = templates.BATCH_NORM_FINISH.substitute(**finish)
-        if spec.inner == 1:  # [rows, features]: partials per (row chunk, column)
+        if spec.inner == 1 or p.tiled:
+            # [rows, features], or a channels-last [rows * inner, channels]: partials per
+            # (row chunk, column)
             vmax = 16 // ITEMSIZE[spec.dtype]
             stats_kernels = templates.COLUMN_STATS_KERNELS.substitute(
-                kernel=name, col_vec=vmax if spec.channels % vmax == 0 else 1, finish=finish
+                kernel=name, col_vec=vmax if spec.channels % vmax == 0 else 1, finish=finish,
+                col_rows=spec.inner if p.tiled else 1,
             )
+            col_rows = "rows * kInner" if p.tiled else "rows"
             launches += [
-                f"  {name}_colstats<<<dim3((kChannels + kColsPerBlock - 1) / kColsPerBlock, "
-                f"(rows + kRowsPerChunk - 1) / kRowsPerChunk), 256, 0, stream>>>(a);",
+                f"  {name}_colstats<<<dim3(({col_rows} + kRowsPerChunk - 1) / kRowsPerChunk, "
+                f"(kChannels + kColsPerBlock - 1) / kColsPerBlock), 256, 0, stream>>>(a);",
                 f"  {name}_colfinal<<<(kChannels + kFinalCols - 1) / kFinalCols, dim3(kFinalCols, kFinalRows), 0, stream>>>(a);",
             ]
-            ws_floats = "kPartials + (rows + kRowsPerChunk - 1) / kRowsPerChunk * kChannels * 2"
+            ws_floats = f"kPartials + ({col_rows} + kRowsPerChunk - 1) / kRowsPerChunk * kChannels * 2"
         else:  # a conv's [rows, channels, inner]: partials per (row, channel, chunk)
             stats_kernels = templates.CHANNEL_STATS_KERNELS.substitute(kernel=name, finish=finish)
             stats_kernels += "\n\n" + templates.PARTIAL_MOMENTS_KERNEL.substitute(
@@ -844,7 +897,7 @@ def _second_reduction(spec: EpilogueSpec, p: Plan, name: str, ws_floats: str) ->
         NotRenderable: a norm whose segments are not whole channels, or too many of them.
     """
     red, second = spec.reduction, spec.second_reduction
-    if red.name not in NORMS_BEFORE_A_REDUCTION or second.name not in REDUCTIONS_AFTER_A_NORM or p.flat or p.pixels \
+    if red.name not in NORMS_BEFORE_A_REDUCTION or second.name not in REDUCTIONS_AFTER_A_NORM or p.flat or p.pixels or p.tiled \
             or p.pool:
         raise NotRenderable(f"{second.name} after {red.name}: no kernel here reduces that")
     parts = 1
@@ -902,6 +955,8 @@ def _reads_by_element(spec: EpilogueSpec) -> bool:
 
 
 def _apply_grid(p: Plan) -> str:
+    if p.tiled:
+        return "dim3((rows * kInner + kTileP - 1) / kTileP, (kChannels + kTileC - 1) / kTileC)"
     if p.pool:
         return "rows * kPoolBlocksPerRow"
     if p.pixels:
@@ -933,6 +988,11 @@ def _kernel_file(spec: EpilogueSpec, name: str, p: Plan, stage0_done="false", an
             kernel=name, sub=bundle // p.vec, bundle=bundle,
             vec_groups=p.vec // (spec.channels // spec.reduction.groups) if bundle == p.vec else 1,
             eps=cfloat(spec.reduction.consts[0]), store=store)
+    elif p.tiled:
+        assert middle in ("", templates.BATCH_NORM_APPLY), "tiles are for pointwise and BatchNorm chains"
+        apply_kernel = templates.TILED_APPLY_KERNEL.substitute(
+            kernel=name, tile_p=p.tile, tile_c=p.tile_c, cvec=p.cvec, pvec=p.vec,
+            norm="true" if spec.reduction is not None else "false")
     elif p.pool:
         apply_kernel = templates.POOL_APPLY_KERNEL.substitute(
             kernel=name, channels_last="true" if spec.anchor.channels_last else "false",

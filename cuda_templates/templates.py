@@ -274,6 +274,22 @@ $store
 }"""
 )
 PIXEL_GROUPS_STORE = "  pixel_group_store(a, p, c0, v);"
+
+# The apply kernel of a pointwise or BatchNorm chain on a channels-last y, a tile of
+# pixels x channels a block, transposed through shared memory (fusedepi/tiles.cuh,
+# render.Plan.tiled). Placeholders: $kernel, $tile_p / $tile_c (the tile's pixels and
+# channels), $cvec (channels a load from y), $pvec (pixels a vector of the output), $norm
+# ("true": stage1 follows stage0, BatchNorm's normalize and the steps after it).
+TILED_APPLY_KERNEL = Template(
+    r"""constexpr int kTileP = $tile_p;
+constexpr int kTileC = $tile_c;
+constexpr int kCV = $cvec;
+constexpr int kPV = $pvec;
+constexpr bool kTiledNorm = $norm;
+#include "fusedepi/tiles.cuh"
+
+__global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) { tiled_apply(a); }"""
+)
 PIXEL_GROUPS_PART_REDUCE = Template("  team_part_reduce<kPartOp, kParts>(p, v, $parts_at, pixel_group_parts(p));")
 
 # The body both stage variants share: the steps on each element, then the saves.
@@ -457,11 +473,17 @@ $save_stats
 }"""
 )
 
-# BatchNorm (training) statistics per column of a [rows, channels] output: the tiling's
-# constants, then column_stats.cuh's two kernels.
-# Placeholders: $kernel, $col_vec (columns per thread), $finish (BATCH_NORM_FINISH).
+# BatchNorm (training) statistics per column of a [rows, channels] output, or of a
+# channels-last conv output read as [rows * inner, channels]: the tiling's constants, then
+# column_stats.cuh's two kernels.
+# Placeholders: $kernel, $col_vec (columns per thread), $col_rows (matrix rows a row of
+# the output: 1, or a channels-last conv's kInner), $finish (BATCH_NORM_FINISH).
 COLUMN_STATS_KERNELS = Template(
     r"""constexpr int kColV = $col_vec;
+// Matrix rows a row of the output holds: 1 (a Linear's), or a channels-last conv's pixels,
+// whose rows are then kChannels apart and whose columns are channels (stage0 per channel).
+constexpr long long kColRows = $col_rows;
+constexpr long long kColStride = kColRows == 1 ? kYRow : kChannels;
 // Narrow outputs (up to 16 columns, one a lane): a warp takes kLaneRows rows at once, lane
 // l on column l % C of its row l / C, so that a warp's loads cover whole rows (7 columns:
 // 28 lanes busy, not 7). The leftover lanes (l >= kLaneRows * C) load but are not merged.

@@ -587,3 +587,30 @@ def pixel_group_specs(dtype="float32"):
         "pixel_groups_two_channels_max": EpilogueSpec(
             CHANNELS_LAST, (gn(32), Step("tanh"), Step("spatial_amax")), dtype, (), 64, 45 * 47, "conv_groupnorm"),
     }
+
+
+def tiled_specs(dtype="float32"):
+    """Pointwise and BatchNorm (training) chains on a channels-last y whose images do not
+    fit the staged kernel (`render.tiled_plan`): tiles of pixels x channels, the chain
+    run in the output's order. A residual and a per-image operand (read by element
+    there), channels that do not fill a tile (48: 32 + 16) or a load (6), planes that a
+    vector of four pixels does not divide (57 x 57), BatchNorm after per-channel steps."""
+    p = (dtype,)
+    bn = lambda first: Step("batchnorm_train", consts=(0.1, 1e-5), inputs=tuple(range(first, first + 4)))
+    per_image = _broadcast("mul", 2, (128 * 128 * 64, 0, 64), (128 * 128, 64, 1))  # [N, C, 1, 1]
+    return {
+        "tiled_relu_bias": EpilogueSpec(
+            CHANNELS_LAST, (_bias(0), Step("relu"), Step("add", inputs=(1,), operand=CHANNEL)), dtype, p * 2, 128,
+            128 * 128, "conv_pointwise"),
+        "tiled_residual_relu": EpilogueSpec(
+            CHANNELS_LAST, (_bias(0), Step("add", inputs=(1,), operand=FULL), Step("relu"), per_image), dtype, p * 3,
+            64, 128 * 128, "conv_pointwise"),
+        "tiled_odd_planes_forty_eight": EpilogueSpec(
+            CHANNELS_LAST, (Step("gelu"), Step("mul", consts=(0.5,), operand=SCALAR)), dtype, (), 48, 57 * 57,
+            "conv_pointwise"),
+        "tiled_batchnorm_relu": EpilogueSpec(
+            CHANNELS_LAST, (_bias(0), bn(1), Step("relu")), dtype, p * 5, 64, 96 * 96, "conv_batchnorm_train"),
+        "tiled_six_channels_batchnorm": EpilogueSpec(
+            CHANNELS_LAST, (Step("hardswish"), bn(0), Step("add", inputs=(4,), operand=FULL)), dtype, p * 5, 6,
+            131 * 67, "conv_batchnorm_train"),
+    }

@@ -1230,6 +1230,15 @@ CHANNELS_LAST = {
         lambda y: F.max_pool2d(F.relu(y), 3, 2, ceil_mode=True))), (4, 3, 15, 17)),
     "conv3d_avgpool_padded_16": (lambda: _ConvTail(nn.Conv3d(3, 16, 2), _Lambda(
         lambda y: F.avg_pool3d(y, 2, padding=1, count_include_pad=False) * 2.0)), (3, 3, 5, 6, 7)),
+    # Pointwise chains of images beyond the staged kernel: tiles of pixels x channels
+    # (render.tiled_plan), a residual read in the output's order, 48 channels (a tile
+    # of 32 and one of 16), 57 x 57 planes (vectors of one pixel), a Conv3d of 24 channels.
+    "conv2d_relu_bias_large_image": (lambda: _ConvTail(nn.Conv2d(8, 64, 3, padding=1), _Lambda(
+        lambda y: F.relu(y) + 0.25)), (3, 8, 64, 64)),
+    "conv2d_gelu_residual_odd_plane_48": (lambda: _ConvTail(nn.Conv2d(5, 48, 3), nn.GELU(), residual=True),
+                                          (2, 5, 59, 59)),
+    "conv3d_hardswish_scale_24": (lambda: _ConvTail(nn.Conv3d(3, 24, 2), _Lambda(
+        lambda y: F.hardswish(y) * 2.0)), (2, 3, 20, 21, 22)),
 }
 
 
@@ -1255,6 +1264,51 @@ def test_channels_last_library_conv(name, dtype, monkeypatch, exact_float32):
     err = relative_error(out, ref)
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32})"
     assert err <= 4 * relative_error(eager, ref) + 1e-3, f"{err:.3g} against eager's {relative_error(eager, ref):.3g}"
+
+
+# BatchNorm (training) on a channels-last y: statistics from the column kernels over its
+# pixels x channels, then tiles (render.tiled_plan); every image size, odd planes, 6
+# channels (loads of 2), a Conv3d, a step before the norm.
+CHANNELS_LAST_BATCHNORM = {
+    "conv2d_bn_relu": (lambda: _ConvTail(nn.Conv2d(8, 64, 3, padding=1), nn.Sequential(
+        nn.BatchNorm2d(64), nn.ReLU())), (4, 8, 40, 40)),
+    "conv2d_hardswish_bn_six_channels": (lambda: _ConvTail(nn.Conv2d(3, 6, 3), nn.Sequential(
+        nn.Hardswish(), nn.BatchNorm2d(6))), (3, 3, 61, 49)),
+    "conv3d_bn_silu": (lambda: _ConvTail(nn.Conv3d(4, 16, 3), nn.Sequential(
+        nn.BatchNorm3d(16), nn.SiLU())), (2, 4, 12, 14, 16)),
+    "conv2d_small_image_bn_leaky": (lambda: _ConvTail(nn.Conv2d(16, 32, 3, padding=1), nn.Sequential(
+        nn.BatchNorm2d(32), nn.LeakyReLU(0.1))), (37, 16, 7, 7)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(CHANNELS_LAST_BATCHNORM))
+def test_channels_last_batchnorm_training(name, dtype, monkeypatch, exact_float32):
+    """Output and running statistics as eager's, against float64."""
+    monkeypatch.setenv("FUSEDEPI_CONV_CHANNELS_LAST", "1")
+    monkeypatch.setenv("FUSEDEPI_DISABLE", "direct_conv")
+    factory, x_shape = CHANNELS_LAST_BATCHNORM[name]
+    model = factory().cuda()
+    _randomize_bn(model)
+    model = model.to(dtype)
+    x = torch.rand(x_shape, device="cuda", dtype=dtype) * 2 - 1
+    ref, ref_model = float64_reference(model, x, x)
+    eager_model = copy.deepcopy(model)
+    with torch.no_grad():
+        eager = eager_model(x, x)
+        out, kernels = _kernels(model, x, x)
+    assert len(kernels) == 1 and kernels[0].endswith("(library conv on channels-last operands)"), kernels
+    assert "batchnorm_train" in kernels[0] and out.is_contiguous() and out.shape == ref.shape
+    err = relative_error(out, ref)
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32})"
+    assert err <= 4 * relative_error(eager, ref) + 1e-3, f"{err:.3g} against eager's {relative_error(eager, ref):.3g}"
+    norm = next(m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    ref_norm = next(m for m in ref_model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    eager_norm = next(m for m in eager_model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    for buffer in ("running_mean", "running_var"):
+        got, want = getattr(norm, buffer).double(), getattr(ref_norm, buffer)
+        assert relative_error(got, want) <= 2 * relative_error(getattr(eager_norm, buffer).double(), want) + 1e-6, buffer
+    assert int(norm.num_batches_tracked) == 1
 
 
 def test_channels_last_auto_is_correct_whatever_it_chooses(monkeypatch, tmp_path, exact_float32):

@@ -15,7 +15,7 @@ import torch
 
 import cuda_templates
 from cuda_templates import compiler
-from cuda_templates.render import pixel_group_plan, plan
+from cuda_templates.render import pixel_group_plan, plan, tiled_plan
 from cuda_templates.snippets import SNIPPETS, Operands, _float32_reciprocal, cfloat
 from lowering import VOCABULARY, EpilogueSpec
 from lowering.spec import BROADCAST, FULL, SCALAR, Anchor, Save, Step
@@ -29,6 +29,7 @@ from specs import (
     conv_batchnorm_specs,
     pixel_group_specs,
     second_reduction_specs,
+    tiled_specs,
     direct_specs,
     training_specs,
     vocabulary_specs,
@@ -42,7 +43,7 @@ ALL_SPECS = {
     for name, spec in {
         **workload_specs(dtype), **awkward_specs(dtype), **direct_specs(dtype), **vocabulary_specs(dtype),
         **training_specs(dtype), **conv_batchnorm_specs(dtype), **broadcast_specs(dtype),
-        **second_reduction_specs(dtype), **pixel_group_specs(dtype),
+        **second_reduction_specs(dtype), **pixel_group_specs(dtype), **tiled_specs(dtype),
     }.items()
 }
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -76,6 +77,13 @@ def test_plan_covers_the_segment(name):
     if p.pool:  # a pooling window: a thread an output element (the grid covers them)
         assert spec.reduction.name in ("maxpool", "avgpool") and (p.vec, p.team, p.nvec, p.chunks) == (1, 1, 1, 1)
         assert "<<<rows * kPoolBlocksPerRow, kBlock, 0, stream>>>" in cuda_templates.render(spec, "sm90")
+        return
+    if p.tiled:  # tiles of pixels x channels of a channels-last y: the grid covers both
+        assert spec.anchor.channels_last and (p.team, p.nvec, p.chunks, p.groups) == (1, 1, 1, 1)
+        assert spec.inner % p.vec == 0 and p.tile % p.vec == 0 and p.tile_c % p.cvec == 0 == spec.channels % p.cvec
+        assert p.tile_c * (p.tile + 1) * 4 <= 48 * 1024 and p.block % 32 == 0
+        assert "dim3((rows * kInner + kTileP - 1) / kTileP, (kChannels + kTileC - 1) / kTileC)" in \
+            cuda_templates.render(spec, "sm90")
         return
     if p.flat:  # the whole output as one array: rows need not split into vectors
         assert spec.reduction is None and spec.inner == 1 and (p.team, p.chunks, p.groups) == (1, 1, 1)
@@ -196,19 +204,45 @@ def test_channels_last_pointwise_chains_apply_while_staging():
         assert "constexpr bool kStagedApply = false;" in cuda_templates.render(other, "sm90")
 
 
-@pytest.mark.parametrize("change, reason", [
-    (dict(channels=64, inner=32 * 32), "does not fit 48 KiB"),
-    (dict(inner=1), "1 x 1 output"),
+@pytest.mark.parametrize("change, reason, tiled", [
+    (dict(channels=64, inner=32 * 32), "does not fit 48 KiB", True),
+    (dict(inner=1), "1 x 1 output", False),
     (dict(steps=(Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=3),), channels=3, inner=4000),
-     "longer than a warp holds"),  # (and 3 channels: vectors of one, 2 bytes, too few for pixel groups)
-    (dict(steps=(Step("batchnorm_train", consts=(0.1, 1e-5), inputs=(0, 1, 2, 3)),)), "batchnorm_train is not"),
-    (dict(saves=(Save("value", "bfloat16", (-1, 16, 9, 18), 16 * 162),)), "saved for backward"),
+     "longer than a warp holds", False),  # (and 3 channels: vectors of one, 2 bytes, too few for pixel groups)
+    (dict(steps=(Step("batchnorm_train", consts=(0.1, 1e-5), inputs=(0, 1, 2, 3)),)), "batchnorm_train is not", True),
+    (dict(saves=(Save("value", "bfloat16", (-1, 16, 9, 18), 16 * 162),)), "saved for backward", False),
 ])
-def test_channels_last_refusals(change, reason):
+def test_channels_last_refusals(change, reason, tiled):
+    """What the staged kernel refuses; pointwise chains of large images and BatchNorm
+    take tiles instead, the rest no channels-last mapping at all."""
     spec = replace(awkward_specs("bfloat16")["channels_last_pointwise"], **change)
     assert reason in cuda_templates.staged_plan(spec)
+    if tiled:
+        assert plan(spec).tiled
+        return
     with pytest.raises(cuda_templates.NotRenderable, match="channels-last conv: "):
         plan(spec)
+
+
+def test_tiles_take_pointwise_and_batchnorm_chains_and_refuse_the_rest():
+    specs = tiled_specs("bfloat16")
+    p = plan(specs["tiled_relu_bias"])
+    assert (p.tile, p.tile_c, p.cvec, p.vec) == (64, 64, 8, 4)  # 128 bytes of channels a pixel
+    assert (plan(specs["tiled_six_channels_batchnorm"]).tile_c, plan(specs["tiled_odd_planes_forty_eight"]).vec) == (6, 1)
+    source = cuda_templates.render(specs["tiled_batchnorm_relu"], "sm90")
+    assert "constexpr long long kColRows = 9216;" in source and "constexpr bool kTiledNorm = true;" in source
+    assert "colstats<<<dim3((rows * kInner + kRowsPerChunk - 1) / kRowsPerChunk" in source
+    bn = specs["tiled_batchnorm_relu"]
+    gn = Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=64)
+    refused = {
+        "not groupnorm": replace(bn, steps=(gn, Step("relu")), param_dtypes=()),
+        "read by element before BatchNorm": replace(
+            bn, steps=(Step("add", inputs=(5,), operand=FULL),) + bn.steps, param_dtypes=bn.param_dtypes * 2),
+        "saved for backward": replace(bn, saves=(Save("value", "bfloat16", (-1, 64, 96, 96), 64 * 9216),)),
+        "spatial_mean after the norm": replace(bn, steps=bn.steps + (Step("spatial_mean"),)),
+    }
+    for reason, spec in refused.items():
+        assert reason in tiled_plan(spec), reason
 
 
 def test_channels_last_groupnorm_reads_pixel_groups_where_images_do_not_fit():
@@ -427,8 +461,8 @@ def _form(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> tuple:
     kernel = cuda_templates.kernel_name(spec, arch, conv_tf32)
     kernels = tuple(sorted(set(re.findall(rf"\b{re.escape(kernel)}_(\w+)\s*(?:<[^>]*>)?\(", source))))
     switches = tuple(re.findall(r"constexpr (?:int|bool|long long) (k(?:Staged|StagedApply|Wrap|PadK|Chunks|Team|"
-                                r"Stage0Done|ConvStats|RowReduce|RowReads|Bias|Sub|VecGroups)) = (true|false|\d+);", source))
-    coarse = tuple((k, v if v in ("true", "false") else str(int(v) > (32 if k == "kTeam" else 1 if k in ("kChunks", "kVecGroups") else 0)))
+                                r"Stage0Done|ConvStats|RowReduce|RowReads|Bias|Sub|VecGroups|TiledNorm|ColRows)) = (true|false|\d+);", source))
+    coarse = tuple((k, v if v in ("true", "false") else str(int(v) > (32 if k == "kTeam" else 1 if k in ("kChunks", "kVecGroups", "kColRows") else 0)))
                    for k, v in switches)
     return ("float32" if spec.dtype == "float32" else "16-bit", kernel.split("_")[0], kernels, coarse)
 

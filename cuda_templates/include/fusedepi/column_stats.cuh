@@ -1,9 +1,11 @@
-// BatchNorm (training) statistics after a Linear: partial (mean, M2) of each column over
-// chunks of rows (column_stats), then their merge per column (column_final).
+// BatchNorm (training) statistics after a Linear, or over a channels-last conv output read
+// as a matrix of pixels x channels: partial (mean, M2) of each column over chunks of rows
+// (column_stats), then their merge per column (column_final).
 //
 // Included by the rendered file (cuda_templates/templates.py, COLUMN_STATS_KERNELS)
 // inside its anonymous namespace, after the file has defined what this code reads:
-//   T, Args, kChannels, kYRow (KERNEL_FILE's constants); kColV, kLaneRows, kColsPerBlock,
+//   T, Args, kChannels, kYRow (KERNEL_FILE's constants); kColV, kColRows, kColStride,
+//   kLaneRows, kColsPerBlock,
 //   kRowWarps, kRowsPerThread, kBatches, kRowStep, kRowsPerBatch, kRowsPerChunk, kPartials
 //   (the column statistics' tiling, COLUMN_STATS_KERNELS).
 // column_final's `finish` writes the normalize's scale/shift and the running stats
@@ -11,7 +13,11 @@
 // It is not a standalone header: those constants differ per file.
 #pragma once
 
-// One block: kColsPerBlock columns x kRowsPerChunk rows -> (mean, M2) per column.
+// The matrix's rows: the output's, or its pixels (kColRows a row).
+__device__ __forceinline__ long long column_rows(const Args& a) { return a.rows * kColRows; }
+
+// One block: kColsPerBlock columns (blockIdx.y) x kRowsPerChunk rows (blockIdx.x: a conv's
+// pixels may need more chunks than a grid's y holds) -> (mean, M2) per column.
 // A thread takes batches of 6 rows: the next batch's loads are issued before this
 // batch's arithmetic (two batches in flight, kept as loaded), each batch is reduced in
 // two passes over its loaded copy (mean, then the squares about it) and merged into the
@@ -21,26 +27,39 @@
 __device__ __forceinline__ void column_stats(const Args& a) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int sub = kLaneRows > 1 ? lane / static_cast<int>(kChannels) : 0;  // row within the warp's kLaneRows
-  const long long c0 = kLaneRows > 1 ? lane % kChannels : (long long)blockIdx.x * kColsPerBlock + lane * kColV;
+  const long long c0 = kLaneRows > 1 ? lane % kChannels : (long long)blockIdx.y * kColsPerBlock + lane * kColV;
   // Out-of-range rows and columns read a valid element (row rows-1, column 0) and
   // are left out of the sums: every load is unconditional, so they are all issued
   // at once and stage0's per-column operands are loaded once, not once per row.
   const bool col_ok = c0 < kChannels;
   const long long c = col_ok ? c0 : 0;
-  const long long first = (long long)blockIdx.y * kRowsPerChunk + warp * kLaneRows + sub;  // rows first + kRowStep i
+  const long long first = (long long)blockIdx.x * kRowsPerChunk + warp * kLaneRows + sub;  // rows first + kRowStep i
   // Row t of batch b, or the last row for those past it (loaded, left out of the sums).
-  const auto row_of = [&](int b, int t) { return min(first + b * kRowsPerBatch + (long long)t * kRowStep, a.rows - 1); };
+  const long long rows = column_rows(a);
+  const auto row_of = [&](int b, int t) { return min(first + b * kRowsPerBatch + (long long)t * kRowStep, rows - 1); };
   using Raw = fusedepi::Pack<T, kColV>;  // 16-bit values stay packed until used
   Raw raw[2][kRowsPerThread];            // this batch and the next, as loaded
   const auto load_batch = [&](int b, Raw (&v)[kRowsPerThread]) {
 #pragma unroll
-    for (int t = 0; t < kRowsPerThread; ++t) v[t] = *reinterpret_cast<const Raw*>(a.y + row_of(b, t) * kYRow + c);
+    for (int t = 0; t < kRowsPerThread; ++t) v[t] = *reinterpret_cast<const Raw*>(a.y + row_of(b, t) * kColStride + c);
   };
+  // A channels-last conv's columns are channels whose positions in the output's row are
+  // kInner apart: stage0's per-channel operands are loaded once, by channel (its _cols form;
+  // the planner leaves no operand read by element before the norm there).
+  stage0_chan k[kColV];
+  if constexpr (kColRows > 1) {
+#pragma unroll
+    for (int j = 0; j < kColV; ++j) k[j] = stage0_chan_of(a, static_cast<int>(c) + j);
+  }
   // One batch's values after stage0 (read again from the loaded copy for each pass).
   const auto values = [&](int b, int t, float (&v)[kColV]) {
 #pragma unroll
     for (int j = 0; j < kColV; ++j) v[j] = fusedepi::to_float(raw[b % 2][t].v[j]);
-    stage0<kColV>(v, static_cast<int>(c), row_of(b, t) * kChannels + c, a);
+    if constexpr (kColRows > 1) {
+      stage0_cols<kColV>(v, k, 0, a);
+    } else {
+      stage0<kColV>(v, static_cast<int>(c), row_of(b, t) * kChannels + c, a);
+    }
   };
   float mean[kColV], m2[kColV], n = 0.f;  // this thread's rows so far, merged
 #pragma unroll
@@ -49,10 +68,10 @@ __device__ __forceinline__ void column_stats(const Args& a) {
 #pragma unroll
   for (int b = 0; b < kBatches; ++b) {
     const long long r0 = first + b * kRowsPerBatch;
-    if (r0 >= a.rows) break;
+    if (r0 >= rows) break;
     if (b + 1 < kBatches) load_batch(b + 1, raw[(b + 1) % 2]);
-    // The batch's rows r0 + kRowStep t below a.rows, two passes: its mean, then its M2.
-    const int rows_b = static_cast<int>(min(static_cast<long long>(kRowsPerThread), (a.rows - r0 + kRowStep - 1) / kRowStep));
+    // The batch's rows r0 + kRowStep t below the matrix rows, two passes: its mean, then its M2.
+    const int rows_b = static_cast<int>(min(static_cast<long long>(kRowsPerThread), (rows - r0 + kRowStep - 1) / kRowStep));
     float bmean[kColV], q[kColV];
 #pragma unroll
     for (int j = 0; j < kColV; ++j) bmean[j] = q[j] = 0.f;
@@ -91,12 +110,12 @@ __device__ __forceinline__ void column_stats(const Args& a) {
   for (int j = 0; j < kColV; ++j) sm[warp][lane * kColV + j] = acc[j];
   __syncthreads();
   for (int col = threadIdx.x; col < kColsPerBlock; col += blockDim.x) {
-    const long long c = (long long)blockIdx.x * kColsPerBlock + col;
+    const long long c = (long long)blockIdx.y * kColsPerBlock + col;
     if (c >= kChannels) continue;
     fusedepi::Moments m = {0.f, 0.f, 0.f};  // merge(empty, b) is b
     for (int w = 0; w < kRowWarps; ++w)
       for (int s = 0; s < kLaneRows; ++s) m = fusedepi::merge(m, sm[w][s * kColsPerBlock + col]);
-    float* part = a.ws + kPartials + (blockIdx.y * kChannels + c) * 2;
+    float* part = a.ws + kPartials + ((long long)blockIdx.x * kChannels + c) * 2;
     part[0] = m.mean;
     part[1] = m.m2;
   }
@@ -112,11 +131,12 @@ constexpr int kFinalRows = 256 / kFinalCols;
 template <class Finish>
 __device__ __forceinline__ void column_final(const Args& a, Finish finish) {
   const long long c = (long long)blockIdx.x * kFinalCols + threadIdx.x;
-  const long long chunks = (a.rows + kRowsPerChunk - 1) / kRowsPerChunk;
+  const long long rows = column_rows(a);
+  const long long chunks = (rows + kRowsPerChunk - 1) / kRowsPerChunk;
   fusedepi::Moments m = {0.f, 0.f, 0.f};
   if (c < kChannels) {
     for (long long t = threadIdx.y; t < chunks; t += kFinalRows) {
-      const float n = static_cast<float>(min(kRowsPerChunk, a.rows - t * kRowsPerChunk));
+      const float n = static_cast<float>(min(kRowsPerChunk, rows - t * kRowsPerChunk));
       const float* part = a.ws + kPartials + (t * kChannels + c) * 2;
       m = fusedepi::merge(m, {n, part[0], part[1]});
     }
