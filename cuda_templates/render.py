@@ -270,7 +270,7 @@ def _channels_last_images(spec: EpilogueSpec) -> Plan | str:
 
 
 TILE_BYTES = 128  # a tile's channels of one pixel, read from y (at most: all of them)
-TILE_ELEMENTS = 4096  # a tile's pixels x channels, 16 a thread of TILED_BLOCK
+TILE_INPUT_BYTES = 16 * 1024  # a tile's pixels x channels: 16 float32 or 32 bf16 a thread of TILED_BLOCK
 TILED_BLOCK = 256
 TILED_MAX_PVEC = 4  # pixels a vector of the output (the tile's rows in shared memory are read with a stride of it)
 
@@ -278,7 +278,7 @@ TILED_MAX_PVEC = 4  # pixels a vector of the output (the tile's rows in shared m
 def tiled_plan(spec: EpilogueSpec) -> Plan | str:
     """The mapping of a pointwise or BatchNorm (training) chain on a channels-last y whose
     images need not fit shared memory, or the reason there is none: y read as a matrix
-    of pixels x channels, a block a tile of it (TILE_ELEMENTS, at most TILE_BYTES of
+    of pixels x channels, a block a tile of it (TILE_INPUT_BYTES, at most TILE_BYTES of
     channels a pixel) transposed through shared memory, the chain run in the output's
     order (`tiles.cuh`), so its operands are read as in the graph's layout. BatchNorm's
     statistics come from the column kernels over the same matrix, which run the steps
@@ -301,7 +301,7 @@ def tiled_plan(spec: EpilogueSpec) -> Plan | str:
     tile_c = min(spec.channels, TILE_BYTES // item)
     cvec = next(w for w in _widths(spec.channels, widest) if tile_c % w == 0)
     pvec = _widths(spec.inner, TILED_MAX_PVEC)[0]
-    tile_p = max(pvec, min(1024, 2 ** int(math.log2(max(1, TILE_ELEMENTS // tile_c)))))
+    tile_p = max(pvec, min(1024, 2 ** int(math.log2(max(1, TILE_INPUT_BYTES // item // tile_c)))))
     return Plan(spec.channels * spec.inner, 1, pvec, 1, 1, 1, TILED_BLOCK, tile=tile_p, tiled=True, tile_c=tile_c,
                 cvec=cvec)
 

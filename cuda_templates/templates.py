@@ -484,10 +484,13 @@ COLUMN_STATS_KERNELS = Template(
 // whose rows are then kChannels apart and whose columns are channels (stage0 per channel).
 constexpr long long kColRows = $col_rows;
 constexpr long long kColStride = kColRows == 1 ? kYRow : kChannels;
-// Narrow outputs (up to 16 columns, one a lane): a warp takes kLaneRows rows at once, lane
-// l on column l % C of its row l / C, so that a warp's loads cover whole rows (7 columns:
-// 28 lanes busy, not 7). The leftover lanes (l >= kLaneRows * C) load but are not merged.
-constexpr int kLaneRows = kColV == 1 && kChannels <= 16 ? 32 / static_cast<int>(kChannels) : 1;
+// Narrow outputs (a row in kRowLanes <= 16 lanes of kColV columns): a warp takes kLaneRows
+// rows at once, lane l on columns (l % kRowLanes) * kColV.. of its row l / kRowLanes, so
+// that a warp's loads cover whole rows (7 columns: 28 lanes busy, not 7; 32 float32
+// channels: 4 rows of 8 lanes). The leftover lanes (l >= kLaneRows * kRowLanes) load but
+// are not merged.
+constexpr int kRowLanes = static_cast<int>((kChannels + kColV - 1) / kColV);
+constexpr int kLaneRows = kRowLanes <= 16 ? 32 / kRowLanes : 1;
 constexpr int kColsPerBlock = kLaneRows > 1 ? static_cast<int>(kChannels) : 32 * kColV;
 constexpr int kRowWarps = 8;
 constexpr int kRowsPerThread = 6;          // rows a thread loads at once (a batch)

@@ -227,7 +227,7 @@ def test_channels_last_refusals(change, reason, tiled):
 def test_tiles_take_pointwise_and_batchnorm_chains_and_refuse_the_rest():
     specs = tiled_specs("bfloat16")
     p = plan(specs["tiled_relu_bias"])
-    assert (p.tile, p.tile_c, p.cvec, p.vec) == (64, 64, 8, 4)  # 128 bytes of channels a pixel
+    assert (p.tile, p.tile_c, p.cvec, p.vec) == (128, 64, 8, 4)  # 128 bytes of channels a pixel, 16 KiB a tile
     assert (plan(specs["tiled_six_channels_batchnorm"]).tile_c, plan(specs["tiled_odd_planes_forty_eight"]).vec) == (6, 1)
     source = cuda_templates.render(specs["tiled_batchnorm_relu"], "sm90")
     assert "constexpr long long kColRows = 9216;" in source and "constexpr bool kTiledNorm = true;" in source
