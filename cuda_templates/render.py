@@ -828,11 +828,13 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
             )
             col_rows = "rows * kInner" if p.tiled else "rows"
             launches += [
-                f"  {name}_colstats<<<dim3(({col_rows} + kRowsPerChunk - 1) / kRowsPerChunk, "
-                f"(kChannels + kColsPerBlock - 1) / kColsPerBlock), 256, 0, stream>>>(a);",
-                f"  {name}_colfinal<<<(kChannels + kFinalCols - 1) / kFinalCols, dim3(kFinalCols, kFinalRows), 0, stream>>>(a);",
+                f"  const long long col_parts = column_parts({col_rows});",
+                f"  {name}_colstats<<<dim3(col_parts, (kChannels + kColsPerBlock - 1) / kColsPerBlock), 256, 0, "
+                "stream>>>(a);",
+                f"  {name}_colfinal<<<(kChannels + kFinalCols - 1) / kFinalCols, dim3(kFinalCols, kFinalRows), 0, "
+                "stream>>>(a, col_parts);",
             ]
-            ws_floats = f"kPartials + ({col_rows} + kRowsPerChunk - 1) / kRowsPerChunk * kChannels * 2"
+            ws_floats = f"kPartials + column_parts({col_rows}) * kChannels * 3"
         else:  # a conv's [rows, channels, inner]: partials per (row, channel, chunk)
             stats_kernels = templates.CHANNEL_STATS_KERNELS.substitute(kernel=name, finish=finish)
             stats_kernels += "\n\n" + templates.PARTIAL_MOMENTS_KERNEL.substitute(

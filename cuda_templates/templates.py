@@ -494,21 +494,20 @@ constexpr int kLaneRows = kRowLanes <= 16 ? 32 / kRowLanes : 1;
 constexpr int kColsPerBlock = kLaneRows > 1 ? static_cast<int>(kChannels) : 32 * kColV;
 constexpr int kRowWarps = 8;
 constexpr int kRowsPerThread = 6;          // rows a thread loads at once (a batch)
-// Batches per block: 192 values of each thread's columns; 24 rows a thread when narrow
+// Batches per block (column_parts): 192 values of each thread's columns; 24 rows a thread when narrow
 // (the chain of batches is the block's latency, and narrow outputs have rows to spare).
 constexpr int kBatches = kLaneRows > 1 ? 4 : 32 / kColV;
 constexpr long long kRowStep = kRowWarps * kLaneRows;  // rows between a thread's rows
 constexpr long long kRowsPerBatch = kRowStep * kRowsPerThread;
-constexpr long long kRowsPerChunk = kRowsPerBatch * kBatches;
-// Workspace: [scale[C], shift[C]], then (mean, M2) per (row chunk, column).
+// Workspace: [scale[C], shift[C]], then (mean, M2, count) per (column_stats block, column).
 constexpr long long kPartials = 2 * kChannels;
 
 #include "fusedepi/column_stats.cuh"
 
 __global__ void __launch_bounds__(256, 2) ${kernel}_colstats(Args a) { column_stats(a); }
 
-__global__ void __launch_bounds__(256) ${kernel}_colfinal(Args a) {
-  column_final(a, [&](long long c, fusedepi::Moments m) {
+__global__ void __launch_bounds__(256) ${kernel}_colfinal(Args a, long long parts) {
+  column_final(a, parts, [&](long long c, fusedepi::Moments m) {
 $finish
   });
 }"""

@@ -231,7 +231,7 @@ def test_tiles_take_pointwise_and_batchnorm_chains_and_refuse_the_rest():
     assert (plan(specs["tiled_six_channels_batchnorm"]).tile_c, plan(specs["tiled_odd_planes_forty_eight"]).vec) == (6, 1)
     source = cuda_templates.render(specs["tiled_batchnorm_relu"], "sm90")
     assert "constexpr long long kColRows = 9216;" in source and "constexpr bool kTiledNorm = true;" in source
-    assert "colstats<<<dim3((rows * kInner + kRowsPerChunk - 1) / kRowsPerChunk" in source
+    assert "column_parts(rows * kInner);" in source and "colstats<<<dim3(col_parts, " in source
     bn = specs["tiled_batchnorm_relu"]
     gn = Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=64)
     refused = {
