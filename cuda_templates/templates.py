@@ -3,9 +3,9 @@
 Every template is rendered from a flat dict of strings that `render.py` computes
 beforehand; nothing here calls back into Python. Device code lives in headers under
 `include/fusedepi/`: helpers in `epilogue.cuh`, and per kernel family `apply.cuh`,
-`team_reduce.cuh`, `pixel_groups.cuh`, `channel_reduce.cuh`, `pool.cuh`, `segment_stats.cuh`,
-`column_stats.cuh`, `two_phase.cuh`, `normalize_tile.cuh`, `direct_conv.cuh`,
-`direct_conv_mma.cuh` (`gemm_tile.cuh`,
+`team_reduce.cuh`, `pixel_groups.cuh`, `tiles.cuh`, `channel_reduce.cuh`, `pool.cuh`,
+`segment_stats.cuh`, `column_stats.cuh`, `pad_rows.cuh`, `two_phase.cuh`,
+`normalize_tile.cuh`, `direct_conv.cuh`, `direct_conv_mma.cuh` (`gemm_tile.cuh`,
 `gemm_row_reduce.cuh`, `gemm_sm90.cuh` for `gemm_sm90.py`). What stays here binds a
 spec's constants, kernel names and rendered steps: the file frame, the stage functions,
 the calls of the reductions, and the `__global__` kernels that call into the headers.

@@ -9,8 +9,9 @@ the graph's shapes (the channels-last one with its copies of x and the weight). 
 epilogue kernel then reads the channels-last output and writes the graph's contiguous
 layout, one image at a time through shared memory (`Anchor.channels_last`,
 `cuda_templates.staged_plan`), a pixel a thread for a reduction over the channels
-(`cuda_templates.channels_last_plan`), or, for a GroupNorm whose images do not fit
-there, a pixel's channels of a group as one vector (`render.pixel_group_plan`), so the
+(`cuda_templates.channels_last_plan`), or, where images do not fit there, a pixel's
+channels of a GroupNorm's group as one vector (`render.pixel_group_plan`), or tiles of
+pixels x channels for a pointwise or BatchNorm chain (`render.tiled_plan`), so the
 transpose costs no pass of its own.
 FUSEDEPI_CONV_CHANNELS_LAST switches it.
 """
