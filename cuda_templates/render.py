@@ -820,7 +820,7 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
         finish = templates.BATCH_NORM_FINISH.substitute(**finish)
         if spec.inner == 1 or p.tiled:
             # [rows, features], or a channels-last [rows * inner, channels]: partials per
-            # (row chunk, column)
+            # (column_stats block, column)
             vmax = 16 // ITEMSIZE[spec.dtype]
             stats_kernels = templates.COLUMN_STATS_KERNELS.substitute(
                 kernel=name, col_vec=vmax if spec.channels % vmax == 0 else 1, finish=finish,

@@ -77,10 +77,10 @@ def test_library_interface_without_a_gpu(tmp_path):
     lib = cuda_templates.load(SOURCE, "k", "sm80", tmp_path)
     channels = SPEC.channels
     # float32 column statistics: 4 columns a thread, batches of 6 rows, 8 warps, 32 / 4 = 8 batches
-    # = 384 rows a chunk; the workspace holds the normalize scale and shift per column, then
-    # (mean, M2) per (chunk, column).
+    # = 384 rows a block; the workspace holds the normalize scale and shift per column, then
+    # (mean, M2, count) per (block, column).
     for rows in (1, 384, 385, 16384):
-        assert lib.workspace_floats(rows) == 2 * channels + -(-rows // 384) * channels * 2
+        assert lib.workspace_floats(rows) == 2 * channels + -(-rows // 384) * channels * 3
     lib.run([0] * 8, 0, 0, 0)  # zero rows: returns before touching the device
 
 

@@ -82,6 +82,9 @@ def _compiled(monkeypatch, setting, conv, tail, x_shape):
     # Reductions over the channels read a channels-last y a pixel a thread, at any image size.
     (nn.Conv2d(64, 64, 3, padding=1), _Softmax1(), (1, 64, 32, 32)),
     (nn.Conv3d(2, 8, 2), _Amax1(), (2, 2, 4, 5, 3)),
+    # Pointwise and BatchNorm chains of images larger than a block stages: tiles.
+    (nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), (1, 64, 32, 32)),
+    (nn.Conv2d(8, 64, 3, padding=1), nn.Sequential(nn.BatchNorm2d(64), nn.SiLU()), (2, 8, 32, 32)),
 ])
 def test_on_runs_the_conv_channels_last(monkeypatch, conv, tail, x_shape):
     out, eager, kernel = _compiled(monkeypatch, "1", conv, tail, x_shape)
@@ -94,7 +97,9 @@ def test_on_runs_the_conv_channels_last(monkeypatch, conv, tail, x_shape):
     ("0", nn.Conv2d(5, 16, 3, padding=1), nn.ReLU(), (3, 5, 9, 18)),     # off
     ("auto", nn.Conv2d(5, 16, 3, padding=1), nn.ReLU(), (3, 5, 9, 18)),  # auto times on CUDA only
     ("1", nn.Conv1d(5, 16, 3), nn.ReLU(), (3, 5, 40)),                   # 1-D: no channels-last format
-    ("1", nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), (1, 64, 32, 32)),  # an image larger than a block stages
+    # a GroupNorm group of 64 x 1024 elements: no block stages the image, holds the group's
+    # pixel vectors (16,384 of 4 channels), nor do tiles take a GroupNorm
+    ("1", nn.Conv2d(64, 64, 3, padding=1), nn.GroupNorm(1, 64), (1, 64, 32, 32)),
 ])
 def test_not_channels_last(monkeypatch, setting, conv, tail, x_shape):
     _, _, kernel = _compiled(monkeypatch, setting, conv, tail, x_shape)
