@@ -274,6 +274,7 @@ $store
 }"""
 )
 PIXEL_GROUPS_STORE = "  pixel_group_store(a, p, c0, v);"
+PIXEL_GROUPS_PART_REDUCE = Template("  team_part_reduce<kPartOp, kParts>(p, v, $parts_at, pixel_group_parts(p));")
 
 # The apply kernel of a pointwise or BatchNorm chain on a channels-last y, a tile of
 # pixels x channels a block, transposed through shared memory (fusedepi/tiles.cuh,
@@ -290,7 +291,6 @@ constexpr bool kTiledNorm = $norm;
 
 __global__ void __launch_bounds__(kBlock) ${kernel}_apply(Args a) { tiled_apply(a); }"""
 )
-PIXEL_GROUPS_PART_REDUCE = Template("  team_part_reduce<kPartOp, kParts>(p, v, $parts_at, pixel_group_parts(p));")
 
 # The body both stage variants share: the steps on each element, then the saves.
 _STAGE_LOOP = r"""#pragma unroll
