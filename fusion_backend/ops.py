@@ -39,7 +39,7 @@ def run_anchor(anchor: Anchor, operands: list[torch.Tensor], for_kernels: bool =
         return aten.bmm.default(*operands)
     x, w = operands[:2]
     b = operands[2] if anchor.has_bias else None
-    channels_last = anchor.channels_last or (anchor.permuted and x.dim() in (4, 5))
+    channels_last = anchor_reads_channels_last(anchor, x)
     if channels_last:
         layout = channels_last_format(x)
         x, w = x.contiguous(memory_format=layout), w.contiguous(memory_format=layout)
@@ -49,6 +49,34 @@ def run_anchor(anchor: Anchor, operands: list[torch.Tensor], for_kernels: bool =
     if channels_last:
         return y.contiguous(memory_format=layout) if for_kernels else y.contiguous()
     return y
+
+
+def anchor_reads_channels_last(anchor: Anchor, x: torch.Tensor) -> bool:
+    """Whether `run_anchor` runs the conv on channels-last copies of x and the weight."""
+    return anchor.kind == "conv" and (anchor.channels_last or anchor.permuted) and x.dim() in (4, 5)
+
+
+def input_layouts(spec: str, inputs: list) -> tuple | None:
+    """The layouts `fusedepi::chain` asks of its inputs in a graph that Inductor compiles,
+    in the form of a node's `eager_input_vals` meta (`(args, kwargs)` of fake values,
+    whose strides Inductor's lowering of a custom op holds its inputs to; None leaves one
+    free): a conv that runs channels-last takes x and its weight channels-last, so
+    Inductor writes them so (in the kernel that makes x, or in a copy of its own) and
+    `run_anchor`'s copies are no-ops. None where no input is constrained.
+
+    Args:
+        spec: the op's spec argument (JSON).
+        inputs: the op's input values (fake tensors) as the graph has them.
+    """
+    if len(inputs) < 2 or not isinstance(inputs[0], torch.Tensor):
+        return None
+    if not anchor_reads_channels_last(_parse(spec).anchor, inputs[0]):
+        return None
+    layout = channels_last_format(inputs[0])
+    wanted: list = [None] * len(inputs)
+    wanted[0] = torch.empty_like(inputs[0], memory_format=layout)
+    wanted[1] = torch.empty_like(inputs[1], memory_format=layout)
+    return ((wanted, spec), {})
 
 
 def channels_last_format(x: torch.Tensor) -> torch.memory_format:

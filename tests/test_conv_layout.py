@@ -104,3 +104,55 @@ def test_on_runs_the_conv_channels_last(monkeypatch, conv, tail, x_shape):
 def test_not_channels_last(monkeypatch, setting, conv, tail, x_shape):
     _, _, kernel = _compiled(monkeypatch, setting, conv, tail, x_shape)
     assert "channels-last" not in kernel
+
+
+class _ScaledInput(nn.Module):
+    """A pointwise op makes the conv's input (Inductor's kernel, which can write it in
+    any layout), or not (`scale` None: the graph's own contiguous input)."""
+
+    def __init__(self, conv, scale):
+        super().__init__()
+        self.conv, self.scale = conv, scale
+
+    def forward(self, x):
+        if self.scale is not None:
+            x = x * self.scale
+        return torch.relu(self.conv(x))
+
+
+@pytest.mark.parametrize("scale", [None, 2.0])
+@pytest.mark.parametrize("conv, x_shape", [
+    (nn.Conv2d(5, 16, 3, padding=1), (3, 5, 9, 18)),
+    (nn.Conv3d(2, 4, 2), (2, 2, 4, 5, 3)),
+])
+def test_inductor_hands_the_op_channels_last_operands(monkeypatch, conv, x_shape, scale):
+    """The fused op asks for channels-last x and weight (`ops.input_layouts`): Inductor
+    writes them so, and the op's own copies (`run_anchor`) have nothing to do."""
+    seen = []
+    reference = ops.reference
+
+    def recording(inputs, spec):
+        if not isinstance(inputs[0], torch._subclasses.FakeTensor):
+            layout = ops.channels_last_format(inputs[0])
+            seen.append([t.is_contiguous(memory_format=layout) for t in inputs[:2]])
+        return reference(inputs, spec)
+
+    monkeypatch.setattr(ops, "reference", recording)
+    # Compiled, not read from Inductor's FX graph cache, whose key leaves out the layouts asked.
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    out, eager, kernel = _compiled(monkeypatch, "1", _ScaledInput(conv, scale), nn.Identity(), x_shape)
+    assert kernel.endswith("(library conv on channels-last operands)")
+    assert seen == [[True, True]]
+    torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_a_contiguous_conv_asks_no_layout():
+    x, w = torch.empty(2, 3, 8, 8), torch.empty(4, 3, 3, 3)
+    plain = EpilogueSpec(Anchor("conv", False, CONV2D), (Step("relu"),), "float32", (), 4, 36, "conv_pointwise")
+    assert ops.input_layouts(plain.to_json(), [x, w]) is None
+    staged = EpilogueSpec(Anchor("conv", False, CONV2D, channels_last=True), (Step("relu"),), "float32", (), 4, 36,
+                          "conv_pointwise")
+    (asked, spec), kwargs = ops.input_layouts(staged.to_json(), [x, w])
+    assert spec == staged.to_json() and kwargs == {}
+    assert asked[0].shape == x.shape and asked[0].is_contiguous(memory_format=torch.channels_last)
+    assert asked[1].shape == w.shape and asked[1].is_contiguous(memory_format=torch.channels_last)

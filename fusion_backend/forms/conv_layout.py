@@ -5,7 +5,9 @@ graph's contiguous operands it runs older kernels or transposes on both sides (o
 H200, a bf16 transposed conv spent 1.68 ms in cuDNN's nhwcToNchw after a 3.3 ms conv,
 and a legacy fp16 kernel took 6.48 ms where the channels-last one took 3.24). Inductor
 switches a graph's convs to channels-last by a heuristic; this row times both forms at
-the graph's shapes (the channels-last one with its copies of x and the weight). The
+the graph's shapes (the conv alone: the fused op asks Inductor for channels-last x and
+weight, `ops.input_layouts`, and the measured choice times the chain with the copies
+Inductor then makes, where the kernel that makes x does not write it so). The
 epilogue kernel then reads the channels-last output and writes the graph's contiguous
 layout, one image at a time through shared memory (`Anchor.channels_last`,
 `cuda_templates.staged_plan`), a pixel a thread for a reduction over the channels
@@ -66,7 +68,7 @@ class ConvLayout(Form):
         and the TF32 and benchmark settings."""
         anchor, dtype, x_shape, w_shape, x_channels_last = found
         tf32 = dtype == "float32" and conv_allows_tf32()
-        return (dtype, x_shape, x_channels_last, w_shape, anchor.has_bias, anchor.conv, tf32,
+        return ("conv alone", dtype, x_shape, x_channels_last, w_shape, anchor.has_bias, anchor.conv, tf32,
                 torch.backends.cudnn.benchmark)
 
     def measure(self, found, device) -> tuple[float, float]:
@@ -85,8 +87,13 @@ class ConvLayout(Form):
                 out_channels = w_shape[1] * anchor.conv[5] if anchor.conv[3] else w_shape[0]
                 operands.append(torch.randn(out_channels, device=device, dtype=dtype))
             plain, staged = replace(anchor, channels_last=False), replace(anchor, channels_last=True)
+            # The fused op asks Inductor for channels-last x and weight (`ops.input_layouts`),
+            # which writes them in the kernel that makes x, or copies them with a kernel of
+            # its own that the measured choice times with the chain; this times the conv.
+            layout = channels_last_format(operands[0])
+            last = [t.contiguous(memory_format=layout) if t.dim() == operands[0].dim() else t for t in operands]
             return (timings.gpu_ms(lambda: run_anchor(plain, operands, for_kernels=True).contiguous(), device),
-                    timings.gpu_ms(lambda: run_anchor(staged, operands, for_kernels=True), device))
+                    timings.gpu_ms(lambda: run_anchor(staged, last, for_kernels=True), device))
 
     def apply(self, chain, found: tuple) -> EpilogueSpec:
         return replace(chain.spec, anchor=replace(chain.spec.anchor, channels_last=True))
