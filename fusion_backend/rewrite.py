@@ -10,7 +10,7 @@ import copy
 import logging
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch._guards import detect_fake_mode
@@ -186,6 +186,42 @@ def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
     return name
 
 
+def _without_forms(chain: Chain, plan: ExecutionPlan, cfg: Config, claimed: frozenset) -> ExecutionPlan:
+    """Where a form was taken by its library call's time alone and the rest of the chain
+    may pay for it (`forms.FormChoice.alternative`), and the measured choice timed the
+    chain: the chain is built and timed without that form too, and the faster of the
+    two fused forms is the plan (both times in the row's `explain`). A result that
+    differs from Inductor's (`Choice.difference`) never wins; a form that cannot be
+    built without the row keeps the plan as it was."""
+    for i, row in enumerate(plan.forms):
+        if row.alternative is None or not plan.choice.inductor_ms:
+            continue
+        taken = chain.spec
+        chain.spec = row.alternative
+        spec = chain.spec.to_json()
+        try:
+            kernel = _prepare(chain, spec, cfg)
+            other = choice.decide(chain, spec, cfg, claimed)
+        except Exception as err:  # noqa: BLE001 - the plan as it was
+            if cfg.strict:
+                raise
+            chain.spec = taken
+            log.info("fusedepi: %s at %s without %s: %s", chain.spec.fusion, chain.anchor.name, row.form, err)
+            continue
+        rows = list(plan.forms)
+        if other.inductor_ms and not other.difference and (plan.choice.difference or
+                                                           other.fused_ms < plan.choice.fused_ms):
+            rows[i] = replace(row, taken=False, alternative=None,
+                              chains=f"the chain {plan.choice.fused_ms:.4g} ms in it, {other.fused_ms:.4g} ms without")
+            plan = ExecutionPlan(spec, kernel, tuple(rows), other)
+        else:
+            chain.spec = taken
+            rows[i] = replace(row, alternative=None, chains=f"the chain {plan.choice.fused_ms:.4g} ms in it, "
+                                                            f"{other.fused_ms:.4g} ms without")
+            plan = replace(plan, forms=tuple(rows))
+    return plan
+
+
 def _enable_native(cfg: Config) -> None:
     """Loads the C++ launcher (building it the first time). Without it the fused ops
     launch from Python: correct, with more CPU time a call, so a failure only warns."""
@@ -247,7 +283,9 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
                 Record("refused", chain.anchor.name, names, chain.spec.fusion, reason=f"kernel build failed: {first}")
             )
             continue
-        plan = ExecutionPlan(spec, kernel, form_rows, choice.decide(chain, spec, cfg, claimed))
+        plan = _without_forms(chain, ExecutionPlan(spec, kernel, form_rows, choice.decide(chain, spec, cfg, claimed)),
+                              cfg, claimed)
+        spec, kernel = plan.spec, plan.kernel
         if not plan.fused:
             why = (f"its result differs from Inductor's by {plan.choice.difference:.3g} (relative, on random "
                    "inputs)" if plan.choice.difference else "Inductor is faster here")

@@ -1254,6 +1254,21 @@ def folds_gemm_bias(dtype: torch.dtype, matmul_tf32: bool) -> bool:
     return dtype == torch.float32 and matmul_tf32
 
 
+def _keeps_folded_bias(chain: Chain, anchor: Anchor) -> bool:
+    """Whether a chain matched with its anchor's bias moved into the epilogue
+    (`_fold_bias`) may keep it so: where only the chain's own steps read the anchor's
+    value (an EARLIER operand, `y + f(y)`, reads it inside the kernel, after the bias
+    step). Where the graph uses that value too (saved for backward), the library adds
+    the bias and the chain is matched again: that value is then the library's own
+    output, rounded once as in eager (a folded bias would round the product, then the
+    sum, and a backward that branches on its sign, as leaky_relu's does, would see it).
+    baddbmm's input always moves (no library call here adds it)."""
+    if anchor.kind == "bmm":
+        return True
+    inside = set(chain.nodes)
+    return all(user in inside for user in chain.anchor.users)
+
+
 def _fold_bias(state: _State, anchor: Anchor, gemm_bias: bool) -> Anchor | None:
     """Moves the anchor's bias into the epilogue as its first step, where that is faster.
 
@@ -1275,12 +1290,6 @@ def _fold_bias(state: _State, anchor: Anchor, gemm_bias: bool) -> Anchor | None:
             chain.steps.append(Step("mul", consts=(float(alpha),), operand=SCALAR))
         chain.steps.append(_tensor_operand_step(state, "add", chain.operands.pop(), kind, reverse=True))
         return replace(anchor, has_bias=False)
-    if len(chain.anchor.users) > 1:
-        # The graph also uses the anchor's output (saved for backward): the library
-        # adds the bias, so that value is the library's own output, rounded once as
-        # in eager (a folded bias would round the product, then the sum, and a
-        # backward that branches on its sign, as leaky_relu's does, would see it).
-        return None
     if anchor.kind == "addmm" and folds_gemm_bias(_val(chain.anchor).dtype, gemm_bias):
         try:  # broadcast like any operand: [N] and [1, N] per column, [M, N] in full
             kind = _operand_kind(state, chain.operands[0])
@@ -1613,12 +1622,15 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
         if permute is not None:
             anchor = replace(anchor, permuted=True, direct=(), implicit=False)
         try:
-            state = _start(node, anchor, operands, allow_cpu, permute)
-            state.order, state.backward, state.claimed = order, backward, claimed
-            folded = _fold_bias(state, anchor, matmul_tf32)
-            moved = len(state.chain.steps)  # steps the anchor's bias (baddbmm's input, alpha) became
-            state.held[state.node] = moved
-            stop = _extend(state, disabled)
+            for fold in (True, False):
+                state = _start(node, anchor, list(operands), allow_cpu, permute)
+                state.order, state.backward, state.claimed = order, backward, claimed
+                folded = _fold_bias(state, anchor, matmul_tf32) if fold else None
+                moved = len(state.chain.steps)  # steps the anchor's bias (baddbmm's input, alpha) became
+                state.held[state.node] = moved
+                stop = _extend(state, disabled)
+                if folded is None or _keeps_folded_bias(state.chain, anchor):
+                    break
         except Refuse as err:
             refusals.append(Refusal(node.name, [node.name], str(err)))
             continue

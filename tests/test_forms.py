@@ -91,6 +91,9 @@ def test_auto_takes_a_form_where_the_timing_says_so(monkeypatch, fresh_cache, na
     if name == "gemm_bias":  # the bias node moves from the anchor's operands to the epilogue's
         assert (len(chain.operands), len(chain.params), len(chain.spec.param_dtypes)) == (
             (2, 2, 2) if takes else (3, 1, 1))
+    # The conv layout alone keeps the spec without it, for the chain to be timed both ways.
+    before = _chain(name)[0].spec
+    assert rows[0].alternative == (before if takes and name == "conv_layout" else None)
 
 
 @pytest.mark.parametrize("name", list(TAKEN))
@@ -195,3 +198,47 @@ def test_the_plan_describes_the_forms_then_the_choice():
     assert plan.fused
     assert plan.describe() == "gemm_padding: taken (0.8 ms against 2 ms); fused 0.5 ms, Inductor 0.6 ms"
     assert ExecutionPlan("{}", "kernel", (), Choice(0.0, 0.0, True, "")).describe() == ""
+
+
+@pytest.mark.parametrize("with_ms, without_ms, difference, keeps", [
+    (0.30, 0.20, 0.0, False),  # faster without the form: the plan drops it
+    (0.20, 0.30, 0.0, True),   # faster with it
+    (0.20, 0.30, 0.5, False),  # with it the result differs from Inductor's: never kept
+])
+def test_the_chain_is_timed_without_a_form_its_library_call_took(monkeypatch, with_ms, without_ms, difference, keeps):
+    """A form taken by its library call alone (`FormChoice.alternative`): the rewrite
+    builds and times the chain without it too, and keeps the faster fused form."""
+    from fusion_backend import rewrite
+
+    chain, _ = _chain("conv_layout")
+    before = chain.spec
+    taken = conv_layout.ConvLayout().apply(chain, None)
+    chain.spec = taken
+    row = forms.FormChoice("conv_layout", "channels-last", 0.2, 0.1, True, alternative=before)
+    first = Choice(with_ms, 0.25, not difference and with_ms <= 0.25, difference=difference)
+    timed = {}
+
+    def decide(chain_, spec, cfg, claimed):
+        timed[spec] = chain_.spec
+        return Choice(without_ms, 0.25, without_ms <= 0.25)
+
+    monkeypatch.setattr(rewrite.choice, "decide", decide)
+    monkeypatch.setattr(rewrite, "_prepare", lambda chain_, spec, cfg: "kernel " + str(chain_.spec.anchor.channels_last))
+    plan = rewrite._without_forms(chain, ExecutionPlan(taken.to_json(), "kernel True", (row,), first),
+                                  load_config({}), frozenset())
+    assert list(timed) == [before.to_json()]
+    assert chain.spec == (taken if keeps else before)
+    assert plan.spec == chain.spec.to_json() and plan.kernel == f"kernel {keeps}"
+    assert plan.forms[0].taken == keeps and plan.forms[0].alternative is None
+    assert plan.choice.fused_ms == (with_ms if keeps else without_ms)
+    assert f"the chain {with_ms:.4g} ms in it, {without_ms:.4g} ms without" in plan.describe()
+
+
+def test_an_untimed_plan_is_not_timed_without_its_forms(monkeypatch):
+    from fusion_backend import rewrite
+
+    chain, _ = _chain("conv_layout")
+    row = forms.FormChoice("conv_layout", "channels-last", 0.2, 0.1, True, alternative=chain.spec)
+    monkeypatch.setattr(rewrite.choice, "decide", lambda *args: pytest.fail("timed"))
+    plan = ExecutionPlan("{}", "kernel", (row,), Choice(0.0, 0.0, True, "not timed (FUSEDEPI_AUTOTUNE)"))
+    assert rewrite._without_forms(chain, plan, load_config({}), frozenset()) is plan

@@ -507,6 +507,42 @@ def test_conv_bias_is_folded_into_the_epilogue():
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
 
 
+class _SelfResidual(nn.Module):
+    """A conv whose output the chain reads twice: relu(y + s * y)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.scale = nn.Parameter(torch.rand(8, 1, 1) + 0.5)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return F.leaky_relu(y + self.scale * y, 0.1)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_conv_bias_is_folded_where_only_the_chain_reads_the_conv(grad):
+    """The conv's value read again by a later step is held in the kernel, after the bias
+    step: the bias folds. Saved for backward (a training graph), the value is the
+    library's own output, bias added there, as eager rounds it."""
+    import json
+
+    model = _SelfResidual()
+    x = torch.randn(2, 3, 10, 10, requires_grad=grad)
+    out, fused, refused = compile_records(model, x, grad=grad)
+    assert len(fused) == 1, refused
+    spec = json.loads(fused[0].spec)
+    assert spec["anchor"]["has_bias"] is grad
+    assert steps_of(fused[0]) == (["mul", "add", "leaky_relu"] if grad else ["add", "mul", "add", "leaky_relu"])
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+    if grad:
+        out.sum().backward()
+        got = x.grad.clone()
+        x.grad = None
+        model(x).sum().backward()
+        torch.testing.assert_close(got, x.grad, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("model, shape", [(nn.Conv2d(3, 8, 3), (2, 3, 10, 10)), (nn.Linear(16, 8), (4, 16))])
 def test_bare_anchor_with_bias_is_not_a_fusion(model, shape):
     old = torch.get_float32_matmul_precision()

@@ -16,7 +16,10 @@ forms of the library call, `timings.gpu_ms`, and take the other where it is at l
 1 / MIN_GAIN times faster; on CUDA only), "on" (always) or "off" (never). Times live in
 the one cache (`timings.CACHE_FILE`), keyed by the form's name and what the call's
 speed depends on. The measured choice (`choice.decide`) then times the chain in the
-forms taken against Inductor.
+forms taken against Inductor; where a form's library call alone does not show what the
+form costs the rest of the chain (`Form.chain_decides`: the conv layout, whose epilogue
+kernel and input copies differ), the chain is timed without that form too, and the
+faster of the two is the one compared with Inductor (`FormChoice.alternative`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from lowering.spec import EpilogueSpec
 
 from .. import timings
 from ..config import Config
@@ -58,12 +63,18 @@ class FormChoice:
     form_ms: float
     taken: bool
     note: str = ""  # why it was not timed
+    # Where the library call alone took the form and does not show the rest of the
+    # chain's cost in it (`Form.chain_decides`): the spec without the form, which the
+    # measured choice times the whole chain in too (`rewrite`), and what that found.
+    alternative: EpilogueSpec | None = None
+    chains: str = ""
 
     def describe(self) -> str:
         verdict = "taken" if self.taken else "not taken"
         if self.note:
             return f"{self.form}: {verdict} ({self.note})"
-        return f"{self.form}: {verdict} ({self.form_ms:.4g} ms against {self.graph_ms:.4g} ms)"
+        chains = f"; {self.chains}" if self.chains else ""
+        return f"{self.form}: {verdict} ({self.form_ms:.4g} ms against {self.graph_ms:.4g} ms{chains})"
 
 
 def choose(chain, cfg: Config) -> tuple[FormChoice, ...]:
@@ -100,7 +111,9 @@ def choose(chain, cfg: Config) -> tuple[FormChoice, ...]:
                         type(err).__name__, err)
             rows.append(FormChoice(form.name, what, 0.0, 0.0, False, f"timing failed: {type(err).__name__}"))
             continue
-        row = FormChoice(form.name, what, graph_ms, form_ms, form_ms < MIN_GAIN * graph_ms)
+        taken = form_ms < MIN_GAIN * graph_ms
+        row = FormChoice(form.name, what, graph_ms, form_ms, taken,
+                         alternative=chain.spec if taken and form.chain_decides else None)
         if row.taken:
             log.info("fusedepi: %s: %.4f ms against %.4f ms", what, form_ms, graph_ms)
             chain.spec = form.apply(chain, found)

@@ -15,6 +15,9 @@ class Form:
     name = ""  # the row's name: in explain, the log and the cache key
     setting = ""  # the Config field that switches it: "auto", "on" or "off"
     env = ""  # that field's environment variable
+    # Whether the library call's timing leaves out a cost of the form to the rest of the
+    # chain, so that a form it takes is checked by timing the whole chain both ways.
+    chain_decides = False
 
     def candidate(self, chain) -> tuple | None:
         """What the timing depends on (shapes, mostly) where the form applies to

@@ -36,6 +36,10 @@ class ConvLayout(Form):
     name = "conv_layout"
     setting = "conv_channels_last"
     env = "FUSEDEPI_CONV_CHANNELS_LAST"
+    # The epilogue reads the channels-last output in another kernel (staged, pixel
+    # groups, tiles), and x and the weight are copied where the graph does not write
+    # them so: the conv alone does not decide (`forms.FormChoice.alternative`).
+    chain_decides = True
 
     def candidate(self, chain) -> tuple | None:
         """(anchor, dtype, x's shape, the weight's shape, whether x is channels-last
