@@ -203,7 +203,7 @@ def _without_forms(chain: Chain, plan: ExecutionPlan, cfg: Config, claimed: froz
             kernel = _prepare(chain, spec, cfg)
             other = choice.decide(chain, spec, cfg, claimed)
         except Exception as err:  # noqa: BLE001 - the plan as it was
-            if cfg.strict:
+            if cfg.strict and not isinstance(err, (cuda_templates.NotRenderable, OperandMismatch)):
                 raise
             chain.spec = taken
             log.info("fusedepi: %s at %s without %s: %s", chain.spec.fusion, chain.anchor.name, row.form, err)

@@ -242,3 +242,22 @@ def test_an_untimed_plan_is_not_timed_without_its_forms(monkeypatch):
     monkeypatch.setattr(rewrite.choice, "decide", lambda *args: pytest.fail("timed"))
     plan = ExecutionPlan("{}", "kernel", (row,), Choice(0.0, 0.0, True, "not timed (FUSEDEPI_AUTOTUNE)"))
     assert rewrite._without_forms(chain, plan, load_config({}), frozenset()) is plan
+
+
+@pytest.mark.parametrize("strict", ["0", "1"])
+def test_a_chain_that_cannot_be_built_without_the_form_keeps_it(monkeypatch, strict):
+    import cuda_templates
+    from fusion_backend import rewrite
+
+    chain, _ = _chain("conv_layout")
+    before = chain.spec
+    chain.spec = taken = conv_layout.ConvLayout().apply(chain, None)
+    row = forms.FormChoice("conv_layout", "channels-last", 0.2, 0.1, True, alternative=before)
+    plan = ExecutionPlan(taken.to_json(), "kernel", (row,), Choice(0.2, 0.25, True))
+
+    def prepare(chain_, spec, cfg):
+        raise cuda_templates.NotRenderable("no NCHW mapping")
+
+    monkeypatch.setattr(rewrite, "_prepare", prepare)
+    got = rewrite._without_forms(chain, plan, load_config({"FUSEDEPI_STRICT": strict}), frozenset())
+    assert got is plan and chain.spec == taken
