@@ -109,3 +109,26 @@ def test_inductor_graph_cache_serves_a_second_compile(grad, monkeypatch, tmp_pat
         hits.append(counters["inductor"]["fxgraph_cache_hit"])
     graphs = 2 if grad else 1  # forward (+ backward)
     assert hits == [0, graphs]
+
+
+def test_inductor_graph_cache_is_keyed_on_fusedepis_sources(monkeypatch, tmp_path):
+    """The cache key holds a digest of fusedepi's sources (`backend.source_digest`): a
+    changed reference (the fused op's fake) is not served the old compile's code."""
+    from fusion_backend import backend
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    factory, shape, fusion = SMALL_WORKLOADS["3"]
+    torch.manual_seed(0)
+    model, x = factory(), torch.rand(shape)
+    assert len(backend.source_digest()) == 16
+    hits = []
+    for digest in (backend.source_digest(), "another-source"):
+        monkeypatch.setattr(backend, "source_digest", lambda digest=digest: digest)
+        torch._dynamo.reset()
+        counters.clear()
+        reports: list = []
+        with torch.no_grad(), collect_reports(reports):
+            torch.compile(model, backend="fusedepi")(x)
+        assert [r.fusion for r in _fused(reports)] == [fusion]
+        hits.append(counters["inductor"]["fxgraph_cache_hit"])
+    assert hits == [0, 0]

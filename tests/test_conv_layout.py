@@ -138,7 +138,7 @@ def test_inductor_hands_the_op_channels_last_operands(monkeypatch, conv, x_shape
         return reference(inputs, spec)
 
     monkeypatch.setattr(ops, "reference", recording)
-    # Compiled, not read from Inductor's FX graph cache, whose key leaves out the layouts asked.
+    # Compiled, not read from Inductor's FX graph cache (a run with the ask patched out would be served).
     monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     out, eager, kernel = _compiled(monkeypatch, "1", _ScaledInput(conv, scale), nn.Identity(), x_shape)
     assert kernel.endswith("(library conv on channels-last operands)")
