@@ -322,6 +322,40 @@ def test_both_forms_compute_the_neighbourhood_as_the_whole_graph_does():
             torch.testing.assert_close(g, w)
 
 
+def test_the_fused_form_asks_the_layouts_the_rewrite_asks():
+    """A conv that runs channels-last: the fused form that the choice times asks Inductor
+    for channels-last x and weight (`ops.input_layouts`), as the rewritten graph does, so
+    that Inductor's copies are timed with the chain; the plain conv asks nothing."""
+    from dataclasses import replace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from lowering import match_graph
+
+    def f(x, w, b):
+        return torch.relu(torch.nn.functional.conv2d(x, w, b))
+
+    with FakeTensorMode():
+        args = (torch.empty(2, 3, 9, 9), torch.empty(8, 3, 3, 3), torch.empty(8))
+        gm = make_fx(f)(*args)
+    (chain,) = match_graph(gm.graph, allow_cpu=True)[0]
+    for channels_last in (False, True):
+        chain.spec = replace(chain.spec, anchor=replace(chain.spec.anchor, channels_last=channels_last))
+        _, fused_form, _ = choice.subgraphs(chain, chain.spec.to_json())
+        (op,) = [n for n in fused_form.graph.nodes if n.target is torch.ops.fusedepi.chain.default]
+        asked = op.meta.get("eager_input_vals")
+        if not channels_last:
+            assert asked is None and choice._asked_layouts(fused_form) == []
+            continue
+        (values, spec), kwargs = asked
+        assert spec == chain.spec.to_json() and kwargs == {} and len(values) == len(op.args[0])
+        assert values[0].is_contiguous(memory_format=torch.channels_last) and values[0].shape == (2, 3, 9, 9)
+        assert values[1].is_contiguous(memory_format=torch.channels_last) and values[1].shape == (8, 3, 3, 3)
+        assert all(v is None for v in values[2:])
+        assert choice._asked_layouts(fused_form) == [[(243, 1, 27, 3), (27, 1, 9, 3)] + [None] * (len(values) - 2)]
+
+
 def test_autotune_setting_is_validated():
     assert load_config({}).autotune == "auto"
     assert load_config({"FUSEDEPI_AUTOTUNE": "0"}).autotune == "off"

@@ -156,3 +156,36 @@ def test_a_contiguous_conv_asks_no_layout():
     assert spec == staged.to_json() and kwargs == {}
     assert asked[0].shape == x.shape and asked[0].is_contiguous(memory_format=torch.channels_last)
     assert asked[1].shape == w.shape and asked[1].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_a_dynamic_batch_asks_the_same_layouts(monkeypatch):
+    """A batch that varies (marked dynamic): the layouts asked are symbolic in it, and two
+    batch sizes run through one compile as eager computes them."""
+    from fusion_backend import fusedepi
+    from fusion_backend.backend import collect_reports
+
+    monkeypatch.setenv("FUSEDEPI_CPU_REFERENCE", "1")
+    monkeypatch.setenv("FUSEDEPI_CONV_CHANNELS_LAST", "1")
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    seen = []
+    reference = ops.reference
+
+    def recording(inputs, spec):
+        if not isinstance(inputs[0], torch._subclasses.FakeTensor):
+            seen.append((inputs[0].shape[0], inputs[0].is_contiguous(memory_format=torch.channels_last)))
+        return reference(inputs, spec)
+
+    monkeypatch.setattr(ops, "reference", recording)
+    torch.manual_seed(0)
+    model = _ScaledInput(nn.Conv2d(5, 16, 3, padding=1), 2.0).eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=fusedepi)
+    reports: list = []
+    with torch.no_grad(), collect_reports(reports):
+        for batch in (3, 5):
+            x = torch.randn(batch, 5, 9, 18)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+    fused = [r for report in reports for r in report.records if r.status == "fused"]
+    assert len(fused) == 1 and fused[0].kernel.endswith("(library conv on channels-last operands)")
+    assert seen == [(3, True), (5, True)]
