@@ -6,7 +6,8 @@ step rewrites matched chains into fused ops, decomposes whatever held-back ops
 remain, and hands the graph to Inductor's own inner compile. A graph in which no
 chain fuses is compiled again by plain `compile_fx`, so that Inductor sees it exactly
 as it would without fusedepi (at the cost of a second AOTAutograd trace); so is a graph
-whose fused form runs slower as a whole than Inductor's (`choice.whole_graph`). In
+whose fused form runs slower as a whole than Inductor's (`choice.whole_graph`), after
+the graph was compiled and timed again without its weakest chains (`GRAPH_ATTEMPTS`). In
 training, a pass over the joint graph first marks the chains' nodes so that backward
 gets their values from the fused op rather than recomputing them (`KeepChainValues`).
 """
@@ -192,7 +193,7 @@ class _NothingFused(Exception):
     backend then hands Dynamo's graph to Inductor as it stands (`fusedepi`)."""
 
 
-def _inner_compile(gm, example_inputs, *, cfg: Config, reports: list, **kwargs):
+def _inner_compile(gm, example_inputs, *, cfg: Config, reports: list, skip: dict, **kwargs):
     # compile_fx hands our table to the inner compile wrapped in an object that
     # Inductor's FX graph cache pickles into its key; the table holds functions that do
     # not pickle, and every compile bypassed the cache (a warm start redid Inductor's
@@ -201,11 +202,8 @@ def _inner_compile(gm, example_inputs, *, cfg: Config, reports: list, **kwargs):
     if "get_decomp_fn" in kwargs:
         kwargs["get_decomp_fn"] = _inductor_decompositions
     if not kwargs.get("is_backward", False):
-        report = rewrite(gm, cfg)
+        report = rewrite(gm, cfg, skip)
         reports.append(report)
-        with _sinks_lock:
-            for sink in _sinks:
-                sink.append(report)
         if not any(r.status == "fused" for r in report.records):
             raise _NothingFused()
     gm = _decompose_held_back(gm, example_inputs)
@@ -266,36 +264,77 @@ def fusedepi(gm: torch.fx.GraphModule, example_inputs, *, mode=None, options=Non
     # from run to run (seen: bf16 [14, 64] x [64, 96] + LayerNorm refused as
     # "slice.Tensor is not in the vocabulary" in one run of three).
     keep = KeepChainValues(cfg, then=inductor_config.joint_custom_post_pass)
-    # Inductor's passes edit the graph they are given: this attempt gets a graph of its
-    # own (the module's parameters are shared, not copied).
-    attempt = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    attempt.meta.update(gm.meta)  # what Dynamo recorded (compile id, parameter names)
-    reports: list = []  # this graph's (its forward's)
-    try:
-        with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(
-            shape_padding=False, joint_custom_post_pass=keep
-        ):
-            ours = compile_fx(
-                attempt,
-                example_inputs,
-                inner_compile=functools.partial(_inner_compile, cfg=cfg, reports=reports),
-                decompositions=table,
-                **kwargs,
-            )
-    except _NothingFused:
-        # No chain fused (none matched, or the measured choice kept Inductor's form for
-        # all): Inductor compiles the graph exactly as it would without fusedepi. Its
-        # held-back ops would otherwise reach it decomposed by `_decompose_held_back`,
-        # after Inductor's joint-graph passes, and its kernels differ (a bf16
-        # ConvTranspose2d + GroupNorm + tanh tail: 43 against 23 us on an H100).
-        log.debug("fusedepi: no chain fused in this graph; Inductor compiles it as it stands")
-        return compile_fx(gm, example_inputs, **kwargs)
-    # The chains were chosen one by one; the whole graph with them must not be slower than
-    # Inductor's (a fused op changes what Inductor fuses and lays out around it).
-    fused = [r for report in reports for r in report.records if r.status == "fused"]
     cuda_graphs = bool(kwargs.get("config_patches", {}).get("triton.cudagraphs", inductor_config.triton.cudagraphs))
-    return choice.whole_graph(gm, example_inputs, ours, fused, cfg, lambda: compile_fx(gm, example_inputs, **kwargs),
-                              cuda_graphs)
+    theirs: list = []  # Inductor's compile of Dynamo's graph, once it is made
+
+    def inductor():
+        if not theirs:
+            theirs.append(compile_fx(gm, example_inputs, **kwargs))
+        return theirs[0]
+
+    skip: dict = {}  # chains left to Inductor because the whole graph ran slower with them
+    for attempt_no in range(1, GRAPH_ATTEMPTS + 1):
+        # Inductor's passes edit the graph they are given: each attempt gets a graph of
+        # its own (the module's parameters are shared, not copied).
+        attempt = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        attempt.meta.update(gm.meta)  # what Dynamo recorded (compile id, parameter names)
+        reports: list = []  # this attempt's (its forward's)
+        try:
+            with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(
+                shape_padding=False, joint_custom_post_pass=keep
+            ):
+                ours = compile_fx(
+                    attempt,
+                    example_inputs,
+                    inner_compile=functools.partial(_inner_compile, cfg=cfg, reports=reports, skip=skip),
+                    decompositions=table,
+                    **kwargs,
+                )
+        except _NothingFused:
+            # No chain fused (none matched, or the measured choice kept Inductor's form for
+            # all): Inductor compiles the graph exactly as it would without fusedepi. Its
+            # held-back ops would otherwise reach it decomposed by `_decompose_held_back`,
+            # after Inductor's joint-graph passes, and its kernels differ (a bf16
+            # ConvTranspose2d + GroupNorm + tanh tail: 43 against 23 us on an H100).
+            log.debug("fusedepi: no chain fused in this graph; Inductor compiles it as it stands")
+            _publish(reports)
+            return inductor()
+        # The chains were chosen one by one; the whole graph with them must not be slower
+        # than Inductor's (a fused op changes what Inductor fuses and lays out around it).
+        fused = [r for report in reports for r in report.records if r.status == "fused"]
+        chosen = choice.whole_graph(gm, example_inputs, ours, fused, cfg, inductor, cuda_graphs)
+        least = _least_gain(fused) if chosen is not ours and len(fused) > 1 else None
+        if least is None or least.anchor in skip or attempt_no == GRAPH_ATTEMPTS:
+            _publish(reports)
+            return chosen
+        # The graph with all of them ran slower: the chain whose own timing gained least
+        # goes to Inductor, and the graph is compiled and timed again with the others.
+        skip[least.anchor] = f"left to Inductor after the whole graph was timed with it: {least.reason}"
+        log.info("fusedepi: the graph with %d fused chains is slower than Inductor's; trying it without the one "
+                 "at %s", len(fused), least.anchor)
+    raise AssertionError("unreachable: the last attempt returns")
+
+
+# Compiles of a graph with fused chains, each timed whole against Inductor's: the first
+# with every chain the measured choice kept, each next one without the chain that gained
+# least on its own (`fusedepi`).
+GRAPH_ATTEMPTS = 3
+
+
+def _least_gain(fused: list):
+    """The record whose own timing gained least over Inductor's form (an untimed one: none)."""
+    def gain(record):
+        c = record.plan.choice if record.plan is not None else None
+        return c.inductor_ms - c.fused_ms if c is not None and c.inductor_ms else 0.0
+
+    return min(fused, key=gain)
+
+
+def _publish(reports: list) -> None:
+    """Hands the graph's final reports to every active `collect_reports`."""
+    with _sinks_lock:
+        for sink in _sinks:
+            sink.extend(reports)
 
 
 __all__ = ["Report", "collect_reports", "fusedepi"]

@@ -20,8 +20,9 @@ layouts it picks for the next conv). So where any chain of a graph was fused, th
 graph is timed too (`whole_graph`): its compile with the fused ops against Inductor's
 compile of the graph as Dynamo gave it, on random inputs of the graph's shapes; where
 the fused graph is slower, Inductor's is run and every chain of the graph is reported
-as left to Inductor, with both times. Forward only: a training graph's backward is
-compiled alongside and not timed.
+as left to Inductor, with both times (the backend then tries a graph of several chains
+again without its weakest one: `backend.GRAPH_ATTEMPTS`). Forward only: a training
+graph's backward is compiled alongside and not timed.
 
 The two forms' results on those inputs are compared too: a fused op whose result differs
 from Inductor's by more than `AGREEMENT` (norm of the difference over the norm of

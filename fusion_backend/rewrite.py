@@ -235,8 +235,12 @@ def _enable_native(cfg: Config) -> None:
                     "CPU time a call. FUSEDEPI_NATIVE_LAUNCHER=0 skips it; FUSEDEPI_STRICT=1 raises instead.", first)
 
 
-def rewrite(gm: GraphModule, cfg: Config) -> Report:
+def rewrite(gm: GraphModule, cfg: Config, skip: dict | None = None) -> Report:
     """Fuses every chain it can in `gm`, in place.
+
+    Args:
+        skip: anchor node names of chains to leave to Inductor, each with the reason for
+            the report (the whole graph ran slower with them: `backend.fusedepi`).
 
     Raises:
         FusionError: under strict mode, for any chain that fails to lower or compile.
@@ -258,6 +262,11 @@ def rewrite(gm: GraphModule, cfg: Config) -> Report:
     for chain in chains:
         names = [n.name for n in chain.nodes]
         claimed = frozenset(n for other in chains if other is not chain for n in other.nodes)
+        if skip and chain.anchor.name in skip:
+            report.records.append(Record("refused", chain.anchor.name, names, chain.spec.fusion,
+                                         reason=skip[chain.anchor.name]))
+            log.info("fusedepi: not fused at %s: %s", chain.anchor.name, skip[chain.anchor.name])
+            continue
         try:
             form_rows = forms.choose(chain, cfg)
             spec = chain.spec.to_json()

@@ -124,6 +124,54 @@ def test_a_graph_slower_as_a_whole_runs_as_inductor_compiles_it(timed, monkeypat
                                  "the whole graph, which Inductor then compiles as it stands")
 
 
+def _two_chains():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 24), nn.Sigmoid())
+
+
+@pytest.mark.parametrize("graphs, fused_anchor", [
+    ([(2.0, 1.0), (0.5, 1.0)], "addmm"),    # without the chain that gained least, the graph wins
+    ([(2.0, 1.0), (1.5, 1.0)], None),       # slower either way: Inductor's graph
+])
+def test_a_graph_slower_as_a_whole_is_tried_without_its_weakest_chain(timed, monkeypatch, graphs, fused_anchor):
+    """Two chains, each faster alone (the second by less), the graph with both slower than
+    Inductor's: it is compiled and timed again without the chain that gained least, which
+    goes to Inductor with the reason; one report a graph, as explain reads it."""
+    from fusion_backend import backend
+
+    times = {"addmm": (1.0, 3.0), "addmm_1": (1.0, 1.5)}  # the second chain gains least
+    calls = []
+
+    def measure(chain, inductor_form, fused_form, vals, shapes, device, centered):
+        calls.append(chain.anchor.name)
+        return times[chain.anchor.name] + (0.0,)
+
+    def measure_graphs(ours, theirs, example_inputs, device, cuda_graphs=False):
+        calls.append("graph")
+        return graphs[calls.count("graph") - 1]
+
+    monkeypatch.setattr(choice, "_measure", measure)
+    monkeypatch.setattr(choice, "_measure_graphs", measure_graphs)
+    model, x = _two_chains().eval(), torch.randn(8, 16)
+    torch._dynamo.reset()
+    reports: list = []
+    with torch.no_grad(), collect_reports(reports):
+        out = torch.compile(model, backend="fusedepi")(x)
+    torch.testing.assert_close(out, _two_chains().eval()(x))
+    assert len(reports) == 1
+    records = {r.anchor: r for r in reports[0].records}
+    assert set(records) == {"addmm", "addmm_1"}
+    # Both chains timed once (the second compile reads addmm's time from the cache), the
+    # graph twice: with both, and without addmm_1.
+    assert calls == ["addmm", "addmm_1", "graph", "graph"]
+    assert records["addmm_1"].status == "refused"
+    assert records["addmm_1"].reason.startswith("left to Inductor after the whole graph was timed with it: the "
+                                                "graph with its fused ops is slower than Inductor's: 2 ms against 1 ms")
+    assert [a for a, r in records.items() if r.status == "fused"] == ([fused_anchor] if fused_anchor else [])
+    if fused_anchor is None:
+        assert records["addmm"].reason.startswith("the graph with its fused ops is slower than Inductor's: 1.5 ms")
+
+
 def test_a_fused_result_that_differs_from_inductors_is_not_taken(timed, monkeypatch, caplog):
     """A fused op that computes something else than Inductor's form of the same nodes (here
     its reference made wrong by half) is left to Inductor, however fast; the reason says
