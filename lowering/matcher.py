@@ -1622,13 +1622,21 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
         if permute is not None:
             anchor = replace(anchor, permuted=True, direct=(), implicit=False)
         try:
+            # With the anchor's bias moved into the epilogue, then, where the graph reads
+            # the anchor's value outside the chain (or the folded match was refused and it
+            # has other readers), with the bias left to the library.
             for fold in (True, False):
                 state = _start(node, anchor, list(operands), allow_cpu, permute)
                 state.order, state.backward, state.claimed = order, backward, claimed
                 folded = _fold_bias(state, anchor, matmul_tf32) if fold else None
                 moved = len(state.chain.steps)  # steps the anchor's bias (baddbmm's input, alpha) became
                 state.held[state.node] = moved
-                stop = _extend(state, disabled)
+                try:
+                    stop = _extend(state, disabled)
+                except Refuse:
+                    if folded is None or anchor.kind == "bmm" or len(node.users) < 2:
+                        raise
+                    continue
                 if folded is None or _keeps_folded_bias(state.chain, anchor):
                     break
         except Refuse as err:
