@@ -820,10 +820,10 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
         finish = templates.BATCH_NORM_FINISH.substitute(**finish)
         if spec.inner == 1 or p.tiled:
             # [rows, features], or a channels-last [rows * inner, channels]: partials per
-            # (column_stats block, column)
-            # 16-byte loads of a row's columns; on a channels-last conv's pixels 4 columns
-            # a thread in every dtype (8 bf16 columns' moments took 128 registers and
-            # spilled under the kernel's launch bound; 4 take 98, as float32's do).
+            # (column_stats block, column). A thread loads 16 bytes of a row's columns; on
+            # a channels-last conv's pixels 4 columns in every dtype (8 bf16 columns'
+            # moments took 128 registers and spilled under the kernel's launch bound; 4
+            # take 98, as float32's do).
             vmax = 4 if p.tiled else 16 // ITEMSIZE[spec.dtype]
             stats_kernels = templates.COLUMN_STATS_KERNELS.substitute(
                 kernel=name, col_vec=vmax if spec.channels % vmax == 0 else 1, finish=finish,

@@ -209,15 +209,14 @@ def _without_forms(chain: Chain, plan: ExecutionPlan, cfg: Config, claimed: froz
             log.info("fusedepi: %s at %s without %s: %s", chain.spec.fusion, chain.anchor.name, row.form, err)
             continue
         rows = list(plan.forms)
-        if other.inductor_ms and not other.difference and (plan.choice.difference or
-                                                           other.fused_ms < plan.choice.fused_ms):
-            rows[i] = replace(row, taken=False, alternative=None,
-                              chains=f"the chain {plan.choice.fused_ms:.4g} ms in it, {other.fused_ms:.4g} ms without")
+        without = bool(other.inductor_ms and not other.difference and (plan.choice.difference or
+                                                                       other.fused_ms < plan.choice.fused_ms))
+        rows[i] = replace(row, taken=not without, alternative=None,
+                          chains=f"the chain {plan.choice.fused_ms:.4g} ms in it, {other.fused_ms:.4g} ms without")
+        if without:
             plan = ExecutionPlan(spec, kernel, tuple(rows), other)
         else:
             chain.spec = taken
-            rows[i] = replace(row, alternative=None, chains=f"the chain {plan.choice.fused_ms:.4g} ms in it, "
-                                                            f"{other.fused_ms:.4g} ms without")
             plan = replace(plan, forms=tuple(rows))
     return plan
 
