@@ -33,7 +33,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from lowering import HELD_BACK_OPS, match_graph
 
-from . import choice
+from . import choice, timings
 from .config import Config, load_config
 from .ops import matmul_allows_tf32
 from .rewrite import Report, rewrite
@@ -155,32 +155,14 @@ class KeepChainValues(CustomGraphPass):
         """Part of the key of Inductor's FX graph cache, for every graph fusedepi compiles:
         the rewritten graph holds each fused op's spec but not the code that gives the op
         its fake (the reference's shapes) or asks its inputs' layouts, so the key holds a
-        digest of fusedepi's sources too (`source_digest`): a changed reference is not
-        served output code compiled against the old one."""
+        digest of fusedepi's sources too (`timings.source_digest`): a changed reference is
+        not served output code compiled against the old one."""
         from importlib.metadata import version
 
         thens = self.then if isinstance(self.then, (list, tuple)) else [self.then]
         then = [t.uuid() if isinstance(t, CustomGraphPass) else repr(t) for t in thens]
-        return (f"fusedepi-keep-chain-values-{version('fusedepi')}-{source_digest()}-{sorted(self.cfg.disabled)}-"
-                f"{then}")
-
-
-@functools.lru_cache(maxsize=None)
-def source_digest() -> str:
-    """sha256 of the Python sources of fusedepi's packages (fusion_backend, lowering,
-    cuda_templates), read once a process."""
-    import hashlib
-    from pathlib import Path
-
-    import cuda_templates
-    import lowering
-
-    digest = hashlib.sha256()
-    for package in (Path(__file__).parent, Path(lowering.__file__).parent, Path(cuda_templates.__file__).parent):
-        for path in sorted(package.rglob("*.py")):
-            digest.update(str(path.relative_to(package.parent)).encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+        return (f"fusedepi-keep-chain-values-{version('fusedepi')}-{timings.source_digest()}-"
+                f"{sorted(self.cfg.disabled)}-{then}")
 
 
 def _inductor_decompositions():

@@ -105,8 +105,7 @@ def decide(chain: Chain, spec: str, cfg: Config, claimed: frozenset = frozenset(
         return Choice(0.0, 0.0, True, "not timed: a size without a hint")
     dynamic = any(not isinstance(d, int) for v, t in zip(vals, tensors) for d in (v.shape if t else [v]))
     key = "|".join(str(part) for part in (
-        _device_name(device), torch.__version__, fused_form.code, _asked_layouts(fused_form), inductor_form.code,
-        shapes, strides,
+        _device_name(device), torch.__version__, fused_form.code, inductor_form.code, shapes, strides,
         [str(v.dtype) if t else type(v).__name__ for v, t in zip(vals, tensors)], matmul_allows_tf32(),
         conv_allows_tf32()))
     try:
@@ -128,17 +127,6 @@ def decide(chain: Chain, spec: str, cfg: Config, claimed: frozenset = frozenset(
         log.warning("fusedepi: %s", message)
         return Choice(fused_ms, inductor_ms, False, note, difference)
     return Choice(fused_ms, inductor_ms, fused_ms <= inductor_ms, note)
-
-
-def _asked_layouts(gm: GraphModule) -> list:
-    """The strides the fused ops of `gm` ask of their inputs (`ops.input_layouts`), which
-    its code does not show."""
-    asked = []
-    for node in gm.graph.nodes:
-        layouts = node.meta.get("eager_input_vals")
-        if layouts is not None:
-            asked.append([timings.hinted(v.stride()) if isinstance(v, torch.Tensor) else None for v in layouts[0][0]])
-    return asked
 
 
 def _timed_on(device: torch.device, cfg: Config) -> bool:

@@ -4,12 +4,14 @@ Every choice the backend makes by measurement (the library anchor's forms in
 `forms.FORMS`, fused or Inductor in `choice`) times GPU work with `gpu_ms` (replays of
 a CUDA graph of one call) and keeps the times in one JSON file in the cache directory
 (`CACHE_FILE`), each entry keyed by what it depends on (GPU, torch version, shapes,
-dtypes, settings), so that later processes and other graphs with the same shapes reuse
+dtypes, settings, fusedepi's sources), so that later processes and other graphs with the same shapes reuse
 them: a warm start times nothing.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 import os
@@ -30,9 +32,27 @@ _read_files: set = set()  # cache files already merged into _cache
 _cache_lock = threading.Lock()
 
 
+@functools.lru_cache(maxsize=None)
+def source_digest() -> str:
+    """sha256 of fusedepi's sources (the Python, C++ and CUDA files of fusion_backend,
+    lowering and cuda_templates), read once a process: what a stored time or compiled
+    graph was made by."""
+    import cuda_templates
+    import lowering
+
+    digest = hashlib.sha256()
+    for package in (Path(__file__).parent, Path(lowering.__file__).parent, Path(cuda_templates.__file__).parent):
+        for path in sorted(p for p in package.rglob("*") if p.suffix in (".py", ".cuh", ".cpp")):
+            digest.update(str(path.relative_to(package.parent)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def cached(path: Path, key: str, measure: Callable[[], tuple]) -> tuple:
     """The times stored under `key` in the cache file `path` (read once a process), or
-    `measure()`'s, which are then stored there."""
+    `measure()`'s, which are then stored there. The stored key ends with fusedepi's
+    `source_digest`: a time measured by other kernels or another timing is not reused."""
+    key = f"{key}|fusedepi {source_digest()}"
     with _cache_lock:
         if path not in _read_files:
             _read_files.add(path)

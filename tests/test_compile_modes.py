@@ -112,18 +112,18 @@ def test_inductor_graph_cache_serves_a_second_compile(grad, monkeypatch, tmp_pat
 
 
 def test_inductor_graph_cache_is_keyed_on_fusedepis_sources(monkeypatch, tmp_path):
-    """The cache key holds a digest of fusedepi's sources (`backend.source_digest`): a
+    """The cache key holds a digest of fusedepi's sources (`timings.source_digest`): a
     changed reference (the fused op's fake) is not served the old compile's code."""
-    from fusion_backend import backend
+    from fusion_backend import timings
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     factory, shape, fusion = SMALL_WORKLOADS["3"]
     torch.manual_seed(0)
     model, x = factory(), torch.rand(shape)
-    assert len(backend.source_digest()) == 16
+    assert len(timings.source_digest()) == 16
     hits = []
-    for digest in (backend.source_digest(), "another-source"):
-        monkeypatch.setattr(backend, "source_digest", lambda digest=digest: digest)
+    for digest in (timings.source_digest(), "another-source"):
+        monkeypatch.setattr(timings, "source_digest", lambda digest=digest: digest)
         torch._dynamo.reset()
         counters.clear()
         reports: list = []

@@ -161,6 +161,8 @@ def test_timings_live_in_the_one_cache(monkeypatch, fresh_cache):
     stored = json.loads((fresh_cache / timings.CACHE_FILE).read_text())
     assert sorted(k.split("|")[0] for k in stored) == sorted(TAKEN)
     assert all(k.split("|")[1] == "Test GPU" and v == [2.0, 1.0] for k, v in stored.items())
+    # and by fusedepi's sources: a time measured by other kernels is not reused
+    assert all(k.split("|")[-1] == f"fusedepi {timings.source_digest()}" for k in stored)
     monkeypatch.setattr(timings, "_cache", {})  # a new process: read from the file
     monkeypatch.setattr(timings, "_read_files", set())
     run_all()

@@ -72,7 +72,7 @@ class ConvLayout(Form):
         and the TF32 and benchmark settings."""
         anchor, dtype, x_shape, w_shape, x_channels_last = found
         tf32 = dtype == "float32" and conv_allows_tf32()
-        return ("conv alone", dtype, x_shape, x_channels_last, w_shape, anchor.has_bias, anchor.conv, tf32,
+        return (dtype, x_shape, x_channels_last, w_shape, anchor.has_bias, anchor.conv, tf32,
                 torch.backends.cudnn.benchmark)
 
     def measure(self, found, device) -> tuple[float, float]:
