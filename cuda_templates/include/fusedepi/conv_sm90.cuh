@@ -23,14 +23,26 @@ __device__ __forceinline__ void conv_tile_origin(int tile, int& img, int& h0, in
   img = m / kTilesH;
 }
 
-// The staging tile: the rounded values of a tile, kBN channels of kBM pixels each, a
-// channel's pixels contiguous and channels kPitch elements apart (16 bytes of padding: the
-// consumers' writes, 8 pixels x 4 channels a warp, fall in distinct banks).
+// The staging tile: the rounded values of a tile, by channel and patch row. A tile's
+// kTW pixels of one channel and patch row are a run of the NCHW output that starts at
+// any element; each run gets a slot of kRunSlot elements and starts in it at its offset
+// from a 16-byte boundary of the output (`run_shift`), so that the output's aligned
+// 16-byte chunks are aligned vectors of the slot. A channel's slots are kPitch elements
+// apart, kPitch = 16 bytes past a multiple of 64 (the consumers' writes, 8 pixels x 4
+// channels a warp, fall in distinct banks).
 constexpr int kOutV = 16 / kElem;  // elements a 16-byte vector
-constexpr int kPitch = kBM + kOutV;
+constexpr int kRunSlot = kTW + kOutV;
+constexpr int kPitch = (kTH * kRunSlot * kElem + 63) / 64 * 64 / kElem + kOutV;
 constexpr int kStaging = kBN * kPitch * kElem;
 constexpr int kHandoff = 256 + 96;  // the consumers and the epilogue warps
 constexpr int kBarFull = 1, kBarEmpty = 2;
+
+// The offset of a run (image img, tile channel cl, output row h, first pixel w0) from the
+// 16-byte boundary of the output before it, in elements.
+__device__ __forceinline__ int run_shift(int img, int n0, int cl, int h, int w0) {
+  const long long start = ((static_cast<long long>(img) * kChannels + n0 + cl) * kHo + h) * kWo + w0;
+  return static_cast<int>(start % kOutV);
+}
 
 // One value into shared memory as T.
 __device__ __forceinline__ void sts_value(uint8_t* p, float x) {
@@ -43,89 +55,108 @@ __device__ __forceinline__ void sts_value(uint8_t* p, float x) {
   }
 }
 
-// The consumers' part of a tile's epilogue: each accumulator rounded to T (what the
-// library conv's output holds) into the staging tile. For 8-column chunk j a thread holds
+// The consumers' part of a tile's staging: each accumulator rounded to T (what the
+// library conv's output holds) into its run's slot. For 8-column chunk j a thread holds
 // tile rows r0 and r0 + 8 (r0 = 64 * half + 16 * warp + lane / 4) and channels
-// 8j + 2 * (lane % 4) + {0, 1} of the tile.
-__device__ __forceinline__ void stage_tile(const float (&d)[kBN / 2], uint8_t* staging, int half, int tid, int n0) {
+// 8j + 2 * (lane % 4) + {0, 1} of the tile. A run's shift depends on its channel modulo
+// 8 only (8 planes are whole 16-byte vectors), so a thread's four (channel, row) shifts
+// hold for every j.
+__device__ __forceinline__ void stage_tile(const float (&d)[kBN / 2], uint8_t* staging, int half, int tid, int img,
+                                           int h0, int w0, int n0) {
   const int warp = tid / 32, lane = tid % 32;
   const int r0 = half * 64 + warp * 16 + lane / 4;
+  int at[2][2];  // [h][e]: the slot offset of channel 2 * (lane % 4) + e's pixel r0 + 8h
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int r = r0 + 8 * h, t = r / kTW, cl = 2 * (lane % 4) + e;
+      at[h][e] = cl * kPitch + t * kRunSlot + run_shift(img, n0, cl, h0 + t, w0) + r % kTW;
+    }
 #pragma unroll
   for (int j = 0; j < kBN / 8; ++j) {
     if (n0 + 8 * j >= kChannels) break;  // kChannels % 8 == 0: a chunk is inside the channels or past them
-    const int c = 8 * j + 2 * (lane % 4);
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) sts_value(staging + ((c + e) * kPitch + r0 + 8 * h) * kElem, d[4 * j + 2 * h + e]);
+      for (int e = 0; e < 2; ++e) sts_value(staging + (8 * j * kPitch + at[h][e]) * kElem, d[4 * j + 2 * h + e]);
   }
 }
 
-// n values of T from x[] to out + i: 16 bytes at a time where aligned, else pairs (16-bit,
-// even i) or one by one.
-__device__ __forceinline__ void store_run(T* out, long long i, const float* x, int n) {
-  if (n == kOutV && i % kOutV == 0) {
-    uint4 v;
-    uint32_t* w = reinterpret_cast<uint32_t*>(&v);
-    if constexpr (std::is_same_v<T, float>) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) w[e] = __float_as_uint(x[e]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) w[e] = hop::pack2<T>(x[2 * e], x[2 * e + 1]);
-    }
-    *reinterpret_cast<uint4*>(out + i) = v;
-    return;
-  }
-  if constexpr (kElem == 2) {
-    if (i % 2 == 0) {
-      int e = 0;
-      for (; e + 1 < n; e += 2) *reinterpret_cast<uint32_t*>(out + i + e) = hop::pack2<T>(x[e], x[e + 1]);
-      if (e < n) out[i + e] = fusedepi::from_float<T>(x[e]);
-      return;
-    }
-  }
-  for (int e = 0; e < n; ++e) out[i + e] = fusedepi::from_float<T>(x[e]);
-}
+// The threads that finish a tile (the consumers and the epilogue warps, `kHandoff`), and
+// the output chunks each holds at once (all its shared-memory and per-channel loads
+// issued before the first is used).
+constexpr int kInFlight = 2;
+constexpr int kRunChunks = kTW / kOutV + 1;  // the aligned chunks a run of kTW elements may touch
 
-// The epilogue warps' part (thread `et` of 96): stage0 on the staged tile, 16 bytes of one
-// channel's pixels at a time (a patch row holds whole vectors: kTW >= 8), stored to
-// out[img, channel, h, w]; the pixels past the output's edge are skipped.
+// Thread `et` of kHandoff's part of a tile's finish: stage0 on the staged tile and the
+// stores to out[img, channel, h, w], one aligned 16-byte chunk of a run at a time (a
+// warp's stores one coalesced run whatever the output's width); the first and last
+// chunk of a run partial, element by element; pixels past the output's edges skipped.
 __device__ __forceinline__ void finish_tile(const uint8_t* staging, int et, int img, int h0, int w0, int n0,
                                             const Args& a) {
-  constexpr int kVecsPerChannel = kBM / kOutV;
-  for (int v = et; v < kBN * kVecsPerChannel; v += 96) {
-    const int cl = v / kVecsPerChannel, r = v % kVecsPerChannel * kOutV, col = n0 + cl;
-    if (col >= kChannels) break;
-    const int ph = h0 + r / kTW, pw = w0 + r % kTW;
-    if (ph >= kHo || pw >= kWo) continue;
-    const uint4 raw = hop::lds128(staging + (cl * kPitch + r) * kElem);
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(&raw);
-    float x[kOutV];
-    if constexpr (std::is_same_v<T, float>) {
+  const int channels = kChannels - n0 < kBN ? static_cast<int>(kChannels - n0) : kBN;
+  const int rows = kHo - h0 < kTH ? kHo - h0 : kTH;
+  const int width = kWo - w0 < kTW ? kWo - w0 : kTW;  // pixels of each run
+  const int chunks = channels * kTH * kRunChunks;
+  for (int v0 = et; v0 < chunks; v0 += kHandoff * kInFlight) {
+    uint4 raw[kInFlight];
+    stage0_chan k[kInFlight];
+    long long first[kInFlight];  // the chunk's first element in out (16-byte aligned)
+    int lo[kInFlight], hi[kInFlight];  // the run's elements in it
 #pragma unroll
-      for (int e = 0; e < 4; ++e) x[e] = __uint_as_float(w[e]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 f = hop::unpack2<T>(w[e]);
-        x[2 * e] = f.x;
-        x[2 * e + 1] = f.y;
+    for (int u = 0; u < kInFlight; ++u) {
+      const int v = v0 + u * kHandoff, q = v % kRunChunks, t = v / kRunChunks % kTH, cl = v / (kRunChunks * kTH);
+      const int shift = run_shift(img, n0, cl, h0 + t, w0);
+      first[u] = ((static_cast<long long>(img) * kChannels + n0 + cl) * kHo + h0 + t) * kWo + w0 - shift + q * kOutV;
+      lo[u] = q == 0 ? shift : 0;
+      hi[u] = shift + width - q * kOutV < kOutV ? shift + width - q * kOutV : kOutV;
+      if (v >= chunks || t >= rows) hi[u] = 0;
+      if (lo[u] < hi[u]) {
+        raw[u] = hop::lds128(staging + (cl * kPitch + t * kRunSlot + q * kOutV) * kElem);
+        k[u] = stage0_chan_of(a, n0 + cl);
       }
     }
-    const long long i = (static_cast<long long>(img) * kChannels + col) * kPlane + ph * kWo + pw;
-    const stage0_chan k = stage0_chan_of(a, col);
-    const int n = kWo - pw < kOutV ? kWo - pw : kOutV;
-    if (n == kOutV && (!kRowReads || i % kOutV == 0)) {
-      stage0_at<kOutV>(x, k, i, a);
-    } else {  // a residual is read in whole vectors at aligned places only, and no further than the row goes
-      for (int e = 0; e < n; ++e) {
-        float y[1] = {x[e]};
-        stage0_at<1>(y, k, i + e, a);
-        x[e] = y[0];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      if (lo[u] >= hi[u]) continue;
+      const uint32_t* w = reinterpret_cast<const uint32_t*>(&raw[u]);
+      float x[kOutV];
+      if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[e] = __uint_as_float(w[e]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = hop::unpack2<T>(w[e]);
+          x[2 * e] = f.x;
+          x[2 * e + 1] = f.y;
+        }
+      }
+      T* out = a.out + first[u];
+      if (lo[u] == 0 && hi[u] == kOutV) {  // a whole chunk: one 16-byte store
+        stage0_at<kOutV>(x, k[u], first[u], a);
+        uint4 vec;
+        uint32_t* o = reinterpret_cast<uint32_t*>(&vec);
+        if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[e] = __float_as_uint(x[e]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[e] = hop::pack2<T>(x[2 * e], x[2 * e + 1]);
+        }
+        *reinterpret_cast<uint4*>(out) = vec;
+      } else {  // a run's first or last chunk (a residual read one element at a time)
+#pragma unroll
+        for (int e = 0; e < kOutV; ++e) {
+          if (e >= lo[u] && e < hi[u]) {
+            float y[1] = {x[e]};
+            stage0_at<1>(y, k[u], first[u] + e, a);
+            out[e] = fusedepi::from_float<T>(y[0]);
+          }
+        }
       }
     }
-    store_run(a.out, i, x, n);
   }
 }
 
@@ -134,9 +165,9 @@ __device__ __forceinline__ void finish_tile(const uint8_t* staging, int et, int 
 // [kChannels, kTaps x kCinPad]. Warpgroup 0's first thread
 // loads, by TMA, for each k-step (tap, channel block) the patch of input pixels that tap
 // reads (coordinates shifted by the tap, zeros past the image: the conv's padding) and
-// the tap's weights; warpgroups 1 and 2 multiply (wgmma) and stage the tile, then go on
-// with the next; warps 1-3 of warpgroup 0 run the chain on the staged tile and store it.
-// Persistent: CTA b takes tiles b, b + gridDim.x, ...; the ring's stage and phase run on
+// the tap's weights; warpgroups 1 and 2 multiply (wgmma) and stage the tile; they and
+// warps 1-3 of warpgroup 0 run the chain on the staged tile and store it, the consumers
+// their share before the next tile's wgmma, warps 1-3 theirs under it. Persistent: CTA b takes tiles b, b + gridDim.x, ...; the ring's stage and phase run on
 // across tiles. Named barriers hand the staging tile over (kBarFull) and back (kBarEmpty).
 __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtensorMap& map_w, const Args& a) {
   constexpr int kProducerRegs = 72, kConsumerRegs = 216;
@@ -214,8 +245,9 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
       hop::wgmma_wait<0>();
       release((it - 1) % kStages);
       if (tile != static_cast<int>(blockIdx.x)) hop::named_sync<kBarEmpty, kHandoff>();  // the last tile is out
-      stage_tile(d, staging, half, tid, n0);
-      hop::named_arrive<kBarFull, kHandoff>();  // the epilogue warps take it from here
+      stage_tile(d, staging, half, tid, img, h0, w0, n0);
+      hop::named_sync<kBarFull, kHandoff>();  // the whole tile is staged
+      finish_tile(staging, 96 + half * 128 + tid, img, h0, w0, n0, a);  // a share of its finish
     }
   }
 }
