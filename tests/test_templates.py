@@ -801,3 +801,18 @@ def test_kernel_files_compile_without_warnings():
         found = dict(zip([j[1] for j in jobs], pool.map(lambda job: warnings_of(job, Path(tmp)), jobs)))
     assert len(jobs) >= 16
     assert not any(found.values()), {name: lines for name, lines in found.items() if lines}
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("tile_h, tile_w", [(1, 128), (2, 64), (8, 16), (16, 8)])
+def test_in_kernel_conv_staging_pitch(tile_h, tile_w, itemsize):
+    # conv_sm90.cuh's kPitch: a slot of tile_w + 16 bytes for each patch row (a run staged
+    # at any offset from a 16-byte boundary of the output fits), rounded up to 64 bytes,
+    # + 16: two channels apart by 2 * kPitch fall 8 banks apart (the consumers' writes).
+    from cuda_templates import conv_sm90
+
+    pitch = conv_sm90.staging_pitch(tile_h, tile_w, itemsize)
+    out_v = 16 // itemsize
+    assert pitch * itemsize % 64 == 16
+    assert tile_h * (tile_w + out_v) <= pitch - out_v < tile_h * (tile_w + out_v) + 64 // itemsize
+    assert 2 * pitch * itemsize // 4 % 32 == 8
