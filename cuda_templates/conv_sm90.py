@@ -134,7 +134,6 @@ def wgmma_asm(dtype: str, n: int) -> str:
 #   $pw         the padding of the width
 #   $ho         the output's height
 #   $wo         the output's width
-#   $row_reads  "true" when a step reads a full-shape operand (a residual)
 #   $wgmma      the wgmma_asm() statement
 CONV_KERNELS = Template(
     r"""// In-kernel conv (cuda_templates/conv_sm90.py): out = chain(conv2d(x, w)), an implicit GEMM.
@@ -145,8 +144,6 @@ constexpr int kTH = $th, kTW = $tw;  // the tile's output pixels: kTH rows of kT
 constexpr int kCin = $cin, kH = $h, kW = $w;
 constexpr int kKH = $kh, kKW = $kw, kPH = $ph, kPW = $pw, kTaps = kKH * kKW;
 constexpr int kHo = $ho, kWo = $wo;
-constexpr bool kRowReads = $row_reads;  // a step reads a tensor per element (vector loads at aligned places)
-constexpr long long kPlane = static_cast<long long>(kHo) * kWo;
 constexpr int kCBlocks = (kCin + kBK - 1) / kBK;  // k-steps a tap
 constexpr int kCinPad = kCBlocks * kBK;  // the weight's input channels, padded with zeros by the launcher
 constexpr int kKSteps = kTaps * kCBlocks;

@@ -5,7 +5,7 @@
 // anonymous namespace, after the file has defined what this code reads:
 //   T, Args (x: the input [rows, H, W, C_in] in memory, w: the weight [kChannels, kTaps,
 //   kCinPad]), stage0_chan, stage0_chan_of, stage0_at, kChannels (KERNEL_FILE and
-//   CONV_KERNELS' constants: kRowReads,: kBM, kBN, kBK, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
+//   CONV_KERNELS' constants: kBM, kBN, kBK, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
 //   kHo, kWo, kCBlocks, kTilesN, kTileA, kTileB, kMmaK, wgmma_n), and hopper.cuh.
 // It is not a standalone header: those constants differ per file.
 #pragma once
