@@ -117,11 +117,16 @@ def padded_gemm(anchor: Anchor, operands: list[torch.Tensor], pad_x=None) -> tor
 
 
 def reference(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
-    """What `fusedepi::chain` computes, in plain torch."""
+    """What `fusedepi::chain` computes, in plain torch. Its output is contiguous whatever
+    x's layout, as the CUDA op allocates it (this is also the op's fake: Inductor holds
+    the CUDA op's output to the strides it gives, and a conv on a channels-last x gives
+    a channels-last output)."""
     parsed = _parse(spec)
     n = parsed.anchor.n_operands
     y = run_anchor(parsed.anchor, list(inputs[:n]))
-    return run_reference(y, parsed.steps, list(inputs[n:]), parsed.saves)
+    outputs = run_reference(y, parsed.steps, list(inputs[n:]), parsed.saves)
+    outputs[0] = outputs[0].contiguous()
+    return outputs
 
 
 # A plain `torch.library.Library` op, not `torch.library.custom_op`: the latter's

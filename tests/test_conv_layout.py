@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from fusion_backend import ops
 from helpers import compile_records
-from lowering.spec import Anchor, EpilogueSpec, Step
+from lowering.spec import SCALAR, Anchor, EpilogueSpec, Step
 
 CONV2D = ((1, 1), (1, 1), (1, 1), False, (0, 0), 1)
 
@@ -189,3 +189,17 @@ def test_a_dynamic_batch_asks_the_same_layouts(monkeypatch):
     fused = [r for report in reports for r in report.records if r.status == "fused"]
     assert len(fused) == 1 and fused[0].kernel.endswith("(library conv on channels-last operands)")
     assert seen == [(3, True), (5, True)]
+
+
+def test_the_ops_output_is_contiguous_for_a_channels_last_input():
+    """The op's reference (also its fake) gives its output contiguous, as the CUDA op
+    allocates it, where a conv on a channels-last x would give it channels-last:
+    Inductor holds the CUDA op's output to the fake's strides."""
+    spec = EpilogueSpec(Anchor("conv", False, CONV2D), (Step("relu"), Step("mul", consts=(2.0,), operand=SCALAR)),
+                        "float32", (), 4, 36, "conv_pointwise")
+    x = torch.rand(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    w = torch.rand(4, 3, 3, 3)
+    assert not torch.nn.functional.conv2d(x, w, padding=1).is_contiguous()
+    (out,) = ops.reference([x, w], spec.to_json())
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, torch.relu(torch.nn.functional.conv2d(x.contiguous(), w, padding=1)) * 2.0)
