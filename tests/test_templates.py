@@ -816,3 +816,18 @@ def test_in_kernel_conv_staging_pitch(tile_h, tile_w, itemsize):
     assert pitch * itemsize % 64 == 16
     assert tile_h * (tile_w + out_v) <= pitch - out_v < tile_h * (tile_w + out_v) + 64 // itemsize
     assert 2 * pitch * itemsize // 4 % 32 == 8
+
+
+def test_in_kernel_conv_tiles_fit_shared_memory():
+    # Every output width and channel count gets a tiling whose ring (3 stages or more)
+    # and staging tile fit sm_90's 227 KiB a block, as conv_sm90.cuh's kConvSmem counts
+    # them (the narrowest patches have the largest staging tiles: 16 runs a channel).
+    from cuda_templates import conv_sm90
+
+    for itemsize in (2, 4):
+        for cout in range(8, 1025, 8):
+            for wo in (1, 7, 8, 9, 13, 16, 31, 64, 126, 300):
+                t = conv_sm90.tiling(cout, wo, itemsize)
+                staging = t.block_n * conv_sm90.staging_pitch(t.tile_h, t.tile_w, itemsize) * itemsize
+                smem = t.stages * (conv_sm90.BLOCK_M * 128 + t.block_n * 128) + staging + 1024
+                assert t.stages >= 3 and smem <= 227 * 1024, (itemsize, cout, wo, t)
