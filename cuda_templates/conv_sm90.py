@@ -73,8 +73,9 @@ class ConvGemmPlan:
 
 
 def staging_pitch(tile_h: int, tile_w: int, itemsize: int) -> int:
-    """conv_sm90.cuh's kPitch: the elements between two channels of the staging tile, a
-    slot of tile_w + 16 bytes for each of the patch's rows, rounded up to 64 bytes, + 16."""
+    """The rendered file's kPitch (conv_sm90.cuh): the elements between two channels of
+    the staging tile, a slot of tile_w + 16 bytes for each of the patch's rows, rounded
+    up to 64 bytes, + 16."""
     out_v = 16 // itemsize
     return -(-tile_h * (tile_w + out_v) * itemsize // 64) * 64 // itemsize + out_v
 
@@ -91,7 +92,7 @@ def tiling(cout: int, wo: int, itemsize: int) -> ConvGemmPlan:
     while tile_w < min(wo, BLOCK_M):
         tile_w *= 2
     stage = BLOCK_M * 128 + block_n * 128  # an x box and a w box of 128-byte rows
-    staging = block_n * staging_pitch(BLOCK_M // tile_w, tile_w, itemsize) * itemsize  # conv_sm90.cuh's kStaging
+    staging = block_n * staging_pitch(BLOCK_M // tile_w, tile_w, itemsize) * itemsize  # the kernel's kStaging
     stages = min(8, (SMEM_BUDGET - staging) // stage)
     assert stages >= MIN_STAGES, (cout, itemsize)
     return ConvGemmPlan(block_n, BLOCK_M // tile_w, tile_w, stages)
@@ -134,6 +135,7 @@ def wgmma_asm(dtype: str, n: int) -> str:
 #   $pw         the padding of the width
 #   $ho         the output's height
 #   $wo         the output's width
+#   $pitch      the staging tile's elements between two channels (staging_pitch)
 #   $wgmma      the wgmma_asm() statement
 CONV_KERNELS = Template(
     r"""// In-kernel conv (cuda_templates/conv_sm90.py): out = chain(conv2d(x, w)), an implicit GEMM.
@@ -144,6 +146,7 @@ constexpr int kTH = $th, kTW = $tw;  // the tile's output pixels: kTH rows of kT
 constexpr int kCin = $cin, kH = $h, kW = $w;
 constexpr int kKH = $kh, kKW = $kw, kPH = $ph, kPW = $pw, kTaps = kKH * kKW;
 constexpr int kHo = $ho, kWo = $wo;
+constexpr int kPitch = $pitch;  // the staging tile's elements between two channels
 constexpr int kCBlocks = (kCin + kBK - 1) / kBK;  // k-steps a tap
 constexpr int kCinPad = kCBlocks * kBK;  // the weight's input channels, padded with zeros by the launcher
 constexpr int kKSteps = kTaps * kCBlocks;

@@ -1205,6 +1205,7 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
         kernel=name, bm=conv_sm90.BLOCK_M, bn=c.block_n, bk=conv_sm90.block_k(spec.dtype),
         mma_k=gemm_sm90.WGMMA_TYPES[spec.dtype][1], stages=c.stages, th=c.tile_h, tw=c.tile_w,
         cin=cin, h=h, w=w, kh=kh, kw=kw, ph=ph, pw=pw, ho=ho, wo=wo,
+        pitch=conv_sm90.staging_pitch(c.tile_h, c.tile_w, ITEMSIZE[spec.dtype]),
         wgmma=conv_sm90.wgmma_asm(spec.dtype, c.block_n),
     )
     fields, bind = _fields(spec, direct=True)

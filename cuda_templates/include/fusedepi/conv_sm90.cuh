@@ -6,7 +6,7 @@
 //   T, Args (x: the input [rows, H, W, C_in] in memory, w: the weight [kChannels, kTaps,
 //   kCinPad]), stage0_chan, stage0_chan_of, stage0_at, kChannels (KERNEL_FILE and
 //   CONV_KERNELS' constants: kBM, kBN, kBK, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
-//   kHo, kWo, kCBlocks, kTilesN, kTileA, kTileB, kMmaK, wgmma_n), and hopper.cuh.
+//   kHo, kWo, kPitch, kCBlocks, kTilesN, kTileA, kTileB, kMmaK, wgmma_n), and hopper.cuh.
 // It is not a standalone header: those constants differ per file.
 #pragma once
 
@@ -28,11 +28,11 @@ __device__ __forceinline__ void conv_tile_origin(int tile, int& img, int& h0, in
 // any element; each run gets a slot of kRunSlot elements and starts in it at its offset
 // from a 16-byte boundary of the output (`run_shift`), so that the output's aligned
 // 16-byte chunks are aligned vectors of the slot. A channel's slots are kPitch elements
-// apart, kPitch = 16 bytes past a multiple of 64 (the consumers' writes, 8 pixels x 4
-// channels a warp, fall in distinct banks).
+// apart (the file's constant, `conv_sm90.staging_pitch`: 16 bytes past a multiple of 64,
+// so that the consumers' writes, 8 pixels x 4 channels a warp, fall in distinct banks).
 constexpr int kOutV = 16 / kElem;  // elements a 16-byte vector
 constexpr int kRunSlot = kTW + kOutV;
-constexpr int kPitch = (kTH * kRunSlot * kElem + 63) / 64 * 64 / kElem + kOutV;
+static_assert(kPitch >= kTH * kRunSlot && kPitch % kOutV == 0, "a channel's slots, in whole vectors");
 constexpr int kStaging = kBN * kPitch * kElem;
 constexpr int kHandoff = 256 + 96;  // the consumers and the epilogue warps
 constexpr int kBarFull = 1, kBarEmpty = 2;
