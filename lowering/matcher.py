@@ -1254,6 +1254,12 @@ def folds_gemm_bias(dtype: torch.dtype, matmul_tf32: bool) -> bool:
     return dtype == torch.float32 and matmul_tf32
 
 
+def _library_adds_bias(anchor: Anchor) -> bool:
+    """Whether the anchor's library call can add its bias, should the chain leave it
+    there: not baddbmm's input (the anchor runs bmm)."""
+    return anchor.kind != "bmm"
+
+
 def _keeps_folded_bias(chain: Chain, anchor: Anchor) -> bool:
     """Whether a chain matched with its anchor's bias moved into the epilogue
     (`_fold_bias`) may keep it so: where only the chain's own steps read the anchor's
@@ -1262,8 +1268,8 @@ def _keeps_folded_bias(chain: Chain, anchor: Anchor) -> bool:
     the bias and the chain is matched again: that value is then the library's own
     output, rounded once as in eager (a folded bias would round the product, then the
     sum, and a backward that branches on its sign, as leaky_relu's does, would see it).
-    baddbmm's input always moves (no library call here adds it)."""
-    if anchor.kind == "bmm":
+    baddbmm's input always moves (`_library_adds_bias`)."""
+    if not _library_adds_bias(anchor):
         return True
     inside = set(chain.nodes)
     return all(user in inside for user in chain.anchor.users)
@@ -1634,7 +1640,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
                 try:
                     stop = _extend(state, disabled)
                 except Refuse:
-                    if folded is None or anchor.kind == "bmm" or len(node.users) < 2:
+                    if folded is None or not _library_adds_bias(anchor) or len(node.users) < 2:
                         raise
                     continue
                 if folded is None or _keeps_folded_bias(state.chain, anchor):
