@@ -669,6 +669,8 @@ def test_in_kernel_conv_plans_and_names(name):
     kernel = cuda_templates.kernel_name(spec, "sm90", True)
     assert kernel.startswith(f"igemm128x{c.block_n}_") and kernel.endswith("_sm90a")
     source = cuda_templates.render(spec, "sm90", conv_tf32=True)
+    itemsize = 4 if spec.dtype == "float32" else 2
+    assert f"constexpr int kPitch = {conv_sm90.staging_pitch(c.tile_h, c.tile_w, itemsize)};" in source
     t, k = {"bfloat16": ("bf16", 16), "float16": ("f16", 16), "float32": ("tf32", 8)}[spec.dtype]
     acc = c.block_n // 2
     assert f"wgmma.mma_async.sync.aligned.m64n{c.block_n}k{k}.f32.{t}.{t} " in source
@@ -806,7 +808,7 @@ def test_kernel_files_compile_without_warnings():
 @pytest.mark.parametrize("itemsize", [2, 4])
 @pytest.mark.parametrize("tile_h, tile_w", [(1, 128), (2, 64), (8, 16), (16, 8)])
 def test_in_kernel_conv_staging_pitch(tile_h, tile_w, itemsize):
-    # conv_sm90.cuh's kPitch: a slot of tile_w + 16 bytes for each patch row (a run staged
+    # The kernel file's kPitch: a slot of tile_w + 16 bytes for each patch row (a run staged
     # at any offset from a 16-byte boundary of the output fits), rounded up to 64 bytes,
     # + 16: two channels apart by 2 * kPitch fall 8 banks apart (the consumers' writes).
     from cuda_templates import conv_sm90
