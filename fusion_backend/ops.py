@@ -60,9 +60,10 @@ def input_layouts(spec: str, inputs: list) -> tuple | None:
     """The layouts `fusedepi::chain` asks of its inputs in a graph that Inductor compiles,
     in the form of a node's `eager_input_vals` meta (`(args, kwargs)` of fake values,
     whose strides Inductor's lowering of a custom op holds its inputs to; None leaves one
-    free): a conv that runs channels-last takes x and its weight channels-last, so
-    Inductor writes them so (in the kernel that makes x, or in a copy of its own) and
-    `run_anchor`'s copies are no-ops. None where no input is constrained.
+    free): a library conv that runs channels-last takes x and its weight channels-last,
+    the in-kernel conv x (`runs_in_kernel_conv`), so Inductor writes them so (in the
+    kernel that makes x, or in a copy of its own) and the op's own copies (`run_anchor`,
+    `launch.channels_last_operands`) are no-ops. None where no input is constrained.
 
     Args:
         spec: the op's spec argument (JSON).
@@ -70,13 +71,28 @@ def input_layouts(spec: str, inputs: list) -> tuple | None:
     """
     if len(inputs) < 2 or not isinstance(inputs[0], torch.Tensor):
         return None
-    if not anchor_reads_channels_last(_parse(spec).anchor, inputs[0]):
+    parsed = _parse(spec)
+    library = anchor_reads_channels_last(parsed.anchor, inputs[0])
+    if not library and not runs_in_kernel_conv(parsed, inputs[0]):
         return None
     layout = channels_last_format(inputs[0])
     wanted: list = [None] * len(inputs)
     wanted[0] = torch.empty_like(inputs[0], memory_format=layout)
-    wanted[1] = torch.empty_like(inputs[1], memory_format=layout)
+    if library:  # the in-kernel conv lays its weight out itself (launch.channels_last_operands)
+        wanted[1] = torch.empty_like(inputs[1], memory_format=layout)
     return ((wanted, spec), {})
+
+
+def runs_in_kernel_conv(spec: EpilogueSpec, x: torch.Tensor) -> bool:
+    """Whether the CUDA op computes the conv as the in-kernel conv (an implicit GEMM over
+    a channels-last x) on x's device, at the cuDNN TF32 setting of now (a float32 chain
+    whose TF32 is switched off later runs the library conv, on a channels-last x as well)."""
+    if spec.anchor.kind != "conv" or not spec.anchor.implicit or x.dim() != 4 or x.device.type != "cuda":
+        return False
+    import cuda_templates
+
+    plan = cuda_templates.conv_gemm_plan(spec, arch_of(x.device), conv_allows_tf32())
+    return isinstance(plan, cuda_templates.ConvGemmPlan)
 
 
 def channels_last_format(x: torch.Tensor) -> torch.memory_format:

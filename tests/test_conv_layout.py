@@ -203,3 +203,36 @@ def test_the_ops_output_is_contiguous_for_a_channels_last_input():
     (out,) = ops.reference([x, w], spec.to_json())
     assert out.is_contiguous()
     torch.testing.assert_close(out, torch.relu(torch.nn.functional.conv2d(x.contiguous(), w, padding=1)) * 2.0)
+
+
+def test_the_in_kernel_conv_asks_a_channels_last_input(monkeypatch):
+    """A conv that the CUDA op computes as the in-kernel conv (an implicit GEMM over a
+    channels-last x) asks Inductor for a channels-last x and leaves the weight free (the
+    launcher lays it out itself); on another arch, or in float32 without TF32, nothing."""
+    from specs import conv_gemm_specs
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    arch = ["sm90"]
+    monkeypatch.setattr(ops, "arch_of", lambda device: arch[0])
+    for dtype in ("bfloat16", "float32"):
+        spec = conv_gemm_specs(dtype)["igemm_relu_bias_64_128"]
+        cin, kh, kw, h, w = spec.anchor.direct
+        with FakeTensorMode():
+            x = torch.empty(2, cin, h, w, device="cuda", dtype=getattr(torch, dtype))
+            wt = torch.empty(spec.channels, cin, kh, kw, device="cuda", dtype=getattr(torch, dtype))
+            for tf32 in (True, False):
+                monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", tf32)
+                arch[0] = "sm90"
+                layouts = ops.input_layouts(spec.to_json(), [x, wt])
+                if dtype == "float32" and not tf32:
+                    assert layouts is None
+                    continue
+                (asked, _), _ = layouts
+                assert asked[0].shape == x.shape and asked[0].is_contiguous(memory_format=torch.channels_last)
+                assert asked[1] is None
+                arch[0] = "sm80"
+                assert ops.input_layouts(spec.to_json(), [x, wt]) is None
+    cpu = conv_gemm_specs("bfloat16")["igemm_relu_bias_64_128"]
+    cin, kh, kw, h, w = cpu.anchor.direct
+    arch[0] = "sm90"
+    assert ops.input_layouts(cpu.to_json(), [torch.empty(2, cin, h, w), torch.empty(cpu.channels, cin, kh, kw)]) is None
