@@ -205,9 +205,7 @@ def subgraphs(chain: Chain, spec: str, claimed: frozenset = frozenset()):
         if fused:
             operands = list(chain.operands) + list(chain.params)
             call = graph.call_function(torch.ops.fusedepi.chain.default, ([env[n] for n in operands], spec))
-            layouts = ops.input_layouts(spec, [n.meta["val"] for n in operands])
-            if layouts is not None:  # as the rewrite asks them
-                call.meta["eager_input_vals"] = layouts
+            ops.ask_input_layouts(call)  # as the rewrite asks them (and `_inductor_compile` again)
             items = [graph.call_function(operator.getitem, (call, i)) for i in range(len(chain.outputs()))]
             env.update(chain.stand_ins(graph, items))  # as the rewrite puts them in
             copied = after
@@ -286,10 +284,19 @@ def difference(ours, theirs) -> float:
 
 
 def _inductor_compile(gm: GraphModule, example: list[torch.Tensor]):
-    from torch._inductor.compile_fx import compile_fx
+    """Inductor's compile of a form. AOTAutograd traces the form again, which drops the
+    layouts the fused op asks of its inputs; they are put back on the traced graph, so
+    that the fused form is timed with Inductor's copies into those layouts, as it runs in
+    the rewritten graph (not with the op's own slower copies)."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner(traced: GraphModule, inputs, **kwargs):
+        for node in traced.graph.find_nodes(op="call_function", target=torch.ops.fusedepi.chain.default):
+            ops.ask_input_layouts(node)
+        return compile_fx_inner(traced, inputs, **kwargs)
 
     with torch.no_grad():
-        return compile_fx(gm, example)
+        return compile_fx(gm, example, inner_compile=inner)
 
 
 def whole_graph(gm: GraphModule, example_inputs: list, ours, fused: list, cfg: Config, inductor,

@@ -83,6 +83,17 @@ def input_layouts(spec: str, inputs: list) -> tuple | None:
     return ((wanted, spec), {})
 
 
+def ask_input_layouts(node) -> None:
+    """Puts on a `fusedepi::chain` call node of an FX graph the layouts its inputs must
+    have (`input_layouts`, from its inputs' fake values), where Inductor reads them (the
+    node's `eager_input_vals` meta). A graph traced again (AOTAutograd) loses them: mark it
+    after the trace."""
+    inputs, spec = node.args
+    layouts = input_layouts(spec, [n.meta["val"] if isinstance(n, torch.fx.Node) else n for n in inputs])
+    if layouts is not None:
+        node.meta["eager_input_vals"] = layouts
+
+
 def runs_in_kernel_conv(spec: EpilogueSpec, x: torch.Tensor) -> bool:
     """Whether the CUDA op computes the conv as the in-kernel conv (an implicit GEMM over
     a channels-last x) on x's device, at the cuDNN TF32 setting of now (a float32 chain

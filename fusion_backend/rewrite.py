@@ -72,12 +72,10 @@ def _replace(graph: torch.fx.Graph, chain: Chain, spec: str, renamed: dict) -> N
     example = [n.meta["val"] for n in inputs]
     with detect_fake_mode(example):
         vals = ops.reference(example, spec)
-        layouts = ops.input_layouts(spec, example)
     with graph.inserting_before(chain.final):
         call = graph.call_function(torch.ops.fusedepi.chain.default, (inputs, spec))
         call.meta["val"] = vals
-        if layouts is not None:
-            call.meta["eager_input_vals"] = layouts
+        ops.ask_input_layouts(call)
         outs = []
         for i, val in enumerate(call.meta["val"]):
             item = graph.call_function(operator.getitem, (call, i))

@@ -370,10 +370,12 @@ def test_both_forms_compute_the_neighbourhood_as_the_whole_graph_does():
             torch.testing.assert_close(g, w)
 
 
-def test_the_fused_form_asks_the_layouts_the_rewrite_asks():
+def test_the_fused_form_asks_the_layouts_the_rewrite_asks(monkeypatch):
     """A conv that runs channels-last: the fused form that the choice times asks Inductor
     for channels-last x and weight (`ops.input_layouts`), as the rewritten graph does, so
-    that Inductor's copies are timed with the chain; the plain conv asks nothing."""
+    that Inductor's copies are timed with the chain; the plain conv asks nothing. The ask
+    reaches Inductor's inner compile, past AOTAutograd's trace of the form."""
+    import torch._inductor.compile_fx as inductor_compile
     from dataclasses import replace
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -403,6 +405,25 @@ def test_the_fused_form_asks_the_layouts_the_rewrite_asks():
         assert all(v is None for v in values[2:])
         assert [v.stride() if v is not None else None for v in values] == (
             [(243, 1, 27, 3), (27, 1, 9, 3)] + [None] * (len(values) - 2))
+
+        reached = []
+
+        def inner(traced, inputs, **kwargs):
+            (call,) = traced.graph.find_nodes(op="call_function", target=torch.ops.fusedepi.chain.default)
+            reached.append(call.meta.get("eager_input_vals"))
+            raise _Reached()
+
+        monkeypatch.setattr(inductor_compile, "compile_fx_inner", inner)
+        example = [torch.rand(2, 3, 9, 9), torch.rand(8, 3, 3, 3), torch.rand(8)]
+        with pytest.raises(_Reached):
+            choice._inductor_compile(fused_form, example)
+        ((traced_values, _), _), = reached
+        assert [v.stride() if v is not None else None for v in traced_values] == (
+            [(243, 1, 27, 3), (27, 1, 9, 3)] + [None] * (len(values) - 2))
+
+
+class _Reached(Exception):
+    """Raised by a stand-in for Inductor's inner compile once it has seen its graph."""
 
 
 def test_autotune_setting_is_validated():
