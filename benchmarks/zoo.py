@@ -386,6 +386,9 @@ MODELS = [
              (8192, 1024)),
     ZooModel("linear_sigmoid_linear_logsumexp", lambda: TwoLinears(1024, 2048, 512), (8192, 1024)),
     ZooModel("linear_mish_residual", lambda: Seq(nn.Linear(1024, 1024), lambda y, m: y + F.mish(y)), (16384, 1024)),
+    # a SIREN layer (sin(30 * Wx + b)) and Primer's squared ReLU
+    ZooModel("siren_sine_layer", lambda: Seq(nn.Linear(256, 256), lambda y, m: torch.sin(30.0 * y)), (65536, 256)),
+    ZooModel("linear_squared_relu", lambda: Seq(nn.Linear(1024, 4096), lambda y, m: F.relu(y) ** 2), (8192, 1024)),
     # blocks of well-known networks
     ZooModel("resnet_basic_block", lambda: BasicBlock(64), (32, 64, 56, 56)),
     ZooModel("mobilenet_inverted_residual", lambda: InvertedResidual(24, 6), (32, 24, 56, 56)),

@@ -173,6 +173,24 @@ def _divide(step: Step, ops: Operands) -> str:
     return f"x = fusedepi::divide<kFastMath>({a}, {b});"
 
 
+def _power(step: Step, ops: Operands) -> str:
+    """x ** c as eager computes it on CUDA (ATen's pow_tensor_scalar_kernel): c = 0.5,
+    -0.5 and -1 as sqrt, rsqrt and reciprocal; 2, 3 and -2 as products (-2: one over
+    x * x); 0 as 1 and 1 as x (`pow`'s own shortcuts); any other c through powf."""
+    c = step.consts[0]
+    special = {
+        0.0: "x = 1.0f;",
+        1.0: "",
+        2.0: "x = x * x;",
+        3.0: "x = x * x * x;",
+        -2.0: "x = fusedepi::divide<kFastMath>(1.0f, x * x);",
+        0.5: "x = sqrtf(x);",
+        -0.5: "x = rsqrtf(x);",
+        -1.0: "x = fusedepi::divide<kFastMath>(1.0f, x);",
+    }
+    return special.get(c, f"x = powf(x, {cfloat(c)});")
+
+
 def _float32_reciprocal(value: float) -> float:
     """RN(1 / RN(value)) in float32, as the host computes `1.f / float(value)`.
 
@@ -237,6 +255,14 @@ SNIPPETS = {
     "exp": _call("fusedepi::exponential<kFastMath>"),
     "log": _call("logf"),
     "neg": lambda s, ops: "x = -x;",
+    "erf": _call("erff"),
+    "sin": _call("sinf"),
+    "cos": _call("cosf"),
+    "sqrt": _call("sqrtf"),
+    "rsqrt": _call("rsqrtf"),
+    # 1 / x: IEEE in float32 chains, div.full in 16-bit ones, as every division here
+    "reciprocal": lambda s, ops: "x = fusedepi::divide<kFastMath>(1.0f, x);",
+    "pow": _power,
     "add": _binary("+"),
     "sub": _binary("-"),
     "mul": _binary("*"),

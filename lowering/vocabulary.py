@@ -278,6 +278,17 @@ VOCABULARY: dict[str, StepKind] = {
         StepKind("exp", lambda x, s, p: torch.exp(x), _unary("exp", aten.exp.default)),
         StepKind("log", lambda x, s, p: torch.log(x), _unary("log", aten.log.default)),
         StepKind("neg", lambda x, s, p: torch.neg(x), _unary("neg", aten.neg.default), cheap=True),
+        StepKind("erf", lambda x, s, p: torch.erf(x), _unary("erf", aten.erf.default)),  # GELU spelled out
+        StepKind("sin", lambda x, s, p: torch.sin(x), _unary("sin", aten.sin.default)),
+        StepKind("cos", lambda x, s, p: torch.cos(x), _unary("cos", aten.cos.default)),
+        StepKind("sqrt", lambda x, s, p: torch.sqrt(x), _unary("sqrt", aten.sqrt.default)),
+        StepKind("rsqrt", lambda x, s, p: torch.rsqrt(x), _unary("rsqrt", aten.rsqrt.default)),
+        StepKind("reciprocal", lambda x, s, p: torch.reciprocal(x), _unary("reciprocal", aten.reciprocal.default)),
+        StepKind(
+            "pow",  # x ** c for a constant c (also torch.square: c = 2)
+            lambda x, s, p: torch.pow(x, s.consts[0]),
+            ((aten.pow.Tensor_Scalar, lambda arg: Step("pow", consts=(_number(arg(1, "exponent", None), "pow: exponent"),))),),
+        ),
         # --------------------------------- binary: operand kinds in spec.py, matched in matcher.py
         StepKind("add", _binary(torch.add), cheap=True),
         StepKind("sub", _binary(torch.sub), cheap=True),

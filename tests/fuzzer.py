@@ -129,6 +129,16 @@ CONV_NORMS = {1: NORMS_CONV, 2: NORMS_CONV + ["instancenorm"], 3: NORMS_CONV + [
 CONV_NORMS[9] = CONV_NORMS[8]
 CONV_NORMS[10] = CONV_NORMS[9]
 CONV_NORMS[11] = CONV_NORMS[10]
+CONV_NORMS[12] = CONV_NORMS[11]
+# From this generation on, the pointwise steps include erf, sin, cos, sqrt, rsqrt,
+# reciprocal and powers by a constant (`POWERS`; square as pow 2); sqrt, rsqrt, reciprocal
+# and the fractional and negative powers only where the value is positive. The ops drawn
+# as outside the vocabulary are then atan and dropout (an earlier generation's cos and
+# x ** 3 are in the vocabulary now, and stay drawn there, as that generation drew them).
+MATH_GENERATION = 12
+MATH_POINTWISE = ["erf", "sin", "cos", "sqrt", "rsqrt", "reciprocal", "square", "pow"]
+POWERS = [2, 3, -2, 0.5, -0.5, -1, 1.5, 4]
+POSITIVE_ONLY = {"sqrt", "rsqrt", "reciprocal"}
 # Generation 7 adds LayerNorm over a conv output's trailing dims (`conv_layernorm`: the
 # last `dims` of them, the channels included or not), and 1-D pooling windows over a
 # 2-D Linear output's features among its row reductions (`FEATURE_POOLS`).
@@ -172,6 +182,8 @@ WINDOW_GENERATION = 6
 WINDOWS = ["maxpool", "avgpool"]
 # Not in the vocabulary: the chain must stop there, and the model still match eager.
 OUTSIDE = ["cos", "pow3", "dropout_train"]
+OUTSIDE_MATH = ["atan", "dropout_train"]  # from MATH_GENERATION on
+NOT_IN_VOCABULARY = {"atan", "dropout_train"}
 # Values after these are in (0, 1] or (0, inf): `log` only follows them.
 POSITIVE = {"sigmoid", "exp", "softplus", "softmax"}
 # Values after these are bounded: `exp` only follows them (so it cannot overflow).
@@ -189,13 +201,14 @@ STEPS_OF_DRAW = {
     **{pool: (f"spatial_{pool.removeprefix('pool_')}",) for pool in POOLS},
     **{op: (f"channel_{op.removeprefix('chan_')}",) for op in CHANNEL_REDUCTIONS + ["chan_softmax", "chan_log_softmax"]},
     "chan_max_values": ("channel_amax",),
+    "square": ("pow",),
 }
 
 
 def drawn_steps(generation: int | None = None) -> set:
     """The vocabulary steps the fuzzer's `generation` draws (None: some generation)."""
     last = max(CONV_NORMS) if generation is None else generation
-    draws = POINTWISE + BINARY + NORMS_LINEAR + ROW_REDUCTIONS
+    draws = POINTWISE + BINARY + NORMS_LINEAR + ROW_REDUCTIONS + (MATH_POINTWISE if last >= MATH_GENERATION else [])
     draws += (POOLS if last >= POOL_GENERATION else []) + (CHANNEL_REDUCTIONS if last >= CHANNEL_GENERATION else [])
     draws += WINDOWS if last >= WINDOW_GENERATION else []
     draws += FEATURE_POOLS if last >= 7 else []
@@ -278,9 +291,14 @@ def _step(rng: random.Random, ctx: dict) -> dict:
         choices.append(("outside", 1))
     family = rng.choices([c for c, _ in choices], weights=[w for _, w in choices])[0]
     if family == "pointwise":
-        ops = [o for o in POINTWISE if (o != "log" or ctx["last"] in POSITIVE) and (o != "exp" or ctx["last"] in BOUNDED)]
+        drawable = POINTWISE + (MATH_POINTWISE if ctx["generation"] >= MATH_GENERATION else [])
+        positive = ctx["last"] in POSITIVE
+        ops = [o for o in drawable if (o != "log" or positive) and (o != "exp" or ctx["last"] in BOUNDED)
+               and (o not in POSITIVE_ONLY or positive)]
         op = rng.choice(ops)
         step = {"op": op}
+        if op == "pow":
+            step["exponent"] = rng.choice([p for p in POWERS if positive or p in (2, 3, 4)])
         if op == "leaky_relu":
             step["slope"] = rng.choice([0.01, 0.2, -0.3, 1.5])
         elif op in ("hardtanh", "clamp"):
@@ -359,7 +377,7 @@ def _step(rng: random.Random, ctx: dict) -> dict:
         if step["keepdim"] and ctx["generation"] >= BMM_GENERATION:  # then its unit dims squeezed away, or not
             step["squeeze"] = rng.random() < 0.5
         return step
-    return {"op": rng.choice(OUTSIDE)}
+    return {"op": rng.choice(OUTSIDE_MATH if ctx["generation"] >= MATH_GENERATION else OUTSIDE)}
 
 
 def _window(rng: random.Random, op: str, sizes: list) -> dict:
@@ -426,8 +444,8 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         steps.append(step)
         op = step["op"]
         ctx["last"] = "softmax" if op in ("softmax", "plane_softmax") else op
-        if op in OUTSIDE:
-            in_vocabulary = False
+        if op in OUTSIDE + OUTSIDE_MATH:
+            in_vocabulary = in_vocabulary and op not in NOT_IN_VOCABULARY
             ctx["allow_outside"] = False
         if op in NORMS_LINEAR + CONV_NORMS[generation] + ROW_REDUCTIONS + POOLS + CHANNEL_REDUCTIONS + WINDOWS \
                 + FEATURE_POOLS:
@@ -571,7 +589,9 @@ def _pointwise(op: str, s: dict, x):
     simple = {
         "relu": F.relu, "gelu": F.gelu, "silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "mish": F.mish,
         "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid, "relu6": F.relu6, "selu": F.selu, "abs": torch.abs,
-        "neg": torch.neg, "exp": torch.exp, "log": torch.log, "cos": torch.cos,
+        "neg": torch.neg, "exp": torch.exp, "log": torch.log, "cos": torch.cos, "erf": torch.erf, "sin": torch.sin,
+        "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "reciprocal": torch.reciprocal, "square": torch.square,
+        "atan": torch.atan,
     }
     if op in simple:
         return simple[op](x)
@@ -601,6 +621,8 @@ def _pointwise(op: str, s: dict, x):
         return F.log_softmax(x, dim=-1)
     if op == "pow3":
         return x.pow(3)
+    if op == "pow":
+        return x ** s["exponent"]
     if op == "dropout_train":
         return F.dropout(x, 0.5, training=True)
     raise ValueError(f"unknown fuzz step {op!r}")

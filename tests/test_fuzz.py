@@ -241,6 +241,25 @@ def test_cpu_fuzz_of_baddbmm_anchors(grad):
     assert len(added) >= len(picked) // 2, summary["reasons"]
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+def test_cpu_fuzz_of_math_steps(grad):
+    # Generation 12: erf, sin, cos, sqrt, rsqrt, reciprocal and constant powers among the
+    # pointwise steps; earlier generations draw what they drew.
+    gen = fuzzer.MATH_GENERATION
+    earlier = [fuzzer.make_case(0, i, "cpu", generation=gen - 1) for i in range(300)]
+    assert not any(s["op"] in set(fuzzer.MATH_POINTWISE) - set(fuzzer.OUTSIDE) for c in earlier for s in c.steps)
+    cases = [fuzzer.make_case(0, i, "cpu", generation=gen) for i in range(600)]
+    picked = [c for c in cases if c.in_vocabulary and any(s["op"] in fuzzer.MATH_POINTWISE for s in c.steps)]
+    picked = picked[: 24 if not grad else 10]
+    assert len(picked) >= (24 if not grad else 10)
+    results = fuzzer.run(seed=0, indices=[c.index for c in picked], device="cpu", grad=grad, generation=gen)
+    summary = fuzzer.summarize(results)
+    assert len(results) == len(picked) and not summary["findings"], _shown(summary["findings"])
+    math_steps = {"erf", "sin", "cos", "sqrt", "rsqrt", "reciprocal", "pow"}
+    fused = [r for r in results if math_steps & {n for steps in r["fused_steps"] for n in steps}]
+    assert len(fused) >= len(picked) // 2, summary["reasons"]
+
+
 def test_cpu_fuzz_of_row_reductions_of_nd_linear_outputs():
     # Generation 8 also reduces the features of a Linear applied to [B, T, K] inputs.
     gen = fuzzer.BMM_GENERATION

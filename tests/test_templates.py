@@ -833,3 +833,17 @@ def test_in_kernel_conv_tiles_fit_shared_memory():
                 staging = t.block_n * conv_sm90.staging_pitch(t.tile_h, t.tile_w, itemsize) * itemsize
                 smem = t.stages * (conv_sm90.BLOCK_M * 128 + t.block_n * 128) + staging + 1024
                 assert t.stages >= 3 and smem <= 227 * 1024, (itemsize, cout, wo, t)
+
+
+@pytest.mark.parametrize("exponent, code", [
+    (0.0, "x = 1.0f;"), (2.0, "x = x * x;"), (3.0, "x = x * x * x;"),
+    (-2.0, "x = fusedepi::divide<kFastMath>(1.0f, x * x);"), (0.5, "x = sqrtf(x);"), (-0.5, "x = rsqrtf(x);"),
+    (-1.0, "x = fusedepi::divide<kFastMath>(1.0f, x);"), (1.5, "x = powf(x, static_cast<float>(0x1.8000000000000p+0));"),
+])
+def test_a_constant_power_is_computed_as_aten_computes_it(exponent, code):
+    """ATen's CUDA pow by a scalar: sqrt, rsqrt and reciprocal for 0.5, -0.5 and -1;
+    products for 2, 3 and -2; 1 for 0 (its own shortcut); powf otherwise."""
+    from cuda_templates.snippets import SNIPPETS
+
+    assert SNIPPETS["pow"](Step("pow", consts=(exponent,)), None) == code
+    assert SNIPPETS["pow"](Step("pow", consts=(1.0,)), None) == ""

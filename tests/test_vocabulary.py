@@ -56,6 +56,18 @@ POINTWISE = [
     ("exp", lambda x: torch.exp(x * 0.1), ["mul", "exp"], None),
     ("log", lambda x: torch.log(torch.sigmoid(x)), ["sigmoid", "log"], None),
     ("neg", lambda x: -torch.tanh(x), ["tanh", "neg"], None),
+    ("erf", torch.erf, ["erf"], None),
+    ("sin", lambda x: torch.sin(30.0 * x), ["mul", "sin"], None),
+    ("cos", torch.cos, ["cos"], None),
+    ("sqrt", lambda x: torch.sqrt(torch.sigmoid(x)), ["sigmoid", "sqrt"], None),
+    ("rsqrt", lambda x: torch.rsqrt(torch.sigmoid(x)), ["sigmoid", "rsqrt"], None),
+    ("reciprocal", lambda x: torch.reciprocal(torch.sigmoid(x)), ["sigmoid", "reciprocal"], None),
+    ("one_over", lambda x: 1.0 / torch.sigmoid(x), ["sigmoid", "reciprocal", "mul"], None),  # eager: reciprocal, then * 1.0
+    ("square", torch.square, ["pow"], [2.0]),
+    ("pow_3", lambda x: x ** 3, ["pow"], [3.0]),
+    ("pow_minus_2", lambda x: torch.pow(torch.sigmoid(x), -2), ["sigmoid", "pow"], [-2.0]),
+    ("pow_half", lambda x: torch.sigmoid(x).pow(0.5), ["sigmoid", "pow"], [0.5]),
+    ("pow_1_5", lambda x: torch.sigmoid(x) ** 1.5, ["sigmoid", "pow"], [1.5]),
     ("maximum_scalar", lambda x: torch.maximum(x, torch.tensor(0.1)), ["maximum"], None),
     ("minimum_scalar", lambda x: torch.minimum(torch.tensor(-0.1), x), ["minimum"], None),
 ]
@@ -70,6 +82,14 @@ def test_pointwise_forms(fn, steps, consts):
     assert steps_of(fused[0]) == steps
     if consts is not None:
         assert json.loads(fused[0].spec)["steps"][-1]["consts"] == pytest.approx(consts)
+    torch.testing.assert_close(out, model(x))
+
+
+def test_pow_with_a_tensor_exponent_stops_the_chain():
+    model = Chain(lambda x: torch.relu(x) ** torch.full((32,), 2.0))
+    x = torch.randn(4, 16)
+    out, fused, refused = compile_records(model, x)
+    assert all("pow" not in steps_of(r) for r in fused)
     torch.testing.assert_close(out, model(x))
 
 
