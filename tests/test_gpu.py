@@ -192,6 +192,42 @@ def test_divisions_match_eager(dtype, exact_float32):
     assert err <= TOLERANCE[dtype], f"{err:.3g} (seed {exact_float32})"
 
 
+MATH_STEPS = {  # on an identity Linear's output x in [-4, 4); sigmoid first where the step wants x > 0
+    "erf": torch.erf,
+    "sin_cos": lambda y: torch.cos(torch.sin(30.0 * y)),
+    "sqrt": lambda y: torch.sqrt(torch.sigmoid(y)),
+    "rsqrt": lambda y: torch.rsqrt(torch.sigmoid(y)),
+    "reciprocal": lambda y: torch.reciprocal(torch.sigmoid(y)),
+    "square_cube": lambda y: torch.square(y) ** 3,
+    "pow_minus_2_half": lambda y: (torch.sigmoid(y) ** -2) ** 0.5,
+    "pow_1_5_minus_half": lambda y: torch.pow(torch.sigmoid(y), 1.5) ** -0.5,
+    "pow_minus_1_4": lambda y: (torch.sigmoid(y) ** -1) ** 4,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(MATH_STEPS))
+def test_math_steps_match_eager(name, dtype, exact_float32):
+    """erf, sin, cos, sqrt, rsqrt, reciprocal and constant powers: float32 bit for bit
+    against eager (the same CUDA math functions, powers as ATen's pow computes them);
+    bf16 within tolerance of float64."""
+    fn = MATH_STEPS[name]
+    model = nn.Sequential(nn.Linear(64, 64), _Lambda(fn)).cuda().to(dtype)
+    x = (torch.rand(1 << 14, 64, device="cuda") * 8 - 4).to(dtype)
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(64))  # an exact identity: the chain sees x itself
+        model[0].bias.zero_()
+        out, fused = compile_and_run(model, x)
+        eager = model(x)
+        ref, _ = float64_reference(model, x)
+    assert fused == ["linear_pointwise"]
+    if dtype == torch.float32:
+        mismatch = out != eager
+        assert not mismatch.any(), f"{int(mismatch.sum())} of {out.numel()} differ (seed {exact_float32})"
+    err = relative_error(out.double(), ref)
+    assert err <= TOLERANCE[dtype], f"{err:.3g} (seed {exact_float32})"
+
+
 class _MinWithCpuScalar(nn.Module):
     """A 0-dim CPU tensor made in forward as a step's operand (a crash once: the kernel
     read its CPU pointer)."""
