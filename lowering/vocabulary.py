@@ -278,7 +278,7 @@ VOCABULARY: dict[str, StepKind] = {
         StepKind("exp", lambda x, s, p: torch.exp(x), _unary("exp", aten.exp.default)),
         StepKind("log", lambda x, s, p: torch.log(x), _unary("log", aten.log.default)),
         StepKind("neg", lambda x, s, p: torch.neg(x), _unary("neg", aten.neg.default), cheap=True),
-        StepKind("erf", lambda x, s, p: torch.erf(x), _unary("erf", aten.erf.default)),  # GELU spelled out
+        StepKind("erf", lambda x, s, p: torch.erf(x), _unary("erf", aten.erf.default)),
         StepKind("sin", lambda x, s, p: torch.sin(x), _unary("sin", aten.sin.default)),
         StepKind("cos", lambda x, s, p: torch.cos(x), _unary("cos", aten.cos.default)),
         StepKind("sqrt", lambda x, s, p: torch.sqrt(x), _unary("sqrt", aten.sqrt.default)),

@@ -177,19 +177,26 @@ def test_divisions_match_eager(dtype, exact_float32):
     """float32: bit for bit against eager (the scalar reciprocal rounds as ATen's does);
     16-bit chains (div.full, __expf): within tolerance of float64."""
     model = _Divisions(64).cuda().to(dtype)
+    _assert_identity_chain_as_eager(model, model.linear, dtype, exact_float32)
+
+
+def _assert_identity_chain_as_eager(model, linear, dtype, seed):
+    """`model`'s chain after `linear` (64 -> 64), made an exact identity so that the chain
+    sees x in [-4, 4) itself, fuses as one pointwise chain: float32 bit for bit against
+    eager, every dtype within tolerance of float64."""
     x = (torch.rand(1 << 14, 64, device="cuda") * 8 - 4).to(dtype)
     with torch.no_grad():
-        model.linear.weight.copy_(torch.eye(64))  # an exact identity: the chain sees x itself
-        model.linear.bias.zero_()
+        linear.weight.copy_(torch.eye(64))
+        linear.bias.zero_()
         out, fused = compile_and_run(model, x)
         eager = model(x)
         ref, _ = float64_reference(model, x)
     assert fused == ["linear_pointwise"]
     if dtype == torch.float32:
         mismatch = out != eager
-        assert not mismatch.any(), f"{int(mismatch.sum())} of {out.numel()} differ (seed {exact_float32})"
+        assert not mismatch.any(), f"{int(mismatch.sum())} of {out.numel()} differ (seed {seed})"
     err = relative_error(out.double(), ref)
-    assert err <= TOLERANCE[dtype], f"{err:.3g} (seed {exact_float32})"
+    assert err <= TOLERANCE[dtype], f"{err:.3g} (seed {seed})"
 
 
 MATH_STEPS = {  # on an identity Linear's output x in [-4, 4); sigmoid first where the step wants x > 0
@@ -211,21 +218,8 @@ def test_math_steps_match_eager(name, dtype, exact_float32):
     """erf, sin, cos, sqrt, rsqrt, reciprocal and constant powers: float32 bit for bit
     against eager (the same CUDA math functions, powers as ATen's pow computes them);
     bf16 within tolerance of float64."""
-    fn = MATH_STEPS[name]
-    model = nn.Sequential(nn.Linear(64, 64), _Lambda(fn)).cuda().to(dtype)
-    x = (torch.rand(1 << 14, 64, device="cuda") * 8 - 4).to(dtype)
-    with torch.no_grad():
-        model[0].weight.copy_(torch.eye(64))  # an exact identity: the chain sees x itself
-        model[0].bias.zero_()
-        out, fused = compile_and_run(model, x)
-        eager = model(x)
-        ref, _ = float64_reference(model, x)
-    assert fused == ["linear_pointwise"]
-    if dtype == torch.float32:
-        mismatch = out != eager
-        assert not mismatch.any(), f"{int(mismatch.sum())} of {out.numel()} differ (seed {exact_float32})"
-    err = relative_error(out.double(), ref)
-    assert err <= TOLERANCE[dtype], f"{err:.3g} (seed {exact_float32})"
+    model = nn.Sequential(nn.Linear(64, 64), _Lambda(MATH_STEPS[name])).cuda().to(dtype)
+    _assert_identity_chain_as_eager(model, model[0], dtype, exact_float32)
 
 
 class _MinWithCpuScalar(nn.Module):
