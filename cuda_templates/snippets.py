@@ -256,6 +256,8 @@ SNIPPETS = {
     "log": _call("logf"),
     "neg": lambda s, ops: "x = -x;",
     "erf": _call("erff"),
+    "log1p": _call("log1pf"),
+    "expm1": _call("expm1f"),
     "sin": _call("sinf"),
     "cos": _call("cosf"),
     "sqrt": _call("sqrtf"),

@@ -279,6 +279,8 @@ VOCABULARY: dict[str, StepKind] = {
         StepKind("log", lambda x, s, p: torch.log(x), _unary("log", aten.log.default)),
         StepKind("neg", lambda x, s, p: torch.neg(x), _unary("neg", aten.neg.default), cheap=True),
         StepKind("erf", lambda x, s, p: torch.erf(x), _unary("erf", aten.erf.default)),
+        StepKind("log1p", lambda x, s, p: torch.log1p(x), _unary("log1p", aten.log1p.default)),
+        StepKind("expm1", lambda x, s, p: torch.expm1(x), _unary("expm1", aten.expm1.default)),
         StepKind("sin", lambda x, s, p: torch.sin(x), _unary("sin", aten.sin.default)),
         StepKind("cos", lambda x, s, p: torch.cos(x), _unary("cos", aten.cos.default)),
         StepKind("sqrt", lambda x, s, p: torch.sqrt(x), _unary("sqrt", aten.sqrt.default)),

@@ -131,14 +131,15 @@ CONV_NORMS[10] = CONV_NORMS[9]
 CONV_NORMS[11] = CONV_NORMS[10]
 CONV_NORMS[12] = CONV_NORMS[11]
 # From this generation on, the pointwise steps include erf, sin, cos, sqrt, rsqrt,
-# reciprocal and powers by a constant (`POWERS`; square as pow 2); sqrt, rsqrt, reciprocal
-# and the fractional and negative powers only where the value is positive. The ops drawn
+# reciprocal, log1p, expm1 and powers by a constant (`POWERS`; square as pow 2); sqrt,
+# rsqrt, reciprocal, log1p and the fractional and negative powers only where the value is
+# positive, expm1 only where it is bounded. The ops drawn
 # as outside the vocabulary are then atan and dropout (an earlier generation's cos and
 # x ** 3 are in the vocabulary now, and stay drawn there, as that generation drew them).
 MATH_GENERATION = 12
-MATH_POINTWISE = ["erf", "sin", "cos", "sqrt", "rsqrt", "reciprocal", "square", "pow"]
+MATH_POINTWISE = ["erf", "sin", "cos", "sqrt", "rsqrt", "reciprocal", "square", "pow", "log1p", "expm1"]
 POWERS = [2, 3, -2, 0.5, -0.5, -1, 1.5, 4]
-POSITIVE_ONLY = {"sqrt", "rsqrt", "reciprocal"}
+POSITIVE_ONLY = {"sqrt", "rsqrt", "reciprocal", "log1p"}
 # Generation 7 adds LayerNorm over a conv output's trailing dims (`conv_layernorm`: the
 # last `dims` of them, the channels included or not), and 1-D pooling windows over a
 # 2-D Linear output's features among its row reductions (`FEATURE_POOLS`).
@@ -294,7 +295,7 @@ def _step(rng: random.Random, ctx: dict) -> dict:
         drawable = POINTWISE + (MATH_POINTWISE if ctx["generation"] >= MATH_GENERATION else [])
         positive = ctx["last"] in POSITIVE
         ops = [o for o in drawable if (o != "log" or positive) and (o != "exp" or ctx["last"] in BOUNDED)
-               and (o not in POSITIVE_ONLY or positive)]
+               and (o not in POSITIVE_ONLY or positive) and (o != "expm1" or ctx["last"] in BOUNDED)]
         op = rng.choice(ops)
         step = {"op": op}
         if op == "pow":
@@ -591,6 +592,7 @@ def _pointwise(op: str, s: dict, x):
         "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid, "relu6": F.relu6, "selu": F.selu, "abs": torch.abs,
         "neg": torch.neg, "exp": torch.exp, "log": torch.log, "cos": torch.cos, "erf": torch.erf, "sin": torch.sin,
         "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "reciprocal": torch.reciprocal, "square": torch.square,
+        "log1p": torch.log1p, "expm1": torch.expm1,
         "atan": torch.atan,
     }
     if op in simple:

@@ -243,7 +243,7 @@ def test_cpu_fuzz_of_baddbmm_anchors(grad):
 
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
 def test_cpu_fuzz_of_math_steps(grad):
-    # Generation 12: erf, sin, cos, sqrt, rsqrt, reciprocal and constant powers among the
+    # Generation 12: erf, log1p, expm1, sin, cos, sqrt, rsqrt, reciprocal and constant powers among the
     # pointwise steps; earlier generations draw what they drew.
     gen = fuzzer.MATH_GENERATION
     earlier = [fuzzer.make_case(0, i, "cpu", generation=gen - 1) for i in range(300)]
@@ -255,7 +255,7 @@ def test_cpu_fuzz_of_math_steps(grad):
     results = fuzzer.run(seed=0, indices=[c.index for c in picked], device="cpu", grad=grad, generation=gen)
     summary = fuzzer.summarize(results)
     assert len(results) == len(picked) and not summary["findings"], _shown(summary["findings"])
-    math_steps = {"erf", "sin", "cos", "sqrt", "rsqrt", "reciprocal", "pow"}
+    math_steps = {"erf", "sin", "cos", "sqrt", "rsqrt", "reciprocal", "pow", "log1p", "expm1"}
     fused = [r for r in results if math_steps & {n for steps in r["fused_steps"] for n in steps}]
     assert len(fused) >= len(picked) // 2, summary["reasons"]
 

@@ -201,6 +201,7 @@ def _assert_identity_chain_as_eager(model, linear, dtype, seed):
 
 MATH_STEPS = {  # on an identity Linear's output x in [-4, 4); sigmoid first where the step wants x > 0
     "erf": torch.erf,
+    "log1p_exp_expm1": lambda y: torch.expm1(torch.tanh(torch.log1p(torch.exp(y)))),
     "sin_cos": lambda y: torch.cos(torch.sin(30.0 * y)),
     "sqrt": lambda y: torch.sqrt(torch.sigmoid(y)),
     "rsqrt": lambda y: torch.rsqrt(torch.sigmoid(y)),
@@ -215,7 +216,7 @@ MATH_STEPS = {  # on an identity Linear's output x in [-4, 4); sigmoid first whe
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", list(MATH_STEPS))
 def test_math_steps_match_eager(name, dtype, exact_float32):
-    """erf, sin, cos, sqrt, rsqrt, reciprocal and constant powers: float32 bit for bit
+    """erf, log1p, expm1, sin, cos, sqrt, rsqrt, reciprocal and constant powers: float32 bit for bit
     against eager (the same CUDA math functions, powers as ATen's pow computes them);
     bf16 within tolerance of float64."""
     model = nn.Sequential(nn.Linear(64, 64), _Lambda(MATH_STEPS[name])).cuda().to(dtype)
