@@ -133,13 +133,12 @@ CONV_NORMS[12] = CONV_NORMS[11]
 # From this generation on, the pointwise steps include erf, sin, cos, sqrt, rsqrt,
 # reciprocal, log1p, expm1 and powers by a constant (`POWERS`; square as pow 2); sqrt,
 # rsqrt, reciprocal, log1p and the fractional and negative powers only where the value is
-# positive, expm1 only where it is bounded. The ops drawn
-# as outside the vocabulary are then atan and dropout (an earlier generation's cos and
-# x ** 3 are in the vocabulary now, and stay drawn there, as that generation drew them).
+# positive, expm1 only where it is bounded. The ops drawn as outside the vocabulary are
+# then atan and dropout (an earlier generation's cos and x ** 3 are in the vocabulary
+# now, and stay drawn there, as that generation drew them).
 MATH_GENERATION = 12
 MATH_POINTWISE = ["erf", "sin", "cos", "sqrt", "rsqrt", "reciprocal", "square", "pow", "log1p", "expm1"]
 POWERS = [2, 3, -2, 0.5, -0.5, -1, 1.5, 4]
-POSITIVE_ONLY = {"sqrt", "rsqrt", "reciprocal", "log1p"}
 # Generation 7 adds LayerNorm over a conv output's trailing dims (`conv_layernorm`: the
 # last `dims` of them, the channels included or not), and 1-D pooling windows over a
 # 2-D Linear output's features among its row reductions (`FEATURE_POOLS`).
@@ -183,12 +182,13 @@ WINDOW_GENERATION = 6
 WINDOWS = ["maxpool", "avgpool"]
 # Not in the vocabulary: the chain must stop there, and the model still match eager.
 OUTSIDE = ["cos", "pow3", "dropout_train"]
-OUTSIDE_MATH = ["atan", "dropout_train"]  # from MATH_GENERATION on
-NOT_IN_VOCABULARY = {"atan", "dropout_train"}
-# Values after these are in (0, 1] or (0, inf): `log` only follows them.
+OUTSIDE_MATH = ["atan", "dropout_train"]  # from MATH_GENERATION on: the ops outside the vocabulary now
+# Values after these are in (0, 1] or (0, inf): the POSITIVE_ONLY steps only follow them.
 POSITIVE = {"sigmoid", "exp", "softplus", "softmax"}
-# Values after these are bounded: `exp` only follows them (so it cannot overflow).
+POSITIVE_ONLY = {"log", "sqrt", "rsqrt", "reciprocal", "log1p"}
+# Values after these are bounded: the BOUNDED_ONLY steps only follow them (so they cannot overflow).
 BOUNDED = {"sigmoid", "tanh", "hardsigmoid", "hardtanh", "relu6", "clamp", "softmax", "log_softmax_bounded"}
+BOUNDED_ONLY = {"exp", "expm1"}
 
 # The vocabulary steps each draw above becomes, where its name differs (a spelling of a
 # step, or a module that reads as one); every other draw is its step's own name.
@@ -294,8 +294,8 @@ def _step(rng: random.Random, ctx: dict) -> dict:
     if family == "pointwise":
         drawable = POINTWISE + (MATH_POINTWISE if ctx["generation"] >= MATH_GENERATION else [])
         positive = ctx["last"] in POSITIVE
-        ops = [o for o in drawable if (o != "log" or positive) and (o != "exp" or ctx["last"] in BOUNDED)
-               and (o not in POSITIVE_ONLY or positive) and (o != "expm1" or ctx["last"] in BOUNDED)]
+        ops = [o for o in drawable if (o not in POSITIVE_ONLY or positive)
+               and (o not in BOUNDED_ONLY or ctx["last"] in BOUNDED)]
         op = rng.choice(ops)
         step = {"op": op}
         if op == "pow":
@@ -446,7 +446,7 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         op = step["op"]
         ctx["last"] = "softmax" if op in ("softmax", "plane_softmax") else op
         if op in OUTSIDE + OUTSIDE_MATH:
-            in_vocabulary = in_vocabulary and op not in NOT_IN_VOCABULARY
+            in_vocabulary = in_vocabulary and op not in OUTSIDE_MATH
             ctx["allow_outside"] = False
         if op in NORMS_LINEAR + CONV_NORMS[generation] + ROW_REDUCTIONS + POOLS + CHANNEL_REDUCTIONS + WINDOWS \
                 + FEATURE_POOLS:

@@ -162,13 +162,14 @@ __device__ __forceinline__ void finish_tile(const uint8_t* staging, int et, int 
 
 // The kernel's body (the file's __global__ wrapper calls it with its __grid_constant__
 // tensor maps): map_x over x [rows, H, W, C_in] (dims C_in, W, H, rows), map_w over w
-// [kChannels, kTaps x kCinPad]. Warpgroup 0's first thread
-// loads, by TMA, for each k-step (tap, channel block) the patch of input pixels that tap
-// reads (coordinates shifted by the tap, zeros past the image: the conv's padding) and
-// the tap's weights; warpgroups 1 and 2 multiply (wgmma) and stage the tile; they and
-// warps 1-3 of warpgroup 0 run the chain on the staged tile and store it, the consumers
-// their share before the next tile's wgmma, warps 1-3 theirs under it. Persistent: CTA b takes tiles b, b + gridDim.x, ...; the ring's stage and phase run on
-// across tiles. Named barriers hand the staging tile over (kBarFull) and back (kBarEmpty).
+// [kChannels, kTaps x kCinPad]. Warpgroup 0's first thread loads, by TMA, for each k-step
+// (tap, channel block) the patch of input pixels that tap reads (coordinates shifted by
+// the tap, zeros past the image: the conv's padding) and the tap's weights; warpgroups 1
+// and 2 multiply (wgmma) and stage the tile; they and warps 1-3 of warpgroup 0 run the
+// chain on the staged tile and store it, the consumers their share before the next
+// tile's wgmma, warps 1-3 theirs under it. Persistent: CTA b takes tiles b, b +
+// gridDim.x, ...; the ring's stage and phase run on across tiles. Named barriers hand the
+// staging tile over (kBarFull) and back (kBarEmpty).
 __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtensorMap& map_w, const Args& a) {
   constexpr int kProducerRegs = 72, kConsumerRegs = 216;
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168, "the CTA's registers");
