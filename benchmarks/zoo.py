@@ -56,6 +56,16 @@ def _p(*shape):
     return nn.Parameter(torch.randn(*shape) * 0.1 + 1.0)
 
 
+def gelu_erf_spelled(y):
+    """BERT's GELU, written out."""
+    return y * 0.5 * (1.0 + torch.erf(y / math.sqrt(2.0)))
+
+
+def gelu_new(y):
+    """GPT-2's GELU (Hugging Face's `gelu_new`): the tanh form, written out with a cube."""
+    return 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * torch.pow(y, 3.0))))
+
+
 def _hardswish_spelled(y):
     return y * torch.clamp((y + 3) / 6, 0, 1)
 
@@ -389,6 +399,9 @@ MODELS = [
     # a SIREN layer (sin(30 * Wx + b)) and Primer's squared ReLU
     ZooModel("siren_sine_layer", lambda: Seq(nn.Linear(256, 256), lambda y, m: torch.sin(30.0 * y)), (65536, 256)),
     ZooModel("linear_squared_relu", lambda: Seq(nn.Linear(1024, 4096), lambda y, m: F.relu(y) ** 2), (8192, 1024)),
+    # transformer MLPs whose GELU is written out: BERT's erf form, GPT-2's `gelu_new`
+    ZooModel("bert_mlp_gelu_spelled", lambda: Seq(nn.Linear(768, 3072), lambda y, m: gelu_erf_spelled(y)), (8192, 768)),
+    ZooModel("gpt2_mlp_gelu_new", lambda: Seq(nn.Linear(768, 3072), lambda y, m: gelu_new(y)), (8192, 768)),
     # blocks of well-known networks
     ZooModel("resnet_basic_block", lambda: BasicBlock(64), (32, 64, 56, 56)),
     ZooModel("mobilenet_inverted_residual", lambda: InvertedResidual(24, 6), (32, 24, 56, 56)),

@@ -269,6 +269,7 @@ SNIPPETS = {
     "sub": _binary("-"),
     "mul": _binary("*"),
     "div": _divide,
+    "branch": lambda s, ops: f"x = {ops.operand(s)};",  # an earlier value, held by render_stage
     "maximum": lambda s, ops: f"x = fusedepi::maximum(x, {ops.operand(s)});",
     "minimum": lambda s, ops: f"x = fusedepi::minimum(x, {ops.operand(s)});",
     "groupnorm": _affine_norm,

@@ -157,6 +157,11 @@ class _State:
     claimed: set = field(default_factory=set)  # nodes of the chains matched before this one
     held: dict = field(default_factory=dict)  # node -> k: it holds the chain's value after k steps
     permuted: bool = False  # a conv's output with its channels moved last (`Anchor.permuted`)
+    # Inside a branch (a `branch` step): the nodes the walk must take next, in order, the
+    # binary node where the branch meets the value it left last; and the walk's state
+    # before the branch step, restored should the branch not fuse whole.
+    route: list = field(default_factory=list)
+    before_branch: tuple | None = None
 
     @property
     def reduced_any(self) -> bool:
@@ -174,6 +179,7 @@ class _Match:
     # Values of the step used elsewhere besides its result: a norm's "mean"/"rstd",
     # silu's "sigmoid" of its input -> the node.
     stats: dict = field(default_factory=dict)
+    route: list = field(default_factory=list)  # a branch: the nodes it walks, then the binary node
 
 
 def _arg(node: Node, index: int, name: str, default=None):
@@ -613,6 +619,8 @@ def _match_binary(state: _State, user: Node):
     other = a if reverse else b
     if isinstance(other, Node) and other in state.held:
         return _Match(Step(name, consts=(_earlier(state, other),), operand=EARLIER, reverse=reverse), [user], user)
+    if isinstance(other, Node) and _derived_from_chain(state, other):
+        return _match_branch(state, user, other)
     constant = _cpu_scalar_constant(state, other)
     if constant is not None:
         other = constant
@@ -620,6 +628,32 @@ def _match_binary(state: _State, user: Node):
     if kind == SCALAR:
         return _Match(Step(name, consts=(float(other),), operand=SCALAR, reverse=reverse), [user], user)
     return _Match(_tensor_operand_step(state, name, other, kind, reverse), [user], user)
+
+
+# Nodes a branch may walk before it meets the chain's value again.
+BRANCH_MAX_NODES = 16
+
+
+def _match_branch(state: _State, user: Node, other: Node) -> _Match:
+    """`user` combines the chain's value with `other`, computed from an earlier value h
+    of the chain by nodes of its own (`f(x) * g(x)`: at f(x), other = g(x)): a `branch`
+    step back to h, whose route walks other's nodes as steps and then `user`, which
+    reads the value the chain left as an EARLIER operand. Raises Refuse where `other`
+    is not one such path (a node that combines two values computed from the chain's
+    outside the chain's held ones takes the first and branches again for the second)."""
+    path, node = [], other
+    while node not in state.held:
+        if len(path) == BRANCH_MAX_NODES or node.op != "call_function" or node in state.claimed \
+                or node in state.backward or node in state.chain.nodes:
+            raise Refuse(f"operand {other.name} is computed from the chain's own values, not by a path of at most "
+                         f"{BRANCH_MAX_NODES} steps from one of its values")
+        path.append(node)
+        inputs = [n for n in node.all_input_nodes if n in state.held or _derived_from_chain(state, n)]
+        free = [n for n in inputs if n not in state.held]
+        node = free[0] if free else max(inputs, key=lambda n: state.held[n])
+    k = _earlier(state, node)
+    path.reverse()
+    return _Match(Step("branch", consts=(k,), operand=EARLIER), [], node, route=path + [user])
 
 
 def _tensor_operand_step(state: _State, name: str, other: Node, kind: str, reverse: bool) -> Step:
@@ -1328,6 +1362,9 @@ def _extend(state: _State, disabled: frozenset) -> str:
             stop = str(err)
         if stop is not None:
             del state.chain.params[n_params:], state.chain.saved[n_saved:], state.chain.saves[n_saved:]
+            if state.before_branch is not None:  # the chain ends before the branch
+                _restore(state, state.before_branch)
+                stop = f"{stop} (inside a branch, so the chain ends before it)"
             if state.widened_at is not None:  # the fused op returns the chain's dtype: cut back
                 _restore(state, state.widened_at)
                 stop = f"{stop} (while widened to float32, so the chain ends before the conversion)"
@@ -1347,6 +1384,7 @@ def _restore(state: _State, snap: tuple):
     del c.steps[n_steps:], c.nodes[n_nodes:], c.params[n_params:], c.extra[n_extra:]
     del c.saved[n_saved:], c.saves[n_saved:]
     state.widened_at = None
+    state.route, state.before_branch = [], None
 
 
 def _next_step(state: _State, users: list) -> _Match | str:
@@ -1474,10 +1512,21 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
     inside = [u for u in _forward_users(state, state.node) if u.op != "output"]
     if not inside:
         return "end of the graph"
+    if state.route:  # inside a branch: its next node
+        inside = [state.route[0]]
     match = _next_step(state, inside)
     if isinstance(match, str):
         return match
     step = match.step
+    if match.route:
+        state.before_branch = state.before_branch or _snapshot(state)
+        state.route = match.route + state.route[1:]  # (in a branch, its next node is `user`)
+    elif state.route:
+        if match.consumed != state.route[:len(match.consumed)] or step is None or match.dtype is not None \
+                or step.name in REDUCTIONS:
+            return (f"{_name(state.route[0])} in a branch: a branch holds only pointwise steps of the chain's "
+                    "dtype, each its own node")
+        del state.route[:len(match.consumed)]
     taken = next((n for n in match.consumed if n in state.claimed), None)
     if taken is not None:
         return f"{taken.name} belongs to another fused chain"
@@ -1502,7 +1551,10 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
         why = _used_before_pool(state, users, match.consumed)
         if why is not None:
             return f"{step.name}: {why}"
-    if any(u not in match.consumed for u in users):
+    # (a user the chain took already, or a branch's node still to take, needs no save; nor
+    # a value saved already, met again by a branch)
+    if state.node not in state.chain.saved and any(
+            u not in match.consumed and u not in state.chain.nodes and u not in state.route for u in users):
         why = _save(state, state.node, "value", _values_per_row(state))
         if why is not None:
             return why
@@ -1543,6 +1595,8 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
     state.node = match.result
     if match.dtype is None:  # (a converted value is not the kernel's x)
         state.held[match.result] = len(state.chain.steps)
+    if not state.route:  # a branch, if any, is whole
+        state.before_branch = None
     return None
 
 

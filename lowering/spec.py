@@ -28,7 +28,9 @@ CHANNEL = "channel"  # a tensor indexed by channel only (shape [C], [C, 1, 1], .
 ONE = "one"  # a tensor with a single element
 FULL = "full"  # a contiguous tensor with the chain's own shape (a residual)
 SELF = "self"  # the chain's own value (`x + x`, `x * x`)
-EARLIER = "earlier"  # an earlier value of the chain: consts = (k,), the value after k steps (0: the anchor output)
+# An earlier value of the chain: consts = (k,), the value after k steps (0: the anchor
+# output); also what a `branch` step goes on from.
+EARLIER = "earlier"
 # A norm's weight or bias of its segment's shape (LayerNorm over a conv output's trailing
 # dims): element (position in the row) % segment length.
 SEGMENT = "segment"
@@ -157,7 +159,7 @@ class Step:
         inputs: indices into the fused op's tensor list (after the anchor operands).
             For norms: (weight, bias[, running_mean, running_var]), -1 where absent.
         operand: for binary steps, one of SCALAR, CHANNEL, ONE, FULL, SELF, EARLIER,
-            BROADCAST.
+            BROADCAST; for `branch`, EARLIER (the value the chain goes on from).
         reverse: for binary steps, the chain's value is the right operand (`p - x`).
         groups: for groupnorm, the number of groups.
         keepdim: for row, spatial and channel reductions.

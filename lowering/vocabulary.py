@@ -298,6 +298,10 @@ VOCABULARY: dict[str, StepKind] = {
         StepKind("div", _binary(torch.div)),
         StepKind("maximum", _extremum(torch.maximum), cheap=True),
         StepKind("minimum", _extremum(torch.minimum), cheap=True),
+        # The chain goes on from an earlier value of its own (operand EARLIER, consts (k,)),
+        # the current value held for a later binary step: `f(x) * g(x)` runs as f, then
+        # branch back to x, g, then `*` with the value f left (matched in matcher.py).
+        StepKind("branch", lambda x, s, p: _operand(x, s, p), cheap=True),
         # ---------------------------------------------------------- normalizations
         StepKind(
             "groupnorm",

@@ -130,6 +130,7 @@ CONV_NORMS[9] = CONV_NORMS[8]
 CONV_NORMS[10] = CONV_NORMS[9]
 CONV_NORMS[11] = CONV_NORMS[10]
 CONV_NORMS[12] = CONV_NORMS[11]
+CONV_NORMS[13] = CONV_NORMS[12]
 # From this generation on, the pointwise steps include erf, sin, cos, sqrt, rsqrt,
 # reciprocal, log1p, expm1 and powers by a constant (`POWERS`; square as pow 2); sqrt,
 # rsqrt, reciprocal, log1p and the fractional and negative powers only where the value is
@@ -139,6 +140,14 @@ CONV_NORMS[12] = CONV_NORMS[11]
 MATH_GENERATION = 12
 MATH_POINTWISE = ["erf", "sin", "cos", "sqrt", "rsqrt", "reciprocal", "square", "pow", "log1p", "expm1"]
 POWERS = [2, 3, -2, 0.5, -0.5, -1, 1.5, 4]
+# From this generation on, a binary step's operand may be a `branch`: one or two of
+# `BRANCH_FUNCTIONS` applied to an earlier value of the chain (`f(y) * g(y)`, the value
+# `back` steps before the current one), and the pointwise steps include GELU spelled out
+# with erf (BERT's `x * 0.5 * (1 + erf(x / sqrt(2)))`) and with tanh and a cube
+# (GPT-2's `gelu_new`).
+BRANCH_GENERATION = 13
+BRANCH_FUNCTIONS = ["tanh", "sigmoid", "sin", "erf", "relu", "scale", "shift"]
+SPELLED_GELUS = ["gelu_erf_spelled", "gelu_new_spelled"]
 # Generation 7 adds LayerNorm over a conv output's trailing dims (`conv_layernorm`: the
 # last `dims` of them, the channels included or not), and 1-D pooling windows over a
 # 2-D Linear output's features among its row reductions (`FEATURE_POOLS`).
@@ -203,6 +212,8 @@ STEPS_OF_DRAW = {
     **{op: (f"channel_{op.removeprefix('chan_')}",) for op in CHANNEL_REDUCTIONS + ["chan_softmax", "chan_log_softmax"]},
     "chan_max_values": ("channel_amax",),
     "square": ("pow",),
+    "gelu_erf_spelled": ("mul", "branch", "div", "erf", "add"),
+    "gelu_new_spelled": ("mul", "branch", "pow", "add", "tanh"),
 }
 
 
@@ -210,6 +221,7 @@ def drawn_steps(generation: int | None = None) -> set:
     """The vocabulary steps the fuzzer's `generation` draws (None: some generation)."""
     last = max(CONV_NORMS) if generation is None else generation
     draws = POINTWISE + BINARY + NORMS_LINEAR + ROW_REDUCTIONS + (MATH_POINTWISE if last >= MATH_GENERATION else [])
+    draws += SPELLED_GELUS if last >= BRANCH_GENERATION else []
     draws += (POOLS if last >= POOL_GENERATION else []) + (CHANNEL_REDUCTIONS if last >= CHANNEL_GENERATION else [])
     draws += WINDOWS if last >= WINDOW_GENERATION else []
     draws += FEATURE_POOLS if last >= 7 else []
@@ -293,6 +305,7 @@ def _step(rng: random.Random, ctx: dict) -> dict:
     family = rng.choices([c for c, _ in choices], weights=[w for _, w in choices])[0]
     if family == "pointwise":
         drawable = POINTWISE + (MATH_POINTWISE if ctx["generation"] >= MATH_GENERATION else [])
+        drawable += SPELLED_GELUS if ctx["generation"] >= BRANCH_GENERATION else []
         positive = ctx["last"] in POSITIVE
         ops = [o for o in drawable if (o not in POSITIVE_ONLY or positive)
                and (o not in BOUNDED_ONLY or ctx["last"] in BOUNDED)]
@@ -323,12 +336,17 @@ def _step(rng: random.Random, ctx: dict) -> dict:
             operands += ["earlier", "earlier"]
         if ctx["generation"] >= BROADCAST_GENERATION and not ctx["reduced"] and not ctx.get("windowed"):
             operands += ["broadcast", "broadcast"]
+        if ctx["generation"] >= BRANCH_GENERATION and ctx["earlier"] and op not in ("maximum", "minimum"):
+            operands += ["branch", "branch"]
         operand = rng.choice(operands)
         step = {"op": op, "operand": operand, "reverse": rng.random() < 0.3 and operand != "self"}
         if operand == "scalar":
             step["value"] = round(rng.choice([-1, 1]) * rng.uniform(0.5, 2.0), 3)
         elif operand == "earlier":
             step["back"] = rng.randint(1, ctx["earlier"])
+        elif operand == "branch":
+            step["back"] = rng.randint(1, ctx["earlier"])
+            step["functions"] = rng.sample(BRANCH_FUNCTIONS, rng.randint(1, 2))
         elif operand == "broadcast":
             step["mask"] = [rng.random() < 0.5 for _ in range(6)]
             # The leading dims split whole anchor rows only: [B, T, N]'s rows are (b, t)
@@ -535,6 +553,11 @@ class FuzzStep(nn.Module):
             other = {"scalar": s.get("value"), "self": x, "full": residual}.get(s["operand"])
             if s["operand"] == "earlier":
                 other = earlier[-s["back"]]
+            elif s["operand"] == "branch":
+                other = earlier[-s["back"]]
+                for name in s["functions"]:
+                    other = {"scale": lambda v: v * 1.5, "shift": lambda v: v - 0.25}.get(
+                        name, lambda v: _pointwise(name, s, v))(other)
             if other is None:
                 other = self.operand
             if op == "maximum":
@@ -599,6 +622,10 @@ def _pointwise(op: str, s: dict, x):
         return simple[op](x)
     if op == "gelu_tanh":
         return F.gelu(x, approximate="tanh")
+    if op == "gelu_erf_spelled":
+        return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+    if op == "gelu_new_spelled":
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
     if op == "leaky_relu":
         return F.leaky_relu(x, s["slope"])
     if op == "silu_spelled":

@@ -382,6 +382,11 @@ def vocabulary_specs(dtype="float32"):
     )
     specs = {
         "pointwise_vocabulary": EpilogueSpec(LINEAR, pointwise, dtype, p * 2, 264, 1, "linear_pointwise"),
+        # GELU spelled out: y * 0.5 held, back to y, its erf factor, the product
+        "branch_gelu_spelled": EpilogueSpec(LINEAR, (
+            Step("mul", consts=(0.5,), operand=SCALAR), Step("branch", consts=(0,), operand=EARLIER),
+            Step("div", consts=(math.sqrt(2.0),), operand=SCALAR), Step("erf"), Step("add", consts=(1.0,), operand=SCALAR),
+            Step("mul", consts=(1,), operand=EARLIER, reverse=True)), dtype, (), 264, 1, "linear_pointwise"),
         "pow_zero": EpilogueSpec(LINEAR, (Step("pow", consts=(0.0,)), Step("add", consts=(0.5,), operand=SCALAR)),
                                  dtype, (), 264, 1, "linear_pointwise"),
         "rmsnorm_weight": EpilogueSpec(

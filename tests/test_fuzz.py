@@ -260,6 +260,25 @@ def test_cpu_fuzz_of_math_steps(grad):
     assert len(fused) >= len(picked) // 2, summary["reasons"]
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+def test_cpu_fuzz_of_branches(grad):
+    # Generation 13: binary steps whose operand is computed from an earlier value by one
+    # or two steps, and GELU spelled with erf and with tanh; generation 12 draws what it drew.
+    gen = fuzzer.BRANCH_GENERATION
+    before = [fuzzer.make_case(0, i, "cpu", generation=gen - 1) for i in range(300)]
+    assert not any(s.get("operand") == "branch" or s["op"] in fuzzer.SPELLED_GELUS for c in before for s in c.steps)
+    cases = [fuzzer.make_case(0, i, "cpu", generation=gen) for i in range(600)]
+    picked = [c for c in cases if c.in_vocabulary
+              and any(s.get("operand") == "branch" or s["op"] in fuzzer.SPELLED_GELUS for s in c.steps)]
+    picked = picked[: 24 if not grad else 10]
+    assert len(picked) >= (24 if not grad else 10)
+    results = fuzzer.run(seed=0, indices=[c.index for c in picked], device="cpu", grad=grad, generation=gen)
+    summary = fuzzer.summarize(results)
+    assert len(results) == len(picked) and not summary["findings"], _shown(summary["findings"])
+    fused = [r for r in results if any("branch" in steps for steps in r["fused_steps"])]
+    assert len(fused) >= len(picked) // 2, summary["reasons"]
+
+
 def test_cpu_fuzz_of_row_reductions_of_nd_linear_outputs():
     # Generation 8 also reduces the features of a Linear applied to [B, T, K] inputs.
     gen = fuzzer.BMM_GENERATION

@@ -6,6 +6,7 @@ lines) so that the device machine runs the tier with one command and one `-k`.
 """
 
 import copy
+import math
 import re
 
 import pytest
@@ -221,6 +222,48 @@ def test_math_steps_match_eager(name, dtype, exact_float32):
     bf16 within tolerance of float64."""
     model = nn.Sequential(nn.Linear(64, 64), _Lambda(MATH_STEPS[name])).cuda().to(dtype)
     _assert_identity_chain_as_eager(model, model[0], dtype, exact_float32)
+
+
+def _gelu_erf_spelled(y):
+    return y * 0.5 * (1.0 + torch.erf(y / math.sqrt(2.0)))
+
+
+BRANCHES = {  # two values computed from one earlier value meet: `branch` steps
+    "gelu_erf_spelled": _gelu_erf_spelled,
+    "gelu_new": lambda y: 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * torch.pow(y, 3.0)))),
+    "two_branches": lambda y: (lambda r: torch.sigmoid(r * 2) * torch.tanh(r + 1))(torch.relu(y)),
+    "branch_in_a_branch": lambda y: (y * 2) * (torch.sin(y) + torch.cos(y)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(BRANCHES))
+def test_branches_match_eager(name, dtype, exact_float32):
+    """A chain through branches of its own: float32 bit for bit against eager (eager's
+    ops in eager's order), bf16 within tolerance of float64."""
+    model = nn.Sequential(nn.Linear(64, 64), _Lambda(BRANCHES[name])).cuda().to(dtype)
+    _assert_identity_chain_as_eager(model, model[0], dtype, exact_float32)
+
+
+class _ConvGroupNormGeluSpelled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(16, 64, 3, padding=1), nn.GroupNorm(8, 64)
+
+    def forward(self, x):
+        return _gelu_erf_spelled(self.norm(self.conv(x))).mean(dim=(2, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_branch_between_a_conv_norm_and_global_pooling(dtype, exact_float32):
+    model = _ConvGroupNormGeluSpelled().cuda().to(dtype)
+    x = torch.randn(3, 16, 33, 31, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        out, fused = compile_and_run(model, x)
+        ref, _ = float64_reference(model, x)
+    assert fused == ["conv_groupnorm"]
+    err = relative_error(out.double(), ref)
+    assert err <= TOLERANCE[dtype], f"{err:.3g} (seed {exact_float32})"
 
 
 class _MinWithCpuScalar(nn.Module):

@@ -8,6 +8,7 @@ matcher's.)
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -344,11 +345,12 @@ def test_residual_and_per_channel_operands():
 
 def test_value_used_elsewhere_is_returned_too():
     # The linear output also feeds sigmoid().sum(): the fused op returns it as well.
-    # That sum, computed from the chain's own value, cannot be an operand of the chain.
+    # That sum, computed from the chain's own value, is a branch through a reduction over
+    # all dims (no step), so the chain ends before the branch.
     model = Chain(lambda x: torch.relu(x) + torch.sigmoid(x).sum())
     x = torch.randn(4, 16)
     out, fused, refused = compile_records(model, x)
-    assert steps_of(fused[0]) == ["relu"] and "computed from the chain's own values" in fused[0].stop
+    assert steps_of(fused[0]) == ["relu"] and "sum.default" in fused[0].stop and "inside a branch" in fused[0].stop
     assert json.loads(fused[0].spec)["saves"][0]["at"] == 0  # the library's own GEMM output
     torch.testing.assert_close(out, model(x))
 
@@ -450,6 +452,51 @@ def test_a_step_may_read_an_earlier_value_of_its_own_chain(form, grad):
     assert any(s["operand"] == "earlier" for s in spec["steps"])
     if not grad:  # the value the later step reads is held in the kernel, not returned
         assert spec["saves"] == []
+    torch.testing.assert_close(out, model(x))
+
+
+BRANCH_FORMS = {  # y: the anchor output; two values computed from one earlier value meet
+    "gelu_erf_spelled": (lambda y: y * 0.5 * (1.0 + torch.erf(y / math.sqrt(2.0))),
+                         ["mul", "branch", "div", "erf", "add", "mul"]),
+    "gelu_new": (lambda y: 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * torch.pow(y, 3.0)))),
+                 ["mul", "branch", "pow", "mul", "add", "mul", "tanh", "add", "mul"]),
+    "after_a_step": (lambda y: (lambda r: torch.sigmoid(r * 2) * torch.tanh(r + 1))(torch.relu(y)),
+                     ["relu", "mul", "sigmoid", "branch", "add", "tanh", "mul"]),
+    "branch_in_a_branch": (lambda y: (y * 2) * (torch.sin(y) + torch.cos(y)),
+                           ["mul", "branch", "sin", "branch", "cos", "add", "mul"]),
+    "after_a_norm": (lambda y: (lambda g: g * 0.5 * (1.0 + torch.erf(g * 0.7)))(F.group_norm(y, 4)),
+                     ["groupnorm", "mul", "branch", "mul", "erf", "add", "mul"]),
+}
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("form", list(BRANCH_FORMS))
+def test_a_chain_goes_on_through_a_branch_of_its_own(form, grad):
+    # f(y) * g(y): the chain runs f, a `branch` step back to y, g, then the product with
+    # the held f(y); nothing but the result is written where no backward reads it.
+    fn, steps = BRANCH_FORMS[form]
+    torch.manual_seed(0)
+    model = Chain(fn, k=16, n=32)
+    x = torch.randn(8, 16)
+    out, fused, refused = compile_records(model, x, grad=grad)
+    assert len(fused) == 1 and steps_of(fused[0]) == steps and fused[0].stop == "end of the graph", (fused, refused)
+    saves = json.loads(fused[0].spec)["saves"]
+    if not grad:
+        assert saves == []
+    else:  # each value backward reads, once
+        assert len({(s["what"], s["at"]) for s in saves}) == len(saves)
+    assert torch.equal(out, model(x))  # the reference runs eager's ops in eager's order
+
+
+def test_a_branch_that_does_not_fuse_whole_ends_the_chain_before_it():
+    # The branch's second node is outside the vocabulary: the chain ends at y * 0.5,
+    # with the reason, and the branch's nodes are left to Inductor.
+    model = Chain(lambda y: y * 0.5 * (1.0 + torch.atan(y / 3.0)), k=16, n=32)
+    x = torch.randn(8, 16)
+    out, fused, refused = compile_records(model, x)
+    assert steps_of(fused[0]) == ["mul"], fused
+    assert "atan" in fused[0].stop and "inside a branch" in fused[0].stop
+    assert json.loads(fused[0].spec)["saves"]  # the anchor output, which the branch reads outside
     torch.testing.assert_close(out, model(x))
 
 
