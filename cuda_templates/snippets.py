@@ -329,6 +329,7 @@ def render_stage(steps, saves_after=None, sigmoids_at=None, first: int = 0) -> d
         statement = SNIPPETS[step.name](step, ops)
         if statement:
             lines.append(f"    {statement}  // {step.name}")
+            lines.append("    fusedepi::step_end<kFastMath>(x);")
         for slot, ctype, rounded in saves_after.get(i, ()):
             if rounded and ctype != "float":
                 # Rounded as eager holds it, for every later step too: backward gets

@@ -211,6 +211,9 @@ MATH_STEPS = {  # on an identity Linear's output x in [-4, 4); sigmoid first whe
     "pow_minus_2_half": lambda y: (torch.sigmoid(y) ** -2) ** 0.5,
     "pow_1_5_minus_half": lambda y: torch.pow(torch.sigmoid(y), 1.5) ** -0.5,
     "pow_minus_1_4": lambda y: (torch.sigmoid(y) ** -1) ** 4,
+    # a multiply, then an add: two roundings, as eager's two kernels (no FMA across steps)
+    "scale_then_shift": lambda y: y * 0.3 + 0.7,
+    "gelu_tanh_scale_shift": lambda y: F.gelu(y, approximate="tanh") * 1.5 - 0.25,
 }
 
 

@@ -178,6 +178,17 @@ __device__ __forceinline__ void load_full(const P* __restrict__ p, long long e0,
 // ------------------------------------------------------------- activations
 // Each matches PyTorch's CUDA kernel for the same op, NaN propagation included.
 
+// The end of a step in a float32 chain (kFast false): eager rounds every op's result to
+// memory, so nvcc may not contract a multiply that ends one step with an add that
+// begins the next into one FMA (`y * 0.044715 + y` in GPT-2's GELU would round once
+// where eager rounds twice). An empty asm that reads and writes x is opaque to that
+// contraction and emits no instruction. 16-bit chains keep float32 values where eager
+// rounds to 16 bits anyway, and leave the compiler free.
+template <bool kFast>
+__device__ __forceinline__ void step_end(float& x) {
+  if constexpr (!kFast) asm("" : "+f"(x));
+}
+
 __device__ __forceinline__ float relu(float x) { return (x > 0.f || isnan(x)) ? x : 0.f; }
 
 __device__ __forceinline__ float gelu(float x) {  // erf form, F.gelu's default
@@ -187,7 +198,8 @@ __device__ __forceinline__ float gelu(float x) {  // erf form, F.gelu's default
 __device__ __forceinline__ float gelu_tanh(float x) {
   const float beta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5);
   const float kappa = 0.044715f;
-  const float inner = beta * (x + kappa * x * x * x);
+  const float cube = x * x * x;  // as ATen: kappa times the cube, not ((kappa * x) * x) * x
+  const float inner = beta * (x + kappa * cube);
   return 0.5f * x * (1.f + tanhf(inner));
 }
 
