@@ -154,10 +154,14 @@ def _call(fn):
     return lambda step, ops: f"x = {fn}(x);"
 
 
-def _binary(symbol):
+def _binary(name):
+    """add, sub, mul as `fusedepi::step_<name>`: rounded alone in float32 chains, as eager
+    rounds each op (no FMA with a neighbouring step)."""
+
     def render(step: Step, ops: Operands) -> str:
         other = ops.operand(step)
-        return f"x = {other} {symbol} x;" if step.reverse else f"x = x {symbol} {other};"
+        a, b = (other, "x") if step.reverse else ("x", other)
+        return f"x = fusedepi::step_{name}<kFastMath>({a}, {b});"
 
     return render
 
@@ -167,7 +171,7 @@ def _divide(step: Step, ops: Operands) -> str:
     float scalar (ATen's div_true_kernel_cuda, for a CPU scalar divisor). Any other
     division through `fusedepi::divide`: IEEE in float32 chains, div.full in 16-bit ones."""
     if step.operand == SCALAR and not step.reverse:
-        return f"x = x * {cfloat(_float32_reciprocal(step.consts[0]))};"
+        return f"x = fusedepi::step_mul<kFastMath>(x, {cfloat(_float32_reciprocal(step.consts[0]))});"
     other = ops.operand(step)
     a, b = (other, "x") if step.reverse else ("x", other)
     return f"x = fusedepi::divide<kFastMath>({a}, {b});"
@@ -265,9 +269,9 @@ SNIPPETS = {
     # 1 / x: IEEE in float32 chains, div.full in 16-bit ones, as every division here
     "reciprocal": lambda s, ops: "x = fusedepi::divide<kFastMath>(1.0f, x);",
     "pow": _power,
-    "add": _binary("+"),
-    "sub": _binary("-"),
-    "mul": _binary("*"),
+    "add": _binary("add"),
+    "sub": _binary("sub"),
+    "mul": _binary("mul"),
     "div": _divide,
     "branch": lambda s, ops: f"x = {ops.operand(s)};",  # an earlier value, held by render_stage
     "maximum": lambda s, ops: f"x = fusedepi::maximum(x, {ops.operand(s)});",
@@ -329,7 +333,6 @@ def render_stage(steps, saves_after=None, sigmoids_at=None, first: int = 0) -> d
         statement = SNIPPETS[step.name](step, ops)
         if statement:
             lines.append(f"    {statement}  // {step.name}")
-            lines.append("    fusedepi::step_end<kFastMath>(x);")
         for slot, ctype, rounded in saves_after.get(i, ()):
             if rounded and ctype != "float":
                 # Rounded as eager holds it, for every later step too: backward gets

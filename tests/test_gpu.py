@@ -257,16 +257,21 @@ class _ConvGroupNormGeluSpelled(nn.Module):
         return _gelu_erf_spelled(self.norm(self.conv(x))).mean(dim=(2, 3))
 
 
+def _assert_fuses_within_tolerance(model, x, fusion, seed):
+    """`model` on x fuses as `fusion` alone, within tolerance of float64."""
+    with torch.no_grad():
+        out, fused = compile_and_run(model, x)
+        ref, _ = float64_reference(model, x)
+    assert fused == [fusion]
+    err = relative_error(out.double(), ref)
+    assert err <= TOLERANCE[x.dtype], f"{err:.3g} (seed {seed})"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_branch_between_a_conv_norm_and_global_pooling(dtype, exact_float32):
     model = _ConvGroupNormGeluSpelled().cuda().to(dtype)
     x = torch.randn(3, 16, 33, 31, device="cuda", dtype=dtype)
-    with torch.no_grad():
-        out, fused = compile_and_run(model, x)
-        ref, _ = float64_reference(model, x)
-    assert fused == ["conv_groupnorm"]
-    err = relative_error(out.double(), ref)
-    assert err <= TOLERANCE[dtype], f"{err:.3g} (seed {exact_float32})"
+    _assert_fuses_within_tolerance(model, x, "conv_groupnorm", exact_float32)
 
 
 class _MinWithCpuScalar(nn.Module):
@@ -287,12 +292,7 @@ class _MinWithCpuScalar(nn.Module):
 def test_a_cpu_scalar_tensor_operand_is_a_number(dtype, exact_float32):
     model = _MinWithCpuScalar().cuda().to(dtype)
     x = torch.randn(4, 16, 20, 20, device="cuda", dtype=dtype)
-    with torch.no_grad():
-        out, fused = compile_and_run(model, x)
-        ref, _ = float64_reference(model, x)
-    assert fused == ["conv_pointwise"]
-    err = relative_error(out.double(), ref)
-    assert err <= TOLERANCE[dtype], f"{err:.3g} (seed {exact_float32})"
+    _assert_fuses_within_tolerance(model, x, "conv_pointwise", exact_float32)
 
 
 def test_a_call_with_an_operand_on_the_cpu_raises_and_the_gpu_stays_usable():

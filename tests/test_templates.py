@@ -18,7 +18,7 @@ from cuda_templates import compiler
 from cuda_templates.render import pixel_group_plan, plan, tiled_plan
 from cuda_templates.snippets import SNIPPETS, Operands, _float32_reciprocal, cfloat
 from lowering import VOCABULARY, EpilogueSpec
-from lowering.spec import BROADCAST, FULL, SCALAR, Anchor, Save, Step
+from lowering.spec import BROADCAST, CHANNEL, FULL, SCALAR, Anchor, Save, Step
 from specs import (
     CHANNELS_LAST,
     CONV,
@@ -130,6 +130,23 @@ def test_pointwise_chains_on_rows_that_split_badly_run_flat():
     assert plan(awkward_specs("float32")["pointwise_only"]).flat
 
 
+def test_float32_binary_steps_round_alone():
+    # add.rn / sub.rn / mul.rn in float32 chains (no FMA across steps, as eager's kernels);
+    # plain operators in 16-bit chains.
+    steps = (Step("mul", consts=(1.5,), operand=SCALAR), Step("sub", consts=(0.25,), operand=SCALAR),
+             Step("add", inputs=(0,), operand=CHANNEL, reverse=True))
+    for dtype in ("float32", "bfloat16"):
+        source = cuda_templates.render(EpilogueSpec(Anchor("mm"), steps, dtype, (dtype,), 64, 1, "linear_pointwise"),
+                                       "sm90")
+        assert "x = fusedepi::step_mul<kFastMath>(x, static_cast<float>(0x1.8000000000000p+0));" in source
+        assert "x = fusedepi::step_sub<kFastMath>(x, static_cast<float>(0x1.0000000000000p-2));" in source
+        assert re.search(r"x = fusedepi::step_add<kFastMath>\(pv0\[j\], x\);", source), source
+    header = (Path(cuda_templates.__file__).parent / "include" / "fusedepi" / "epilogue.cuh").read_text()
+    for name, op in (("add", "__fadd_rn"), ("sub", "__fsub_rn"), ("mul", "__fmul_rn")):
+        body = header[header.index(f"float step_{name}("):]
+        assert f"else return {op}(a, b);" in body[:200]
+
+
 def test_sixteen_bit_chains_take_hardware_exp_and_division():
     steps = (Step("softplus", consts=(1.0, 20.0)), Step("exp"), Step("hardsigmoid"), Step("hardswish"), Step("mish"),
              Step("div", consts=(2.5,), operand=SCALAR, reverse=True), Step("div", consts=(3.0,), operand=SCALAR))
@@ -143,7 +160,7 @@ def test_sixteen_bit_chains_take_hardware_exp_and_division():
         # 2.5 / x: IEEE in float32 (eager's division), div.full in 16-bit chains (Triton's)
         assert "x = fusedepi::divide<kFastMath>(static_cast<float>(0x1.4000000000000p+1), x);" in source
         # x / 3: times the float reciprocal of 3, as eager divides by a scalar on CUDA
-        assert "x = x * static_cast<float>(0x1.5555560000000p-2);" in source
+        assert "x = fusedepi::step_mul<kFastMath>(x, static_cast<float>(0x1.5555560000000p-2));" in source
 
 
 @pytest.mark.parametrize("value", [3.0, 0.1, 7.0, -6.5, 1 / 3, 1e-40, 3e-39, 1e-45, 1e38, 3.4e38, 3.5e38, 1e300,
@@ -163,17 +180,18 @@ def test_scalar_reciprocal_rounds_as_float32_division(value):
         assert math.isnan(got)
     else:  # the same double: a float32 value, the same sign of zero
         assert (got, math.copysign(1.0, got)) == (want, math.copysign(1.0, want))
-    assert rendered == f"x = x * {cfloat(got)};"
+    assert rendered == f"x = fusedepi::step_mul<kFastMath>(x, {cfloat(got)});"
 
 
 def test_earlier_values_are_held_in_registers_within_their_stage():
     awkward = awkward_specs("float32")
     source = cuda_templates.render(awkward["earlier_values_pointwise"], "sm90")
     assert source.count("const float h0 = x;") == 3  # stage0 and its _at and _cols forms
-    assert "x = h0 * x;  // mul" in source and "x = x + h0;  // add" in source
+    assert "x = fusedepi::step_mul<kFastMath>(h0, x);  // mul" in source
+    assert "x = fusedepi::step_add<kFastMath>(x, h0);  // add" in source
     source = cuda_templates.render(awkward["earlier_values_after_groupnorm"], "sm90")
     stage1 = source[source.index("void stage1("):]
-    assert "const float h1 = x;" in stage1 and "x = h1 - x;  // sub" in stage1
+    assert "const float h1 = x;" in stage1 and "x = fusedepi::step_sub<kFastMath>(h1, x);  // sub" in stage1
     with pytest.raises(ValueError, match="does not hold"):  # held across the reduction: the matcher refuses it too
         bad = replace(awkward["earlier_values_after_groupnorm"],
                       steps=awkward["earlier_values_after_groupnorm"].steps[:2] + (

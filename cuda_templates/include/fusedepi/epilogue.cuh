@@ -178,15 +178,29 @@ __device__ __forceinline__ void load_full(const P* __restrict__ p, long long e0,
 // ------------------------------------------------------------- activations
 // Each matches PyTorch's CUDA kernel for the same op, NaN propagation included.
 
-// The end of a step in a float32 chain (kFast false): eager rounds every op's result to
-// memory, so nvcc may not contract a multiply that ends one step with an add that
-// begins the next into one FMA (`y * 0.044715 + y` in GPT-2's GELU would round once
-// where eager rounds twice). An empty asm that reads and writes x is opaque to that
-// contraction and emits no instruction. 16-bit chains keep float32 values where eager
-// rounds to 16 bits anyway, and leave the compiler free.
+// A binary step's arithmetic. Eager runs each op as its own kernel and rounds its result
+// to memory; a float32 chain (kFast false) rounds it alone too: add.rn / sub.rn / mul.rn,
+// which neither nvcc nor ptxas fuses into an FMA with a neighbouring step. (Plain
+// operators with the steps kept apart in PTX by an empty asm: on an H100, `gelu_tanh`,
+// `* 1.5`, `- 0.25` differed from eager in 71,624 of 1,048,576 elements, the share that
+// one rounding of x * 1.5 - 0.25 gives on those values.) 16-bit chains keep float32
+// values where eager rounds to 16 bits anyway, and leave the compiler free.
 template <bool kFast>
-__device__ __forceinline__ void step_end(float& x) {
-  if constexpr (!kFast) asm("" : "+f"(x));
+__device__ __forceinline__ float step_add(float a, float b) {
+  if constexpr (kFast) return a + b;
+  else return __fadd_rn(a, b);
+}
+
+template <bool kFast>
+__device__ __forceinline__ float step_sub(float a, float b) {
+  if constexpr (kFast) return a - b;
+  else return __fsub_rn(a, b);
+}
+
+template <bool kFast>
+__device__ __forceinline__ float step_mul(float a, float b) {
+  if constexpr (kFast) return a * b;
+  else return __fmul_rn(a, b);
 }
 
 __device__ __forceinline__ float relu(float x) { return (x > 0.f || isnan(x)) ? x : 0.f; }
