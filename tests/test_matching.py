@@ -439,20 +439,26 @@ EARLIER_FORMS = {  # y: the anchor output; the chain reads an earlier value of i
 }
 
 
-@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
-@pytest.mark.parametrize("form", list(EARLIER_FORMS))
-def test_a_step_may_read_an_earlier_value_of_its_own_chain(form, grad):
-    fn, steps = EARLIER_FORMS[form]
+def _one_chain(fn, grad):
+    """(output, eager's output, the one fused record, its spec) of Linear(16, 32) -> fn."""
     torch.manual_seed(0)
     model = Chain(fn, k=16, n=32)
     x = torch.randn(8, 16)
     out, fused, refused = compile_records(model, x, grad=grad)
-    assert len(fused) == 1 and steps_of(fused[0])[-len(steps):] == steps, (fused, refused)
-    spec = json.loads(fused[0].spec)
+    assert len(fused) == 1, (fused, refused)
+    return out, model(x), fused[0], json.loads(fused[0].spec)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("form", list(EARLIER_FORMS))
+def test_a_step_may_read_an_earlier_value_of_its_own_chain(form, grad):
+    fn, steps = EARLIER_FORMS[form]
+    out, eager, record, spec = _one_chain(fn, grad)
+    assert steps_of(record)[-len(steps):] == steps, record
     assert any(s["operand"] == "earlier" for s in spec["steps"])
     if not grad:  # the value the later step reads is held in the kernel, not returned
         assert spec["saves"] == []
-    torch.testing.assert_close(out, model(x))
+    torch.testing.assert_close(out, eager)
 
 
 BRANCH_FORMS = {  # y: the anchor output; two values computed from one earlier value meet
@@ -475,17 +481,14 @@ def test_a_chain_goes_on_through_a_branch_of_its_own(form, grad):
     # f(y) * g(y): the chain runs f, a `branch` step back to y, g, then the product with
     # the held f(y); nothing but the result is written where no backward reads it.
     fn, steps = BRANCH_FORMS[form]
-    torch.manual_seed(0)
-    model = Chain(fn, k=16, n=32)
-    x = torch.randn(8, 16)
-    out, fused, refused = compile_records(model, x, grad=grad)
-    assert len(fused) == 1 and steps_of(fused[0]) == steps and fused[0].stop == "end of the graph", (fused, refused)
-    saves = json.loads(fused[0].spec)["saves"]
+    out, eager, record, spec = _one_chain(fn, grad)
+    assert steps_of(record) == steps and record.stop == "end of the graph", record
+    saves = spec["saves"]
     if not grad:
         assert saves == []
     else:  # each value backward reads, once
         assert len({(s["what"], s["at"]) for s in saves}) == len(saves)
-    assert torch.equal(out, model(x))  # the reference runs eager's ops in eager's order
+    assert torch.equal(out, eager)  # the reference runs eager's ops in eager's order
 
 
 def test_a_branch_that_does_not_fuse_whole_ends_the_chain_before_it():
