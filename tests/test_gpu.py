@@ -236,6 +236,7 @@ BRANCHES = {  # two values computed from one earlier value meet: `branch` steps
     "gelu_new": lambda y: 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * torch.pow(y, 3.0)))),
     "two_branches": lambda y: (lambda r: torch.sigmoid(r * 2) * torch.tanh(r + 1))(torch.relu(y)),
     "branch_in_a_branch": lambda y: (y * 2) * (torch.sin(y) + torch.cos(y)),
+    "fast_gelu": lambda y: 0.5 * y * (1.0 + torch.tanh(y * 0.7978845608 * (1.0 + 0.044715 * y * y))),
 }
 
 

@@ -470,6 +470,9 @@ BRANCH_FORMS = {  # y: the anchor output; two values computed from one earlier v
                      ["relu", "mul", "sigmoid", "branch", "add", "tanh", "mul"]),
     "branch_in_a_branch": (lambda y: (y * 2) * (torch.sin(y) + torch.cos(y)),
                            ["mul", "branch", "sin", "branch", "cos", "add", "mul"]),
+    # Hugging Face's FastGELUActivation: both factors of the tanh's argument from y
+    "fast_gelu": (lambda y: 0.5 * y * (1.0 + torch.tanh(y * 0.7978845608 * (1.0 + 0.044715 * y * y))),
+                  ["mul", "branch", "mul", "branch", "mul", "mul", "add", "mul", "tanh", "add", "mul"]),
     "after_a_norm": (lambda y: (lambda g: g * 0.5 * (1.0 + torch.erf(g * 0.7)))(F.group_norm(y, 4)),
                      ["groupnorm", "mul", "branch", "mul", "erf", "add", "mul"]),
 }
