@@ -181,8 +181,9 @@ def _one_bound(which: str):
     return build
 
 
-def _unary(name: str, *ops) -> tuple:
-    return tuple((op, lambda arg, name=name: Step(name)) for op in ops)
+def _plain(name: str, fn: Callable, op, cheap: bool = False) -> StepKind:
+    """A step without constants: torch's `fn` of x, read from the aten op `op`."""
+    return StepKind(name, lambda x, s, p: fn(x), ((op, lambda arg: Step(name)),), cheap=cheap)
 
 
 def _elu_consts(x_alpha, x_scale, x_input_scale) -> tuple:
@@ -231,7 +232,7 @@ VOCABULARY: dict[str, StepKind] = {
     kind.name: kind
     for kind in [
         # ------------------------------------------------------------ pointwise
-        StepKind("relu", lambda x, s, p: torch.relu(x), _unary("relu", aten.relu.default), cheap=True),
+        _plain("relu", torch.relu, aten.relu.default, cheap=True),
         StepKind("gelu", lambda x, s, p: F.gelu(x), ((aten.gelu.default, _gelu_form),)),
         StepKind("gelu_tanh", lambda x, s, p: F.gelu(x, approximate="tanh")),  # a form of gelu
         StepKind(
@@ -241,12 +242,12 @@ VOCABULARY: dict[str, StepKind] = {
               lambda arg: Step("leaky_relu", consts=(_number(arg(1, "negative_slope", 0.01), "leaky_relu: slope"),))),),
             cheap=True,
         ),
-        StepKind("silu", lambda x, s, p: F.silu(x), _unary("silu", aten.silu.default)),  # and x * sigmoid(x)
-        StepKind("sigmoid", lambda x, s, p: torch.sigmoid(x), _unary("sigmoid", aten.sigmoid.default)),
-        StepKind("tanh", lambda x, s, p: torch.tanh(x), _unary("tanh", aten.tanh.default)),
-        StepKind("mish", lambda x, s, p: F.mish(x), _unary("mish", aten.mish.default)),
-        StepKind("hardswish", lambda x, s, p: F.hardswish(x), _unary("hardswish", aten.hardswish.default)),
-        StepKind("hardsigmoid", lambda x, s, p: F.hardsigmoid(x), _unary("hardsigmoid", aten.hardsigmoid.default)),
+        _plain("silu", F.silu, aten.silu.default),  # and x * sigmoid(x)
+        _plain("sigmoid", torch.sigmoid, aten.sigmoid.default),
+        _plain("tanh", torch.tanh, aten.tanh.default),
+        _plain("mish", F.mish, aten.mish.default),
+        _plain("hardswish", F.hardswish, aten.hardswish.default),
+        _plain("hardsigmoid", F.hardsigmoid, aten.hardsigmoid.default),
         StepKind(
             "clamp",  # also hardtanh, relu6, clamp_min/clamp_max (min/max against a scalar)
             lambda x, s, p: torch.clamp(x, s.consts[0], s.consts[1]),
@@ -274,18 +275,18 @@ VOCABULARY: dict[str, StepKind] = {
             ((aten.softplus.default, lambda arg: Step("softplus", consts=(
                 _number(arg(1, "beta", 1.0), "softplus: beta"), _number(arg(2, "threshold", 20.0), "softplus: threshold")))),),
         ),
-        StepKind("abs", lambda x, s, p: torch.abs(x), _unary("abs", aten.abs.default), cheap=True),
-        StepKind("exp", lambda x, s, p: torch.exp(x), _unary("exp", aten.exp.default)),
-        StepKind("log", lambda x, s, p: torch.log(x), _unary("log", aten.log.default)),
-        StepKind("neg", lambda x, s, p: torch.neg(x), _unary("neg", aten.neg.default), cheap=True),
-        StepKind("erf", lambda x, s, p: torch.erf(x), _unary("erf", aten.erf.default)),
-        StepKind("log1p", lambda x, s, p: torch.log1p(x), _unary("log1p", aten.log1p.default)),
-        StepKind("expm1", lambda x, s, p: torch.expm1(x), _unary("expm1", aten.expm1.default)),
-        StepKind("sin", lambda x, s, p: torch.sin(x), _unary("sin", aten.sin.default)),
-        StepKind("cos", lambda x, s, p: torch.cos(x), _unary("cos", aten.cos.default)),
-        StepKind("sqrt", lambda x, s, p: torch.sqrt(x), _unary("sqrt", aten.sqrt.default)),
-        StepKind("rsqrt", lambda x, s, p: torch.rsqrt(x), _unary("rsqrt", aten.rsqrt.default)),
-        StepKind("reciprocal", lambda x, s, p: torch.reciprocal(x), _unary("reciprocal", aten.reciprocal.default)),
+        _plain("abs", torch.abs, aten.abs.default, cheap=True),
+        _plain("exp", torch.exp, aten.exp.default),
+        _plain("log", torch.log, aten.log.default),
+        _plain("neg", torch.neg, aten.neg.default, cheap=True),
+        _plain("erf", torch.erf, aten.erf.default),
+        _plain("log1p", torch.log1p, aten.log1p.default),
+        _plain("expm1", torch.expm1, aten.expm1.default),
+        _plain("sin", torch.sin, aten.sin.default),
+        _plain("cos", torch.cos, aten.cos.default),
+        _plain("sqrt", torch.sqrt, aten.sqrt.default),
+        _plain("rsqrt", torch.rsqrt, aten.rsqrt.default),
+        _plain("reciprocal", torch.reciprocal, aten.reciprocal.default),
         StepKind(
             "pow",  # x ** c for a constant c (also torch.square: c = 2)
             lambda x, s, p: torch.pow(x, s.consts[0]),
