@@ -101,6 +101,14 @@ def fills_gpu(rows: int, channels: int, sms: int) -> bool:
     return tiles >= MIN_WAVE_USE * waves * sms
 
 
+def spare_warps_run(rows: int, channels: int, sms: int) -> bool:
+    """Whether a [rows, channels] output gives each of the persistent CTAs on `sms` SMs
+    `WARPS_MIN_TILES` tiles, so that a 16-bit pointwise chain runs in the spare warps
+    (as `gemm_launch` decides at every call)."""
+    tiles = -(-rows // BLOCK_M) * (channels // BLOCK_N)
+    return tiles > 0 and tiles >= WARPS_MIN_TILES * min(tiles, sms)
+
+
 # The row reductions the in-kernel GEMM covers (gemm_row_reduce.cuh), with the enumerator
 # each is instantiated with: all of the apply kernel's.
 ROW_PARTIALS = ROW_REDUCE_OPS
@@ -142,6 +150,8 @@ def wgmma_asm(dtype: str) -> str:
 #   $tile_partials  the call that sets p0, p1 for row h (row_tile_partials, a row
 #               reduction's ROW_PARTIALS entry), or "p0 = p1 = 0.f;"
 #   $warps_min_tiles   tiles a CTA from which a pointwise chain runs in the spare warps
+#   $spare_warps "false" where the consumers run a pointwise chain on every tile
+#               (`Anchor.gemm_consumers`): the file has no spare-warp kernel
 #   $wgmma      the wgmma_asm() statement
 GEMM_KERNELS = Template(
     r"""// In-kernel GEMM (cuda_templates/gemm_sm90.py): out = chain(x @ w^T [+ bias]), x [rows, kK], w [kChannels, kK].
@@ -156,6 +166,7 @@ constexpr int kG = kGroup > 0 ? kGroup : 8;  // the same, where the pointwise ch
 constexpr bool kRowReads = $row_reads;
 constexpr bool kRowReduce = $row_reduce;
 constexpr bool kPointwise = kGroup == 0 && !kRowReduce;  // may run in the spare warps (kOffload)
+constexpr bool kMaySpareWarps = $spare_warps;  // false: the consumers run it on every tile
 constexpr int kWarpsMinTiles = $warps_min_tiles;
 constexpr int kKTiles = (kK + kBK - 1) / kBK;
 constexpr int kTilesN = static_cast<int>(kChannels / kBN);

@@ -584,6 +584,8 @@ class GemmPlan:
             or a row reduction).
         reduce: the row reduction (gemm_sm90.ROW_PARTIALS) whose partial statistics the
             tiles write, or "" (the kernel stores the chain's [rows, N] result).
+        spare_warps: a 16-bit pointwise chain may run in the spare warps (False: the
+            consumers run it on every tile, `Anchor.gemm_consumers`; the name says so).
     """
 
     k: int
@@ -591,9 +593,11 @@ class GemmPlan:
     reduce: str = ""
     block_m: int = gemm_sm90.BLOCK_M
     block_n: int = gemm_sm90.BLOCK_N
+    spare_warps: bool = True
 
     def name(self, spec: EpilogueSpec, arch: str) -> str:
-        return f"wgmma{self.block_m}x{self.block_n}_" + spec.kernel_name(arch + "a")
+        where = "" if self.spare_warps else "consumers_"
+        return f"wgmma{self.block_m}x{self.block_n}_{where}" + spec.kernel_name(arch + "a")
 
 
 def gemm_plan(spec: EpilogueSpec, arch: str) -> GemmPlan | str:
@@ -640,7 +644,7 @@ def gemm_plan(spec: EpilogueSpec, arch: str) -> GemmPlan | str:
         group = spec.channels // red.groups
         if group % 8 or bn % group:
             return f"GroupNorm groups of {group} columns (the in-kernel GEMM takes multiples of 8 dividing {bn})"
-    return GemmPlan(k, group)
+    return GemmPlan(k, group, spare_warps=not anchor.gemm_consumers)
 
 
 def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> conv_sm90.ConvGemmPlan | str:
@@ -1162,7 +1166,8 @@ def _render_gemm(spec: EpilogueSpec, arch: str, p: Plan, g: GemmPlan) -> str:
         eps=cfloat(red.consts[0]) if red is not None and g.group else "0.f",
         row_reads="true" if _reads_full(spec) else "false",
         row_reduce="true" if g.reduce else "false", tile_partials=tile_partials.rstrip("\n"),
-        warps_min_tiles=gemm_sm90.WARPS_MIN_TILES, wgmma=gemm_sm90.wgmma_asm(spec.dtype),
+        warps_min_tiles=gemm_sm90.WARPS_MIN_TILES, spare_warps="true" if g.spare_warps else "false",
+        wgmma=gemm_sm90.wgmma_asm(spec.dtype),
     )
     fields, bind = _fields(spec, gemm=True)
     # The file's epilogue kernel covers the calls where the launcher runs the library GEMM

@@ -54,6 +54,11 @@ class Config:
             operands (FUSEDEPI_CONV_CHANNELS_LAST): "auto" (the default: where timing both
             forms at compile time says channels-last is faster), "on" (every candidate)
             or "off".
+        gemm_consumers: whether a 16-bit in-kernel GEMM's consumer warps run its pointwise
+            chain on every tile instead of the producer's spare warps
+            (FUSEDEPI_GEMM_CONSUMERS): "auto" (the default: where the measured choice
+            times the chain, both kernels are timed and the faster kept), "on" (always)
+            or "off".
         autotune: whether a matched chain is fused only where it is measured faster
             than Inductor's compile of the same subgraph (FUSEDEPI_AUTOTUNE,
             `fusion_backend.choice`): "auto" (the default: chains on a GPU are timed),
@@ -75,6 +80,7 @@ class Config:
     pad_gemm: str = "auto"
     conv_channels_last: str = "auto"
     fold_gemm_bias: str = "auto"
+    gemm_consumers: str = "auto"
     autotune: str = "auto"
     debug: bool = False
 
@@ -91,7 +97,8 @@ def load_config(environ=None) -> Config:
         ValueError: FUSEDEPI_DISABLE names something that is neither a fusion
             nor a step, FUSEDEPI_LOG_LEVEL is not a logging level, or
             FUSEDEPI_IN_KERNEL_GEMM, FUSEDEPI_PAD_GEMM, FUSEDEPI_CONV_CHANNELS_LAST,
-            FUSEDEPI_FOLD_GEMM_BIAS or FUSEDEPI_AUTOTUNE is none of auto, 1, 0, or
+            FUSEDEPI_FOLD_GEMM_BIAS, FUSEDEPI_GEMM_CONSUMERS or FUSEDEPI_AUTOTUNE is none
+            of auto, 1, 0, or
             FUSEDEPI_NATIVE_LAUNCHER, FUSEDEPI_STRICT, FUSEDEPI_CPU_REFERENCE or
             FUSEDEPI_DEBUG is neither 1 nor 0.
     """
@@ -120,6 +127,7 @@ def load_config(environ=None) -> Config:
         pad_gemm=_tristate("FUSEDEPI_PAD_GEMM", env.get("FUSEDEPI_PAD_GEMM", "")),
         conv_channels_last=_tristate("FUSEDEPI_CONV_CHANNELS_LAST", env.get("FUSEDEPI_CONV_CHANNELS_LAST", "")),
         fold_gemm_bias=_tristate("FUSEDEPI_FOLD_GEMM_BIAS", env.get("FUSEDEPI_FOLD_GEMM_BIAS", "")),
+        gemm_consumers=_tristate("FUSEDEPI_GEMM_CONSUMERS", env.get("FUSEDEPI_GEMM_CONSUMERS", "")),
         autotune=_tristate("FUSEDEPI_AUTOTUNE", env.get("FUSEDEPI_AUTOTUNE", "")),
         debug=_switch("FUSEDEPI_DEBUG", env.get("FUSEDEPI_DEBUG", ""), False),
     )

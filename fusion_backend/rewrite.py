@@ -190,9 +190,15 @@ def _without_forms(chain: Chain, plan: ExecutionPlan, cfg: Config, claimed: froz
     chain: the chain is built and timed without that form too, and the faster of the
     two fused forms is the plan (both times in the row's `explain`). A result that
     differs from Inductor's (`Choice.difference`) never wins; a form that cannot be
-    built without the row keeps the plan as it was."""
+    built without the row keeps the plan as it was. A row taken for the chain's timing
+    alone (`Form.timed_as_chain`) where the chain was not timed after all goes back to
+    the graph's form."""
     for i, row in enumerate(plan.forms):
-        if row.alternative is None or not plan.choice.inductor_ms:
+        if row.alternative is None:
+            continue
+        if not plan.choice.inductor_ms:
+            if row.by_chain:
+                plan = _untimed_without(chain, plan, i, cfg)
             continue
         taken = chain.spec
         chain.spec = row.alternative
@@ -217,6 +223,24 @@ def _without_forms(chain: Chain, plan: ExecutionPlan, cfg: Config, claimed: froz
             chain.spec = taken
             plan = replace(plan, forms=tuple(rows))
     return plan
+
+
+def _untimed_without(chain: Chain, plan: ExecutionPlan, i: int, cfg: Config) -> ExecutionPlan:
+    """`plan` without its row `i` (a form taken for a timing of the chain that did not
+    happen): the graph's form, built; the plan as it was where that fails."""
+    row, taken = plan.forms[i], chain.spec
+    chain.spec = row.alternative
+    spec = chain.spec.to_json()
+    try:
+        kernel = _prepare(chain, spec, cfg)
+    except Exception as err:  # noqa: BLE001 - the plan as it was
+        if cfg.strict and not isinstance(err, (cuda_templates.NotRenderable, OperandMismatch)):
+            raise
+        chain.spec = taken
+        return plan
+    rows = list(plan.forms)
+    rows[i] = replace(row, taken=False, alternative=None, chains="the chain not timed")
+    return ExecutionPlan(spec, kernel, tuple(rows), plan.choice)
 
 
 def _enable_native(cfg: Config) -> None:

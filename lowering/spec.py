@@ -111,6 +111,10 @@ class Anchor:
             LayerNorm2d). The conv runs on channels-last operands, and its output is
             read as a Linear's: rows = N x spatial, features = C (`conv_view` is
             False); the fused op returns [rows, C], viewed back to [N, *spatial, C].
+        gemm_consumers: addmm/mm with `gemm` only: the in-kernel GEMM's consumer warps run
+            a pointwise chain on every tile, and the producer's spare warps none (False:
+            the spare warps run it at calls whose CTAs have several tiles,
+            `cuda_templates.gemm_sm90`). The backend sets it (`fusion_backend.forms`).
     """
 
     kind: str
@@ -122,6 +126,7 @@ class Anchor:
     channels_last: bool = False
     implicit: bool = False
     permuted: bool = False
+    gemm_consumers: bool = False
 
     def direct_out_hw(self) -> tuple[int, int]:
         """Output (H, W) of a direct-conv candidate (stride 1, dilation 1)."""

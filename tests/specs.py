@@ -60,7 +60,8 @@ def workload_specs(dtype="float32"):
 def gemm_specs(dtype="bfloat16"):
     """Chains the in-kernel GEMM computes (16-bit Linear layers, as the matcher builds them:
     addmm keeps its bias): workload 3, GroupNorm with groups of 32 (workload 4's) and a
-    per-column operand, a pointwise chain, one without bias (mm) that reads a residual per
+    per-column operand, a pointwise chain, one in the consumer warps (`Anchor.gemm_consumers`),
+    one without bias (mm) that reads a residual per
     element, one with a step before its GroupNorm, workload 1's eval chain (BatchNorm's
     per-column operands, the erf gelu), and row reductions: workload 2's logsumexp, an
     amin and a mean with steps before and after them."""
@@ -82,6 +83,11 @@ def gemm_specs(dtype="bfloat16"):
             Anchor("addmm", gemm=(4096, 1)),
             (Step("clamp", consts=(-1.0, 2.0)), Step("sub", inputs=(0,), operand=CHANNEL)),
             dtype, p, 4096, 1, "linear_pointwise",
+        ),
+        "gemm_tanh_consumers": EpilogueSpec(  # the chain in the consumer warps (the gemm_consumers form)
+            Anchor("addmm", gemm=(768, 0), gemm_consumers=True),
+            (Step("tanh"), Step("mul", consts=(2.0,), operand=SCALAR)),
+            dtype, p, 3072, 1, "linear_pointwise",
         ),
         "gemm_mm_residual": EpilogueSpec(
             Anchor("mm", gemm=(264, 1)),

@@ -9,7 +9,7 @@ import torch
 
 from fusion_backend import forms, timings
 from fusion_backend.config import load_config
-from fusion_backend.forms import conv_layout, gemm_bias, gemm_padding
+from fusion_backend.forms import conv_layout, gemm_bias, gemm_consumers, gemm_padding
 from fusion_backend.plan import ExecutionPlan
 from fusion_backend.choice import Choice
 from lowering.spec import Anchor, EpilogueSpec, Step
@@ -69,7 +69,7 @@ def fresh_cache(monkeypatch, tmp_path):
 
 
 def test_the_table_lists_each_form_once_with_its_switch():
-    assert [f.name for f in forms.FORMS] == ["gemm_bias", "gemm_padding", "conv_layout"]
+    assert [f.name for f in forms.FORMS] == ["gemm_bias", "gemm_padding", "conv_layout", "gemm_consumers"]
     cfg = load_config({})
     for form in forms.FORMS:
         assert getattr(cfg, form.setting) == "auto"
@@ -263,3 +263,93 @@ def test_a_chain_that_cannot_be_built_without_the_form_keeps_it(monkeypatch, str
     monkeypatch.setattr(rewrite, "_prepare", prepare)
     got = rewrite._without_forms(chain, plan, load_config({"FUSEDEPI_STRICT": strict}), frozenset())
     assert got is plan and chain.spec == taken
+
+
+def _in_kernel_chain(rows=8192, k=768, n=3072, dtype="bfloat16", steps=(Step("tanh"),), every_call=0):
+    """A stand-in for a Linear chain the in-kernel GEMM takes: x [rows, k] on "cuda"."""
+    x = SimpleNamespace(meta={"val": SimpleNamespace(device=torch.device("cuda", 0), shape=(rows, k))}, name="x")
+    spec = EpilogueSpec(Anchor("addmm", gemm=(k, every_call)), steps, dtype, (), n, 1, "linear_pointwise")
+    return SimpleNamespace(spec=spec, operands=[x, x, x], params=[], anchor=x)
+
+
+@pytest.fixture
+def h100(monkeypatch):
+    """The row's candidate on a 132-SM sm_90 GPU."""
+    monkeypatch.setattr(gemm_consumers, "arch_of", lambda device: "sm90")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+
+
+def test_the_consumers_row_applies_where_the_spare_warps_would_run_the_chain(h100):
+    """16-bit pointwise chains of the in-kernel GEMM whose CTAs get 4 tiles or more."""
+    form = gemm_consumers.GemmConsumers()
+    assert form.candidate(_in_kernel_chain()) == (8192, 768, 3072, "bfloat16")  # 768 tiles on 132 SMs
+    assert form.candidate(_in_kernel_chain(rows=1024)) is None  # 96 tiles: the library GEMM runs first
+    assert form.candidate(_in_kernel_chain(rows=2048)) is None  # 192 tiles: the consumers run the chain anyway
+    assert form.candidate(_in_kernel_chain(rows=2048, every_call=1)) is None
+    assert form.candidate(_in_kernel_chain(rows=5632)) == (5632, 768, 3072, "bfloat16")  # 44 x 12 = 4 x 132 tiles
+    assert form.candidate(_in_kernel_chain(rows=5504)) is None  # 43 x 12 tiles
+    assert form.candidate(_in_kernel_chain(dtype="float32")) is None  # the consumers run float32 chains
+    assert form.candidate(_in_kernel_chain(steps=(Step("groupnorm", consts=(1e-5,), groups=96),))) is None
+    assert form.candidate(_in_kernel_chain(steps=(Step("logsumexp"),))) is None
+    chain = _in_kernel_chain()
+    chain.spec = form.apply(chain, form.candidate(chain))
+    assert chain.spec.anchor.gemm_consumers and form.candidate(chain) is None
+
+
+def test_the_consumers_row_is_taken_for_the_chains_timing_alone(monkeypatch, fresh_cache, h100):
+    """Under "auto" the row is taken untimed (no library call of its own) with the graph's
+    spec kept, for the rewrite to time the chain both ways; with nothing to time the
+    chain (FUSEDEPI_AUTOTUNE=0, a CPU chain) the spare warps stay."""
+    form = _form("gemm_consumers")
+    monkeypatch.setattr(form, "measure", lambda found, device: pytest.fail("timed a library call"))
+    chain = _in_kernel_chain()
+    before = chain.spec
+    rows = forms.choose(chain, load_config({"FUSEDEPI_CACHE_DIR": str(fresh_cache)}))
+    assert len(rows) == 1 and rows[0].taken and rows[0].by_chain and rows[0].alternative == before
+    assert chain.spec.anchor.gemm_consumers and not (fresh_cache / timings.CACHE_FILE).exists()
+    assert rows[0].describe() == "gemm_consumers: taken (the chain not timed)"
+    chain = _in_kernel_chain()
+    assert forms.choose(chain, load_config({"FUSEDEPI_CACHE_DIR": str(fresh_cache), "FUSEDEPI_AUTOTUNE": "0"})) == ()
+    assert not chain.spec.anchor.gemm_consumers
+    chain = _in_kernel_chain()
+    rows = forms.choose(chain, load_config({"FUSEDEPI_CACHE_DIR": str(fresh_cache), form.env: "1"}))
+    assert chain.spec.anchor.gemm_consumers and rows[0].alternative is None and form.env in rows[0].describe()
+    chain = _in_kernel_chain()
+    assert forms.choose(chain, load_config({"FUSEDEPI_CACHE_DIR": str(fresh_cache), form.env: "0"})) == ()
+
+
+@pytest.mark.parametrize("with_ms, without_ms, keeps", [(0.080, 0.129, True), (0.042, 0.041, False)])
+def test_the_chain_decides_between_the_consumers_and_the_spare_warps(monkeypatch, with_ms, without_ms, keeps):
+    from fusion_backend import rewrite
+
+    chain = _in_kernel_chain()
+    before = chain.spec
+    chain.spec = taken = gemm_consumers.GemmConsumers().apply(chain, None)
+    row = forms.FormChoice("gemm_consumers", "consumers", 0.0, 0.0, True, alternative=before, by_chain=True)
+    monkeypatch.setattr(rewrite.choice, "decide", lambda chain_, spec, cfg, claimed: Choice(without_ms, 0.1, True))
+    monkeypatch.setattr(rewrite, "_prepare", lambda chain_, spec, cfg: f"kernel {chain_.spec.anchor.gemm_consumers}")
+    plan = rewrite._without_forms(chain, ExecutionPlan(taken.to_json(), "kernel True", (row,), Choice(with_ms, 0.1, True)),
+                                  load_config({}), frozenset())
+    assert chain.spec == (taken if keeps else before) and plan.kernel == f"kernel {keeps}"
+    assert plan.forms[0].taken == keeps
+    assert plan.forms[0].describe() == (f"gemm_consumers: {'taken' if keeps else 'not taken'} "
+                                        f"(the chain {with_ms:.4g} ms in it, {without_ms:.4g} ms without)")
+
+
+def test_an_untimed_chain_goes_back_from_the_consumers_to_the_spare_warps(monkeypatch):
+    """Where the measured choice did not time the chain after all (a size without a hint,
+    a neighbourhood it cannot cut out), the row's form is dropped: the graph's is built."""
+    from fusion_backend import rewrite
+
+    chain = _in_kernel_chain()
+    before = chain.spec
+    chain.spec = taken = gemm_consumers.GemmConsumers().apply(chain, None)
+    row = forms.FormChoice("gemm_consumers", "consumers", 0.0, 0.0, True, alternative=before, by_chain=True)
+    monkeypatch.setattr(rewrite.choice, "decide", lambda *args: pytest.fail("timed"))
+    monkeypatch.setattr(rewrite, "_prepare", lambda chain_, spec, cfg: f"kernel {chain_.spec.anchor.gemm_consumers}")
+    untimed = Choice(0.0, 0.0, True, "not timed: a size without a hint")
+    plan = rewrite._without_forms(chain, ExecutionPlan(taken.to_json(), "kernel True", (row,), untimed),
+                                  load_config({}), frozenset())
+    assert chain.spec == before and plan.spec == before.to_json() and plan.kernel == "kernel False"
+    assert plan.fused and not plan.forms[0].taken
+    assert plan.forms[0].describe() == "gemm_consumers: not taken (the chain not timed)"

@@ -1651,6 +1651,10 @@ GEMM_CASES = {
     # Workload 1's eval chain (BatchNorm's per-column operands, erf gelu) in both placements.
     "w1_eval_rows_past_the_tile": (lambda: _eval_bn(LinearBnGeluRelu(200, 512)), [(1000, 200)]),
     "w1_eval_spare_warps": (lambda: _eval_bn(LinearBnGeluRelu(136, 4096)), [(4500, 136)]),
+    # The same chains in the consumer warps on every tile (`_consumers`: FUSEDEPI_GEMM_CONSUMERS=1).
+    "clamp_consumers": (lambda: _LinearClamp(256, 4096), [(5000, 256)]),
+    "residual_mm_consumers": (lambda: _LinearResidual(72, 4096), [(4300, 72), (4300, 4096)]),
+    "w1_eval_consumers": (lambda: _eval_bn(LinearBnGeluRelu(136, 4096)), [(4500, 136)]),
     # Row reductions: partials a (row, column tile), combined by a second kernel.
     "w2_logsumexp_rows_past_the_tile": (lambda: LinearLogsumexpActs(264, 512), [(1000, 264)]),
     "w2_logsumexp_32_column_tiles": (lambda: LinearLogsumexpActs(128, 8192), [(300, 128)]),
@@ -1700,6 +1704,8 @@ def test_in_kernel_gemm(name, dtype, exact_float32, monkeypatch):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the in-kernel GEMM is built for sm_90a")
     monkeypatch.setenv("FUSEDEPI_IN_KERNEL_GEMM", "1")
+    consumers = name.endswith("_consumers")
+    monkeypatch.setenv("FUSEDEPI_GEMM_CONSUMERS", "1" if consumers else "0")
     if dtype == torch.float32:
         torch.set_float32_matmul_precision("high")  # TF32 allowed (the fixture restores "highest")
     factory, shapes = GEMM_CASES[name]
@@ -1713,6 +1719,8 @@ def test_in_kernel_gemm(name, dtype, exact_float32, monkeypatch):
         ran = _fusedepi_kernels_run(fn, *inputs, pattern=r"wgmma128x256_\w+_sm90a_")
     kernels = [r.kernel for report in reports for r in report.records if r.status == "fused"]
     assert len(kernels) == 1 and kernels[0].startswith("wgmma128x256_"), kernels
+    # float32 tiles go out in two rounds: their consumers run the chain either way
+    assert kernels[0].startswith("wgmma128x256_consumers_") == (consumers and dtype != torch.float32), kernels
     assert ran and "_sm90a_gemm" in ran[0], ran  # the GEMM ran in the kernel (float32: TF32 allowed)
     assert out.shape == ref.shape and out.dtype == dtype
     err = relative_error(out, ref)

@@ -3,12 +3,14 @@ inputs the kernels do not take, warm starts, a second GPU. Skipped without CUDA.
 
 import copy
 import os
+import re
 import subprocess
 import sys
 import threading
 
 import pytest
 import torch
+from torch import nn
 
 from benchmarks.workloads import ConvBiasScaleSigmoidGroupNorm, LinearGroupNormLeakyDouble, relative_error
 from fusion_backend import fusedepi, launch
@@ -187,6 +189,41 @@ def test_the_measured_choice_times_the_whole_graph(dynamic, mode, fresh_cache, m
     fused_graphs = sum(any(r.status == "fused" or "whole graph" in r.reason for r in report.records)
                        for report in reports)
     assert len(measured) == fused_graphs and all(ms > 0 for pair in measured for ms in pair)
+
+
+class _LinearTanhScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(768, 3072)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x)) * 2.0
+
+
+def test_the_in_kernel_gemms_placement_is_measured(fresh_cache, monkeypatch):
+    """FUSEDEPI_AUTOTUNE at its default, on sm_90: a bf16 Linear chain whose CTAs have
+    tiles for the spare warps is timed with its chain in the consumer warps and in the
+    spare warps (`forms.gemm_consumers`); explain gives both times, and whichever kernel
+    (or Inductor) runs matches float64."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the in-kernel GEMM is built for sm_90a")
+    from fusion_backend import rewrite
+
+    monkeypatch.setenv("FUSEDEPI_AUTOTUNE", "auto")
+    monkeypatch.setenv("FUSEDEPI_STRICT", "1")
+    plans = []  # every chain's plan, also where the whole graph then goes to Inductor
+    real = rewrite._without_forms
+    monkeypatch.setattr(rewrite, "_without_forms", lambda *args: plans.append(real(*args)) or plans[-1])
+    torch.manual_seed(0)
+    model = _LinearTanhScale().cuda().to(torch.bfloat16)
+    rows = 128 * -(-4 * torch.cuda.get_device_properties(0).multi_processor_count // 12)  # 4 tiles a CTA
+    x = torch.rand(rows, 768, device="cuda", dtype=torch.bfloat16) * 2 - 1
+    with torch.no_grad():
+        out = torch.compile(model, backend="fusedepi")(x)
+    text = "; ".join(plan.describe() for plan in plans)
+    assert re.search(r"gemm_consumers: (not )?taken \(the chain [\d.e-]+ ms in it, [\d.e-]+ ms without\)", text), text
+    ref = copy.deepcopy(model).double()(x.double())
+    assert relative_error(out, ref) <= 1e-2  # bf16, as tests/test_gpu.py
 
 
 def test_warm_start_runs_no_nvcc(tmp_path):

@@ -479,7 +479,7 @@ def _form(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> tuple:
     kernel = cuda_templates.kernel_name(spec, arch, conv_tf32)
     kernels = tuple(sorted(set(re.findall(rf"\b{re.escape(kernel)}_(\w+)\s*(?:<[^>]*>)?\(", source))))
     switches = tuple(re.findall(r"constexpr (?:int|bool|long long) (k(?:Staged|StagedApply|Wrap|PadK|Chunks|Team|"
-                                r"Stage0Done|ConvStats|RowReduce|RowReads|Bias|Sub|VecGroups|TiledNorm|ColRows)) = (true|false|\d+);", source))
+                                r"Stage0Done|ConvStats|RowReduce|RowReads|Bias|Sub|VecGroups|TiledNorm|ColRows|MaySpareWarps)) = (true|false|\d+);", source))
     coarse = tuple((k, v if v in ("true", "false") else str(int(v) > (32 if k == "kTeam" else 1 if k in ("kChunks", "kVecGroups", "kColRows") else 0)))
                    for k, v in switches)
     return ("float32" if spec.dtype == "float32" else "16-bit", kernel.split("_")[0], kernels, coarse)
@@ -635,6 +635,19 @@ def test_in_kernel_gemm_row_reductions_write_partials_then_finish(name):
     # Pointwise and GroupNorm chains keep the staging tile and 3 stages.
     w1 = cuda_templates.render(gemm_specs("bfloat16")["gemm_w1_eval"], "sm90")
     assert "constexpr bool kRowReduce = false;" in w1 and "_rowfinal" not in w1 and "kStages = 3;" in w1
+
+
+def test_an_in_kernel_gemm_whose_consumers_run_the_chain_has_no_spare_warp_kernel():
+    """`Anchor.gemm_consumers` (the `gemm_consumers` form): the file's switch is off, so
+    `kSpareWarps` is false and the launch names only the plain kernel; the name says so."""
+    spec = GEMM_SPECS["gemm_tanh_consumers-bfloat16"]
+    source = cuda_templates.render(spec, "sm90")
+    assert "constexpr bool kMaySpareWarps = false;" in source
+    assert cuda_templates.kernel_name(spec, "sm90").startswith("wgmma128x256_consumers_addmm_tanh_mul_bf16")
+    spare = replace(spec, anchor=replace(spec.anchor, gemm_consumers=False))
+    assert "constexpr bool kMaySpareWarps = true;" in cuda_templates.render(spare, "sm90")
+    assert cuda_templates.kernel_name(spare, "sm90").startswith("wgmma128x256_addmm_tanh_mul_bf16")
+    assert "kMaySpareWarps = true;" in cuda_templates.render(GEMM_SPECS["gemm_w1_eval-bfloat16"], "sm90")
 
 
 def test_in_kernel_gemm_in_tf32_stages_float32_tiles_in_two_rounds():

@@ -10,6 +10,7 @@ renderer, the launchers and `explain` read the decision instead of re-deriving i
 | `gemm_bias` | float32 `addmm` of a Linear, matmul precision "highest" | `mm`, the bias added in the epilogue |
 | `gemm_padding` | 16-bit `addmm`/`mm` whose K or N is not a multiple of 8 | the GEMM on zero-padded operands |
 | `conv_layout` | a 2-D/3-D library conv with a channels-last epilogue mapping | cuDNN on channels-last operands |
+| `gemm_consumers` | a 16-bit in-kernel GEMM whose CTAs have tiles for the spare warps | the chain in the consumer warps |
 
 Each row's setting (`Config`, one environment variable each) is "auto" (time both
 forms of the library call, `timings.gpu_ms`, and take the other where it is at least
@@ -19,7 +20,10 @@ speed depends on. The measured choice (`choice.decide`) then times the chain in 
 forms taken against Inductor; where a form's library call alone does not show what the
 form costs the rest of the chain (`Form.chain_decides`: the conv layout, whose epilogue
 kernel and input copies differ), the chain is timed without that form too, and the
-faster of the two is the one compared with Inductor (`FormChoice.alternative`).
+faster of the two is the one compared with Inductor (`FormChoice.alternative`). A
+row with no library call of its own (`Form.timed_as_chain`: where the in-kernel GEMM
+runs a chain) is decided by the chain's timing alone: taken wherever the measured
+choice times the chain, which times it both ways; the graph's form elsewhere.
 """
 
 from __future__ import annotations
@@ -37,13 +41,15 @@ from ..config import Config
 from .base import Form
 from .conv_layout import ConvLayout
 from .gemm_bias import GemmBias
+from .gemm_consumers import GemmConsumers
 from .gemm_padding import GemmPadding
 
 log = logging.getLogger("fusedepi")
 
 # In the order they are tried: at most one applies to a chain (float32 Linear, 16-bit
-# Linear, conv), and a later one sees the spec an earlier one made.
-FORMS: tuple[Form, ...] = (GemmBias(), GemmPadding(), ConvLayout())
+# Linear on the library path, conv, 16-bit in-kernel GEMM), and a later one sees the
+# spec an earlier one made.
+FORMS: tuple[Form, ...] = (GemmBias(), GemmPadding(), ConvLayout(), GemmConsumers())
 
 # The other form must be at least this much faster than the graph's: it costs a little
 # that a timing of the library call alone does not see (a padding copy's launches, a
@@ -68,11 +74,14 @@ class FormChoice:
     # measured choice times the whole chain in too (`rewrite`), and what that found.
     alternative: EpilogueSpec | None = None
     chains: str = ""
+    by_chain: bool = False  # the row's form has no library call to time (`Form.timed_as_chain`)
 
     def describe(self) -> str:
         verdict = "taken" if self.taken else "not taken"
         if self.note:
             return f"{self.form}: {verdict} ({self.note})"
+        if self.by_chain:
+            return f"{self.form}: {verdict} ({self.chains or 'the chain not timed'})"
         chains = f"; {self.chains}" if self.chains else ""
         return f"{self.form}: {verdict} ({self.form_ms:.4g} ms against {self.graph_ms:.4g} ms{chains})"
 
@@ -98,6 +107,12 @@ def choose(chain, cfg: Config) -> tuple[FormChoice, ...]:
             continue
         device = chain.anchor.meta["val"].device
         if device.type != "cuda":
+            continue
+        if form.timed_as_chain:
+            if cfg.autotune == "off":
+                continue  # nothing times the chain: the graph's form
+            rows.append(FormChoice(form.name, what, 0.0, 0.0, True, alternative=chain.spec, by_chain=True))
+            chain.spec = form.apply(chain, found)
             continue
         key = "|".join(str(part) for part in (form.name, torch.cuda.get_device_name(device), torch.__version__,
                                               *form.key(found)))

@@ -18,6 +18,11 @@ class Form:
     # Whether the library call's timing leaves out a cost of the form to the rest of the
     # chain, so that a form it takes is checked by timing the whole chain both ways.
     chain_decides = False
+    # Whether the form has no library call of its own to time (it changes the fused
+    # kernel): under "auto" it is taken wherever the measured choice will time the chain,
+    # which then times the chain without it too and keeps the faster; elsewhere the
+    # graph's form stays.
+    timed_as_chain = False
 
     def candidate(self, chain) -> tuple | None:
         """What the timing depends on (shapes, mostly) where the form applies to

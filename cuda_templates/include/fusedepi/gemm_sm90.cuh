@@ -101,10 +101,11 @@ __device__ __forceinline__ void consumer_epilogue(float (&d)[128], int half, int
 }
 
 // Whether the spare-warp kernel (kOffload) exists: a pointwise chain on 16-bit tiles (float32
-// tiles are staged in two rounds). Where it does not, the launch names only the plain kernel
-// (a discarded branch naming <true> still asks nvcc for a stub of an instantiation that has
-// no definition: warning #20280).
-constexpr bool kSpareWarps = kPointwise && kRounds == 1;
+// tiles are staged in two rounds), unless the spec keeps it in the consumers
+// (kMaySpareWarps). Where it does not, the launch names only the plain kernel (a discarded
+// branch naming <true> still asks nvcc for a stub of an instantiation that has no
+// definition: warning #20280).
+constexpr bool kSpareWarps = kMaySpareWarps && kPointwise && kRounds == 1;
 
 // The GEMM kernel's body (the file's __global__ wrapper, named per spec, calls it with
 // its __grid_constant__ tensor maps): map_a x [rows, kK], map_b w [kChannels, kK], map_c
