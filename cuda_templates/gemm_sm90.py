@@ -33,7 +33,11 @@ Structure (one CTA an output tile of 128 x 256, persistent over tiles, 384 threa
   registers each, to hold their 8 columns' operands) run stage0 on the staged tile in
   place and store it. Named barriers hand
   the staging tile over (kBarFull) and back (kBarEmpty). The consumers run their last
-  tile's chain themselves. 16-bit tiles only (one staging round).
+  tile's chain themselves. 16-bit tiles only (one staging round). A spec whose
+  `Anchor.gemm_consumers` is set (the `gemm_consumers` form, decided by timing the chain
+  both ways) renders `kMaySpareWarps` false: the consumers run the chain on every tile;
+  three warps are few for transcendental steps over a tile whose mainloop is short
+  (tanh after K = 768 on an H100: 129 us in the spare warps, 80 us in the consumers).
 
 Which chains and calls take it (FUSEDEPI_IN_KERNEL_GEMM, README "In-kernel GEMM"): by
 default 16-bit pointwise chains and row reductions and float32 row reductions
