@@ -84,7 +84,7 @@ def decide(chain: Chain, spec: str, cfg: Config, claimed: frozenset = frozenset(
     under strict mode).
     """
     device = chain.anchor.meta["val"].device
-    if not _timed_on(device, cfg):
+    if not timed_on(device, cfg):
         return Choice(0.0, 0.0, True, "not timed (FUSEDEPI_AUTOTUNE)" if cfg.autotune == "off" else "")
     try:
         inductor_form, fused_form, inputs = subgraphs(chain, spec, claimed)
@@ -129,7 +129,7 @@ def decide(chain: Chain, spec: str, cfg: Config, claimed: frozenset = frozenset(
     return Choice(fused_ms, inductor_ms, fused_ms <= inductor_ms, note)
 
 
-def _timed_on(device: torch.device, cfg: Config) -> bool:
+def timed_on(device: torch.device, cfg: Config) -> bool:
     """Whether work on `device` is timed, by FUSEDEPI_AUTOTUNE (see `decide`)."""
     return cfg.autotune == "on" or (cfg.autotune == "auto" and device.type == "cuda")
 
@@ -306,7 +306,7 @@ def whole_graph(gm: GraphModule, example_inputs: list, ours, fused: list, cfg: C
     runs faster on the GPU. `fused`: the graph's records of fused chains; each gets both
     times (`Record.graph`), and becomes a refusal where Inductor's graph is taken.
 
-    Timed where the chains are (`_timed_on`), on random
+    Timed where the chains are (`timed_on`), on random
     inputs of the example inputs' shapes, strides, dtypes and devices (memory for a
     second copy of the inputs is needed: where the GPU lacks it, `ours` is kept), and
     cached like the chains' times. A failure keeps `ours` with a warning (raises under
@@ -315,7 +315,7 @@ def whole_graph(gm: GraphModule, example_inputs: list, ours, fused: list, cfg: C
     """
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     device = next((x.device for x in tensors if x.device.type == "cuda"), torch.device("cpu"))
-    if not fused or not _timed_on(device, cfg):
+    if not fused or not timed_on(device, cfg):
         return ours
     theirs = []  # Inductor's compile, once it is made
 

@@ -6,6 +6,7 @@ that fails is left to Inductor with one warning (or raises under FUSEDEPI_STRICT
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import logging
 import math
@@ -163,8 +164,7 @@ def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
         padded = " (library conv on channels-last operands)"
     if device.type != "cuda":
         return "reference (cpu)" + padded
-    tf32 = launch.reads_conv_tf32(spec) and ops.conv_allows_tf32()
-    launch.kernel_for(spec, device, cfg.cache_dir, tf32, cfg.debug)
+    tf32 = _build(spec, device, cfg)
     arch = ops.arch_of(device)
     name = cuda_templates.kernel_name(chain.spec, arch, tf32) + padded
     gemm = cuda_templates.gemm_plan(chain.spec, arch)
@@ -182,6 +182,32 @@ def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
         elif not cuda_templates.fills_gpu(rows, chain.spec.channels, sms):
             name += f" (library GEMM first at {rows} rows: too few {gemm.block_m}x{gemm.block_n} tiles for {sms} SMs)"
     return name
+
+
+def _build(spec: str, device: torch.device, cfg: Config) -> bool:
+    """Builds (or finds) the kernel of `spec` for `device`; returns whether it is the
+    variant for float32 convs that may use TF32."""
+    tf32 = launch.reads_conv_tf32(spec) and ops.conv_allows_tf32()
+    launch.kernel_for(spec, device, cfg.cache_dir, tf32, cfg.debug)
+    return tf32
+
+
+# Builds of the specs a chain is also timed in (`_prebuild_alternatives`): nvcc runs in
+# child processes, so a thread a build.
+_BUILDS = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="fusedepi-build")
+
+
+def _prebuild_alternatives(chain: Chain, rows: tuple, cfg: Config) -> list:
+    """Where the measured choice will time `chain` and a form taken keeps the spec
+    without it (`forms.FormChoice.alternative`, timed too by `_without_forms`), starts
+    building that spec's kernel beside the chain's own build, so that the two nvcc
+    runs overlap. Returns the builds' futures; a build that fails here fails again
+    where it is needed, and says so there."""
+    device = chain.anchor.meta["val"].device
+    if device.type != "cuda" or not choice.timed_on(device, cfg):
+        return []
+    return [_BUILDS.submit(_build, row.alternative.to_json(), device, cfg) for row in rows
+            if row.alternative is not None]
 
 
 def _without_forms(chain: Chain, plan: ExecutionPlan, cfg: Config, claimed: frozenset) -> ExecutionPlan:
@@ -279,7 +305,7 @@ def rewrite(gm: GraphModule, cfg: Config, skip: dict | None = None) -> Report:
     for refusal in refusals:
         log.info("fusedepi: not fused at %s: %s", refusal.anchor, refusal.reason)
         report.records.append(Record("refused", refusal.anchor, refusal.nodes, reason=refusal.reason))
-    fused = []
+    fused, builds = [], []
     for chain in chains:
         names = [n.name for n in chain.nodes]
         claimed = frozenset(n for other in chains if other is not chain for n in other.nodes)
@@ -290,6 +316,7 @@ def rewrite(gm: GraphModule, cfg: Config, skip: dict | None = None) -> Report:
             continue
         try:
             form_rows = forms.choose(chain, cfg)
+            builds += _prebuild_alternatives(chain, form_rows, cfg)
             spec = chain.spec.to_json()
             kernel = _prepare(chain, spec, cfg)
         except (cuda_templates.NotRenderable, OperandMismatch) as err:
@@ -330,6 +357,7 @@ def rewrite(gm: GraphModule, cfg: Config, skip: dict | None = None) -> Report:
                    plan=plan)
         )
         fused.append((chain, spec, kernel))
+    concurrent.futures.wait(builds)  # none outlives the compile that started it
     if cfg.native_launcher and any(chain.anchor.meta["val"].device.type == "cuda" for chain, _, _ in fused):
         _enable_native(cfg)
     if fused:

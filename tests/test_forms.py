@@ -353,3 +353,35 @@ def test_an_untimed_chain_goes_back_from_the_consumers_to_the_spare_warps(monkey
     assert chain.spec == before and plan.spec == before.to_json() and plan.kernel == "kernel False"
     assert plan.fused and not plan.forms[0].taken
     assert plan.forms[0].describe() == "gemm_consumers: not taken (the chain not timed)"
+
+
+def test_the_spec_without_a_form_is_built_beside_the_chains_own(monkeypatch):
+    """Where the measured choice will time the chain both ways, the kernel of the spec
+    without the form starts building on a thread of its own when the form is taken, not
+    after the chain's own build;
+    nothing is built ahead where nothing times the chain."""
+    import threading
+
+    from fusion_backend import rewrite
+
+    chain = _in_kernel_chain()
+    before = chain.spec
+    chain.spec = gemm_consumers.GemmConsumers().apply(chain, None)
+    rows = (forms.FormChoice("gemm_consumers", "consumers", 0.0, 0.0, True, alternative=before, by_chain=True),)
+    release, built = threading.Event(), []
+
+    def build(spec, device, cfg):
+        built.append((spec, threading.current_thread().name))
+        assert release.wait(10)
+        return False
+
+    monkeypatch.setattr(rewrite, "_build", build)
+    pending = rewrite._prebuild_alternatives(chain, rows, load_config({}))
+    assert len(pending) == 1 and not pending[0].done()  # under way while the caller goes on
+    release.set()
+    assert pending[0].result(timeout=10) is False
+    assert built == [(before.to_json(), built[0][1])] and built[0][1].startswith("fusedepi-build")
+    assert rewrite._prebuild_alternatives(chain, rows, load_config({"FUSEDEPI_AUTOTUNE": "0"})) == []
+    assert rewrite._prebuild_alternatives(chain, rows[:0], load_config({})) == []
+    cpu = SimpleNamespace(**{**vars(chain), "anchor": _node(device="cpu")})
+    assert rewrite._prebuild_alternatives(cpu, rows, load_config({})) == []
