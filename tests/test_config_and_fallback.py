@@ -59,6 +59,7 @@ def test_every_fusion_name_is_disableable():
         ({"FUSEDEPI_IN_KERNEL_GEMM": "always"}, "FUSEDEPI_IN_KERNEL_GEMM: 'always' is not auto, 1 (on) or 0 (off)"),
         ({"FUSEDEPI_PAD_GEMM": "maybe"}, "FUSEDEPI_PAD_GEMM: 'maybe' is not auto, 1 (on) or 0 (off)"),
         ({"FUSEDEPI_CONV_CHANNELS_LAST": "nhwc"}, "FUSEDEPI_CONV_CHANNELS_LAST: 'nhwc' is not auto, 1 (on) or 0 (off)"),
+        ({"FUSEDEPI_GEMM_CONSUMERS": "spare"}, "FUSEDEPI_GEMM_CONSUMERS: 'spare' is not auto, 1 (on) or 0 (off)"),
     ],
 )
 def test_bad_settings_are_clear_errors(env, message):
@@ -68,7 +69,8 @@ def test_bad_settings_are_clear_errors(env, message):
 
 @pytest.mark.parametrize("name, field", [("FUSEDEPI_IN_KERNEL_GEMM", "in_kernel_gemm"), ("FUSEDEPI_PAD_GEMM", "pad_gemm"),
                                          ("FUSEDEPI_CONV_CHANNELS_LAST", "conv_channels_last"),
-                                         ("FUSEDEPI_FOLD_GEMM_BIAS", "fold_gemm_bias")])
+                                         ("FUSEDEPI_FOLD_GEMM_BIAS", "fold_gemm_bias"),
+                                         ("FUSEDEPI_GEMM_CONSUMERS", "gemm_consumers")])
 def test_auto_on_off_settings(name, field):
     assert getattr(load_config({}), field) == "auto"
     for value, mode in (("auto", "auto"), ("1", "on"), ("on", "on"), ("0", "off"), ("Off", "off"), (" ", "auto")):
