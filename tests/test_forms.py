@@ -385,3 +385,20 @@ def test_the_spec_without_a_form_is_built_beside_the_chains_own(monkeypatch):
     assert rewrite._prebuild_alternatives(chain, rows[:0], load_config({})) == []
     cpu = SimpleNamespace(**{**vars(chain), "anchor": _node(device="cpu")})
     assert rewrite._prebuild_alternatives(cpu, rows, load_config({})) == []
+
+
+def test_an_untimed_chain_that_cannot_be_built_without_the_consumers_keeps_them(monkeypatch):
+    import cuda_templates
+    from fusion_backend import rewrite
+
+    chain = _in_kernel_chain()
+    before = chain.spec
+    chain.spec = taken = gemm_consumers.GemmConsumers().apply(chain, None)
+    row = forms.FormChoice("gemm_consumers", "consumers", 0.0, 0.0, True, alternative=before, by_chain=True)
+
+    def prepare(chain_, spec, cfg):
+        raise cuda_templates.NotRenderable("no file for it")
+
+    monkeypatch.setattr(rewrite, "_prepare", prepare)
+    plan = ExecutionPlan(taken.to_json(), "kernel True", (row,), Choice(0.0, 0.0, True, "not timed: KeyError"))
+    assert rewrite._without_forms(chain, plan, load_config({}), frozenset()) is plan and chain.spec == taken
