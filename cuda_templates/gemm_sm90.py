@@ -95,10 +95,15 @@ CHEAP_STEPS = frozenset(kind.name for kind in VOCABULARY.values() if kind.cheap)
 MIN_WAVE_USE = 0.75
 
 
+def _tiles(rows: int, channels: int) -> int:
+    """The output tiles of a [rows, channels] product (channels a multiple of BLOCK_N)."""
+    return -(-rows // BLOCK_M) * (channels // BLOCK_N)
+
+
 def fills_gpu(rows: int, channels: int, sms: int) -> bool:
     """Whether a [rows, channels] output gives the in-kernel GEMM's persistent CTAs on
     `sms` SMs enough tiles (FUSEDEPI_IN_KERNEL_GEMM=auto)."""
-    tiles = -(-rows // BLOCK_M) * (channels // BLOCK_N)
+    tiles = _tiles(rows, channels)
     if tiles < sms:
         return False
     waves = -(-tiles // sms)
@@ -109,7 +114,7 @@ def spare_warps_run(rows: int, channels: int, sms: int) -> bool:
     """Whether a [rows, channels] output gives each of the persistent CTAs on `sms` SMs
     `WARPS_MIN_TILES` tiles, so that a 16-bit pointwise chain runs in the spare warps
     (as `gemm_launch` decides at every call)."""
-    tiles = -(-rows // BLOCK_M) * (channels // BLOCK_N)
+    tiles = _tiles(rows, channels)
     return tiles > 0 and tiles >= WARPS_MIN_TILES * min(tiles, sms)
 
 

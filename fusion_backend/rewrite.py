@@ -220,18 +220,15 @@ def _without_forms(chain: Chain, plan: ExecutionPlan, cfg: Config, claimed: froz
     alone (`Form.timed_as_chain`) where the chain was not timed after all goes back to
     the graph's form."""
     for i, row in enumerate(plan.forms):
-        if row.alternative is None:
-            continue
-        if not plan.choice.inductor_ms:
-            if row.by_chain:
-                plan = _untimed_without(chain, plan, i, cfg)
+        timed = bool(plan.choice.inductor_ms)
+        if row.alternative is None or not (timed or row.by_chain):
             continue
         taken = chain.spec
         chain.spec = row.alternative
         spec = chain.spec.to_json()
         try:
             kernel = _prepare(chain, spec, cfg)
-            other = choice.decide(chain, spec, cfg, claimed)
+            other = choice.decide(chain, spec, cfg, claimed) if timed else None
         except Exception as err:  # noqa: BLE001 - the plan as it was
             if cfg.strict and not isinstance(err, (cuda_templates.NotRenderable, OperandMismatch)):
                 raise
@@ -239,6 +236,10 @@ def _without_forms(chain: Chain, plan: ExecutionPlan, cfg: Config, claimed: froz
             log.info("fusedepi: %s at %s without %s: %s", chain.spec.fusion, chain.anchor.name, row.form, err)
             continue
         rows = list(plan.forms)
+        if not timed:  # taken for a timing of the chain that did not happen: the graph's form
+            rows[i] = replace(row, taken=False, alternative=None, chains="the chain not timed")
+            plan = ExecutionPlan(spec, kernel, tuple(rows), plan.choice)
+            continue
         without = bool(other.inductor_ms and not other.difference and (plan.choice.difference or
                                                                        other.fused_ms < plan.choice.fused_ms))
         rows[i] = replace(row, taken=not without, alternative=None,
@@ -249,24 +250,6 @@ def _without_forms(chain: Chain, plan: ExecutionPlan, cfg: Config, claimed: froz
             chain.spec = taken
             plan = replace(plan, forms=tuple(rows))
     return plan
-
-
-def _untimed_without(chain: Chain, plan: ExecutionPlan, i: int, cfg: Config) -> ExecutionPlan:
-    """`plan` without its row `i` (a form taken for a timing of the chain that did not
-    happen): the graph's form, built; the plan as it was where that fails."""
-    row, taken = plan.forms[i], chain.spec
-    chain.spec = row.alternative
-    spec = chain.spec.to_json()
-    try:
-        kernel = _prepare(chain, spec, cfg)
-    except Exception as err:  # noqa: BLE001 - the plan as it was
-        if cfg.strict and not isinstance(err, (cuda_templates.NotRenderable, OperandMismatch)):
-            raise
-        chain.spec = taken
-        return plan
-    rows = list(plan.forms)
-    rows[i] = replace(row, taken=False, alternative=None, chains="the chain not timed")
-    return ExecutionPlan(spec, kernel, tuple(rows), plan.choice)
 
 
 def _enable_native(cfg: Config) -> None:

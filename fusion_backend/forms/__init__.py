@@ -36,7 +36,7 @@ import torch
 
 from lowering.spec import EpilogueSpec
 
-from .. import timings
+from .. import choice, timings
 from ..config import Config
 from .base import Form
 from .conv_layout import ConvLayout
@@ -109,7 +109,7 @@ def choose(chain, cfg: Config) -> tuple[FormChoice, ...]:
         if device.type != "cuda":
             continue
         if form.timed_as_chain:
-            if cfg.autotune == "off":
+            if not choice.timed_on(device, cfg):
                 continue  # nothing times the chain: the graph's form
             rows.append(FormChoice(form.name, what, 0.0, 0.0, True, alternative=chain.spec, by_chain=True))
             chain.spec = form.apply(chain, found)
