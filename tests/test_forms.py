@@ -272,6 +272,16 @@ def _in_kernel_chain(rows=8192, k=768, n=3072, dtype="bfloat16", steps=(Step("ta
     return SimpleNamespace(spec=spec, operands=[x, x, x], params=[], anchor=x)
 
 
+def _consumers_taken():
+    """A stand-in chain with the `gemm_consumers` form taken for the chain's timing, as
+    `forms.choose` leaves it: (chain, the spec before, the spec taken, the row)."""
+    chain = _in_kernel_chain()
+    before = chain.spec
+    chain.spec = taken = gemm_consumers.GemmConsumers().apply(chain, None)
+    row = forms.FormChoice("gemm_consumers", "consumers", 0.0, 0.0, True, alternative=before, by_chain=True)
+    return chain, before, taken, row
+
+
 @pytest.fixture
 def h100(monkeypatch):
     """The row's candidate on a 132-SM sm_90 GPU."""
@@ -322,10 +332,7 @@ def test_the_consumers_row_is_taken_for_the_chains_timing_alone(monkeypatch, fre
 def test_the_chain_decides_between_the_consumers_and_the_spare_warps(monkeypatch, with_ms, without_ms, keeps):
     from fusion_backend import rewrite
 
-    chain = _in_kernel_chain()
-    before = chain.spec
-    chain.spec = taken = gemm_consumers.GemmConsumers().apply(chain, None)
-    row = forms.FormChoice("gemm_consumers", "consumers", 0.0, 0.0, True, alternative=before, by_chain=True)
+    chain, before, taken, row = _consumers_taken()
     monkeypatch.setattr(rewrite.choice, "decide", lambda chain_, spec, cfg, claimed: Choice(without_ms, 0.1, True))
     monkeypatch.setattr(rewrite, "_prepare", lambda chain_, spec, cfg: f"kernel {chain_.spec.anchor.gemm_consumers}")
     plan = rewrite._without_forms(chain, ExecutionPlan(taken.to_json(), "kernel True", (row,), Choice(with_ms, 0.1, True)),
@@ -341,10 +348,7 @@ def test_an_untimed_chain_goes_back_from_the_consumers_to_the_spare_warps(monkey
     a neighbourhood it cannot cut out), the row's form is dropped: the graph's is built."""
     from fusion_backend import rewrite
 
-    chain = _in_kernel_chain()
-    before = chain.spec
-    chain.spec = taken = gemm_consumers.GemmConsumers().apply(chain, None)
-    row = forms.FormChoice("gemm_consumers", "consumers", 0.0, 0.0, True, alternative=before, by_chain=True)
+    chain, before, taken, row = _consumers_taken()
     monkeypatch.setattr(rewrite.choice, "decide", lambda *args: pytest.fail("timed"))
     monkeypatch.setattr(rewrite, "_prepare", lambda chain_, spec, cfg: f"kernel {chain_.spec.anchor.gemm_consumers}")
     untimed = Choice(0.0, 0.0, True, "not timed: a size without a hint")
@@ -364,10 +368,8 @@ def test_the_spec_without_a_form_is_built_beside_the_chains_own(monkeypatch):
 
     from fusion_backend import rewrite
 
-    chain = _in_kernel_chain()
-    before = chain.spec
-    chain.spec = gemm_consumers.GemmConsumers().apply(chain, None)
-    rows = (forms.FormChoice("gemm_consumers", "consumers", 0.0, 0.0, True, alternative=before, by_chain=True),)
+    chain, before, _, row = _consumers_taken()
+    rows = (row,)
     release, built = threading.Event(), []
 
     def build(spec, device, cfg):
@@ -391,10 +393,7 @@ def test_an_untimed_chain_that_cannot_be_built_without_the_consumers_keeps_them(
     import cuda_templates
     from fusion_backend import rewrite
 
-    chain = _in_kernel_chain()
-    before = chain.spec
-    chain.spec = taken = gemm_consumers.GemmConsumers().apply(chain, None)
-    row = forms.FormChoice("gemm_consumers", "consumers", 0.0, 0.0, True, alternative=before, by_chain=True)
+    chain, before, taken, row = _consumers_taken()
 
     def prepare(chain_, spec, cfg):
         raise cuda_templates.NotRenderable("no file for it")
