@@ -66,6 +66,7 @@ class Launcher:
 
         self.spec = _parse(spec)
         self.spec_json = spec
+        self.conv_tf32 = conv_tf32  # the variant built for cuDNN's TF32 flag on (reads_conv_tf32)
         self.device_index = device.index
         cfg = load_config()
         self.lib = kernel_for(spec, device, cfg.cache_dir, conv_tf32, cfg.debug)

@@ -216,10 +216,12 @@ def install() -> None:
 
 
 def covers(launcher) -> bool:
-    """Whether the C++ side can run `launcher`'s spec by itself. Not: the variants that
-    read a TF32 setting at every call (float32 in the in-kernel GEMM, float32 direct conv),
-    which Python keeps, and the in-kernel conv (its operands change layout first)."""
-    return not launcher.gemm_tf32 and not launcher.reads_conv_tf32 and launcher.anchor_path != "in-kernel conv"
+    """Whether the C++ side can run `launcher`'s spec by itself: all but the in-kernel conv
+    (its operands change layout first). The variants that depend on a TF32 setting read it
+    at every call there, through the getters Python's launcher reads (a float32 in-kernel
+    GEMM file: the matmul precision; a float32 conv the file may compute: cuDNN's TF32
+    flag, one plan for each of its values)."""
+    return launcher.anchor_path != "in-kernel conv"
 
 
 @dataclass(frozen=True)
@@ -249,6 +251,9 @@ class LaunchLayout:
     pad_n: int
     channels_last: bool
     permuted: bool  # a library conv's output read as [N x spatial, C] rows
+    gemm_tf32: bool  # a float32 in-kernel GEMM file: the GEMM in it only while matmuls may use TF32
+    reads_conv_tf32: bool  # a float32 conv the file may compute: its variants follow cuDNN's TF32 flag
+    conv_tf32: bool  # ... and this plan is the variant for the flag on
 
     @classmethod
     def of(cls, launcher) -> "LaunchLayout":
@@ -262,7 +267,8 @@ class LaunchLayout:
         return cls(PATH_CODES[launcher.anchor_path], ANCHOR_CODES[spec.anchor.kind], launcher.n_operands,
                    launcher.gemm_auto, launcher.row_output, len(tail), *dims, launcher.keeps_spatial,
                    spec.channels, out_h, out_w, launcher.stores_pre_norm, spec.anchor.has_bias, pad_k, pad_n,
-                   spec.anchor.channels_last, spec.anchor.permuted)
+                   spec.anchor.channels_last, spec.anchor.permuted, launcher.gemm_tf32,
+                   launcher.reads_conv_tf32, launcher.conv_tf32)
 
     def encode(self) -> list[int]:
         return [int(getattr(self, f.name)) for f in fields(self)]

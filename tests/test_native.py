@@ -157,7 +157,8 @@ def _launcher(anchor, saves=(), **fields):
     spec = SimpleNamespace(anchor=anchor, channels=fields.pop("channels", 16))
     defaults = dict(spec=spec, anchor_path="library anchor", n_operands=anchor.n_operands,
                     gemm_auto=False, row_output=False, reduced_tail=(), keeps_spatial=False, stores_pre_norm=False, running_stats=(),
-                    saves=[(s, getattr(torch, s.dtype)) for s in saves], gemm_tf32=False, reads_conv_tf32=False)
+                    saves=[(s, getattr(torch, s.dtype)) for s in saves], gemm_tf32=False, reads_conv_tf32=False,
+                    conv_tf32=False)
     defaults.update(fields)
     return SimpleNamespace(**defaults)
 
@@ -167,36 +168,43 @@ def test_plan_layout_of_a_library_conv_with_saves():
     saves = (Save("value", "float32", (-1, 16, 5, 5), 16 * 25, at=0), Save("mean", "bfloat16", (16,), 0),
              Save("value", "float16", (-1, 16), 16, at=2))
     launcher = _launcher(conv, saves, running_stats=(2, 3))
-    assert native._layout(launcher) == [0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 0, 0]
+    assert native._layout(launcher) == [0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
     assert native._conv(conv) == [2, 2, 1, 1, 0, 1, 3, 0, 0, 0, 4]
     assert native._saves(launcher) == [1, 0, 400, 4, -1, 16, 5, 5, 0, 2, 0, 1, 16, 0, 1, 16, 2, -1, 16]
 
 
-def test_plan_layout_of_a_gemm_and_the_variants_python_keeps():
+def test_plan_layout_of_a_gemm_and_the_variants_that_read_tf32_settings():
     launcher = _launcher(Anchor("addmm"), anchor_path="in-kernel GEMM", gemm_auto=True, row_output=True,
                          reduced_tail=(1,), channels=8192)
-    assert native._layout(launcher) == [1, 0, 3, 1, 1, 1, 1, 0, 0, 0, 0, 8192, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert native._layout(launcher) == [1, 0, 3, 1, 1, 1, 1, 0, 0, 0, 0, 8192, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
     assert native._conv(launcher.spec.anchor) == []
     assert native.covers(launcher)
-    assert not native.covers(_launcher(Anchor("mm"), anchor_path="in-kernel GEMM", gemm_tf32=True))
-    assert not native.covers(_launcher(Anchor("conv", conv=((1, 1), (0, 0), (1, 1), False, (0, 0), 1)),
-                                       reads_conv_tf32=True))
+    # A float32 in-kernel GEMM file, and the two variants of a float32 direct conv: the C++
+    # launcher reads the TF32 setting at each call and runs the plan made for it.
+    tf32_gemm = _launcher(Anchor("mm"), anchor_path="in-kernel GEMM", gemm_tf32=True)
+    assert native.covers(tf32_gemm) and native._layout(tf32_gemm)[-3:] == [1, 0, 0]
+    conv = Anchor("conv", conv=((1, 1), (0, 0), (1, 1), False, (0, 0), 1), direct=(4, 3, 3, 10, 12))
+    for variant in (False, True):
+        direct = _launcher(conv, anchor_path="direct conv", reads_conv_tf32=True, conv_tf32=variant)
+        assert native.covers(direct) and native._layout(direct)[-3:] == [0, 1, int(variant)]
+    # The in-kernel conv changes its operands' layout first: Python's launcher runs it.
+    assert not native.covers(_launcher(conv, anchor_path="in-kernel conv"))
 
 
 def test_plan_layout_of_a_permuted_conv():
     conv = Anchor("conv", has_bias=True, conv=((1, 1), (3, 3), (1, 1), False, (0, 0), 96), permuted=True)
     launcher = _launcher(conv, channels=96)
-    assert native._layout(launcher)[-2:] == [0, 1] and native.covers(launcher)
+    assert native._layout(launcher)[18:20] == [0, 1] and native.covers(launcher)
 
 
 def test_plan_layout_of_a_padded_gemm():
     launcher = _launcher(Anchor("addmm", pad=(152, 520)), channels=513)
-    assert native._layout(launcher) == [0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 513, 0, 0, 0, 0, 152, 520, 0, 0]
+    assert native._layout(launcher) == [0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 513, 0, 0, 0, 0, 152, 520, 0, 0, 0, 0, 0]
 
 
 def test_plan_layout_of_a_channels_last_conv():
     conv = Anchor("conv", has_bias=True, conv=((1, 1), (1, 1), (1, 1), False, (0, 0), 1), channels_last=True)
-    assert native._layout(_launcher(conv)) == [0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 1, 0]
+    assert native._layout(_launcher(conv)) == [0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("tail", [(), (1,), (16,), (16, 1, 1), (1, 1, 1), (16, 7, 9), (16, 3, 5, 4)])
@@ -401,3 +409,90 @@ def test_cpp_and_python_launchers_agree_on_a_channels_last_conv(monkeypatch, pyt
     inputs = [x, conv.weight, conv.bias, norm.weight, norm.bias]
     launch.launcher_for(record.spec, x.device)  # planned: C++ serves the next call
     assert _agree(record.spec, inputs, python_launches)
+
+
+
+def _fused_call(model, x, monkeypatch):
+    """The fused record of compiling `model` on `x` (one chain) and the inputs of its op's
+    first call, which the Python launcher serves (plans are made on that call)."""
+    from fusion_backend import fusedepi
+    from fusion_backend.backend import collect_reports
+
+    torch._dynamo.reset()
+    launch.forget_loaded()
+    captured = []
+    real = launch.launcher_for
+
+    def capturing(spec, device):
+        launcher = real(spec, device)
+        return lambda inputs: (captured.append([t.clone() for t in inputs]), launcher(inputs))[1]
+
+    monkeypatch.setattr(launch, "launcher_for", capturing)
+    reports: list = []
+    with torch.no_grad(), collect_reports(reports):
+        torch.compile(model, backend=fusedepi)(x)
+    monkeypatch.setattr(launch, "launcher_for", real)
+    (record,) = [r for report in reports for r in report.records if r.status == "fused"]
+    assert captured, "the fused op did not run"
+    return record, captured[0]
+
+
+@pytest.mark.gpu
+def test_cpp_launcher_reads_the_matmul_precision_at_every_call(monkeypatch, python_launches):
+    """A float32 in-kernel GEMM file computes its GEMM in TF32 only while matmuls may use
+    TF32: the C++ launcher reads the setting at each call, as Python's launcher does."""
+    monkeypatch.setenv("FUSEDEPI_AUTOTUNE", "off")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), _LogSumExp()).cuda()
+    x = torch.rand(8192, 256, device="cuda")
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        record, inputs = _fused_call(model, x, monkeypatch)
+        assert "wgmma" in record.kernel, record.kernel
+        launcher = launch.launcher_for(record.spec, x.device)
+        assert launcher.native and launcher.gemm_tf32
+        assert launcher.in_kernel_gemm(8192)  # the rows' answer, which C++ has from here on
+        results = {}
+        for precision in ("highest", "high", "highest", "high"):
+            torch.set_float32_matmul_precision(precision)
+            assert _agree(record.spec, inputs, python_launches), precision
+            results.setdefault(precision, []).append(torch.ops.fusedepi.chain(inputs, record.spec)[0])
+        # The two settings ran two GEMMs (TF32 rounds the operands), each the same every time.
+        for outs in results.values():
+            torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+        assert not torch.equal(results["highest"][0], results["high"][0])
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+class _LogSumExp(torch.nn.Module):
+    def forward(self, y):
+        return torch.logsumexp(y, dim=1)
+
+
+@pytest.mark.gpu
+def test_cpp_launcher_runs_the_direct_convs_variant_for_cudnns_tf32_flag(monkeypatch, python_launches):
+    """A float32 direct conv has a kernel for each value of cuDNN's TF32 flag: the C++
+    launcher reads the flag at each call and runs that variant's plan."""
+    monkeypatch.setenv("FUSEDEPI_AUTOTUNE", "off")
+    torch.manual_seed(0)
+    # 4 input channels: the TF32 variant is the tensor-core kernel, the other one FMA.
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 16, 3, padding=1), torch.nn.ReLU()).cuda()
+    x = torch.rand(2, 4, 256, 256, device="cuda")
+    before = torch.backends.cudnn.allow_tf32
+    try:
+        record, inputs = _fused_call(model, x, monkeypatch)
+        assert "direct" in record.kernel, record.kernel
+        results = {}
+        for flag in (True, False, True, False):
+            torch.backends.cudnn.allow_tf32 = flag
+            launcher = launch.launcher_for(record.spec, x.device)  # this variant's plan, made once
+            assert launcher.conv_tf32 == flag and launcher.native
+            assert _agree(record.spec, inputs, python_launches), flag
+            results.setdefault(flag, []).append(torch.ops.fusedepi.chain(inputs, record.spec)[0])
+        for outs in results.values():
+            torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+        assert not torch.equal(results[True][0], results[False][0])
+    finally:
+        torch.backends.cudnn.allow_tf32 = before

@@ -15,6 +15,7 @@
 // the kernel file's `fusedepi_run` on the current stream. Built by fusion_backend/native.py
 // (the C++ compiler with torch's paths), once per torch version.
 
+#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/addmm.h>
@@ -100,6 +101,9 @@ struct Plan {
   int64_t pad_k = 0, pad_n = 0;  // a padded library GEMM's K and N (Anchor.pad), else 0
   bool channels_last = false;  // a library conv on channels-last operands (Anchor.channels_last)
   bool permuted = false;  // a library conv whose output is read as [N x spatial, C] rows (Anchor.permuted)
+  bool gemm_tf32 = false;  // kGemm in float32: the GEMM in the kernel only while matmuls may use TF32
+  bool reads_conv_tf32 = false;  // a float32 conv the file may compute: a plan for each cuDNN TF32 flag
+  bool conv_tf32 = false;  // ... this one for the flag on
   std::vector<int64_t> stride, padding, dilation, output_padding;
   bool transposed = false;
   int64_t groups = 1;
@@ -119,15 +123,48 @@ struct Plan {
   std::unordered_map<int64_t, bool> in_kernel_rows;  // kGemm with gemm_auto: Python's answers
 };
 
-// Plans by the hash of their spec; a bucket holds one plan per (spec, device).
+// Plans by the hash of their spec; a bucket holds one plan per (spec, device), or per
+// (spec, device, cuDNN TF32 flag) where the spec's kernel file follows that flag.
 std::shared_mutex plans_mutex;
 std::unordered_map<size_t, std::vector<std::shared_ptr<Plan>>> plans;
 
+// The TF32 settings as eager reads them at every call, through the getters Python's
+// launcher reads (fusion_backend/ops.py: matmul_allows_tf32, conv_allows_tf32); nullopt
+// where torch refuses to answer (the legacy and the newer precision API mixed), and
+// Python's launcher, which knows the newer API's answer, runs the call.
+std::optional<bool> matmul_allows_tf32() {
+  try {
+    return at::globalContext().float32MatmulPrecision() != at::Float32MatmulPrecision::HIGHEST;
+  } catch (const c10::Error&) {
+    return std::nullopt;
+  }
+}
+
+std::optional<bool> conv_allows_tf32() {
+  try {
+    return at::globalContext().allowTF32CuDNN();
+  } catch (const c10::Error&) {
+    return std::nullopt;
+  }
+}
+
+// The plan of (spec, device); of the variant for cuDNN's TF32 flag as it is now, where the
+// spec follows it (read once, and only then); null where there is none, or where the flag
+// cannot be read.
 std::shared_ptr<Plan> find_locked(std::string_view spec, int64_t device) {
   auto bucket = plans.find(std::hash<std::string_view>{}(spec));
   if (bucket == plans.end()) return nullptr;
+  std::optional<bool> flag;
+  bool flag_read = false;
   for (const auto& plan : bucket->second) {
-    if (plan->device == device && plan->spec == spec) return plan;
+    if (plan->device != device || plan->spec != spec) continue;
+    if (!plan->reads_conv_tf32) return plan;
+    if (!flag_read) {
+      flag = conv_allows_tf32();
+      flag_read = true;
+    }
+    if (!flag) return nullptr;
+    if (plan->conv_tf32 == *flag) return plan;
   }
   return nullptr;
 }
@@ -152,14 +189,14 @@ T symbol(void* handle, const char* name, const std::string& library) {
 
 // layout: [path, anchor, n_operands, gemm_auto, row_output, out_rank, out_d0 .. out_d3,
 //          out_spatial, channels, out_h, out_w, stores_pre_norm, has_bias, pad_k, pad_n,
-//          channels_last, permuted]
+//          channels_last, permuted, gemm_tf32, reads_conv_tf32, conv_tf32]
 // conv: empty, or [nd, stride x nd, padding x nd, dilation x nd, transposed,
 //       output_padding x nd, groups]
 // saves: per save [anchor_value, dtype code, per_row, ndim, dims x ndim] (native.SaveLayout).
 // checks: [dtype code, y_row, n, (a row, whole) x n, m, (dtype code, whole, per_row) x m]
 //         (native.CheckLayout).
 // The fields of native.LaunchLayout, read below in its order (plan->field = layout[i]).
-constexpr size_t kLayoutFields = 20;
+constexpr size_t kLayoutFields = 23;
 
 void set_plan(std::string_view spec, int64_t device, std::string_view library, std::string_view name,
               at::IntArrayRef layout, at::IntArrayRef running_stats, at::IntArrayRef conv,
@@ -200,6 +237,9 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   plan->pad_n = layout[17];
   plan->channels_last = layout[18] != 0;
   plan->permuted = layout[19] != 0;
+  plan->gemm_tf32 = layout[20] != 0;
+  plan->reads_conv_tf32 = layout[21] != 0;
+  plan->conv_tf32 = layout[22] != 0;
   TORCH_CHECK(plan->out_rank >= 0 && plan->out_rank <= 4, "fusedepi_native.plan: a reduced output's tail of ",
               plan->out_rank, " dims");
   TORCH_CHECK(layout[0] >= 0 && layout[0] <= 2 && layout[1] >= 0 && layout[1] <= 3,
@@ -229,6 +269,9 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   TORCH_CHECK(!plan->permuted || (plan->anchor == Anchor::kConv && plan->path == Path::kLibraryAnchor &&
                                   !plan->channels_last),
               "fusedepi_native.plan: a permuted output is a library conv's");
+  TORCH_CHECK(!plan->gemm_tf32 || plan->path == Path::kGemm, "fusedepi_native.plan: gemm_tf32 is an in-kernel GEMM's");
+  TORCH_CHECK((!plan->reads_conv_tf32 || plan->anchor == Anchor::kConv) && (plan->reads_conv_tf32 || !plan->conv_tf32),
+              "fusedepi_native.plan: a TF32 variant is a conv's");
 
   for (size_t at = 0; at < saves.size();) {
     TORCH_CHECK(at + 4 <= saves.size(), "fusedepi_native.plan: a save is cut short");
@@ -262,7 +305,7 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   std::unique_lock lock(plans_mutex);
   auto& bucket = plans[std::hash<std::string_view>{}(spec)];
   for (auto& existing : bucket) {
-    if (existing->device == device && existing->spec == spec) {
+    if (existing->device == device && existing->spec == spec && existing->conv_tf32 == plan->conv_tf32) {
       plan->in_kernel_rows = existing->in_kernel_rows;
       existing = plan;
       return;
@@ -512,8 +555,13 @@ std::vector<at::Tensor> chain_cuda(at::TensorList inputs, c10::string_view spec)
     plan = find_locked(key, inputs[0].device().index());
     if (plan && !inputs_fit(*plan, inputs)) plan = nullptr;  // Python's checks raise for it
     if (plan && plan->path == Path::kGemm) {
-      in_kernel = true;
-      if (plan->gemm_auto) {
+      // As Launcher.in_kernel_gemm: a float32 file computes the GEMM in TF32 only while
+      // matmuls may use TF32; else the library GEMM, whatever the rows.
+      const std::optional<bool> tf32 = plan->gemm_tf32 ? matmul_allows_tf32() : std::optional<bool>(true);
+      in_kernel = tf32.value_or(false);
+      if (!tf32) {
+        plan = nullptr;  // the setting cannot be read here: Python's launcher can
+      } else if (in_kernel && plan->gemm_auto) {
         const at::Tensor& x = inputs[plan->n_operands - 2];
         auto known = plan->in_kernel_rows.find(x.size(0));
         if (known == plan->in_kernel_rows.end()) {
