@@ -4,9 +4,9 @@ chain), fusedepi against Inductor, each as a user runs it.
 Every model is built fresh (training mode), run under `torch.no_grad()`, at float32 with
 torch's default precision settings (cuDNN may use TF32; matmuls are "highest") and at
 bf16. Per model it prints Inductor's ms, fusedepi's ms, their ratio (Inductor / fusedepi:
-above 1 is faster) as a user's loop sees them (wall), the same for GPU time alone
-(replays of a CUDA graph of one call), what fused and what the measured choice found;
-then a summary of both ratios.
+above 1 is faster) as a user's loop sees them (wall: both compiles timed in turns,
+`interleaved_ms`), the same for GPU time alone (replays of a CUDA graph of one call),
+what fused and what the measured choice found; then a summary of both ratios.
 
     python -m benchmarks.zoo --list                 # one model name per line
     python -m benchmarks.zoo --quick                # 8 models, float32 and bf16
@@ -439,12 +439,22 @@ def _model_and_input(zoo: ZooModel, dtype: torch.dtype):
     return model, x
 
 
-def _bench_ms(fn, calls: int = 20, rounds: int = 5) -> float:
-    """Median over `rounds` of the mean ms of `calls` back-to-back calls (CUDA events)."""
+def interleaved_ms(fns: dict, calls: int = 20, rounds: int = 7) -> dict:
+    """Per name, the median over `rounds` of the mean ms of `calls` back-to-back calls of
+    its function (CUDA events). The functions take turns, a round each, in an order that
+    alternates from round to round: a drift of the host's or the GPU's speed over the
+    seconds of a measurement reaches every function alike. (Timed one after the other,
+    two compiles of one graph read up to 3x apart where the CPU's launch time decides.)"""
     from fusion_backend.timings import round_ms
 
-    times = sorted(round_ms(fn, calls, rounds, warmup=3))
-    return times[len(times) // 2]
+    names = list(fns)
+    for name in names:
+        round_ms(fns[name], 3, 1)  # warm up: a recompile after dynamo.reset, the allocator
+    times: dict = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            times[name] += round_ms(fns[name], calls, 1, warmup=0)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def _max_error(out, ref) -> float:
@@ -477,6 +487,7 @@ def run_model(zoo: ZooModel, dtype_name: str, time_it: bool = True, profile: boo
     dtype = getattr(torch, dtype_name)
     base, x = _model_and_input(zoo, dtype)
     row = {"model": zoo.name, "dtype": dtype_name}
+    compiled = {}
     with torch.no_grad():
         reference = copy.deepcopy(base).double()(x.double())
         for backend in ("inductor", "fusedepi"):
@@ -495,11 +506,15 @@ def run_model(zoo: ZooModel, dtype_name: str, time_it: bool = True, profile: boo
                 row["fused"] = [f"{r.fusion} ({r.measured})" if r.measured else r.fusion
                                 for r in records if r.status == "fused"]
                 row["refused"] = [f"{r.anchor}: {r.reason}" for r in records if r.status == "refused"]
-            if time_it:
-                row[f"{backend}_ms"] = _bench_ms(lambda: fn(x))
-                row[f"{backend}_gpu_ms"] = gpu_ms(lambda: fn(x), x.device)
-            if profile:
-                row[f"{backend}_kernels"] = kernel_profile(lambda: fn(x))
+            compiled[backend] = fn
+        calls = {backend: (lambda fn=fn: fn(x)) for backend, fn in compiled.items()}
+        if time_it:
+            for backend, ms in interleaved_ms(calls).items():
+                row[f"{backend}_ms"] = ms
+            for backend, call in calls.items():
+                row[f"{backend}_gpu_ms"] = gpu_ms(call, x.device)
+        for backend, call in calls.items() if profile else ():
+            row[f"{backend}_kernels"] = kernel_profile(call)
     if time_it:
         row["ratio"] = row["inductor_ms"] / row["fusedepi_ms"]
         row["gpu_ratio"] = row["inductor_gpu_ms"] / row["fusedepi_gpu_ms"]

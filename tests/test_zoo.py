@@ -24,6 +24,23 @@ def test_each_model_runs_one_sample(name):
     assert torch.isfinite(out).all()
 
 
+def test_wall_times_are_taken_in_turns(monkeypatch):
+    """`interleaved_ms` times the compiles a round each in turn, the order alternating, and
+    keeps each one's median round: a slow stretch of the host reaches both alike."""
+    from fusion_backend import timings
+
+    order = []
+    # Each round's "time": a host that slows down from round to round, whoever runs.
+    monkeypatch.setattr(timings, "round_ms", lambda fn, calls, rounds, warmup=1: (order.append((fn(), calls)),
+                                                                                 [float(len(order))])[1])
+    medians = zoo.interleaved_ms({"inductor": lambda: "a", "fusedepi": lambda: "b"}, calls=20, rounds=5)
+    assert order[:2] == [("a", 3), ("b", 3)]  # a warm-up round each
+    assert [name for name, calls in order[2:]] == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
+    assert all(calls == 20 for _, calls in order[2:])
+    # Rounds 3..12: a's are 3, 6, 7, 10, 11 and b's 4, 5, 8, 9, 12; the medians 7 and 8.
+    assert medians == {"inductor": 7.0, "fusedepi": 8.0}
+
+
 def test_list_prints_one_name_a_line():
     out = subprocess.run([sys.executable, "-m", "benchmarks.zoo", "--list"], capture_output=True, text=True, check=True)
     assert out.stdout.split() == list(zoo.BY_NAME)
