@@ -1412,6 +1412,24 @@ def _next_step(state: _State, users: list) -> _Match | str:
     return f"none of the value's consumers ({', '.join(u.name for u in users)}) is in the vocabulary"
 
 
+def _rounded_twice(state: _State, outside: list) -> str | None:
+    """Why a baddbmm's value may not leave the fused op for `outside`, a forward op of the
+    graph, or None. The fused op computes it as the library's bmm, rounded, then alpha
+    and the input (`_fold_bias`); eager's baddbmm rounds once. Where the input cancels
+    the product, the two differ by far more than a rounding (one bf16 value 0 in the
+    fused op, 4.3e-4 in eager: `sin` of it, divided into, gave inf against eager's
+    7.6e4). A value saved for backward (a backward node or the graph's output) is
+    returned as the fused op computes it."""
+    anchor = state.chain.anchor
+    if state.node is not anchor or anchor.target is not aten.baddbmm.default:
+        return None
+    forward = [u for u in outside if u.op != "output" and u not in state.backward]
+    if not forward:
+        return None
+    return (f"{anchor.name} (baddbmm) is read outside the chain by {forward[0].name}: the fused op would give it "
+            "as the bmm's rounded product plus the input, where eager rounds once")
+
+
 def _save(state: _State, node: Node, what: str, per_row: int) -> str | None:
     """Makes the fused op return `node` too; returns why it cannot, or None."""
     if state.permuted:
@@ -1553,9 +1571,9 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
             return f"{step.name}: {why}"
     # (a user the chain took already, or a branch's node still to take, needs no save; nor
     # a value saved already, met again by a branch)
-    if state.node not in state.chain.saved and any(
-            u not in match.consumed and u not in state.chain.nodes and u not in state.route for u in users):
-        why = _save(state, state.node, "value", _values_per_row(state))
+    outside = [u for u in users if u not in match.consumed and u not in state.chain.nodes and u not in state.route]
+    if state.node not in state.chain.saved and outside:
+        why = _rounded_twice(state, outside) or _save(state, state.node, "value", _values_per_row(state))
         if why is not None:
             return why
     for what, node in match.stats.items():

@@ -796,6 +796,24 @@ def test_baddbmm_that_does_not_fit_says_why(beta, alpha, fn, reason, cpu_referen
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
 
 
+def test_baddbmm_read_by_another_forward_op_is_not_fused(cpu_reference):
+    """The fused op would hand the baddbmm's value to the rest of the graph as the bmm's
+    rounded product plus the input (eager rounds once): where a forward op outside the
+    chain reads it (here `sin` of it, after the softmax that stops the chain), the chain
+    is refused with the reason."""
+    torch.manual_seed(0)
+    model = _Baddbmm((4, 6, 12), lambda y: F.softmax(y, dim=-1) / torch.sin(y), alpha=-0.5)
+    x = torch.randn(4, 6, 8)
+    out, fused, refused = compile_records(model, x)
+    assert not fused and any("is read outside the chain by" in r.reason and "eager rounds once" in r.reason
+                             for r in refused), [r.reason for r in refused]
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+    # Saved for backward only (gelu's input), it is still fused.
+    model = _Baddbmm((4, 6, 12), F.gelu, alpha=-0.5)
+    _, fused, refused = compile_records(model, torch.randn(4, 6, 8, requires_grad=True), grad=True)
+    assert len(fused) == 1 and not refused, [r.reason for r in refused]
+
+
 class _BatchOfOneAsMm(nn.Module):
     """A bmm of a batch of one as Inductor's joint-graph pass `bmm_to_mm` leaves it on
     CUDA tensors: mm(x.squeeze(0), w.squeeze(0)).unsqueeze(0), then `fn`."""
