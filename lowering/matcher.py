@@ -1418,16 +1418,29 @@ def _rounded_twice(state: _State, outside: list) -> str | None:
     and the input (`_fold_bias`); eager's baddbmm rounds once. Where the input cancels
     the product, the two differ by far more than a rounding (one bf16 value 0 in the
     fused op, 4.3e-4 in eager: `sin` of it, divided into, gave inf against eager's
-    7.6e4). A value saved for backward (a backward node or the graph's output) is
-    returned as the fused op computes it."""
+    7.6e4); so may it not be one of the graph's outputs that the user sees (Inductor's
+    `user_visible_output_idxs` on the output node). A value saved for backward (read by
+    a backward node, or an output the user does not see) is returned as the fused op
+    computes it."""
     anchor = state.chain.anchor
     if state.node is not anchor or anchor.target is not aten.baddbmm.default:
         return None
-    forward = [u for u in outside if u.op != "output" and u not in state.backward]
+    forward = [u for u in outside if u not in state.backward and (u.op != "output" or _user_sees(u, anchor))]
     if not forward:
         return None
     return (f"{anchor.name} (baddbmm) is read outside the chain by {forward[0].name}: the fused op would give it "
             "as the bmm's rounded product plus the input, where eager rounds once")
+
+
+def _user_sees(output: Node, node: Node) -> bool:
+    """Whether the graph's `output` node returns `node` as an output the user sees (as
+    Inductor's compile_fx marks them); without the mark, taken as not seen (a joint
+    graph's or a value saved for backward)."""
+    visible = output.meta.get("user_visible_output_idxs")
+    if visible is None:
+        return False
+    outs = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    return any(out is node for i, out in enumerate(outs) if i in set(visible))
 
 
 def _save(state: _State, node: Node, what: str, per_row: int) -> str | None:

@@ -808,6 +808,13 @@ def test_baddbmm_read_by_another_forward_op_is_not_fused(cpu_reference):
     assert not fused and any("is read outside the chain by" in r.reason and "eager rounds once" in r.reason
                              for r in refused), [r.reason for r in refused]
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+    # Returned to the user beside the chain's result: refused as well.
+    model = _Baddbmm((4, 6, 12), lambda y: (y, F.softmax(y, dim=-1)), alpha=-0.5)
+    out, fused, refused = compile_records(model, x)
+    assert not fused and any("is read outside the chain by output" in r.reason for r in refused), \
+        [r.reason for r in refused]
+    for a, b in zip(out, model(x)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     # Saved for backward only (gelu's input), it is still fused.
     model = _Baddbmm((4, 6, 12), F.gelu, alpha=-0.5)
     _, fused, refused = compile_records(model, torch.randn(4, 6, 8, requires_grad=True), grad=True)
