@@ -1416,9 +1416,9 @@ def _rounded_twice(state: _State, outside: list) -> str | None:
     """Why a baddbmm's value may not leave the fused op for `outside`, a forward op of the
     graph, or None. The fused op computes it as the library's bmm, rounded, then alpha
     and the input (`_fold_bias`); eager's baddbmm rounds once. Where the input cancels
-    the product, the two differ by far more than a rounding (one bf16 value 0 in the
-    fused op, 4.3e-4 in eager: `sin` of it, divided into, gave inf against eager's
-    7.6e4); so may it not be one of the graph's outputs that the user sees (Inductor's
+    the product, the two differ by far more than a rounding (a bf16 fuzzer model divided
+    by `sin` of it: inf at one element, where eager's value of 4.3e-4 gave 7.6e4); nor
+    may it be one of the graph's outputs that the user sees (Inductor's
     `user_visible_output_idxs` on the output node). A value saved for backward (read by
     a backward node, or an output the user does not see) is returned as the fused op
     computes it."""
@@ -1440,7 +1440,8 @@ def _user_sees(output: Node, node: Node) -> bool:
     if visible is None:
         return False
     outs = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
-    return any(out is node for i, out in enumerate(outs) if i in set(visible))
+    visible = set(visible)
+    return any(out is node for i, out in enumerate(outs) if i in visible)
 
 
 def _save(state: _State, node: Node, what: str, per_row: int) -> str | None:
