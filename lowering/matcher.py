@@ -1294,7 +1294,7 @@ def _library_adds_bias(anchor: Anchor) -> bool:
     return anchor.kind != "bmm"
 
 
-def _keeps_folded_bias(chain: Chain, anchor: Anchor) -> bool:
+def _keeps_folded_bias(state: _State, anchor: Anchor) -> bool:
     """Whether a chain matched with its anchor's bias moved into the epilogue
     (`_fold_bias`) may keep it so: where only the chain's own steps read the anchor's
     value (an EARLIER operand, `y + f(y)`, reads it inside the kernel, after the bias
@@ -1302,11 +1302,29 @@ def _keeps_folded_bias(chain: Chain, anchor: Anchor) -> bool:
     the bias and the chain is matched again: that value is then the library's own
     output, rounded once as in eager (a folded bias would round the product, then the
     sum, and a backward that branches on its sign, as leaky_relu's does, would see it).
-    baddbmm's input always moves (`_library_adds_bias`)."""
-    if not _library_adds_bias(anchor):
+
+    baddbmm's input always moves (`_library_adds_bias`), so its value outside the chain
+    is the fused op's: the bmm's rounded product plus the input, where eager rounds
+    once. Where the input cancels the product the two differ by far more than a
+    rounding (a bf16 fuzzer model divided by `sin` of it: inf at one element, where
+    eager's value of 4.3e-4 gave 7.6e4). Saved for backward (read by a backward node, or
+    an output the user does not see) it is returned so; read by another forward op or
+    returned to the user (Inductor's `user_visible_output_idxs`), the chain is refused.
+
+    Raises:
+        Refuse: a baddbmm's value that a forward op or the user reads outside the chain.
+    """
+    inside = set(state.chain.nodes)
+    outside = [user for user in state.chain.anchor.users if user not in inside]
+    if _library_adds_bias(anchor):
+        return not outside
+    if state.node is state.chain.anchor:  # no step taken: no fused op (refused as such)
         return True
-    inside = set(chain.nodes)
-    return all(user in inside for user in chain.anchor.users)
+    forward = [u for u in outside if u not in state.backward and (u.op != "output" or _user_sees(u, state.chain.anchor))]
+    if forward:
+        raise Refuse(f"{state.chain.anchor.name} (baddbmm) is read outside the chain by {forward[0].name}: the fused "
+                     "op would give it as the bmm's rounded product plus the input, where eager rounds once")
+    return True
 
 
 def _fold_bias(state: _State, anchor: Anchor, gemm_bias: bool) -> Anchor | None:
@@ -1410,26 +1428,6 @@ def _next_step(state: _State, users: list) -> _Match | str:
             return f"{users[0].name} is the next matrix op ({_name(users[0])}), an anchor of its own"
         return f"{_name(users[0])} is not in the vocabulary"
     return f"none of the value's consumers ({', '.join(u.name for u in users)}) is in the vocabulary"
-
-
-def _rounded_twice(state: _State, outside: list) -> str | None:
-    """Why a baddbmm's value may not leave the fused op for `outside`, a forward op of the
-    graph, or None. The fused op computes it as the library's bmm, rounded, then alpha
-    and the input (`_fold_bias`); eager's baddbmm rounds once. Where the input cancels
-    the product, the two differ by far more than a rounding (a bf16 fuzzer model divided
-    by `sin` of it: inf at one element, where eager's value of 4.3e-4 gave 7.6e4); nor
-    may it be one of the graph's outputs that the user sees (Inductor's
-    `user_visible_output_idxs` on the output node). A value saved for backward (read by
-    a backward node, or an output the user does not see) is returned as the fused op
-    computes it."""
-    anchor = state.chain.anchor
-    if state.node is not anchor or anchor.target is not aten.baddbmm.default:
-        return None
-    forward = [u for u in outside if u not in state.backward and (u.op != "output" or _user_sees(u, anchor))]
-    if not forward:
-        return None
-    return (f"{anchor.name} (baddbmm) is read outside the chain by {forward[0].name}: the fused op would give it "
-            "as the bmm's rounded product plus the input, where eager rounds once")
 
 
 def _user_sees(output: Node, node: Node) -> bool:
@@ -1585,9 +1583,9 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
             return f"{step.name}: {why}"
     # (a user the chain took already, or a branch's node still to take, needs no save; nor
     # a value saved already, met again by a branch)
-    outside = [u for u in users if u not in match.consumed and u not in state.chain.nodes and u not in state.route]
-    if state.node not in state.chain.saved and outside:
-        why = _rounded_twice(state, outside) or _save(state, state.node, "value", _values_per_row(state))
+    if state.node not in state.chain.saved and any(
+            u not in match.consumed and u not in state.chain.nodes and u not in state.route for u in users):
+        why = _save(state, state.node, "value", _values_per_row(state))
         if why is not None:
             return why
     for what, node in match.stats.items():
@@ -1729,7 +1727,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
                     if folded is None or not _library_adds_bias(anchor) or len(node.users) < 2:
                         raise
                     continue
-                if folded is None or _keeps_folded_bias(state.chain, anchor):
+                if folded is None or _keeps_folded_bias(state, anchor):
                     break
         except Refuse as err:
             refusals.append(Refusal(node.name, [node.name], str(err)))

@@ -815,6 +815,10 @@ def test_baddbmm_read_by_another_forward_op_is_not_fused(cpu_reference):
         [r.reason for r in refused]
     for a, b in zip(out, model(x)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # Read by the chain itself (an earlier value's operand, a branch), it is fused.
+    for fn in (lambda y: F.gelu(y) * y, lambda y: y + torch.tanh(y)):
+        out, fused, refused = compile_records(_Baddbmm((4, 6, 12), fn, alpha=-0.5), x)
+        assert len(fused) == 1 and not refused, [r.reason for r in refused]
     # Saved for backward only (gelu's input), it is still fused.
     model = _Baddbmm((4, 6, 12), F.gelu, alpha=-0.5)
     _, fused, refused = compile_records(model, torch.randn(4, 6, 8, requires_grad=True), grad=True)
