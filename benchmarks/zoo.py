@@ -5,7 +5,8 @@ Every model is built fresh (training mode), run under `torch.no_grad()`, at floa
 torch's default precision settings (cuDNN may use TF32; matmuls are "highest") and at
 bf16. Per model it prints Inductor's ms, fusedepi's ms, their ratio (Inductor / fusedepi:
 above 1 is faster) as a user's loop sees them (wall: both compiles timed in turns,
-`interleaved_ms`), the same for GPU time alone (replays of a CUDA graph of one call),
+`interleaved_ms`), the same for GPU time alone (replays of a CUDA graph of one call,
+in turns: `timings.compare_ms`),
 what fused and what the measured choice found; then a summary of both ratios.
 
     python -m benchmarks.zoo --list                 # one model name per line
@@ -439,22 +440,20 @@ def _model_and_input(zoo: ZooModel, dtype: torch.dtype):
     return model, x
 
 
-def interleaved_ms(fns: dict, calls: int = 20, rounds: int = 7) -> dict:
+def interleaved_ms(fns: dict, calls: int = 20, rounds: int = 8) -> dict:
     """Per name, the median over `rounds` of the mean ms of `calls` back-to-back calls of
-    its function (CUDA events). The functions take turns, a round each, in an order that
-    alternates from round to round: a drift of the host's or the GPU's speed over the
+    its function as a user's loop makes them (CUDA events, no CUDA graph), the functions
+    taking turns (`timings.in_turns`): a drift of the host's or the GPU's speed over the
     seconds of a measurement reaches every function alike. (Timed one after the other,
     two compiles of one graph read up to 3x apart where the CPU's launch time decides.)"""
-    from fusion_backend.timings import round_ms
+    import functools
 
-    names = list(fns)
-    for name in names:
-        round_ms(fns[name], 3, 1)  # warm up: a recompile after dynamo.reset, the allocator
-    times: dict = {name: [] for name in names}
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            times[name] += round_ms(fns[name], calls, 1, warmup=0)
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    from fusion_backend.timings import cuda_round_ms, in_turns
+
+    for fn in fns.values():  # warm up: a recompile after dynamo.reset, the allocator
+        cuda_round_ms(fn, 3)
+    medians = in_turns([functools.partial(cuda_round_ms, fn, calls) for fn in fns.values()], rounds)
+    return dict(zip(fns, medians))
 
 
 def _max_error(out, ref) -> float:
@@ -481,7 +480,7 @@ def run_model(zoo: ZooModel, dtype_name: str, time_it: bool = True, profile: boo
 
     from fusion_backend import fusedepi
     from fusion_backend.backend import collect_reports
-    from fusion_backend.timings import gpu_ms
+    from fusion_backend.timings import compare_ms
 
     _settings()
     dtype = getattr(torch, dtype_name)
@@ -511,8 +510,8 @@ def run_model(zoo: ZooModel, dtype_name: str, time_it: bool = True, profile: boo
         if time_it:
             for backend, ms in interleaved_ms(calls).items():
                 row[f"{backend}_ms"] = ms
-            for backend, call in calls.items():
-                row[f"{backend}_gpu_ms"] = gpu_ms(call, x.device)
+            for backend, ms in zip(calls, compare_ms(list(calls.values()), x.device)):
+                row[f"{backend}_gpu_ms"] = ms
         for backend, call in calls.items() if profile else ():
             row[f"{backend}_kernels"] = kernel_profile(call)
     if time_it:

@@ -252,7 +252,7 @@ def _measure(chain: Chain, inductor_form: GraphModule, fused_form: GraphModule, 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             fused = pool.submit(_inductor_compile, fused_form, example).result()
             inductor = pool.submit(_inductor_compile, inductor_form, example).result()
-        times = (timings.gpu_ms(lambda: fused(*example), device), timings.gpu_ms(lambda: inductor(*example), device))
+        times = timings.compare_ms([lambda: fused(*example), lambda: inductor(*example)], device)
         apart = difference(fused(*example), inductor(*example))
     log.info("fusedepi: %s at %s: fused %.4f ms, Inductor %.4f ms, results %.3g apart (measured in %.1f s)",
              chain.spec.fusion, chain.anchor.name, times[0], times[1], apart, time.perf_counter() - started)
@@ -380,8 +380,7 @@ def _measure_graphs(ours, theirs, example_inputs: list, device: torch.device,
         inputs = [_random_like(x, timings.example_shape(x)) if isinstance(x, torch.Tensor)
                   else _hint(x) for x in example_inputs]
         # Called as Dynamo calls a backend's result: one argument an input.
-        timed = timings.best_ms if cuda_graphs and device.type == "cuda" else (lambda fn: timings.gpu_ms(fn, device))
-        times = (timed(lambda: ours(*inputs)), timed(lambda: theirs(*inputs)))
+        times = timings.compare_ms([lambda: ours(*inputs), lambda: theirs(*inputs)], device, capture=not cuda_graphs)
     log.info("fusedepi: the whole graph: fused %.4f ms, Inductor %.4f ms (measured in %.1f s)",
              times[0], times[1], time.perf_counter() - started)
     return times

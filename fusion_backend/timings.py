@@ -1,11 +1,12 @@
 """The one timing path and the one cache of compile-time measurements.
 
 Every choice the backend makes by measurement (the library anchor's forms in
-`forms.FORMS`, fused or Inductor in `choice`) times GPU work with `gpu_ms` (replays of
-a CUDA graph of one call) and keeps the times in one JSON file in the cache directory
-(`CACHE_FILE`), each entry keyed by what it depends on (GPU, torch version, shapes,
-dtypes, settings, fusedepi's sources), so that later processes and other graphs with the same shapes reuse
-them: a warm start times nothing.
+`forms.FORMS`, fused or Inductor in `choice`) times its candidates side by side with
+`compare_ms` (replays of a CUDA graph of one call each, in turns) and keeps the times
+in one JSON file in the cache directory (`CACHE_FILE`), each entry keyed by what it
+depends on (GPU, torch version, shapes, dtypes, settings, fusedepi's sources), so that
+later processes and other graphs with the same shapes reuse them: a warm start times
+nothing.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import hashlib
 import json
 import logging
 import os
+import statistics
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -84,59 +86,83 @@ def hinted(sizes) -> tuple | None:
     return tuple(dims)
 
 
-def best_ms(fn: Callable[[], object], calls: int = 10, rounds: int = 3) -> float:
-    """Milliseconds a call of `fn` takes on the GPU: CUDA events around `calls` calls
-    back to back, the best of `rounds`, after one call to warm up."""
-    return min(round_ms(fn, calls, rounds))
-
-
-def round_ms(fn: Callable[[], object], calls: int, rounds: int, warmup: int = 1) -> list[float]:
-    """Each of `rounds` rounds' milliseconds a call, timed with CUDA events around
-    `calls` calls back to back, after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return times
-
-
 def gpu_ms(fn: Callable[[], object], device: torch.device) -> float:
-    """GPU milliseconds of a call of `fn`: replays of a CUDA graph of one call, so that
-    the CPU's cost of a call (which a compiled model's other launches hide) does not
-    decide; a call that cannot be captured is timed as is. On the CPU: wall time."""
-    if device.type != "cuda":
-        fn()
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            for _ in range(5):
-                fn()
-            best = min(best, (time.perf_counter() - start) / 5 * 1e3)
-        return best
+    """GPU milliseconds of a call of `fn` (`compare_ms` of `fn` alone)."""
+    return compare_ms([fn], device)[0]
+
+
+def compare_ms(fns: Sequence[Callable[[], object]], device: torch.device, capture: bool = True,
+               calls: int = 10, rounds: int = 4) -> tuple[float, ...]:
+    """GPU milliseconds of a call of each of `fns`, timed side by side.
+
+    Each is captured as a CUDA graph of one call and timed by its replays, so that the
+    CPU's cost of a call (which a compiled model's other launches hide) does not decide;
+    one that cannot be captured, and all where `capture` is False (a function that
+    replays CUDA graphs of its own, a user's loop), is called as is. After a call of each
+    to warm up, `rounds` rounds, in each of which every function is timed over `calls`
+    calls back to back (CUDA events), the order reversed from round to round (`in_turns`);
+    each function's median round. On the CPU: wall time, in the same turns.
+    """
+    if device.type != "cuda":  # the reference ops: fewer calls a round
+        for fn in fns:
+            fn()
+        return in_turns([functools.partial(_wall_round_ms, fn, min(calls, 5)) for fn in fns], rounds)
     with torch.cuda.device(device):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up off the capture, as torch.cuda.graphs asks
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                fn()
-        except Exception as err:  # noqa: BLE001 - timed without a graph
-            log.debug("fusedepi: a timed call could not be captured (%s); timing it as is", err)
-            torch.cuda.synchronize()
-            return best_ms(fn)
-        return best_ms(graph.replay)
+        timed = [_captured(fn) if capture else fn for fn in fns]
+        for fn in timed:  # warm up: a graph's first replay uploads it
+            fn()
+        torch.cuda.synchronize()
+        return in_turns([functools.partial(cuda_round_ms, fn, calls) for fn in timed], rounds)
+
+
+def in_turns(time_a_round: Sequence[Callable[[], float]], rounds: int) -> tuple[float, ...]:
+    """Each timer's median over `rounds` rounds, the timers taking turns in an order
+    reversed from round to round (A B, B A, A B, B A). A drift of the device's speed
+    over the measurement (a GPU's clock under a long float32 GEMM, a busy host) then
+    reaches every timer alike: with an even number of rounds a steady drift cancels in
+    the medians, where timed one after the other it reaches the one timed last alone."""
+    times: list[list[float]] = [[] for _ in time_a_round]
+    for r in range(rounds):
+        for i in (range(len(times)) if r % 2 == 0 else reversed(range(len(times)))):
+            times[i].append(time_a_round[i]())
+    return tuple(statistics.median(t) for t in times)
+
+
+def cuda_round_ms(fn: Callable[[], object], calls: int) -> float:
+    """Milliseconds a call of `fn`: CUDA events around `calls` calls back to back."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def _wall_round_ms(fn: Callable[[], object], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def _captured(fn: Callable[[], object]) -> Callable[[], object]:
+    """A replay of a CUDA graph of one call of `fn`, or `fn` where it cannot be captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capture, as torch.cuda.graphs asks
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as err:  # noqa: BLE001 - timed without a graph
+        log.debug("fusedepi: a timed call could not be captured (%s); timing it as is", err)
+        torch.cuda.synchronize()
+        return fn
+    return graph.replay
 
 
 def _read(path: Path) -> dict:

@@ -174,6 +174,45 @@ def test_timings_live_in_the_one_cache(monkeypatch, fresh_cache):
     assert len(measured) == 6
 
 
+def test_candidates_are_timed_in_turns_and_a_steady_drift_cancels():
+    """`timings.in_turns`: the timers take turns, the order reversed from round to round,
+    and each keeps its median round. Two equal candidates on a device that slows by the
+    same step each round read the same; timed one after the other (all of A's rounds,
+    then B's) the second would read slower."""
+    order, clock = [], [0.0]
+
+    def timer(name, base):
+        def time_a_round():
+            order.append(name)
+            clock[0] += 1.0  # the device slows down, whoever runs
+            return base + clock[0]
+        return time_a_round
+
+    a, b = timings.in_turns([timer("a", 10.0), timer("b", 10.0)], rounds=4)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert a == b == 14.5
+    # A faster candidate stays faster by its own margin.
+    order.clear(), clock.__setitem__(0, 0.0)
+    fast, slow = timings.in_turns([timer("a", 10.0), timer("b", 12.0)], rounds=4)
+    assert slow - fast == 2.0
+    # Three candidates: each meets every position alike over two rounds.
+    order.clear()
+    timings.in_turns([timer("a", 0.0), timer("b", 0.0), timer("c", 0.0)], rounds=2)
+    assert order == ["a", "b", "c", "c", "b", "a"]
+
+
+def test_compare_ms_on_the_cpu_times_each_function_in_turns(monkeypatch):
+    """Off a GPU `compare_ms` times wall clock: a call of each to warm up, then rounds in
+    turns; the times come back in the order of the functions."""
+    calls = []
+    rounds = iter([3.0, 1.0, 1.5, 2.5, 3.5, 0.5, 0.75, 4.0])  # a, b, b, a, a, b, b, a
+    monkeypatch.setattr(timings, "_wall_round_ms", lambda fn, n: (fn(), next(rounds))[1])
+    times = timings.compare_ms([lambda: calls.append("a"), lambda: calls.append("b")], torch.device("cpu"))
+    assert calls[:2] == ["a", "b"]  # the warm-up calls
+    assert calls[2:] == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert times == (3.25, 0.875)  # medians of (3, 2.5, 3.5, 4) and (1, 1.5, 0.5, 0.75)
+
+
 def test_gemm_padding_pads_k_and_n_to_whole_vectors():
     chain, found = _chain("gemm_padding")
     spec = gemm_padding.GemmPadding().apply(chain, found)

@@ -13,7 +13,7 @@ renderer, the launchers and `explain` read the decision instead of re-deriving i
 | `gemm_consumers` | a 16-bit in-kernel GEMM whose CTAs have tiles for the spare warps | the chain in the consumer warps |
 
 Each row's setting (`Config`, one environment variable each) is "auto" (time both
-forms of the library call, `timings.gpu_ms`, and take the other where it is at least
+forms of the library call side by side, `timings.compare_ms`, and take the other where it is at least
 1 / MIN_GAIN times faster; on CUDA only), "on" (always) or "off" (never). Times live in
 the one cache (`timings.CACHE_FILE`), keyed by the form's name and what the call's
 speed depends on. The measured choice (`choice.decide`) then times the chain in the

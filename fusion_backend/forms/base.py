@@ -40,7 +40,7 @@ class Form:
 
     def measure(self, found: tuple, device: torch.device) -> tuple[float, float]:
         """(ms as the graph has it, ms in this form) of one library call at `found`, on
-        real tensors of fresh values (`timings.gpu_ms`)."""
+        real tensors of fresh values, side by side (`timings.compare_ms`)."""
         raise NotImplementedError
 
     def apply(self, chain, found: tuple) -> EpilogueSpec:

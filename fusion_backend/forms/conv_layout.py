@@ -96,8 +96,8 @@ class ConvLayout(Form):
             # its own that the measured choice times with the chain; this times the conv.
             layout = channels_last_format(operands[0])
             last = [t.contiguous(memory_format=layout) if t.dim() == operands[0].dim() else t for t in operands]
-            return (timings.gpu_ms(lambda: run_anchor(plain, operands, for_kernels=True).contiguous(), device),
-                    timings.gpu_ms(lambda: run_anchor(staged, last, for_kernels=True), device))
+            return timings.compare_ms([lambda: run_anchor(plain, operands, for_kernels=True).contiguous(),
+                                       lambda: run_anchor(staged, last, for_kernels=True)], device)
 
     def apply(self, chain, found: tuple) -> EpilogueSpec:
         return replace(chain.spec, anchor=replace(chain.spec.anchor, channels_last=True))

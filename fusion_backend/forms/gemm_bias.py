@@ -65,8 +65,8 @@ class GemmBias(Form):
             x = torch.randn(m, k, device=device)
             wt = torch.randn(n, k, device=device).t()
             bias = torch.randn(n, device=device)
-            return (timings.gpu_ms(lambda: run_anchor(Anchor("addmm"), [bias, x, wt]), device),
-                    timings.gpu_ms(lambda: run_anchor(Anchor("mm"), [x, wt]), device))
+            return timings.compare_ms([lambda: run_anchor(Anchor("addmm"), [bias, x, wt]),
+                                       lambda: run_anchor(Anchor("mm"), [x, wt])], device)
 
     def apply(self, chain, found: tuple) -> EpilogueSpec:
         """The anchor becomes `mm` and the chain's first step adds the bias, which moves

@@ -83,8 +83,8 @@ class GemmPadding(Form):
             wt = torch.randn(n, k, device=device, dtype=dtype).t()
             operands = ([torch.randn(n, device=device, dtype=dtype)] if kind == "addmm" else []) + [x, wt]
             plain, padded = Anchor(kind), Anchor(kind, pad=(k_to, n_to))
-            return (timings.gpu_ms(lambda: run_anchor(plain, operands), device),
-                    timings.gpu_ms(lambda: run_anchor(padded, operands, for_kernels=True), device))
+            return timings.compare_ms([lambda: run_anchor(plain, operands),
+                                       lambda: run_anchor(padded, operands, for_kernels=True)], device)
 
     def apply(self, chain, found: tuple) -> EpilogueSpec:
         *_, k_to, n_to = found
