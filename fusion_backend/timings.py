@@ -86,11 +86,6 @@ def hinted(sizes) -> tuple | None:
     return tuple(dims)
 
 
-def gpu_ms(fn: Callable[[], object], device: torch.device) -> float:
-    """GPU milliseconds of a call of `fn` (`compare_ms` of `fn` alone)."""
-    return compare_ms([fn], device)[0]
-
-
 def compare_ms(fns: Sequence[Callable[[], object]], device: torch.device, capture: bool = True,
                calls: int = 10, rounds: int = 4) -> tuple[float, ...]:
     """GPU milliseconds of a call of each of `fns`, timed side by side.
