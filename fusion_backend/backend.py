@@ -115,6 +115,30 @@ def _backward_nodes(graph: torch.fx.Graph) -> frozenset:
 
 # Reductions whose backward compares their input with their result (which elements were largest).
 EXTREMA = ("amax", "amin", "spatial_amax", "spatial_amin", "channel_amax", "channel_amin")
+# The same as aten ops of the joint graph outside a chain: their backward divides by the
+# count of input elements equal to the result, 0 where a recomputed input equals none.
+_EXTREMUM_OPS = (torch.ops.aten.amax.default, torch.ops.aten.amin.default, torch.ops.aten.max.default,
+                 torch.ops.aten.min.default)
+
+
+def _reaches_an_extremum(chain, backward: frozenset) -> bool:
+    """Whether a forward extremum outside `chain` (`_EXTREMUM_OPS`) reads one of its
+    values, directly or through views and pointwise ops (which the partitioner may
+    recompute in backward from the recomputed value)."""
+    inside = set(chain.nodes)
+    seen: set = set()
+    stack = [u for n in chain.nodes for u in n.users if u not in inside]
+    while stack:
+        node = stack.pop()
+        if node in seen or node in backward or node.op != "call_function":
+            continue
+        seen.add(node)
+        if node.target in _EXTREMUM_OPS:
+            return True
+        tags = getattr(node.target, "tags", ())
+        if torch.Tag.pointwise in tags or getattr(node.target, "is_view", False):
+            stack.extend(node.users)
+    return False
 
 
 class KeepChainValues(CustomGraphPass):
@@ -123,7 +147,8 @@ class KeepChainValues(CustomGraphPass):
 
     The partitioner recomputes cheap pointwise values in backward from an earlier
     saved one, in Inductor's code, whose rounding is not the fused kernel's: a
-    recomputed input of amax/amin no longer equals the extremum the fused op found,
+    recomputed input of amax/amin (in the chain, or after it: `_reaches_an_extremum`)
+    no longer equals the extremum the fused op, or Inductor from its output, found,
     and a recomputed bf16/fp16 value (Inductor keeps it in float32) no longer matches
     the statistics taken from the fused op's rounded one (seen by the fuzzer:
     gradients off by 20x eager's error, or inf). Those chains are marked, and backward
@@ -141,13 +166,15 @@ class KeepChainValues(CustomGraphPass):
             then(graph)
         try:
             tf32 = matmul_allows_tf32()
+            backward = _backward_nodes(graph)
             chains, _ = match_graph(graph, self.cfg.disabled, self.cfg.cpu_reference, matmul_tf32=tf32,
-                                    backward=_backward_nodes(graph))
+                                    backward=backward)
         except Exception as err:  # the rewrite will meet and report the same failure
             log.debug("fusedepi: joint-graph matching failed: %s", err)
             return
         for chain in chains:
-            exact = chain.spec.dtype != "float32" or any(s.name in EXTREMA for s in chain.spec.steps)
+            exact = (chain.spec.dtype != "float32" or any(s.name in EXTREMA for s in chain.spec.steps)
+                     or _reaches_an_extremum(chain, backward))
             for node in chain.nodes[1:] if exact else ():
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 

@@ -281,6 +281,40 @@ def test_backward_reads_the_saved_input_of_amin(monkeypatch):
     assert ("value", 3) in [(s["what"], s["at"]) for s in saves]  # silu's output, amin's input
 
 
+class _ExtremumAfterTheChain(nn.Module):
+    """A float32 chain whose value an extremum outside it reads:
+    - linear: Linear, erf, * 1.5, then amax over the batch (no chain takes it);
+    - conv_layernorm: Conv3d, LayerNorm over W, GELU, then amin over the spatial dims
+      (refused after a LayerNorm whose segments split the channels)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.anchor = nn.Linear(64, 48) if kind == "linear" else nn.Conv3d(7, 6, 3, bias=False)
+        self.norm = nn.LayerNorm(7) if kind == "conv_layernorm" else None
+
+    def forward(self, x):
+        if self.kind == "linear":
+            return torch.amax(torch.erf(self.anchor(x)) * 1.5, dim=0)
+        return torch.amin(F.gelu(self.norm(self.anchor(x))), dim=(2, 3, 4))
+
+
+@pytest.mark.parametrize("on_device", DEVICES, indirect=True)
+@pytest.mark.parametrize("kind, shape, fusion", [("linear", (32, 64), "linear_pointwise"),
+                                                 ("conv_layernorm", (3, 7, 5, 9, 9), "conv_layernorm")])
+def test_an_extremum_after_the_chain_reads_the_chains_own_value(kind, shape, fusion, on_device):
+    # The extremum's backward divides by the count of its input's elements equal to the
+    # result. Recomputed by Inductor in backward from a saved earlier value of the
+    # chain, its input equalled no element of what the fused op gave the forward, and
+    # every gradient was NaN (CPU fuzzer, --grad, seed 26, generation 13, model 272).
+    # The joint-graph pass keeps such a chain's values saved.
+    torch.manual_seed(0)
+    model = _ExtremumAfterTheChain(kind).to(on_device)
+    eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+    fused = _forward_backward(model, eager, ref, torch.rand(shape, device=on_device))
+    assert [r.fusion for r in fused] == [fusion]
+
+
 @pytest.mark.parametrize("on_device", DEVICES, indirect=True)
 @pytest.mark.parametrize("name", ["1_train", "3", "5"])
 def test_twenty_optimizer_steps_track_eager(name, on_device):
