@@ -15,6 +15,7 @@ what fused and what the measured choice found; then a summary of both ratios.
     python -m benchmarks.zoo --warm 12 --json zoo.json   # build kernels in 12 processes first
     python -m benchmarks.zoo --models linear_hardtanh --profile   # and each backend's GPU kernels
     python -m benchmarks.zoo --table zoo_a.json zoo_b.json   # RESULTS.md's tables from --json files
+    python -m benchmarks.zoo --chains               # where each model's chains stop, nothing timed
 
 `--warm N` first compiles every selected model with both backends in N processes
 (FUSEDEPI_AUTOTUNE=off there: nothing is timed), so that the timed pass finds nvcc's
@@ -520,6 +521,23 @@ def run_model(zoo: ZooModel, dtype_name: str, time_it: bool = True, profile: boo
     return row
 
 
+def chains(zoo: ZooModel, dtype_name: str) -> list[str]:
+    """What the matcher takes in `zoo` at `dtype_name`, nothing timed (a batch of 2;
+    without a GPU through the fused op's reference): a line per fused chain with where
+    it stops, and per anchor left alone its reason."""
+    from fusion_backend import explain
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    model = zoo.make().to(device, dtype)
+    x = torch.rand((2,) + zoo.shape[1:], device=device, dtype=dtype)
+    with torch.no_grad():
+        report = explain(model, x, verbose=False)
+    return ([f"fused {r.fusion}: stops at {r.stop}" for r in report.fused]
+            + [f"not fused {r.anchor}: {r.reason}" for r in report.refused])
+
+
 def _warm(task):
     name, dtype_name = task
     os.environ["FUSEDEPI_AUTOTUNE"] = "off"
@@ -598,6 +616,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="also write the rows and the summary here")
     parser.add_argument("--profile", action="store_true", help="also list each backend's GPU kernels per call")
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print RESULTS.md's tables from --json files")
+    parser.add_argument("--chains", action="store_true",
+                        help="print where each model's chains stop (FUSEDEPI_AUTOTUNE=off; on the CPU via the reference)")
     args = parser.parse_args(argv)
     if args.list:
         print("\n".join(BY_NAME))
@@ -616,6 +636,17 @@ def main(argv=None) -> int:
     names = args.models or (QUICK if args.quick else list(BY_NAME))
     index, count = (int(v) for v in args.shard.split("/"))
     names = names[index - 1::count]
+    if args.chains:
+        import logging
+
+        os.environ["FUSEDEPI_AUTOTUNE"] = "off"
+        os.environ.setdefault("FUSEDEPI_CPU_REFERENCE", "1")  # read only for CPU tensors
+        logging.getLogger("fusedepi").setLevel(logging.ERROR)
+        for name in names:
+            for dtype_name in args.dtypes:
+                for line in chains(BY_NAME[name], dtype_name):
+                    print(f"{name:34s} {dtype_name:9s} {line}", flush=True)
+        return 0
     if not torch.cuda.is_available():
         print("benchmarks.zoo needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -972,9 +972,30 @@ def _rejected(result: Result, eager_err: Exception, model, x, residual, upstream
             return result
         result.finding = f"eager raises {type(eager_err).__name__}, fusedepi {type(inner).__name__}: {str(inner)[:200]}"
     else:
+        if _missing_dtype_kernel(eager_err) and _inductor_runs(model, x, residual, upstream):
+            # Eager's kernel for this device lacks the dtype (bf16 avg_pool3d on the CPU);
+            # Inductor's own code runs the op, with or without fusedepi.
+            result.check = "rejected"
+            result.reason = f"eager lacks a kernel, Inductor runs it: {str(eager_err)[:150]}"
+            return result
         result.finding = f"eager raises {type(eager_err).__name__}: {str(eager_err)[:200]}; fusedepi runs"
     result.check = "error"
     return result
+
+
+def _missing_dtype_kernel(err: Exception) -> bool:
+    return isinstance(err, NotImplementedError) and "not implemented for" in str(err)
+
+
+def _inductor_runs(model, x, residual, upstream) -> bool:
+    torch._dynamo.reset()
+    try:
+        _outputs(model, torch.compile(model), x, residual, upstream)
+    except Exception:  # noqa: BLE001 - Inductor refuses it too
+        return False
+    finally:
+        torch._dynamo.reset()
+    return True
 
 
 # ------------------------------------------------------------------- driving

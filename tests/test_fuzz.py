@@ -490,6 +490,23 @@ def test_gradient_fuzz_regressions(case_device, index):
     assert result.fusion in ("full", "partial"), result
 
 
+def test_gradient_fuzz_regression_of_an_extremum_after_the_chain():
+    # Generation 13, seed 26, model 272 (CPU): Conv3d, LayerNorm over W, erf, then a
+    # spatial amin that the chain does not take; every gradient of x was NaN (the amin's
+    # input recomputed in backward; tests/test_training.py has the small form).
+    result = fuzzer.run_case(fuzzer.make_case(26, 272, "cpu", generation=13), "cpu", grad=True)
+    assert result.check == "ok", result
+    assert result.fusion == "partial", result
+
+
+def test_a_dtype_eagers_cpu_kernel_lacks_is_not_a_finding():
+    # Generation 13, seed 26, model 209: a bf16 Conv3d chain ending in AvgPool3d, with
+    # backward. Eager's CPU avg_pool3d has no bf16 kernel; Inductor's code runs the pool
+    # (nothing fused: the chain ends before a pool whose input backward reads).
+    result = fuzzer.run_case(fuzzer.make_case(26, 209, "cpu", generation=13), "cpu", grad=True)
+    assert result.check == "rejected" and "eager lacks a kernel" in result.reason, result
+
+
 def test_cpu_fuzz_with_the_library_call_forms_forced(monkeypatch):
     # The timed forms of the library call (a float32 GEMM's bias moved into the epilogue,
     # a 16-bit GEMM on padded operands, a conv on channels-last operands) rewrite the spec

@@ -39,6 +39,20 @@ def test_wall_times_are_taken_in_turns(monkeypatch):
     assert medians == {"inductor": 6.5, "fusedepi": 6.5}
 
 
+def test_chains_prints_where_each_chain_stops():
+    """`--chains` runs the matcher alone (here through the reference): a line per fused
+    chain and its stop, one per anchor left alone."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.zoo", "--chains", "--models", "conv2d_relu",
+                          "linear_sigmoid_linear_logsumexp", "--dtypes", "float32"],
+                         capture_output=True, text=True, check=True)
+    lines = [line.split(None, 2) for line in out.stdout.splitlines()]
+    assert lines == [
+        ["conv2d_relu", "float32", "fused conv_pointwise: stops at end of the graph"],
+        ["linear_sigmoid_linear_logsumexp", "float32",
+         "fused linear_pointwise: stops at addmm_1 is the next matrix op (addmm.default), an anchor of its own"],
+        ["linear_sigmoid_linear_logsumexp", "float32", "fused linear_logsumexp: stops at end of the graph"]]
+
+
 def test_list_prints_one_name_a_line():
     out = subprocess.run([sys.executable, "-m", "benchmarks.zoo", "--list"], capture_output=True, text=True, check=True)
     assert out.stdout.split() == list(zoo.BY_NAME)
