@@ -115,10 +115,11 @@ def _backward_nodes(graph: torch.fx.Graph) -> frozenset:
 
 # Reductions whose backward compares their input with their result (which elements were largest).
 EXTREMA = ("amax", "amin", "spatial_amax", "spatial_amin", "channel_amax", "channel_amin")
-# The same as aten ops of the joint graph outside a chain: their backward divides by the
-# count of input elements equal to the result, 0 where a recomputed input equals none.
+# The same, and medians of the whole value, as aten ops of the joint graph outside a
+# chain: their backward divides by the count of input elements equal to the result, 0
+# where a recomputed input equals none.
 _EXTREMUM_OPS = (torch.ops.aten.amax.default, torch.ops.aten.amin.default, torch.ops.aten.max.default,
-                 torch.ops.aten.min.default)
+                 torch.ops.aten.min.default, torch.ops.aten.median.default, torch.ops.aten.nanmedian.default)
 
 
 def _reaches_an_extremum(chain, backward: frozenset) -> bool:

@@ -284,23 +284,28 @@ def test_backward_reads_the_saved_input_of_amin(monkeypatch):
 class _ExtremumAfterTheChain(nn.Module):
     """A float32 chain whose value an extremum outside it reads:
     - linear: Linear, erf, * 1.5, then amax over the batch (no chain takes it);
+    - linear_median: the same, then the median of all its elements (backward spreads
+      the gradient over the elements equal to it);
     - conv_layernorm: Conv3d, LayerNorm over W, GELU, then amin over the spatial dims
       (refused after a LayerNorm whose segments split the channels)."""
 
     def __init__(self, kind):
         super().__init__()
         self.kind = kind
-        self.anchor = nn.Linear(64, 48) if kind == "linear" else nn.Conv3d(7, 6, 3, bias=False)
+        self.anchor = nn.Linear(64, 48) if kind.startswith("linear") else nn.Conv3d(7, 6, 3, bias=False)
         self.norm = nn.LayerNorm(7) if kind == "conv_layernorm" else None
 
     def forward(self, x):
         if self.kind == "linear":
             return torch.amax(torch.erf(self.anchor(x)) * 1.5, dim=0)
+        if self.kind == "linear_median":
+            return torch.median(torch.erf(self.anchor(x)) * 1.5)
         return torch.amin(F.gelu(self.norm(self.anchor(x))), dim=(2, 3, 4))
 
 
 @pytest.mark.parametrize("on_device", DEVICES, indirect=True)
 @pytest.mark.parametrize("kind, shape, fusion", [("linear", (32, 64), "linear_pointwise"),
+                                                 ("linear_median", (32, 64), "linear_pointwise"),
                                                  ("conv_layernorm", (3, 7, 5, 9, 9), "conv_layernorm")])
 def test_an_extremum_after_the_chain_reads_the_chains_own_value(kind, shape, fusion, on_device):
     # The extremum's backward divides by the count of its input's elements equal to the
