@@ -32,6 +32,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from lowering import HELD_BACK_OPS, match_graph
+from lowering.spec import REDUCTIONS
 
 from . import choice, timings
 from .config import Config, load_config
@@ -142,6 +143,19 @@ def _reaches_an_extremum(chain, backward: frozenset) -> bool:
     return False
 
 
+def _before_the_first_reduction(chain, order: dict) -> list:
+    """The chain's pointwise nodes before the first of its nodes that is neither
+    pointwise nor a view (its reduction's, in graph order): the values a norm's input
+    is computed from."""
+    kept = []
+    for node in sorted(chain.nodes[1:], key=order.__getitem__):
+        if torch.Tag.pointwise in getattr(node.target, "tags", ()):
+            kept.append(node)
+        elif not getattr(node.target, "is_view", False):
+            break
+    return kept
+
+
 class KeepChainValues(CustomGraphPass):
     """Joint-graph pass (before the forward/backward partition): marks the nodes of
     the chains the rewrite will fuse MUST_SAVE where a recomputation would not match.
@@ -152,10 +166,16 @@ class KeepChainValues(CustomGraphPass):
     no longer equals the extremum the fused op, or Inductor from its output, found,
     and a recomputed bf16/fp16 value (Inductor keeps it in float32) no longer matches
     the statistics taken from the fused op's rounded one (seen by the fuzzer:
-    gradients off by 20x eager's error, or inf). Those chains are marked, and backward
-    reads what the fused op returns, as eager reads what its forward saved. Other
-    float32 chains stay recomputable: an ulp of difference is harmless there, and
-    saving fewer values moves fewer bytes.
+    gradients off by 20x eager's error, or inf), and a float32 norm's input recomputed
+    from steps before it no longer matches the statistics the fused op took (a norm's
+    backward cancels terms of the size of its input: 0.3 of the gradient's norm against
+    eager's 7e-4, CPU fuzzer --grad, seed 28, generation 13, model 203). Those values
+    are marked, and backward reads what the fused op returns, as eager reads what its
+    forward saved: all of a chain's in the first two cases, in the third the pointwise
+    ones before the norm (`_before_the_first_reduction`), but in InstanceNorm's form,
+    whose input kept for backward the matcher refuses (its chains stay fused, with the
+    recompute). Other float32 values stay recomputable: an ulp of difference is
+    harmless there, and saving fewer values moves fewer bytes.
     """
 
     def __init__(self, cfg: Config, then=None):
@@ -173,10 +193,21 @@ class KeepChainValues(CustomGraphPass):
         except Exception as err:  # the rewrite will meet and report the same failure
             log.debug("fusedepi: joint-graph matching failed: %s", err)
             return
+        order = {node: i for i, node in enumerate(graph.nodes)}
         for chain in chains:
-            exact = (chain.spec.dtype != "float32" or any(s.name in EXTREMA for s in chain.spec.steps)
+            steps = chain.spec.steps
+            exact = (chain.spec.dtype != "float32" or any(s.name in EXTREMA for s in steps)
                      or _reaches_an_extremum(chain, backward))
-            for node in chain.nodes[1:] if exact else ():
+            if exact:
+                keep = chain.nodes[1:]
+            elif any(s.name in REDUCTIONS for s in steps[1:]) and not any(
+                    s.name == "groupnorm" and s.groups == chain.spec.channels for s in steps):
+                # (InstanceNorm's form, a group a channel: the matcher refuses its input
+                # kept for backward.)
+                keep = _before_the_first_reduction(chain, order)
+            else:
+                keep = []
+            for node in keep:
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
     def uuid(self):
