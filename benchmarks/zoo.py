@@ -434,10 +434,10 @@ def _settings():
     torch.backends.cudnn.allow_tf32 = True
 
 
-def _model_and_input(zoo: ZooModel, dtype: torch.dtype):
+def _model_and_input(zoo: ZooModel, dtype: torch.dtype, device: str = "cuda", batch: int | None = None):
     torch.manual_seed(0)
-    model = zoo.make().cuda().to(dtype)
-    x = torch.rand(zoo.shape, device="cuda", dtype=dtype)
+    model = zoo.make().to(device, dtype)
+    x = torch.rand(zoo.shape if batch is None else (batch,) + zoo.shape[1:], device=device, dtype=dtype)
     return model, x
 
 
@@ -528,10 +528,7 @@ def chains(zoo: ZooModel, dtype_name: str) -> list[str]:
     from fusion_backend import explain
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = getattr(torch, dtype_name)
-    torch.manual_seed(0)
-    model = zoo.make().to(device, dtype)
-    x = torch.rand((2,) + zoo.shape[1:], device=device, dtype=dtype)
+    model, x = _model_and_input(zoo, getattr(torch, dtype_name), device, batch=2)
     with torch.no_grad():
         report = explain(model, x, verbose=False)
     return ([f"fused {r.fusion}: stops at {r.stop}" for r in report.fused]

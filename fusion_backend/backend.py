@@ -137,8 +137,7 @@ def _reaches_an_extremum(chain, backward: frozenset) -> bool:
         seen.add(node)
         if node.target in _EXTREMUM_OPS:
             return True
-        tags = getattr(node.target, "tags", ())
-        if torch.Tag.pointwise in tags or getattr(node.target, "is_view", False):
+        if _pointwise(node) or _view(node):
             stack.extend(node.users)
     return False
 
@@ -149,11 +148,19 @@ def _before_the_first_reduction(chain, order: dict) -> list:
     is computed from."""
     kept = []
     for node in sorted(chain.nodes[1:], key=order.__getitem__):
-        if torch.Tag.pointwise in getattr(node.target, "tags", ()):
+        if _pointwise(node):
             kept.append(node)
-        elif not getattr(node.target, "is_view", False):
+        elif not _view(node):
             break
     return kept
+
+
+def _pointwise(node: torch.fx.Node) -> bool:
+    return torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+def _view(node: torch.fx.Node) -> bool:
+    return bool(getattr(node.target, "is_view", False))
 
 
 class KeepChainValues(CustomGraphPass):
