@@ -23,26 +23,20 @@ __device__ __forceinline__ void conv_tile_origin(int tile, int& img, int& h0, in
   img = m / kTilesH;
 }
 
-// The staging tile: the rounded values of a tile, by channel and patch row. A tile's
-// kTW pixels of one channel and patch row are a run of the NCHW output that starts at
-// any element; each run gets a slot of kRunSlot elements and starts in it at its offset
-// from a 16-byte boundary of the output (`run_shift`), so that the output's aligned
-// 16-byte chunks are aligned vectors of the slot. A channel's slots are kPitch elements
-// apart (the file's constant, `conv_sm90.staging_pitch`: 16 bytes past a multiple of 64,
-// so that the consumers' writes, 8 pixels x 4 channels a warp, fall in distinct banks).
+// The staging tile: a tile's results, by channel and patch row. A tile's kTW pixels of
+// one channel and patch row are a run of the NCHW output that starts at any element;
+// each run gets a slot of kRunSlot elements and starts in it at its offset from a
+// 16-byte boundary of the output, so that the output's aligned 16-byte chunks are
+// aligned vectors of the slot (what a bulk copy reads). A channel's slots are kPitch
+// elements apart (the file's constant, `conv_sm90.staging_pitch`: 16 bytes past a
+// multiple of 64, so that the consumers' writes, 8 pixels x 4 channels a warp, fall in
+// distinct banks).
 constexpr int kOutV = 16 / kElem;  // elements a 16-byte vector
 constexpr int kRunSlot = kTW + kOutV;
 static_assert(kPitch >= kTH * kRunSlot && kPitch % kOutV == 0, "a channel's slots, in whole vectors");
 constexpr int kStaging = kBN * kPitch * kElem;
-constexpr int kHandoff = 256 + 96;  // the consumers and the epilogue warps
+constexpr int kConsumers = 256;  // the two consumer warpgroups, which stage and store each tile
 constexpr int kBarFull = 1, kBarEmpty = 2;
-
-// The offset of a run (image img, tile channel cl, output row h, first pixel w0) from the
-// 16-byte boundary of the output before it, in elements.
-__device__ __forceinline__ int run_shift(int img, int n0, int cl, int h, int w0) {
-  const long long start = ((static_cast<long long>(img) * kChannels + n0 + cl) * kHo + h) * kWo + w0;
-  return static_cast<int>(start % kOutV);
-}
 
 // One value into shared memory as T.
 __device__ __forceinline__ void sts_value(uint8_t* p, float x) {
@@ -55,109 +49,95 @@ __device__ __forceinline__ void sts_value(uint8_t* p, float x) {
   }
 }
 
-// The consumers' part of a tile's staging: each accumulator rounded to T (what the
-// library conv's output holds) into its run's slot. For 8-column chunk j a thread holds
-// tile rows r0 and r0 + 8 (r0 = 64 * half + 16 * warp + lane / 4) and channels
-// 8j + 2 * (lane % 4) + {0, 1} of the tile. A run's shift depends on its channel modulo
-// 8 only (8 planes are whole 16-byte vectors), so a thread's four (channel, row) shifts
-// hold for every j.
-__device__ __forceinline__ void stage_tile(const float (&d)[kBN / 2], uint8_t* staging, int half, int tid, int img,
-                                           int h0, int w0, int n0) {
+// The per-channel operands of the channels a consumer thread holds (channel 8j + 2 *
+// (lane % 4) + e of the tile), loaded at the tile's start, so that their loads' latency
+// passes under the mainloop. (Loaded in the finish, after the staging's shared-memory
+// stores, the kernel took 1.12 ms on bf16 128 x 64 x 128 x 128 -> 128 on an H100; loaded
+// here, 0.97 ms.)
+struct TileChans {
+  stage0_chan k[kBN / 8][2];
+};
+__device__ __forceinline__ void load_chans(TileChans& c, int tid, int n0, const Args& a) {
+#pragma unroll
+  for (int j = 0; j < kBN / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      if (n0 + 8 * j < kChannels) c.k[j][e] = stage0_chan_of(a, n0 + 8 * j + 2 * (tid % 4) + e);
+}
+
+// A tile's finish, part 1: the consumers apply stage0 to their accumulators in registers
+// (each rounded to T first, what the library conv's output holds) and stage the results;
+// the elements of a run's partial first and last 16-byte chunk of out are stored from
+// registers here, the rest by `store_runs`. For 8-column chunk j a thread holds tile
+// rows r0 and r0 + 8 (r0 = 64 * half + 16 * warp + lane / 4) and channels 8j + 2 *
+// (lane % 4) + {0, 1} of the tile; a run's offset from a 16-byte boundary depends on its
+// channel modulo 8 only (8 planes are whole 16-byte vectors), so a thread's four
+// (channel, row) placements hold for every j. Pixels past the output's edges are skipped.
+__device__ __forceinline__ void stage_chain(const float (&d)[kBN / 2], const TileChans& chans, uint8_t* staging,
+                                            int half, int tid, int img, int h0, int w0, int n0, const Args& a) {
+  constexpr long long kPlane = static_cast<long long>(kHo) * kWo;
   const int warp = tid / 32, lane = tid % 32;
   const int r0 = half * 64 + warp * 16 + lane / 4;
-  int at[2][2];  // [h][e]: the slot offset of channel 2 * (lane % 4) + e's pixel r0 + 8h
+  const int rows = kHo - h0 < kTH ? kHo - h0 : kTH;
+  const int width = kWo - w0 < kTW ? kWo - w0 : kTW;
+  int at[2][2];         // [h][e]: the slot offset of channel 2 * (lane % 4) + e's pixel r0 + 8h
+  long long idx[2][2];  // ... its element of out (channel chunk j adds 8j planes)
+  bool inside[2][2], partial[2][2];
 #pragma unroll
   for (int h = 0; h < 2; ++h)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int r = r0 + 8 * h, t = r / kTW, cl = 2 * (lane % 4) + e;
-      at[h][e] = cl * kPitch + t * kRunSlot + run_shift(img, n0, cl, h0 + t, w0) + r % kTW;
+      const int r = r0 + 8 * h, t = r / kTW, x = r % kTW, cl = 2 * (lane % 4) + e;
+      const long long start = ((static_cast<long long>(img) * kChannels + n0 + cl) * kHo + h0 + t) * kWo + w0;
+      const int shift = static_cast<int>(start % kOutV);
+      at[h][e] = cl * kPitch + t * kRunSlot + shift + x;
+      idx[h][e] = start + x;
+      inside[h][e] = t < rows && x < width;
+      // Its 16-byte chunk of out is not wholly inside the run: stored from here.
+      const long long chunk = idx[h][e] - (shift + x) % kOutV;
+      partial[h][e] = chunk < start || chunk + kOutV > start + width;
     }
 #pragma unroll
   for (int j = 0; j < kBN / 8; ++j) {
     if (n0 + 8 * j >= kChannels) break;  // kChannels % 8 == 0: a chunk is inside the channels or past them
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int e = 0; e < 2; ++e) {
+      const stage0_chan& k = chans.k[j][e];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) sts_value(staging + (8 * j * kPitch + at[h][e]) * kElem, d[4 * j + 2 * h + e]);
+      for (int h = 0; h < 2; ++h) {
+        if (!inside[h][e]) continue;
+        const long long i = idx[h][e] + 8 * j * kPlane;
+        float y[1] = {fusedepi::to_float(fusedepi::from_float<T>(d[4 * j + 2 * h + e]))};
+        stage0_at<1>(y, k, i, a);
+        if (partial[h][e])
+          a.out[i] = fusedepi::from_float<T>(y[0]);
+        else
+          sts_value(staging + (8 * j * kPitch + at[h][e]) * kElem, y[0]);
+      }
+    }
   }
 }
 
-// The threads that finish a tile (the consumers and the epilogue warps, `kHandoff`), and
-// the output chunks each holds at once (all its shared-memory and per-channel loads
-// issued before the first is used).
-constexpr int kInFlight = 2;
-constexpr int kRunChunks = kTW / kOutV + 1;  // the aligned chunks a run of kTW elements may touch
-
-// Thread `et` of kHandoff's part of a tile's finish: stage0 on the staged tile and the
-// stores to out[img, channel, h, w], one aligned 16-byte chunk of a run at a time (a
-// warp's stores one coalesced run whatever the output's width); the first and last
-// chunk of a run partial, element by element; pixels past the output's edges skipped.
-__device__ __forceinline__ void finish_tile(const uint8_t* staging, int et, int img, int h0, int w0, int n0,
-                                            const Args& a) {
+// A tile's finish, part 2: consumer thread `ct` (of kConsumers)'s bulk copies of the
+// staged tile, a run's whole 16-byte chunks one copy, committed as one bulk group. The
+// copies run on under the next tile's mainloop; the consumers wait for them to have read
+// the staging tile before they stage the next.
+__device__ __forceinline__ void store_runs(const uint8_t* staging, int ct, int img, int h0, int w0, int n0,
+                                           const Args& a) {
   const int channels = kChannels - n0 < kBN ? static_cast<int>(kChannels - n0) : kBN;
   const int rows = kHo - h0 < kTH ? kHo - h0 : kTH;
-  const int width = kWo - w0 < kTW ? kWo - w0 : kTW;  // pixels of each run
-  const int chunks = channels * kTH * kRunChunks;
-  for (int v0 = et; v0 < chunks; v0 += kHandoff * kInFlight) {
-    uint4 raw[kInFlight];
-    stage0_chan k[kInFlight];
-    long long first[kInFlight];  // the chunk's first element in out (16-byte aligned)
-    int lo[kInFlight], hi[kInFlight];  // the run's elements in it
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int v = v0 + u * kHandoff, q = v % kRunChunks, t = v / kRunChunks % kTH, cl = v / (kRunChunks * kTH);
-      const int shift = run_shift(img, n0, cl, h0 + t, w0);
-      first[u] = ((static_cast<long long>(img) * kChannels + n0 + cl) * kHo + h0 + t) * kWo + w0 - shift + q * kOutV;
-      lo[u] = q == 0 ? shift : 0;
-      hi[u] = shift + width - q * kOutV < kOutV ? shift + width - q * kOutV : kOutV;
-      if (v >= chunks || t >= rows) hi[u] = 0;
-      if (lo[u] < hi[u]) {
-        raw[u] = hop::lds128(staging + (cl * kPitch + t * kRunSlot + q * kOutV) * kElem);
-        k[u] = stage0_chan_of(a, n0 + cl);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      if (lo[u] >= hi[u]) continue;
-      const uint32_t* w = reinterpret_cast<const uint32_t*>(&raw[u]);
-      float x[kOutV];
-      if constexpr (std::is_same_v<T, float>) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) x[e] = __uint_as_float(w[e]);
-      } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = hop::unpack2<T>(w[e]);
-          x[2 * e] = f.x;
-          x[2 * e + 1] = f.y;
-        }
-      }
-      T* out = a.out + first[u];
-      if (lo[u] == 0 && hi[u] == kOutV) {  // a whole chunk: one 16-byte store
-        stage0_at<kOutV>(x, k[u], first[u], a);
-        uint4 vec;
-        uint32_t* o = reinterpret_cast<uint32_t*>(&vec);
-        if constexpr (std::is_same_v<T, float>) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) o[e] = __float_as_uint(x[e]);
-        } else {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) o[e] = hop::pack2<T>(x[2 * e], x[2 * e + 1]);
-        }
-        *reinterpret_cast<uint4*>(out) = vec;
-      } else {  // a run's first or last chunk (a residual read one element at a time)
-#pragma unroll
-        for (int e = 0; e < kOutV; ++e) {
-          if (e >= lo[u] && e < hi[u]) {
-            float y[1] = {x[e]};
-            stage0_at<1>(y, k[u], first[u] + e, a);
-            out[e] = fusedepi::from_float<T>(y[0]);
-          }
-        }
-      }
-    }
+  const int width = kWo - w0 < kTW ? kWo - w0 : kTW;
+  for (int v = ct; v < channels * kTH; v += kConsumers) {
+    const int cl = v / kTH, t = v % kTH;
+    if (t >= rows) continue;
+    const long long start = ((static_cast<long long>(img) * kChannels + n0 + cl) * kHo + h0 + t) * kWo + w0;
+    const int shift = static_cast<int>(start % kOutV);
+    const long long lo = start + (shift ? kOutV - shift : 0), end = start + width, hi = end - end % kOutV;
+    if (hi > lo)
+      hop::bulk_store(a.out + lo, staging + (cl * kPitch + t * kRunSlot + shift + (lo - start)) * kElem,
+                      static_cast<unsigned>((hi - lo) * kElem));
   }
+  hop::bulk_commit();
 }
 
 // The kernel's body (the file's __global__ wrapper calls it with its __grid_constant__
@@ -165,11 +145,11 @@ __device__ __forceinline__ void finish_tile(const uint8_t* staging, int et, int 
 // [kChannels, kTaps x kCinPad]. Warpgroup 0's first thread loads, by TMA, for each k-step
 // (tap, channel block) the patch of input pixels that tap reads (coordinates shifted by
 // the tap, zeros past the image: the conv's padding) and the tap's weights; warpgroups 1
-// and 2 multiply (wgmma) and stage the tile; they and warps 1-3 of warpgroup 0 run the
-// chain on the staged tile and store it, the consumers their share before the next
-// tile's wgmma, warps 1-3 theirs under it. Persistent: CTA b takes tiles b, b +
-// gridDim.x, ...; the ring's stage and phase run on across tiles. Named barriers hand the
-// staging tile over (kBarFull) and back (kBarEmpty).
+// and 2 multiply (wgmma), apply the chain in registers, stage the tile and issue its bulk
+// copies to out, which run under the next tile's wgmma. Persistent: CTA b takes tiles b,
+// b + gridDim.x, ...; the ring's stage and phase run on across tiles. Two named barriers
+// of the consumers: the tile is staged (kBarFull), the last tile's copies have read the
+// staging tile (kBarEmpty).
 __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtensorMap& map_w, const Args& a) {
   constexpr int kProducerRegs = 72, kConsumerRegs = 216;
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168, "the CTA's registers");
@@ -206,16 +186,7 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
           hop::tma_load_2d(tiles_b + s * kTileB, &map_w, &full[s], tap * kCinPad + c0, n0);
         }
       }
-    } else if (tid >= 32) {  // the epilogue warps
-      for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-        int img, h0, w0, n0;
-        conv_tile_origin(tile, img, h0, w0, n0);
-        hop::named_sync<kBarFull, kHandoff>();  // the consumers have staged the tile
-        finish_tile(staging, tid - 32, img, h0, w0, n0, a);
-        // The staging tile is free (the consumers wait for this before their next tile's).
-        if (tile + static_cast<int>(gridDim.x) < n_tiles) hop::named_arrive<kBarEmpty, kHandoff>();
-      }
-    }
+    }  // warps 1-3 have nothing to do
   } else {  // consumers: tile rows 64 * (wg - 1) .. + 64
     hop::regs_inc<kConsumerRegs>();
     const int half = wg - 1;
@@ -230,6 +201,8 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
       float d[kBN / 2];
 #pragma unroll
       for (int i = 0; i < kBN / 2; ++i) d[i] = 0.f;
+      TileChans chans;
+      load_chans(chans, tid, n0, a);
       for (int i = 0; i < kKSteps; ++i, ++it) {
         const int s = it % kStages;
         hop::mbar_wait(&full[s], (it / kStages) & 1);
@@ -245,10 +218,15 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
       }
       hop::wgmma_wait<0>();
       release((it - 1) % kStages);
-      if (tile != static_cast<int>(blockIdx.x)) hop::named_sync<kBarEmpty, kHandoff>();  // the last tile is out
-      stage_tile(d, staging, half, tid, img, h0, w0, n0);
-      hop::named_sync<kBarFull, kHandoff>();  // the whole tile is staged
-      finish_tile(staging, 96 + half * 128 + tid, img, h0, w0, n0, a);  // a share of its finish
+      if (tile != static_cast<int>(blockIdx.x)) {  // the last tile's copies have read the staging tile
+        hop::bulk_wait_read();
+        hop::named_sync<kBarEmpty, kConsumers>();
+      }
+      stage_chain(d, chans, staging, half, tid, img, h0, w0, n0, a);
+      hop::fence_async_shared();  // the staging tile's writes, before the bulk copies read it
+      hop::named_sync<kBarFull, kConsumers>();  // the whole tile is staged
+      store_runs(staging, half * 128 + tid, img, h0, w0, n0, a);
     }
+    hop::bulk_wait();  // the copies are complete before the kernel ends
   }
 }
