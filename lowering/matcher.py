@@ -154,6 +154,9 @@ class _State:
     widened_at: tuple | None = None  # the walk's state where a bf16/fp16 value went to float32
     order: dict = field(default_factory=dict)  # node -> position in the graph
     backward: frozenset = frozenset()  # a joint graph's backward nodes: users, never steps
+    # A training forward graph's nodes that compute only values saved for backward
+    # (`for_backward_only`): readers of chain values (which are then saved), never a step.
+    not_steps: frozenset = frozenset()
     claimed: set = field(default_factory=set)  # nodes of the chains matched before this one
     held: dict = field(default_factory=dict)  # node -> k: it holds the chain's value after k steps
     permuted: bool = False  # a conv's output with its channels moved last (`Anchor.permuted`)
@@ -205,8 +208,14 @@ def _add_param(state: _State, node: Node | None) -> int:
 
 
 def _forward_users(state: _State, node: Node) -> list:
-    """The users of `node` that may continue a chain (in a joint graph, not backward's)."""
+    """The users of `node` in the forward (in a joint graph, not backward's)."""
     return [u for u in node.users if u not in state.backward]
+
+
+def _step_users(state: _State, node: Node) -> list:
+    """The users of `node` that may start the chain's next step: the forward's, but those
+    that compute only values saved for backward (`_State.not_steps`)."""
+    return [u for u in _forward_users(state, node) if u not in state.not_steps]
 
 
 def _depends_on(node: Node, targets: set, order: dict, start: int) -> bool:
@@ -265,7 +274,7 @@ def _match_silu_pair(state: _State, _user: Node):
     """x * sigmoid(x), in either operand order: two of the current value's users.
     A sigmoid also used elsewhere (saved for backward) is returned as well."""
     x = state.node
-    for sig in _forward_users(state, x):
+    for sig in _step_users(state, x):
         if sig.target is not aten.sigmoid.default:
             continue
         mul = next((u for u in _forward_users(state, sig)
@@ -286,7 +295,7 @@ def _match_rms_norm(state: _State, _user: Node):
     """x * rsqrt(mean(x ** 2, dim=-1, keepdim=True) + eps): what nn.RMSNorm and
     F.rms_norm decompose to (a weight is a `mul` step after it). An rsqrt also used
     elsewhere (saved for backward) is returned as the step's "rstd"."""
-    users = _forward_users(state, state.node)
+    users = _step_users(state, state.node)
     pow_ = next((u for u in users if u.target is aten.pow.Tensor_Scalar and u.args[1] == 2), None)
     mean = pow_ and _only(pow_, aten.mean.dim)
     add = mean and (_only(mean, aten.add.Scalar) or _only(mean, aten.add.Tensor))
@@ -644,7 +653,7 @@ def _match_branch(state: _State, user: Node, other: Node) -> _Match:
     path, node = [], other
     while node not in state.held:
         if len(path) == BRANCH_MAX_NODES or node.op != "call_function" or node in state.claimed \
-                or node in state.backward or node in state.chain.nodes:
+                or node in state.backward or node in state.not_steps or node in state.chain.nodes:
             raise Refuse(f"operand {other.name} is computed from the chain's own values, not by a path of at most "
                          f"{BRANCH_MAX_NODES} steps from one of its values")
         path.append(node)
@@ -1539,7 +1548,7 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
     users = list(state.node.users)
     if not users:
         return "value is unused"
-    inside = [u for u in _forward_users(state, state.node) if u.op != "output"]
+    inside = [u for u in _step_users(state, state.node) if u.op != "output"]
     if not inside:
         return "end of the graph"
     if state.route:  # inside a branch: its next node
@@ -1670,6 +1679,32 @@ def restore_batch_one_bmm(graph: torch.fx.Graph) -> None:
                 graph.erase_node(squeeze)
 
 
+def for_backward_only(graph: torch.fx.Graph) -> frozenset:
+    """The nodes of a training forward graph that only compute values saved for backward.
+
+    The partitioner may move backward's work on forward values into the forward graph
+    (mish's derivative from its input: a softplus, a tanh, x * sigmoid(x)); those nodes
+    read chain values but are no step of the user's chain, and the walk must not take
+    them for one (it took the derivative's x * sigmoid(x) for a SiLU and stopped the
+    chain inside it). They are the nodes from which no output up to the last one the user
+    sees is reached (Inductor's `user_visible_output_idxs`; the outputs before the user's
+    are mutated inputs, forward effects too). Empty where the output carries no such
+    mark, or marks none (a joint or an inference graph; outputs Inductor does not mark)."""
+    output = next((n for n in reversed(graph.nodes) if n.op == "output"), None)
+    visible = output.meta.get("user_visible_output_idxs") if output is not None else None
+    if not visible:
+        return frozenset()
+    outs = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    stack = [n for n in outs[:max(visible) + 1] if isinstance(n, Node)]
+    forward: set = set()
+    while stack:
+        node = stack.pop()
+        if node not in forward:
+            forward.add(node)
+            stack.extend(node.all_input_nodes)
+    return frozenset(n for n in graph.nodes if n.op == "call_function" and n not in forward and n.users)
+
+
 def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, matmul_tf32=False,
                 backward=frozenset(), in_kernel_gemm="auto", in_kernel_conv=False):
     """Finds every fusible chain in `graph`.
@@ -1683,7 +1718,9 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
             is not "highest"); decides whether a GEMM bias moves into the epilogue, and
             whether `auto` keeps a float32 chain for the in-kernel GEMM (which is TF32).
         backward: in a joint forward/backward graph, the backward's nodes: they use
-            chain values (which are then saved) but never continue a chain.
+            chain values (which are then saved) but never continue a chain. (In a
+            training forward graph, the nodes that compute only values saved for
+            backward, `for_backward_only`, never start a step either.)
         in_kernel_gemm: which Linear products to mark as candidates for the in-kernel
             GEMM (FUSEDEPI_IN_KERNEL_GEMM, see the README): "auto", those
             `auto_takes_gemm` keeps (measured faster or level there); "on", all; "off", none.
@@ -1695,6 +1732,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
         graph's batch-one bmms are restored first, in place (`restore_batch_one_bmm`).
     """
     restore_batch_one_bmm(graph)
+    not_steps = for_backward_only(graph)
     chains, refusals = [], []
     order = {n: i for i, n in enumerate(graph.nodes)}
     claimed: set = set()
@@ -1718,6 +1756,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
             for fold in (True, False):
                 state = _start(node, anchor, list(operands), allow_cpu, permute)
                 state.order, state.backward, state.claimed = order, backward, claimed
+                state.not_steps = not_steps
                 folded = _fold_bias(state, anchor, matmul_tf32) if fold else None
                 moved = len(state.chain.steps)  # steps the anchor's bias (baddbmm's input, alpha) became
                 state.held[state.node] = moved

@@ -509,6 +509,17 @@ def test_gradient_fuzz_regression_of_a_norm_after_steps():
     assert result.fusion == "full", result
 
 
+@pytest.mark.parametrize("index", [144, 187])
+def test_gradient_fuzz_regression_of_backwards_work_in_the_forward_graph(index):
+    # Generation 13, seed 28 (CPU): a mish after steps, then a reduction (144: 3-D
+    # Linear, minimum, mish, mean over the features; 187: bmm, tanh, pow, mish, relu6,
+    # softmax over the plane). The forward graph computes mish's derivative from its
+    # input for backward; the walk took it for chain steps and stopped before the mish.
+    result = fuzzer.run_case(fuzzer.make_case(28, index, "cpu", generation=13), "cpu", grad=True)
+    assert result.check == "ok", result
+    assert result.fusion == "full", result
+
+
 def test_a_dtype_eagers_cpu_kernel_lacks_is_not_a_finding():
     # Generation 13, seed 26, model 209: a bf16 Conv3d chain ending in AvgPool3d, with
     # backward. Eager's CPU avg_pool3d has no bf16 kernel; Inductor's code runs the pool

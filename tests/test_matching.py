@@ -774,3 +774,62 @@ def _assert_gemm_candidates(dtype, expected: dict, every_call: int):
         assert json.loads(fused[0].spec)["anchor"]["gemm"] == ([24, every_call] if want else []), name
         tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
         torch.testing.assert_close(out, model(x), atol=tol, rtol=tol)
+
+
+def _graph_with_outputs(visible):
+    """x -> relu -> (y: returned first, as a mutated input is), y -> exp -> returned for the
+    user, y -> sigmoid -> neg -> returned after (saved for backward); the output node
+    marked as Inductor marks a training forward graph (`visible`), or not (None)."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.relu.default, (x,))
+    user = g.call_function(torch.ops.aten.exp.default, (y,))
+    s = g.call_function(torch.ops.aten.sigmoid.default, (y,))
+    saved = g.call_function(torch.ops.aten.neg.default, (s,))
+    out = g.output((y, user, saved))
+    if visible is not None:
+        out.meta["user_visible_output_idxs"] = visible
+    return g, {"sigmoid": s, "neg": saved}
+
+
+def test_nodes_that_compute_only_values_saved_for_backward():
+    from lowering.matcher import for_backward_only
+
+    g, n = _graph_with_outputs([1])
+    assert for_backward_only(g) == {n["sigmoid"], n["neg"]}
+    # The outputs before the user's (mutated inputs) are the forward's too.
+    g, n = _graph_with_outputs([2])
+    assert for_backward_only(g) == set()
+    # No mark, or an empty one (a joint or an inference graph): nothing is known.
+    assert for_backward_only(_graph_with_outputs(None)[0]) == set()
+    assert for_backward_only(_graph_with_outputs([])[0]) == set()
+
+
+def test_backwards_work_moved_into_the_forward_graph_is_not_a_step():
+    # Mish's backward reads x * sigmoid(x), softplus(x) and its tanh of mish's input;
+    # the partitioner computes them in the forward graph and saves the result. The walk
+    # took that x * sigmoid(x) for a SiLU step, went on into the derivative and stopped
+    # the chain before the mish ("softplus.default in a branch"). 3-D Linear, minimum by
+    # a per-feature operand, mish, mean over the features, as the fuzzer drew it
+    # (generation 13, seed 28, model 144).
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(24, 40)
+            self.cap = nn.Parameter(torch.rand(40))
+
+        def forward(self, x):
+            return F.mish(torch.minimum(self.lin(x), self.cap)).mean(-1).sigmoid()
+
+    torch.manual_seed(0)
+    model = Model()
+    eager = copy.deepcopy(model)
+    x = torch.randn(2, 6, 24, requires_grad=True)
+    xe = x.detach().clone().requires_grad_(True)
+    out, fused, refused = compile_records(model, x, grad=True)
+    assert [steps_of(r) for r in fused] == [["minimum", "mish", "mean", "sigmoid"]], refused
+    ref = eager(xe)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    out.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(x.grad, xe.grad, atol=1e-5, rtol=1e-5)
