@@ -179,10 +179,9 @@ class KeepChainValues(CustomGraphPass):
     eager's 7e-4, CPU fuzzer --grad, seed 28, generation 13, model 203). Those values
     are marked, and backward reads what the fused op returns, as eager reads what its
     forward saved: all of a chain's in the first two cases, in the third the pointwise
-    ones before the norm (`_before_the_first_reduction`), but in InstanceNorm's form,
-    whose input kept for backward the matcher refuses (its chains stay fused, with the
-    recompute). Other float32 values stay recomputable: an ulp of difference is
-    harmless there, and saving fewer values moves fewer bytes.
+    ones before the norm (`_before_the_first_reduction`). Other float32 values stay
+    recomputable: an ulp of difference is harmless there, and saving fewer values moves
+    fewer bytes.
     """
 
     def __init__(self, cfg: Config, then=None):
@@ -207,10 +206,7 @@ class KeepChainValues(CustomGraphPass):
                      or _reaches_an_extremum(chain, backward))
             if exact:
                 keep = chain.nodes[1:]
-            elif any(s.name in REDUCTIONS for s in steps[1:]) and not any(
-                    s.name == "groupnorm" and s.groups == chain.spec.channels for s in steps):
-                # (InstanceNorm's form, a group a channel: the matcher refuses its input
-                # kept for backward.)
+            elif any(s.name in REDUCTIONS for s in steps[1:]):
                 keep = _before_the_first_reduction(chain, order)
             else:
                 keep = []

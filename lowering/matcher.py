@@ -182,6 +182,9 @@ class _Match:
     # Values of the step used elsewhere besides its result: a norm's "mean"/"rstd",
     # silu's "sigmoid" of its input -> the node.
     stats: dict = field(default_factory=dict)
+    # Nodes of the step that hold its input under another shape and are read by nodes
+    # that compute values saved for backward: returned as the input's value.
+    inputs_kept: list = field(default_factory=list)
     route: list = field(default_factory=list)  # a branch: the nodes it walks, then the binary node
 
 
@@ -385,10 +388,15 @@ def _match_instance_norm(state: _State, _user: Node):
                      "are kept for backward)")
     # The view: the statistics' input (or its widening) and sub. Without a view, other
     # users of the chain's value are the walk's to handle (it returns the value too).
+    # The forward graph may save the view for backward, or compute backward's x - mean
+    # from it and save that: the fused op then returns the view's value (x, viewed).
     expected_users = {sub: 1, mul: 1} if view is x else {view: 2, sub: 1, mul: 1}
     if widened:
         expected_users[stats_in] = 1
-    if any(len(_forward_users(state, node)) != count for node, count in expected_users.items()):
+    kept = [] if view is x or widened else [
+        u for u in view.users if u in state.not_steps or (u.op == "output" and not _user_sees(u, view))]
+    if any(len([u for u in _forward_users(state, node) if u not in kept]) != count
+           for node, count in expected_users.items()):
         raise Refuse("InstanceNorm: an intermediate value is used elsewhere")
     consumed = ([] if view is x else [view]) + ([stats_in] if widened else [])
     consumed += [var_mean, var, mean, add, rsqrt, sub, mul]
@@ -418,7 +426,7 @@ def _match_instance_norm(state: _State, _user: Node):
         consumed.append(back)
     inputs = (_add_param(state, weight or None), _add_param(state, bias or None))
     step = Step("groupnorm", consts=(float(eps),), inputs=inputs, groups=state.channels)
-    return _Match(step, consumed, back, stats=stats)
+    return _Match(step, consumed, back, stats=stats, inputs_kept=[view] if kept else [])
 
 
 def _instance_norm_eval(state: _State, xval, view: Node, bn: Node, n):
@@ -1602,6 +1610,10 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
         # silu's sigmoid is element-wise.
         per_row = {"groupnorm": step.groups, "layernorm": step.groups or 1, "rmsnorm": 1, "silu": _values_per_row(state)}
         why = _save(state, node, what, per_row.get(step.name, 0))
+        if why is not None:
+            return why
+    for node in match.inputs_kept:  # (the value before the step: saved before it is appended)
+        why = _save(state, node, "value", _values_per_row(state))
         if why is not None:
             return why
     if match.dtype is not None:  # a conversion: no step, the value's dtype changes
