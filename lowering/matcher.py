@@ -182,8 +182,8 @@ class _Match:
     # Values of the step used elsewhere besides its result: a norm's "mean"/"rstd",
     # silu's "sigmoid" of its input -> the node.
     stats: dict = field(default_factory=dict)
-    # Nodes of the step that hold its input under another shape and are read by nodes
-    # that compute values saved for backward: returned as the input's value.
+    # Nodes of the step that hold its input under another shape and that the graph saves
+    # for backward, or reads in nodes computing only saved values: returned as the input's value.
     inputs_kept: list = field(default_factory=list)
     route: list = field(default_factory=list)  # a branch: the nodes it walks, then the binary node
 
