@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fusion_backend import backend, fusedepi
-from helpers import SMALL_WORKLOADS
+from helpers import SMALL_WORKLOADS, close_to_float64
 
 aten = torch.ops.aten
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -50,14 +50,6 @@ def inner_graphs(monkeypatch):
     return graphs
 
 
-def _close(got, eager, ref, what):
-    """`got` is as close to the float64 `ref` as eager float32 is (4x), or within 1e-5 of its norm."""
-    d_got = (got.double() - ref).norm().item()
-    d_eager = (eager.double() - ref).norm().item()
-    norm = ref.norm().item()
-    assert d_got <= max(1e-5 * norm, 4 * d_eager), f"{what}: error {d_got:.3g}, eager's {d_eager:.3g}, norm {norm:.3g}"
-
-
 def _three(name, device):
     """The workload three ways: to compile, eager float32 and eager float64."""
     factory, shape, fusion = SMALL_WORKLOADS[name]
@@ -78,10 +70,10 @@ def _forward_backward(model, eager, ref, x):
     upstream = torch.randn_like(outs[2])
     for o in outs:
         o.backward(upstream.to(o.dtype))
-    _close(*outs, "output")
-    _close(*(t.grad for t in inputs), "input grad")
+    close_to_float64(*outs, "output")
+    close_to_float64(*(t.grad for t in inputs), "input grad")
     for (pname, p), pe, pr in zip(model.named_parameters(), eager.parameters(), ref.parameters()):
-        _close(p.grad, pe.grad, pr.grad, f"grad of {pname}")
+        close_to_float64(p.grad, pe.grad, pr.grad, f"grad of {pname}")
     return [r for report in reports for r in report.records if r.status == "fused"]
 
 
@@ -95,7 +87,7 @@ def test_gradients_match_eager(name, on_device, inner_graphs):
     assert on_device == "cpu" or fused[0].kernel != "reference (cpu)"
     for (bname, b), be, br in zip(model.named_buffers(), eager.buffers(), ref.buffers()):
         if b.is_floating_point():
-            _close(b, be, br, bname)
+            close_to_float64(b, be, br, bname)
         else:
             assert torch.equal(b, be), bname
 
@@ -134,7 +126,7 @@ def test_conv_batchnorm_train_gradients(size, dtype, on_device):
     assert [r.fusion for r in fused] == ["conv_batchnorm_train"]
     assert '"what":"mean"' in fused[0].spec and '"what":"rstd"' in fused[0].spec
     for name in ("running_mean", "running_var"):
-        _close(getattr(model[1], name), getattr(eager[1], name), getattr(ref[1], name), name)
+        close_to_float64(getattr(model[1], name), getattr(eager[1], name), getattr(ref[1], name), name)
 
 
 @pytest.mark.parametrize("on_device", DEVICES, indirect=True)
@@ -232,7 +224,7 @@ def test_bmm_chain_gradients(fusion, dtype, on_device):
     assert [r.fusion for r in fused] == [f"bmm_{fusion}"]
     for b, be, br in zip(model.buffers(), eager.buffers(), ref.buffers()):
         if b.is_floating_point():
-            _close(b, be, br, "running statistics")
+            close_to_float64(b, be, br, "running statistics")
 
 
 class _QuotientByProduct(nn.Module):
@@ -339,9 +331,9 @@ def test_twenty_optimizer_steps_track_eager(name, on_device):
             opt.step()
             losses.append(loss.detach())
         runs.append(torch.stack(losses))
-    _close(runs[0], runs[1], runs[2], "losses")
+    close_to_float64(runs[0], runs[1], runs[2], "losses")
     for (pname, p), pe, pr in zip(model.named_parameters(), eager.parameters(), ref.parameters()):
-        _close(p.detach(), pe.detach(), pr.detach(), pname)
+        close_to_float64(p.detach(), pe.detach(), pr.detach(), pname)
     for (bname, b), be, br in zip(model.named_buffers(), eager.buffers(), ref.buffers()):
         if b.is_floating_point():
-            _close(b, be, br, bname)
+            close_to_float64(b, be, br, bname)
