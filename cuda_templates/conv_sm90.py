@@ -22,18 +22,18 @@ channels, persistent over tiles, 384 threads):
 - warpgroups 1 and 2 are the consumers: wgmma m64nBNk16 (k8 in TF32), float32
   accumulators; each is rounded to the output type (what the library conv's output
   holds), stage0 is applied to it in registers (the tile's per-channel operands loaded
-  before its mainloop), and the result goes into a staging tile: each (channel, patch
-  row) run of kTW pixels in a slot of its own, placed at the run's offset from a 16-byte
-  boundary of the NCHW output; the elements of a run's partial first and last 16-byte
-  chunk of the output go straight to global memory;
+  before its mainloop), and the result goes into a staging tile, with no branch an
+  element: each (channel, patch row) run of kTW pixels in a slot of its own, placed at
+  the run's offset from a 16-byte boundary of the NCHW output;
 - the consumers then issue one bulk copy (cp.async.bulk, shared to global) a run for
-  its whole 16-byte chunks, and go on to the next tile's wgmma while the copies run;
-  before staging the next tile they wait for the copies to have read the staging tile.
-  Warps 1-3 of warpgroup 0 idle. The finish is the kernel's cost beyond its mainloop:
-  at 128 x 64 x 128 x 128 -> 128 channels (bf16, an H100) the mainloop alone takes
-  0.40 ms, the kernel 0.97 ms; with stage0 on the staged tile and the stores by the
-  consumers' and warps 1-3's threads (16-byte chunks aligned in the output) it took
-  1.02-1.05 ms, with the whole finish in warps 1-3 1.51 ms.
+  its whole 16-byte chunks, store the elements of a run's partial first and last chunk
+  from the staging tile (kOutV neighbouring threads a chunk, one element each), and go on
+  to the next tile's wgmma while the copies run; before staging the next tile they wait
+  for the copies to have read the staging tile. Warps 1-3 of warpgroup 0 idle. The
+  finish is the kernel's cost beyond its mainloop: at 128 x 64 x 128 x 128 -> 128
+  channels (bf16, an H100) the mainloop alone takes 0.40 ms, the kernel 0.76 ms (0.97 ms
+  with a branch an element in the staging and the partial chunks stored by one thread
+  each).
 
 float32 runs in TF32 (wgmma reads the operands' top 19 bits), only where
 `torch.backends.cudnn.allow_tf32` allows it, as cuDNN's conv does.

@@ -38,15 +38,21 @@ constexpr int kStaging = kBN * kPitch * kElem;
 constexpr int kConsumers = 256;  // the two consumer warpgroups, which stage and store each tile
 constexpr int kBarFull = 1, kBarEmpty = 2;
 
-// One value into shared memory as T.
-__device__ __forceinline__ void sts_value(uint8_t* p, float x) {
+// One value into shared memory (address `p`) as T. No memory clobber: the compiler may
+// move the chain's arithmetic around it; the asm statements that order it with the
+// copies that read it (fence_async_shared, the named barriers) are volatile too.
+__device__ __forceinline__ void sts_value(unsigned p, float x) {
   if constexpr (std::is_same_v<T, float>) {
-    asm volatile("st.shared.f32 [%0], %1;" ::"r"(hop::smem_u32(p)), "f"(x) : "memory");
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(p), "f"(x));
   } else {
     const T t = fusedepi::from_float<T>(x);
-    asm volatile("st.shared.b16 [%0], %1;" ::"r"(hop::smem_u32(p)), "h"(*reinterpret_cast<const unsigned short*>(&t))
-                 : "memory");
+    asm volatile("st.shared.b16 [%0], %1;" ::"r"(p), "h"(*reinterpret_cast<const unsigned short*>(&t)));
   }
+}
+
+// The element of out at which a tile's run of channel `c`, output row `h` starts (column w0).
+__device__ __forceinline__ long long run_start(int img, long long c, int h, int w0) {
+  return ((static_cast<long long>(img) * kChannels + c) * kHo + h) * kWo + w0;
 }
 
 // The per-channel operands of the channels a consumer thread holds (channel 8j + 2 *
@@ -66,13 +72,17 @@ __device__ __forceinline__ void load_chans(TileChans& c, int tid, int n0, const 
 }
 
 // A tile's finish, part 1: the consumers apply stage0 to their accumulators in registers
-// (each rounded to T first, what the library conv's output holds) and stage the results;
-// the elements of a run's partial first and last 16-byte chunk of out are stored from
-// registers here, the rest by `store_runs`. For 8-column chunk j a thread holds tile
-// rows r0 and r0 + 8 (r0 = 64 * half + 16 * warp + lane / 4) and channels 8j + 2 *
-// (lane % 4) + {0, 1} of the tile; a run's offset from a 16-byte boundary depends on its
-// channel modulo 8 only (8 planes are whole 16-byte vectors), so a thread's four
-// (channel, row) placements hold for every j. Pixels past the output's edges are skipped.
+// (each rounded to T first, what the library conv's output holds) and stage the results.
+// For 8-column chunk j a thread holds tile rows r0 and r0 + 8 (r0 = 64 * half + 16 *
+// warp + lane / 4) and channels 8j + 2 * (lane % 4) + {0, 1} of the tile; a run's offset
+// from a 16-byte boundary depends on its channel modulo 8 only (8 planes are whole 16-byte
+// vectors), so a thread's four (channel, row) placements hold for every j. The code has
+// no branch an element: a pixel past the output's edges is computed and staged too, in
+// its slot's spare room, with the chain's operands read at an element that exists
+// (element 8j of a plane, of image 0), and is never stored. (With a branch an element
+// for the edges and another for the partial chunks' stores, this part took 0.41 of the
+// kernel's 0.97 ms on bf16 128 x 64 x 128 x 128 -> 128 on an H100: latency, at two warps
+// a scheduler.)
 __device__ __forceinline__ void stage_chain(const float (&d)[kBN / 2], const TileChans& chans, uint8_t* staging,
                                             int half, int tid, int img, int h0, int w0, int n0, const Args& a) {
   constexpr long long kPlane = static_cast<long long>(kHo) * kWo;
@@ -80,64 +90,78 @@ __device__ __forceinline__ void stage_chain(const float (&d)[kBN / 2], const Til
   const int r0 = half * 64 + warp * 16 + lane / 4;
   const int rows = kHo - h0 < kTH ? kHo - h0 : kTH;
   const int width = kWo - w0 < kTW ? kWo - w0 : kTW;
-  int at[2][2];         // [h][e]: the slot offset of channel 2 * (lane % 4) + e's pixel r0 + 8h
-  long long idx[2][2];  // ... its element of out (channel chunk j adds 8j planes)
-  bool inside[2][2], partial[2][2];
+  unsigned at[2][2];    // [h][e]: the shared address of channel 2 * (lane % 4) + e's pixel r0 + 8h
+  long long idx[2][2];  // ... its element of out (channel chunk j adds 8j planes); 0 past the edges
 #pragma unroll
   for (int h = 0; h < 2; ++h)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int r = r0 + 8 * h, t = r / kTW, x = r % kTW, cl = 2 * (lane % 4) + e;
-      const long long start = ((static_cast<long long>(img) * kChannels + n0 + cl) * kHo + h0 + t) * kWo + w0;
-      const int shift = static_cast<int>(start % kOutV);
-      at[h][e] = cl * kPitch + t * kRunSlot + shift + x;
-      idx[h][e] = start + x;
-      inside[h][e] = t < rows && x < width;
-      // Its 16-byte chunk of out is not wholly inside the run: stored from here.
-      const long long chunk = idx[h][e] - (shift + x) % kOutV;
-      partial[h][e] = chunk < start || chunk + kOutV > start + width;
+      const long long start = run_start(img, n0 + cl, h0 + t, w0);
+      const int shift = static_cast<int>(static_cast<unsigned>(start) % kOutV);  // kOutV divides 2^32
+      at[h][e] = hop::smem_u32(staging) + (cl * kPitch + t * kRunSlot + shift + x) * kElem;
+      idx[h][e] = t < rows && x < width ? start + x : 0;
     }
 #pragma unroll
   for (int j = 0; j < kBN / 8; ++j) {
     if (n0 + 8 * j >= kChannels) break;  // kChannels % 8 == 0: a chunk is inside the channels or past them
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const stage0_chan& k = chans.k[j][e];
+    for (int e = 0; e < 2; ++e)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        if (!inside[h][e]) continue;
-        const long long i = idx[h][e] + 8 * j * kPlane;
         float y[1] = {fusedepi::to_float(fusedepi::from_float<T>(d[4 * j + 2 * h + e]))};
-        stage0_at<1>(y, k, i, a);
-        if (partial[h][e])
-          a.out[i] = fusedepi::from_float<T>(y[0]);
-        else
-          sts_value(staging + (8 * j * kPitch + at[h][e]) * kElem, y[0]);
+        stage0_at<1>(y, chans.k[j][e], idx[h][e] + 8 * j * kPlane, a);
+        sts_value(at[h][e] + 8 * j * kPitch * kElem, y[0]);
       }
-    }
   }
 }
 
-// A tile's finish, part 2: consumer thread `ct` (of kConsumers)'s bulk copies of the
-// staged tile, a run's whole 16-byte chunks one copy, committed as one bulk group. The
-// copies run on under the next tile's mainloop; the consumers wait for them to have read
-// the staging tile before they stage the next.
+// A tile's finish, part 2, by consumer thread `ct` (of kConsumers). Each run (a channel
+// and patch row of the staged tile) gets one bulk copy of its whole 16-byte chunks of out,
+// committed as one bulk group; the copies run on under the next tile's mainloop, and the
+// consumers wait for them to have read the staging tile before they stage the next. The
+// elements of a run's partial chunk at its start and at its end (of a run with no whole
+// chunk: all of them, fewer than kOutV at either side) are stored by kOutV neighbouring
+// threads, one element each, so that a warp's store touches a sector or two a chunk.
+// (Stored by one thread a chunk, a warp's store touched 32 sectors: on bf16 128 x 64 x
+// 128 x 128 -> 128, an H100, ncu counted 55% of the kernel's global sectors excess, and
+// the kernel took 0.82 ms; spread so, 0.76 ms on another H100.)
 __device__ __forceinline__ void store_runs(const uint8_t* staging, int ct, int img, int h0, int w0, int n0,
                                            const Args& a) {
   const int channels = kChannels - n0 < kBN ? static_cast<int>(kChannels - n0) : kBN;
   const int rows = kHo - h0 < kTH ? kHo - h0 : kTH;
   const int width = kWo - w0 < kTW ? kWo - w0 : kTW;
-  for (int v = ct; v < channels * kTH; v += kConsumers) {
+  const T* slots = reinterpret_cast<const T*>(staging);
+  // [lo, hi): run v's whole chunks of out, from `start`; run[i]: out[start + i] in the staging tile
+  const auto run_of = [&](int v, long long& start, long long& lo, long long& hi, const T*& run) {
     const int cl = v / kTH, t = v % kTH;
-    if (t >= rows) continue;
-    const long long start = ((static_cast<long long>(img) * kChannels + n0 + cl) * kHo + h0 + t) * kWo + w0;
-    const int shift = static_cast<int>(start % kOutV);
-    const long long lo = start + (shift ? kOutV - shift : 0), end = start + width, hi = end - end % kOutV;
-    if (hi > lo)
-      hop::bulk_store(a.out + lo, staging + (cl * kPitch + t * kRunSlot + shift + (lo - start)) * kElem,
-                      static_cast<unsigned>((hi - lo) * kElem));
+    start = run_start(img, n0 + cl, h0 + t, w0);
+    const int shift = static_cast<int>(static_cast<unsigned>(start) % kOutV);  // kOutV divides 2^32
+    const long long end = start + width;
+    lo = start + (shift ? kOutV - shift : 0);
+    hi = end - end % kOutV;
+    run = slots + cl * kPitch + t * kRunSlot + shift;
+  };
+  for (int v = ct; v < channels * kTH; v += kConsumers) {
+    if (v % kTH >= rows) continue;
+    long long start, lo, hi;
+    const T* run;
+    run_of(v, start, lo, hi, run);
+    if (hi > lo) hop::bulk_store(a.out + lo, run + (lo - start), static_cast<unsigned>((hi - lo) * kElem));
   }
   hop::bulk_commit();
+  constexpr int kTogether = kConsumers / kOutV;  // partial chunks stored at once
+  const int q = ct % kOutV;
+  for (int u = ct / kOutV; u < channels * kTH * 2; u += kTogether) {
+    const int v = u / 2;
+    if (v % kTH >= rows) continue;
+    long long start, lo, hi;
+    const T* run;
+    run_of(v, start, lo, hi, run);
+    const long long end = start + width, head_end = lo < end ? lo : end, tail = hi > head_end ? hi : head_end;
+    const long long e = (u % 2 == 0 ? start : tail) + q;
+    if (e < (u % 2 == 0 ? head_end : end)) a.out[e] = run[e - start];
+  }
 }
 
 // The kernel's body (the file's __global__ wrapper calls it with its __grid_constant__

@@ -203,7 +203,8 @@ __device__ __forceinline__ float step_mul(float a, float b) {
   else return __fmul_rn(a, b);
 }
 
-__device__ __forceinline__ float relu(float x) { return (x > 0.f || isnan(x)) ? x : 0.f; }
+// x where x > 0 or NaN, else +0 (a select, no branch: NaN <= 0 is false).
+__device__ __forceinline__ float relu(float x) { return x <= 0.f ? 0.f : x; }
 
 __device__ __forceinline__ float gelu(float x) {  // erf form, F.gelu's default
   return x * 0.5f * (1.f + erff(x * static_cast<float>(M_SQRT1_2)));
