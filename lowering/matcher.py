@@ -393,8 +393,7 @@ def _match_instance_norm(state: _State, _user: Node):
     expected_users = {sub: 1, mul: 1} if view is x else {view: 2, sub: 1, mul: 1}
     if widened:
         expected_users[stats_in] = 1
-    kept = [] if view is x or widened else [
-        u for u in view.users if u in state.not_steps or (u.op == "output" and not _user_sees(u, view))]
+    kept = [] if view is x or widened else [u for u in view.users if _reads_for_backward(state, u, view)]
     if any(len([u for u in _forward_users(state, node) if u not in kept]) != count
            for node, count in expected_users.items()):
         raise Refuse("InstanceNorm: an intermediate value is used elsewhere")
@@ -1324,9 +1323,11 @@ def _keeps_folded_bias(state: _State, anchor: Anchor) -> bool:
     is the fused op's: the bmm's rounded product plus the input, where eager rounds
     once. Where the input cancels the product the two differ by far more than a
     rounding (a bf16 fuzzer model divided by `sin` of it: inf at one element, where
-    eager's value of 4.3e-4 gave 7.6e4). Saved for backward (read by a backward node, or
-    an output the user does not see) it is returned so; read by another forward op or
-    returned to the user (Inductor's `user_visible_output_idxs`), the chain is refused.
+    eager's value of 4.3e-4 gave 7.6e4). Read for backward only (`_reads_for_backward`:
+    saved, or read by what the forward graph computes for backward, such as the mask of
+    a minimum, an amax or a leaky_relu) it is returned so, as backward would read it
+    saved; read by another forward op or returned to the user (Inductor's
+    `user_visible_output_idxs`), the chain is refused.
 
     Raises:
         Refuse: a baddbmm's value that a forward op or the user reads outside the chain.
@@ -1337,7 +1338,7 @@ def _keeps_folded_bias(state: _State, anchor: Anchor) -> bool:
         return not outside
     if state.node is state.chain.anchor:  # no step taken: no fused op (refused as such)
         return True
-    forward = [u for u in outside if u not in state.backward and (u.op != "output" or _user_sees(u, state.chain.anchor))]
+    forward = [u for u in outside if not _reads_for_backward(state, u, state.chain.anchor)]
     if forward:
         raise Refuse(f"{state.chain.anchor.name} (baddbmm) is read outside the chain by {forward[0].name}: the fused "
                      "op would give it as the bmm's rounded product plus the input, where eager rounds once")
@@ -1445,6 +1446,15 @@ def _next_step(state: _State, users: list) -> _Match | str:
             return f"{users[0].name} is the next matrix op ({_name(users[0])}), an anchor of its own"
         return f"{_name(users[0])} is not in the vocabulary"
     return f"none of the value's consumers ({', '.join(u.name for u in users)}) is in the vocabulary"
+
+
+def _reads_for_backward(state: _State, user: Node, node: Node) -> bool:
+    """Whether `user` reads `node` for backward only: a backward node (of a joint
+    graph), forward work that computes only what backward needs (`state.not_steps`,
+    `for_backward_only`), or an output the user does not see (a value saved for
+    backward)."""
+    return (user in state.backward or user in state.not_steps
+            or (user.op == "output" and not _user_sees(user, node)))
 
 
 def _user_sees(output: Node, node: Node) -> bool:

@@ -758,6 +758,14 @@ BADDBMMS = [
     ("attention_bias_scaled", (6, 12), 0.125, lambda y: F.softmax(y, dim=-1), ["mul", "add", "spatial_softmax"]),
     ("per_channel_instance_norm", (6, 1), 1.0, lambda y: F.relu(F.instance_norm(y)), ["add", "groupnorm", "relu"]),
     ("one_element_gelu", (1,), 2.0, F.gelu, ["mul", "add", "gelu"]),
+    # In training the forward graph computes backward's mask (of the minimum, the
+    # leaky_relu, the amax) from the baddbmm's value: work for backward only, which reads
+    # the fused op's value as backward would read it saved.
+    ("minimum_mish_mean", (4, 6, 12), 0.5, lambda y: F.mish(torch.minimum(y, torch.tensor(0.3))).mean(-1),
+     ["mul", "add", "minimum", "mish", "spatial_mean"]),
+    ("per_channel_leaky_relu_sum", (6, 1), 1.0, lambda y: F.leaky_relu(y, 0.1).sum(-1),
+     ["add", "leaky_relu", "spatial_sum"]),
+    ("attention_bias_amax", (6, 12), 0.125, lambda y: y.amax(-1), ["mul", "add", "spatial_amax"]),
 ]
 
 
