@@ -941,28 +941,43 @@ def _match_pool(state: _State, user: Node):
     consumed = []
     pool = user
     features = False  # over a Linear output's features
+    shared = None  # a view before the pool that the graph uses too
+
+    def next_of(view, targets):
+        """The user of `view` that is one of `targets` (noting `shared` where it has others)."""
+        nonlocal shared
+        found = [u for u in view.users if u.target in targets]
+        if len(found) != 1:
+            return None
+        if len(view.users) > 1 and shared is None:
+            shared = view
+        return found[0]
+
     if user.target is aten.unsqueeze.default:
         val, dim = _val(state.node), _arg(user, 1, "dim")
-        if not isinstance(dim, int) or len(user.users) != 1:
+        if not isinstance(dim, int):
             return None
         if not state.conv and val.dim() == 2 and dim % 3 == 1:  # [rows, N] -> [rows, 1, N]
             consumed.append(user)
-            user = next(iter(user.users))
-            dim = _arg(user, 1, "dim")
-            if user.target is not aten.unsqueeze.default or not isinstance(dim, int) or len(user.users) != 1:
+            user = next_of(user, (aten.unsqueeze.default,))
+            dim = user is not None and _arg(user, 1, "dim")
+            if user is None or not isinstance(dim, int) or isinstance(dim, bool):
                 return None
             features = True
         elif not state.conv or val.dim() != 3:
             return None
         if dim % 4 != 2:
             return None
-        pool = next(iter(user.users))
-        if pool.target not in _MAX_POOLS + _AVG_POOLS:
+        pool = next_of(user, _MAX_POOLS + _AVG_POOLS)
+        if pool is None:
             return None
         consumed.append(user)
     elif user.target not in _MAX_POOLS + _AVG_POOLS:
         return None
     name = "maxpool" if pool.target in _MAX_POOLS else "avgpool"
+    if shared is not None:
+        raise Refuse(f"{name}: the graph also uses {shared.name} (a view of the values before the pool; in "
+                     "training, saved for backward), and the pool kernel writes only the pooled values")
     if features and (state.reduced or state.channel_axis != 1):
         raise Refuse(f"{name}: over a Linear output's features, only on the [rows, N] output itself")
     if not features and (not state.conv or state.channel_axis != 1 or state.reduced_any):

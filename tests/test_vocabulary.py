@@ -1204,3 +1204,21 @@ def test_a_graph_where_nothing_fuses_is_compiled_by_inductor_as_it_stands(monkey
     model(x).sum().backward()
     torch.testing.assert_close(grad, x.grad, atol=1e-5, rtol=1e-5)
     assert calls == [["decompositions", "inner_compile"], []], calls
+
+
+@pytest.mark.parametrize("make, fn", [
+    (lambda: nn.Linear(16, 32), lambda y: F.gelu(F.avg_pool1d(y.unsqueeze(1), 4).squeeze(1))),
+    (lambda: nn.Conv1d(3, 8, 3), lambda y: torch.sigmoid(F.avg_pool1d(y * 2.0, 2))),
+], ids=["linear_features", "conv1d"])
+def test_a_1d_pool_whose_input_view_is_saved_says_why(make, fn):
+    # A 1-D pool runs as a 2-D one between unsqueeze and squeeze; in training its
+    # backward keeps the unsqueezed input, which the pool kernel does not write.
+    torch.manual_seed(0)
+    model = ConvChain(make(), fn)
+    x = torch.randn(5, 16, requires_grad=True) if isinstance(model.conv, nn.Linear) else \
+        torch.randn(2, 3, 12, requires_grad=True)
+    out, fused, refused = compile_records(model, x, grad=True)
+    stops = [r.reason for r in refused] + [r.stop for r in fused]
+    assert any("avgpool: the graph also uses unsqueeze" in why and "a view of the values before the pool" in why
+               for why in stops), stops
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
