@@ -691,12 +691,6 @@ def _getitems(node: Node) -> dict[int, Node]:
     return items
 
 
-def _unused(items: dict[int, Node], indices, what: str):
-    for i in indices:
-        if i in items and items[i].users:
-            raise Refuse(f"{what}: output {i} is used elsewhere")
-
-
 def _normalized(user: Node, what: str):
     """The getitem users of a norm node: (items by index, nodes the step consumes,
     statistics used elsewhere as {"mean": node, "rstd": node}).
@@ -863,7 +857,9 @@ def _match_row_reduction(state: _State, user: Node):
     if user.target in _VALUE_AND_INDEX:
         name = _VALUE_AND_INDEX[user.target]
         items = _getitems(user)
-        _unused(items, (1,), name)
+        if 1 in items and items[1].users:
+            raise Refuse(f"{name} ({user.target.__name__}): the graph also uses its indices "
+                         "(in training, for backward; or the model itself), which the kernel does not write")
         if 0 not in items:
             raise Refuse(f"{name}: values unused")
         consumed, result = [user, items[0]], items[0]

@@ -128,11 +128,15 @@ def test_row_reductions_then_pointwise(fn, step, shape):
     torch.testing.assert_close(out, model(x))
 
 
-def test_max_with_indices_used_is_refused():
-    model = Chain(lambda x: torch.max(x, dim=1).indices.float())
-    x = torch.randn(4, 16)
-    out, fused, refused = compile_records(model, x)
-    assert not fused and "amax: output 1" in refused[0].reason
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+def test_max_with_indices_used_is_refused(grad):
+    # The model's own use of the indices, or backward's (which scatters the gradient to
+    # them); the kernel writes only the values.
+    fn = (lambda x: torch.max(x, dim=1).values * 2.0) if grad else (lambda x: torch.max(x, dim=1).indices.float())
+    model = Chain(fn)
+    x = torch.randn(4, 16, requires_grad=grad)
+    out, fused, refused = compile_records(model, x, grad=grad)
+    assert not fused and "amax (max.dim): the graph also uses its indices" in refused[0].reason, refused
     torch.testing.assert_close(out, model(x))
 
 
