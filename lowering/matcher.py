@@ -514,6 +514,28 @@ _BINARY = {
 }
 
 
+# Ops that draw random numbers, by name (Inductor's replace_random pass turns rand into
+# prims.inductor_random, which exists only once Inductor is imported).
+_RANDOM_OPS = {"inductor_random", "rand", "rand_like", "bernoulli", "native_dropout"}
+
+
+def _drawn_at_random(node: Node, depth: int = 3) -> bool:
+    """Whether `node` or an input of it up to `depth` ops back draws random numbers."""
+    seen, frontier = set(), [node]
+    for _ in range(depth + 1):
+        nxt = []
+        for n in frontier:
+            if n in seen or n.op != "call_function":
+                continue
+            seen.add(n)
+            parts = str(n.target).split(".")  # "aten.rand.default", "prims.inductor_random.default"
+            if len(parts) > 1 and parts[1] in _RANDOM_OPS:
+                return True
+            nxt += [a for a in n.all_input_nodes]
+        frontier = nxt
+    return False
+
+
 def _operand_kind(state: _State, other) -> str:
     """Classifies the non-chain operand of a binary step."""
     if isinstance(other, bool) or not isinstance(other, (int, float, Node)):
@@ -524,6 +546,9 @@ def _operand_kind(state: _State, other) -> str:
     if not isinstance(val, torch.Tensor):
         raise Refuse(f"operand {other.name} is not a tensor")
     if val.dtype not in DTYPES:
+        if _drawn_at_random(other):
+            raise Refuse(f"operand {other.name} is a random mask (dropout in training): the kernels draw no random "
+                         "numbers")
         raise Refuse(f"operand {other.name} has dtype {val.dtype}")
     shape = list(val.shape)
     out_shape = list(_val(state.node).shape)

@@ -251,9 +251,13 @@ def test_dropout_eval_is_identity_and_training_is_refused():
     out, fused, _ = compile_records(model.eval(), x)
     assert steps_of(fused[0]) == ["relu"]
     torch.testing.assert_close(out, model(x))
-    # Training dropout decomposes to a random mask (bool) times the value: refused there.
+    # Training dropout decomposes to a random mask (rand > p, bool) times the value,
+    # which the kernels do not draw: refused there, and a chain stops before it.
     _, fused, refused = compile_records(model.train(), x)
-    assert not fused and "operand gt has dtype torch.bool" in refused[0].reason
+    assert not fused and "operand gt is a random mask (dropout in training)" in refused[0].reason, refused
+    out, fused, refused = compile_records(Chain(nn.Sequential(nn.GELU(), nn.Dropout(0.1), nn.ReLU())), x)
+    assert [steps_of(r) for r in fused] == [["gelu"]], refused
+    assert "operand gt is a random mask (dropout in training)" in fused[0].stop, fused[0].stop
 
 
 class ConvChain(nn.Module):
