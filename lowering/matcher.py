@@ -431,9 +431,13 @@ def _match_instance_norm(state: _State, _user: Node):
 def _instance_norm_eval(state: _State, xval, view: Node, bn: Node, n):
     """InstanceNorm with running statistics, in eval mode: a BatchNorm (eval) of the
     [1, N*C, ...] view whose parameters are the [C] ones repeated N times. Per channel
-    it is BatchNorm's eval affine, and becomes the `batchnorm_eval` step."""
+    it is BatchNorm's eval affine, and becomes the `batchnorm_eval` step. With gradients
+    (an affine one's weight needs the normalized input), the graph keeps the view for
+    backward: the fused op returns it (x, viewed)."""
     items = _getitems(bn)
-    if len(view.users) != 1 or any(node.users for i, node in items.items() if i != 0) or 0 not in items:
+    kept = [u for u in view.users if u is not bn and _reads_for_backward(state, u, view)]
+    if (len(view.users) != 1 + len(kept) or any(node.users for i, node in items.items() if i != 0)
+            or 0 not in items):
         raise Refuse("InstanceNorm (eval): its input or statistics are used elsewhere")
     value = items[0]
     back = next(iter(value.users), None)
@@ -445,7 +449,8 @@ def _instance_norm_eval(state: _State, xval, view: Node, bn: Node, n):
     eps = bn.args[6]
     inputs = tuple(_add_param(state, p) for p in params)
     consumed = [view, bn] + sorted(items.values(), key=lambda node: node.args[1]) + [back]
-    return _Match(Step("batchnorm_eval", consts=(float(eps),), inputs=inputs), consumed, back)
+    return _Match(Step("batchnorm_eval", consts=(float(eps),), inputs=inputs), consumed, back,
+                  inputs_kept=[view] if kept else [])
 
 
 def _unrepeated(node: Node, n, channels: int):

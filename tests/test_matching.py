@@ -241,9 +241,12 @@ def test_instance_norm_in_a_bf16_training_graph_is_refused_with_the_reason(dims)
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
 @pytest.mark.parametrize("affine", [False, True], ids=["plain", "affine"])
 @pytest.mark.parametrize("dims", [1, 2, 3])
-def test_instance_norm_with_running_stats_in_eval_is_batchnorm_eval(dims, affine):
+def test_instance_norm_with_running_stats_in_eval_is_batchnorm_eval(dims, affine, grad):
+    # With gradients (fine-tuning with frozen statistics) the graph keeps InstanceNorm's
+    # view of its input for an affine norm's weight: the fused op returns it.
     torch.manual_seed(dims)
     conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims](3, 8, 3)
     norm_cls = {1: nn.InstanceNorm1d, 2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d}[dims]
@@ -251,14 +254,50 @@ def test_instance_norm_with_running_stats_in_eval_is_batchnorm_eval(dims, affine
     with torch.no_grad():
         norm.running_mean.uniform_(-0.5, 0.5)
         norm.running_var.uniform_(0.5, 1.5)
+        if affine:
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.5, 0.5)
     model = nn.Sequential(conv, norm, nn.SiLU()).eval()
-    x = torch.rand((2, 3) + (6, 7, 5)[:dims])
-    out, fused, refused = compile_records(model, x)
-    assert [r.fusion for r in fused] == ["conv_batchnorm_eval"] and not refused
+    eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+    x = torch.rand((2, 3) + (6, 7, 5)[:dims], requires_grad=grad)
+    out, fused, refused = compile_records(model, x, grad=grad)
+    assert [r.fusion for r in fused] == ["conv_batchnorm_eval"] and not refused, [r.reason for r in refused]
     step = json.loads(fused[0].spec)["steps"][1]
     assert step["name"] == "batchnorm_eval" and step["consts"] == [1e-3]
     assert (min(step["inputs"][:2]) >= 0) == affine and min(step["inputs"][2:]) >= 0
-    torch.testing.assert_close(out, model(x))
+    torch.testing.assert_close(out, eager(x))
+    if grad:
+        xe, xr = x.detach().clone().requires_grad_(True), x.detach().double().requires_grad_(True)
+        out.sum().backward()
+        eager(xe).sum().backward()
+        ref(xr).sum().backward()
+        close_to_float64(x.grad, xe.grad, xr.grad, "x")
+        for (name, p), pe, pr in zip(model.named_parameters(), eager.parameters(), ref.parameters()):
+            close_to_float64(p.grad, pe.grad, pr.grad, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_instance_norm_with_running_stats_in_eval_keeps_its_16_bit_input_for_backward(dtype):
+    # The view the fused op returns for backward holds the conv output + bias as the
+    # fused op rounds it; gradients stay within 4x eager's error off float64.
+    torch.manual_seed(0)
+    norm = nn.InstanceNorm2d(8, affine=True, track_running_stats=True)
+    with torch.no_grad():
+        norm.running_mean.uniform_(-0.5, 0.5)
+        norm.running_var.uniform_(0.5, 1.5)
+        norm.weight.uniform_(0.5, 1.5)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), norm, nn.SiLU()).eval().to(dtype)
+    eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+    x = torch.rand(2, 3, 9, 8, dtype=dtype, requires_grad=True)
+    out, fused, refused = compile_records(model, x, grad=True)
+    assert [steps_of(r) for r in fused] == [["add", "batchnorm_eval", "silu"]], [r.reason for r in refused]
+    xe, xr = x.detach().clone().requires_grad_(True), x.detach().double().requires_grad_(True)
+    out.double().sum().backward()
+    eager(xe).double().sum().backward()
+    ref(xr).sum().backward()
+    close_to_float64(x.grad, xe.grad, xr.grad, "x")
+    for (name, p), pe, pr in zip(model.named_parameters(), eager.parameters(), ref.parameters()):
+        close_to_float64(p.grad, pe.grad, pr.grad, name)
 
 
 def test_instance_norm_with_running_stats_in_training_is_refused_and_runs_as_eager():
