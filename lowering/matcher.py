@@ -393,7 +393,7 @@ def _match_instance_norm(state: _State, _user: Node):
     expected_users = {sub: 1, mul: 1} if view is x else {view: 2, sub: 1, mul: 1}
     if widened:
         expected_users[stats_in] = 1
-    kept = [] if view is x or widened else [u for u in view.users if _reads_for_backward(state, u, view)]
+    kept = [] if view is x or widened else _backward_readers(state, view)
     if any(len([u for u in _forward_users(state, node) if u not in kept]) != count
            for node, count in expected_users.items()):
         raise Refuse("InstanceNorm: an intermediate value is used elsewhere")
@@ -435,7 +435,7 @@ def _instance_norm_eval(state: _State, xval, view: Node, bn: Node, n):
     (an affine one's weight needs the normalized input), the graph keeps the view for
     backward: the fused op returns it (x, viewed)."""
     items = _getitems(bn)
-    kept = [u for u in view.users if u is not bn and _reads_for_backward(state, u, view)]
+    kept = _backward_readers(state, view)
     if (len(view.users) != 1 + len(kept) or any(node.users for i, node in items.items() if i != 0)
             or 0 not in items):
         raise Refuse("InstanceNorm (eval): its input or statistics are used elsewhere")
@@ -1496,6 +1496,11 @@ def _reads_for_backward(state: _State, user: Node, node: Node) -> bool:
     backward)."""
     return (user in state.backward or user in state.not_steps
             or (user.op == "output" and not _user_sees(user, node)))
+
+
+def _backward_readers(state: _State, node: Node) -> list:
+    """The users of `node` that read it for backward only (`_reads_for_backward`)."""
+    return [u for u in node.users if _reads_for_backward(state, u, node)]
 
 
 def _user_sees(output: Node, node: Node) -> bool:
