@@ -657,7 +657,7 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     if anchor.kind != "conv" or not anchor.direct or anchor.channels_last:
         return "not a 2-D conv with stride 1, dilation 1 and groups 1"
     if not anchor.implicit:
-        return "the in-kernel conv is off (FUSEDEPI_IN_KERNEL_CONV)"
+        return "the in-kernel conv is not taken (FUSEDEPI_IN_KERNEL_CONV, or slower where timed)"
     if arch != "sm90":
         return f"the in-kernel conv needs sm_90 (wgmma, TMA), not {arch}"
     if isinstance(direct_plan(spec, arch, conv_tf32), DirectPlan):

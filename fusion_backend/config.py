@@ -38,7 +38,10 @@ class Config:
             with tiles), "on" (every chain the kernel covers, every call) or "off".
         in_kernel_conv: whether a 2-D stride-1 conv that the direct conv does not take
             runs, with a pointwise chain, in one kernel that also computes the conv, on
-            sm_90 (FUSEDEPI_IN_KERNEL_CONV=1; off by default: README "In-kernel conv").
+            sm_90 (FUSEDEPI_IN_KERNEL_CONV, README "In-kernel conv"): "auto" (the default:
+            where the measured choice times the chain, it is timed with the in-kernel
+            conv and with the library conv, and the faster kept), "on" (every candidate,
+            untimed) or "off".
         native_launcher: launch fused ops on CUDA from C++ (FUSEDEPI_NATIVE_LAUNCHER,
             default on): built once per torch version at the first compile of a CUDA
             chain, then loaded for the rest of the process.
@@ -75,7 +78,7 @@ class Config:
     log_level: str
     cpu_reference: bool
     in_kernel_gemm: str = "auto"
-    in_kernel_conv: bool = False
+    in_kernel_conv: str = "auto"
     native_launcher: bool = True
     pad_gemm: str = "auto"
     conv_channels_last: str = "auto"
@@ -96,7 +99,7 @@ def load_config(environ=None) -> Config:
     Raises:
         ValueError: FUSEDEPI_DISABLE names something that is neither a fusion
             nor a step, FUSEDEPI_LOG_LEVEL is not a logging level, or
-            FUSEDEPI_IN_KERNEL_GEMM, FUSEDEPI_PAD_GEMM, FUSEDEPI_CONV_CHANNELS_LAST,
+            FUSEDEPI_IN_KERNEL_GEMM, FUSEDEPI_IN_KERNEL_CONV, FUSEDEPI_PAD_GEMM, FUSEDEPI_CONV_CHANNELS_LAST,
             FUSEDEPI_FOLD_GEMM_BIAS, FUSEDEPI_GEMM_CONSUMERS or FUSEDEPI_AUTOTUNE is none
             of auto, 1, 0, or
             FUSEDEPI_NATIVE_LAUNCHER, FUSEDEPI_STRICT, FUSEDEPI_CPU_REFERENCE or
@@ -122,7 +125,7 @@ def load_config(environ=None) -> Config:
         log_level=level,
         cpu_reference=_switch("FUSEDEPI_CPU_REFERENCE", env.get("FUSEDEPI_CPU_REFERENCE", ""), False),
         in_kernel_gemm=_tristate("FUSEDEPI_IN_KERNEL_GEMM", env.get("FUSEDEPI_IN_KERNEL_GEMM", "")),
-        in_kernel_conv=_switch("FUSEDEPI_IN_KERNEL_CONV", env.get("FUSEDEPI_IN_KERNEL_CONV", ""), False),
+        in_kernel_conv=_tristate("FUSEDEPI_IN_KERNEL_CONV", env.get("FUSEDEPI_IN_KERNEL_CONV", "")),
         native_launcher=_switch("FUSEDEPI_NATIVE_LAUNCHER", env.get("FUSEDEPI_NATIVE_LAUNCHER", ""), True),
         pad_gemm=_tristate("FUSEDEPI_PAD_GEMM", env.get("FUSEDEPI_PAD_GEMM", "")),
         conv_channels_last=_tristate("FUSEDEPI_CONV_CHANNELS_LAST", env.get("FUSEDEPI_CONV_CHANNELS_LAST", "")),

@@ -212,23 +212,67 @@ def _prebuild_alternatives(chain: Chain, rows: tuple, cfg: Config) -> list:
 
 def _without_forms(chain: Chain, plan: ExecutionPlan, cfg: Config, claimed: frozenset) -> ExecutionPlan:
     """Where a form was taken by its library call's time alone and the rest of the chain
-    may pay for it (`forms.FormChoice.alternative`), and the measured choice timed the
-    chain: the chain is built and timed without that form too, and the faster of the
-    two fused forms is the plan (both times in the row's `explain`). A result that
-    differs from Inductor's (`Choice.difference`) never wins; a form that cannot be
-    built without the row keeps the plan as it was. A row taken for the chain's timing
-    alone (`Form.timed_as_chain`) where the chain was not timed after all goes back to
-    the graph's form."""
+    may pay for it, or for the chain's timing alone (`forms.FormChoice.alternative`),
+    and the measured choice timed the chain: the chain is built and timed in the spec
+    each such row started from too, and the fastest fused form is the plan (each row's
+    times in its `explain`, and taken where the fastest spec holds its form). With two
+    rows (a conv: channels-last, then the in-kernel conv) that is three forms. A result
+    that differs from Inductor's (`Choice.difference`) never wins; a spec that cannot be
+    built is left out. A row taken for the chain's timing alone (`Form.timed_as_chain`)
+    where the chain was not timed after all goes back to the spec before it."""
+    if not plan.choice.inductor_ms:
+        return _untimed(chain, plan, cfg)
+    found = {plan.spec: (chain.spec, plan.kernel, plan.choice)}
+    taken = chain.spec
+    for row in plan.forms:
+        spec = row.alternative.to_json() if row.alternative is not None else None
+        if spec is None or spec in found:
+            continue
+        chain.spec = row.alternative
+        try:
+            found[spec] = (row.alternative, _prepare(chain, spec, cfg), choice.decide(chain, spec, cfg, claimed))
+        except Exception as err:  # noqa: BLE001 - left out of the comparison
+            if cfg.strict and not isinstance(err, (cuda_templates.NotRenderable, OperandMismatch)):
+                raise
+            log.info("fusedepi: %s at %s without %s: %s", chain.spec.fusion, chain.anchor.name, row.form, err)
+        finally:
+            chain.spec = taken
+    if len(found) == 1:
+        return plan
+    best = plan.spec
+    for spec, (_, _, other) in found.items():
+        now = found[best][2]
+        if other.inductor_ms and not other.difference and (now.difference or other.fused_ms < now.fused_ms):
+            best = spec
+    chain.spec, kernel, decided = found[best]
+
+    def ms(spec: str) -> str:
+        return f"{found[spec][2].fused_ms:.4g} ms" if spec in found else "not built"
+
+    rows, made = list(plan.forms), plan.spec  # made: the spec a row's form made (the next row's start)
+    for i in reversed(range(len(rows))):
+        row = rows[i]
+        if row.alternative is None:
+            continue
+        start = row.alternative.to_json()
+        rows[i] = replace(row, taken=forms.BY_NAME[row.form].applied(chain.spec), alternative=None,
+                          chains=f"the chain {ms(made)} in it, {ms(start)} without")
+        made = start
+    return ExecutionPlan(best, kernel, tuple(rows), decided)
+
+
+def _untimed(chain: Chain, plan: ExecutionPlan, cfg: Config) -> ExecutionPlan:
+    """`_without_forms` where the measured choice did not time the chain: each row taken
+    for that timing alone (`FormChoice.by_chain`) goes back to the spec before it, where
+    that spec builds."""
     for i, row in enumerate(plan.forms):
-        timed = bool(plan.choice.inductor_ms)
-        if row.alternative is None or not (timed or row.by_chain):
+        if row.alternative is None or not row.by_chain:
             continue
         taken = chain.spec
         chain.spec = row.alternative
         spec = chain.spec.to_json()
         try:
             kernel = _prepare(chain, spec, cfg)
-            other = choice.decide(chain, spec, cfg, claimed) if timed else None
         except Exception as err:  # noqa: BLE001 - the plan as it was
             if cfg.strict and not isinstance(err, (cuda_templates.NotRenderable, OperandMismatch)):
                 raise
@@ -236,19 +280,8 @@ def _without_forms(chain: Chain, plan: ExecutionPlan, cfg: Config, claimed: froz
             log.info("fusedepi: %s at %s without %s: %s", chain.spec.fusion, chain.anchor.name, row.form, err)
             continue
         rows = list(plan.forms)
-        if not timed:  # taken for a timing of the chain that did not happen: the graph's form
-            rows[i] = replace(row, taken=False, alternative=None, chains="the chain not timed")
-            plan = ExecutionPlan(spec, kernel, tuple(rows), plan.choice)
-            continue
-        without = bool(other.inductor_ms and not other.difference and (plan.choice.difference or
-                                                                       other.fused_ms < plan.choice.fused_ms))
-        rows[i] = replace(row, taken=not without, alternative=None,
-                          chains=f"the chain {plan.choice.fused_ms:.4g} ms in it, {other.fused_ms:.4g} ms without")
-        if without:
-            plan = ExecutionPlan(spec, kernel, tuple(rows), other)
-        else:
-            chain.spec = taken
-            plan = replace(plan, forms=tuple(rows))
+        rows[i] = replace(row, taken=False, alternative=None, chains="the chain not timed")
+        plan = ExecutionPlan(spec, kernel, tuple(rows), plan.choice)
     return plan
 
 
@@ -279,7 +312,8 @@ def rewrite(gm: GraphModule, cfg: Config, skip: dict | None = None) -> Report:
     try:
         tf32 = ops.matmul_allows_tf32()
         chains, refusals = match_graph(gm.graph, cfg.disabled, cfg.cpu_reference, matmul_tf32=tf32,
-                                       in_kernel_gemm=cfg.in_kernel_gemm, in_kernel_conv=cfg.in_kernel_conv)
+                                       in_kernel_gemm=cfg.in_kernel_gemm,
+                                       in_kernel_conv=cfg.in_kernel_conv == "on")
     except Exception as err:  # a matcher bug must not stop the user's model
         if cfg.strict:
             raise FusionError(f"fusedepi: matching failed: {err}") from err

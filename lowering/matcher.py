@@ -1793,7 +1793,9 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
             GEMM (FUSEDEPI_IN_KERNEL_GEMM, see the README): "auto", those
             `auto_takes_gemm` keeps (measured faster or level there); "on", all; "off", none.
         in_kernel_conv: mark direct-conv candidates for the in-kernel conv as well
-            (FUSEDEPI_IN_KERNEL_CONV; `Anchor.implicit`).
+            (FUSEDEPI_IN_KERNEL_CONV=1; `Anchor.implicit`). Under "auto" the backend's
+            table of forms marks them where the measured choice will time the chain
+            (`fusion_backend.forms.conv_implicit`).
 
     Returns:
         (chains, refusals): chains to rewrite, and candidates that were refused. The

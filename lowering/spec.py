@@ -101,7 +101,8 @@ class Anchor:
             graph has it. The backend sets it (`fusion_backend.forms`).
         implicit: conv with `direct` only: the in-kernel conv (an implicit GEMM on sm_90,
             `cuda_templates.conv_gemm_plan`) may compute it where the direct conv does
-            not (FUSEDEPI_IN_KERNEL_CONV=1; off by default).
+            not. The matcher sets it under FUSEDEPI_IN_KERNEL_CONV=1, the backend where
+            the measured choice finds it faster (`fusion_backend.forms`).
         channels_last: a library conv (2-D or 3-D) run on channels-last operands, where
             cuDNN has faster kernels for them: its output is then [rows, inner, channels]
             in memory, which the epilogue kernel reads and writes out in the graph's

@@ -69,7 +69,9 @@ def fresh_cache(monkeypatch, tmp_path):
 
 
 def test_the_table_lists_each_form_once_with_its_switch():
-    assert [f.name for f in forms.FORMS] == ["gemm_bias", "gemm_padding", "conv_layout", "gemm_consumers"]
+    assert [f.name for f in forms.FORMS] == ["gemm_bias", "gemm_padding", "conv_layout", "in_kernel_conv",
+                                             "gemm_consumers"]
+    assert all(forms.BY_NAME[f.name] is f for f in forms.FORMS)
     cfg = load_config({})
     for form in forms.FORMS:
         assert getattr(cfg, form.setting) == "auto"
@@ -440,3 +442,124 @@ def test_an_untimed_chain_that_cannot_be_built_without_the_consumers_keeps_them(
     monkeypatch.setattr(rewrite, "_prepare", prepare)
     plan = ExecutionPlan(taken.to_json(), "kernel True", (row,), Choice(0.0, 0.0, True, "not timed: KeyError"))
     assert rewrite._without_forms(chain, plan, load_config({}), frozenset()) is plan and chain.spec == taken
+
+
+def _conv_chain(dtype="bfloat16", cin=64, cout=128, hw=64, device="cuda"):
+    """A stand-in for a 2-D conv chain (k 3, stride 1, no padding, relu) that the direct
+    conv leaves to the library: x [2, cin, hw, hw], weight [cout, cin, 3, 3]."""
+    dev = torch.device(device, 0) if device == "cuda" else torch.device(device)
+    x = SimpleNamespace(meta={"val": SimpleNamespace(device=dev, shape=(2, cin, hw, hw), dim=lambda: 4)}, name="x")
+    w = SimpleNamespace(meta={"val": SimpleNamespace(device=dev, shape=(cout, cin, 3, 3), dim=lambda: 4)}, name="w")
+    anchor = Anchor("conv", False, CONV2D[:1] + ((0, 0),) + CONV2D[2:], direct=(cin, 3, 3, hw, hw))
+    spec = EpilogueSpec(anchor, (Step("relu"),), dtype, (), cout, (hw - 2) ** 2, "conv_pointwise")
+    return SimpleNamespace(spec=spec, operands=[x, w], params=[], anchor=x)
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """The in-kernel conv's row on an sm_90 GPU, with cuDNN's TF32 allowed."""
+    from fusion_backend.forms import conv_implicit
+
+    monkeypatch.setattr(conv_implicit, "arch_of", lambda device: "sm90")
+    monkeypatch.setattr(conv_implicit, "conv_allows_tf32", lambda: True)
+    monkeypatch.setattr(timings, "example_shape", lambda v: tuple(v.shape))
+    return conv_implicit
+
+
+def test_the_in_kernel_conv_row_applies_where_the_in_kernel_conv_covers_the_chain(sm90, monkeypatch):
+    form = sm90.ConvImplicit()
+    assert form.candidate(_conv_chain()) == ("bfloat16", (2, 64, 64, 64), (128, 64, 3, 3), False)
+    assert form.candidate(_conv_chain("float32")) == ("float32", (2, 64, 64, 64), (128, 64, 3, 3), True)
+    assert form.candidate(_conv_chain(cin=8, cout=32, hw=256)) is None  # the direct conv takes it (workload 5)
+    assert form.candidate(_conv_chain(cin=12)) is None  # input channels in multiples of 8 (bf16)
+    assert form.candidate(_conv_chain(device="cpu")) is None
+    chain = _conv_chain()
+    chain.spec = conv_layout.ConvLayout().apply(chain, None)  # channels-last: still a candidate
+    found = form.candidate(chain)
+    assert found is not None
+    chain.spec = form.apply(chain, found)
+    assert chain.spec.anchor.implicit and not chain.spec.anchor.channels_last and form.applied(chain.spec)
+    assert form.candidate(chain) is None  # taken once
+    monkeypatch.setattr(sm90, "conv_allows_tf32", lambda: False)
+    assert form.candidate(_conv_chain("float32")) is None  # exact float32: cuDNN's
+    monkeypatch.setattr(sm90, "arch_of", lambda device: "sm80")
+    assert form.candidate(_conv_chain()) is None
+
+
+def test_a_conv_chain_takes_channels_last_then_the_in_kernel_conv_for_the_chains_timing(
+        sm90, monkeypatch, fresh_cache):
+    """Under "auto" the layout row is timed by its library call and the in-kernel conv's
+    row is taken untimed, starting from the spec the layout row left; with nothing to
+    time the chain it is not taken, and FUSEDEPI_IN_KERNEL_CONV=0 leaves it out."""
+    monkeypatch.setattr(_form("conv_layout"), "candidate", lambda chain: _chain("conv_layout")[1])
+    monkeypatch.setattr(_form("conv_layout"), "measure", lambda found, device: (0.5, 0.3))
+    monkeypatch.setattr(_form("in_kernel_conv"), "measure", lambda found, device: pytest.fail("timed"))
+    chain = _conv_chain()
+    plain = chain.spec
+    rows = forms.choose(chain, load_config({"FUSEDEPI_CACHE_DIR": str(fresh_cache)}))
+    assert [(r.form, r.taken, r.by_chain) for r in rows] == [("conv_layout", True, False),
+                                                             ("in_kernel_conv", True, True)]
+    assert rows[0].alternative == plain and rows[1].alternative.anchor.channels_last
+    assert chain.spec.anchor.implicit and not chain.spec.anchor.channels_last
+    chain = _conv_chain()
+    rows = forms.choose(chain, load_config({"FUSEDEPI_CACHE_DIR": str(fresh_cache), "FUSEDEPI_AUTOTUNE": "0"}))
+    assert [r.form for r in rows] == ["conv_layout"] and not chain.spec.anchor.implicit
+    chain = _conv_chain()
+    rows = forms.choose(chain, load_config({"FUSEDEPI_CACHE_DIR": str(fresh_cache), "FUSEDEPI_IN_KERNEL_CONV": "0"}))
+    assert [r.form for r in rows] == ["conv_layout"] and not chain.spec.anchor.implicit
+
+
+@pytest.mark.parametrize("winner", ["implicit", "channels_last", "plain"])
+def test_the_chain_is_timed_in_each_form_two_rows_took_and_the_fastest_kept(monkeypatch, winner):
+    """A conv chain with channels-last taken by its library call and the in-kernel conv
+    taken for the chain's timing: three fused forms are timed and the fastest runs; each
+    row says the times with and without its form, and is taken where the plan holds it."""
+    from fusion_backend import rewrite
+    from fusion_backend.forms import conv_implicit
+
+    chain = _conv_chain()
+    plain = chain.spec
+    chain.spec = last = conv_layout.ConvLayout().apply(chain, None)
+    chain.spec = implicit = conv_implicit.ConvImplicit().apply(chain, None)
+    rows = (forms.FormChoice("conv_layout", "channels-last", 0.5, 0.3, True, alternative=plain),
+            forms.FormChoice("in_kernel_conv", "in-kernel", 0.0, 0.0, True, alternative=last, by_chain=True))
+    ms = {"implicit": 0.2, "channels_last": 0.3, "plain": 0.4}
+    ms[winner] = 0.1
+    by_spec = {implicit.to_json(): "implicit", last.to_json(): "channels_last", plain.to_json(): "plain"}
+    timed = []
+
+    def decide(chain_, spec, cfg, claimed):
+        assert chain_.spec.to_json() == spec
+        timed.append(by_spec[spec])
+        return Choice(ms[by_spec[spec]], 0.35, True)
+
+    monkeypatch.setattr(rewrite.choice, "decide", decide)
+    monkeypatch.setattr(rewrite, "_prepare", lambda chain_, spec, cfg: "kernel " + by_spec[spec])
+    plan = rewrite._without_forms(chain, ExecutionPlan(implicit.to_json(), "kernel implicit", rows,
+                                                       Choice(ms["implicit"], 0.35, True)), load_config({}), frozenset())
+    assert timed == ["plain", "channels_last"]  # each once; the plan's own spec was timed already
+    assert plan.kernel == f"kernel {winner}" and by_spec[plan.spec] == winner and chain.spec.to_json() == plan.spec
+    assert plan.choice.fused_ms == 0.1
+    assert [r.taken for r in plan.forms] == [winner == "channels_last", winner == "implicit"]
+    assert all(r.alternative is None for r in plan.forms)
+    text = plan.describe()
+    assert (f"conv_layout: {'taken' if winner == 'channels_last' else 'not taken'} (0.3 ms against 0.5 ms; "
+            f"the chain {ms['channels_last']:.4g} ms in it, {ms['plain']:.4g} ms without)") in text
+    assert (f"in_kernel_conv: {'taken' if winner == 'implicit' else 'not taken'} "
+            f"(the chain {ms['implicit']:.4g} ms in it, {ms['channels_last']:.4g} ms without)") in text
+
+
+def test_a_form_whose_result_differs_is_never_the_fastest(monkeypatch):
+    from fusion_backend import rewrite
+    from fusion_backend.forms import conv_implicit
+
+    chain = _conv_chain()
+    plain = chain.spec
+    chain.spec = implicit = conv_implicit.ConvImplicit().apply(chain, None)
+    row = forms.FormChoice("in_kernel_conv", "in-kernel", 0.0, 0.0, True, alternative=plain, by_chain=True)
+    monkeypatch.setattr(rewrite.choice, "decide", lambda chain_, spec, cfg, claimed: Choice(0.4, 0.35, False))
+    monkeypatch.setattr(rewrite, "_prepare", lambda chain_, spec, cfg: "kernel")
+    differs = Choice(0.1, 0.35, False, difference=0.3)
+    plan = rewrite._without_forms(chain, ExecutionPlan(implicit.to_json(), "kernel", (row,), differs),
+                                  load_config({}), frozenset())
+    assert chain.spec == plain and plan.choice.fused_ms == 0.4 and not plan.forms[0].taken

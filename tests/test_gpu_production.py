@@ -226,6 +226,44 @@ def test_the_in_kernel_gemms_placement_is_measured(fresh_cache, monkeypatch):
     assert relative_error(out, ref) <= 1e-2  # bf16, as tests/test_gpu.py
 
 
+class _ConvReluBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(64, 128, 3)
+        self.bias = nn.Parameter(torch.randn(128, 1, 1) * 0.1)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x)) + self.bias
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_in_kernel_conv_is_measured(dtype, fresh_cache, monkeypatch):
+    """FUSEDEPI_AUTOTUNE and FUSEDEPI_IN_KERNEL_CONV at their defaults, on sm_90: a conv
+    the direct conv does not take is timed with the in-kernel conv and with the library
+    conv (`forms.conv_implicit`); explain gives both times, and whichever runs (or
+    Inductor) matches float64 (float32 with cuDNN's default TF32)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the in-kernel conv is built for sm_90a")
+    from fusion_backend import rewrite
+
+    monkeypatch.setenv("FUSEDEPI_AUTOTUNE", "auto")
+    monkeypatch.delenv("FUSEDEPI_IN_KERNEL_CONV", raising=False)
+    monkeypatch.setenv("FUSEDEPI_STRICT", "1")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    plans = []
+    real = rewrite._without_forms
+    monkeypatch.setattr(rewrite, "_without_forms", lambda *args: plans.append(real(*args)) or plans[-1])
+    torch.manual_seed(0)
+    model = _ConvReluBias().cuda().to(dtype)
+    x = torch.rand(16, 64, 66, 66, device="cuda", dtype=dtype) * 2 - 1
+    with torch.no_grad():
+        out = torch.compile(model, backend="fusedepi")(x)
+    text = "; ".join(plan.describe() for plan in plans)
+    assert re.search(r"in_kernel_conv: (not )?taken \(the chain [\d.e-]+ ms in it, [\d.e-]+ ms without\)", text), text
+    ref = copy.deepcopy(model).double()(x.double())
+    assert relative_error(out, ref) <= (1e-2 if dtype == torch.bfloat16 else 2e-3)  # bf16; TF32 as cuDNN's
+
+
 def test_warm_start_runs_no_nvcc(tmp_path):
     """A new process with a warm kernel cache compiles and runs the chain without building."""
     code = (

@@ -725,7 +725,7 @@ def test_other_convs_use_the_library_conv(conv):
 
 
 @pytest.mark.parametrize("setting, implicit", [(None, False), ("1", True), ("0", False)])
-def test_the_in_kernel_conv_is_opt_in(setting, implicit, monkeypatch):
+def test_the_matcher_marks_the_in_kernel_conv_only_when_asked(setting, implicit, monkeypatch):
     import json
 
     if setting is not None:

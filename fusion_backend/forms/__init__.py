@@ -10,6 +10,7 @@ renderer, the launchers and `explain` read the decision instead of re-deriving i
 | `gemm_bias` | float32 `addmm` of a Linear, matmul precision "highest" | `mm`, the bias added in the epilogue |
 | `gemm_padding` | 16-bit `addmm`/`mm` whose K or N is not a multiple of 8 | the GEMM on zero-padded operands |
 | `conv_layout` | a 2-D/3-D library conv with a channels-last epilogue mapping | cuDNN on channels-last operands |
+| `in_kernel_conv` | a 2-D stride-1 conv with a pointwise chain, on sm_90 | the conv computed in the chain's kernel |
 | `gemm_consumers` | a 16-bit in-kernel GEMM whose CTAs have tiles for the spare warps | the chain in the consumer warps |
 
 Each row's setting (`Config`, one environment variable each) is "auto" (time both
@@ -21,9 +22,12 @@ forms taken against Inductor; where a form's library call alone does not show wh
 form costs the rest of the chain (`Form.chain_decides`: the conv layout, whose epilogue
 kernel and input copies differ), the chain is timed without that form too, and the
 faster of the two is the one compared with Inductor (`FormChoice.alternative`). A
-row with no library call of its own (`Form.timed_as_chain`: where the in-kernel GEMM
-runs a chain) is decided by the chain's timing alone: taken wherever the measured
-choice times the chain, which times it both ways; the graph's form elsewhere.
+row with no library call of its own (`Form.timed_as_chain`: the in-kernel conv, the
+in-kernel GEMM's consumer warps) is decided by the chain's timing alone: taken wherever
+the measured choice times the chain, which times it both ways; the graph's form
+elsewhere. Where two rows take their forms for one chain (a conv: channels-last, then
+the in-kernel conv), the chain is timed in each form and the fastest kept
+(`rewrite._without_forms`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from lowering.spec import EpilogueSpec
 from .. import choice, timings
 from ..config import Config
 from .base import Form
+from .conv_implicit import ConvImplicit
 from .conv_layout import ConvLayout
 from .gemm_bias import GemmBias
 from .gemm_consumers import GemmConsumers
@@ -47,9 +52,11 @@ from .gemm_padding import GemmPadding
 log = logging.getLogger("fusedepi")
 
 # In the order they are tried: at most one applies to a chain (float32 Linear, 16-bit
-# Linear on the library path, conv, 16-bit in-kernel GEMM), and a later one sees the
-# spec an earlier one made.
-FORMS: tuple[Form, ...] = (GemmBias(), GemmPadding(), ConvLayout(), GemmConsumers())
+# Linear on the library path, 16-bit in-kernel GEMM) but for a conv's two, and a later
+# one sees the spec an earlier one made (the in-kernel conv's alternative is the
+# library conv in the layout `conv_layout` chose).
+FORMS: tuple[Form, ...] = (GemmBias(), GemmPadding(), ConvLayout(), ConvImplicit(), GemmConsumers())
+BY_NAME = {form.name: form for form in FORMS}
 
 # The other form must be at least this much faster than the graph's: it costs a little
 # that a timing of the library call alone does not see (a padding copy's launches, a
@@ -136,4 +143,4 @@ def choose(chain, cfg: Config) -> tuple[FormChoice, ...]:
     return tuple(rows)
 
 
-__all__ = ["FORMS", "MIN_GAIN", "Form", "FormChoice", "choose"]
+__all__ = ["BY_NAME", "FORMS", "MIN_GAIN", "Form", "FormChoice", "choose"]

@@ -47,3 +47,10 @@ class Form:
         """`chain.spec` in this form at `found` (`candidate`'s), `chain`'s operand lists
         updated where it moves one."""
         raise NotImplementedError
+
+    def applied(self, spec: EpilogueSpec) -> bool:
+        """Whether `spec` runs in this form (what `apply` made of it). Needed by the rows
+        the measured choice decides (`chain_decides`, `timed_as_chain`): the rewrite
+        times the chain in each form a row took and without it, and reads back from the
+        fastest spec which rows it keeps."""
+        raise NotImplementedError

@@ -101,3 +101,6 @@ class ConvLayout(Form):
 
     def apply(self, chain, found: tuple) -> EpilogueSpec:
         return replace(chain.spec, anchor=replace(chain.spec.anchor, channels_last=True))
+
+    def applied(self, spec: EpilogueSpec) -> bool:
+        return spec.anchor.channels_last

@@ -74,3 +74,6 @@ class GemmConsumers(Form):
 
     def apply(self, chain, found) -> EpilogueSpec:
         return replace(chain.spec, anchor=replace(chain.spec.anchor, gemm_consumers=True))
+
+    def applied(self, spec: EpilogueSpec) -> bool:
+        return spec.anchor.gemm_consumers

@@ -1,0 +1,74 @@
+"""The conv computed inside the chain's own kernel (the in-kernel conv, an implicit GEMM
+on sm_90: `cuda_templates.conv_sm90`).
+
+A 2-D stride-1 conv that the direct conv does not take, with a pointwise chain, runs as
+one kernel that gathers channels-last x by TMA, multiplies on the tensor cores and
+applies the chain to each output tile before writing it once, in the graph's layout.
+Whether that beats the library conv (cuDNN, in the graph's layout or channels-last) and
+the epilogue kernel depends on the shapes: on an H100 at 128 x 64 x 128 x 128 -> 128
+channels, k 3, the in-kernel conv took 0.76 ms (bf16) where cuDNN alone took 0.46, and
+its narrower outputs pay more for the finish of each tile. So this row has no library
+call to time (`Form.timed_as_chain`): where the measured choice times the chain, it
+times the chain with the in-kernel conv and in the form the earlier rows left (the
+library conv in the graph's layout, or channels-last where `conv_layout` took it), and
+keeps the faster; elsewhere the library conv runs. FUSEDEPI_IN_KERNEL_CONV switches it
+("1": the matcher marks every candidate, untimed; "0": never).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import cuda_templates
+from lowering.spec import EpilogueSpec
+
+from .. import timings
+from ..ops import arch_of, conv_allows_tf32
+from .base import Form
+
+
+class ConvImplicit(Form):
+    name = "in_kernel_conv"
+    setting = "in_kernel_conv"
+    env = "FUSEDEPI_IN_KERNEL_CONV"
+    chain_decides = True
+    timed_as_chain = True
+
+    def candidate(self, chain) -> tuple | None:
+        """(dtype, x's shape, the weight's shape, TF32) where the in-kernel conv covers
+        the chain on its GPU (`cuda_templates.conv_gemm_plan`, TF32 as cuDNN's setting
+        allows), in the graph's layout or channels-last."""
+        spec = chain.spec
+        anchor = spec.anchor
+        if anchor.kind != "conv" or not anchor.direct or anchor.implicit or anchor.permuted:
+            return None
+        xv, wv = chain.operands[0].meta["val"], chain.operands[1].meta["val"]
+        if xv.device.type != "cuda" or xv.dim() != 4:
+            return None
+        tf32 = spec.dtype == "float32" and conv_allows_tf32()
+        implicit = replace(spec, anchor=replace(anchor, implicit=True, channels_last=False))
+        if not isinstance(cuda_templates.conv_gemm_plan(implicit, arch_of(xv.device), tf32),
+                          cuda_templates.ConvGemmPlan):
+            return None
+        x_shape, w_shape = timings.example_shape(xv), timings.example_shape(wv)
+        if x_shape is None or w_shape is None:
+            return None
+        return spec.dtype, x_shape, w_shape, tf32
+
+    def describe(self, found) -> str:
+        dtype, x_shape, w_shape, tf32 = found
+        return (f"the in-kernel conv ({dtype}{' in TF32' if tf32 else ''}, input {list(x_shape)}, "
+                f"weight {list(w_shape)})")
+
+    def key(self, found) -> tuple:
+        return found
+
+    def measure(self, found, device) -> tuple[float, float]:
+        raise NotImplementedError("timed as the whole chain both ways (timed_as_chain)")
+
+    def apply(self, chain, found) -> EpilogueSpec:
+        anchor = chain.spec.anchor
+        return replace(chain.spec, anchor=replace(anchor, implicit=True, channels_last=False))
+
+    def applied(self, spec: EpilogueSpec) -> bool:
+        return spec.anchor.implicit
