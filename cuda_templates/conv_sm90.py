@@ -75,6 +75,13 @@ class ConvGemmPlan:
         return f"igemm{BLOCK_M}x{self.block_n}_" + spec.kernel_name(arch + "a")
 
 
+def padded_in_channels(cin: int, dtype: str) -> int:
+    """The weight's input channels as the kernel reads them ([C_out, kh, kw, C_in']):
+    C_in padded with zeros to whole k-steps, so that no box reaches past a row's end."""
+    step = block_k(dtype)
+    return -(-cin // step) * step
+
+
 def staging_pitch(tile_h: int, tile_w: int, itemsize: int) -> int:
     """The rendered file's kPitch (conv_sm90.cuh): the elements between two channels of
     the staging tile, a slot of tile_w + 16 bytes for each of the patch's rows, rounded
@@ -200,4 +207,4 @@ int conv_launch(const Args& a, int device, cudaStream_t stream) {
 }"""
 )
 
-__all__ = ["BLOCK_M", "CONV_KERNELS", "ConvGemmPlan", "block_k", "tiling", "wgmma_asm"]
+__all__ = ["BLOCK_M", "CONV_KERNELS", "ConvGemmPlan", "block_k", "padded_in_channels", "tiling", "wgmma_asm"]

@@ -94,7 +94,7 @@ class Launcher:
         self._gemm_rows: dict[int, bool] = {}
         # Who computes the anchor: the in-kernel GEMM (or, per call, the library GEMM and the
         # file's epilogue kernel), the file's direct conv, or the library before the kernels.
-        # The C++ launcher takes the same paths (native.PATH_CODES) but the in-kernel conv's.
+        # The C++ launcher takes the same paths (native.PATH_CODES).
         if self.gemm:
             self.anchor_path = "in-kernel GEMM"
         elif self.lib.anchor_inside and isinstance(cuda_templates.conv_gemm_plan(self.spec, arch_of(device), conv_tf32),
@@ -234,8 +234,11 @@ def channels_last_operands(operands: list[torch.Tensor], spec: EpilogueSpec) -> 
         x = x.clone(memory_format=torch.channels_last)
     # The weight's input channels padded with zeros to whole k-steps: its boxes never
     # reach past a row's end.
-    step = cuda_templates.conv_sm90.block_k(spec.dtype)
-    padded = wt.new_zeros((spec.channels, kh, kw, -(-cin // step) * step))
+    cin_pad = cuda_templates.conv_sm90.padded_in_channels(cin, spec.dtype)
+    if cin_pad == cin:
+        w = wt.permute(0, 2, 3, 1).contiguous()  # wt itself where it is channels-last already
+        return [x, w.clone() if w.data_ptr() % 16 else w]
+    padded = wt.new_zeros((spec.channels, kh, kw, cin_pad))
     padded[..., :cin] = wt.permute(0, 2, 3, 1)
     return [x, padded]
 

@@ -39,7 +39,7 @@ LIBRARY = "fusedepi_native.so"
 # The dtype codes of `fusedepi_native.plan`'s saves (launcher.cpp: dtype_of).
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 # Launcher.anchor_path (launcher.cpp: Path) and the anchors (Anchor).
-PATH_CODES = {"library anchor": 0, "in-kernel GEMM": 1, "direct conv": 2}
+PATH_CODES = {"library anchor": 0, "in-kernel GEMM": 1, "direct conv": 2, "in-kernel conv": 3}
 ANCHOR_CODES = {"addmm": 0, "mm": 1, "conv": 2, "bmm": 3}
 
 
@@ -216,12 +216,13 @@ def install() -> None:
 
 
 def covers(launcher) -> bool:
-    """Whether the C++ side can run `launcher`'s spec by itself: all but the in-kernel conv
-    (its operands change layout first). The variants that depend on a TF32 setting read it
-    at every call there, through the getters Python's launcher reads (a float32 in-kernel
-    GEMM file: the matmul precision; a float32 conv the file may compute: cuDNN's TF32
-    flag, one plan for each of its values)."""
-    return launcher.anchor_path != "in-kernel conv"
+    """Whether the C++ side can run `launcher`'s spec by itself: every path (the in-kernel
+    conv's operands change layout there as in `launch.channels_last_operands`). The
+    variants that depend on a TF32 setting read it at every call there, through the
+    getters Python's launcher reads (a float32 in-kernel GEMM file: the matmul precision;
+    a float32 conv the file may compute: cuDNN's TF32 flag, one plan for each of its
+    values)."""
+    return launcher.anchor_path in PATH_CODES
 
 
 @dataclass(frozen=True)
@@ -254,11 +255,27 @@ class LaunchLayout:
     gemm_tf32: bool  # a float32 in-kernel GEMM file: the GEMM in it only while matmuls may use TF32
     reads_conv_tf32: bool  # a float32 conv the file may compute: its variants follow cuDNN's TF32 flag
     conv_tf32: bool  # ... and this plan is the variant for the flag on
+    # The in-kernel conv's x [rows, in_c, in_h, in_w] and weight [channels, in_c, k_h, k_w]
+    # (each call's shapes are checked against them), and in_c padded with zeros to whole
+    # k-steps in the weight it reads (`launch.channels_last_operands`); else 0.
+    in_c: int
+    in_h: int
+    in_w: int
+    k_h: int
+    k_w: int
+    in_c_pad: int
 
     @classmethod
     def of(cls, launcher) -> "LaunchLayout":
         spec = launcher.spec
-        out_h, out_w = spec.anchor.direct_out_hw() if launcher.anchor_path == "direct conv" else (0, 0)
+        conv_in = launcher.anchor_path in ("direct conv", "in-kernel conv")
+        out_h, out_w = spec.anchor.direct_out_hw() if conv_in else (0, 0)
+        in_c = in_h = in_w = k_h = k_w = in_c_pad = 0
+        if launcher.anchor_path == "in-kernel conv":
+            from cuda_templates import conv_sm90
+
+            in_c, k_h, k_w, in_h, in_w = spec.anchor.direct
+            in_c_pad = conv_sm90.padded_in_channels(in_c, spec.dtype)
         pad_k, pad_n = spec.anchor.pad or (0, 0)
         tail = tuple(launcher.reduced_tail)
         if len(tail) > 4:
@@ -268,7 +285,7 @@ class LaunchLayout:
                    launcher.gemm_auto, launcher.row_output, len(tail), *dims, launcher.keeps_spatial,
                    spec.channels, out_h, out_w, launcher.stores_pre_norm, spec.anchor.has_bias, pad_k, pad_n,
                    spec.anchor.channels_last, spec.anchor.permuted, launcher.gemm_tf32,
-                   launcher.reads_conv_tf32, launcher.conv_tf32)
+                   launcher.reads_conv_tf32, launcher.conv_tf32, in_c, in_h, in_w, k_h, k_w, in_c_pad)
 
     def encode(self) -> list[int]:
         return [int(getattr(self, f.name)) for f in fields(self)]

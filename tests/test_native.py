@@ -154,7 +154,7 @@ def test_a_library_whose_errors_crash_is_refused(tmp_path):
 
 def _launcher(anchor, saves=(), **fields):
     """The attributes of launch.Launcher that native.register reads."""
-    spec = SimpleNamespace(anchor=anchor, channels=fields.pop("channels", 16))
+    spec = SimpleNamespace(anchor=anchor, channels=fields.pop("channels", 16), dtype=fields.pop("dtype", "bfloat16"))
     defaults = dict(spec=spec, anchor_path="library anchor", n_operands=anchor.n_operands,
                     gemm_auto=False, row_output=False, reduced_tail=(), keeps_spatial=False, stores_pre_norm=False, running_stats=(),
                     saves=[(s, getattr(torch, s.dtype)) for s in saves], gemm_tf32=False, reads_conv_tf32=False,
@@ -168,7 +168,7 @@ def test_plan_layout_of_a_library_conv_with_saves():
     saves = (Save("value", "float32", (-1, 16, 5, 5), 16 * 25, at=0), Save("mean", "bfloat16", (16,), 0),
              Save("value", "float16", (-1, 16), 16, at=2))
     launcher = _launcher(conv, saves, running_stats=(2, 3))
-    assert native._layout(launcher) == [0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
+    assert native._layout(launcher) == [0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
     assert native._conv(conv) == [2, 2, 1, 1, 0, 1, 3, 0, 0, 0, 4]
     assert native._saves(launcher) == [1, 0, 400, 4, -1, 16, 5, 5, 0, 2, 0, 1, 16, 0, 1, 16, 2, -1, 16]
 
@@ -176,19 +176,25 @@ def test_plan_layout_of_a_library_conv_with_saves():
 def test_plan_layout_of_a_gemm_and_the_variants_that_read_tf32_settings():
     launcher = _launcher(Anchor("addmm"), anchor_path="in-kernel GEMM", gemm_auto=True, row_output=True,
                          reduced_tail=(1,), channels=8192)
-    assert native._layout(launcher) == [1, 0, 3, 1, 1, 1, 1, 0, 0, 0, 0, 8192, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert native._layout(launcher) == [1, 0, 3, 1, 1, 1, 1, 0, 0, 0, 0, 8192, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
     assert native._conv(launcher.spec.anchor) == []
     assert native.covers(launcher)
     # A float32 in-kernel GEMM file, and the two variants of a float32 direct conv: the C++
     # launcher reads the TF32 setting at each call and runs the plan made for it.
     tf32_gemm = _launcher(Anchor("mm"), anchor_path="in-kernel GEMM", gemm_tf32=True)
-    assert native.covers(tf32_gemm) and native._layout(tf32_gemm)[-3:] == [1, 0, 0]
+    assert native.covers(tf32_gemm) and native._layout(tf32_gemm)[20:23] == [1, 0, 0]
     conv = Anchor("conv", conv=((1, 1), (0, 0), (1, 1), False, (0, 0), 1), direct=(4, 3, 3, 10, 12))
     for variant in (False, True):
         direct = _launcher(conv, anchor_path="direct conv", reads_conv_tf32=True, conv_tf32=variant)
-        assert native.covers(direct) and native._layout(direct)[-3:] == [0, 1, int(variant)]
-    # The in-kernel conv changes its operands' layout first: Python's launcher runs it.
-    assert not native.covers(_launcher(conv, anchor_path="in-kernel conv"))
+        assert native.covers(direct) and native._layout(direct)[20:23] == [0, 1, int(variant)]
+    # The in-kernel conv: its input's and weight's shapes travel, and the weight's input
+    # channels as the kernel reads them (whole k-steps of 128 bytes: 64 in bf16).
+    implicit = Anchor("conv", conv=((1, 1), (1, 1), (1, 1), False, (0, 0), 1), direct=(12, 3, 5, 20, 30),
+                      implicit=True)
+    launcher = _launcher(implicit, anchor_path="in-kernel conv", channels=128)
+    assert native.covers(launcher)
+    assert native._layout(launcher) == [3, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 128, 20, 28, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                        12, 20, 30, 3, 5, 64]
 
 
 def test_plan_layout_of_a_permuted_conv():
@@ -199,12 +205,12 @@ def test_plan_layout_of_a_permuted_conv():
 
 def test_plan_layout_of_a_padded_gemm():
     launcher = _launcher(Anchor("addmm", pad=(152, 520)), channels=513)
-    assert native._layout(launcher) == [0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 513, 0, 0, 0, 0, 152, 520, 0, 0, 0, 0, 0]
+    assert native._layout(launcher) == [0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 513, 0, 0, 0, 0, 152, 520, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
 
 
 def test_plan_layout_of_a_channels_last_conv():
     conv = Anchor("conv", has_bias=True, conv=((1, 1), (1, 1), (1, 1), False, (0, 0), 1), channels_last=True)
-    assert native._layout(_launcher(conv)) == [0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0]
+    assert native._layout(_launcher(conv)) == [0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("tail", [(), (1,), (16,), (16, 1, 1), (1, 1, 1), (16, 7, 9), (16, 3, 5, 4)])
@@ -268,7 +274,8 @@ def test_the_cpp_launcher_reads_the_layout_and_codes_python_writes():
     assert {k: int(v) for k, v in anchors.items()} == {"k" + n.capitalize(): c for n, c in native.ANCHOR_CODES.items()}
     paths = dict(re.findall(r"(k\w+) = (\d+)", re.search(r"enum class Path[^}]*}", source).group(0)))
     assert {k: int(v) for k, v in paths.items()} == {
-        {"library anchor": "kLibraryAnchor", "in-kernel GEMM": "kGemm", "direct conv": "kDirectConv"}[n]: c
+        {"library anchor": "kLibraryAnchor", "in-kernel GEMM": "kGemm", "direct conv": "kDirectConv",
+         "in-kernel conv": "kImplicitConv"}[n]: c
         for n, c in native.PATH_CODES.items()}
     dtypes = dict(re.findall(r"case (\d+): return at::k(\w+);", re.search(r"dtype_of\(int64_t code\)[^}]*}", source).group(0)))
     torch_names = {"Float": "float32", "Half": "float16", "BFloat16": "bfloat16", "Double": "float64"}
@@ -411,6 +418,36 @@ def test_cpp_and_python_launchers_agree_on_a_channels_last_conv(monkeypatch, pyt
     assert _agree(record.spec, inputs, python_launches)
 
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, cin", [(torch.bfloat16, 64), (torch.bfloat16, 24), (torch.float32, 20)])
+def test_cpp_and_python_launchers_agree_on_the_in_kernel_conv(dtype, cin, monkeypatch, python_launches):
+    """The in-kernel conv's operands change layout in C++ as in Python (x channels-last,
+    the weight [C_out, kh, kw, C_in'] with zeros past C_in where C_in is no whole number of
+    k-steps): the same bits; float32 for each value of cuDNN's TF32 flag (off: the library
+    conv). An x of the same size in another shape raises, from Python's check."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the in-kernel conv is built for sm_90a")
+    monkeypatch.setenv("FUSEDEPI_AUTOTUNE", "off")
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(cin, 128, 3, padding=1), torch.nn.ReLU()).cuda().to(dtype)
+    x = torch.rand(4, cin, 20, 30, device="cuda", dtype=dtype) * 2 - 1
+    record, inputs = _fused_call(model, x, monkeypatch)
+    assert record.kernel.startswith("igemm128x"), record.kernel
+    for flag in (True, False) if dtype == torch.float32 else (True,):
+        torch.backends.cudnn.allow_tf32 = flag
+        launcher = launch.launcher_for(record.spec, x.device)
+        assert launcher.native and launcher.anchor_path == ("in-kernel conv" if flag else "library anchor")
+        assert _agree(record.spec, inputs, python_launches), flag
+    torch.backends.cudnn.allow_tf32 = True
+    launch.launcher_for(record.spec, x.device)
+    other = [inputs[0].reshape(4, cin, 30, 20)] + inputs[1:]
+    with pytest.raises(RuntimeError, match="the kernel was built for"):
+        torch.ops.fusedepi.chain(other, record.spec)
+    torch.cuda.synchronize()
 
 def _fused_call(model, x, monkeypatch):
     """The fused record of compiling `model` on `x` (one chain) and the inputs of its op's

@@ -53,6 +53,7 @@ enum class Path : int64_t {
   kLibraryAnchor = 0,  // cuBLAS / cuDNN first, then the file's epilogue kernels on its output
   kGemm = 1,           // the in-kernel GEMM, or the library GEMM + the file's epilogue kernel
   kDirectConv = 2,     // the file computes the conv itself
+  kImplicitConv = 3,   // the file computes the conv as an implicit GEMM on channels-last operands
 };
 
 enum class Anchor : int64_t { kAddmm = 0, kMm = 1, kConv = 2, kBmm = 3 };
@@ -104,6 +105,9 @@ struct Plan {
   bool gemm_tf32 = false;  // kGemm in float32: the GEMM in the kernel only while matmuls may use TF32
   bool reads_conv_tf32 = false;  // a float32 conv the file may compute: a plan for each cuDNN TF32 flag
   bool conv_tf32 = false;  // ... this one for the flag on
+  // kImplicitConv: x [rows, in_c, in_h, in_w] and the weight [channels, in_c, k_h, k_w],
+  // read as [channels, k_h, k_w, in_c_pad] (zeros past in_c).
+  int64_t in_c = 0, in_h = 0, in_w = 0, k_h = 0, k_w = 0, in_c_pad = 0;
   std::vector<int64_t> stride, padding, dilation, output_padding;
   bool transposed = false;
   int64_t groups = 1;
@@ -189,14 +193,15 @@ T symbol(void* handle, const char* name, const std::string& library) {
 
 // layout: [path, anchor, n_operands, gemm_auto, row_output, out_rank, out_d0 .. out_d3,
 //          out_spatial, channels, out_h, out_w, stores_pre_norm, has_bias, pad_k, pad_n,
-//          channels_last, permuted, gemm_tf32, reads_conv_tf32, conv_tf32]
+//          channels_last, permuted, gemm_tf32, reads_conv_tf32, conv_tf32,
+//          in_c, in_h, in_w, k_h, k_w, in_c_pad]
 // conv: empty, or [nd, stride x nd, padding x nd, dilation x nd, transposed,
 //       output_padding x nd, groups]
 // saves: per save [anchor_value, dtype code, per_row, ndim, dims x ndim] (native.SaveLayout).
 // checks: [dtype code, y_row, n, (a row, whole) x n, m, (dtype code, whole, per_row) x m]
 //         (native.CheckLayout).
 // The fields of native.LaunchLayout, read below in its order (plan->field = layout[i]).
-constexpr size_t kLayoutFields = 23;
+constexpr size_t kLayoutFields = 29;
 
 void set_plan(std::string_view spec, int64_t device, std::string_view library, std::string_view name,
               at::IntArrayRef layout, at::IntArrayRef running_stats, at::IntArrayRef conv,
@@ -240,9 +245,15 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   plan->gemm_tf32 = layout[20] != 0;
   plan->reads_conv_tf32 = layout[21] != 0;
   plan->conv_tf32 = layout[22] != 0;
+  plan->in_c = layout[23];
+  plan->in_h = layout[24];
+  plan->in_w = layout[25];
+  plan->k_h = layout[26];
+  plan->k_w = layout[27];
+  plan->in_c_pad = layout[28];
   TORCH_CHECK(plan->out_rank >= 0 && plan->out_rank <= 4, "fusedepi_native.plan: a reduced output's tail of ",
               plan->out_rank, " dims");
-  TORCH_CHECK(layout[0] >= 0 && layout[0] <= 2 && layout[1] >= 0 && layout[1] <= 3,
+  TORCH_CHECK(layout[0] >= 0 && layout[0] <= 3 && layout[1] >= 0 && layout[1] <= 3,
               "fusedepi_native.plan: bad path or anchor in the layout");
   TORCH_CHECK((plan->pad_k == 0) == (plan->pad_n == 0) &&
                   (plan->pad_k == 0 || (plan->path == Path::kLibraryAnchor && plan->anchor != Anchor::kConv)),
@@ -270,6 +281,11 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
                                   !plan->channels_last),
               "fusedepi_native.plan: a permuted output is a library conv's");
   TORCH_CHECK(!plan->gemm_tf32 || plan->path == Path::kGemm, "fusedepi_native.plan: gemm_tf32 is an in-kernel GEMM's");
+  TORCH_CHECK(plan->path != Path::kImplicitConv ||
+                  (plan->anchor == Anchor::kConv && !plan->has_bias && plan->in_c > 0 && plan->in_h > 0 &&
+                   plan->in_w > 0 && plan->k_h > 0 && plan->k_w > 0 && plan->in_c_pad >= plan->in_c &&
+                   plan->out_h > 0 && plan->out_w > 0 && plan->n_operands == 2),
+              "fusedepi_native.plan: the in-kernel conv needs its input's and weight's shapes");
   TORCH_CHECK((!plan->reads_conv_tf32 || plan->anchor == Anchor::kConv) && (plan->reads_conv_tf32 || !plan->conv_tf32),
               "fusedepi_native.plan: a TF32 variant is a conv's");
 
@@ -477,6 +493,28 @@ std::vector<at::Tensor> launch(const Plan& plan, at::TensorList inputs, bool in_
     const int64_t rows = x.size(0);
     out = y = plan.row_output ? at::empty(row_shape(plan, rows), x.options())
                               : at::empty({rows, plan.channels}, x.options());
+  } else if (plan.path == Path::kImplicitConv) {
+    // As launch.channels_last_operands: x channels-last, the weight as [C_out, kh, kw,
+    // C_in'] with zeros past C_in, each 16-byte aligned; the shapes the file was built for.
+    const at::Tensor& x0 = operands[0];
+    const at::Tensor& w0 = operands[1];
+    if (x0.dim() != 4 || x0.size(1) != plan.in_c || x0.size(2) != plan.in_h || x0.size(3) != plan.in_w ||
+        w0.dim() != 4 || w0.size(0) != plan.channels || w0.size(1) != plan.in_c || w0.size(2) != plan.k_h ||
+        w0.size(3) != plan.k_w) {
+      return python_chain(inputs, plan.spec);  // which raises, naming the shapes
+    }
+    at::Tensor x = x0.contiguous(at::MemoryFormat::ChannelsLast);
+    if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16) x = x.clone(at::MemoryFormat::ChannelsLast);
+    at::Tensor w;
+    if (plan.in_c_pad == plan.in_c) {
+      w = w0.permute({0, 2, 3, 1}).contiguous();
+      if (reinterpret_cast<uintptr_t>(w.data_ptr()) % 16) w = w.clone();
+    } else {
+      w = at::zeros({plan.channels, plan.k_h, plan.k_w, plan.in_c_pad}, w0.options());
+      w.narrow(3, 0, plan.in_c).copy_(w0.permute({0, 2, 3, 1}));
+    }
+    operands = {x, w};
+    out = y = at::empty({x.size(0), plan.channels, plan.out_h, plan.out_w}, x.options());
   } else if (plan.path == Path::kDirectConv) {
     for (auto& t : operands) t = aligned(t);
     const at::Tensor& x = operands[0];
