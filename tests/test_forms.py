@@ -563,3 +563,25 @@ def test_a_form_whose_result_differs_is_never_the_fastest(monkeypatch):
     plan = rewrite._without_forms(chain, ExecutionPlan(implicit.to_json(), "kernel", (row,), differs),
                                   load_config({}), frozenset())
     assert chain.spec == plain and plan.choice.fused_ms == 0.4 and not plan.forms[0].taken
+
+
+def test_an_untimed_conv_chain_keeps_channels_last_and_drops_the_in_kernel_conv(monkeypatch):
+    """Not timed after all (a size without a hint): the row taken for the chain's timing
+    goes back to the spec it started from, the layout its library call chose."""
+    from fusion_backend import rewrite
+    from fusion_backend.forms import conv_implicit
+
+    chain = _conv_chain()
+    plain = chain.spec
+    chain.spec = last = conv_layout.ConvLayout().apply(chain, None)
+    chain.spec = implicit = conv_implicit.ConvImplicit().apply(chain, None)
+    rows = (forms.FormChoice("conv_layout", "channels-last", 0.5, 0.3, True, alternative=plain),
+            forms.FormChoice("in_kernel_conv", "in-kernel", 0.0, 0.0, True, alternative=last, by_chain=True))
+    monkeypatch.setattr(rewrite.choice, "decide", lambda *args: pytest.fail("timed"))
+    monkeypatch.setattr(rewrite, "_prepare", lambda chain_, spec, cfg: "kernel")
+    untimed = Choice(0.0, 0.0, True, "not timed: a size without a hint")
+    plan = rewrite._without_forms(chain, ExecutionPlan(implicit.to_json(), "kernel", rows, untimed),
+                                  load_config({}), frozenset())
+    assert chain.spec == last and plan.spec == last.to_json() and plan.fused
+    assert [r.taken for r in plan.forms] == [True, False]
+    assert plan.forms[1].describe() == "in_kernel_conv: not taken (the chain not timed)"
