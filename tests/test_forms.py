@@ -509,12 +509,10 @@ def test_a_conv_chain_takes_channels_last_then_the_in_kernel_conv_for_the_chains
     assert [r.form for r in rows] == ["conv_layout"] and not chain.spec.anchor.implicit
 
 
-@pytest.mark.parametrize("winner", ["implicit", "channels_last", "plain"])
-def test_the_chain_is_timed_in_each_form_two_rows_took_and_the_fastest_kept(monkeypatch, winner):
-    """A conv chain with channels-last taken by its library call and the in-kernel conv
-    taken for the chain's timing: three fused forms are timed and the fastest runs; each
-    row says the times with and without its form, and is taken where the plan holds it."""
-    from fusion_backend import rewrite
+def _conv_forms_taken():
+    """A stand-in conv chain as `forms.choose` leaves it where channels-last was taken by
+    its library call and the in-kernel conv for the chain's timing: (chain, (the spec in
+    the graph's layout, channels-last, the in-kernel conv), the two rows)."""
     from fusion_backend.forms import conv_implicit
 
     chain = _conv_chain()
@@ -523,6 +521,17 @@ def test_the_chain_is_timed_in_each_form_two_rows_took_and_the_fastest_kept(monk
     chain.spec = implicit = conv_implicit.ConvImplicit().apply(chain, None)
     rows = (forms.FormChoice("conv_layout", "channels-last", 0.5, 0.3, True, alternative=plain),
             forms.FormChoice("in_kernel_conv", "in-kernel", 0.0, 0.0, True, alternative=last, by_chain=True))
+    return chain, (plain, last, implicit), rows
+
+
+@pytest.mark.parametrize("winner", ["implicit", "channels_last", "plain"])
+def test_the_chain_is_timed_in_each_form_two_rows_took_and_the_fastest_kept(monkeypatch, winner):
+    """A conv chain with channels-last taken by its library call and the in-kernel conv
+    taken for the chain's timing: three fused forms are timed and the fastest runs; each
+    row says the times with and without its form, and is taken where the plan holds it."""
+    from fusion_backend import rewrite
+
+    chain, (plain, last, implicit), rows = _conv_forms_taken()
     ms = {"implicit": 0.2, "channels_last": 0.3, "plain": 0.4}
     ms[winner] = 0.1
     by_spec = {implicit.to_json(): "implicit", last.to_json(): "channels_last", plain.to_json(): "plain"}
@@ -569,14 +578,8 @@ def test_an_untimed_conv_chain_keeps_channels_last_and_drops_the_in_kernel_conv(
     """Not timed after all (a size without a hint): the row taken for the chain's timing
     goes back to the spec it started from, the layout its library call chose."""
     from fusion_backend import rewrite
-    from fusion_backend.forms import conv_implicit
 
-    chain = _conv_chain()
-    plain = chain.spec
-    chain.spec = last = conv_layout.ConvLayout().apply(chain, None)
-    chain.spec = implicit = conv_implicit.ConvImplicit().apply(chain, None)
-    rows = (forms.FormChoice("conv_layout", "channels-last", 0.5, 0.3, True, alternative=plain),
-            forms.FormChoice("in_kernel_conv", "in-kernel", 0.0, 0.0, True, alternative=last, by_chain=True))
+    chain, (plain, last, implicit), rows = _conv_forms_taken()
     monkeypatch.setattr(rewrite.choice, "decide", lambda *args: pytest.fail("timed"))
     monkeypatch.setattr(rewrite, "_prepare", lambda chain_, spec, cfg: "kernel")
     untimed = Choice(0.0, 0.0, True, "not timed: a size without a hint")
