@@ -20,6 +20,8 @@ what fused and what the measured choice found; then a summary of both ratios.
 `--warm N` first compiles every selected model with both backends in N processes
 (FUSEDEPI_AUTOTUNE=off there: nothing is timed), so that the timed pass finds nvcc's
 and Inductor's caches warm; the timed pass runs one model at a time on the GPU.
+`--json` is rewritten after every model ("complete": false until the last), so a run
+stopped at a time limit leaves the rows it finished; `--table` says so of such a file.
 """
 
 from __future__ import annotations
@@ -599,6 +601,10 @@ def markdown(results: list[dict]) -> str:
         what = "; ".join(list(r["fused"]) + [f"not fused: {x}" for x in r["refused"]])
         lines.append(f"| {r['model']} | {r['dtype']} | {r['inductor_gpu_ms']:.3f} | {r['fusedepi_gpu_ms']:.3f} | "
                      f"{r['gpu_ratio']:.2f} | {r['ratio']:.2f} | {what} |")
+    stopped = sum(result.get("complete") is False for result in results)
+    if stopped:
+        lines += ["", f"{stopped} of the {len(results)} runs stopped before their last model: their rows are "
+                      "the models they finished."]
     return "\n".join(lines)
 
 
@@ -662,6 +668,8 @@ def main(argv=None) -> int:
         except Exception as err:  # noqa: BLE001 - one model's failure is a row, not the end
             row = {"model": name, "dtype": dtype_name, "failed": f"{type(err).__name__}: {str(err)[:300]}"}
         rows.append(row)
+        if args.json:  # the rows so far, so that a run stopped at a time limit keeps them
+            _write_json(args.json, _result(rows, args.dtypes, complete=False))
         if "failed" in row:
             print(f"{name:34s} {dtype_name:9s} FAILED {row['failed']}", flush=True)
             continue
@@ -676,18 +684,31 @@ def main(argv=None) -> int:
         for backend in ("inductor", "fusedepi") if args.profile else ():
             for kernel, us in row[f"{backend}_kernels"]:
                 print(f"    {backend:8s} {us:9.1f} us  {kernel[:110]}", flush=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
-              "summary": {d: summary([r for r in rows if r["dtype"] == d]) for d in args.dtypes},
-              "gpu_summary": {d: summary([r for r in rows if r["dtype"] == d], "gpu_ratio") for d in args.dtypes}}
+    result = _result(rows, args.dtypes, complete=True)
     for what, table in (("wall", result["summary"]), ("GPU time", result["gpu_summary"])):
         for dtype_name, s in table.items():
             if s["models"]:
                 print(f"summary {dtype_name} ({what}): {s['models']} models, min {s['min']:.2f}x, geomean "
                       f"{s['geomean']:.3f}x, {s['below_0.97']} below 0.97x, {s['fused_any']} fused a chain")
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=1)
+        _write_json(args.json, result)
     return 0
+
+
+def _result(rows: list[dict], dtypes, complete: bool) -> dict:
+    """The `--json` record: the rows and their summaries; `complete` is False while the
+    run is under way (a file left so by a run that was stopped holds the rows it got to)."""
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "complete": complete, "rows": rows,
+            "summary": {d: summary([r for r in rows if r["dtype"] == d]) for d in dtypes},
+            "gpu_summary": {d: summary([r for r in rows if r["dtype"] == d], "gpu_ratio") for d in dtypes}}
+
+
+def _write_json(path: str, result: dict) -> None:
+    """Writes `result` to `path` whole or not at all (a temporary file, then a rename)."""
+    partial = f"{path}.partial"
+    with open(partial, "w") as handle:
+        json.dump(result, handle, indent=1)
+    os.replace(partial, path)
 
 
 if __name__ == "__main__":

@@ -95,6 +95,33 @@ def test_the_results_tables_from_two_shards(tmp_path):
     assert lines[-1].endswith("| 2.00 | 1.00 | conv_pointwise (fused 1 ms) |")
     with pytest.raises(ValueError, match="in more than one run"):
         zoo.markdown(shards + shards[:1])
+    assert "runs stopped" not in run.stdout
+    stopped = zoo.markdown([{**shards[0], "complete": False}, {**shards[1], "complete": True}])
+    assert stopped.splitlines()[-1].startswith("1 of the 2 runs stopped before their last model")
+
+
+def test_json_holds_the_rows_so_far_while_the_run_goes_on(monkeypatch, tmp_path):
+    """`--json` is rewritten after every model (complete: false until the end), so that a
+    run stopped at a time limit leaves the rows it finished."""
+    import json
+
+    path = tmp_path / "zoo.json"
+    first, second = list(zoo.BY_NAME)[:2]
+    seen = []
+
+    def run_model(model, dtype_name, profile=False):
+        seen.append(json.loads(path.read_text()) if path.exists() else None)
+        return {**_row(model.name, dtype_name, 1.5, 1.2), "inductor_ms": 0.12, "fusedepi_ms": 0.1,
+                "fusedepi_error": 1e-6, "inductor_error": 1e-6, "fusedepi_compile_s": 1.0, "inductor_compile_s": 1.0}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    monkeypatch.setattr(zoo, "run_model", run_model)
+    assert zoo.main(["--models", first, second, "--dtypes", "float32", "--json", str(path)]) == 0
+    assert seen[0] is None and seen[1]["complete"] is False and [r["model"] for r in seen[1]["rows"]] == [first]
+    done = json.loads(path.read_text())
+    assert done["complete"] is True and [r["model"] for r in done["rows"]] == [first, second]
+    assert done["gpu_summary"]["float32"]["models"] == 2 and not list(tmp_path.glob("*.partial"))
 
 
 # Zoo models with a chain that does not fuse whole, with the reason it stops or is refused.
