@@ -197,6 +197,28 @@ def _build(spec: str, device: torch.device, cfg: Config) -> bool:
 _BUILDS = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="fusedepi-build")
 
 
+def _prepare_taken(chain: Chain, rows: tuple, cfg: Config) -> tuple[str, tuple]:
+    """Builds the chain's kernel in the forms taken (`_prepare`). Where that fails and a
+    row took its form only for the chain's timing (`FormChoice.by_chain`: the in-kernel
+    conv, the consumer warps), the spec before that row is built instead, the row not
+    taken with the reason: a form the measured choice would only try never costs the
+    chain its fusion. Under strict mode the failure raises. Returns (kernel, rows)."""
+    try:
+        return _prepare(chain, chain.spec.to_json(), cfg), rows
+    except Exception as err:
+        last = next((i for i in reversed(range(len(rows))) if rows[i].by_chain and rows[i].alternative is not None),
+                    None)
+        if last is None or cfg.strict or isinstance(err, OperandMismatch):
+            raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        log.warning("fusedepi: %s at %s: the kernel with %s failed to build (%s); the chain is built without it",
+                    chain.spec.fusion, chain.anchor.name, rows[last].form, first)
+        chain.spec = rows[last].alternative
+        rows = rows[:last] + (replace(rows[last], taken=False, alternative=None,
+                                      chains=f"its kernel failed to build: {first}"),) + rows[last + 1:]
+        return _prepare_taken(chain, rows, cfg)
+
+
 def _prebuild_alternatives(chain: Chain, rows: tuple, cfg: Config) -> list:
     """Where the measured choice will time `chain` and a form taken keeps the spec
     without it (`forms.FormChoice.alternative`, timed too by `_without_forms`), starts
@@ -334,8 +356,8 @@ def rewrite(gm: GraphModule, cfg: Config, skip: dict | None = None) -> Report:
         try:
             form_rows = forms.choose(chain, cfg)
             builds += _prebuild_alternatives(chain, form_rows, cfg)
+            kernel, form_rows = _prepare_taken(chain, form_rows, cfg)
             spec = chain.spec.to_json()
-            kernel = _prepare(chain, spec, cfg)
         except (cuda_templates.NotRenderable, OperandMismatch) as err:
             report.records.append(Record("refused", chain.anchor.name, names, chain.spec.fusion, reason=str(err)))
             log.info("fusedepi: not fused at %s: %s", chain.anchor.name, err)

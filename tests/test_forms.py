@@ -588,3 +588,31 @@ def test_an_untimed_conv_chain_keeps_channels_last_and_drops_the_in_kernel_conv(
     assert chain.spec == last and plan.spec == last.to_json() and plan.fused
     assert [r.taken for r in plan.forms] == [True, False]
     assert plan.forms[1].describe() == "in_kernel_conv: not taken (the chain not timed)"
+
+
+@pytest.mark.parametrize("strict", ["0", "1"])
+def test_a_form_taken_for_the_timing_whose_kernel_fails_to_build_gives_way(monkeypatch, strict):
+    """The in-kernel conv's kernel fails to build (nvcc): the chain is built in the spec
+    the layout row left, the row not taken with the reason; under strict mode it raises."""
+    from cuda_templates.compiler import CompileError
+    from fusion_backend import rewrite
+
+    chain, (plain, last, implicit), rows = _conv_forms_taken()
+    built = []
+
+    def prepare(chain_, spec, cfg):
+        built.append(chain_.spec)
+        if chain_.spec.anchor.implicit:
+            raise CompileError("nvcc failed\nline 2")
+        return "kernel"
+
+    monkeypatch.setattr(rewrite, "_prepare", prepare)
+    cfg = load_config({"FUSEDEPI_STRICT": strict})
+    if strict == "1":
+        with pytest.raises(CompileError):
+            rewrite._prepare_taken(chain, rows, cfg)
+        return
+    kernel, got = rewrite._prepare_taken(chain, rows, cfg)
+    assert kernel == "kernel" and built == [implicit, last] and chain.spec == last
+    assert got[0] is rows[0] and not got[1].taken and got[1].alternative is None
+    assert got[1].describe() == "in_kernel_conv: not taken (its kernel failed to build: nvcc failed)"
