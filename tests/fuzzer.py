@@ -24,7 +24,8 @@ kernel (sm_90) meets random chains; the default setting takes it only at row cou
 too large for the fuzzer. `--in-kernel-conv` likewise draws 2-D convs of the in-kernel
 conv's shapes (stride 1, input channels in 8s, 40-256 output channels in 8s; float32
 ones with `cudnn.allow_tf32`, for eager and fusedepi alike) and runs them with
-FUSEDEPI_IN_KERNEL_CONV=1 (opt-in, sm_90).
+FUSEDEPI_IN_KERNEL_CONV=1 (sm_90; its default, auto, takes it only where the measured
+choice times the chain, which the fuzzer does not).
 
 On CPU the fused op runs its plain-torch reference (FUSEDEPI_CPU_REFERENCE=1): this
 checks matching and rewriting. On CUDA it runs the rendered kernels.
