@@ -51,6 +51,13 @@ def kernel_for(spec: str, device: torch.device, cache_dir: Path, conv_tf32: bool
     return lib
 
 
+def first_line(err: BaseException) -> str:
+    """A failure's first line for a warning or a report (a build error's nvcc output
+    follows it), or its type where it has no message."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """Contiguous and 32-byte aligned: kernels read operands as whole vectors."""
     if t.is_contiguous() and t.data_ptr() % 32 == 0:
@@ -349,7 +356,7 @@ def _chain_cuda(inputs, spec):
 
             if load_config().strict:
                 raise
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            first = first_line(err)
             log.warning("fusedepi: could not build the kernel of %s on cuda:%s (%s); this chain runs "
                         "its plain-torch reference from now on. Set FUSEDEPI_STRICT=1 to raise instead.",
                         _parse(spec).fusion, device.index, first)

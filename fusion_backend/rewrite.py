@@ -210,7 +210,7 @@ def _prepare_taken(chain: Chain, rows: tuple, cfg: Config) -> tuple[str, tuple]:
                     None)
         if last is None or cfg.strict or isinstance(err, OperandMismatch):
             raise
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = launch.first_line(err)
         log.warning("fusedepi: %s at %s: the kernel with %s failed to build (%s); the chain is built without it",
                     chain.spec.fusion, chain.anchor.name, rows[last].form, first)
         chain.spec = rows[last].alternative
@@ -315,7 +315,7 @@ def _enable_native(cfg: Config) -> None:
     except native.BuildError as err:
         if cfg.strict:
             raise FusionError(f"fusedepi: the C++ launcher failed to build: {err}") from err
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = launch.first_line(err)
         log.warning("fusedepi: the C++ launcher failed to build (%s); fused ops launch from Python, with more "
                     "CPU time a call. FUSEDEPI_NATIVE_LAUNCHER=0 skips it; FUSEDEPI_STRICT=1 raises instead.", first)
 
@@ -367,7 +367,7 @@ def rewrite(gm: GraphModule, cfg: Config, skip: dict | None = None) -> Report:
         except Exception as err:  # compile failures and anything unexpected: Inductor runs the chain
             if cfg.strict:
                 raise FusionError(f"fusedepi: {chain.spec.fusion} at {chain.anchor.name}: {err}") from err
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            first = launch.first_line(err)
             log.warning(
                 "fusedepi: could not build %s at %s (%s); Inductor runs this chain. "
                 "Set FUSEDEPI_STRICT=1 to raise instead.",
