@@ -20,20 +20,21 @@ channels, persistent over tiles, 384 threads):
   by the launcher to whole k-steps, so a k-step never mixes two taps). Both land as rows of 128 bytes
   in the 128-byte swizzle, the layout of the in-kernel GEMM's tiles, in a ring of stages;
 - warpgroups 1 and 2 are the consumers: wgmma m64nBNk16 (k8 in TF32), float32
-  accumulators; each is rounded to the output type (what the library conv's output
-  holds), stage0 is applied to it in registers (the tile's per-channel operands loaded
-  before its mainloop), and the result goes into a staging tile, with no branch an
+  accumulators. Where the tile is at most PINGPONG_MAX_N channels wide they take the CTA's
+  tiles in turn (ping-pong: each holds a whole tile, two m64 wgmmas a k-step, and one's
+  finish runs under the other's mainloop); wider tiles are shared, 64 rows each
+  (cooperative). Each accumulator is rounded to the output type (what the library conv's
+  output holds), stage0 is applied to it in registers (the tile's per-channel operands
+  loaded before its mainloop), and the result goes into a staging tile, with no branch an
   element: each (channel, patch row) run of kTW pixels in a slot of its own, placed at
-  the run's offset from a 16-byte boundary of the NCHW output;
-- the consumers then issue one bulk copy (cp.async.bulk, shared to global) a run for
-  its whole 16-byte chunks, store the elements of a run's partial first and last chunk
-  from the staging tile (kOutV neighbouring threads a chunk, one element each), and go on
-  to the next tile's wgmma while the copies run; before staging the next tile they wait
-  for the copies to have read the staging tile. Warps 1-3 of warpgroup 0 idle. The
-  finish is the kernel's cost beyond its mainloop: at 128 x 64 x 128 x 128 -> 128
-  channels (bf16, an H100) the mainloop alone takes 0.40 ms, the kernel 0.76 ms (0.97 ms
-  with a branch an element in the staging and the partial chunks stored by one thread
-  each).
+  the run's offset from a 16-byte boundary of the NCHW output; the elements of a run's
+  partial first and last 16-byte chunk are stored from registers;
+- the finishing threads then issue one bulk copy (cp.async.bulk, shared to global) a
+  run for its whole 16-byte chunks, which run under the next mainloop; before the
+  staging tile is written again its copies have read it. Warps 1-3 of warpgroup 0 idle.
+  At 128 x 64 x 128 x 128 -> 128 channels, k 3 (an H100, kernel time): bf16 0.63 ms
+  ping-pong, 0.76 ms cooperative, its mainloop alone 0.50 and 0.40 ms (one warpgroup's
+  wgmmas at a time run slower than two warpgroups' together).
 
 float32 runs in TF32 (wgmma reads the operands' top 19 bits), only where
 `torch.backends.cudnn.allow_tf32` allows it, as cuDNN's conv does.
@@ -54,6 +55,9 @@ BLOCK_M = 128  # output pixels a tile
 BLOCK_N = {2: (64, 128, 160, 192), 4: (64, 112, 128)}
 SMEM_BUDGET = 220 * 1024  # the ring's stages and the staging tile
 MIN_STAGES = 3
+# The widest tile a consumer warpgroup holds whole (kBN float32 accumulators a thread of
+# its 232 registers): the ping-pong schedule's bound.
+PINGPONG_MAX_N = 128
 
 
 @dataclass(frozen=True)
@@ -64,12 +68,15 @@ class ConvGemmPlan:
         block_n: output channels a tile (a multiple of 8, at most 256).
         tile_h, tile_w: the output pixel patch of a tile (tile_h x tile_w = BLOCK_M).
         stages: the ring's depth.
+        pingpong: each consumer warpgroup takes whole tiles in turn (one's finish under
+            the other's mainloop; block_n <= PINGPONG_MAX_N), else both take each tile.
     """
 
     block_n: int
     tile_h: int
     tile_w: int
     stages: int
+    pingpong: bool = False
 
     def name(self, spec, arch: str) -> str:
         return f"igemm{BLOCK_M}x{self.block_n}_" + spec.kernel_name(arch + "a")
@@ -105,7 +112,7 @@ def tiling(cout: int, wo: int, itemsize: int) -> ConvGemmPlan:
     staging = block_n * staging_pitch(BLOCK_M // tile_w, tile_w, itemsize) * itemsize  # the kernel's kStaging
     stages = min(8, (SMEM_BUDGET - staging) // stage)
     assert stages >= MIN_STAGES, (cout, itemsize)
-    return ConvGemmPlan(block_n, BLOCK_M // tile_w, tile_w, stages)
+    return ConvGemmPlan(block_n, BLOCK_M // tile_w, tile_w, stages, pingpong=block_n <= PINGPONG_MAX_N)
 
 
 def wgmma_asm(dtype: str, n: int) -> str:
@@ -146,6 +153,7 @@ def wgmma_asm(dtype: str, n: int) -> str:
 #   $ho         the output's height
 #   $wo         the output's width
 #   $pitch      the staging tile's elements between two channels (staging_pitch)
+#   $pingpong   the consumers' schedule: true (ping-pong) or false (cooperative)
 #   $wgmma      the wgmma_asm() statement
 CONV_KERNELS = Template(
     r"""// In-kernel conv (cuda_templates/conv_sm90.py): out = chain(conv2d(x, w)), an implicit GEMM.
@@ -157,6 +165,7 @@ constexpr int kCin = $cin, kH = $h, kW = $w;
 constexpr int kKH = $kh, kKW = $kw, kPH = $ph, kPW = $pw, kTaps = kKH * kKW;
 constexpr int kHo = $ho, kWo = $wo;
 constexpr int kPitch = $pitch;  // the staging tile's elements between two channels
+constexpr bool kPingPong = $pingpong;  // the consumers' schedule (conv_sm90.cuh)
 constexpr int kCBlocks = (kCin + kBK - 1) / kBK;  // k-steps a tap
 constexpr int kCinPad = kCBlocks * kBK;  // the weight's input channels, padded with zeros by the launcher
 constexpr int kKSteps = kTaps * kCBlocks;

@@ -1211,7 +1211,7 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
         mma_k=gemm_sm90.WGMMA_TYPES[spec.dtype][1], stages=c.stages, th=c.tile_h, tw=c.tile_w,
         cin=cin, h=h, w=w, kh=kh, kw=kw, ph=ph, pw=pw, ho=ho, wo=wo,
         pitch=conv_sm90.staging_pitch(c.tile_h, c.tile_w, ITEMSIZE[spec.dtype]),
-        wgmma=conv_sm90.wgmma_asm(spec.dtype, c.block_n),
+        pingpong="true" if c.pingpong else "false", wgmma=conv_sm90.wgmma_asm(spec.dtype, c.block_n),
     )
     fields, bind = _fields(spec, direct=True)
     launches = "  err = static_cast<cudaError_t>(conv_launch(a, device, stream));\n  if (err != cudaSuccess) return static_cast<int>(err);"

@@ -6,7 +6,8 @@
 //   T, Args (x: the input [rows, H, W, C_in] in memory, w: the weight [kChannels, kTaps,
 //   kCinPad]), stage0_chan, stage0_chan_of, stage0_at, kChannels (KERNEL_FILE and
 //   CONV_KERNELS' constants: kBM, kBN, kBK, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
-//   kHo, kWo, kPitch, kCBlocks, kTilesN, kTileA, kTileB, kMmaK, wgmma_n), and hopper.cuh.
+//   kHo, kWo, kPitch, kCBlocks, kTilesN, kTileA, kTileB, kMmaK, kPingPong, wgmma_n), and
+//   hopper.cuh.
 // It is not a standalone header: those constants differ per file.
 #pragma once
 
@@ -35,8 +36,23 @@ constexpr int kOutV = 16 / kElem;  // elements a 16-byte vector
 constexpr int kRunSlot = kTW + kOutV;
 static_assert(kPitch >= kTH * kRunSlot && kPitch % kOutV == 0, "a channel's slots, in whole vectors");
 constexpr int kStaging = kBN * kPitch * kElem;
-constexpr int kConsumers = 256;  // the two consumer warpgroups, which stage and store each tile
-constexpr int kBarFull = 1, kBarEmpty = 2;
+
+// The consumers' schedule (kPingPong, rendered: conv_sm90.tiling). Cooperative: both
+// consumer warpgroups work on each tile, 64 rows each, and finish it together, the tensor
+// cores idle meanwhile. Ping-pong: each warpgroup takes every other tile of the CTA
+// whole (two m64 wgmmas a k-step, kBN accumulators a thread) and the two take turns on
+// the tensor cores, one's finish under the other's mainloop; its accumulators bound kBN
+// to 128.
+constexpr int kWgRows = kPingPong ? 128 : 64;   // a consumer warpgroup's rows of a tile
+constexpr int kMBlocks = kWgRows / 64;          // ... its m64 wgmmas a k-step
+constexpr int kFinishers = kPingPong ? 128 : 256;  // the threads that stage and store a tile
+static_assert(!kPingPong || kBN <= 128, "ping-pong: kBN accumulators a thread");
+// Named barriers (0 is __syncthreads'). Cooperative: the tile is staged (kBarFull), the
+// last tile's copies have read the staging tile (kBarEmpty). Ping-pong, for warpgroup h
+// (0 or 1): its tile is staged (kBarFull + h, its 128 threads); it may run its mainloop
+// (kBarMath + h) and stage its tile (kBarStage + h), each arrived at by the other
+// warpgroup.
+constexpr int kBarFull = 1, kBarEmpty = 3, kBarMath = 4, kBarStage = 6;
 
 // One value into shared memory (address `p`) as T. No memory clobber: the compiler may
 // move the chain's arithmetic around it; the asm statements that order it with the
@@ -73,25 +89,28 @@ __device__ __forceinline__ void load_chans(TileChans& c, int tid, int n0, const 
 
 // A tile's finish, part 1: the consumers apply stage0 to their accumulators in registers
 // (each rounded to T first, what the library conv's output holds) and stage the results.
-// For 8-column chunk j a thread holds tile rows r0 and r0 + 8 (r0 = 64 * half + 16 *
-// warp + lane / 4) and channels 8j + 2 * (lane % 4) + {0, 1} of the tile; a run's offset
-// from a 16-byte boundary depends on its channel modulo 8 only (8 planes are whole 16-byte
-// vectors), so a thread's four (channel, row) placements hold for every j. The code has
-// no branch an element: a pixel past the output's edges is computed and staged too, in
-// its slot's spare room, with the chain's operands read at an element that exists
-// (element 8j of a plane, of image 0), and is never stored. (With a branch an element
-// for the edges and another for the partial chunks' stores, this part took 0.41 of the
-// kernel's 0.97 ms on bf16 128 x 64 x 128 x 128 -> 128 on an H100: latency, at two warps
-// a scheduler.)
-__device__ __forceinline__ void stage_chain(const float (&d)[kBN / 2], const TileChans& chans, uint8_t* staging,
-                                            int half, int tid, int img, int h0, int w0, int n0, const Args& a) {
+// For 8-column chunk j a thread holds tile rows r0 and r0 + 8 (r0 = 64 * block + 16 *
+// warp + lane / 4, `block` the tile's m64 row block of `d`) and channels 8j + 2 * (lane %
+// 4) + {0, 1} of the tile; a run's offset from a 16-byte boundary depends on its channel
+// modulo 8 only (8 planes are whole 16-byte vectors), so a thread's four (channel, row)
+// placements, and whether each is in its run's partial first or last chunk, hold for
+// every j. The staging has no branch an element: a pixel past the output's edges is
+// computed and staged too, in its slot's spare room, with the chain's operands read at an
+// element that exists (element 8j of a plane, of image 0), and is never stored. The
+// elements of the partial chunks are stored from registers, by the warps that hold any.
+// (With a branch an element for the edges and the partial chunks stored from the staging
+// tile, one thread a chunk, this part took 0.41 of the kernel's 0.97 ms on bf16 128 x 64
+// x 128 x 128 -> 128 on an H100: latency, at two warps a scheduler.)
+__device__ __forceinline__ void stage_chain(float (&d)[kBN / 2], const TileChans& chans, uint8_t* staging,
+                                            int block, int tid, int img, int h0, int w0, int n0, const Args& a) {
   constexpr long long kPlane = static_cast<long long>(kHo) * kWo;
   const int warp = tid / 32, lane = tid % 32;
-  const int r0 = half * 64 + warp * 16 + lane / 4;
+  const int r0 = block * 64 + warp * 16 + lane / 4;
   const int rows = kHo - h0 < kTH ? kHo - h0 : kTH;
   const int width = kWo - w0 < kTW ? kWo - w0 : kTW;
   unsigned at[2][2];    // [h][e]: the shared address of channel 2 * (lane % 4) + e's pixel r0 + 8h
   long long idx[2][2];  // ... its element of out (channel chunk j adds 8j planes); 0 past the edges
+  bool part[2][2];      // ... in its run's partial first or last chunk (of every chunk j alike)
 #pragma unroll
   for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -100,8 +119,14 @@ __device__ __forceinline__ void stage_chain(const float (&d)[kBN / 2], const Til
       const long long start = run_start(img, n0 + cl, h0 + t, w0);
       const int shift = static_cast<int>(static_cast<unsigned>(start) % kOutV);  // kOutV divides 2^32
       at[h][e] = hop::smem_u32(staging) + (cl * kPitch + t * kRunSlot + shift + x) * kElem;
-      idx[h][e] = t < rows && x < width ? start + x : 0;
+      const bool inside = t < rows && x < width;
+      idx[h][e] = inside ? start + x : 0;
+      // the run's elements before its first whole chunk, and from its last one's end on
+      const int head = min(shift ? kOutV - shift : 0, width), tail = max(width - (shift + width) % kOutV, head);
+      part[h][e] = inside && (x < head || x >= tail);
     }
+  // The chain on every value first, in place, then the stores: independent work for the
+  // scheduler to interleave (one finishing warp a scheduler in the ping-pong schedule).
 #pragma unroll
   for (int j = 0; j < kBN / 8; ++j) {
     if (n0 + 8 * j >= kChannels) break;  // kChannels % 8 == 0: a chunk is inside the channels or past them
@@ -111,72 +136,71 @@ __device__ __forceinline__ void stage_chain(const float (&d)[kBN / 2], const Til
       for (int h = 0; h < 2; ++h) {
         float y[1] = {fusedepi::to_float(fusedepi::from_float<T>(d[4 * j + 2 * h + e]))};
         stage0_at<1>(y, chans.k[j][e], idx[h][e] + 8 * j * kPlane, a);
-        sts_value(at[h][e] + 8 * j * kPitch * kElem, y[0]);
+        d[4 * j + 2 * h + e] = y[0];
       }
+  }
+#pragma unroll
+  for (int j = 0; j < kBN / 8; ++j) {
+    if (n0 + 8 * j >= kChannels) break;
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) sts_value(at[h][e] + 8 * j * kPitch * kElem, d[4 * j + 2 * h + e]);
+  }
+  // The elements of the runs' partial chunks, which no bulk copy writes (it moves whole,
+  // aligned 16-byte chunks), stored from registers: a run's first and last kOutV - 1
+  // pixels at most, so most warps have none (the branch is the warp's).
+  if (__any_sync(0xffffffffu, part[0][0] || part[0][1] || part[1][0] || part[1][1])) {
+#pragma unroll
+    for (int j = 0; j < kBN / 8; ++j) {
+      if (n0 + 8 * j >= kChannels) break;
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          if (part[h][e]) a.out[idx[h][e] + 8 * j * kPlane] = fusedepi::from_float<T>(d[4 * j + 2 * h + e]);
+    }
   }
 }
 
-// A tile's finish, part 2, by consumer thread `ct` (of kConsumers). Each run (a channel
+// A tile's finish, part 2, by finishing thread `ct` (of kFinishers): each run (a channel
 // and patch row of the staged tile) gets one bulk copy of its whole 16-byte chunks of out,
-// committed as one bulk group; the copies run on under the next tile's mainloop, and the
-// consumers wait for them to have read the staging tile before they stage the next. The
-// elements of a run's partial chunk at its start and at its end (of a run with no whole
-// chunk: all of them, fewer than kOutV at either side) are stored by kOutV neighbouring
-// threads, one element each, so that a warp's store touches a sector or two a chunk.
-// (Stored by one thread a chunk, a warp's store touched 32 sectors: on bf16 128 x 64 x
-// 128 x 128 -> 128, an H100, ncu counted 55% of the kernel's global sectors excess, and
-// the kernel took 0.82 ms; spread so, 0.76 ms on another H100.)
+// committed as one bulk group; the copies run on under the next mainloop, and the tile's
+// stager waits for them to have read the staging tile before it stages the next. (The
+// elements of a run's partial chunks were stored by stage_chain.)
 __device__ __forceinline__ void store_runs(const uint8_t* staging, int ct, int img, int h0, int w0, int n0,
                                            const Args& a) {
   const int channels = kChannels - n0 < kBN ? static_cast<int>(kChannels - n0) : kBN;
   const int rows = kHo - h0 < kTH ? kHo - h0 : kTH;
   const int width = kWo - w0 < kTW ? kWo - w0 : kTW;
   const T* slots = reinterpret_cast<const T*>(staging);
-  // [lo, hi): run v's whole chunks of out, from `start`; run[i]: out[start + i] in the staging tile
-  const auto run_of = [&](int v, long long& start, long long& lo, long long& hi, const T*& run) {
+  for (int v = ct; v < channels * kTH; v += kFinishers) {
     const int cl = v / kTH, t = v % kTH;
-    start = run_start(img, n0 + cl, h0 + t, w0);
+    if (t >= rows) continue;
+    const long long start = run_start(img, n0 + cl, h0 + t, w0), end = start + width;
     const int shift = static_cast<int>(static_cast<unsigned>(start) % kOutV);  // kOutV divides 2^32
-    const long long end = start + width;
-    lo = start + (shift ? kOutV - shift : 0);
-    hi = end - end % kOutV;
-    run = slots + cl * kPitch + t * kRunSlot + shift;
-  };
-  for (int v = ct; v < channels * kTH; v += kConsumers) {
-    if (v % kTH >= rows) continue;
-    long long start, lo, hi;
-    const T* run;
-    run_of(v, start, lo, hi, run);
-    if (hi > lo) hop::bulk_store(a.out + lo, run + (lo - start), static_cast<unsigned>((hi - lo) * kElem));
+    const long long lo = start + (shift ? kOutV - shift : 0), hi = end - end % kOutV;
+    if (hi > lo) {
+      const T* run = slots + cl * kPitch + t * kRunSlot + shift;  // run[i]: out[start + i]
+      hop::bulk_store(a.out + lo, run + (lo - start), static_cast<unsigned>((hi - lo) * kElem));
+    }
   }
   hop::bulk_commit();
-  constexpr int kTogether = kConsumers / kOutV;  // partial chunks stored at once
-  const int q = ct % kOutV;
-  for (int u = ct / kOutV; u < channels * kTH * 2; u += kTogether) {
-    const int v = u / 2;
-    if (v % kTH >= rows) continue;
-    long long start, lo, hi;
-    const T* run;
-    run_of(v, start, lo, hi, run);
-    const long long end = start + width, head_end = lo < end ? lo : end, tail = hi > head_end ? hi : head_end;
-    const long long e = (u % 2 == 0 ? start : tail) + q;
-    if (e < (u % 2 == 0 ? head_end : end)) a.out[e] = run[e - start];
-  }
 }
 
 // The kernel's body (the file's __global__ wrapper calls it with its __grid_constant__
 // tensor maps): map_x over x [rows, H, W, C_in] (dims C_in, W, H, rows), map_w over w
 // [kChannels, kTaps x kCinPad]. Warpgroup 0's first thread loads, by TMA, for each k-step
 // (tap, channel block) the patch of input pixels that tap reads (coordinates shifted by
-// the tap, zeros past the image: the conv's padding) and the tap's weights; warpgroups 1
-// and 2 multiply (wgmma), apply the chain in registers, stage the tile and issue its bulk
-// copies to out, which run under the next tile's wgmma. Persistent: CTA b takes tiles b,
-// b + gridDim.x, ...; the ring's stage and phase run on across tiles. Two named barriers
-// of the consumers: the tile is staged (kBarFull), the last tile's copies have read the
-// staging tile (kBarEmpty).
+// the tap, zeros past the image: the conv's padding) and the tap's weights, tile after
+// tile of the CTA in order, into one ring; warpgroups 1 and 2 multiply (wgmma), apply the
+// chain in registers, stage the tile and issue its bulk copies to out, which run under
+// the next mainloop. Persistent: CTA b takes tiles b, b + gridDim.x, ... (its tiles 0, 1,
+// 2, ...); cooperative, both consumer warpgroups take each; ping-pong, warpgroup h takes
+// the CTA's tiles h, h + 2, ... The ring's stage and phase run on across tiles.
 __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtensorMap& map_w, const Args& a) {
-  constexpr int kProducerRegs = 72, kConsumerRegs = 216;
-  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 384 * 168, "the CTA's registers");
+  constexpr int kProducerRegs = kPingPong ? 40 : 72, kConsumerRegs = kPingPong ? 232 : 216;
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "the CTA's registers");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* tiles_a = smem;
@@ -189,7 +213,7 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       hop::mbar_init(&full[s], 1);
-      hop::mbar_init(&empty[s], 8);  // one arrival a consumer warp
+      hop::mbar_init(&empty[s], kPingPong ? 4 : 8);  // one arrival a warp of the consumers of the stage
     }
     hop::mbar_init_fence();
   }
@@ -211,45 +235,72 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
         }
       }
     }  // warps 1-3 have nothing to do
-  } else {  // consumers: tile rows 64 * (wg - 1) .. + 64
+  } else {  // consumers: tile rows 64 * (wg - 1) .. + 64, or (ping-pong) whole tiles in turn
     hop::regs_inc<kConsumerRegs>();
     const int half = wg - 1;
+    const int ft = kPingPong ? tid : half * 128 + tid;  // this thread among the tile's finishers
     const auto release = [&](int s) {
       __syncwarp();
       if (tid % 32 == 0) hop::mbar_arrive(&empty[s]);
     };
-    int it = 0;
-    for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+    const int first = blockIdx.x + (kPingPong ? half * gridDim.x : 0);
+    const int step = (kPingPong ? 2 : 1) * gridDim.x;
+    for (int tile = first, j = 0; tile < n_tiles; tile += step, ++j) {
+      // the tile's k-steps in the ring: the CTA's tiles before it had kKSteps each
+      int it = (kPingPong ? 2 * j + half : j) * kKSteps;
+      // ping-pong: the other warpgroup's tile after this one exists (it waits for this
+      // warpgroup's turn to end), and the one before it (this waits for its turn)
+      const bool other_next = kPingPong && tile + gridDim.x < n_tiles;
+      const bool other_before = kPingPong && tile - static_cast<int>(gridDim.x) >= static_cast<int>(blockIdx.x);
       int img, h0, w0, n0;
       conv_tile_origin(tile, img, h0, w0, n0);
-      float d[kBN / 2];
+      float d[kMBlocks][kBN / 2];
 #pragma unroll
-      for (int i = 0; i < kBN / 2; ++i) d[i] = 0.f;
+      for (int b = 0; b < kMBlocks; ++b)
+#pragma unroll
+        for (int i = 0; i < kBN / 2; ++i) d[b][i] = 0.f;
       TileChans chans;
       load_chans(chans, tid, n0, a);
+      if (other_before) hop::named_sync<256>(kBarMath + half);  // the other's wgmmas are all issued
       for (int i = 0; i < kKSteps; ++i, ++it) {
         const int s = it % kStages;
         hop::mbar_wait(&full[s], (it / kStages) & 1);
         hop::wgmma_fence();
-        const uint8_t* sa = tiles_a + s * kTileA + half * 64 * 128;  // 64 rows of 128 bytes
+        const uint8_t* sa = tiles_a + s * kTileA + (kPingPong ? 0 : half * 64 * 128);  // rows of 128 bytes
         const uint8_t* sb = tiles_b + s * kTileB;
 #pragma unroll
         for (int kk = 0; kk < kBK / kMmaK; ++kk)
-          wgmma_n(d, hop::desc_sw128(sa + kk * 32), hop::desc_sw128(sb + kk * 32), (i > 0 || kk > 0) ? 1 : 0);
+#pragma unroll
+          for (int b = 0; b < kMBlocks; ++b)
+            wgmma_n(d[b], hop::desc_sw128(sa + b * 64 * 128 + kk * 32), hop::desc_sw128(sb + kk * 32),
+                    (i > 0 || kk > 0) ? 1 : 0);
         hop::wgmma_commit();
         hop::wgmma_wait<1>();  // the previous k-step's wgmma is done: free its stage
         if (i > 0) release((it - 1) % kStages);
       }
+      // The other's turn: its wgmmas queue behind this tile's last ones. (In turn, a
+      // warpgroup's wait on a stage's `full` barrier is at most one phase ahead of the
+      // stage's last fill; two mainloops at once could each wait on a stage two phases
+      // ahead, whose parity reads as complete: run so, the kernel failed to launch.)
+      if (other_next) hop::named_arrive<256>(kBarMath + 1 - half);
       hop::wgmma_wait<0>();
       release((it - 1) % kStages);
-      if (tile != static_cast<int>(blockIdx.x)) {  // the last tile's copies have read the staging tile
+      if constexpr (kPingPong) {
+        if (other_before) hop::named_sync<256>(kBarStage + half);  // its copies have read the staging tile
+      } else if (tile != static_cast<int>(blockIdx.x)) {  // the last tile's copies have read the staging tile
         hop::bulk_wait_read();
-        hop::named_sync<kBarEmpty, kConsumers>();
+        hop::named_sync<kBarEmpty, kFinishers>();
       }
-      stage_chain(d, chans, staging, half, tid, img, h0, w0, n0, a);
+#pragma unroll
+      for (int b = 0; b < kMBlocks; ++b)
+        stage_chain(d[b], chans, staging, kPingPong ? b : half, tid, img, h0, w0, n0, a);
       hop::fence_async_shared();  // the staging tile's writes, before the bulk copies read it
-      hop::named_sync<kBarFull, kConsumers>();  // the whole tile is staged
-      store_runs(staging, half * 128 + tid, img, h0, w0, n0, a);
+      hop::named_sync<kFinishers>(kBarFull + (kPingPong ? half : 0));  // the whole tile is staged
+      store_runs(staging, ft, img, h0, w0, n0, a);
+      if (other_next) {  // the other warpgroup stages its tile once these copies have read this one
+        hop::bulk_wait_read();
+        hop::named_arrive<256>(kBarStage + 1 - half);
+      }
     }
     hop::bulk_wait();  // the copies are complete before the kernel ends
   }

@@ -61,6 +61,10 @@ template <int kId, int kThreads>
 __device__ __forceinline__ void named_arrive() {
   asm volatile("bar.arrive %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
 }
+template <int kThreads>
+__device__ __forceinline__ void named_arrive(int id) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(kThreads) : "memory");
+}
 
 // ------------------------------------------------------------- shared memory
 
