@@ -32,8 +32,8 @@ channels, persistent over tiles, 384 threads):
 - the finishing threads then issue one bulk copy (cp.async.bulk, shared to global) a
   run for its whole 16-byte chunks, which run under the next mainloop; before the
   staging tile is written again its copies have read it. Warps 1-3 of warpgroup 0 idle.
-  At 128 x 64 x 128 x 128 -> 128 channels, k 3 (an H100, kernel time): bf16 0.63 ms
-  ping-pong, 0.76 ms cooperative, its mainloop alone 0.50 and 0.40 ms (one warpgroup's
+  At 128 x 64 x 128 x 128 -> 128 channels, k 3 (H100, kernel time): bf16 0.56 ms
+  ping-pong, 0.76 ms cooperative; the mainloop alone 0.50 and 0.40 ms (one warpgroup's
   wgmmas at a time run slower than two warpgroups' together).
 
 float32 runs in TF32 (wgmma reads the operands' top 19 bits), only where

@@ -702,6 +702,10 @@ def test_in_kernel_conv_plans_and_names(name):
     source = cuda_templates.render(spec, "sm90", conv_tf32=True)
     itemsize = 4 if spec.dtype == "float32" else 2
     assert f"constexpr int kPitch = {conv_sm90.staging_pitch(c.tile_h, c.tile_w, itemsize)};" in source
+    # Ping-pong (each consumer warpgroup a whole tile: block_n accumulators a thread) up
+    # to 128 channels a tile, the cooperative schedule above.
+    assert c.pingpong == (c.block_n <= conv_sm90.PINGPONG_MAX_N == 128)
+    assert f"constexpr bool kPingPong = {'true' if c.pingpong else 'false'};" in source
     t, k = {"bfloat16": ("bf16", 16), "float16": ("f16", 16), "float32": ("tf32", 8)}[spec.dtype]
     acc = c.block_n // 2
     assert f"wgmma.mma_async.sync.aligned.m64n{c.block_n}k{k}.f32.{t}.{t} " in source
@@ -816,7 +820,9 @@ def test_kernel_files_compile_without_warnings():
                                         ("test_nvcc_compiles_tf32_direct_convs", next(iter(TF32_SPECS)), "sm90a")]
     jobs += [("test_nvcc_compiles_the_in_kernel_gemm", n, "sm90a") for n in ("gemm_pointwise-bfloat16",
                                                                               "gemm_w2_logsumexp-float32")]
-    jobs += [("test_nvcc_compiles_the_in_kernel_conv", "igemm_1x1_residual-float32", "sm90a")]
+    # the in-kernel conv's two schedules: ping-pong (64 channels a tile), cooperative (160)
+    jobs += [("test_nvcc_compiles_the_in_kernel_conv", n, "sm90a") for n in ("igemm_1x1_residual-float32",
+                                                                              "igemm_cin8_k5_320-bfloat16")]
     nvcc = compiler.find_nvcc()
 
     def warnings_of(job, directory):

@@ -280,8 +280,9 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
       }
       // The other's turn: its wgmmas queue behind this tile's last ones. (In turn, a
       // warpgroup's wait on a stage's `full` barrier is at most one phase ahead of the
-      // stage's last fill; two mainloops at once could each wait on a stage two phases
-      // ahead, whose parity reads as complete: run so, the kernel failed to launch.)
+      // stage's last fill. Run with two mainloops at once the kernel failed, "unspecified
+      // launch failure" on an H100; likely a wait two phases ahead, whose parity reads
+      // as complete.)
       if (other_next) hop::named_arrive<256>(kBarMath + 1 - half);
       hop::wgmma_wait<0>();
       release((it - 1) % kStages);
