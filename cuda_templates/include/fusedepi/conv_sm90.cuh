@@ -87,6 +87,20 @@ __device__ __forceinline__ void load_chans(TileChans& c, int tid, int n0, const 
       if (n0 + 8 * j < kChannels) c.k[j][e] = stage0_chan_of(a, n0 + 8 * j + 2 * (tid % 4) + e);
 }
 
+// f(j, e, h, i) for each accumulator d[i] of a consumer thread (i = 4j + 2h + e: channel
+// chunk j, channel 2 * (lane % 4) + e of it, row r0 + 8h) whose channel is an output channel.
+template <typename F>
+__device__ __forceinline__ void each_value(int n0, F&& f) {
+#pragma unroll
+  for (int j = 0; j < kBN / 8; ++j) {
+    if (n0 + 8 * j >= kChannels) break;  // kChannels % 8 == 0: a chunk is inside the channels or past them
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) f(j, e, h, 4 * j + 2 * h + e);
+  }
+}
+
 // A tile's finish, part 1: the consumers apply stage0 to their accumulators in registers
 // (each rounded to T first, what the library conv's output holds) and stage the results.
 // For 8-column chunk j a thread holds tile rows r0 and r0 + 8 (r0 = 64 * block + 16 *
@@ -127,39 +141,19 @@ __device__ __forceinline__ void stage_chain(float (&d)[kBN / 2], const TileChans
     }
   // The chain on every value first, in place, then the stores: independent work for the
   // scheduler to interleave (one finishing warp a scheduler in the ping-pong schedule).
-#pragma unroll
-  for (int j = 0; j < kBN / 8; ++j) {
-    if (n0 + 8 * j >= kChannels) break;  // kChannels % 8 == 0: a chunk is inside the channels or past them
-#pragma unroll
-    for (int e = 0; e < 2; ++e)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float y[1] = {fusedepi::to_float(fusedepi::from_float<T>(d[4 * j + 2 * h + e]))};
-        stage0_at<1>(y, chans.k[j][e], idx[h][e] + 8 * j * kPlane, a);
-        d[4 * j + 2 * h + e] = y[0];
-      }
-  }
-#pragma unroll
-  for (int j = 0; j < kBN / 8; ++j) {
-    if (n0 + 8 * j >= kChannels) break;
-#pragma unroll
-    for (int e = 0; e < 2; ++e)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) sts_value(at[h][e] + 8 * j * kPitch * kElem, d[4 * j + 2 * h + e]);
-  }
+  each_value(n0, [&](int j, int e, int h, int i) {
+    float y[1] = {fusedepi::to_float(fusedepi::from_float<T>(d[i]))};
+    stage0_at<1>(y, chans.k[j][e], idx[h][e] + 8 * j * kPlane, a);
+    d[i] = y[0];
+  });
+  each_value(n0, [&](int j, int e, int h, int i) { sts_value(at[h][e] + 8 * j * kPitch * kElem, d[i]); });
   // The elements of the runs' partial chunks, which no bulk copy writes (it moves whole,
   // aligned 16-byte chunks), stored from registers: a run's first and last kOutV - 1
   // pixels at most, so most warps have none (the branch is the warp's).
   if (__any_sync(0xffffffffu, part[0][0] || part[0][1] || part[1][0] || part[1][1])) {
-#pragma unroll
-    for (int j = 0; j < kBN / 8; ++j) {
-      if (n0 + 8 * j >= kChannels) break;
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          if (part[h][e]) a.out[idx[h][e] + 8 * j * kPlane] = fusedepi::from_float<T>(d[4 * j + 2 * h + e]);
-    }
+    each_value(n0, [&](int j, int e, int h, int i) {
+      if (part[h][e]) a.out[idx[h][e] + 8 * j * kPlane] = fusedepi::from_float<T>(d[i]);
+    });
   }
 }
 
