@@ -10,6 +10,7 @@
 #   bash benchmarks/device_run.sh backward [args]                            # training-step benchmark
 #   bash benchmarks/device_run.sh fuzzbench N SEED [MODE]                    # N fused random models vs Inductor
 #   bash benchmarks/device_run.sh zoo [args]                                 # benchmarks.zoo, args passed on
+#   bash benchmarks/device_run.sh variants [args]                            # benchmarks.kernel_variants, args passed on
 # The benchmark makes fresh kernel and Inductor caches of its own, so its compile times are cold.
 # Logs and JSON go to $OUT (the device tool's output folder) or /tmp/fusedepi-out.
 set -uo pipefail
@@ -66,6 +67,11 @@ fi
 if [ "$what" = zoo ]; then
   FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} timeout ${ZOO_TIMEOUT:-560} python3 -m benchmarks.zoo \
     "$@" 2>&1 | grep -v -i warn | tee -a "$OUT/zoo.log"
+  status=${PIPESTATUS[0]}
+fi
+if [ "$what" = variants ]; then
+  FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 -m benchmarks.kernel_variants "$@" 2>&1 \
+    | grep -v -i warn | tee -a "$OUT/variants.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

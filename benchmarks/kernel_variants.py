@@ -1,0 +1,158 @@
+"""A kernel header's variants timed on one device: the GPU time of fusedepi's kernels on
+zoo models or workloads, each variant a copy of `cuda_templates/include/` with one header
+edited (text replaced), one process a variant (the kernel libraries a process loads are
+keyed by kernel name, so two variants of one kernel never share a process).
+
+    FUSEDEPI_IN_KERNEL_CONV=1 python -m benchmarks.kernel_variants \\
+        --header conv_sm90.cuh --models conv2d_wide_relu_bias --dtypes bfloat16 \\
+        --variant tree \\
+        --variant no_bulk 'hop::bulk_store(a.out + lo' 'if (lo < 0) hop::bulk_store(a.out + lo'
+
+A variant is a name and then pairs OLD NEW: each OLD must occur in the header exactly
+once and is replaced by NEW; a name alone is the tree's headers. Variants that cut work
+out of a kernel give wrong results and times only (the error column says so).
+`FUSEDEPI_AUTOTUNE=off` in each run: the form the matcher and the settings pick is built,
+not the measured choice's (set `FUSEDEPI_IN_KERNEL_CONV=1` and the like for the form to
+look at). Per model, dtype and variant it prints the GPU time a call of the kernels whose
+names match `--kernels` (fusedepi's own by default), of all kernels, and the error
+against float64; `--json` writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+FUSED_KERNELS = r"_sm[0-9]+a?_"  # fusedepi's kernels: the arch, then a role
+
+
+def edit_header(text: str, pairs: list[tuple[str, str]], header: str) -> str:
+    """`text` with each (old, new) of `pairs` applied in order.
+
+    Raises:
+        ValueError: an `old` does not occur exactly once (in the text as edited so far).
+    """
+    for old, new in pairs:
+        count = text.count(old)
+        if count != 1:
+            raise ValueError(f"{header}: {old!r} occurs {count} times, not once")
+        text = text.replace(old, new)
+    return text
+
+
+def edited_include(root: Path, header: str, pairs: list[tuple[str, str]]) -> Path:
+    """A copy of the project's include/ under `root` with `header` (a file name of
+    include/fusedepi/) edited by `pairs`; its path."""
+    from cuda_templates import compiler
+
+    target = root / "include"
+    shutil.copytree(compiler.INCLUDE_DIR, target)
+    path = target / "fusedepi" / header
+    if not path.is_file():
+        raise ValueError(f"no header {header} in {compiler.INCLUDE_DIR / 'fusedepi'}")
+    path.write_text(edit_header(path.read_text(), pairs, header))
+    return target
+
+
+def parse_variants(raw: list[list[str]]) -> dict[str, list[tuple[str, str]]]:
+    """--variant NAME [OLD NEW]...: name -> the (old, new) pairs.
+
+    Raises:
+        ValueError: a variant with an OLD and no NEW, or a name given twice.
+    """
+    variants: dict[str, list[tuple[str, str]]] = {}
+    for name, *rest in raw:
+        if len(rest) % 2:
+            raise ValueError(f"variant {name}: OLD NEW pairs, got {len(rest)} strings")
+        if name in variants:
+            raise ValueError(f"variant {name} given twice")
+        variants[name] = list(zip(rest[::2], rest[1::2]))
+    return variants
+
+
+def run_variant(include: Path | None, models: list[str], dtypes: list[str], kernels: str, calls: int) -> list[dict]:
+    """In this process: each model compiled with fusedepi (kernels built from `include`,
+    the tree's if None), run, checked against float64 and timed."""
+    os.environ["FUSEDEPI_AUTOTUNE"] = "off"
+    import torch
+
+    from cuda_templates import compiler
+
+    from .compare import kernel_times
+    from .once import model_and_input
+    from .zoo import _max_error, _settings
+
+    if include is not None:
+        compiler.INCLUDE_DIR = include
+    _settings()
+    rows = []
+    for name in models:
+        for dtype_name in dtypes:
+            torch._dynamo.reset()
+            model, x = model_and_input(name, getattr(torch, dtype_name), train=True)
+            fn = torch.compile(model, backend="fusedepi")
+            with torch.no_grad():
+                out = fn(x)
+                ref = model.double()(x.double())
+                model.to(getattr(torch, dtype_name))
+                times = kernel_times(lambda: fn(x), calls)
+            picked = [(ms, k) for ms, _, k in times if re.search(kernels, k)]
+            rows.append({"model": name, "dtype": dtype_name, "error": _max_error(out, ref),
+                         "kernels_us": sum(ms for ms, _ in picked) * 1000,
+                         "all_us": sum(ms for ms, _, _ in times) * 1000,
+                         "kernels": [k[:80] for _, k in picked]})
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--header", default="conv_sm90.cuh", help="the header of include/fusedepi/ to edit")
+    parser.add_argument("--variant", nargs="+", action="append", required=True, metavar="NAME [OLD NEW]",
+                        help="a variant: its name, then OLD NEW pairs (none: the tree's headers)")
+    parser.add_argument("--models", nargs="+", required=True, help="zoo models or workloads")
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float16",
+                                                                                          "float32"])
+    parser.add_argument("--kernels", default=FUSED_KERNELS, help="regex of the kernel names to sum")
+    parser.add_argument("--calls", type=int, default=20, help="calls the profiler averages over")
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one variant from this JSON
+    args = parser.parse_args(argv)
+    if args.one:
+        job = json.loads(args.one)
+        include = Path(job["include"]) if job["include"] else None
+        print(json.dumps(run_variant(include, args.models, args.dtypes, args.kernels, args.calls)))
+        return 0
+    try:
+        variants = parse_variants(args.variant)
+        rows = []
+        with tempfile.TemporaryDirectory(prefix="fusedepi-variants-") as tmp:
+            for name, pairs in variants.items():
+                include = str(edited_include(Path(tmp) / name, args.header, pairs)) if pairs else None
+                cmd = [sys.executable, "-m", "benchmarks.kernel_variants", "--variant", name, "--models",
+                       *args.models, "--dtypes", *args.dtypes, "--kernels", args.kernels, "--calls",
+                       str(args.calls), "--one", json.dumps({"include": include})]
+                run = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                if run.returncode:
+                    print(f"{name}: failed (exit {run.returncode}): {run.stderr.strip()[-800:]}", flush=True)
+                    continue
+                for row in json.loads(run.stdout.strip().splitlines()[-1]):
+                    row["variant"] = name
+                    rows.append(row)
+                    print(f"{name:16s} {row['model']:30s} {row['dtype']:9s} kernels {row['kernels_us']:9.1f} us  "
+                          f"all {row['all_us']:9.1f} us  error {row['error']:.2e}", flush=True)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"header": args.header, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""GPU-free: benchmarks.kernel_variants edits a copy of the headers exactly as asked, and
+refuses an edit that does not apply once."""
+
+import pytest
+
+from benchmarks import kernel_variants
+from cuda_templates import compiler
+
+
+def test_each_edit_applies_once_in_order():
+    text = "a = 1;\nb = 2;\n"
+    assert kernel_variants.edit_header(text, [("a = 1", "a = 3"), ("a = 3;\nb", "c")], "h") == "c = 2;\n"
+    with pytest.raises(ValueError, match="'x = 1' occurs 0 times"):
+        kernel_variants.edit_header(text, [("x = 1", "y")], "h")
+    with pytest.raises(ValueError, match="occurs 2 times"):
+        kernel_variants.edit_header(text, [(" = ", "=")], "h")
+
+
+def test_variants_are_a_name_and_pairs():
+    assert kernel_variants.parse_variants([["tree"], ["cut", "old", "new", "o2", "n2"]]) == {
+        "tree": [], "cut": [("old", "new"), ("o2", "n2")]}
+    with pytest.raises(ValueError, match="OLD NEW pairs"):
+        kernel_variants.parse_variants([["odd", "old"]])
+    with pytest.raises(ValueError, match="given twice"):
+        kernel_variants.parse_variants([["a"], ["a"]])
+
+
+def test_the_edited_copy_leaves_the_tree_alone(tmp_path):
+    header = compiler.INCLUDE_DIR / "fusedepi" / "conv_sm90.cuh"
+    before = header.read_text()
+    old = "constexpr int kRunSlot = kTW + kOutV;"
+    include = kernel_variants.edited_include(tmp_path, "conv_sm90.cuh", [(old, "constexpr int kRunSlot = kTW;")])
+    edited = (include / "fusedepi" / "conv_sm90.cuh").read_text()
+    assert edited == before.replace(old, "constexpr int kRunSlot = kTW;") and header.read_text() == before
+    assert (include / "fusedepi" / "hopper.cuh").read_text() == (compiler.INCLUDE_DIR / "fusedepi" / "hopper.cuh").read_text()
+    with pytest.raises(ValueError, match="no header"):
+        kernel_variants.edited_include(tmp_path / "other", "nonexistent.cuh", [])
+
+
+def test_a_bad_edit_stops_the_command_before_any_run(capsys):
+    with pytest.raises(SystemExit) as stop:
+        kernel_variants.main(["--variant", "cut", "not in the header", "x", "--models", "conv2d_relu_bias"])
+    assert stop.value.code == 2
+    assert "occurs 0 times" in capsys.readouterr().err
