@@ -274,6 +274,7 @@ SNIPPETS = {
     "mul": _binary("mul"),
     "div": _divide,
     "branch": lambda s, ops: f"x = {ops.operand(s)};",  # an earlier value, held by render_stage
+    "prelu": lambda s, ops: f"x = fusedepi::leaky_relu(x, {ops.operand(s)});",  # its slope an operand
     "maximum": lambda s, ops: f"x = fusedepi::maximum(x, {ops.operand(s)});",
     "minimum": lambda s, ops: f"x = fusedepi::minimum(x, {ops.operand(s)});",
     "groupnorm": _affine_norm,

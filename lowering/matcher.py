@@ -288,6 +288,38 @@ def _match_silu_pair(state: _State, _user: Node):
     return None
 
 
+def _match_prelu(state: _State, _user: Node):
+    """where(x > 0, x, w * x), in either operand order of the product: what nn.PReLU and
+    F.prelu decompose to, three of the current value's users. A tensor w (one slope, or
+    one a channel) is a `prelu` step's operand; a number is leaky_relu's slope. Not
+    matched where the comparison or the product is used elsewhere (a training graph
+    keeping the mask for backward: the kernels write no boolean values)."""
+    x = state.node
+    for gt in _step_users(state, x):
+        if gt.target is not aten.gt.Scalar or gt.args[0] is not x or len(gt.args) != 2 or gt.args[1] != 0 \
+                or isinstance(gt.args[1], bool):
+            continue
+        where = _only(gt, aten.where.self)
+        if where is None or where.args[0] is not gt or where.args[1] is not x:
+            continue
+        mul = where.args[2]
+        if not isinstance(mul, Node) or mul.target is not aten.mul.Tensor or len(mul.users) != 1 \
+                or len(mul.args) != 2 or x not in mul.args:
+            continue
+        w = mul.args[1] if mul.args[0] is x else mul.args[0]
+        if w is x or (isinstance(w, Node) and _derived_from_chain(state, w)):
+            continue
+        consumed = sorted([gt, mul, where], key=lambda n: state.order.get(n, 0))
+        constant = _cpu_scalar_constant(state, w)
+        if constant is not None:
+            w = constant
+        kind = _operand_kind(state, w)
+        if kind == SCALAR:
+            return _Match(Step("leaky_relu", consts=(float(w),)), consumed, where)
+        return _Match(_tensor_operand_step(state, "prelu", w, kind, False), consumed, where)
+    return None
+
+
 def _only(node: Node, target) -> Node | None:
     """The single user of `node` if it calls `target`."""
     users = list(node.users)
@@ -1188,6 +1220,7 @@ def _conv_view(state: _State, user: Node, val) -> _Match:
 # Ordered: multi-node forms first (see the module docstring).
 STEP_MATCHERS: list[Callable] = [
     _match_silu_pair,
+    _match_prelu,
     _match_rms_norm,
     _match_instance_norm,
     _match_pool,  # (a 1-D pool's unsqueeze before the views, which would take it alone)
@@ -1202,7 +1235,7 @@ STEP_MATCHERS: list[Callable] = [
     _match_convert,
 ]
 # Forms that consume a value with several users (the value feeds more than one of their nodes).
-MULTI_NODE = STEP_MATCHERS[:3]
+MULTI_NODE = STEP_MATCHERS[:4]
 
 
 # -------------------------------------------------------------------- anchors

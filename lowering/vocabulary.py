@@ -297,6 +297,9 @@ VOCABULARY: dict[str, StepKind] = {
         StepKind("sub", _binary(torch.sub), cheap=True),
         StepKind("mul", _binary(torch.mul), cheap=True),
         StepKind("div", _binary(torch.div)),
+        # where(x > 0, x, w * x): nn.PReLU / F.prelu's form (w one slope or one a channel;
+        # a number is leaky_relu), matched in matcher.py
+        StepKind("prelu", _binary(lambda x, w: torch.where(x > 0, x, w * x)), cheap=True),
         StepKind("maximum", _extremum(torch.maximum), cheap=True),
         StepKind("minimum", _extremum(torch.minimum), cheap=True),
         # The chain goes on from an earlier value of its own (operand EARLIER, consts (k,)),

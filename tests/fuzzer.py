@@ -132,6 +132,7 @@ CONV_NORMS[10] = CONV_NORMS[9]
 CONV_NORMS[11] = CONV_NORMS[10]
 CONV_NORMS[12] = CONV_NORMS[11]
 CONV_NORMS[13] = CONV_NORMS[12]
+CONV_NORMS[14] = CONV_NORMS[13]
 # From this generation on, the pointwise steps include erf, sin, cos, sqrt, rsqrt,
 # reciprocal, log1p, expm1 and powers by a constant (`POWERS`; square as pow 2); sqrt,
 # rsqrt, reciprocal, log1p and the fractional and negative powers only where the value is
@@ -149,6 +150,9 @@ POWERS = [2, 3, -2, 0.5, -0.5, -1, 1.5, 4]
 BRANCH_GENERATION = 13
 BRANCH_FUNCTIONS = ["tanh", "sigmoid", "sin", "erf", "relu", "scale", "shift"]
 SPELLED_GELUS = ["gelu_erf_spelled", "gelu_new_spelled"]
+# From this generation on, the pointwise steps include PReLU (`F.prelu`: one slope, or one
+# a channel where the value's dim 1 is still the anchor's channels).
+PRELU_GENERATION = 14
 # Generation 7 adds LayerNorm over a conv output's trailing dims (`conv_layernorm`: the
 # last `dims` of them, the channels included or not), and 1-D pooling windows over a
 # 2-D Linear output's features among its row reductions (`FEATURE_POOLS`).
@@ -223,6 +227,7 @@ def drawn_steps(generation: int | None = None) -> set:
     last = max(CONV_NORMS) if generation is None else generation
     draws = POINTWISE + BINARY + NORMS_LINEAR + ROW_REDUCTIONS + (MATH_POINTWISE if last >= MATH_GENERATION else [])
     draws += SPELLED_GELUS if last >= BRANCH_GENERATION else []
+    draws += ["prelu"] if last >= PRELU_GENERATION else []
     draws += (POOLS if last >= POOL_GENERATION else []) + (CHANNEL_REDUCTIONS if last >= CHANNEL_GENERATION else [])
     draws += WINDOWS if last >= WINDOW_GENERATION else []
     draws += FEATURE_POOLS if last >= 7 else []
@@ -307,6 +312,7 @@ def _step(rng: random.Random, ctx: dict) -> dict:
     if family == "pointwise":
         drawable = POINTWISE + (MATH_POINTWISE if ctx["generation"] >= MATH_GENERATION else [])
         drawable += SPELLED_GELUS if ctx["generation"] >= BRANCH_GENERATION else []
+        drawable += ["prelu"] if ctx["generation"] >= PRELU_GENERATION else []
         positive = ctx["last"] in POSITIVE
         ops = [o for o in drawable if (o not in POSITIVE_ONLY or positive)
                and (o not in BOUNDED_ONLY or ctx["last"] in BOUNDED)]
@@ -316,6 +322,9 @@ def _step(rng: random.Random, ctx: dict) -> dict:
             step["exponent"] = rng.choice([p for p in POWERS if positive or p in (2, 3, 4)])
         if op == "leaky_relu":
             step["slope"] = rng.choice([0.01, 0.2, -0.3, 1.5])
+        elif op == "prelu":
+            per_channel = not (ctx["reduced"] or ctx["has_reduction"] or ctx["nd_linear"] or ctx.get("heads"))
+            step["slopes"] = rng.choice(["one", "channel"] if per_channel else ["one"])
         elif op in ("hardtanh", "clamp"):
             lo = round(rng.uniform(-2, 0.5), 3)
             step["lo"], step["hi"] = lo, round(lo + rng.uniform(0.1, 3), 3)
@@ -540,6 +549,9 @@ class FuzzStep(nn.Module):
                 with torch.no_grad():
                     self.norm.running_mean.copy_(torch.randn(channels, generator=gen) * 0.1)
                     self.norm.running_var.copy_(torch.rand(channels, generator=gen) + 0.5)
+        if op == "prelu":  # slopes in (-0.5, 1.5): negative ones, and some above 1
+            n = channels if spec["slopes"] == "channel" else 1
+            self.register_buffer("slopes", torch.rand(n, generator=gen) * 2 - 0.5)
         if self.norm is not None:
             with torch.no_grad():
                 for p in self.norm.parameters():
@@ -595,6 +607,8 @@ class FuzzStep(nn.Module):
         if op in PLANE_NORMS:  # over each channel's plane: the spatial dims flattened, then viewed back
             fn = F.softmax if op == "plane_softmax" else F.log_softmax
             return fn(x, dim=-1) if self.heads else fn(x.flatten(2), dim=-1).view_as(x)
+        if op == "prelu":
+            return F.prelu(x, self.slopes)
         return _pointwise(op, s, x)
 
 

@@ -382,7 +382,7 @@ def vocabulary_specs(dtype="float32"):
         Step("mish"), Step("hardswish"), Step("hardsigmoid"), Step("clamp", consts=(-0.5, float("inf"))),
         Step("elu", consts=(1.6732632423543772, 1.0507009873554805, 1.0)), Step("softplus", consts=(2.0, 20.0)),
         Step("abs"), Step("exp"), Step("log"), Step("neg"), Step("maximum", inputs=(0,), operand=ONE),
-        Step("minimum", inputs=(1,), operand=CHANNEL), Step("erf"), Step("sin"), Step("cos"), Step("sigmoid"),
+        Step("minimum", inputs=(1,), operand=CHANNEL), Step("prelu", inputs=(1,), operand=CHANNEL), Step("erf"), Step("sin"), Step("cos"), Step("sigmoid"),
         Step("sqrt"), Step("rsqrt"), Step("reciprocal"), Step("log1p"), Step("tanh"), Step("expm1"),
         *(Step("pow", consts=(c,)) for c in (2.0, -0.5, 3.0, 0.5, -2.0, -1.0, 1.5, 1.0)),  # all positive here
     )

@@ -81,6 +81,74 @@ def test_leaky_relu_slope_is_exact():
     assert json.loads(default[0].spec)["steps"][0]["consts"] == [0.01]
 
 
+class _ConvPReLU(nn.Module):
+    """Conv2d -> nn.PReLU (one slope, or one a channel) -> + 1."""
+
+    def __init__(self, slopes):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.act = nn.PReLU(slopes)
+
+    def forward(self, x):
+        return self.act(self.conv(x)) + 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("model, steps, operand", [
+    (lambda: Chain(nn.PReLU(), bias=True), ["prelu"], "one"),
+    (lambda: Chain(nn.PReLU(32), bias=True), ["prelu"], "channel"),
+    (lambda: _ConvPReLU(1), ["prelu", "add"], "one"),  # after the conv's bias, where that is a step
+    (lambda: _ConvPReLU(8), ["prelu", "add"], "channel"),
+], ids=["linear_one", "linear_per_feature", "conv_one", "conv_per_channel"])
+def test_prelu_is_a_step_with_its_slopes_an_operand(model, steps, operand, dtype):
+    # where(x > 0, x, w * x), nn.PReLU's form: its weight read as mul's operands are.
+    torch.manual_seed(0)
+    m = model().to(dtype)
+    with torch.no_grad():
+        m.act.weight.uniform_(-0.5, 0.5) if hasattr(m, "act") else m.fn.weight.uniform_(-0.5, 0.5)
+    x = torch.randn(2, 3, 9, 9) if isinstance(m, _ConvPReLU) else torch.randn(4, 16)
+    x = x.to(dtype)
+    x.view(-1)[:3] = torch.tensor([float("nan"), 0.0, -0.0])
+    out, fused, refused = compile_records(m, x)
+    assert len(fused) == 1 and steps_of(fused[0])[-len(steps):] == steps, refused
+    prelu = next(s for s in json.loads(fused[0].spec)["steps"] if s["name"] == "prelu")
+    assert prelu["operand"] == operand
+    # float32 bit for bit; bf16 within a rounding (the conv's bias is a step of the chain,
+    # so its sum is rounded once more than eager's, as with any step after it)
+    tol = 0 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, m(x), equal_nan=True, atol=tol, rtol=tol)
+
+
+def test_prelu_spelled_with_a_number_is_leaky_relu_and_other_wheres_are_not_prelu():
+    x = torch.randn(4, 16)
+    _, fused, _ = compile_records(Chain(lambda y: torch.where(y > 0, y, 0.25 * y), bias=False), x)
+    assert steps_of(fused[0]) == ["leaky_relu"] and json.loads(fused[0].spec)["steps"][0]["consts"] == [0.25]
+    w = nn.Parameter(torch.rand(32))
+    for fn in (lambda y: torch.where(y >= 0, y, w * y),  # another comparison
+               lambda y: torch.where(y > 0, y * w, y),  # the product on the other side
+               lambda y: torch.where(y > 0.5, y, w * y)):  # another threshold
+        model = Chain(fn, bias=False)
+        out, fused, _ = compile_records(model, x)
+        assert not fused or "prelu" not in steps_of(fused[0]), steps_of(fused[0])
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(x))
+
+
+def test_prelu_in_training_keeps_eagers_gradients():
+    # Backward reads the step's input (saved) and the slopes, not the comparison: the
+    # step fuses, and the gradients are eager's.
+    torch.manual_seed(0)
+    model = _ConvPReLU(8)
+    eager = copy.deepcopy(model)
+    x = torch.randn(2, 3, 9, 9)
+    out, fused, refused = compile_records(model, x, grad=True)
+    assert len(fused) == 1 and "prelu" in steps_of(fused[0]), refused
+    out.sum().backward()
+    eager(x).sum().backward()
+    for ours, theirs in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("groups", [1, 4, 32])
 def test_group_norm_group_counts(groups):
     import json

@@ -72,6 +72,9 @@ POINTWISE = [
     ("pow_1_5", lambda x: torch.sigmoid(x) ** 1.5, ["sigmoid", "pow"], [1.5]),
     ("maximum_scalar", lambda x: torch.maximum(x, torch.tensor(0.1)), ["maximum"], None),
     ("minimum_scalar", lambda x: torch.minimum(torch.tensor(-0.1), x), ["minimum"], None),
+    ("prelu_one", lambda x: F.prelu(x, torch.tensor([0.25])), ["prelu"], None),
+    ("prelu_per_feature", lambda x: F.prelu(x, torch.linspace(-1.0, 2.0, 32)), ["prelu"], None),
+    ("prelu_spelled_with_a_number", lambda x: torch.where(x > 0, x, x * -0.3), ["leaky_relu"], [-0.3]),
 ]
 
 
