@@ -305,6 +305,13 @@ MODELS = [
         _conv(32, 64, stride=2, padding=1), lambda y, m: F.relu6(m.bn(y)), bn=nn.BatchNorm2d(64)), (32, 32, 128, 128)),
     ZooModel("conv2d_1x1_bn_silu", lambda: Seq(_conv(64, 128, 1), lambda y, m: F.silu(m.bn(y)), bn=nn.BatchNorm2d(128)),
              (32, 64, 56, 56)),
+    # PReLU: face recognition (ArcFace's iResNet: BN, conv, BN, PReLU a channel) and
+    # super-resolution feature layers (ESPCN, SRGAN: one slope)
+    ZooModel("conv2d_bn_prelu", lambda: Seq(
+        _conv(64, 64, padding=1), lambda y, m: m.act(m.bn(y)), bn=nn.BatchNorm2d(64), act=nn.PReLU(64)),
+        (32, 64, 56, 56)),
+    ZooModel("conv2d_5x5_prelu", lambda: Seq(_conv(3, 64, 5, padding=2), lambda y, m: m.act(y), act=nn.PReLU()),
+             (16, 3, 128, 128)),
     ZooModel("conv2d_dilated_gelu", lambda: Seq(_conv(16, 16, dilation=2, padding=2), lambda y, m: F.gelu(y)),
              (32, 16, 128, 128)),
     ZooModel("conv2d_depthwise_bn_relu", lambda: Seq(
