@@ -227,6 +227,35 @@ def test_math_steps_match_eager(name, dtype, exact_float32):
     _assert_identity_chain_as_eager(model, model[0], dtype, exact_float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("slopes", [1, 64], ids=["one", "per_feature"])
+def test_prelu_matches_eager(slopes, dtype, exact_float32):
+    """nn.PReLU after a Linear (its slopes negative, small, above 1): float32 bit for bit
+    against eager; bf16 within tolerance of float64."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.PReLU(slopes)).cuda().to(dtype)
+    with torch.no_grad():
+        model[1].weight.copy_(torch.linspace(-0.5, 1.5, slopes))
+    _assert_identity_chain_as_eager(model, model[0], dtype, exact_float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_conv_batchnorm_prelu(dtype, exact_float32):
+    """Conv2d -> BatchNorm (training) -> PReLU a channel, ArcFace's unit: one fusion, its
+    output and running stats within tolerance of float64."""
+    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.PReLU(32)).cuda().train()
+    with torch.no_grad():
+        model[2].weight.uniform_(-0.5, 1.5)
+    model = model.to(dtype)
+    x = torch.rand(4, 16, 20, 20, device="cuda", dtype=dtype) * 2 - 1
+    ref, ref_model = float64_reference(model, x)
+    with torch.no_grad():
+        out, fused = compile_and_run(model, x)
+    assert fused == ["conv_batchnorm_train"]
+    assert relative_error(out, ref) <= TOLERANCE[dtype], f"seed {exact_float32}"
+    for name_ in ("running_mean", "running_var"):
+        assert relative_error(getattr(model[1], name_), getattr(ref_model[1], name_)) <= TOLERANCE[dtype], name_
+
+
 def _gelu_erf_spelled(y):
     return y * 0.5 * (1.0 + torch.erf(y / math.sqrt(2.0)))
 
