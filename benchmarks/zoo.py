@@ -394,6 +394,9 @@ MODELS = [
                                             gn=nn.GroupNorm(32, 2048)), (4096, 2048)),
     ZooModel("linear_rmsnorm", lambda: Seq(nn.Linear(1024, 2048), lambda y, m: m.norm(y), norm=nn.RMSNorm(2048)),
              (8192, 1024)),
+    # CLIP's projection head: an embedding normalized to unit length, times the logit scale
+    ZooModel("clip_projection_normalize", lambda: Seq(
+        nn.Linear(768, 512, bias=False), lambda y, m: F.normalize(y, dim=-1) * 14.3), (8192, 768)),
     ZooModel("linear_logsumexp_relu", lambda: Seq(
         nn.Linear(4096, 4096), lambda y, m: F.relu(torch.logsumexp(y, dim=1, keepdim=True))), (2048, 4096)),
     ZooModel("linear_residual_layernorm", lambda: ResidualLinearNorm(1024), (16384, 1024)),

@@ -875,6 +875,8 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
         if red.name == "rmsnorm":
             statistics = templates.TEAM_STATISTICS["rmsnorm"].substitute(eps=cfloat(red.consts[0]))
             save_stats = _save_stats(spec, "s0", "s1", "p.seg", "p.live && p.lane == 0")
+        elif red.name == "l2normalize":
+            statistics = templates.TEAM_STATISTICS["l2normalize"].substitute(eps=cfloat(red.consts[0]))
         else:
             statistics = templates.TEAM_STATISTICS[red.name].substitute()
         middle = templates.TEAM_NORM.substitute(statistics=statistics, save_stats=save_stats,

@@ -280,6 +280,7 @@ SNIPPETS = {
     "groupnorm": _affine_norm,
     "layernorm": _affine_norm,
     "rmsnorm": lambda s, ops: "x = x * s1;",  # s1 = rsqrt(mean(x^2) + eps)
+    "l2normalize": lambda s, ops: "x = fusedepi::divide<kFastMath>(x, s1);",  # s1 = max(||x||, eps)
     "softmax": lambda s, ops: "x = expf(x - s0) / s1;",  # s0 = row max, s1 = sum of exp(x - s0)
     "log_softmax": lambda s, ops: "x = x - s0 - s1;",  # s1 = log of that sum
     "channel_softmax": lambda s, ops: "x = expf(x - s0) / s1;",  # the same over a pixel's channels

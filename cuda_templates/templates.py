@@ -362,6 +362,7 @@ $apply
 TEAM_STATISTICS = {
     "moments": Template("    float s0, s1;\n    team_moments(p, v, $eps, s0, s1);"),  # (mean, rstd)
     "rmsnorm": Template("    float s0, s1;\n    team_rms(p, v, $eps, s0, s1);"),
+    "l2normalize": Template("    float s0, s1;\n    team_l2(p, v, $eps, s0, s1);"),
     "softmax": Template("    float s0, s1;\n    team_softmax<false>(p, v, s0, s1);"),
     "log_softmax": Template("    float s0, s1;\n    team_softmax<true>(p, v, s0, s1);"),
 }

@@ -346,6 +346,33 @@ def _match_rms_norm(state: _State, _user: Node):
     return _Match(Step("rmsnorm", consts=(float(eps),)), [pow_, mean, add, rsqrt, mul], mul, stats=stats)
 
 
+def _match_l2_normalize(state: _State, user: Node):
+    """x / clamp(linalg_vector_norm(x, 2, features, keepdim=True), min=eps).expand(x's
+    shape): what F.normalize(x, dim=-1) is (its vector norm held back from Inductor's
+    decomposition until matching). Not matched where the norm or its clamp is read
+    elsewhere (a training graph keeps them for backward; the kernels return neither)."""
+    if user.target is not aten.linalg_vector_norm.default or user.args[0] is not state.node:
+        return None
+    ord_, dims = _arg(user, 1, "ord", 2), _arg(user, 2, "dim", None)
+    if ord_ != 2 or dims is None or not _arg(user, 3, "keepdim", False) or _arg(user, 4, "dtype") is not None:
+        return None
+    clamp = next((u for u in user.users if u.target in (aten.clamp.default, aten.clamp_min.default)), None)
+    if clamp is None or _arg(clamp, 2, "max") is not None:
+        return None
+    eps = _arg(clamp, 1, "min")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        return None
+    expand = next((u for u in clamp.users if u.target is aten.expand.default), None)
+    div = expand and next((u for u in expand.users if u.target is aten.div.Tensor), None)
+    if div is None or div.args[0] is not state.node or div.args[1] is not expand or div.kwargs:
+        return None
+    _require_features(state, "F.normalize", dims)
+    if len(user.users) > 1 or len(clamp.users) > 1 or len(expand.users) > 1:
+        raise Refuse("F.normalize whose norm is read elsewhere (a training graph keeps it for backward): the "
+                     "kernels do not return it")
+    return _Match(Step("l2normalize", consts=(float(eps),)), [user, clamp, expand, div], div)
+
+
 def _match_instance_norm(state: _State, _user: Node):
     """InstanceNorm without running statistics, as AOTAutograd decomposes it (with
     running statistics in eval mode: `_instance_norm_eval`): the conv
@@ -1229,6 +1256,7 @@ STEP_MATCHERS: list[Callable] = [
     _match_binary,
     _match_group_norm,
     _match_layer_norm,
+    _match_l2_normalize,
     _match_batch_norm,
     _match_softmax,
     _match_row_reduction,

@@ -417,8 +417,9 @@ POOLS = ("maxpool", "avgpool")
 # Normalized by (mean, rstd) per segment: a group of channels, or the whole row;
 # segments longer than a block are split over several blocks.
 SEGMENT_NORMS = ("groupnorm", "layernorm")
-# Normalized by two statistics of the whole row, which one team of threads holds.
-ROW_NORMS = ("rmsnorm", "softmax", "log_softmax")
+# Normalized by two statistics of the whole row, which one team of threads holds
+# (l2normalize: F.normalize's y / max(||y||, eps) over the features).
+ROW_NORMS = ("rmsnorm", "softmax", "log_softmax", "l2normalize")
 # Softmax over each (row, channel) plane of a conv or bmm output: `softmax(dim=-1)` of a
 # Conv1d's or bmm's [B, M, N] (attention scores), or of a view that flattened a conv's
 # spatial dims ([N, C, H*W]) or regrouped the rows ([B*H, L, L] -> [B, H, L, L]); a team

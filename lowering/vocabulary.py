@@ -146,6 +146,13 @@ def _rmsnorm(x, step, params):
     return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + step.consts[0])).to(x.dtype)
 
 
+def _l2normalize(x, step, params):
+    # F.normalize(p=2) over the features: the norm in x's dtype (rounded once, as
+    # linalg_vector_norm's kernel returns it), clamped to eps, then the division.
+    norm = torch.linalg.vector_norm(x, 2, dim=-1, keepdim=True)
+    return x / torch.clamp(norm, min=step.consts[0])
+
+
 def _number(value, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise Refuse(f"{what} {value!r} is not a constant number")
@@ -325,6 +332,7 @@ VOCABULARY: dict[str, StepKind] = {
             holds=(aten.native_layer_norm,),
         ),
         StepKind("rmsnorm", _rmsnorm, statistics=_rmsnorm_statistics),
+        StepKind("l2normalize", _l2normalize, holds=(aten.linalg_vector_norm,)),
         StepKind(
             "batchnorm_eval",
             lambda x, s, p: F.batch_norm(

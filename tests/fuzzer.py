@@ -151,7 +151,8 @@ BRANCH_GENERATION = 13
 BRANCH_FUNCTIONS = ["tanh", "sigmoid", "sin", "erf", "relu", "scale", "shift"]
 SPELLED_GELUS = ["gelu_erf_spelled", "gelu_new_spelled"]
 # From this generation on, the pointwise steps include PReLU (`F.prelu`: one slope, or one
-# a channel where the value's dim 1 is still the anchor's channels).
+# a channel where the value's dim 1 is still the anchor's channels), and a Linear's norms
+# F.normalize over its features (`l2normalize`).
 PRELU_GENERATION = 14
 # Generation 7 adds LayerNorm over a conv output's trailing dims (`conv_layernorm`: the
 # last `dims` of them, the channels included or not), and 1-D pooling windows over a
@@ -227,7 +228,7 @@ def drawn_steps(generation: int | None = None) -> set:
     last = max(CONV_NORMS) if generation is None else generation
     draws = POINTWISE + BINARY + NORMS_LINEAR + ROW_REDUCTIONS + (MATH_POINTWISE if last >= MATH_GENERATION else [])
     draws += SPELLED_GELUS if last >= BRANCH_GENERATION else []
-    draws += ["prelu"] if last >= PRELU_GENERATION else []
+    draws += ["prelu", "l2normalize"] if last >= PRELU_GENERATION else []
     draws += (POOLS if last >= POOL_GENERATION else []) + (CHANNEL_REDUCTIONS if last >= CHANNEL_GENERATION else [])
     draws += WINDOWS if last >= WINDOW_GENERATION else []
     draws += FEATURE_POOLS if last >= 7 else []
@@ -367,12 +368,13 @@ def _step(rng: random.Random, ctx: dict) -> dict:
             step["squeeze"] = rng.random() < 0.5
         return step
     if family == "norm":
+        later = ["l2normalize"] if ctx["generation"] >= PRELU_GENERATION else []
         if ctx["nd_linear"]:  # [B, T, N]: only norms over the last dim keep their meaning
-            op = rng.choice(["layernorm", "rmsnorm", "softmax", "log_softmax"])
+            op = rng.choice(["layernorm", "rmsnorm", "softmax", "log_softmax"] + later)
         elif ctx.get("heads"):  # [B / h, h, M, N]: softmax over each plane
             op = rng.choice(PLANE_NORMS)
         else:
-            op = rng.choice(NORMS_LINEAR if ctx["kind"] == "linear" else CONV_NORMS[ctx["generation"]])
+            op = rng.choice(NORMS_LINEAR + later if ctx["kind"] == "linear" else CONV_NORMS[ctx["generation"]])
         step = {"op": op, "eps": rng.choice([1e-5, 1e-6, 1e-3])}
         if op == "groupnorm":
             step["groups"] = rng.choice(_divisors(channels))
@@ -609,6 +611,8 @@ class FuzzStep(nn.Module):
             return fn(x, dim=-1) if self.heads else fn(x.flatten(2), dim=-1).view_as(x)
         if op == "prelu":
             return F.prelu(x, self.slopes)
+        if op == "l2normalize":
+            return F.normalize(x, dim=-1, eps=s["eps"])
         return _pointwise(op, s, x)
 
 

@@ -395,6 +395,10 @@ def vocabulary_specs(dtype="float32"):
             Step("mul", consts=(1,), operand=EARLIER, reverse=True)), dtype, (), 264, 1, "linear_pointwise"),
         "pow_zero": EpilogueSpec(LINEAR, (Step("pow", consts=(0.0,)), Step("add", consts=(0.5,), operand=SCALAR)),
                                  dtype, (), 264, 1, "linear_pointwise"),
+        "l2normalize_scaled": EpilogueSpec(  # CLIP's F.normalize(y, dim=-1) * logit scale
+            LINEAR, (Step("l2normalize", consts=(1e-12,)), Step("mul", consts=(14.3,), operand=SCALAR)),
+            dtype, (), 512, 1, "linear_l2normalize",
+        ),
         "rmsnorm_weight": EpilogueSpec(
             LINEAR, (Step("rmsnorm", consts=(1e-6,)), Step("mul", inputs=(0,), operand=CHANNEL), Step("silu")),
             dtype, p, 4096, 1, "linear_rmsnorm",

@@ -256,6 +256,35 @@ def test_conv_batchnorm_prelu(dtype, exact_float32):
         assert relative_error(getattr(model[1], name_), getattr(ref_model[1], name_)) <= TOLERANCE[dtype], name_
 
 
+class _LinearNormalize(nn.Module):
+    """Linear -> F.normalize over the features -> * a logit scale (CLIP's embedding head);
+    rows that relu makes all zero normalize by eps."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.linear = nn.Linear(k, n)
+
+    def forward(self, x):
+        return F.normalize(torch.relu(self.linear(x)), dim=-1) * 14.3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [512, 1000], ids=["n512", "n1000"])
+def test_l2_normalize(n, dtype, exact_float32):
+    model = _LinearNormalize(256, n).cuda().to(dtype)
+    x = torch.rand(4096, 256, device="cuda", dtype=dtype) * 2 - 1
+    x[:7] = -1.0  # with the bias made negative below: rows of zeros
+    with torch.no_grad():
+        model.linear.bias.sub_(0.05)
+        model.linear.weight.abs_()
+    ref, _ = float64_reference(model, x)
+    with torch.no_grad():
+        out, fused = compile_and_run(model, x)
+    assert fused == ["linear_l2normalize"]
+    assert torch.equal(out[:7] == 0, ref[:7] == 0)
+    assert relative_error(out, ref) <= TOLERANCE[dtype], f"seed {exact_float32}"
+
+
 def _gelu_erf_spelled(y):
     return y * 0.5 * (1.0 + torch.erf(y / math.sqrt(2.0)))
 

@@ -107,6 +107,60 @@ def test_maximum_with_a_per_channel_tensor():
     torch.testing.assert_close(out, model(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fn, steps, bias", [
+    (lambda y: F.normalize(y, dim=-1), ["l2normalize"], 0.1),
+    (lambda y: F.normalize(y, dim=1, eps=1e-6) * 14.3, ["l2normalize", "mul"], 0.1),  # CLIP's scaled cosine
+    (lambda y: F.normalize(torch.relu(y), dim=-1), ["relu", "l2normalize"], -50.0),  # rows of zeros: the eps
+], ids=["last_dim", "dim_1_scaled", "zero_rows"])
+def test_l2_normalize_over_the_features(fn, steps, bias, dtype):
+    model = Chain(fn).to(dtype)
+    with torch.no_grad():
+        model.linear.bias.fill_(bias)
+    x = torch.randn(6, 16).to(dtype)
+    out, fused, refused = compile_records(model, x)
+    assert fused and steps_of(fused[0]) == steps, refused
+    assert fused[0].fusion == "linear_l2normalize"
+    with torch.no_grad():
+        tol = 0 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out, model(x), atol=tol, rtol=tol)
+
+
+class _ConvThen(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.conv, self.fn = nn.Conv2d(3, 8, 3), fn
+
+    def forward(self, x):
+        return self.fn(self.conv(x))
+
+
+def test_l2_normalize_of_a_3d_linear_and_refused_over_a_convs_channels():
+    model = Chain(lambda y: F.normalize(y, dim=-1))
+    x = torch.randn(2, 5, 16)
+    out, fused, refused = compile_records(model, x)
+    assert fused and steps_of(fused[0]) == ["l2normalize"], refused
+    torch.testing.assert_close(out, model(x))
+    conv = _ConvThen(lambda y: F.normalize(y, dim=1))  # over a conv's channels: not the features
+    x = torch.randn(2, 3, 9, 9)
+    out, fused, refused = compile_records(conv, x)
+    assert not any("l2normalize" in steps_of(r) for r in fused)
+    torch.testing.assert_close(out, conv(x))
+
+
+def test_l2_normalize_in_training_keeps_eagers_gradients():
+    model = Chain(lambda y: F.normalize(y, dim=-1) * 2.0)
+    eager = copy.deepcopy(model)
+    x = torch.randn(6, 16)
+    out, fused, refused = compile_records(model, x, grad=True)
+    # backward reads the norm: refused with that reason, the gradients eager's
+    assert not fused and "F.normalize whose norm is read elsewhere" in refused[0].reason, refused
+    out.sum().backward()
+    eager(x).sum().backward()
+    for ours, theirs in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-5, rtol=1e-5)
+
+
 REDUCTIONS = [
     ("sum", lambda x: x.sum(1, keepdim=True), "sum", (4, 1)),
     ("sum_neg_dim", lambda x: x.sum(-1), "sum", (4,)),

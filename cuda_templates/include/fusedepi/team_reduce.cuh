@@ -45,6 +45,15 @@ __device__ __forceinline__ void team_rms(const Place& p, const float (&v)[kNV][k
   s1 = rsqrtf(fusedepi::team_sum<kTeam>(q) / static_cast<float>(kL) + eps);
 }
 
+// F.normalize: s1 = max(||x||, eps), the norm rounded to T first as linalg_vector_norm
+// returns it, the clamp's result too (a NaN norm stays NaN, as clamp's); s0 = 0.
+__device__ __forceinline__ void team_l2(const Place& p, const float (&v)[kNV][kV], float eps, float& s0, float& s1) {
+  const float q = team_fold(p, v, 0.f, [](float acc, float e) { return acc + e * e; });
+  const float norm = fusedepi::to_float(fusedepi::from_float<T>(sqrtf(fusedepi::team_sum<kTeam>(q))));
+  s0 = 0.f;
+  s1 = fusedepi::to_float(fusedepi::from_float<T>(norm < eps ? eps : norm));
+}
+
 // Softmax: s0 = the row's max, s1 = the sum of exp(x - s0), or its log (kLog:
 // log_softmax). A NaN is skipped by fmaxf but reaches every output through the sum,
 // as in eager.
