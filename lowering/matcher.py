@@ -14,7 +14,7 @@ longest reading of the graph wins. Chains never overlap: a node belongs to one c
 at most, and chains whose inputs depend on each other's values are dropped
 (`_drop_cycles`).
 
-One file of about 1,550 lines: the step matchers share the chain's state (`_State`),
+One file of about 2,000 lines: the step matchers share the chain's state (`_State`),
 its snapshots and the save logic, and their order in `STEP_MATCHERS` is the priority
 rule above; split by file they would only import each other.
 """

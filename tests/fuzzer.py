@@ -35,7 +35,7 @@ backward (inputs and parameters require gradients, the upstream gradient is rand
 and its input and parameter gradients are checked like the output: then the fused
 chains return what backward needs as well.
 
-One file (about 1,100 lines): the generator, the three-way check and the driver are run
+One file (about 1,300 lines): the generator, the three-way check and the driver are run
 as a script on the device machine as well as imported by tests/test_fuzz.py.
 """
 

@@ -2,7 +2,7 @@
 
 Chains on CPU tensors are fused through the plain-torch reference
 (FUSEDEPI_CPU_REFERENCE=1), so every test also checks the rewritten graph
-against eager. (About 670 lines: one file per step of the data flow, this one the
+against eager. (About 950 lines: one file per step of the data flow, this one the
 matcher's.)
 """
 
