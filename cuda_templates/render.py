@@ -872,11 +872,10 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
             ws_floats = "rows * kGroups * (kChunks * 2 + 2)"
     elif red.name in ROW_NORMS + SPATIAL_NORMS:
         save_stats = ""
-        if red.name == "rmsnorm":
-            statistics = templates.TEAM_STATISTICS["rmsnorm"].substitute(eps=cfloat(red.consts[0]))
-            save_stats = _save_stats(spec, "s0", "s1", "p.seg", "p.live && p.lane == 0")
-        elif red.name == "l2normalize":
-            statistics = templates.TEAM_STATISTICS["l2normalize"].substitute(eps=cfloat(red.consts[0]))
+        if red.name in ("rmsnorm", "l2normalize"):  # the norms with an eps
+            statistics = templates.TEAM_STATISTICS[red.name].substitute(eps=cfloat(red.consts[0]))
+            if red.name == "rmsnorm":  # its rstd, which backward may keep
+                save_stats = _save_stats(spec, "s0", "s1", "p.seg", "p.live && p.lane == 0")
         else:
             statistics = templates.TEAM_STATISTICS[red.name].substitute()
         middle = templates.TEAM_NORM.substitute(statistics=statistics, save_stats=save_stats,

@@ -310,10 +310,7 @@ def _match_prelu(state: _State, _user: Node):
         if w is x or (isinstance(w, Node) and _derived_from_chain(state, w)):
             continue
         consumed = sorted([gt, mul, where], key=lambda n: state.order.get(n, 0))
-        constant = _cpu_scalar_constant(state, w)
-        if constant is not None:
-            w = constant
-        kind = _operand_kind(state, w)
+        w, kind = _classified(state, w)
         if kind == SCALAR:
             return _Match(Step("leaky_relu", consts=(float(w),)), consumed, where)
         return _Match(_tensor_operand_step(state, "prelu", w, kind, False), consumed, where)
@@ -687,6 +684,15 @@ def _cpu_scalar_constant(state: _State, other):
     return to_float32(float(fill)) if val.dtype == torch.float32 else float(fill)
 
 
+def _classified(state: _State, other) -> tuple:
+    """(the non-chain operand of a binary step as the kernels read it: a 0-dim CPU
+    tensor of fixed value as its number; its operand kind, `_operand_kind`)."""
+    constant = _cpu_scalar_constant(state, other)
+    if constant is not None:
+        other = constant
+    return other, _operand_kind(state, other)
+
+
 def _is_contiguous(val: torch.Tensor) -> bool:
     try:
         return bool(val.is_contiguous())
@@ -726,10 +732,7 @@ def _match_binary(state: _State, user: Node):
         return _Match(Step(name, consts=(_earlier(state, other),), operand=EARLIER, reverse=reverse), [user], user)
     if isinstance(other, Node) and _derived_from_chain(state, other):
         return _match_branch(state, user, other)
-    constant = _cpu_scalar_constant(state, other)
-    if constant is not None:
-        other = constant
-    kind = _operand_kind(state, other)
+    other, kind = _classified(state, other)
     if kind == SCALAR:
         return _Match(Step(name, consts=(float(other),), operand=SCALAR, reverse=reverse), [user], user)
     return _Match(_tensor_operand_step(state, name, other, kind, reverse), [user], user)

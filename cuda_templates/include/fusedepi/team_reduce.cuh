@@ -38,18 +38,21 @@ __device__ __forceinline__ void team_moments(const Place& p, const float (&v)[kN
   s1 = rsqrtf(fmaxf(var, 0.f) + eps);
 }
 
+// The segment's sum of squares, over the team.
+__device__ __forceinline__ float team_sum_of_squares(const Place& p, const float (&v)[kNV][kV]) {
+  return fusedepi::team_sum<kTeam>(team_fold(p, v, 0.f, [](float acc, float e) { return acc + e * e; }));
+}
+
 // RMSNorm: s1 = rsqrt(mean(x^2) + eps), as the decomposed RMSNorm computes it; s0 = 0.
 __device__ __forceinline__ void team_rms(const Place& p, const float (&v)[kNV][kV], float eps, float& s0, float& s1) {
-  const float q = team_fold(p, v, 0.f, [](float acc, float e) { return acc + e * e; });
   s0 = 0.f;
-  s1 = rsqrtf(fusedepi::team_sum<kTeam>(q) / static_cast<float>(kL) + eps);
+  s1 = rsqrtf(team_sum_of_squares(p, v) / static_cast<float>(kL) + eps);
 }
 
 // F.normalize: s1 = max(||x||, eps), the norm rounded to T first as linalg_vector_norm
 // returns it, the clamp's result too (a NaN norm stays NaN, as clamp's); s0 = 0.
 __device__ __forceinline__ void team_l2(const Place& p, const float (&v)[kNV][kV], float eps, float& s0, float& s1) {
-  const float q = team_fold(p, v, 0.f, [](float acc, float e) { return acc + e * e; });
-  const float norm = fusedepi::to_float(fusedepi::from_float<T>(sqrtf(fusedepi::team_sum<kTeam>(q))));
+  const float norm = fusedepi::to_float(fusedepi::from_float<T>(sqrtf(team_sum_of_squares(p, v))));
   s0 = 0.f;
   s1 = fusedepi::to_float(fusedepi::from_float<T>(norm < eps ? eps : norm));
 }
