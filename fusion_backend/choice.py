@@ -18,11 +18,14 @@ The chains' choices are made one at a time, but a fused op also changes what Ind
 makes of the rest of the graph (which kernels it fuses across the chain's ends, which
 layouts it picks for the next conv). So where any chain of a graph was fused, the whole
 graph is timed too (`whole_graph`): its compile with the fused ops against Inductor's
-compile of the graph as Dynamo gave it, on random inputs of the graph's shapes; where
-the fused graph is slower, Inductor's is run and every chain of the graph is reported
-as left to Inductor, with both times (the backend then tries a graph of several chains
-again without its weakest one: `backend.GRAPH_ATTEMPTS`). Forward only: a training
-graph's backward is compiled alongside and not timed.
+compile of the graph as Dynamo gave it, on random inputs of the graph's shapes, in the
+time a call takes in a user's loop: its GPU time or the CPU's time to launch it,
+whichever is longer (a small graph's calls run at the pace the host launches them, and
+a library call inside a fused op can cost the host more than Inductor's graph does);
+where the fused graph is slower, Inductor's is run and every chain of the graph is
+reported as left to Inductor, with the times (the backend then tries a graph of several
+chains again without its weakest one: `backend.GRAPH_ATTEMPTS`). Forward only: a
+training graph's backward is compiled alongside and not timed.
 
 The two forms' results on those inputs are compared too: a fused op whose result differs
 from Inductor's by more than `AGREEMENT` (norm of the difference over the norm of
@@ -299,12 +302,49 @@ def _inductor_compile(gm: GraphModule, example: list[torch.Tensor]):
         return compile_fx(gm, example, inner_compile=inner)
 
 
+@dataclass(frozen=True)
+class GraphTimes:
+    """The whole graph's times, ms a call: GPU time (`compare_ms`) and the CPU's time to
+    launch it (`timings.host_ms`), the graph with its fused ops and Inductor's."""
+
+    fused_ms: float
+    inductor_ms: float
+    fused_cpu_ms: float
+    inductor_cpu_ms: float
+
+    @property
+    def fused_call(self) -> float:
+        """A call in a loop: as long as the GPU runs it or the host launches it."""
+        return max(self.fused_ms, self.fused_cpu_ms)
+
+    @property
+    def inductor_call(self) -> float:
+        return max(self.inductor_ms, self.inductor_cpu_ms)
+
+    @property
+    def cpu_decides(self) -> bool:
+        """The host's time is the longer of the two for either graph."""
+        return self.fused_cpu_ms > self.fused_ms or self.inductor_cpu_ms > self.inductor_ms
+
+    def cpu_note(self) -> str:
+        if not self.cpu_decides:
+            return ""
+        return (f" (GPU {self.fused_ms:.4g} against {self.inductor_ms:.4g} ms, the CPU's launches "
+                f"{self.fused_cpu_ms:.4g} against {self.inductor_cpu_ms:.4g} ms)")
+
+    def describe(self) -> str:
+        if not self.cpu_decides:
+            return f"fused {self.fused_ms:.4g} ms, Inductor {self.inductor_ms:.4g} ms"
+        return (f"fused {self.fused_call:.4g} ms, Inductor {self.inductor_call:.4g} ms a call{self.cpu_note()}")
+
+
 def whole_graph(gm: GraphModule, example_inputs: list, ours, fused: list, cfg: Config, inductor,
                 cuda_graphs: bool = False):
     """The compiled graph to run: `ours` (the graph with its fused ops), or Inductor's
-    compile of Dynamo's graph `gm` (`inductor()`, compiled only where needed) where that
-    runs faster on the GPU. `fused`: the graph's records of fused chains; each gets both
-    times (`Record.graph`), and becomes a refusal where Inductor's graph is taken.
+    compile of Dynamo's graph `gm` (`inductor()`, compiled only where needed) where a
+    call of that takes less time (`GraphTimes`: GPU time, or the CPU's where that is
+    longer). `fused`: the graph's records of fused chains; each gets the times
+    (`Record.graph`), and becomes a refusal where Inductor's graph is taken.
 
     Timed where the chains are (`timed_on`), on random
     inputs of the example inputs' shapes, strides, dtypes and devices (memory for a
@@ -330,12 +370,12 @@ def whole_graph(gm: GraphModule, example_inputs: list, ours, fused: list, cfg: C
         [tuple(x.stride()) for x in tensors], [str(x.dtype) for x in tensors], matmul_allows_tf32(),
         conv_allows_tf32(), sorted(r.spec for r in fused)))
     try:
-        fused_ms, inductor_ms = timings.cached(Path(cfg.cache_dir) / timings.CACHE_FILE, key,
-                                               lambda: _measure_graphs(ours, compiled(), example_inputs, device,
-                                                                       cuda_graphs))
+        times = GraphTimes(*timings.cached(Path(cfg.cache_dir) / timings.CACHE_FILE, key,
+                                           lambda: _measure_graphs(ours, compiled(), example_inputs, device,
+                                                                   cuda_graphs)))
         for record in fused:
-            record.graph = f"whole graph: fused {fused_ms:.4g} ms, Inductor {inductor_ms:.4g} ms"
-        if fused_ms <= inductor_ms:
+            record.graph = f"whole graph: {times.describe()}"
+        if times.fused_call <= times.inductor_call:
             return ours
         chosen = compiled()
     except Exception as err:  # noqa: BLE001 - the fused graph as compiled
@@ -344,8 +384,9 @@ def whole_graph(gm: GraphModule, example_inputs: list, ours, fused: list, cfg: C
         log.warning("fusedepi: timing the whole graph against Inductor's failed (%s: %s); its fused chains are "
                     "kept", type(err).__name__, err)
         return ours
-    reason = (f"the graph with its fused ops is slower than Inductor's: {fused_ms:.4g} ms against "
-              f"{inductor_ms:.4g} ms for the whole graph, which Inductor then compiles as it stands")
+    reason = (f"the graph with its fused ops is slower than Inductor's: {times.fused_call:.4g} ms against "
+              f"{times.inductor_call:.4g} ms a call for the whole graph{times.cpu_note()}, which Inductor then "
+              "compiles as it stands")
     log.info("fusedepi: %s", reason)
     for record in fused:
         record.status, record.reason = "refused", reason
@@ -363,9 +404,10 @@ def _hint(value):
 
 
 def _measure_graphs(ours, theirs, example_inputs: list, device: torch.device,
-                    cuda_graphs: bool = False) -> tuple[float, float]:
-    """(ms of a call of `ours`, of `theirs`) on random inputs like `example_inputs`,
-    without grad, leaving the RNG as it was; `cuda_graphs` as in `whole_graph`."""
+                    cuda_graphs: bool = False) -> tuple[float, float, float, float]:
+    """`GraphTimes`' fields: GPU ms of a call of `ours`, of `theirs`, then the CPU's ms
+    to launch a call of each, on random inputs like `example_inputs`, without grad,
+    leaving the RNG as it was; `cuda_graphs` as in `whole_graph`."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     started = time.perf_counter()
@@ -380,7 +422,9 @@ def _measure_graphs(ours, theirs, example_inputs: list, device: torch.device,
         inputs = [_random_like(x, timings.example_shape(x)) if isinstance(x, torch.Tensor)
                   else _hint(x) for x in example_inputs]
         # Called as Dynamo calls a backend's result: one argument an input.
-        times = timings.compare_ms([lambda: ours(*inputs), lambda: theirs(*inputs)], device, capture=not cuda_graphs)
-    log.info("fusedepi: the whole graph: fused %.4f ms, Inductor %.4f ms (measured in %.1f s)",
-             times[0], times[1], time.perf_counter() - started)
+        calls = [lambda: ours(*inputs), lambda: theirs(*inputs)]
+        times = timings.compare_ms(calls, device, capture=not cuda_graphs)
+        times += timings.host_ms(calls, device)
+    log.info("fusedepi: the whole graph: fused %.4f ms, Inductor %.4f ms; the CPU's launches %.4f and %.4f ms "
+             "(measured in %.1f s)", *times, time.perf_counter() - started)
     return times

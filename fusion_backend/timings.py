@@ -134,6 +134,28 @@ def cuda_round_ms(fn: Callable[[], object], calls: int) -> float:
     return start.elapsed_time(end) / calls
 
 
+def host_ms(fns: Sequence[Callable[[], object]], device: torch.device, calls: int = 10,
+            rounds: int = 6) -> tuple[float, ...]:
+    """The CPU's milliseconds a call of each of `fns` (none captured: as a user's loop
+    calls them), timed side by side in turns as `compare_ms`: `calls` calls back to back,
+    from an idle device until the last call returns. A CUDA launch returns once it is
+    queued, so where the host queues a call faster than the GPU runs it this is the
+    host's share alone, and where it is slower the loop runs at this pace, whatever the
+    GPU time. On the CPU: the wall time, as `compare_ms`'s."""
+    for fn in fns:  # warm up: the first call of a compiled graph may still compile
+        fn()
+    return in_turns([functools.partial(_host_round_ms, fn, calls, device) for fn in fns], rounds)
+
+
+def _host_round_ms(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    ms = _wall_round_ms(fn, calls)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return ms
+
+
 def _wall_round_ms(fn: Callable[[], object], calls: int) -> float:
     start = time.perf_counter()
     for _ in range(calls):

@@ -31,8 +31,9 @@ def _model():
     return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.GELU())
 
 
-def _forced(monkeypatch, fused_ms, inductor_ms, difference=0.0, graph=(1.0, 1.0)):
-    """Forces the chains' times (and `graph`, the whole graph's: fused, Inductor's);
+def _forced(monkeypatch, fused_ms, inductor_ms, difference=0.0, graph=(1.0, 1.0, 0.1, 0.1)):
+    """Forces the chains' times (and `graph`, the whole graph's: fused, Inductor's, on the
+    GPU and then the CPU's launches: `choice.GraphTimes`);
     returns the list of what was measured, anchors' names and "graph"."""
     calls = []
 
@@ -87,14 +88,14 @@ def test_the_choice_is_cached_on_disk_and_not_measured_again(timed, monkeypatch)
     compile_records(model, x)
     assert calls == ["addmm", "graph"]
     stored = json.loads((timed / timings.CACHE_FILE).read_text())
-    assert sorted(stored.values()) == [[1.0, 1.0], [1.0, 2.0, 0.0]]
+    assert sorted(stored.values()) == [[1.0, 1.0, 0.1, 0.1], [1.0, 2.0, 0.0]]
     choice.timings._cache.clear()  # as a new process: only the file is left
     choice.timings._read_files.clear()
     _, fused, _ = compile_records(model, x)
     assert calls == ["addmm", "graph"] and len(fused) == 1
 
 
-@pytest.mark.parametrize("graph, fuses", [((1.0, 1.0), True), ((2.0, 1.0), False)])
+@pytest.mark.parametrize("graph, fuses", [((1.0, 1.0, 0.1, 0.1), True), ((2.0, 1.0, 0.1, 0.1), False)])
 def test_a_graph_slower_as_a_whole_runs_as_inductor_compiles_it(timed, monkeypatch, graph, fuses):
     """Each chain wins on its own (1 ms against 2), but where the graph with its fused ops
     is slower than Inductor's compile of the whole graph, Inductor's runs: the fused op is
@@ -120,8 +121,38 @@ def test_a_graph_slower_as_a_whole_runs_as_inductor_compiles_it(timed, monkeypat
     # The chain's own times, then the whole graph's, in explain's "measured" text.
     assert record.measured == f"fused 1 ms, Inductor 2 ms; whole graph: fused {graph[0]:.4g} ms, Inductor 1 ms"
     if not fuses:
-        assert record.reason == ("the graph with its fused ops is slower than Inductor's: 2 ms against 1 ms for "
-                                 "the whole graph, which Inductor then compiles as it stands")
+        assert record.reason == ("the graph with its fused ops is slower than Inductor's: 2 ms against 1 ms a call "
+                                 "for the whole graph, which Inductor then compiles as it stands")
+
+
+
+@pytest.mark.parametrize("graph, fuses", [
+    ((1.0, 2.0, 3.0, 1.0), False),  # faster on the GPU, but its launches take 3 ms a call
+    ((1.0, 2.0, 1.5, 1.0), True),   # its launches longer than its GPU time, still within Inductor's 2 ms
+])
+def test_a_graph_is_timed_at_the_pace_of_its_launches_where_they_take_longer(timed, monkeypatch, graph, fuses):
+    """A call in a loop takes its GPU time or the CPU's time to launch it, whichever is
+    longer: the graph with its fused ops is compared with Inductor's in that time, and the
+    record says which time decided."""
+    _forced(monkeypatch, 1.0, 2.0, graph=graph)
+    out, fused, refused = compile_records(_model().eval(), torch.randn(8, 16), grad=False)
+    (record,) = fused or refused
+    assert (record.status == "fused") == fuses
+    cpu = f"(GPU 1 against 2 ms, the CPU's launches {graph[2]:.4g} against 1 ms)"
+    assert record.measured == f"fused 1 ms, Inductor 2 ms; whole graph: fused {max(graph[0], graph[2]):.4g} ms, " \
+                              f"Inductor 2 ms a call {cpu}"
+    if not fuses:
+        assert record.reason == ("the graph with its fused ops is slower than Inductor's: 3 ms against 2 ms a call for "
+                                 f"the whole graph {cpu}, which Inductor then compiles as it stands")
+
+
+def test_host_ms_times_the_cpus_share_of_a_call():
+    """`timings.host_ms`: each function's time a call on the host, in turns; a function that
+    holds the host 2 ms a call reads at least that, one that returns at once far less."""
+    import time as _time
+
+    slow, fast = timings.host_ms([lambda: _time.sleep(0.002), lambda: None], torch.device("cpu"), calls=3, rounds=2)
+    assert slow >= 2.0 and fast < 0.5
 
 
 def _two_chains():
@@ -130,8 +161,8 @@ def _two_chains():
 
 
 @pytest.mark.parametrize("graphs, fused_anchor", [
-    ([(2.0, 1.0), (0.5, 1.0)], "addmm"),    # without the chain that gained least, the graph wins
-    ([(2.0, 1.0), (1.5, 1.0)], None),       # slower either way: Inductor's graph
+    ([(2.0, 1.0, 0.1, 0.1), (0.5, 1.0, 0.1, 0.1)], "addmm"),    # without the chain that gained least, the graph wins
+    ([(2.0, 1.0, 0.1, 0.1), (1.5, 1.0, 0.1, 0.1)], None),       # slower either way: Inductor's graph
 ])
 def test_a_graph_slower_as_a_whole_is_tried_without_its_weakest_chain(timed, monkeypatch, graphs, fused_anchor):
     """Two chains, each faster alone (the second by less), the graph with both slower than
