@@ -277,6 +277,11 @@ class ZooModel:
     shape: tuple  # the input's shape
 
 
+def _softmax_spelled(y, dim):
+    e = torch.exp(y - torch.max(y, dim=dim, keepdim=True)[0])
+    return e / torch.sum(e, dim=dim, keepdim=True)
+
+
 def _conv(cin, cout, k=3, **kw):
     return nn.Conv2d(cin, cout, k, **kw)
 
@@ -389,6 +394,9 @@ MODELS = [
         nn.Linear(4096, 8192), lambda y, m: F.gelu(F.avg_pool1d(y.unsqueeze(1), 4).squeeze(1)) * 2.0), (4096, 4096)),
     ZooModel("linear_softmax", lambda: Seq(nn.Linear(512, 4096), lambda y, m: torch.softmax(y, dim=-1)), (4096, 512)),
     ZooModel("classifier_log_softmax", lambda: Seq(nn.Linear(2048, 1000), lambda y, m: F.log_softmax(y, dim=1)),
+             (4096, 2048)),
+    # a classifier's probabilities with softmax written out (the maximum subtracted)
+    ZooModel("classifier_softmax_spelled", lambda: Seq(nn.Linear(2048, 1000), lambda y, m: _softmax_spelled(y, 1)),
              (4096, 2048)),
     ZooModel("linear_gn_swish", lambda: Seq(nn.Linear(2048, 2048), lambda y, m: F.silu(m.gn(y)),
                                             gn=nn.GroupNorm(32, 2048)), (4096, 2048)),

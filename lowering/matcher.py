@@ -14,7 +14,7 @@ longest reading of the graph wins. Chains never overlap: a node belongs to one c
 at most, and chains whose inputs depend on each other's values are dropped
 (`_drop_cycles`).
 
-One file of about 2,000 lines: the step matchers share the chain's state (`_State`),
+One file of about 2,070 lines: the step matchers share the chain's state (`_State`),
 its snapshots and the save logic, and their order in `STEP_MATCHERS` is the priority
 rule above; split by file they would only import each other.
 """
@@ -893,16 +893,84 @@ def _match_softmax(state: _State, user: Node):
         return None
     if user.args[2]:
         raise Refuse(f"{name}: half_to_float")
-    if state.conv and _over_channels(state, user.args[1]):
-        return _Match(Step(f"channel_{name}"), [user], user)
-    if state.conv and _over_the_plane(state, user.args[1]):
-        return _Match(Step(f"spatial_{name}"), [user], user)
+    return _Match(_softmax_step(state, name, user.args[1]), [user], user)
+
+
+def _softmax_step(state: _State, name: str, dim) -> Step:
+    """The step of softmax or log_softmax (`name`) over `dim` of the current value.
+
+    Raises:
+        Refuse: no kernel normalizes over that dim.
+    """
+    if state.conv and _over_channels(state, dim):
+        return Step(f"channel_{name}")
+    if state.conv and _over_the_plane(state, dim):
+        return Step(f"spatial_{name}")
     if state.conv:
-        raise Refuse(f"{name} over dims [{user.args[1]}] of a {_val(state.node).dim()}-D conv output: only over its "
+        raise Refuse(f"{name} over dims [{dim}] of a {_val(state.node).dim()}-D conv output: only over its "
                      "channels (dim 1), or over its last dim where that holds the whole plane (a Conv1d's or "
                      "bmm's output; a view that flattened the spatial dims)")
-    _require_features(state, name, user.args[1])
-    return _Match(Step(name), [user], user)
+    _require_features(state, name, dim)
+    return Step(name)
+
+
+def _match_softmax_spelled(state: _State, _user: Node):
+    """Softmax and log_softmax written out over one dim d: exp(x - m) / sum(exp(x - m), d,
+    keepdim=True) with m = amax(x, d, keepdim=True) or max(x, d, keepdim=True)[0], and
+    x - logsumexp(x, d, keepdim=True); the `softmax` / `log_softmax` step (computed in
+    float32 and rounded once, where eager rounds each op's result). Not matched where an
+    intermediate value is read elsewhere (a training graph keeping it for backward), over
+    a dim no kernel normalizes over, or without the maximum (exp(x) / sum(exp(x)) is not
+    softmax where exp(x) overflows)."""
+    x = state.node
+    for red in _step_users(state, x):
+        dim = _spelled_reduction_dim(red, x)
+        if dim is None:
+            continue
+        top = red
+        if red.target is aten.max.dim:  # its values, the indices unread
+            top = _only(red, operator.getitem)
+            if top is None or top.args[1] != 0:
+                continue
+        sub = _only(top, aten.sub.Tensor)
+        if sub is None or sub.args[:2] != (x, top) or len(sub.args) > 2 or _arg(sub, 2, "alpha", 1) != 1:
+            continue
+        if red.target is aten.logsumexp.default:
+            name, consumed, last = "log_softmax", [red, sub], sub
+        else:
+            exp = _only(sub, aten.exp.default)
+            total = exp and next((u for u in exp.users if u.target is aten.sum.dim_IntList), None)
+            div = total and _only(total, aten.div.Tensor)
+            if div is None or len(exp.users) != 2 or div not in exp.users or div.args[:2] != (exp, total) \
+                    or len(div.args) > 2 or div.kwargs or _spelled_reduction_dim(total, exp) != dim:
+                continue
+            name, consumed, last = "softmax", [red, top, sub, exp, total, div], div
+        try:
+            step = _softmax_step(state, name, dim)
+        except Refuse:
+            return None  # the chain stops at the reduction, with that reduction's reason
+        consumed = sorted(set(consumed), key=lambda n: state.order.get(n, 0))
+        return _Match(step, consumed, last)
+    return None
+
+
+def _spelled_reduction_dim(node: Node, x: Node) -> int | None:
+    """The one dim that `node` reduces `x` over, keeping it (amax, max(...) values,
+    logsumexp or sum with keepdim=True and no dtype), else None."""
+    if node.args[:1] != (x,):
+        return None
+    if node.target is aten.max.dim:
+        dims, keepdim = _arg(node, 1, "dim"), _arg(node, 2, "keepdim", False)
+    elif node.target in (aten.amax.default, aten.logsumexp.default, aten.sum.dim_IntList):
+        dims, keepdim = _arg(node, 1, "dim"), _arg(node, 2, "keepdim", False)
+        if node.target is aten.sum.dim_IntList and _arg(node, 3, "dtype") is not None:
+            return None
+    else:
+        return None
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    if len(dims) != 1 or not isinstance(dims[0], int) or keepdim is not True:
+        return None
+    return dims[0] % _val(x).dim()
 
 
 def _over_channels(state: _State, dims) -> bool:
@@ -1253,6 +1321,7 @@ STEP_MATCHERS: list[Callable] = [
     _match_prelu,
     _match_rms_norm,
     _match_instance_norm,
+    _match_softmax_spelled,
     _match_pool,  # (a 1-D pool's unsqueeze before the views, which would take it alone)
     _match_view,
     _match_unary,
@@ -1266,7 +1335,7 @@ STEP_MATCHERS: list[Callable] = [
     _match_convert,
 ]
 # Forms that consume a value with several users (the value feeds more than one of their nodes).
-MULTI_NODE = STEP_MATCHERS[:4]
+MULTI_NODE = STEP_MATCHERS[:5]
 
 
 # -------------------------------------------------------------------- anchors

@@ -2,7 +2,7 @@
 
 Chains on CPU tensors are fused through the plain-torch reference
 (FUSEDEPI_CPU_REFERENCE=1), so every test also checks the rewritten graph
-against eager. (About 950 lines: one file per step of the data flow, this one the
+against eager. (About 1,040 lines: one file per step of the data flow, this one the
 matcher's.)
 """
 
@@ -148,6 +148,89 @@ def test_prelu_in_training_keeps_eagers_gradients():
     for ours, theirs in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-5, rtol=1e-5)
 
+
+def _softmax_amax(y, dim=-1):
+    e = torch.exp(y - y.amax(dim, keepdim=True))
+    return e / e.sum(dim, keepdim=True)
+
+
+def _softmax_max(y, dim=1):
+    e = torch.exp(y - torch.max(y, dim=dim, keepdim=True)[0])
+    return e / torch.sum(e, dim=dim, keepdim=True)
+
+
+def _log_softmax_lse(z):
+    return z - torch.logsumexp(z, dim=1, keepdim=True)
+
+
+class _ConvThen(nn.Module):
+    """Conv2d (no bias) -> `fn`."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, bias=False)
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self.conv(x))
+
+
+@pytest.mark.parametrize("model, step", [
+    (lambda: Chain(_softmax_amax), "softmax"),
+    (lambda: Chain(_softmax_max), "softmax"),
+    (lambda: Chain(lambda y: _log_softmax_lse(torch.tanh(y) * 4.0)), "log_softmax"),  # after steps
+    (lambda: _ConvThen(lambda y: _softmax_max(y, 1)), "channel_softmax"),
+], ids=["amax", "max_values", "logsumexp", "conv_channels"])
+def test_softmax_written_out_is_the_softmax_step(model, step):
+    # exp(y - max) / sum(...) and y - logsumexp(y): the chain runs through them, and the
+    # step is softmax's (one rounding, where eager rounds each op: float32 within 1e-6).
+    torch.manual_seed(0)
+    m = model()
+    x = torch.randn(2, 3, 9, 9) if isinstance(m, _ConvThen) else torch.randn(4, 16)
+    out, fused, refused = compile_records(m, x * 30.0)  # large values: only the maximum keeps exp finite
+    assert len(fused) == 1 and steps_of(fused[0])[-1] == step, (steps_of(fused[0]) if fused else refused)
+    assert fused[0].stop == "end of the graph"
+    with torch.no_grad():
+        ref = m(x * 30.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_softmax_written_out_otherwise_is_not_the_softmax_step():
+    # Without the maximum (exp(y) / sum(exp(y)) overflows where softmax does not), the
+    # maximum and the sum over different dims, or the shifted value read elsewhere too:
+    # no softmax step, and the results are eager's.
+    def read_twice(y):
+        s = y - y.amax(-1, keepdim=True)
+        e = torch.exp(s)
+        return e / e.sum(-1, keepdim=True) + s
+
+    x = torch.randn(4, 16)
+    for fn in (lambda y: torch.exp(y) / torch.exp(y).sum(-1, keepdim=True),
+               lambda y: torch.exp(y - y.amax(0, keepdim=True)) / torch.exp(y - y.amax(0, keepdim=True)).sum(
+                   1, keepdim=True),
+               read_twice):
+        model = Chain(fn)
+        out, fused, refused = compile_records(model, x)
+        assert not any(s in ("softmax", "log_softmax") for r in fused for s in steps_of(r)), \
+            [steps_of(r) for r in fused]
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(x), atol=1e-6, rtol=1e-5)
+
+
+def test_softmax_written_out_in_training_keeps_eagers_gradients():
+    # Backward reads exp's and the sum's values, which the kernels do not return: the
+    # written-out softmax is not taken there, and the gradients are eager's.
+    torch.manual_seed(0)
+    model = Chain(_softmax_amax)
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 16)
+    out, fused, refused = compile_records(model, x, grad=True)
+    weights = torch.randn(4, 32)
+    (out * weights).sum().backward()
+    (eager(x) * weights).sum().backward()
+    for ours, theirs in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-6, rtol=1e-5)
 
 @pytest.mark.parametrize("groups", [1, 4, 32])
 def test_group_norm_group_counts(groups):
