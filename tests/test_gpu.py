@@ -285,6 +285,35 @@ def test_l2_normalize(n, dtype, exact_float32):
     assert relative_error(out, ref) <= TOLERANCE[dtype], f"seed {exact_float32}"
 
 
+
+class _SoftmaxSpelled(nn.Module):
+    """Linear (or Conv2d) -> softmax written out over the features (the channels):
+    exp(y - max) over its sum."""
+
+    def __init__(self, conv):
+        super().__init__()
+        self.anchor = nn.Conv2d(16, 64, 3, padding=1) if conv else nn.Linear(256, 1000)
+
+    def forward(self, x):
+        y = self.anchor(x) * 8.0
+        e = torch.exp(y - torch.max(y, dim=1, keepdim=True)[0])
+        return e / torch.sum(e, dim=1, keepdim=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv"])
+def test_softmax_written_out(conv, dtype, exact_float32):
+    """The written-out softmax runs as the softmax step (over the features, over a conv's
+    channels a pixel), within tolerance of float64."""
+    model = _SoftmaxSpelled(conv).cuda().to(dtype)
+    shape = (8, 16, 24, 24) if conv else (4096, 256)
+    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
+    ref, _ = float64_reference(model, x)
+    with torch.no_grad():
+        out, fused = compile_and_run(model, x)
+    assert fused == (["conv_channel_softmax"] if conv else ["linear_softmax"])
+    assert relative_error(out, ref) <= TOLERANCE[dtype], f"seed {exact_float32}"
+
 def _gelu_erf_spelled(y):
     return y * 0.5 * (1.0 + torch.erf(y / math.sqrt(2.0)))
 
