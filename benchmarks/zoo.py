@@ -277,6 +277,19 @@ class ZooModel:
     shape: tuple  # the input's shape
 
 
+class BertLayerNorm(nn.Module):
+    """LayerNorm over the last dim written out, as older BERT code has it."""
+
+    def __init__(self, n, eps=1e-12):
+        super().__init__()
+        self.weight, self.bias, self.eps = nn.Parameter(torch.ones(n)), nn.Parameter(torch.zeros(n)), eps
+
+    def forward(self, x):
+        u = x.mean(-1, keepdim=True)
+        s = (x - u).pow(2).mean(-1, keepdim=True)
+        return self.weight * ((x - u) / torch.sqrt(s + self.eps)) + self.bias
+
+
 def _softmax_spelled(y, dim):
     e = torch.exp(y - torch.max(y, dim=dim, keepdim=True)[0])
     return e / torch.sum(e, dim=dim, keepdim=True)
@@ -395,6 +408,9 @@ MODELS = [
     ZooModel("linear_softmax", lambda: Seq(nn.Linear(512, 4096), lambda y, m: torch.softmax(y, dim=-1)), (4096, 512)),
     ZooModel("classifier_log_softmax", lambda: Seq(nn.Linear(2048, 1000), lambda y, m: F.log_softmax(y, dim=1)),
              (4096, 2048)),
+    # BERT's output dense layer with LayerNorm as older BERT code writes it
+    ZooModel("bert_output_layernorm_spelled", lambda: Seq(nn.Linear(3072, 768), lambda y, m: m.ln(y),
+                                                          ln=BertLayerNorm(768)), (8192, 3072)),
     # a classifier's probabilities with softmax written out (the maximum subtracted)
     ZooModel("classifier_softmax_spelled", lambda: Seq(nn.Linear(2048, 1000), lambda y, m: _softmax_spelled(y, 1)),
              (4096, 2048)),

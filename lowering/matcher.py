@@ -14,7 +14,7 @@ longest reading of the graph wins. Chains never overlap: a node belongs to one c
 at most, and chains whose inputs depend on each other's values are dropped
 (`_drop_cycles`).
 
-One file of about 2,070 lines: the step matchers share the chain's state (`_State`),
+One file of about 2,130 lines: the step matchers share the chain's state (`_State`),
 its snapshots and the save logic, and their order in `STEP_MATCHERS` is the priority
 rule above; split by file they would only import each other.
 """
@@ -954,16 +954,80 @@ def _match_softmax_spelled(state: _State, _user: Node):
     return None
 
 
+def _match_layer_norm_spelled(state: _State, _user: Node):
+    """LayerNorm without affine written out over a Linear output's features: d / sqrt(v +
+    eps) or d * rsqrt(v + eps), with d = x - x.mean(-1, keepdim=True) and v =
+    d.pow(2).mean(-1, keepdim=True) or x.var(-1, unbiased=False, keepdim=True) (the
+    LayerNorm of older BERT code and of many repositories); the `layernorm` step without
+    weight and bias (a weight and a bias after it are steps of their own). Not matched
+    where a value in between is read elsewhere (a training graph keeping it for backward)."""
+    if state.conv:
+        return None
+    x = state.node
+    users = _step_users(state, x)
+    for mean in users:
+        dim = _spelled_reduction_dim(mean, x) if mean.target is aten.mean.dim else None
+        subs = list(mean.users)  # x - mean, once or written twice (numerator and variance)
+        if dim is None or not 0 < len(subs) <= 2 or not all(
+                s.target is aten.sub.Tensor and s.args[:2] == (x, mean) and len(s.args) == 2
+                and _arg(s, 2, "alpha", 1) == 1 for s in subs):
+            continue
+        var = next((u for u in users if u.target is aten.var.correction and _spelled_reduction_dim(u, x) == dim), None)
+        squares = [u for s in subs for u in s.users if (u.target is aten.pow.Tensor_Scalar and u.args[1:] == (2,))
+                   or (u.target is aten.mul.Tensor and u.args[:2] == (s, s))]
+        if var is not None and not squares:
+            variance, source = [var], var
+        elif var is None and len(squares) == 1:
+            mean2 = _only(squares[0], aten.mean.dim)
+            if mean2 is None or _spelled_reduction_dim(mean2, squares[0]) != dim:
+                continue
+            variance, source = [squares[0], mean2], mean2
+        else:
+            continue
+        add = _only(source, aten.add.Tensor) or _only(source, aten.add.Scalar)
+        eps = add and _arg(add, 1, "other")
+        if add is None or add.args[0] is not source or isinstance(eps, (bool, Node)) \
+                or not isinstance(eps, (int, float)) or _arg(add, 2, "alpha", 1) != 1:
+            continue
+        root = _only(add, aten.sqrt.default) or _only(add, aten.rsqrt.default)
+        if root is None:
+            continue
+        norm = _only(root, aten.div.Tensor if root.target is aten.sqrt.default else aten.mul.Tensor)
+        if norm is None or len(norm.args) > 2 or norm.kwargs:
+            continue
+        if root.target is aten.sqrt.default:  # (x - mean) / sqrt(...)
+            divides, centred = norm.args[1] is root, norm.args[0]
+        else:  # (x - mean) * rsqrt(...), either order
+            divides, centred = root in norm.args[:2], norm.args[0] if norm.args[1] is root else norm.args[1]
+        if not divides or centred not in subs:
+            continue
+        # every use of x - mean is the square or the normalization
+        if sorted(id(u) for s in subs for u in s.users) != sorted(id(u) for u in squares + [norm]):
+            continue
+        try:
+            _require_features(state, "LayerNorm", dim)
+        except Refuse:
+            return None  # the chain stops at the mean, with its reason
+        consumed = sorted([mean, *subs, *variance, add, root, norm], key=lambda n: state.order.get(n, 0))
+        return _Match(Step("layernorm", consts=(float(eps),), inputs=(-1, -1)), consumed, norm)
+    return None
+
+
 def _spelled_reduction_dim(node: Node, x: Node) -> int | None:
     """The one dim that `node` reduces `x` over, keeping it (amax, max(...) values,
-    logsumexp or sum with keepdim=True and no dtype), else None."""
+    logsumexp, sum or mean with keepdim=True and no dtype, var with no correction), else
+    None."""
     if node.args[:1] != (x,):
         return None
     if node.target is aten.max.dim:
         dims, keepdim = _arg(node, 1, "dim"), _arg(node, 2, "keepdim", False)
-    elif node.target in (aten.amax.default, aten.logsumexp.default, aten.sum.dim_IntList):
+    elif node.target in (aten.amax.default, aten.logsumexp.default, aten.sum.dim_IntList, aten.mean.dim):
         dims, keepdim = _arg(node, 1, "dim"), _arg(node, 2, "keepdim", False)
-        if node.target is aten.sum.dim_IntList and _arg(node, 3, "dtype") is not None:
+        if node.target in (aten.sum.dim_IntList, aten.mean.dim) and _arg(node, 3, "dtype") is not None:
+            return None
+    elif node.target is aten.var.correction:
+        dims, keepdim = _arg(node, 1, "dim"), node.kwargs.get("keepdim", False)
+        if len(node.args) > 2 or node.kwargs.get("correction") != 0:
             return None
     else:
         return None
@@ -1322,6 +1386,7 @@ STEP_MATCHERS: list[Callable] = [
     _match_rms_norm,
     _match_instance_norm,
     _match_softmax_spelled,
+    _match_layer_norm_spelled,
     _match_pool,  # (a 1-D pool's unsqueeze before the views, which would take it alone)
     _match_view,
     _match_unary,
@@ -1335,7 +1400,7 @@ STEP_MATCHERS: list[Callable] = [
     _match_convert,
 ]
 # Forms that consume a value with several users (the value feeds more than one of their nodes).
-MULTI_NODE = STEP_MATCHERS[:5]
+MULTI_NODE = STEP_MATCHERS[:6]
 
 
 # -------------------------------------------------------------------- anchors

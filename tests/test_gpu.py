@@ -314,6 +314,25 @@ def test_softmax_written_out(conv, dtype, exact_float32):
     assert fused == (["conv_channel_softmax"] if conv else ["linear_softmax"])
     assert relative_error(out, ref) <= TOLERANCE[dtype], f"seed {exact_float32}"
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_layer_norm_written_out(dtype, exact_float32):
+    """BERT's output layer with LayerNorm written out (x - mean twice, pow and mean):
+    the layernorm step, then the weight and bias as steps, within tolerance of float64."""
+    from benchmarks.zoo import BertLayerNorm
+
+    model = nn.Sequential(nn.Linear(768, 768), BertLayerNorm(768)).cuda()
+    with torch.no_grad():
+        model[1].weight.uniform_(0.5, 1.5)
+        model[1].bias.uniform_(-1.0, 1.0)
+    model = model.to(dtype)
+    x = torch.rand(4096, 768, device="cuda", dtype=dtype) * 2 - 1
+    ref, _ = float64_reference(model, x)
+    with torch.no_grad():
+        out, fused = compile_and_run(model, x)
+    assert fused == ["linear_layernorm"]
+    assert relative_error(out, ref) <= TOLERANCE[dtype], f"seed {exact_float32}"
+
 def _gelu_erf_spelled(y):
     return y * 0.5 * (1.0 + torch.erf(y / math.sqrt(2.0)))
 

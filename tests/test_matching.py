@@ -2,7 +2,7 @@
 
 Chains on CPU tensors are fused through the plain-torch reference
 (FUSEDEPI_CPU_REFERENCE=1), so every test also checks the rewritten graph
-against eager. (About 1,040 lines: one file per step of the data flow, this one the
+against eager. (About 1,130 lines: one file per step of the data flow, this one the
 matcher's.)
 """
 
@@ -231,6 +231,85 @@ def test_softmax_written_out_in_training_keeps_eagers_gradients():
     (eager(x) * weights).sum().backward()
     for ours, theirs in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-6, rtol=1e-5)
+
+
+class _BertLayerNorm(nn.Module):
+    """LayerNorm as older BERT code writes it: x - mean written twice, the variance by
+    pow and mean, then a weight and a bias."""
+
+    def __init__(self, n, eps=1e-12):
+        super().__init__()
+        self.weight, self.bias, self.eps = nn.Parameter(torch.rand(n) + 0.5), nn.Parameter(torch.randn(n)), eps
+
+    def forward(self, x):
+        u = x.mean(-1, keepdim=True)
+        s = (x - u).pow(2).mean(-1, keepdim=True)
+        return self.weight * ((x - u) / torch.sqrt(s + self.eps)) + self.bias
+
+
+def _layer_norm_var_rsqrt(y):
+    return (y - y.mean(-1, keepdim=True)) * torch.rsqrt(y.var(-1, keepdim=True, unbiased=False) + 1e-5)
+
+
+def _layer_norm_once(y):
+    d = y - y.mean(dim=1, keepdim=True)
+    return d / torch.sqrt((d * d).mean(dim=1, keepdim=True) + 1e-6)
+
+
+@pytest.mark.parametrize("fn, steps, eps", [
+    (lambda: _BertLayerNorm(32), ["layernorm", "mul", "add"], 1e-12),
+    (lambda: _layer_norm_var_rsqrt, ["layernorm"], 1e-5),
+    (lambda: _layer_norm_once, ["layernorm"], 1e-6),
+], ids=["bert", "var_rsqrt", "centred_once"])
+def test_layer_norm_written_out_is_the_layernorm_step(fn, steps, eps):
+    # (x - mean) / sqrt(var + eps) over a Linear's features, the variance as pow/mul and
+    # mean or as var(unbiased=False): the layernorm step without weight and bias, its eps
+    # the written one (float32 within a rounding of eager's ops).
+    torch.manual_seed(0)
+    model = Chain(fn())
+    x = torch.randn(4, 16) * 3.0
+    out, fused, refused = compile_records(model, x)
+    assert len(fused) == 1 and steps_of(fused[0]) == steps, (steps_of(fused[0]) if fused else refused)
+    assert fused[0].stop == "end of the graph"
+    norm = json.loads(fused[0].spec)["steps"][0]
+    assert norm["consts"] == [eps] and norm["inputs"] == [-1, -1]
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), atol=2e-6, rtol=1e-5)
+
+
+def test_layer_norm_written_out_otherwise_is_not_the_layernorm_step():
+    # The unbiased variance, a centring read elsewhere, the mean over another dim, or no
+    # eps: no layernorm step, and the results are eager's.
+    x = torch.randn(4, 16)
+
+    def reads_centred(y):
+        d = y - y.mean(-1, keepdim=True)
+        return d / torch.sqrt(d.pow(2).mean(-1, keepdim=True) + 1e-5) + d
+
+    for fn in (lambda y: (y - y.mean(-1, keepdim=True)) / torch.sqrt(y.var(-1, keepdim=True) + 1e-5),
+               reads_centred,
+               lambda y: (y - y.mean(0, keepdim=True)) / torch.sqrt(y.var(0, keepdim=True, unbiased=False) + 1e-5),
+               lambda y: (y - y.mean(-1, keepdim=True)) / torch.sqrt(y.var(-1, keepdim=True, unbiased=False))):
+        model = Chain(fn)
+        out, fused, refused = compile_records(model, x)
+        assert not any("layernorm" in steps_of(r) for r in fused), [steps_of(r) for r in fused]
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(x), atol=1e-6, rtol=1e-5, equal_nan=True)
+
+
+def test_layer_norm_written_out_in_training_keeps_eagers_gradients():
+    # Backward reads x - mean and the root, which the kernels do not return: the
+    # written-out LayerNorm is not taken there, and the gradients are eager's.
+    torch.manual_seed(0)
+    model = Chain(_BertLayerNorm(32))
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 16)
+    out, fused, refused = compile_records(model, x, grad=True)
+    weights = torch.randn(4, 32)
+    (out * weights).sum().backward()
+    (eager(x) * weights).sum().backward()
+    for ours, theirs in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-5, rtol=1e-5)
 
 @pytest.mark.parametrize("groups", [1, 4, 32])
 def test_group_norm_group_counts(groups):
