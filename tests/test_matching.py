@@ -2,7 +2,7 @@
 
 Chains on CPU tensors are fused through the plain-torch reference
 (FUSEDEPI_CPU_REFERENCE=1), so every test also checks the rewritten graph
-against eager. (About 1,130 lines: one file per step of the data flow, this one the
+against eager. (About 1,120 lines: one file per step of the data flow, this one the
 matcher's.)
 """
 
@@ -218,33 +218,16 @@ def test_softmax_written_out_otherwise_is_not_the_softmax_step():
             torch.testing.assert_close(out, model(x), atol=1e-6, rtol=1e-5)
 
 
-def test_softmax_written_out_in_training_keeps_eagers_gradients():
-    # Backward reads exp's and the sum's values, which the kernels do not return: the
-    # written-out softmax is not taken there, and the gradients are eager's.
-    torch.manual_seed(0)
-    model = Chain(_softmax_amax)
-    eager = copy.deepcopy(model)
-    x = torch.randn(4, 16)
-    out, fused, refused = compile_records(model, x, grad=True)
-    weights = torch.randn(4, 32)
-    (out * weights).sum().backward()
-    (eager(x) * weights).sum().backward()
-    for ours, theirs in zip(model.parameters(), eager.parameters()):
-        torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-6, rtol=1e-5)
+def _BertLayerNorm(n):
+    """The zoo's LayerNorm as older BERT code writes it (x - mean written twice, the
+    variance by pow and mean, then a weight and a bias), its weight and bias drawn."""
+    from benchmarks.zoo import BertLayerNorm
 
-
-class _BertLayerNorm(nn.Module):
-    """LayerNorm as older BERT code writes it: x - mean written twice, the variance by
-    pow and mean, then a weight and a bias."""
-
-    def __init__(self, n, eps=1e-12):
-        super().__init__()
-        self.weight, self.bias, self.eps = nn.Parameter(torch.rand(n) + 0.5), nn.Parameter(torch.randn(n)), eps
-
-    def forward(self, x):
-        u = x.mean(-1, keepdim=True)
-        s = (x - u).pow(2).mean(-1, keepdim=True)
-        return self.weight * ((x - u) / torch.sqrt(s + self.eps)) + self.bias
+    norm = BertLayerNorm(n)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.normal_()
+    return norm
 
 
 def _layer_norm_var_rsqrt(y):
@@ -297,19 +280,24 @@ def test_layer_norm_written_out_otherwise_is_not_the_layernorm_step():
             torch.testing.assert_close(out, model(x), atol=1e-6, rtol=1e-5, equal_nan=True)
 
 
-def test_layer_norm_written_out_in_training_keeps_eagers_gradients():
-    # Backward reads x - mean and the root, which the kernels do not return: the
-    # written-out LayerNorm is not taken there, and the gradients are eager's.
+@pytest.mark.parametrize("fn, step", [(lambda: _softmax_amax, "softmax"), (lambda: _BertLayerNorm(32), "layernorm")],
+                         ids=["softmax", "layernorm"])
+def test_written_out_norms_in_training_keep_eagers_gradients(fn, step):
+    # Backward reads values in between (exp and its sum; x - mean and the root), which
+    # the kernels do not return: the written-out form is not taken there, and the
+    # gradients are eager's.
     torch.manual_seed(0)
-    model = Chain(_BertLayerNorm(32))
+    model = Chain(fn())
     eager = copy.deepcopy(model)
     x = torch.randn(4, 16)
     out, fused, refused = compile_records(model, x, grad=True)
+    assert not any(step in steps_of(r) for r in fused)
     weights = torch.randn(4, 32)
     (out * weights).sum().backward()
     (eager(x) * weights).sum().backward()
     for ours, theirs in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-5, rtol=1e-5)
+
 
 @pytest.mark.parametrize("groups", [1, 4, 32])
 def test_group_norm_group_counts(groups):
