@@ -2,7 +2,8 @@
 
 Every choice the backend makes by measurement (the library anchor's forms in
 `forms.FORMS`, fused or Inductor in `choice`) times its candidates side by side with
-`compare_ms` (replays of a CUDA graph of one call each, in turns) and keeps the times
+`compare_ms` (replays of a CUDA graph of one call each, in turns; the whole graph also
+with `host_ms`, the CPU's time to launch a call) and keeps the times
 in one JSON file in the cache directory (`CACHE_FILE`), each entry keyed by what it
 depends on (GPU, torch version, shapes, dtypes, settings, fusedepi's sources), so that
 later processes and other graphs with the same shapes reuse them: a warm start times
