@@ -915,16 +915,17 @@ def _softmax_step(state: _State, name: str, dim) -> Step:
 
 
 def _match_softmax_spelled(state: _State, _user: Node):
-    """Softmax and log_softmax written out over one dim d: exp(x - m) / sum(exp(x - m), d,
-    keepdim=True) with m = amax(x, d, keepdim=True) or max(x, d, keepdim=True)[0], and
-    x - logsumexp(x, d, keepdim=True); the `softmax` / `log_softmax` step (computed in
-    float32 and rounded once, where eager rounds each op's result). Not matched where an
-    intermediate value is read elsewhere (a training graph keeping it for backward), over
-    a dim no kernel normalizes over, or without the maximum (exp(x) / sum(exp(x)) is not
-    softmax where exp(x) overflows)."""
+    """Softmax written out over one dim d: exp(x - m) / sum(exp(x - m), d, keepdim=True)
+    with m = amax(x, d, keepdim=True) or max(x, d, keepdim=True)[0]; the `softmax` step
+    (computed in float32 and rounded once, where eager rounds each op's result; the same
+    ops on inf and NaN). Not matched where an intermediate value is read elsewhere (a
+    training graph keeping it for backward), over a dim no kernel normalizes over, or
+    without the maximum (exp(x) / sum(exp(x)) is not softmax where exp(x) overflows).
+    x - logsumexp(x, d, keepdim=True) is not log_softmax: on a row holding +inf it is -inf
+    and NaN where log_softmax is NaN throughout."""
     x = state.node
     for red in _step_users(state, x):
-        dim = _spelled_reduction_dim(red, x)
+        dim = _spelled_reduction_dim(red, x) if red.target in (aten.amax.default, aten.max.dim) else None
         if dim is None:
             continue
         top = red
@@ -935,22 +936,18 @@ def _match_softmax_spelled(state: _State, _user: Node):
         sub = _only(top, aten.sub.Tensor)
         if sub is None or sub.args[:2] != (x, top) or len(sub.args) > 2 or _arg(sub, 2, "alpha", 1) != 1:
             continue
-        if red.target is aten.logsumexp.default:
-            name, consumed, last = "log_softmax", [red, sub], sub
-        else:
-            exp = _only(sub, aten.exp.default)
-            total = exp and next((u for u in exp.users if u.target is aten.sum.dim_IntList), None)
-            div = total and _only(total, aten.div.Tensor)
-            if div is None or len(exp.users) != 2 or div not in exp.users or div.args[:2] != (exp, total) \
-                    or len(div.args) > 2 or div.kwargs or _spelled_reduction_dim(total, exp) != dim:
-                continue
-            name, consumed, last = "softmax", [red, top, sub, exp, total, div], div
+        exp = _only(sub, aten.exp.default)
+        total = exp and next((u for u in exp.users if u.target is aten.sum.dim_IntList), None)
+        div = total and _only(total, aten.div.Tensor)
+        if div is None or len(exp.users) != 2 or div not in exp.users or div.args[:2] != (exp, total) \
+                or len(div.args) > 2 or div.kwargs or _spelled_reduction_dim(total, exp) != dim:
+            continue
         try:
-            step = _softmax_step(state, name, dim)
+            step = _softmax_step(state, "softmax", dim)
         except Refuse:
             return None  # the chain stops at the reduction, with that reduction's reason
-        consumed = sorted(set(consumed), key=lambda n: state.order.get(n, 0))
-        return _Match(step, consumed, last)
+        consumed = sorted({red, top, sub, exp, total, div}, key=lambda n: state.order.get(n, 0))
+        return _Match(step, consumed, div)
     return None
 
 
@@ -1014,14 +1011,13 @@ def _match_layer_norm_spelled(state: _State, _user: Node):
 
 
 def _spelled_reduction_dim(node: Node, x: Node) -> int | None:
-    """The one dim that `node` reduces `x` over, keeping it (amax, max(...) values,
-    logsumexp, sum or mean with keepdim=True and no dtype, var with no correction), else
-    None."""
+    """The one dim that `node` reduces `x` over, keeping it (amax, max(...) values, sum
+    or mean with keepdim=True and no dtype, var with no correction), else None."""
     if node.args[:1] != (x,):
         return None
     if node.target is aten.max.dim:
         dims, keepdim = _arg(node, 1, "dim"), _arg(node, 2, "keepdim", False)
-    elif node.target in (aten.amax.default, aten.logsumexp.default, aten.sum.dim_IntList, aten.mean.dim):
+    elif node.target in (aten.amax.default, aten.sum.dim_IntList, aten.mean.dim):
         dims, keepdim = _arg(node, 1, "dim"), _arg(node, 2, "keepdim", False)
         if node.target in (aten.sum.dim_IntList, aten.mean.dim) and _arg(node, 3, "dtype") is not None:
             return None

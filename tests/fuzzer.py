@@ -35,7 +35,7 @@ backward (inputs and parameters require gradients, the upstream gradient is rand
 and its input and parameter gradients are checked like the output: then the fused
 chains return what backward needs as well.
 
-One file (about 1,300 lines): the generator, the three-way check and the driver are run
+One file (about 1,360 lines): the generator, the three-way check and the driver are run
 as a script on the device machine as well as imported by tests/test_fuzz.py.
 """
 
@@ -133,6 +133,7 @@ CONV_NORMS[11] = CONV_NORMS[10]
 CONV_NORMS[12] = CONV_NORMS[11]
 CONV_NORMS[13] = CONV_NORMS[12]
 CONV_NORMS[14] = CONV_NORMS[13]
+CONV_NORMS[15] = CONV_NORMS[14]
 # From this generation on, the pointwise steps include erf, sin, cos, sqrt, rsqrt,
 # reciprocal, log1p, expm1 and powers by a constant (`POWERS`; square as pow 2); sqrt,
 # rsqrt, reciprocal, log1p and the fractional and negative powers only where the value is
@@ -154,6 +155,11 @@ SPELLED_GELUS = ["gelu_erf_spelled", "gelu_new_spelled"]
 # a channel where the value's dim 1 is still the anchor's channels), and a Linear's norms
 # F.normalize over its features (`l2normalize`).
 PRELU_GENERATION = 14
+# From this generation on, a Linear's softmax, log_softmax and LayerNorm are written out in
+# half the draws (`SPELLED_NORMS`: the form, "" for the module or function itself).
+SPELLED_GENERATION = 15
+SPELLED_NORMS = {"softmax": ["", "amax", "max_values"], "log_softmax": ["", "logsumexp"],
+                 "layernorm": ["", "centred_twice", "var_rsqrt"]}
 # Generation 7 adds LayerNorm over a conv output's trailing dims (`conv_layernorm`: the
 # last `dims` of them, the channels included or not), and 1-D pooling windows over a
 # 2-D Linear output's features among its row reductions (`FEATURE_POOLS`).
@@ -376,6 +382,9 @@ def _step(rng: random.Random, ctx: dict) -> dict:
         else:
             op = rng.choice(NORMS_LINEAR + later if ctx["kind"] == "linear" else CONV_NORMS[ctx["generation"]])
         step = {"op": op, "eps": rng.choice([1e-5, 1e-6, 1e-3])}
+        if ctx["generation"] >= SPELLED_GENERATION and op in SPELLED_NORMS and ctx["kind"] == "linear" \
+                and rng.random() < 0.5:
+            step["spelled"] = rng.choice(SPELLED_NORMS[op][1:])
         if op == "groupnorm":
             step["groups"] = rng.choice(_divisors(channels))
             step["affine"] = rng.random() < 0.8
@@ -562,6 +571,8 @@ class FuzzStep(nn.Module):
     def forward(self, x, residual, earlier=()):
         """`earlier`: the chain's values before this one, oldest first."""
         s, op = self.spec, self.spec["op"]
+        if op == "layernorm" and s.get("spelled"):
+            return _layer_norm_spelled(s["spelled"], x, self.norm)
         if self.norm is not None:
             return self.norm(x)
         if op in BINARY:
@@ -616,6 +627,18 @@ class FuzzStep(nn.Module):
         return _pointwise(op, s, x)
 
 
+def _layer_norm_spelled(form: str, x, norm: nn.LayerNorm):
+    """`norm` over the last dim written out (`SPELLED_NORMS`): x - mean written twice and
+    the variance by pow and mean (older BERT code), or by var(unbiased=False) and rsqrt;
+    then its weight and bias, where it has them."""
+    u = x.mean(-1, keepdim=True)
+    if form == "centred_twice":
+        y = (x - u) / torch.sqrt((x - u).pow(2).mean(-1, keepdim=True) + norm.eps)
+    else:
+        y = (x - u) * torch.rsqrt(x.var(-1, keepdim=True, unbiased=False) + norm.eps)
+    return y * norm.weight + norm.bias if norm.elementwise_affine else y
+
+
 def _window_pool(op: str, s: dict, x):
     """MaxPool / AvgPool (`op`) of x [rows, C, *spatial] with the window of step `s`."""
     nd = x.dim() - 2
@@ -663,6 +686,12 @@ def _pointwise(op: str, s: dict, x):
         return F.celu(x, s["alpha"])
     if op == "softplus":
         return F.softplus(x, s["beta"], s["threshold"])
+    if op == "softmax" and s.get("spelled"):
+        m = x.amax(-1, keepdim=True) if s["spelled"] == "amax" else torch.max(x, dim=-1, keepdim=True).values
+        e = torch.exp(x - m)
+        return e / e.sum(-1, keepdim=True)
+    if op == "log_softmax" and s.get("spelled"):
+        return x - torch.logsumexp(x, -1, keepdim=True)
     if op == "softmax":
         return F.softmax(x, dim=-1)
     if op == "log_softmax":

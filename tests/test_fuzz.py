@@ -290,6 +290,30 @@ def test_cpu_fuzz_of_branches(grad):
     assert len(fused) >= len(picked) // 2, summary["reasons"]
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+def test_cpu_fuzz_of_written_out_norms(grad):
+    # Generation 15: a Linear's softmax, log_softmax and LayerNorm written out in half the
+    # draws; generation 14 draws what it drew. Forward, softmax and LayerNorm written out
+    # fuse as their steps (y - logsumexp(y) stays two ops: it is not log_softmax on a row
+    # holding +inf, which model 442 draws); with backward (which reads their values in
+    # between) the chain stops before them.
+    gen = fuzzer.SPELLED_GENERATION
+    before = [fuzzer.make_case(0, i, "cpu", generation=gen - 1) for i in range(300)]
+    assert not any("spelled" in s and s["op"] in fuzzer.SPELLED_NORMS for c in before for s in c.steps)
+    cases = [fuzzer.make_case(0, i, "cpu", generation=gen) for i in range(600)]
+    picked = [c for c in cases if c.in_vocabulary and any(s.get("spelled") and s["op"] in fuzzer.SPELLED_NORMS
+                                                          for s in c.steps)]
+    assert {s["spelled"] for c in picked for s in c.steps if s.get("spelled") and s["op"] in fuzzer.SPELLED_NORMS} \
+        == {form for forms in fuzzer.SPELLED_NORMS.values() for form in forms[1:]}
+    picked = picked[: 24 if not grad else 10]
+    assert len(picked) >= (24 if not grad else 10)
+    results = fuzzer.run(seed=0, indices=[c.index for c in picked], device="cpu", grad=grad, generation=gen)
+    summary = fuzzer.summarize(results)
+    assert len(results) == len(picked) and not summary["findings"], _shown(summary["findings"])
+    if not grad:
+        fused = [r for r in results if {"softmax", "layernorm"} & {n for s in r["fused_steps"] for n in s}]
+        assert len(fused) >= len(picked) // 3, summary["reasons"]
+
 def test_cpu_fuzz_of_row_reductions_of_nd_linear_outputs():
     # Generation 8 also reduces the features of a Linear applied to [B, T, K] inputs.
     gen = fuzzer.BMM_GENERATION
