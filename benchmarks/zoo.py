@@ -290,7 +290,8 @@ class BertLayerNorm(nn.Module):
         return self.weight * ((x - u) / torch.sqrt(s + self.eps)) + self.bias
 
 
-def _softmax_spelled(y, dim):
+def softmax_spelled(y, dim):
+    """Softmax over `dim` written out, the maximum subtracted."""
     e = torch.exp(y - torch.max(y, dim=dim, keepdim=True)[0])
     return e / torch.sum(e, dim=dim, keepdim=True)
 
@@ -412,7 +413,7 @@ MODELS = [
     ZooModel("bert_output_layernorm_spelled", lambda: Seq(nn.Linear(3072, 768), lambda y, m: m.ln(y),
                                                           ln=BertLayerNorm(768)), (8192, 3072)),
     # a classifier's probabilities with softmax written out (the maximum subtracted)
-    ZooModel("classifier_softmax_spelled", lambda: Seq(nn.Linear(2048, 1000), lambda y, m: _softmax_spelled(y, 1)),
+    ZooModel("classifier_softmax_spelled", lambda: Seq(nn.Linear(2048, 1000), lambda y, m: softmax_spelled(y, 1)),
              (4096, 2048)),
     ZooModel("linear_gn_swish", lambda: Seq(nn.Linear(2048, 2048), lambda y, m: F.silu(m.gn(y)),
                                             gn=nn.GroupNorm(32, 2048)), (4096, 2048)),

@@ -424,7 +424,8 @@ def _measure_graphs(ours, theirs, example_inputs: list, device: torch.device,
         # Called as Dynamo calls a backend's result: one argument an input.
         calls = [lambda: ours(*inputs), lambda: theirs(*inputs)]
         times = timings.compare_ms(calls, device, capture=not cuda_graphs)
-        times += timings.host_ms(calls, device)
+        # On the CPU those are wall times already: the host's own (`host_ms`) would be the same.
+        times += timings.host_ms(calls, device) if device.type == "cuda" else times
     log.info("fusedepi: the whole graph: fused %.4f ms, Inductor %.4f ms; the CPU's launches %.4f and %.4f ms "
              "(measured in %.1f s)", *times, time.perf_counter() - started)
     return times

@@ -934,7 +934,7 @@ def _match_softmax_spelled(state: _State, _user: Node):
             if top is None or top.args[1] != 0:
                 continue
         sub = _only(top, aten.sub.Tensor)
-        if sub is None or sub.args[:2] != (x, top) or len(sub.args) > 2 or _arg(sub, 2, "alpha", 1) != 1:
+        if sub is None or not _is_difference(sub, x, top):
             continue
         exp = _only(sub, aten.exp.default)
         total = exp and next((u for u in exp.users if u.target is aten.sum.dim_IntList), None)
@@ -965,9 +965,7 @@ def _match_layer_norm_spelled(state: _State, _user: Node):
     for mean in users:
         dim = _spelled_reduction_dim(mean, x) if mean.target is aten.mean.dim else None
         subs = list(mean.users)  # x - mean, once or written twice (numerator and variance)
-        if dim is None or not 0 < len(subs) <= 2 or not all(
-                s.target is aten.sub.Tensor and s.args[:2] == (x, mean) and len(s.args) == 2
-                and _arg(s, 2, "alpha", 1) == 1 for s in subs):
+        if dim is None or not 0 < len(subs) <= 2 or not all(_is_difference(s, x, mean) for s in subs):
             continue
         var = next((u for u in users if u.target is aten.var.correction and _spelled_reduction_dim(u, x) == dim), None)
         squares = [u for s in subs for u in s.users if (u.target is aten.pow.Tensor_Scalar and u.args[1:] == (2,))
@@ -1008,6 +1006,12 @@ def _match_layer_norm_spelled(state: _State, _user: Node):
         consumed = sorted([mean, *subs, *variance, add, root, norm], key=lambda n: state.order.get(n, 0))
         return _Match(Step("layernorm", consts=(float(eps),), inputs=(-1, -1)), consumed, norm)
     return None
+
+
+def _is_difference(node: Node, a: Node, b: Node) -> bool:
+    """Whether `node` computes a - b (sub.Tensor, alpha 1)."""
+    return (node.target is aten.sub.Tensor and node.args[:2] == (a, b) and len(node.args) == 2
+            and node.kwargs.get("alpha", 1) == 1)
 
 
 def _spelled_reduction_dim(node: Node, x: Node) -> int | None:
