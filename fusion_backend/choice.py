@@ -207,8 +207,8 @@ def subgraphs(chain: Chain, spec: str, claimed: frozenset = frozenset()):
             env[node].meta["val"] = node.meta["val"]
         if fused:
             operands = list(chain.operands) + list(chain.params)
-            call = graph.call_function(torch.ops.fusedepi.chain.default, ([env[n] for n in operands], spec))
-            ops.ask_input_layouts(call)  # as the rewrite asks them (and `_inductor_compile` again)
+            # as the rewrite puts it in (`_inductor_compile` asks the layouts again)
+            call = ops.insert_chain(graph, [env[n] for n in operands], spec, value=False)
             items = [graph.call_function(operator.getitem, (call, i)) for i in range(len(chain.outputs()))]
             env.update(chain.stand_ins(graph, items))  # as the rewrite puts them in
             copied = after

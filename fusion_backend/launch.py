@@ -18,7 +18,7 @@ import cuda_templates
 from lowering import EpilogueSpec
 
 from . import native
-from .ops import _LIB, _parse, arch_of, conv_allows_tf32, matmul_allows_tf32, reference, run_anchor
+from .ops import _LIB, _parse, anchor_inputs, arch_of, conv_allows_tf32, matmul_allows_tf32, reference, run_anchor
 
 log = logging.getLogger("fusedepi")
 
@@ -38,6 +38,8 @@ def kernel_for(spec: str, device: torch.device, cache_dir: Path, conv_tf32: bool
         cuda_templates.CompileError: nvcc failed or is missing.
     """
     arch = arch_of(device)
+    if _parse(spec).anchor.rounded:  # the same kernels as without: rounding is the graph's
+        spec = _parse(spec).unrounded().to_json()
     key = (spec, arch, str(cache_dir), conv_tf32, line_info)
     lib = _kernels.get(key)
     if lib is None:
@@ -146,6 +148,8 @@ class Launcher:
 
     def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         check_devices(inputs, self.device_index, self.spec.fusion)
+        # x and the weight rounded to TF32 where the in-kernel conv runs, else themselves
+        inputs = anchor_inputs(inputs, self.spec, rounded_now=self.anchor_path == "in-kernel conv")
         anchor_operands = list(inputs[: self.n_operands])
         check_anchor_operands(anchor_operands, self.spec, self.anchor_path, self.anchor_sizes)
         params = [_aligned(p) for p in inputs[self.n_operands :]]

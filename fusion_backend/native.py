@@ -264,6 +264,9 @@ class LaunchLayout:
     k_h: int
     k_w: int
     in_c_pad: int
+    # The call's first two inputs are x and the weight rounded to TF32 and its last two
+    # themselves (`Anchor.rounded`): the in-kernel conv reads the first, a library conv the last.
+    rounded: bool
 
     @classmethod
     def of(cls, launcher) -> "LaunchLayout":
@@ -285,7 +288,8 @@ class LaunchLayout:
                    launcher.gemm_auto, launcher.row_output, len(tail), *dims, launcher.keeps_spatial,
                    spec.channels, out_h, out_w, launcher.stores_pre_norm, spec.anchor.has_bias, pad_k, pad_n,
                    spec.anchor.channels_last, spec.anchor.permuted, launcher.gemm_tf32,
-                   launcher.reads_conv_tf32, launcher.conv_tf32, in_c, in_h, in_w, k_h, k_w, in_c_pad)
+                   launcher.reads_conv_tf32, launcher.conv_tf32, in_c, in_h, in_w, k_h, k_w, in_c_pad,
+                   spec.anchor.rounded)
 
     def encode(self) -> list[int]:
         return [int(getattr(self, f.name)) for f in fields(self)]

@@ -10,8 +10,11 @@ precision settings it obeys.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from lowering import EpilogueSpec, run_reference
 from lowering.spec import Anchor
@@ -61,7 +64,8 @@ def input_layouts(spec: str, inputs: list) -> tuple | None:
     in the form of a node's `eager_input_vals` meta (`(args, kwargs)` of fake values,
     whose strides Inductor's lowering of a custom op holds its inputs to; None leaves one
     free): a library conv that runs channels-last takes x and its weight channels-last,
-    the in-kernel conv x (`runs_in_kernel_conv`), so Inductor writes them so (in the
+    the in-kernel conv x (`runs_in_kernel_conv`; and its weight where the graph rounds
+    both to TF32, `Anchor.rounded`), so Inductor writes them so (in the
     kernel that makes x, or in a copy of its own) and the op's own copies (`run_anchor`,
     `launch.channels_last_operands`) are no-ops. None where no input is constrained.
 
@@ -78,7 +82,9 @@ def input_layouts(spec: str, inputs: list) -> tuple | None:
     layout = channels_last_format(inputs[0])
     wanted: list = [None] * len(inputs)
     wanted[0] = torch.empty_like(inputs[0], memory_format=layout)
-    if library:  # the in-kernel conv lays its weight out itself (launch.channels_last_operands)
+    # The in-kernel conv lays its weight out itself (launch.channels_last_operands), where
+    # the graph's rounding of it to TF32 can write it as the kernel reads it: channels-last.
+    if library or parsed.anchor.rounded:
         wanted[1] = torch.empty_like(inputs[1], memory_format=layout)
     return ((wanted, spec), {})
 
@@ -94,6 +100,47 @@ def ask_input_layouts(node) -> None:
         node.meta["eager_input_vals"] = layouts
 
 
+def insert_chain(graph: torch.fx.Graph, inputs: list, spec: str, value: bool = True) -> torch.fx.Node:
+    """Puts a `fusedepi::chain` call of `spec` on `inputs` (nodes with fake values) into
+    `graph` at its insertion point, as every graph takes it: with the layouts it asks of
+    its inputs (`ask_input_layouts`) and, where the in-kernel conv runs in TF32
+    (`rounds_operands`), after graph ops that round x and the weight to the nearest TF32
+    value, passed first, x and the weight themselves last (`Anchor.rounded`). `value`:
+    the call's fake value as its meta too (a graph that Inductor lowers as it is). Returns
+    the call."""
+    example = [n.meta["val"] for n in inputs]
+    parsed = _parse(spec)
+    rounds = rounds_operands(parsed, example[0])
+    vals = None
+    if rounds or value:
+        with detect_fake_mode(example):
+            if rounds:
+                inputs = [_rounded_to_tf32(graph, n) for n in inputs[:2]] + list(inputs[2:]) + list(inputs[:2])
+                example = [n.meta["val"] for n in inputs]
+                spec = replace(parsed, anchor=replace(parsed.anchor, rounded=True)).to_json()
+            if value:
+                vals = reference(example, spec)
+    call = graph.call_function(torch.ops.fusedepi.chain.default, (inputs, spec))
+    if value:
+        call.meta["val"] = vals
+    ask_input_layouts(call)
+    return call
+
+
+def _rounded_to_tf32(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
+    """Graph ops that compute `round_to_tf32` of `node` (a float32 tensor), traced on
+    its fake value (in the graph's fake mode), each node with its own; Inductor fuses them
+    into the kernel that writes the operand in the layout the fused op asks
+    (`input_layouts`). Returns the rounded value's node."""
+    traced = make_fx(round_to_tf32)(node.meta["val"])
+    for n in list(traced.graph.nodes):  # the trace's detach after each view: no-ops here
+        if n.target is aten.detach.default:
+            n.replace_all_uses_with(n.args[0])
+            traced.graph.erase_node(n)
+    (placeholder,) = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    return graph.graph_copy(traced.graph, {placeholder: node})
+
+
 def runs_in_kernel_conv(spec: EpilogueSpec, x: torch.Tensor) -> bool:
     """Whether the CUDA op computes the conv as the in-kernel conv (an implicit GEMM over
     a channels-last x) on x's device, at the cuDNN TF32 setting of now (a float32 chain
@@ -104,6 +151,45 @@ def runs_in_kernel_conv(spec: EpilogueSpec, x: torch.Tensor) -> bool:
 
     plan = cuda_templates.conv_gemm_plan(spec, arch_of(x.device), conv_allows_tf32())
     return isinstance(plan, cuda_templates.ConvGemmPlan)
+
+
+def rounds_operands(spec: EpilogueSpec, x: torch.Tensor) -> bool:
+    """Whether a chain of `spec` on x is put in the graph with its x and weight rounded to
+    TF32 before it (`Anchor.rounded`): a float32 conv that the CUDA op computes as the
+    in-kernel conv at cuDNN's TF32 setting of now (`runs_in_kernel_conv`), on a weight of
+    its own (no bias operand)."""
+    return (spec.dtype == "float32" and not spec.anchor.has_bias and not spec.anchor.rounded
+            and runs_in_kernel_conv(spec, x))
+
+
+def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
+    """float32 `t` rounded to the nearest TF32 value (10 mantissa bits), ties away from
+    zero, as `cvt.rna.tf32.f32` rounds: 2^12 added to the bits, the 13 low bits cleared
+    (a carry moves into the exponent as it should). NaN stays NaN; a value within half a
+    TF32 step of float32's largest rounds to inf, as the instruction's does. The tensor
+    cores read such a value exactly; given a float32 value they drop its low bits."""
+    bits = t.view(torch.int32)
+    rounded = ((bits + 0x1000) & -0x2000).view(torch.float32)
+    return torch.where(torch.isnan(t), t, rounded)
+
+
+def anchor_inputs(inputs: list, spec: EpilogueSpec, rounded_now: bool) -> list:
+    """The inputs of a call of `spec` as its kernels and library calls take them: where
+    `spec.anchor.rounded`, x and the weight rounded to TF32 (rounded_now: the in-kernel
+    conv runs, in TF32) or x and the weight themselves (the library conv, or the
+    reference), then the chain's other inputs; else `inputs` as they are.
+
+    Raises:
+        RuntimeError: a rounded spec's call without the two unrounded operands at its end.
+    """
+    if not spec.anchor.rounded:
+        return inputs
+    n = spec.anchor.n_operands
+    if len(inputs) < n + 2:
+        raise RuntimeError(f"fusedepi::chain ({spec.fusion}): {len(inputs)} inputs; a chain on operands rounded to "
+                           f"TF32 takes them, its other inputs, then x and the weight unrounded")
+    inputs = list(inputs)
+    return (inputs[:-2] if rounded_now else inputs[-2:] + inputs[n:-2])
 
 
 def channels_last_format(x: torch.Tensor) -> torch.memory_format:
@@ -149,6 +235,7 @@ def reference(inputs: list[torch.Tensor], spec: str) -> list[torch.Tensor]:
     the CUDA op's output to the strides it gives, and a conv on a channels-last x gives
     a channels-last output)."""
     parsed = _parse(spec)
+    inputs = anchor_inputs(inputs, parsed, rounded_now=False)  # the conv on x itself: exact
     n = parsed.anchor.n_operands
     y = run_anchor(parsed.anchor, list(inputs[:n]))
     outputs = run_reference(y, parsed.steps, list(inputs[n:]), parsed.saves)

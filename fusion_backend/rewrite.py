@@ -14,7 +14,6 @@ import operator
 from dataclasses import dataclass, field, replace
 
 import torch
-from torch._guards import detect_fake_mode
 from torch.fx import GraphModule
 
 import cuda_templates
@@ -70,13 +69,8 @@ def _replace(graph: torch.fx.Graph, chain: Chain, spec: str, renamed: dict) -> N
     next chain's anchor input) and extended with this chain's own outputs.
     """
     inputs = [renamed.get(n, n) for n in list(chain.operands) + list(chain.params)]
-    example = [n.meta["val"] for n in inputs]
-    with detect_fake_mode(example):
-        vals = ops.reference(example, spec)
     with graph.inserting_before(chain.final):
-        call = graph.call_function(torch.ops.fusedepi.chain.default, (inputs, spec))
-        call.meta["val"] = vals
-        ops.ask_input_layouts(call)
+        call = ops.insert_chain(graph, inputs, spec)
         outs = []
         for i, val in enumerate(call.meta["val"]):
             item = graph.call_function(operator.getitem, (call, i))
@@ -164,6 +158,8 @@ def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
         padded = " (library conv on channels-last operands)"
     if device.type != "cuda":
         return "reference (cpu)" + padded
+    if ops.rounds_operands(chain.spec, chain.operands[0].meta["val"]):  # `_replace` does it
+        padded = " (x and the weight rounded to the nearest TF32 value by the graph first, as cuDNN's TF32 convs round)"
     tf32 = _build(spec, device, cfg)
     arch = ops.arch_of(device)
     name = cuda_templates.kernel_name(chain.spec, arch, tf32) + padded

@@ -116,6 +116,14 @@ class Anchor:
             a pointwise chain on every tile, and the producer's spare warps none (False:
             the spare warps run it at calls whose CTAs have several tiles,
             `cuda_templates.gemm_sm90`). The backend sets it (`fusion_backend.forms`).
+        rounded: conv with `implicit` in float32 only: the fused op's first two inputs are
+            x and the weight rounded to the nearest TF32 value (ties away from zero, as
+            cuDNN's TF32 convs round their operands; the tensor cores would truncate) by
+            graph ops before it, and its last two are x and the weight themselves, which
+            the library conv reads at calls where cuDNN's TF32 flag is off. A launch
+            concern only: the kernels are those of the spec without it
+            (`EpilogueSpec.unrounded`). The backend sets it where it puts the chain in
+            the graph (`fusion_backend.rewrite`).
     """
 
     kind: str
@@ -128,6 +136,7 @@ class Anchor:
     implicit: bool = False
     permuted: bool = False
     gemm_consumers: bool = False
+    rounded: bool = False
 
     def direct_out_hw(self) -> tuple[int, int]:
         """Output (H, W) of a direct-conv candidate (stride 1, dilation 1)."""
@@ -281,6 +290,12 @@ class EpilogueSpec:
             param_dtypes=tuple(data.pop("param_dtypes")),
             **data,
         )
+
+    def unrounded(self) -> "EpilogueSpec":
+        """This spec without `Anchor.rounded`: the one its kernels are built from."""
+        if not self.anchor.rounded:
+            return self
+        return dataclasses.replace(self, anchor=dataclasses.replace(self.anchor, rounded=False))
 
     def with_first_step(self, step: Step, param_dtype: str) -> "EpilogueSpec":
         """This spec with `step` run before its steps (and `param_dtype` appended to its

@@ -311,8 +311,12 @@ def test_softmax_written_out(conv, dtype, exact_float32):
     ref, _ = float64_reference(model, x)
     with torch.no_grad():
         out, fused = compile_and_run(model, x)
+        eager = model(x)
     assert fused == (["conv_channel_softmax"] if conv else ["linear_softmax"])
-    assert relative_error(out, ref) <= TOLERANCE[dtype], f"seed {exact_float32}"
+    # logits of |y| ~ 8 hold bf16's rounding of y (2^-9 relative) in exp(y): eager's own error
+    # is ~1e-2 there, so the bound is the larger of the tolerance and 1.5x eager's error
+    bound = max(TOLERANCE[dtype], 1.5 * relative_error(eager, ref))
+    assert relative_error(out, ref) <= bound, f"seed {exact_float32}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -1675,6 +1679,17 @@ def test_in_kernel_conv(name, dtype, exact_float32, monkeypatch):
     err = relative_error(out, ref)
     assert err <= (2e-3 if dtype == torch.float32 else TOLERANCE[dtype]), f"relative error {err:.3g} (seed {exact_float32})"
     if dtype == torch.float32:
+        # TF32 as cuDNN's: x and the weight rounded to the nearest TF32 value (the graph
+        # rounds them), then a float32 product: within float32's error of float64 on the
+        # rounded operands (truncated operands are ~1e-4 away)
+        from fusion_backend.ops import round_to_tf32
+
+        rounded = copy.deepcopy(model)
+        with torch.no_grad():
+            rounded.conv.weight.copy_(round_to_tf32(rounded.conv.weight))
+        ref_tf32, _ = float64_reference(rounded, round_to_tf32(x))
+        err = relative_error(out, ref_tf32)
+        assert err <= 1e-5, f"relative error {err:.3g} to the TF32-rounded operands' result (seed {exact_float32})"
         assert ran_exact and not any("igemm" in r for r in ran_exact), ran_exact
         err = relative_error(exact, ref)
         assert err <= TOLERANCE[torch.float32], f"relative error {err:.3g} after TF32 was switched off"

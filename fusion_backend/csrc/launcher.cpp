@@ -108,6 +108,9 @@ struct Plan {
   // kImplicitConv: x [rows, in_c, in_h, in_w] and the weight [channels, in_c, k_h, k_w],
   // read as [channels, k_h, k_w, in_c_pad] (zeros past in_c).
   int64_t in_c = 0, in_h = 0, in_w = 0, k_h = 0, k_w = 0, in_c_pad = 0;
+  // The call's first two inputs are x and the weight rounded to TF32, its last two
+  // themselves (Anchor.rounded): kImplicitConv reads the first, any other path the last.
+  bool rounded = false;
   std::vector<int64_t> stride, padding, dilation, output_padding;
   bool transposed = false;
   int64_t groups = 1;
@@ -194,14 +197,14 @@ T symbol(void* handle, const char* name, const std::string& library) {
 // layout: [path, anchor, n_operands, gemm_auto, row_output, out_rank, out_d0 .. out_d3,
 //          out_spatial, channels, out_h, out_w, stores_pre_norm, has_bias, pad_k, pad_n,
 //          channels_last, permuted, gemm_tf32, reads_conv_tf32, conv_tf32,
-//          in_c, in_h, in_w, k_h, k_w, in_c_pad]
+//          in_c, in_h, in_w, k_h, k_w, in_c_pad, rounded]
 // conv: empty, or [nd, stride x nd, padding x nd, dilation x nd, transposed,
 //       output_padding x nd, groups]
 // saves: per save [anchor_value, dtype code, per_row, ndim, dims x ndim] (native.SaveLayout).
 // checks: [dtype code, y_row, n, (a row, whole) x n, m, (dtype code, whole, per_row) x m]
 //         (native.CheckLayout).
 // The fields of native.LaunchLayout, read below in its order (plan->field = layout[i]).
-constexpr size_t kLayoutFields = 29;
+constexpr size_t kLayoutFields = 30;
 
 void set_plan(std::string_view spec, int64_t device, std::string_view library, std::string_view name,
               at::IntArrayRef layout, at::IntArrayRef running_stats, at::IntArrayRef conv,
@@ -251,6 +254,7 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   plan->k_h = layout[26];
   plan->k_w = layout[27];
   plan->in_c_pad = layout[28];
+  plan->rounded = layout[29] != 0;
   TORCH_CHECK(plan->out_rank >= 0 && plan->out_rank <= 4, "fusedepi_native.plan: a reduced output's tail of ",
               plan->out_rank, " dims");
   TORCH_CHECK(layout[0] >= 0 && layout[0] <= 3 && layout[1] >= 0 && layout[1] <= 3,
@@ -288,6 +292,8 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
               "fusedepi_native.plan: the in-kernel conv needs its input's and weight's shapes");
   TORCH_CHECK((!plan->reads_conv_tf32 || plan->anchor == Anchor::kConv) && (plan->reads_conv_tf32 || !plan->conv_tf32),
               "fusedepi_native.plan: a TF32 variant is a conv's");
+  TORCH_CHECK(!plan->rounded || (plan->anchor == Anchor::kConv && plan->reads_conv_tf32 && plan->n_operands == 2),
+              "fusedepi_native.plan: operands rounded to TF32 are a float32 conv's x and weight");
 
   for (size_t at = 0; at < saves.size();) {
     TORCH_CHECK(at + 4 <= saves.size(), "fusedepi_native.plan: a save is cut short");
@@ -588,10 +594,26 @@ std::vector<at::Tensor> chain_cuda(at::TensorList inputs, c10::string_view spec)
   const std::string_view key(spec.data(), spec.size());
   std::shared_ptr<Plan> plan;
   bool in_kernel = false;
+  std::vector<at::Tensor> picked;  // a rounded plan's inputs as its path reads them
+  at::TensorList use = inputs;
   {
     std::shared_lock lock(plans_mutex);
     plan = find_locked(key, inputs[0].device().index());
-    if (plan && !inputs_fit(*plan, inputs)) plan = nullptr;  // Python's checks raise for it
+    if (plan && plan->rounded) {
+      // As ops.anchor_inputs: the rounded x and weight for the in-kernel conv, else x and
+      // the weight themselves from the end, then the other inputs.
+      const size_t n = static_cast<size_t>(plan->n_operands);
+      if (inputs.size() < n + 2) {
+        plan = nullptr;  // Python's launcher raises for it
+      } else if (plan->path == Path::kImplicitConv) {
+        use = inputs.slice(0, inputs.size() - 2);
+      } else {
+        picked.assign(inputs.end() - 2, inputs.end());
+        picked.insert(picked.end(), inputs.begin() + n, inputs.end() - 2);
+        use = picked;
+      }
+    }
+    if (plan && !inputs_fit(*plan, use)) plan = nullptr;  // Python's checks raise for it
     if (plan && plan->path == Path::kGemm) {
       // As Launcher.in_kernel_gemm: a float32 file computes the GEMM in TF32 only while
       // matmuls may use TF32; else the library GEMM, whatever the rows.
@@ -611,7 +633,7 @@ std::vector<at::Tensor> chain_cuda(at::TensorList inputs, c10::string_view spec)
     }
   }
   if (!plan) return python_chain(inputs, spec);
-  return launch(*plan, inputs, in_kernel);
+  return launch(*plan, use, in_kernel);
 }
 
 // `fusedepi::chain`'s CUDA kernel, registered when Python asks (`install`), not when the
