@@ -61,8 +61,9 @@ class Report:
     records: list = field(default_factory=list)
 
 
-def _replace(graph: torch.fx.Graph, chain: Chain, spec: str, renamed: dict) -> None:
-    """Puts one fused op in place of `chain`'s nodes.
+def _replace(graph: torch.fx.Graph, chain: Chain, spec: str, renamed: dict) -> str:
+    """Puts one fused op in place of `chain`'s nodes; returns the spec it calls (`spec`,
+    or its form on operands rounded to TF32: `ops.insert_chain`).
 
     `renamed` maps each node that an earlier replacement took out to the node that now
     stands for it; it is read for this chain's inputs (one chain's output may be the
@@ -82,6 +83,7 @@ def _replace(graph: torch.fx.Graph, chain: Chain, spec: str, renamed: dict) -> N
         renamed[node] = new
     for node in reversed(chain.nodes):
         graph.erase_node(node)
+    return call.args[1]
 
 
 def _stable_topological_sort(graph: torch.fx.Graph) -> None:
@@ -387,20 +389,19 @@ def rewrite(gm: GraphModule, cfg: Config, skip: dict | None = None) -> Report:
             report.records.append(Record("refused", chain.anchor.name, names, chain.spec.fusion, reason=reason,
                                          plan=plan))
             continue
-        report.records.append(
-            Record("fused", chain.anchor.name, names, chain.spec.fusion, kernel=kernel, stop=chain.stop, spec=spec,
-                   plan=plan)
-        )
-        fused.append((chain, spec, kernel))
+        record = Record("fused", chain.anchor.name, names, chain.spec.fusion, kernel=kernel, stop=chain.stop,
+                        spec=spec, plan=plan)
+        report.records.append(record)
+        fused.append((chain, spec, kernel, record))
     concurrent.futures.wait(builds)  # none outlives the compile that started it
-    if cfg.native_launcher and any(chain.anchor.meta["val"].device.type == "cuda" for chain, _, _ in fused):
+    if cfg.native_launcher and any(chain.anchor.meta["val"].device.type == "cuda" for chain, *_ in fused):
         _enable_native(cfg)
     if fused:
         backup = copy.deepcopy(gm.graph)  # the surgery below is undone as a whole on failure
         try:
             renamed: dict = {}
-            for chain, spec, kernel in fused:
-                _replace(gm.graph, chain, spec, renamed)
+            for chain, spec, kernel, record in fused:
+                record.spec = _replace(gm.graph, chain, spec, renamed)  # the spec the graph calls
                 log.info("fusedepi: fused %s at %s (%s)", chain.spec.fusion, chain.anchor.name, kernel)
             _stable_topological_sort(gm.graph)
             gm.graph.lint()
