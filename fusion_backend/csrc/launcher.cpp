@@ -482,7 +482,9 @@ bool anchor_output_fits(const Plan& plan, const at::Tensor& y, int64_t rows) {
 std::vector<at::Tensor> python_chain(at::TensorList inputs, c10::string_view spec);
 
 // Runs a call whose inputs fit (inputs_fit).
-std::vector<at::Tensor> launch(const Plan& plan, at::TensorList inputs, bool in_kernel) {
+// `call` is the op's inputs as given, which a call that does not fit hands to Python;
+// `inputs` those the plan's path reads (they differ for a rounded plan: chain_cuda).
+std::vector<at::Tensor> launch(const Plan& plan, at::TensorList call, at::TensorList inputs, bool in_kernel) {
   const int64_t n = plan.n_operands;
   std::vector<at::Tensor> operands(inputs.begin(), inputs.begin() + n);
   std::vector<at::Tensor> params;
@@ -507,7 +509,7 @@ std::vector<at::Tensor> launch(const Plan& plan, at::TensorList inputs, bool in_
     if (x0.dim() != 4 || x0.size(1) != plan.in_c || x0.size(2) != plan.in_h || x0.size(3) != plan.in_w ||
         w0.dim() != 4 || w0.size(0) != plan.channels || w0.size(1) != plan.in_c || w0.size(2) != plan.k_h ||
         w0.size(3) != plan.k_w) {
-      return python_chain(inputs, plan.spec);  // which raises, naming the shapes
+      return python_chain(call, plan.spec);  // which raises, naming the shapes
     }
     at::Tensor x = x0.contiguous(at::MemoryFormat::ChannelsLast);
     if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16) x = x.clone(at::MemoryFormat::ChannelsLast);
@@ -540,12 +542,12 @@ std::vector<at::Tensor> launch(const Plan& plan, at::TensorList inputs, bool in_
   }
   const int64_t rows = y.size(0);
   if ((plan.path == Path::kLibraryAnchor || library_gemm) && !anchor_output_fits(plan, y, rows)) {
-    return python_chain(inputs, plan.spec);  // which raises, naming what the anchor gave
+    return python_chain(call, plan.spec);  // which raises, naming what the anchor gave
   }
   if (plan.permuted) {  // the operands of a row's worth each, now that the rows are known
     for (size_t i = 0; i < plan.params.size(); ++i) {
       const Plan::Param& want = plan.params[i];
-      if (!want.whole && params[i].numel() != want.per_row * rows) return python_chain(inputs, plan.spec);
+      if (!want.whole && params[i].numel() != want.per_row * rows) return python_chain(call, plan.spec);
     }
   }
 
@@ -633,7 +635,7 @@ std::vector<at::Tensor> chain_cuda(at::TensorList inputs, c10::string_view spec)
     }
   }
   if (!plan) return python_chain(inputs, spec);
-  return launch(*plan, use, in_kernel);
+  return launch(*plan, inputs, use, in_kernel);
 }
 
 // `fusedepi::chain`'s CUDA kernel, registered when Python asks (`install`), not when the
