@@ -179,3 +179,25 @@ def test_a_rounded_spec_builds_the_kernels_of_its_unrounded_one(sm90_tf32, monke
     finally:
         launch.forget_loaded()
     assert rendered == [chain.spec]
+
+
+def test_the_rounding_ops_keep_a_dynamic_batch():
+    """A graph compiled with a dynamic batch: the rounding's nodes carry x's symbolic shape."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    batch = env.create_symintnode(env.create_symbol(5, source=ConstantSource("batch")), hint=5)
+    mode = FakeTensorMode(shape_env=env)
+    with mode:
+        x = torch.empty(batch, 64, 20, 70)
+    graph = torch.fx.Graph()
+    node = graph.placeholder("x")
+    node.meta["val"] = x
+    with mode:
+        rounded = ops._rounded_to_tf32(graph, node)
+    graph.output(rounded)
+    assert str(rounded.meta["val"].shape) == str(x.shape) and not isinstance(x.shape[0], int)
+    assert [n.target for n in graph.nodes if n.op == "call_function"] == [
+        torch.ops.aten.view.dtype, torch.ops.aten.add.Tensor, torch.ops.aten.bitwise_and.Scalar,
+        torch.ops.aten.view.dtype, torch.ops.aten.isnan.default, torch.ops.aten.where.self]
