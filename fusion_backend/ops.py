@@ -165,9 +165,10 @@ def rounds_operands(spec: EpilogueSpec, x: torch.Tensor) -> bool:
 def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
     """float32 `t` rounded to the nearest TF32 value (10 mantissa bits), ties away from
     zero, as `cvt.rna.tf32.f32` rounds: 2^12 added to the bits, the 13 low bits cleared
-    (a carry moves into the exponent as it should). NaN stays NaN; a value within half a
-    TF32 step of float32's largest rounds to inf, as the instruction's does. The tensor
-    cores read such a value exactly; given a float32 value they drop its low bits."""
+    (a carry moves into the exponent as it should). NaN stays NaN, inf stays inf; a value
+    half a TF32 unit or more past TF32's largest finite one (float32's largest among them)
+    becomes inf. The tensor cores read such a value exactly; given a float32 value they
+    drop its low bits."""
     bits = t.view(torch.int32)
     rounded = ((bits + 0x1000) & -0x2000).view(torch.float32)
     return torch.where(torch.isnan(t), t, rounded)
