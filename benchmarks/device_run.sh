@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything one device-machine call does: install, GPU tests, benchmark.
 #   bash benchmarks/device_run.sh tests          # GPU test tier (WORKERS=8 for 8 pytest-xdist processes)
+#   bash benchmarks/device_run.sh tests --shard 1/2   # its first half (every 2nd test), for calls of 10 minutes
 #   bash benchmarks/device_run.sh quick          # tests + benchmark --quick
 #   bash benchmarks/device_run.sh bench [args]   # benchmark only, args passed on
 #   bash benchmarks/device_run.sh all [args]     # GPU test tier, then the benchmark with args

@@ -34,7 +34,27 @@ def cpu_reference(monkeypatch):
     torch._dynamo.reset()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run the I-th of N parts of the collected tests (every N-th, from the I-th; I from 1), "
+                          "so that a tier too long for one call runs in N")
+
+
+def _shard(value: str) -> tuple[int, int]:
+    try:
+        i, n = (int(part) for part in value.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard {value}: expected I/N, e.g. 1/2") from None
+    if not 1 <= i <= n:
+        raise pytest.UsageError(f"--shard {value}: I runs from 1 to N")
+    return i, n
+
+
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--shard"):
+        i, n = _shard(config.getoption("--shard"))
+        config.hook.pytest_deselected(items=[item for k, item in enumerate(items) if k % n != i - 1])
+        items[:] = [item for k, item in enumerate(items) if k % n == i - 1]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
