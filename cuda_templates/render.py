@@ -666,6 +666,8 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
         return f"{spec.dtype}: the in-kernel conv takes bfloat16, float16, and float32 where TF32 is allowed"
     if anchor.has_bias:
         return "the conv keeps its bias (the matcher moves it into the epilogue)"
+    if spec.dtype == "float32" and not anchor.rounded:
+        return "float32: the in-kernel conv reads x and the weight rounded to TF32 by the graph (Anchor.rounded)"
     if spec.saves:
         return "it returns values saved for backward, and the in-kernel conv writes only the result"
     if spec.reduction is not None:

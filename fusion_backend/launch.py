@@ -38,8 +38,6 @@ def kernel_for(spec: str, device: torch.device, cache_dir: Path, conv_tf32: bool
         cuda_templates.CompileError: nvcc failed or is missing.
     """
     arch = arch_of(device)
-    if _parse(spec).anchor.rounded:  # the same kernels as without: rounding is the graph's
-        spec = _parse(spec).unrounded().to_json()
     key = (spec, arch, str(cache_dir), conv_tf32, line_info)
     lib = _kernels.get(key)
     if lib is None:

@@ -10,7 +10,6 @@ precision settings it obeys.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import torch
 from torch._guards import detect_fake_mode
@@ -101,23 +100,21 @@ def ask_input_layouts(node) -> None:
 
 
 def insert_chain(graph: torch.fx.Graph, inputs: list, spec: str, value: bool = True) -> torch.fx.Node:
-    """Puts a `fusedepi::chain` call of `spec` on `inputs` (nodes with fake values) into
-    `graph` at its insertion point, as every graph takes it: with the layouts it asks of
-    its inputs (`ask_input_layouts`) and, where the in-kernel conv runs in TF32
-    (`rounds_operands`), after graph ops that round x and the weight to the nearest TF32
-    value, passed first, x and the weight themselves last (`Anchor.rounded`). `value`:
-    the call's fake value as its meta too (a graph that Inductor lowers as it is). Returns
+    """Puts a `fusedepi::chain` call of `spec` on `inputs` (the chain's operands and
+    parameters, nodes with fake values) into `graph` at its insertion point, as every
+    graph takes it: with the layouts it asks of its inputs (`ask_input_layouts`) and,
+    where `spec.anchor.rounded`, after graph ops that round x and the weight to the
+    nearest TF32 value, passed first, x and the weight themselves last. `value`: the
+    call's fake value as its meta too (a graph that Inductor lowers as it is). Returns
     the call."""
     example = [n.meta["val"] for n in inputs]
-    parsed = _parse(spec)
-    rounds = rounds_operands(parsed, example[0])
+    rounds = _parse(spec).anchor.rounded
     vals = None
     if rounds or value:
         with detect_fake_mode(example):
             if rounds:
                 inputs = [_rounded_to_tf32(graph, n) for n in inputs[:2]] + list(inputs[2:]) + list(inputs[:2])
                 example = [n.meta["val"] for n in inputs]
-                spec = replace(parsed, anchor=replace(parsed.anchor, rounded=True)).to_json()
             if value:
                 vals = reference(example, spec)
     call = graph.call_function(torch.ops.fusedepi.chain.default, (inputs, spec))
@@ -153,15 +150,6 @@ def runs_in_kernel_conv(spec: EpilogueSpec, x: torch.Tensor) -> bool:
     return isinstance(plan, cuda_templates.ConvGemmPlan)
 
 
-def rounds_operands(spec: EpilogueSpec, x: torch.Tensor) -> bool:
-    """Whether a chain of `spec` on x is put in the graph with its x and weight rounded to
-    TF32 before it (`Anchor.rounded`): a float32 conv that the CUDA op computes as the
-    in-kernel conv at cuDNN's TF32 setting of now (`runs_in_kernel_conv`), on a weight of
-    its own (no bias operand)."""
-    return (spec.dtype == "float32" and not spec.anchor.has_bias and not spec.anchor.rounded
-            and runs_in_kernel_conv(spec, x))
-
-
 def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
     """float32 `t` rounded to the nearest TF32 value (10 mantissa bits), ties away from
     zero, as `cvt.rna.tf32.f32` rounds: 2^12 added to the bits, the 13 low bits cleared
@@ -185,12 +173,11 @@ def anchor_inputs(inputs: list, spec: EpilogueSpec, rounded_now: bool) -> list:
     """
     if not spec.anchor.rounded:
         return inputs
-    n = spec.anchor.n_operands
-    if len(inputs) < n + 2:
+    if len(inputs) < spec.anchor.n_operands + 2:
         raise RuntimeError(f"fusedepi::chain ({spec.fusion}): {len(inputs)} inputs; a chain on operands rounded to "
                            f"TF32 takes them, its other inputs, then x and the weight unrounded")
     inputs = list(inputs)
-    return (inputs[:-2] if rounded_now else inputs[-2:] + inputs[n:-2])
+    return (inputs[:-2] if rounded_now else inputs[-2:] + inputs[2:-2])
 
 
 def channels_last_format(x: torch.Tensor) -> torch.memory_format:

@@ -61,9 +61,8 @@ class Report:
     records: list = field(default_factory=list)
 
 
-def _replace(graph: torch.fx.Graph, chain: Chain, spec: str, renamed: dict) -> str:
-    """Puts one fused op in place of `chain`'s nodes; returns the spec it calls (`spec`,
-    or its form on operands rounded to TF32: `ops.insert_chain`).
+def _replace(graph: torch.fx.Graph, chain: Chain, spec: str, renamed: dict) -> None:
+    """Puts one fused op in place of `chain`'s nodes.
 
     `renamed` maps each node that an earlier replacement took out to the node that now
     stands for it; it is read for this chain's inputs (one chain's output may be the
@@ -83,7 +82,6 @@ def _replace(graph: torch.fx.Graph, chain: Chain, spec: str, renamed: dict) -> s
         renamed[node] = new
     for node in reversed(chain.nodes):
         graph.erase_node(node)
-    return call.args[1]
 
 
 def _stable_topological_sort(graph: torch.fx.Graph) -> None:
@@ -160,7 +158,7 @@ def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
         padded = " (library conv on channels-last operands)"
     if device.type != "cuda":
         return "reference (cpu)" + padded
-    if ops.rounds_operands(chain.spec, chain.operands[0].meta["val"]):  # `_replace` does it
+    if chain.spec.anchor.rounded and ops.runs_in_kernel_conv(chain.spec, chain.operands[0].meta["val"]):
         padded = " (x and the weight rounded to the nearest TF32 value by the graph first, as cuDNN's TF32 convs round)"
     tf32 = _build(spec, device, cfg)
     arch = ops.arch_of(device)
@@ -389,19 +387,20 @@ def rewrite(gm: GraphModule, cfg: Config, skip: dict | None = None) -> Report:
             report.records.append(Record("refused", chain.anchor.name, names, chain.spec.fusion, reason=reason,
                                          plan=plan))
             continue
-        record = Record("fused", chain.anchor.name, names, chain.spec.fusion, kernel=kernel, stop=chain.stop,
-                        spec=spec, plan=plan)
-        report.records.append(record)
-        fused.append((chain, spec, kernel, record))
+        report.records.append(
+            Record("fused", chain.anchor.name, names, chain.spec.fusion, kernel=kernel, stop=chain.stop, spec=spec,
+                   plan=plan)
+        )
+        fused.append((chain, spec, kernel))
     concurrent.futures.wait(builds)  # none outlives the compile that started it
-    if cfg.native_launcher and any(chain.anchor.meta["val"].device.type == "cuda" for chain, *_ in fused):
+    if cfg.native_launcher and any(chain.anchor.meta["val"].device.type == "cuda" for chain, _, _ in fused):
         _enable_native(cfg)
     if fused:
         backup = copy.deepcopy(gm.graph)  # the surgery below is undone as a whole on failure
         try:
             renamed: dict = {}
-            for chain, spec, kernel, record in fused:
-                record.spec = _replace(gm.graph, chain, spec, renamed)  # the spec the graph calls
+            for chain, spec, kernel in fused:
+                _replace(gm.graph, chain, spec, renamed)
                 log.info("fusedepi: fused %s at %s (%s)", chain.spec.fusion, chain.anchor.name, kernel)
             _stable_topological_sort(gm.graph)
             gm.graph.lint()

@@ -2089,6 +2089,8 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
             fusion=fusion,
             saves=tuple(chain.saves),
         )
+        if anchor.implicit:  # FUSEDEPI_IN_KERNEL_CONV=1: in float32 on operands rounded to TF32
+            chain.spec = chain.spec.with_in_kernel_conv()
         chains.append(chain)
         claimed.update(chain.nodes)
     return _drop_cycles(chains, refusals, list(order)), refusals

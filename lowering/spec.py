@@ -116,14 +116,13 @@ class Anchor:
             a pointwise chain on every tile, and the producer's spare warps none (False:
             the spare warps run it at calls whose CTAs have several tiles,
             `cuda_templates.gemm_sm90`). The backend sets it (`fusion_backend.forms`).
-        rounded: conv with `implicit` in float32 only: the fused op's first two inputs are
-            x and the weight rounded to the nearest TF32 value (ties away from zero, as
+        rounded: set with `implicit` on a float32 conv without a bias operand
+            (`EpilogueSpec.with_in_kernel_conv`): the fused op's first two inputs are x
+            and the weight rounded to the nearest TF32 value (ties away from zero, as
             cuDNN's TF32 convs round their operands; the tensor cores would truncate) by
-            graph ops before it, and its last two are x and the weight themselves, which
-            the library conv reads at calls where cuDNN's TF32 flag is off. A launch
-            concern only: the kernels are those of the spec without it
-            (`EpilogueSpec.unrounded`). The backend sets it where it puts the chain in
-            the graph (`fusion_backend.rewrite`).
+            graph ops before it (`fusion_backend.ops.insert_chain`), and its last two are
+            x and the weight themselves, which the library conv reads at calls where
+            cuDNN's TF32 flag is off. The in-kernel conv takes float32 only so.
     """
 
     kind: str
@@ -291,11 +290,12 @@ class EpilogueSpec:
             **data,
         )
 
-    def unrounded(self) -> "EpilogueSpec":
-        """This spec without `Anchor.rounded`: the one its kernels are built from."""
-        if not self.anchor.rounded:
-            return self
-        return dataclasses.replace(self, anchor=dataclasses.replace(self.anchor, rounded=False))
+    def with_in_kernel_conv(self) -> "EpilogueSpec":
+        """This spec with the in-kernel conv as its conv's form (`Anchor.implicit`), on
+        operands rounded to TF32 in float32 without a bias operand (`Anchor.rounded`)."""
+        rounded = self.dtype == "float32" and not self.anchor.has_bias
+        anchor = dataclasses.replace(self.anchor, implicit=True, channels_last=False, rounded=rounded)
+        return dataclasses.replace(self, anchor=anchor)
 
     def with_first_step(self, step: Step, param_dtype: str) -> "EpilogueSpec":
         """This spec with `step` run before its steps (and `param_dtype` appended to its

@@ -183,7 +183,7 @@ def conv_gemm_specs(dtype="bfloat16"):
     input channels below a k-step, a residual read at its NCHW place. (float32 only
     where TF32 is allowed: render with conv_tf32=True.)"""
     p = (dtype,)
-    return {
+    specs = {
         "igemm_relu_bias_64_128": EpilogueSpec(  # conv2d_relu_bias: 62 x 62 output
             _implicit(0, (64, 3, 3, 64, 64)), (Step("relu"), Step("add", inputs=(0,), operand=CHANNEL)),
             dtype, p, 128, 62 * 62, "conv_pointwise",
@@ -204,6 +204,7 @@ def conv_gemm_specs(dtype="bfloat16"):
             dtype, p * 2, 64, 7 * 33, "conv_pointwise",
         ),
     }
+    return {name: spec.with_in_kernel_conv() for name, spec in specs.items()}  # float32: operands rounded
 
 
 def _broadcast(name, index, *terms):

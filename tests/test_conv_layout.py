@@ -207,8 +207,10 @@ def test_the_ops_output_is_contiguous_for_a_channels_last_input():
 
 def test_the_in_kernel_conv_asks_a_channels_last_input(monkeypatch):
     """A conv that the CUDA op computes as the in-kernel conv (an implicit GEMM over a
-    channels-last x) asks Inductor for a channels-last x and leaves the weight free (the
-    launcher lays it out itself); on another arch, or in float32 without TF32, nothing."""
+    channels-last x) asks Inductor for a channels-last x and leaves a 16-bit weight free
+    (the launcher lays it out itself; a float32 one the graph rounds to TF32, written
+    channels-last as the kernel reads it); on another arch, or in float32 without TF32,
+    nothing."""
     from specs import conv_gemm_specs
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -229,7 +231,10 @@ def test_the_in_kernel_conv_asks_a_channels_last_input(monkeypatch):
                     continue
                 (asked, _), _ = layouts
                 assert asked[0].shape == x.shape and asked[0].is_contiguous(memory_format=torch.channels_last)
-                assert asked[1] is None
+                if dtype == "float32":  # the graph's rounding of the weight writes it as the kernel reads it
+                    assert asked[1].is_contiguous(memory_format=torch.channels_last)
+                else:
+                    assert asked[1] is None
                 arch[0] = "sm80"
                 assert ops.input_layouts(spec.to_json(), [x, wt]) is None
     cpu = conv_gemm_specs("bfloat16")["igemm_relu_bias_64_128"]

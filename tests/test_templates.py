@@ -734,6 +734,11 @@ def test_in_kernel_conv_refuses_what_it_does_not_cover():
     assert "multiples of 8" in cuda_templates.conv_gemm_plan(odd_cin, "sm90")
     odd_cout = replace(base, channels=100)
     assert "output channels in multiples of 8" in cuda_templates.conv_gemm_plan(odd_cout, "sm90")
+    # float32 only on operands the graph rounds to TF32 (the tensor cores would truncate them)
+    f32 = CONV_GEMM_SPECS["igemm_relu_bias_64_128-float32"]
+    assert f32.anchor.rounded and not isinstance(cuda_templates.conv_gemm_plan(f32, "sm90", conv_tf32=True), str)
+    unrounded = replace(f32, anchor=replace(f32.anchor, rounded=False))
+    assert "rounded to TF32" in cuda_templates.conv_gemm_plan(unrounded, "sm90", conv_tf32=True)
 
 
 @needs_nvcc

@@ -13,8 +13,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import cuda_templates
-from fusion_backend import launch, ops, rewrite
+from fusion_backend import ops, rewrite
 from lowering import match_graph
 
 
@@ -91,16 +90,29 @@ def _chain_call(gm):
     return call
 
 
+def test_the_in_kernel_conv_in_float32_reads_rounded_operands():
+    """Wherever the in-kernel conv is taken (`EpilogueSpec.with_in_kernel_conv`: the
+    measured choice's form, or the matcher under FUSEDEPI_IN_KERNEL_CONV=1), float32
+    means operands rounded by the graph; 16-bit, or a conv that keeps its bias, not."""
+    _, (chain,) = _conv_graph()
+    assert chain.spec.anchor.implicit and chain.spec.anchor.rounded
+    _, (half,) = _conv_graph(torch.bfloat16)
+    assert half.spec.anchor.implicit and not half.spec.anchor.rounded
+    plain = replace(chain.spec, anchor=replace(chain.spec.anchor, implicit=False, rounded=False))
+    assert plain.with_in_kernel_conv() == chain.spec
+    biased = replace(plain, anchor=replace(plain.anchor, has_bias=True))
+    assert not biased.with_in_kernel_conv().anchor.rounded
+
+
 def test_the_graph_rounds_the_in_kernel_convs_operands(sm90_tf32):
     gm, (chain,) = _conv_graph()
-    assert chain.spec.anchor.implicit and not chain.spec.anchor.rounded
     x, w = chain.operands[:2]
-    rewrite._replace(gm.graph, chain, chain.spec.to_json(), {})
+    spec = chain.spec.to_json()
+    rewrite._replace(gm.graph, chain, spec, {})
     gm.graph.lint()
     call = _chain_call(gm)
-    inputs, spec = call.args
-    parsed = ops._parse(spec)
-    assert parsed.anchor.rounded and parsed.unrounded() == chain.spec
+    inputs, called = call.args
+    assert called == spec
     assert inputs[2:] == [x, w] and inputs[0] is not x and inputs[1] is not w
     # Inductor is asked for the rounded x and weight channels-last (as the kernel reads
     # both), the unrounded ones in any layout
@@ -136,13 +148,11 @@ def _graph_of(graph, outputs):
     return new
 
 
-@pytest.mark.parametrize("case", ["tf32_off", "bf16", "sm80"])
-def test_nothing_is_rounded_where_the_in_kernel_conv_does_not_run_in_tf32(case, sm90_tf32, monkeypatch):
-    if case == "tf32_off":
-        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    if case == "sm80":
-        monkeypatch.setattr(ops, "arch_of", lambda device: "sm80")
+@pytest.mark.parametrize("case", ["bf16", "not_implicit"])
+def test_nothing_is_rounded_where_the_spec_does_not_say_so(case, sm90_tf32):
     gm, (chain,) = _conv_graph(torch.bfloat16 if case == "bf16" else torch.float32)
+    if case == "not_implicit":
+        chain.spec = replace(chain.spec, anchor=replace(chain.spec.anchor, implicit=False, rounded=False))
     operands = list(chain.operands)
     rewrite._replace(gm.graph, chain, chain.spec.to_json(), {})
     inputs, spec = _chain_call(gm).args
@@ -150,35 +160,21 @@ def test_nothing_is_rounded_where_the_in_kernel_conv_does_not_run_in_tf32(case, 
     assert not any(n.target is torch.ops.aten.view.dtype for n in gm.graph.nodes)
 
 
-def test_a_rounded_call_reads_its_operands_by_path(sm90_tf32):
-    gm, (chain,) = _conv_graph()
-    spec = replace(chain.spec, anchor=replace(chain.spec.anchor, rounded=True))
+def test_a_rounded_call_reads_its_operands_by_path():
+    _, (chain,) = _conv_graph()
+    spec = chain.spec
+    unrounded = replace(spec, anchor=replace(spec.anchor, rounded=False))
     xr, wr, x, w, p = (torch.full((1,), float(i)) for i in range(5))
     assert ops.anchor_inputs([xr, wr, p, x, w], spec, rounded_now=True) == [xr, wr, p]
     assert ops.anchor_inputs([xr, wr, p, x, w], spec, rounded_now=False) == [x, w, p]
-    assert ops.anchor_inputs([xr, wr, p], chain.spec, rounded_now=True) == [xr, wr, p]  # not rounded: as given
+    assert ops.anchor_inputs([xr, wr, p], unrounded, rounded_now=True) == [xr, wr, p]  # not rounded: as given
     with pytest.raises(RuntimeError, match="unrounded"):
         ops.anchor_inputs([xr, wr, p], spec, rounded_now=True)
     # The reference (CPU, and the op's fake) convolves x itself: exact float32
     xv, wv = torch.randn(2, 64, 20, 70), torch.randn(128, 64, 3, 3)
     (out,) = ops.reference([ops.round_to_tf32(xv), ops.round_to_tf32(wv), xv, wv], spec.to_json())
-    (exact,) = ops.reference([xv, wv], chain.spec.to_json())
+    (exact,) = ops.reference([xv, wv], unrounded.to_json())
     assert torch.equal(out, exact)
-
-
-def test_a_rounded_spec_builds_the_kernels_of_its_unrounded_one(sm90_tf32, monkeypatch, tmp_path):
-    gm, (chain,) = _conv_graph()
-    rendered = []
-    monkeypatch.setattr(cuda_templates, "render", lambda spec, arch, conv_tf32=False: rendered.append(spec) or "src")
-    monkeypatch.setattr(cuda_templates, "load", lambda *args, **kwargs: object())
-    monkeypatch.setattr(launch, "arch_of", lambda device: "sm90")
-    rounded = replace(chain.spec, anchor=replace(chain.spec.anchor, rounded=True))
-    try:
-        lib = launch.kernel_for(rounded.to_json(), torch.device("cuda", 0), tmp_path, True)
-        assert launch.kernel_for(chain.spec.to_json(), torch.device("cuda", 0), tmp_path, True) is lib
-    finally:
-        launch.forget_loaded()
-    assert rendered == [chain.spec]
 
 
 def test_the_rounding_ops_keep_a_dynamic_batch():

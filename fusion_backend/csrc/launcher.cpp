@@ -603,7 +603,7 @@ std::vector<at::Tensor> chain_cuda(at::TensorList inputs, c10::string_view spec)
     plan = find_locked(key, inputs[0].device().index());
     if (plan && plan->rounded) {
       // As ops.anchor_inputs: the rounded x and weight for the in-kernel conv, else x and
-      // the weight themselves from the end, then the other inputs.
+      // the weight themselves from the end in their place.
       const size_t n = static_cast<size_t>(plan->n_operands);
       if (inputs.size() < n + 2) {
         plan = nullptr;  // Python's launcher raises for it
@@ -611,7 +611,7 @@ std::vector<at::Tensor> chain_cuda(at::TensorList inputs, c10::string_view spec)
         use = inputs.slice(0, inputs.size() - 2);
       } else {
         picked.assign(inputs.end() - 2, inputs.end());
-        picked.insert(picked.end(), inputs.begin() + n, inputs.end() - 2);
+        picked.insert(picked.end(), inputs.begin() + 2, inputs.end() - 2);
         use = picked;
       }
     }

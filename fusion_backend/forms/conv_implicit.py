@@ -17,8 +17,6 @@ keeps the faster; elsewhere the library conv runs. FUSEDEPI_IN_KERNEL_CONV switc
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import cuda_templates
 from lowering.spec import EpilogueSpec
 
@@ -46,8 +44,7 @@ class ConvImplicit(Form):
         if xv.device.type != "cuda" or xv.dim() != 4:
             return None
         tf32 = spec.dtype == "float32" and conv_allows_tf32()
-        implicit = replace(spec, anchor=replace(anchor, implicit=True, channels_last=False))
-        if not isinstance(cuda_templates.conv_gemm_plan(implicit, arch_of(xv.device), tf32),
+        if not isinstance(cuda_templates.conv_gemm_plan(spec.with_in_kernel_conv(), arch_of(xv.device), tf32),
                           cuda_templates.ConvGemmPlan):
             return None
         x_shape, w_shape = timings.example_shape(xv), timings.example_shape(wv)
@@ -67,8 +64,7 @@ class ConvImplicit(Form):
         raise NotImplementedError("timed as the whole chain both ways (timed_as_chain)")
 
     def apply(self, chain, found) -> EpilogueSpec:
-        anchor = chain.spec.anchor
-        return replace(chain.spec, anchor=replace(anchor, implicit=True, channels_last=False))
+        return chain.spec.with_in_kernel_conv()
 
     def applied(self, spec: EpilogueSpec) -> bool:
         return spec.anchor.implicit
