@@ -203,6 +203,19 @@ class SqueezeExcite(nn.Module):
         return y * gate[:, :, None, None]
 
 
+class PreActivationConv(nn.Module):
+    """A pre-activation ResNet's conv (ResNet v2, BigGAN and UNet blocks): ReLU of the
+    input, the conv, then ReLU and a per-channel bias. Its input is made by a kernel of
+    Inductor's, not read from the caller."""
+
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.conv, self.b = nn.Conv2d(cin, cout, 3), _p(cout, 1, 1)
+
+    def forward(self, x):
+        return F.relu(self.conv(F.relu(x))) + self.b
+
+
 class TimeEmbeddingResBlock(nn.Module):
     """A diffusion UNet's ResBlock half: conv, + a per-image time embedding (a Linear of
     a per-image vector, here the input's channel means), GroupNorm, SiLU."""
@@ -314,6 +327,7 @@ MODELS = [
              (32, 64, 64, 64)),
     ZooModel("conv2d_wide_relu_bias", lambda: Seq(_conv(64, 128), lambda y, m: F.relu(y) + m.b, b=_p(128, 1, 1)),
              (128, 64, 128, 128)),  # a 1.04 GB float32 conv output
+    ZooModel("preactivation_conv_relu_bias", lambda: PreActivationConv(64, 128), (32, 64, 64, 64)),
     ZooModel("conv2d_relu_hardswish_spelled", lambda: Seq(_conv(8, 64), lambda y, m: _hardswish_spelled(F.relu(y))),
              (32, 8, 128, 128)),
     ZooModel("conv2d_mish_spelled_bn", lambda: Seq(
