@@ -149,12 +149,9 @@ def host_ms(fns: Sequence[Callable[[], object]], device: torch.device, calls: in
 
 
 def _host_round_ms(fn: Callable[[], object], calls: int, device: torch.device) -> float:
-    if device.type == "cuda":
+    if device.type == "cuda":  # from an idle device (each round starts so: no sync after it)
         torch.cuda.synchronize(device)
-    ms = _wall_round_ms(fn, calls)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return ms
+    return _wall_round_ms(fn, calls)
 
 
 def _wall_round_ms(fn: Callable[[], object], calls: int) -> float:

@@ -285,7 +285,6 @@ def test_l2_normalize(n, dtype, exact_float32):
     assert relative_error(out, ref) <= TOLERANCE[dtype], f"seed {exact_float32}"
 
 
-
 class _SoftmaxSpelled(nn.Module):
     """Linear (or Conv2d) -> softmax written out over the features (the channels):
     exp(y - max) over its sum."""
@@ -336,6 +335,7 @@ def test_layer_norm_written_out(dtype, exact_float32):
         out, fused = compile_and_run(model, x)
     assert fused == ["linear_layernorm"]
     assert relative_error(out, ref) <= TOLERANCE[dtype], f"seed {exact_float32}"
+
 
 def _gelu_erf_spelled(y):
     return y * 0.5 * (1.0 + torch.erf(y / math.sqrt(2.0)))
