@@ -3,8 +3,8 @@ implicit GEMM whose output tile gets the chain in registers and is written once.
 
 The GEMM: M = the output's pixels (rows x Ho x Wo), N = the output channels, K = kh x kw x
 C_in. `render.conv_gemm_plan` decides where it applies (2-D, stride 1, dilation 1, groups
-1, pointwise chains, C_in a multiple of 16 bytes, sm_90) and renders it into
-`templates.KERNEL_FILE` with the spec's stage functions; the launcher hands it the input
+1, pointwise chains and norms over whole channels, C_in a multiple of 16 bytes, sm_90)
+and renders it into `templates.KERNEL_FILE` with the spec's stage functions; the launcher hands it the input
 in channels-last memory ([rows, H, W, C_in]; one copy, as Inductor's channels-last conv
 makes) and the weight as [C_out, kh, kw, C_in].
 
@@ -35,6 +35,12 @@ channels, persistent over tiles, 384 threads):
   At 128 x 64 x 128 x 128 -> 128 channels, k 3 (H100, kernel time): bf16 0.56 ms
   ping-pong, 0.76 ms cooperative; the mainloop alone 0.50 and 0.40 ms (one warpgroup's
   wgmmas at a time run slower than two warpgroups' together).
+
+With a norm (`ConvGemmPlan.stats`: BatchNorm in training, or GroupNorm, InstanceNorm, a
+LayerNorm over whole channels), the tiles store the value before the norm and write
+each channel's moments over the tile's pixels (two passes over the registers: the sum,
+then the squares about the tile's mean); CONV_STATS_FINAL merges them (a block a
+channel or segment), and the file's apply kernel normalizes the output in place.
 
 float32 runs in TF32 (wgmma reads the operands' top 19 bits), only where
 `torch.backends.cudnn.allow_tf32` allows it, as cuDNN's conv does.
@@ -70,6 +76,8 @@ class ConvGemmPlan:
         stages: the ring's depth.
         pingpong: each consumer warpgroup takes whole tiles in turn (one's finish under
             the other's mainloop; block_n <= PINGPONG_MAX_N), else both take each tile.
+        stats: the tiles write each channel's moments over their pixels (a norm's
+            statistics, `stats_floats`), beside the value before the norm.
     """
 
     block_n: int
@@ -77,6 +85,7 @@ class ConvGemmPlan:
     tile_w: int
     stages: int
     pingpong: bool = False
+    stats: bool = False
 
     def name(self, spec, arch: str) -> str:
         return f"igemm{BLOCK_M}x{self.block_n}_" + spec.kernel_name(arch + "a")
@@ -97,11 +106,19 @@ def staging_pitch(tile_h: int, tile_w: int, itemsize: int) -> int:
     return -(-tile_h * (tile_w + out_v) * itemsize // 64) * 64 // itemsize + out_v
 
 
-def tiling(cout: int, wo: int, itemsize: int) -> ConvGemmPlan:
+def stats_floats(block_n: int, pingpong: bool) -> int:
+    """The shared floats of a tile's moments (the kernel's kStatsFloats, a consumer
+    warpgroup's in ping-pong): a sum a (finishing warp, channel) for each of the two
+    passes (mean, then M2), and the channels' means."""
+    warps = 4 if pingpong else 8
+    return (2 * warps + 1) * block_n * (2 if pingpong else 1)
+
+
+def tiling(cout: int, wo: int, itemsize: int, stats: bool = False) -> ConvGemmPlan:
     """The tile for C_out channels and an output width `wo`: the fewest channel tiles of
     a BLOCK_N width, the narrowest that covers C_out in that many; a patch as wide as the
     output (a power of two, 8 to 128); and as many ring stages as shared memory holds
-    beside the staging tile."""
+    beside the staging tile (and, with `stats`, the tile's moments)."""
     widths = BLOCK_N[itemsize]
     n_tiles = -(-cout // widths[-1])
     block_n = next(n for n in widths if n * n_tiles >= cout)
@@ -110,9 +127,11 @@ def tiling(cout: int, wo: int, itemsize: int) -> ConvGemmPlan:
         tile_w *= 2
     stage = BLOCK_M * 128 + block_n * 128  # an x box and a w box of 128-byte rows
     staging = block_n * staging_pitch(BLOCK_M // tile_w, tile_w, itemsize) * itemsize  # the kernel's kStaging
+    pingpong = block_n <= PINGPONG_MAX_N
+    staging += 4 * stats_floats(block_n, pingpong) if stats else 0
     stages = min(8, (SMEM_BUDGET - staging) // stage)
     assert stages >= MIN_STAGES, (cout, itemsize)
-    return ConvGemmPlan(block_n, BLOCK_M // tile_w, tile_w, stages, pingpong=block_n <= PINGPONG_MAX_N)
+    return ConvGemmPlan(block_n, BLOCK_M // tile_w, tile_w, stages, pingpong=pingpong, stats=stats)
 
 
 def wgmma_asm(dtype: str, n: int) -> str:
@@ -154,6 +173,8 @@ def wgmma_asm(dtype: str, n: int) -> str:
 #   $wo         the output's width
 #   $pitch      the staging tile's elements between two channels (staging_pitch)
 #   $pingpong   the consumers' schedule: true (ping-pong) or false (cooperative)
+#   $stats      the tiles write their channels' moments (ConvGemmPlan.stats): true or false
+#   $parts_at   where the moments go: floats from the workspace's start
 #   $wgmma      the wgmma_asm() statement
 CONV_KERNELS = Template(
     r"""// In-kernel conv (cuda_templates/conv_sm90.py): out = chain(conv2d(x, w)), an implicit GEMM.
@@ -166,6 +187,8 @@ constexpr int kKH = $kh, kKW = $kw, kPH = $ph, kPW = $pw, kTaps = kKH * kKW;
 constexpr int kHo = $ho, kWo = $wo;
 constexpr int kPitch = $pitch;  // the staging tile's elements between two channels
 constexpr bool kPingPong = $pingpong;  // the consumers' schedule (conv_sm90.cuh)
+constexpr bool kConvStats = $stats;  // the tiles write their channels' moments (conv_sm90.cuh)
+[[maybe_unused]] constexpr long long kPartsAt = $parts_at;  // ... at a.ws + kPartsAt (kConvStats)
 constexpr int kCBlocks = (kCin + kBK - 1) / kBK;  // k-steps a tap
 constexpr int kCinPad = kCBlocks * kBK;  // the weight's input channels, padded with zeros by the launcher
 constexpr int kKSteps = kTaps * kCBlocks;
@@ -180,7 +203,7 @@ __device__ __forceinline__ void wgmma_n(float (&d)[kBN / 2], uint64_t desc_a, ui
 
 #include "fusedepi/conv_sm90.cuh"
 
-constexpr int kConvSmem = kStages * (kTileA + kTileB) + kStaging + 1024;  // + alignment slack
+constexpr int kConvSmem = kStages * (kTileA + kTileB) + kStaging + kStatsBytes + 1024;  // + alignment slack
 static_assert(kTH * kTW == kBM && kTW >= 8, "a tile's patch: 128 pixels, rows of 8 or more");
 static_assert(kBK * kElem == 128 && kBK % kMmaK == 0 && kMmaK * kElem == 32, "128-byte rows, 32 bytes a wgmma");
 static_assert(kBN % 8 == 0 && kBN <= 256 && kChannels % 8 == 0, "wgmma's N; whole 8-channel chunks");
@@ -216,4 +239,30 @@ int conv_launch(const Args& a, int device, cudaStream_t stream) {
 }"""
 )
 
-__all__ = ["BLOCK_M", "CONV_KERNELS", "ConvGemmPlan", "block_k", "padded_in_channels", "tiling", "wgmma_asm"]
+# The merge of the tiles' moments into a norm's statistics (conv_sm90.cuh,
+# conv_stats_final): a block a channel (BatchNorm) or a segment. Placeholders:
+#   $kernel      the kernel name (prefix of the __global__)
+#   $segments    true: segments of whole channels (GroupNorm...); false: BatchNorm's channels
+#   $seg_groups  segments an image (kSegGroups)
+#   $done        statements ending a channel's or segment's statistics, with its index `c`
+#                and its merged moments `m` (render: BatchNorm's finish, or SEGMENT_STATS)
+CONV_STATS_FINAL = Template(
+    r"""__global__ void __launch_bounds__(256) ${kernel}_convstats(Args a) {
+  conv_stats_final<$segments, $seg_groups>(a, [&](long long c, fusedepi::Moments m) {
+$done
+  });
+}"""
+)
+
+# A segment's (mean, rstd) into the workspace, where the apply kernel reads them
+# (templates.CHUNK_NORM). Placeholders:
+#   $stats_at    the statistics' place (a float* expression)
+#   $eps         the norm's eps (a C float)
+SEGMENT_STATS = Template(
+    r"""    float* stats = $stats_at + c * 2;
+    stats[0] = m.mean;
+    stats[1] = rsqrtf(fmaxf(m.m2 / m.n, 0.f) + $eps);"""
+)
+
+__all__ = ["BLOCK_M", "CONV_KERNELS", "CONV_STATS_FINAL", "SEGMENT_STATS", "ConvGemmPlan", "block_k", "padded_in_channels",
+           "stats_floats", "tiling", "wgmma_asm"]

@@ -670,8 +670,9 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
         return "float32: the in-kernel conv reads x and the weight rounded to TF32 by the graph (Anchor.rounded)"
     if spec.saves:
         return "it returns values saved for backward, and the in-kernel conv writes only the result"
-    if spec.reduction is not None:
-        return f"{spec.reduction.name} after the in-kernel conv is not implemented (pointwise chains only)"
+    stats = conv_stats(spec)
+    if isinstance(stats, str):
+        return stats
     cin, kh, kw, _, _ = anchor.direct
     ho, wo = anchor.direct_out_hw()
     if ho < 1 or wo < 1 or ho * wo != spec.inner:
@@ -680,7 +681,24 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     if cin % per_16_bytes or spec.channels % 8:
         return (f"{cin} -> {spec.channels} channels (the in-kernel conv takes input channels in multiples of "
                 f"{per_16_bytes}, output channels in multiples of 8)")
-    return conv_sm90.tiling(spec.channels, wo, ITEMSIZE[spec.dtype])
+    return conv_sm90.tiling(spec.channels, wo, ITEMSIZE[spec.dtype], stats=stats)
+
+
+def conv_stats(spec: EpilogueSpec) -> bool | str:
+    """Whether the in-kernel conv's tiles write a norm's statistics (BatchNorm in
+    training, or a GroupNorm, InstanceNorm or LayerNorm whose segments are whole
+    channels of an image), False for a pointwise chain, or the reason it takes neither."""
+    red = spec.reduction
+    if red is None:
+        return False
+    if spec.second_reduction is not None:
+        return f"{spec.second_reduction.name} after {red.name}: the in-kernel conv's apply kernel does not reduce"
+    if red.name == "batchnorm_train" and spec.inner > 1:
+        return True
+    if red.name in SEGMENT_NORMS and red.groups and spec.channels % red.groups == 0:
+        return True
+    return (f"{red.name} after the in-kernel conv is not implemented (pointwise chains, BatchNorm, and norms over "
+            "whole channels of an image)")
 
 
 def anchor_plan(spec: EpilogueSpec, arch: str,
@@ -812,18 +830,7 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
     if red is None:
         middle = ""
     elif red.name == "batchnorm_train":
-        finish = dict(
-            kernel=name,
-            momentum=cfloat(red.consts[0]),
-            eps=cfloat(red.consts[1]),
-            running_mean=f"fusedepi::to_float(a.p{red.inputs[2]}[c])",
-            running_var=f"fusedepi::to_float(a.p{red.inputs[3]}[c])",
-            weight=f"fusedepi::to_float(a.p{red.inputs[0]}[c])" if red.inputs[0] >= 0 else "1.f",
-            bias=f"fusedepi::to_float(a.p{red.inputs[1]}[c])" if red.inputs[1] >= 0 else "0.f",
-            rstat_type=CTYPES[spec.param_dtypes[red.inputs[2]]],
-            save_stats=_save_stats(spec, "m.mean", "invstd", "c"),
-        )
-        finish = templates.BATCH_NORM_FINISH.substitute(**finish)
+        finish = _batch_norm_finish(spec)
         if spec.inner == 1 or p.tiled:
             # [rows, features], or a channels-last [rows * inner, channels]: partials per
             # (column_stats block, column). A thread loads 16 bytes of a row's columns; on
@@ -897,6 +904,22 @@ def render(spec: EpilogueSpec, arch: str, launch: Plan | None = None, conv_tf32:
         launches.append(f"  {name}_partfinal<<<(rows * kGroups * kParts + 255) / 256, 256, 0, stream>>>(a);")
     return _kernel_file(spec, name, p, fields=fields, bind=bind, stages=_stages(spec), middle=middle,
                         store=store, stats_kernels=stats_kernels, launches="\n".join(launches), ws_floats=ws_floats)
+
+
+def _batch_norm_finish(spec: EpilogueSpec) -> str:
+    """BatchNorm (training)'s end of its statistics, with a channel `c`'s merged moments
+    `m` in scope: the normalize's scale and shift, the new running stats."""
+    red = spec.reduction
+    return templates.BATCH_NORM_FINISH.substitute(
+        momentum=cfloat(red.consts[0]),
+        eps=cfloat(red.consts[1]),
+        running_mean=f"fusedepi::to_float(a.p{red.inputs[2]}[c])",
+        running_var=f"fusedepi::to_float(a.p{red.inputs[3]}[c])",
+        weight=f"fusedepi::to_float(a.p{red.inputs[0]}[c])" if red.inputs[0] >= 0 else "1.f",
+        bias=f"fusedepi::to_float(a.p{red.inputs[1]}[c])" if red.inputs[1] >= 0 else "0.f",
+        rstat_type=CTYPES[spec.param_dtypes[red.inputs[2]]],
+        save_stats=_save_stats(spec, "m.mean", "invstd", "c"),
+    )
 
 
 def _second_reduction(spec: EpilogueSpec, p: Plan, name: str, ws_floats: str) -> tuple[str, str, str]:
@@ -1204,8 +1227,12 @@ def _render_gemm(spec: EpilogueSpec, arch: str, p: Plan, g: GemmPlan) -> str:
 
 
 def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvGemmPlan) -> str:
-    """The in-kernel conv computes the anchor and the (pointwise) chain: one launch."""
+    """The in-kernel conv computes the anchor and a pointwise chain: one launch. With a
+    norm (`c.stats`) it writes the value before the norm into the output and its tiles'
+    moments; a kernel merges those into the norm's statistics, and the file's apply
+    kernel normalizes the output in place (stage1)."""
     name = c.name(spec, arch)
+    red = spec.reduction
     cin, kh, kw, h, w = spec.anchor.direct
     ho, wo = spec.anchor.direct_out_hw()
     ph, pw = spec.anchor.conv[1]
@@ -1215,12 +1242,38 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
         cin=cin, h=h, w=w, kh=kh, kw=kw, ph=ph, pw=pw, ho=ho, wo=wo,
         pitch=conv_sm90.staging_pitch(c.tile_h, c.tile_w, ITEMSIZE[spec.dtype]),
         pingpong="true" if c.pingpong else "false", wgmma=conv_sm90.wgmma_asm(spec.dtype, c.block_n),
+        stats="true" if c.stats else "false",
+        parts_at="2 * kChannels" if c.stats and red.name == "batchnorm_train" else "0",
     )
     fields, bind = _fields(spec, direct=True)
-    launches = "  err = static_cast<cudaError_t>(conv_launch(a, device, stream));\n  if (err != cudaSuccess) return static_cast<int>(err);"
-    return _kernel_file(spec, name, p, anchor_inside=1, includes='#include "fusedepi/hopper.cuh"\n', apply=False,
-                        fields=fields, bind=bind, stages=_stages(spec), stats_kernels=conv, launches=launches,
-                        ws_floats="0")
+    launches = ["  err = static_cast<cudaError_t>(conv_launch(a, device, stream));",
+                "  if (err != cudaSuccess) return static_cast<int>(err);"]
+    if not c.stats:
+        return _kernel_file(spec, name, p, anchor_inside=1, includes='#include "fusedepi/hopper.cuh"\n', apply=False,
+                            fields=fields, bind=bind, stages=_stages(spec), stats_kernels=conv,
+                            launches="\n".join(launches), ws_floats="0")
+    parts = "rows * kPatches * kChannels * 2"  # the tiles' moments, a float2 a (image, patch, channel)
+    if red.name == "batchnorm_train":
+        # Workspace: the normalize's scale[C] and shift[C], then the moments.
+        conv += "\n\n" + conv_sm90.CONV_STATS_FINAL.substitute(kernel=name, segments="false", seg_groups=1,
+                                                               done=_batch_norm_finish(spec))
+        middle, grid, ws_floats = templates.BATCH_NORM_APPLY, "kChannels", f"2 * kChannels + {parts}"
+    else:
+        # Workspace: the moments, then (mean, rstd) a segment.
+        done = conv_sm90.SEGMENT_STATS.substitute(stats_at=f"a.ws + {parts.replace('rows', 'a.rows')}",
+                                                 eps=cfloat(red.consts[0]))
+        conv += "\n\n" + conv_sm90.CONV_STATS_FINAL.substitute(kernel=name, segments="true", seg_groups=red.groups,
+                                                               done=done)
+        middle = templates.CHUNK_NORM.substitute(apply=templates.APPLY_STAGE1,
+                                                 stats_at=f"(a.ws + {parts.replace('rows', 'a.rows')})")
+        grid, ws_floats = "segments", f"{parts} + rows * kGroups * 2"
+    launches += [f"  {name}_convstats<<<{grid}, 256, 0, stream>>>(a);",
+                 "  Args b = a;  // the apply kernel normalizes the output in place",
+                 "  b.y = a.out;",
+                 f"  {name}_apply<<<{_apply_grid(p)}, kBlock, 0, stream>>>(b);"]
+    return _kernel_file(spec, name, p, stage0_done="true", anchor_inside=1, includes='#include "fusedepi/hopper.cuh"\n',
+                        fields=fields, bind=bind, stages=_stages(spec), middle=middle, stats_kernels=conv,
+                        launches="\n".join(launches), ws_floats=ws_floats)
 
 
 def _apply_vec(d: DirectPlan, ho: int, wo: int) -> int:

@@ -203,6 +203,27 @@ def conv_gemm_specs(dtype="bfloat16"):
             _implicit(0, (72, 1, 1, 7, 33)), (_bias(0), Step("add", inputs=(1,), operand=FULL), Step("relu")),
             dtype, p * 2, 64, 7 * 33, "conv_pointwise",
         ),
+        # norms: the tiles' moments, their merge, the apply kernel in place
+        "igemm_bn_relu_16_32": EpilogueSpec(  # BatchNorm (training), ping-pong tiles of 64 (bf16) channels
+            _implicit(1, (16, 3, 3, 40, 40)),
+            (_bias(0), Step("batchnorm_train", consts=(0.1, 1e-5), inputs=(1, 2, 3, 4)), Step("relu")),
+            dtype, p * 5, 32, 40 * 40, "conv_batchnorm_train",
+        ),
+        "igemm_bn_1x1_192": EpilogueSpec(  # BatchNorm on cooperative tiles of 192 channels
+            _implicit(0, (32, 1, 1, 12, 20)),
+            (_bias(0), Step("batchnorm_train", consts=(0.1, 1e-5), inputs=(1, 2, 3, 4)), Step("silu")),
+            dtype, p * 5, 192, 12 * 20, "conv_batchnorm_train",
+        ),
+        "igemm_groupnorm_silu": EpilogueSpec(  # groups of 8 channels, partial patches at the edges
+            _implicit(1, (32, 3, 3, 20, 24)),
+            (_bias(0), Step("groupnorm", consts=(1e-5,), inputs=(1, 2), groups=8), Step("silu")),
+            dtype, p * 3, 64, 20 * 24, "conv_groupnorm",
+        ),
+        "igemm_instancenorm_leaky": EpilogueSpec(  # a group a channel, no affine
+            _implicit(0, (16, 3, 3, 30, 30)),
+            (_bias(0), Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=32), Step("leaky_relu", consts=(0.2,))),
+            dtype, p, 32, 28 * 28, "conv_groupnorm",
+        ),
     }
     return {name: spec.with_in_kernel_conv() for name, spec in specs.items()}  # float32: operands rounded
 

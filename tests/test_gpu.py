@@ -1725,6 +1725,88 @@ def test_in_kernel_conv_residual_nan_and_zero_batch(exact_float32, monkeypatch):
     assert empty.shape == (0, 64, 11, 45)
 
 
+class _ConvNorm(nn.Module):
+    """Conv2d -> norm -> silu: the in-kernel conv with a norm's statistics from its tiles."""
+
+    def __init__(self, cin, cout, k, padding, norm):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, k, padding=padding)
+        self.norm = norm
+
+    def forward(self, x):
+        return F.silu(self.norm(self.conv(x)))
+
+
+IN_KERNEL_CONV_NORMS = {
+    # name: (cin, cout, k, padding, norm of cout channels, input shape)
+    # 320 tiles of 128 x 64 (more than the CTAs: the moments' scratch reused tile after tile),
+    # patches cut at the right edge (70 of 128 columns)
+    "batchnorm_c16_to_32": (16, 32, 3, 1, lambda c: nn.BatchNorm2d(c, momentum=0.3), (8, 16, 40, 70)),
+    # 1 x 1, 192 channels: bf16 tiles of 192 (cooperative: both warpgroups' moments a tile)
+    "batchnorm_1x1_c192": (32, 192, 1, 0, lambda c: nn.BatchNorm2d(c), (2, 32, 9, 30)),
+    "groupnorm_8_groups": (32, 64, 3, 1, lambda c: nn.GroupNorm(8, c), (2, 32, 20, 24)),
+    "instancenorm": (16, 32, 3, 0, lambda c: nn.InstanceNorm2d(c), (3, 16, 30, 30)),
+    "layernorm_image": (16, 32, 3, 1, lambda c: nn.LayerNorm([c, 12, 12]), (2, 16, 12, 12)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("name", list(IN_KERNEL_CONV_NORMS))
+def test_in_kernel_conv_with_a_norm(name, dtype, exact_float32, monkeypatch):
+    # The tiles' moments merged into the norm's statistics, then the output normalized in
+    # place: 16-bit at eager's error; float32 where cuDNN may use TF32, against float64 on
+    # the TF32-rounded operands; BatchNorm's running stats as eager's, over two steps.
+    _needs_sm90()
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
+    cin, cout, k, padding, norm, shape = IN_KERNEL_CONV_NORMS[name]
+    model = _ConvNorm(cin, cout, k, padding, norm(cout)).cuda().to(dtype)
+    if isinstance(model.norm, nn.GroupNorm | nn.LayerNorm):
+        with torch.no_grad():
+            model.norm.weight.uniform_(0.5, 1.5)
+            model.norm.bias.uniform_(-0.5, 0.5)
+    eager = copy.deepcopy(model)
+    saved = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = dtype == torch.float32
+        with torch.no_grad():
+            fn = torch.compile(model, backend=fusedepi)
+            for step in range(2):
+                x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1 + step
+                if dtype == torch.float32:
+                    from fusion_backend.ops import round_to_tf32
+
+                    rounded = copy.deepcopy(eager)
+                    rounded.conv.weight.copy_(round_to_tf32(rounded.conv.weight))
+                    ref, _ = float64_reference(rounded, round_to_tf32(x))
+                else:
+                    ref, _ = float64_reference(eager, x)
+                if step == 0:
+                    reports: list = []
+                    with collect_reports(reports):
+                        out = fn(x)
+                    kernels = [r.kernel for rep in reports for r in rep.records if r.status == "fused"]
+                    assert len(kernels) == 1 and kernels[0].startswith("igemm128x"), kernels
+                    ran = _fusedepi_kernels_run(fn, x, pattern=r"_sm[0-9]+a?_")
+                    for part in (r"_conv\b", r"_convstats\b", r"_apply\b"):  # the conv, the merge, the normalize
+                        assert any(re.search(part, r) for r in ran), (part, ran)
+                    out = fn(x)
+                    for _ in range(2):  # BatchNorm's running stats moved by the two calls before
+                        eager(x)
+                else:
+                    out = fn(x)
+                eager_out = eager(x)
+                err = relative_error(out, ref)
+                bound = TOLERANCE[dtype] if dtype == torch.float32 else max(TOLERANCE[dtype], 1.5 * relative_error(eager_out, ref))
+                assert err <= bound, f"step {step}: relative error {err:.3g} (seed {exact_float32})"
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    if isinstance(model.norm, nn.BatchNorm2d):
+        assert model.norm.num_batches_tracked.item() == eager.norm.num_batches_tracked.item()
+        for stat in ("running_mean", "running_var"):
+            err = relative_error(getattr(model.norm, stat).double(), getattr(eager.norm, stat).double())
+            assert err <= (1e-3 if dtype == torch.float32 else TOLERANCE[dtype]), f"{stat}: {err:.3g}"
+
+
 class _LinearResidual(nn.Module):
     """Linear without bias -> x * 0.5 + residual -> relu: a step that reads a tensor per element."""
 

@@ -710,7 +710,17 @@ def test_in_kernel_conv_plans_and_names(name):
     acc = c.block_n // 2
     assert f"wgmma.mma_async.sync.aligned.m64n{c.block_n}k{k}.f32.{t}.{t} " in source
     assert f"%{acc - 1}}}, %{acc}, %{acc + 1}, p, 1, 1{'' if t == 'tf32' else ', 0, 0'};" in source
-    assert "fusedepi_anchor_inside() { return 1; }" in source and "_apply(" not in source
+    assert "fusedepi_anchor_inside() { return 1; }" in source
+    # A norm: the tiles write their moments, a kernel merges them, the apply kernel
+    # normalizes the output in place; a pointwise chain is the conv's launch alone.
+    assert c.stats == (spec.reduction is not None)
+    assert ("_apply(" in source) == ("_convstats(" in source) == ("b.y = a.out;" in source) == c.stats
+    assert f"constexpr bool kConvStats = {'true' if c.stats else 'false'};" in source
+    if c.stats:
+        assert "constexpr bool kStage0Done = true;" in source
+        bn = spec.reduction.name == "batchnorm_train"
+        assert f"constexpr long long kPartsAt = {'2 * kChannels' if bn else '0'};" in source
+        assert f"conv_stats_final<{'false, 1' if bn else f'true, {spec.reduction.groups}'}>" in source
     # Without TF32 a float32 conv is not taken (exact float32 stays with the library);
     # nor on sm_80, nor where the direct conv covers the chain.
     if spec.dtype == "float32":
@@ -728,8 +738,16 @@ def test_in_kernel_conv_refuses_what_it_does_not_cover():
     assert "FUSEDEPI_IN_KERNEL_CONV" in cuda_templates.conv_gemm_plan(off, "sm90")
     direct = implicit(direct_specs("bfloat16")["direct_pointwise_cin8"])  # 16 output channels: the direct conv's
     assert "direct conv covers" in cuda_templates.conv_gemm_plan(direct, "sm90")
-    norm = implicit(direct_specs("bfloat16")["direct_groupnorm_cpg16_two_column_tiles"])
-    assert "not implemented" in cuda_templates.conv_gemm_plan(norm, "sm90")
+    gn = CONV_GEMM_SPECS["igemm_groupnorm_silu-bfloat16"]
+    assert cuda_templates.conv_gemm_plan(gn, "sm90").stats
+    # segments that split a channel (a LayerNorm over the rows of an image), a norm with a
+    # reduction after it, reductions other than a norm: the library conv and the epilogue
+    rows_ln = replace(gn, steps=(gn.steps[0], replace(gn.steps[1], name="layernorm", groups=64 * 20), gn.steps[2]))
+    assert "not implemented" in cuda_templates.conv_gemm_plan(rows_ln, "sm90")
+    then_mean = replace(gn, steps=gn.steps[:2] + (Step("spatial_mean"),))
+    assert "after groupnorm" in cuda_templates.conv_gemm_plan(then_mean, "sm90")
+    softmax = replace(gn, steps=(gn.steps[0], Step("channel_softmax")), fusion="conv_channel_softmax")
+    assert "not implemented" in cuda_templates.conv_gemm_plan(softmax, "sm90")
     odd_cin = replace(base, anchor=replace(base.anchor, direct=(60, 3, 3, 64, 64)))
     assert "multiples of 8" in cuda_templates.conv_gemm_plan(odd_cin, "sm90")
     odd_cout = replace(base, channels=100)
@@ -825,9 +843,11 @@ def test_kernel_files_compile_without_warnings():
                                         ("test_nvcc_compiles_tf32_direct_convs", next(iter(TF32_SPECS)), "sm90a")]
     jobs += [("test_nvcc_compiles_the_in_kernel_gemm", n, "sm90a") for n in ("gemm_pointwise-bfloat16",
                                                                               "gemm_w2_logsumexp-float32")]
-    # the in-kernel conv's two schedules: ping-pong (64 channels a tile), cooperative (160)
-    jobs += [("test_nvcc_compiles_the_in_kernel_conv", n, "sm90a") for n in ("igemm_1x1_residual-float32",
-                                                                              "igemm_cin8_k5_320-bfloat16")]
+    # the in-kernel conv's two schedules: ping-pong (64 channels a tile), cooperative (160,
+    # 192), each with a norm's moments too
+    jobs += [("test_nvcc_compiles_the_in_kernel_conv", n, "sm90a") for n in (
+        "igemm_1x1_residual-float32", "igemm_cin8_k5_320-bfloat16", "igemm_groupnorm_silu-float32",
+        "igemm_bn_1x1_192-bfloat16")]
     nvcc = compiler.find_nvcc()
 
     def warnings_of(job, directory):

@@ -6,8 +6,8 @@
 //   T, Args (x: the input [rows, H, W, C_in] in memory, w: the weight [kChannels, kTaps,
 //   kCinPad]), stage0_chan, stage0_chan_of, stage0_at, kChannels (KERNEL_FILE and
 //   CONV_KERNELS' constants: kBM, kBN, kBK, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
-//   kHo, kWo, kPitch, kCBlocks, kTilesN, kTileA, kTileB, kMmaK, kPingPong, wgmma_n), and
-//   hopper.cuh.
+//   kHo, kWo, kPitch, kCBlocks, kTilesN, kTilesPerImage, kTileA, kTileB, kMmaK, kPingPong,
+//   kConvStats, kPartsAt, wgmma_n), and hopper.cuh.
 // It is not a standalone header: those constants differ per file.
 #pragma once
 
@@ -99,6 +99,134 @@ __device__ __forceinline__ void each_value(int n0, F&& f) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) f(j, e, h, 4 * j + 2 * h + e);
   }
+}
+
+// A norm's statistics from the tiles (kConvStats): each tile writes, for each of its
+// channels, the moments (mean, M2) of its pixels' values before the norm (the stored
+// value, rounded to T) to a.ws + kPartsAt, a float2 at (tile / kTilesN) * kChannels +
+// channel: [rows][kPatches][kChannels]; conv_stats_final merges them. In shared memory
+// after the staging tile (a consumer warpgroup's own in ping-pong): a sum a (finishing
+// warp, channel) for each pass, and the channels' means. (conv_sm90.stats_floats
+// counts the same floats.)
+constexpr int kPatches = kTilesPerImage / kTilesN;  // pixel patches an image
+constexpr int kFinishWarps = kFinishers / 32;
+constexpr int kStatsFloats = (2 * kFinishWarps + 1) * kBN;  // a tile's finishers'
+constexpr int kStatsBytes = kConvStats ? kStatsFloats * 4 * (kPingPong ? 2 : 1) : 0;
+
+// The valid pixels of patch `patch` (of kPatches) of an image.
+__device__ __forceinline__ int patch_pixels(int patch) {
+  constexpr int kTilesW = (kWo + kTW - 1) / kTW;
+  const int h0 = patch / kTilesW * kTH, w0 = patch % kTilesW * kTW;
+  return (kHo - h0 < kTH ? kHo - h0 : kTH) * (kWo - w0 < kTW ? kWo - w0 : kTW);
+}
+
+// The moments of each channel of a tile over its valid pixels, by its finishing thread
+// `ft` (of kFinishers; `sync` the finishers' named barrier): d[b] holds the values of m64
+// row block `block0 + b` of the tile after stage0, as stage_chain left them. Two passes
+// over the registers (the sum, then the squares about the tile's mean), each reduced
+// over a warp's rows by shuffles and over the finishing warps in shared memory
+// (`scratch`, kStatsFloats); a channel's (mean, M2) then goes to the workspace.
+template <typename Sync>
+__device__ __forceinline__ void tile_moments(const float (&d)[kMBlocks][kBN / 2], int block0, int tid, int ft,
+                                             float* scratch, int tile, int h0, int w0, int n0, const Args& a,
+                                             Sync sync) {
+  const int warp = tid / 32, lane = tid % 32;
+  const int rows = kHo - h0 < kTH ? kHo - h0 : kTH;
+  const int width = kWo - w0 < kTW ? kWo - w0 : kTW;
+  bool inside[kMBlocks][2];  // row r0 + 8h of block b is a pixel of the output
+#pragma unroll
+  for (int b = 0; b < kMBlocks; ++b)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = (block0 + b) * 64 + warp * 16 + lane / 4 + 8 * h;
+      inside[b][h] = r / kTW < rows && r % kTW < width;
+    }
+  float* sums = scratch;                              // [kFinishWarps][kBN], pass 1
+  float* squares = scratch + kFinishWarps * kBN;      // [kFinishWarps][kBN], pass 2
+  float* means = scratch + 2 * kFinishWarps * kBN;    // [kBN]
+  const int fw = ft / 32;
+  // The value y holds: the chain's float rounded to T.
+  const auto value = [&](int b, int i) { return fusedepi::to_float(fusedepi::from_float<T>(d[b][i])); };
+  const auto warp_rows = [&](float s) {  // over the 8 lanes that share lane % 4: the warp's 16 rows
+    s += __shfl_xor_sync(0xffffffffu, s, 4);
+    s += __shfl_xor_sync(0xffffffffu, s, 8);
+    return s + __shfl_xor_sync(0xffffffffu, s, 16);
+  };
+  each_value(n0, [&](int j, int e, int h, int i) {
+    if (h != 0) return;  // once a channel: both rows below
+    float s = 0.f;
+#pragma unroll
+    for (int b = 0; b < kMBlocks; ++b)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) s += inside[b][hh] ? value(b, 4 * j + 2 * hh + e) : 0.f;
+    s = warp_rows(s);
+    if (lane < 4) sums[fw * kBN + 8 * j + 2 * lane + e] = s;
+  });
+  sync();
+  const float count = static_cast<float>(rows * width);
+  if (ft < kBN) {
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kFinishWarps; ++w) s += sums[w * kBN + ft];
+    means[ft] = s / count;
+  }
+  sync();
+  each_value(n0, [&](int j, int e, int h, int i) {
+    if (h != 0) return;
+    const float mean = means[8 * j + 2 * (lane % 4) + e];
+    float q = 0.f;
+#pragma unroll
+    for (int b = 0; b < kMBlocks; ++b)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const float v = value(b, 4 * j + 2 * hh + e) - mean;
+        q += inside[b][hh] ? v * v : 0.f;
+      }
+    q = warp_rows(q);
+    if (lane < 4) squares[fw * kBN + 8 * j + 2 * lane + e] = q;
+  });
+  sync();
+  if (ft < kBN && n0 + ft < kChannels) {
+    float q = 0.f;
+#pragma unroll
+    for (int w = 0; w < kFinishWarps; ++w) q += squares[w * kBN + ft];
+    float2* parts = reinterpret_cast<float2*>(a.ws + kPartsAt);
+    parts[static_cast<long long>(tile / kTilesN) * kChannels + n0 + ft] = make_float2(means[ft], q);
+  }
+}
+
+// The merge of the tiles' moments: block `blockIdx.x` (256 threads) takes a channel
+// (kSegments false: BatchNorm, over every image and patch) or a segment (n, g) of
+// kChannels / kSegGroups channels (GroupNorm, InstanceNorm, a LayerNorm over [C, H, W]),
+// and calls done(index, merged moments) from its thread 0.
+template <bool kSegments, long long kSegGroups, typename Done>
+__device__ __forceinline__ void conv_stats_final(const Args& a, Done done) {
+  const float2* parts = reinterpret_cast<const float2*>(a.ws + kPartsAt);
+  const long long at = blockIdx.x;
+  fusedepi::Moments m = {0.f, 0.f, 0.f};
+  if constexpr (kSegments) {
+    constexpr long long kCpg = kChannels / kSegGroups;
+    const long long n = at / kSegGroups, c0 = at % kSegGroups * kCpg;
+    for (long long i = threadIdx.x; i < kCpg * kPatches; i += 256) {
+      const int patch = static_cast<int>(i % kPatches);
+      const float2 p = parts[(n * kPatches + patch) * kChannels + c0 + i / kPatches];
+      m = fusedepi::merge(m, {static_cast<float>(patch_pixels(patch)), p.x, p.y});
+    }
+  } else {
+    for (long long i = threadIdx.x; i < a.rows * kPatches; i += 256) {
+      const int patch = static_cast<int>(i % kPatches);
+      const float2 p = parts[i * kChannels + at];
+      m = fusedepi::merge(m, {static_cast<float>(patch_pixels(patch)), p.x, p.y});
+    }
+  }
+  __shared__ fusedepi::Moments sm[256];
+  sm[threadIdx.x] = m;
+  __syncthreads();
+  for (int o = 128; o > 0; o >>= 1) {
+    if (threadIdx.x < o) sm[threadIdx.x] = fusedepi::merge(sm[threadIdx.x], sm[threadIdx.x + o]);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) done(at, sm[0]);
 }
 
 // A tile's finish, part 1: the consumers apply stage0 to their accumulators in registers
@@ -295,6 +423,11 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
       if (other_next) {  // the other warpgroup stages its tile once these copies have read this one
         hop::bulk_wait_read();
         hop::named_arrive<256>(kBarStage + 1 - half);
+      }
+      if constexpr (kConvStats) {  // the tile's moments, on the finishers' barrier
+        float* scratch = reinterpret_cast<float*>(staging + kStaging) + (kPingPong ? half * kStatsFloats : 0);
+        tile_moments(d, kPingPong ? 0 : half, tid, ft, scratch, tile, h0, w0, n0, a,
+                     [&] { hop::named_sync<kFinishers>(kBarFull + (kPingPong ? half : 0)); });
       }
     }
     hop::bulk_wait();  // the copies are complete before the kernel ends
