@@ -1639,6 +1639,7 @@ IN_KERNEL_CONVS = {
     "c8_to_320_k5_pad2": (8, 320, 5, 2, (2, 8, 6, 140)),  # a k-step wider than C_in; two 160-channel tiles
     "c72_to_64_1x1": (72, 64, 1, 0, (2, 72, 7, 33)),  # two k-steps a tap, the second partial
     "c16_to_256_k7_pad3": (16, 256, 7, 3, (1, 16, 30, 30)),  # 49 taps, two 128-channel tiles
+    "c16_to_32_pad1": (16, 32, 3, 1, (3, 16, 19, 40)),  # a 32-channel tile (m64n32 wgmma)
     # 480 tiles: more than an H100's or H200's 132 CTAs, which then take 3-4 tiles each
     # (the ring and the staging tile's hand-over carried from tile to tile)
     "c64_to_128_many_tiles": (64, 128, 3, 1, (12, 64, 40, 70)),
