@@ -1260,12 +1260,11 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
         middle, grid, ws_floats = templates.BATCH_NORM_APPLY, "kChannels", f"2 * kChannels + {parts}"
     else:
         # Workspace: the moments, then (mean, rstd) a segment.
-        done = conv_sm90.SEGMENT_STATS.substitute(stats_at=f"a.ws + {parts.replace('rows', 'a.rows')}",
-                                                 eps=cfloat(red.consts[0]))
+        stats_at = f"(a.ws + {parts.replace('rows', 'a.rows')})"
+        done = conv_sm90.SEGMENT_STATS.substitute(stats_at=stats_at, eps=cfloat(red.consts[0]))
         conv += "\n\n" + conv_sm90.CONV_STATS_FINAL.substitute(kernel=name, segments="true", seg_groups=red.groups,
                                                                done=done)
-        middle = templates.CHUNK_NORM.substitute(apply=templates.APPLY_STAGE1,
-                                                 stats_at=f"(a.ws + {parts.replace('rows', 'a.rows')})")
+        middle = templates.CHUNK_NORM.substitute(apply=templates.APPLY_STAGE1, stats_at=stats_at)
         grid, ws_floats = "segments", f"{parts} + rows * kGroups * 2"
     launches += [f"  {name}_convstats<<<{grid}, 256, 0, stream>>>(a);",
                  "  Args b = a;  // the apply kernel normalizes the output in place",
