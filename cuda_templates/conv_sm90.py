@@ -12,13 +12,14 @@ Structure (include/fusedepi/conv_sm90.cuh; one CTA an output tile of 128 pixels 
 channels, persistent over tiles, 384 threads):
 - a tile's 128 pixels are a patch of kTH x kTW output pixels of one image (kTW: the output
   width rounded up to a power of two, 8 to 128);
-- warpgroup 0's first thread is the producer: for each k-step (a tap, and a block of 64
-  input channels, 32 in float32: 128 bytes) it copies by TMA the patch of input pixels
-  that tap reads (a 4-D box of the channels-last input, shifted by the tap; coordinates
-  outside the image read zeros, which is the conv's zero padding, and channels past C_in
-  too) and the tap's weights (a 2-D box of [C_out, taps x C_in'], C_in' padded with zeros
-  by the launcher to whole k-steps, so a k-step never mixes two taps). Both land as rows of 128 bytes
-  in the 128-byte swizzle, the layout of the in-kernel GEMM's tiles, in a ring of stages;
+- warpgroup 0's first thread is the producer: for each k-step (a tap, and a block of
+  input channels of 128 bytes, or of 32 or 64 where a pixel's C_in fits them:
+  `k_step_bytes`) it copies by TMA the patch of input pixels that tap reads (a 4-D box of
+  the channels-last input, shifted by the tap; coordinates outside the image read zeros,
+  which is the conv's zero padding, and channels past C_in too) and the tap's weights (a
+  2-D box of [C_out, taps x C_in'], C_in' padded with zeros by the launcher to whole
+  k-steps, so a k-step never mixes two taps). Both land as rows of the k-step's bytes in
+  the swizzle of that width (the in-kernel GEMM's tiles: 128), in a ring of stages;
 - warpgroups 1 and 2 are the consumers: wgmma m64nBNk16 (k8 in TF32), float32
   accumulators. Where the tile is at most PINGPONG_MAX_N channels wide they take the CTA's
   tiles in turn (ping-pong: each holds a whole tile, two m64 wgmmas a k-step, and one's
@@ -37,10 +38,12 @@ channels, persistent over tiles, 384 threads):
   wgmmas at a time run slower than two warpgroups' together).
 
 With a norm (`ConvGemmPlan.stats`: BatchNorm in training, or GroupNorm, InstanceNorm, a
-LayerNorm over whole channels), the tiles store the value before the norm and write
-each channel's moments over the tile's pixels (two passes over the registers: the sum,
-then the squares about the tile's mean); CONV_STATS_FINAL merges them (a block a
-channel or segment), and the file's apply kernel normalizes the output in place.
+LayerNorm over whole channels), the tiles store the conv's value (rounded to T, as the
+library conv's output) and write each channel's moments of stage0 on it over the tile's
+pixels (two passes over the registers, in float32: the sum, then the squares about the
+tile's mean); CONV_STATS_FINAL merges them (a block a channel or segment), and the
+file's apply kernel runs stage0 and the norm on the output in place, as on the library
+path (the value before the norm is never rounded to T).
 
 float32 runs in TF32 (wgmma reads the operands' top 19 bits), only where
 `torch.backends.cudnn.allow_tf32` allows it, as cuDNN's conv does.
@@ -51,7 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from string import Template
 
-from .gemm_sm90 import WGMMA_TYPES, block_k
+from .gemm_sm90 import WGMMA_TYPES
 
 BLOCK_M = 128  # output pixels a tile
 # Output channels a tile: the widths whose results were checked against float64 on an
@@ -66,6 +69,13 @@ MIN_STAGES = 3
 # The widest tile a consumer warpgroup holds whole (kBN float32 accumulators a thread of
 # its 232 registers): the ping-pong schedule's bound.
 PINGPONG_MAX_N = 128
+# A k-step's bytes of input channels (the tiles' rows and their swizzle): a pixel's C_in
+# where it fits 32 or 64, else 128 (a 128-byte k-step of a 16-channel bf16 input is three
+# quarters zeros, read, staged and multiplied all the same).
+K_STEP_BYTES = (32, 64, 128)
+# The ring's depth at most: 8 stages of 128-byte k-steps, as many bytes of narrower ones
+# (a k-step of 32 bytes is a quarter of the work, the latency it must hide the same).
+RING_BYTES_K = 8 * 128
 
 
 @dataclass(frozen=True)
@@ -74,12 +84,13 @@ class ConvGemmPlan:
 
     Attributes:
         block_n: output channels a tile (a multiple of 8, at most 256).
+        k_bytes: input-channel bytes a k-step (`k_step_bytes`): the tiles' rows, the swizzle's width.
         tile_h, tile_w: the output pixel patch of a tile (tile_h x tile_w = BLOCK_M).
         stages: the ring's depth.
         pingpong: each consumer warpgroup takes whole tiles in turn (one's finish under
             the other's mainloop; block_n <= PINGPONG_MAX_N), else both take each tile.
         stats: the tiles write each channel's moments over their pixels (a norm's
-            statistics, `stats_floats`), beside the value before the norm.
+            statistics, `stats_floats`), beside the conv's value.
     """
 
     block_n: int
@@ -88,15 +99,23 @@ class ConvGemmPlan:
     stages: int
     pingpong: bool = False
     stats: bool = False
+    k_bytes: int = 128
 
     def name(self, spec, arch: str) -> str:
         return f"igemm{BLOCK_M}x{self.block_n}_" + spec.kernel_name(arch + "a")
 
 
+def k_step_bytes(cin: int, itemsize: int) -> int:
+    """Bytes of input channels a k-step: the narrowest of K_STEP_BYTES that holds a
+    pixel's C_in, 128 where none does (then C_in takes several k-steps a tap)."""
+    return next((b for b in K_STEP_BYTES if cin * itemsize <= b), K_STEP_BYTES[-1])
+
+
 def padded_in_channels(cin: int, dtype: str) -> int:
     """The weight's input channels as the kernel reads them ([C_out, kh, kw, C_in']):
     C_in padded with zeros to whole k-steps, so that no box reaches past a row's end."""
-    step = block_k(dtype)
+    itemsize = 4 if dtype == "float32" else 2  # WGMMA_TYPES: float32 (as TF32), bf16, fp16
+    step = k_step_bytes(cin, itemsize) // itemsize
     return -(-cin // step) * step
 
 
@@ -116,24 +135,36 @@ def stats_floats(block_n: int, pingpong: bool) -> int:
     return (2 * warps + 1) * block_n * (2 if pingpong else 1)
 
 
-def tiling(cout: int, wo: int, itemsize: int, stats: bool = False) -> ConvGemmPlan:
+def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int = 128) -> ConvGemmPlan:
     """The tile for C_out channels and an output width `wo`: the fewest channel tiles of
     a BLOCK_N width, the narrowest that covers C_out in that many; a patch as wide as the
-    output (a power of two, 8 to 128); and as many ring stages as shared memory holds
-    beside the staging tile (and, with `stats`, the tile's moments)."""
+    output (a power of two, 8 to 128); and as many ring stages of k-steps of `k_bytes`
+    (`k_step_bytes`) as shared memory holds beside the staging tile (and, with `stats`,
+    the tile's moments), RING_BYTES_K bytes of k-steps at most. Where fewer than
+    MIN_STAGES fit beside that tile's staging (a narrow patch's many runs, the moments of
+    a wide tile), the next narrower width is taken.
+
+    Raises:
+        ValueError: k_bytes is not one of K_STEP_BYTES.
+    """
+    if k_bytes not in K_STEP_BYTES:
+        raise ValueError(f"a k-step of {k_bytes} bytes (the swizzles: {K_STEP_BYTES})")
     widths = BLOCK_N[itemsize]
     n_tiles = -(-cout // widths[-1])
-    block_n = next(n for n in widths if n * n_tiles >= cout)
+    preferred = next(n for n in widths if n * n_tiles >= cout)
     tile_w = 8
     while tile_w < min(wo, BLOCK_M):
         tile_w *= 2
-    stage = BLOCK_M * 128 + block_n * 128  # an x box and a w box of 128-byte rows
-    staging = block_n * staging_pitch(BLOCK_M // tile_w, tile_w, itemsize) * itemsize  # the kernel's kStaging
-    pingpong = block_n <= PINGPONG_MAX_N
-    staging += 4 * stats_floats(block_n, pingpong) if stats else 0
-    stages = min(8, (SMEM_BUDGET - staging) // stage)
-    assert stages >= MIN_STAGES, (cout, itemsize)
-    return ConvGemmPlan(block_n, BLOCK_M // tile_w, tile_w, stages, pingpong=pingpong, stats=stats)
+    for block_n in sorted((n for n in widths if n <= preferred), reverse=True):
+        stage = (BLOCK_M + block_n) * k_bytes  # an x box and a w box of k_bytes-byte rows
+        staging = block_n * staging_pitch(BLOCK_M // tile_w, tile_w, itemsize) * itemsize  # the kernel's kStaging
+        pingpong = block_n <= PINGPONG_MAX_N
+        staging += 4 * stats_floats(block_n, pingpong) if stats else 0
+        stages = min(RING_BYTES_K // k_bytes, (SMEM_BUDGET - staging) // stage)
+        if stages >= MIN_STAGES:
+            return ConvGemmPlan(block_n, BLOCK_M // tile_w, tile_w, stages, pingpong=pingpong, stats=stats,
+                                k_bytes=k_bytes)
+    raise AssertionError(f"no tile of {widths} fits {MIN_STAGES} stages ({cout}, {wo}, {itemsize})")  # 32 always fits
 
 
 def wgmma_asm(dtype: str, n: int) -> str:
@@ -159,7 +190,7 @@ def wgmma_asm(dtype: str, n: int) -> str:
 #   $kernel     the kernel name (prefix of the __global__)
 #   $bm         tile pixels (BLOCK_M)
 #   $bn         tile channels (ConvGemmPlan.block_n)
-#   $bk         input channels a k-step (block_k: 128 bytes of them)
+#   $bk         input channels a k-step (ConvGemmPlan.k_bytes of them)
 #   $mma_k      K of one wgmma instruction
 #   $stages     the ring's depth
 #   $th         the tile's pixel patch: rows
@@ -197,7 +228,8 @@ constexpr int kKSteps = kTaps * kCBlocks;
 constexpr int kTilesN = static_cast<int>((kChannels + kBN - 1) / kBN);
 constexpr int kTilesPerImage = (kHo + kTH - 1) / kTH * ((kWo + kTW - 1) / kTW) * kTilesN;
 constexpr int kElem = static_cast<int>(sizeof(T));
-constexpr int kTileA = kBM * kBK * kElem, kTileB = kBN * kBK * kElem;  // bytes a stage
+constexpr int kSwizzle = kBK * kElem;  // a k-step's bytes: the tiles' rows, in the swizzle of that width
+constexpr int kTileA = kBM * kSwizzle, kTileB = kBN * kSwizzle;  // bytes a stage
 
 __device__ __forceinline__ void wgmma_n(float (&d)[kBN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   $wgmma
@@ -207,7 +239,9 @@ __device__ __forceinline__ void wgmma_n(float (&d)[kBN / 2], uint64_t desc_a, ui
 
 constexpr int kConvSmem = kStages * (kTileA + kTileB) + kStaging + kStatsBytes + 1024;  // + alignment slack
 static_assert(kTH * kTW == kBM && kTW >= 8, "a tile's patch: 128 pixels, rows of 8 or more");
-static_assert(kBK * kElem == 128 && kBK % kMmaK == 0 && kMmaK * kElem == 32, "128-byte rows, 32 bytes a wgmma");
+static_assert((kSwizzle == 32 || kSwizzle == 64 || kSwizzle == 128) && kBK % kMmaK == 0 && kMmaK * kElem == 32,
+              "rows of 32, 64 or 128 bytes, 32 bytes a wgmma");
+static_assert(kTileB % (8 * kSwizzle) == 0, "each stage's tiles aligned to the swizzle's 8-row atom");
 static_assert(kBN % 8 == 0 && kBN <= 256 && kChannels % 8 == 0, "wgmma's N; whole 8-channel chunks");
 static_assert(kCin * kElem % 16 == 0, "TMA's 16-byte strides");
 static_assert(kConvSmem <= 227 * 1024, "sm_90's dynamic shared memory a block");
@@ -224,8 +258,8 @@ int conv_launch(const Args& a, int device, cudaStream_t stream) {
   const cuuint64_t x_strides[3] = {static_cast<cuuint64_t>(kCin) * kElem, static_cast<cuuint64_t>(kW) * kCin * kElem,
                                    static_cast<cuuint64_t>(kH) * kW * kCin * kElem};
   const cuuint32_t x_box[4] = {kBK, kTW, kTH, 1};
-  if (int e = hop::encode_map<T>(&map_x, a.x, 4, x_dims, x_strides, x_box)) return e;
-  if (int e = hop::encode_map_2d<T>(&map_w, a.w, kChannels, kTaps * kCinPad, kBN, kBK)) return e;
+  if (int e = hop::encode_map<T>(&map_x, a.x, 4, x_dims, x_strides, x_box, kSwizzle)) return e;
+  if (int e = hop::encode_map_2d<T>(&map_w, a.w, kChannels, kTaps * kCinPad, kBN, kBK, kSwizzle)) return e;
   static int sms[64] = {};
   if (device >= 64) return static_cast<int>(cudaErrorInvalidDevice);
   if (sms[device] == 0) {  // once a device: the shared-memory limit, and the SM count
@@ -266,5 +300,5 @@ SEGMENT_STATS = Template(
     stats[1] = rsqrtf(fmaxf(m.m2 / m.n, 0.f) + $eps);"""
 )
 
-__all__ = ["BLOCK_M", "CONV_KERNELS", "CONV_STATS_FINAL", "SEGMENT_STATS", "ConvGemmPlan", "block_k", "padded_in_channels",
-           "stats_floats", "tiling", "wgmma_asm"]
+__all__ = ["BLOCK_M", "CONV_KERNELS", "CONV_STATS_FINAL", "K_STEP_BYTES", "SEGMENT_STATS", "ConvGemmPlan",
+           "k_step_bytes", "padded_in_channels", "stats_floats", "tiling", "wgmma_asm"]

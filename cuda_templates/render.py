@@ -681,7 +681,8 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     if cin % per_16_bytes or spec.channels % 8:
         return (f"{cin} -> {spec.channels} channels (the in-kernel conv takes input channels in multiples of "
                 f"{per_16_bytes}, output channels in multiples of 8)")
-    return conv_sm90.tiling(spec.channels, wo, ITEMSIZE[spec.dtype], stats=stats)
+    return conv_sm90.tiling(spec.channels, wo, ITEMSIZE[spec.dtype], stats=stats,
+                            k_bytes=conv_sm90.k_step_bytes(cin, ITEMSIZE[spec.dtype]))
 
 
 def conv_stats(spec: EpilogueSpec) -> bool | str:
@@ -1228,16 +1229,17 @@ def _render_gemm(spec: EpilogueSpec, arch: str, p: Plan, g: GemmPlan) -> str:
 
 def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvGemmPlan) -> str:
     """The in-kernel conv computes the anchor and a pointwise chain: one launch. With a
-    norm (`c.stats`) it writes the value before the norm into the output and its tiles'
-    moments; a kernel merges those into the norm's statistics, and the file's apply
-    kernel normalizes the output in place (stage1)."""
+    norm (`c.stats`) it writes the conv's value into the output (rounded to T, as the
+    library conv's) and its tiles' moments of stage0 on it; a kernel merges those into
+    the norm's statistics, and the file's apply kernel runs stage0 and stage1 (the
+    norm, then the steps after it) on the output in place, as on the library path."""
     name = c.name(spec, arch)
     red = spec.reduction
     cin, kh, kw, h, w = spec.anchor.direct
     ho, wo = spec.anchor.direct_out_hw()
     ph, pw = spec.anchor.conv[1]
     conv = conv_sm90.CONV_KERNELS.substitute(
-        kernel=name, bm=conv_sm90.BLOCK_M, bn=c.block_n, bk=conv_sm90.block_k(spec.dtype),
+        kernel=name, bm=conv_sm90.BLOCK_M, bn=c.block_n, bk=c.k_bytes // ITEMSIZE[spec.dtype],
         mma_k=gemm_sm90.WGMMA_TYPES[spec.dtype][1], stages=c.stages, th=c.tile_h, tw=c.tile_w,
         cin=cin, h=h, w=w, kh=kh, kw=kw, ph=ph, pw=pw, ho=ho, wo=wo,
         pitch=conv_sm90.staging_pitch(c.tile_h, c.tile_w, ITEMSIZE[spec.dtype]),
@@ -1270,7 +1272,8 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
                  "  Args b = a;  // the apply kernel normalizes the output in place",
                  "  b.y = a.out;",
                  f"  {name}_apply<<<{_apply_grid(p)}, kBlock, 0, stream>>>(b);"]
-    return _kernel_file(spec, name, p, stage0_done="true", anchor_inside=1, includes='#include "fusedepi/hopper.cuh"\n',
+    # The output holds the conv's value: the apply kernel runs stage0 on it, then the norm.
+    return _kernel_file(spec, name, p, anchor_inside=1, includes='#include "fusedepi/hopper.cuh"\n',
                         fields=fields, bind=bind, stages=_stages(spec), middle=middle, stats_kernels=conv,
                         launches="\n".join(launches), ws_floats=ws_floats)
 

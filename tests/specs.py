@@ -204,7 +204,7 @@ def conv_gemm_specs(dtype="bfloat16"):
             dtype, p * 2, 64, 7 * 33, "conv_pointwise",
         ),
         # norms: the tiles' moments, their merge, the apply kernel in place
-        "igemm_bn_relu_16_32": EpilogueSpec(  # BatchNorm (training), ping-pong tiles of 64 (bf16) channels
+        "igemm_bn_relu_16_32": EpilogueSpec(  # BatchNorm (training), ping-pong tiles of 32 channels, 16 input
             _implicit(1, (16, 3, 3, 40, 40)),
             (_bias(0), Step("batchnorm_train", consts=(0.1, 1e-5), inputs=(1, 2, 3, 4)), Step("relu")),
             dtype, p * 5, 32, 40 * 40, "conv_batchnorm_train",

@@ -1,6 +1,7 @@
 """GPU-free: rendered sources, launch plans, and an nvcc compile of every template path."""
 
 import concurrent.futures
+import itertools
 import math
 import os
 import re
@@ -702,6 +703,13 @@ def test_in_kernel_conv_plans_and_names(name):
     source = cuda_templates.render(spec, "sm90", conv_tf32=True)
     itemsize = 4 if spec.dtype == "float32" else 2
     assert f"constexpr int kPitch = {conv_sm90.staging_pitch(c.tile_h, c.tile_w, itemsize)};" in source
+    # A k-step of the narrowest swizzle (32, 64, 128 bytes) that holds a pixel's C_in,
+    # 128 bytes where none does; the weight padded to whole k-steps of it.
+    cin = spec.anchor.direct[0]
+    step = min([b for b in (32, 64, 128) if b >= cin * itemsize] or [128])
+    assert c.k_bytes == step and f"kBK = {step // itemsize}," in source
+    cin_pad = conv_sm90.padded_in_channels(cin, spec.dtype)
+    assert cin_pad % (step // itemsize) == 0 and cin <= cin_pad < cin + step // itemsize
     # Ping-pong (each consumer warpgroup a whole tile: block_n accumulators a thread) up
     # to 128 channels a tile, the cooperative schedule above.
     assert c.pingpong == (c.block_n <= conv_sm90.PINGPONG_MAX_N == 128)
@@ -716,8 +724,8 @@ def test_in_kernel_conv_plans_and_names(name):
     assert c.stats == (spec.reduction is not None)
     assert ("_apply(" in source) == ("_convstats(" in source) == ("b.y = a.out;" in source) == c.stats
     assert f"constexpr bool kConvStats = {'true' if c.stats else 'false'};" in source
-    if c.stats:
-        assert "constexpr bool kStage0Done = true;" in source
+    if c.stats:  # the output holds the conv's value; the apply kernel runs stage0 on it, as on the library path
+        assert "constexpr bool kStage0Done = false;" in source
         bn = spec.reduction.name == "batchnorm_train"
         assert f"constexpr long long kPartsAt = {'2 * kChannels' if bn else '0'};" in source
         assert f"conv_stats_final<{'false, 1' if bn else f'true, {spec.reduction.groups}'}>" in source
@@ -845,6 +853,7 @@ def test_kernel_files_compile_without_warnings():
                                                                               "gemm_w2_logsumexp-float32")]
     # the in-kernel conv's two schedules: ping-pong (64 channels a tile), cooperative (160,
     # 192), each with a norm's moments too
+    # (and k-steps of 128, 32 and 64 bytes: 72 and 32 float32 input channels, 8 bf16, 32 bf16)
     jobs += [("test_nvcc_compiles_the_in_kernel_conv", n, "sm90a") for n in (
         "igemm_1x1_residual-float32", "igemm_cin8_k5_320-bfloat16", "igemm_groupnorm_silu-float32",
         "igemm_bn_1x1_192-bfloat16")]
@@ -888,13 +897,18 @@ def test_in_kernel_conv_tiles_fit_shared_memory():
     # them (the narrowest patches have the largest staging tiles: 16 runs a channel).
     from cuda_templates import conv_sm90
 
-    for itemsize in (2, 4):
+    for itemsize, k_bytes, stats in itertools.product((2, 4), conv_sm90.K_STEP_BYTES, (False, True)):
         for cout in range(8, 1025, 8):
             for wo in (1, 7, 8, 9, 13, 16, 31, 64, 126, 300):
-                t = conv_sm90.tiling(cout, wo, itemsize)
+                t = conv_sm90.tiling(cout, wo, itemsize, stats=stats, k_bytes=k_bytes)
                 staging = t.block_n * conv_sm90.staging_pitch(t.tile_h, t.tile_w, itemsize) * itemsize
-                smem = t.stages * (conv_sm90.BLOCK_M * 128 + t.block_n * 128) + staging + 1024
+                moments = 4 * conv_sm90.stats_floats(t.block_n, t.pingpong) if stats else 0
+                smem = t.stages * (conv_sm90.BLOCK_M + t.block_n) * k_bytes + staging + moments + 1024
                 assert t.stages >= 3 and smem <= 227 * 1024, (itemsize, cout, wo, t)
+                # the ring holds 8 k-steps of 128 bytes at most, or as many bytes of narrower ones
+                assert t.k_bytes == k_bytes and t.stages * k_bytes <= 8 * 128, t
+    with pytest.raises(ValueError, match="k-step of 48 bytes"):
+        conv_sm90.tiling(64, 64, 2, k_bytes=48)
 
 
 @pytest.mark.parametrize("exponent, code", [

@@ -5,7 +5,7 @@
 // anonymous namespace, after the file has defined what this code reads:
 //   T, Args (x: the input [rows, H, W, C_in] in memory, w: the weight [kChannels, kTaps,
 //   kCinPad]), stage0_chan, stage0_chan_of, stage0_at, kChannels (KERNEL_FILE and
-//   CONV_KERNELS' constants: kBM, kBN, kBK, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
+//   CONV_KERNELS' constants: kBM, kBN, kBK, kSwizzle, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
 //   kHo, kWo, kPitch, kCBlocks, kTilesN, kTilesPerImage, kTileA, kTileB, kMmaK, kPingPong,
 //   kConvStats, kPartsAt, wgmma_n), and hopper.cuh.
 // It is not a standalone header: those constants differ per file.
@@ -66,6 +66,10 @@ __device__ __forceinline__ void sts_value(unsigned p, float x) {
   }
 }
 
+// The rows and columns of the patch at (h0, w0) inside the output: kTH x kTW, cut at its edges.
+__device__ __forceinline__ int patch_rows(int h0) { return kHo - h0 < kTH ? kHo - h0 : kTH; }
+__device__ __forceinline__ int patch_width(int w0) { return kWo - w0 < kTW ? kWo - w0 : kTW; }
+
 // The element of out at which a tile's run of channel `c`, output row `h` starts (column w0).
 __device__ __forceinline__ long long run_start(int img, long long c, int h, int w0) {
   return ((static_cast<long long>(img) * kChannels + c) * kHo + h) * kWo + w0;
@@ -102,8 +106,8 @@ __device__ __forceinline__ void each_value(int n0, F&& f) {
 }
 
 // A norm's statistics from the tiles (kConvStats): each tile writes, for each of its
-// channels, the moments (mean, M2) of its pixels' values before the norm (the stored
-// value, rounded to T) to a.ws + kPartsAt, a float2 at (tile / kTilesN) * kChannels +
+// channels, the moments (mean, M2) of its pixels' values before the norm (stage0 on the
+// stored conv value, in float32) to a.ws + kPartsAt, a float2 at (tile / kTilesN) * kChannels +
 // channel: [rows][kPatches][kChannels]; conv_stats_final merges them. In shared memory
 // after the staging tile (a consumer warpgroup's own in ping-pong): a sum a (finishing
 // warp, channel) for each pass, and the channels' means. (conv_sm90.stats_floats
@@ -116,8 +120,7 @@ constexpr int kStatsBytes = kConvStats ? kStatsFloats * 4 * (kPingPong ? 2 : 1) 
 // The valid pixels of patch `patch` (of kPatches) of an image.
 __device__ __forceinline__ int patch_pixels(int patch) {
   constexpr int kTilesW = (kWo + kTW - 1) / kTW;
-  const int h0 = patch / kTilesW * kTH, w0 = patch % kTilesW * kTW;
-  return (kHo - h0 < kTH ? kHo - h0 : kTH) * (kWo - w0 < kTW ? kWo - w0 : kTW);
+  return patch_rows(patch / kTilesW * kTH) * patch_width(patch % kTilesW * kTW);
 }
 
 // The moments of each channel of a tile over its valid pixels, by its finishing thread
@@ -131,8 +134,8 @@ __device__ __forceinline__ void tile_moments(const float (&d)[kMBlocks][kBN / 2]
                                              float* scratch, int tile, int h0, int w0, int n0, const Args& a,
                                              Sync sync) {
   const int warp = tid / 32, lane = tid % 32;
-  const int rows = kHo - h0 < kTH ? kHo - h0 : kTH;
-  const int width = kWo - w0 < kTW ? kWo - w0 : kTW;
+  const int rows = patch_rows(h0);
+  const int width = patch_width(w0);
   bool inside[kMBlocks][2];  // row r0 + 8h of block b is a pixel of the output
 #pragma unroll
   for (int b = 0; b < kMBlocks; ++b)
@@ -145,8 +148,9 @@ __device__ __forceinline__ void tile_moments(const float (&d)[kMBlocks][kBN / 2]
   float* squares = scratch + kFinishWarps * kBN;      // [kFinishWarps][kBN], pass 2
   float* means = scratch + 2 * kFinishWarps * kBN;    // [kBN]
   const int fw = ft / 32;
-  // The value y holds: the chain's float rounded to T.
-  const auto value = [&](int b, int i) { return fusedepi::to_float(fusedepi::from_float<T>(d[b][i])); };
+  // The value before the norm: stage0 on the stored conv value, in float32 (what the
+  // apply kernel computes from it).
+  const auto value = [&](int b, int i) { return d[b][i]; };
   const auto warp_rows = [&](float s) {  // over the 8 lanes that share lane % 4: the warp's 16 rows
     s += __shfl_xor_sync(0xffffffffu, s, 4);
     s += __shfl_xor_sync(0xffffffffu, s, 8);
@@ -219,14 +223,8 @@ __device__ __forceinline__ void conv_stats_final(const Args& a, Done done) {
       m = fusedepi::merge(m, {static_cast<float>(patch_pixels(patch)), p.x, p.y});
     }
   }
-  __shared__ fusedepi::Moments sm[256];
-  sm[threadIdx.x] = m;
-  __syncthreads();
-  for (int o = 128; o > 0; o >>= 1) {
-    if (threadIdx.x < o) sm[threadIdx.x] = fusedepi::merge(sm[threadIdx.x], sm[threadIdx.x + o]);
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) done(at, sm[0]);
+  m = fusedepi::block_merge(m);
+  if (threadIdx.x == 0) done(at, m);
 }
 
 // A tile's finish, part 1: the consumers apply stage0 to their accumulators in registers
@@ -248,8 +246,8 @@ __device__ __forceinline__ void stage_chain(float (&d)[kBN / 2], const TileChans
   constexpr long long kPlane = static_cast<long long>(kHo) * kWo;
   const int warp = tid / 32, lane = tid % 32;
   const int r0 = block * 64 + warp * 16 + lane / 4;
-  const int rows = kHo - h0 < kTH ? kHo - h0 : kTH;
-  const int width = kWo - w0 < kTW ? kWo - w0 : kTW;
+  const int rows = patch_rows(h0);
+  const int width = patch_width(w0);
   unsigned at[2][2];    // [h][e]: the shared address of channel 2 * (lane % 4) + e's pixel r0 + 8h
   long long idx[2][2];  // ... its element of out (channel chunk j adds 8j planes); 0 past the edges
   bool part[2][2];      // ... in its run's partial first or last chunk (of every chunk j alike)
@@ -269,10 +267,17 @@ __device__ __forceinline__ void stage_chain(float (&d)[kBN / 2], const TileChans
     }
   // The chain on every value first, in place, then the stores: independent work for the
   // scheduler to interleave (one finishing warp a scheduler in the ping-pong schedule).
-  each_value(n0, [&](int j, int e, int h, int i) {
-    float y[1] = {fusedepi::to_float(fusedepi::from_float<T>(d[i]))};
+  // With a norm the conv's value is stored (the library conv's output, which the apply
+  // kernel reads and runs stage0 on, as on the library path: the value before the norm
+  // is never rounded to T), and stage0 runs after the stores, for the moments.
+  const auto chain = [&](int j, int e, int h, int i) {
+    float y[1] = {d[i]};
     stage0_at<1>(y, chans.k[j][e], idx[h][e] + 8 * j * kPlane, a);
     d[i] = y[0];
+  };
+  each_value(n0, [&](int j, int e, int h, int i) {
+    d[i] = fusedepi::to_float(fusedepi::from_float<T>(d[i]));
+    if constexpr (!kConvStats) chain(j, e, h, i);
   });
   each_value(n0, [&](int j, int e, int h, int i) { sts_value(at[h][e] + 8 * j * kPitch * kElem, d[i]); });
   // The elements of the runs' partial chunks, which no bulk copy writes (it moves whole,
@@ -283,6 +288,7 @@ __device__ __forceinline__ void stage_chain(float (&d)[kBN / 2], const TileChans
       if (part[h][e]) a.out[idx[h][e] + 8 * j * kPlane] = fusedepi::from_float<T>(d[i]);
     });
   }
+  if constexpr (kConvStats) each_value(n0, chain);
 }
 
 // A tile's finish, part 2, by finishing thread `ct` (of kFinishers): each run (a channel
@@ -293,8 +299,8 @@ __device__ __forceinline__ void stage_chain(float (&d)[kBN / 2], const TileChans
 __device__ __forceinline__ void store_runs(const uint8_t* staging, int ct, int img, int h0, int w0, int n0,
                                            const Args& a) {
   const int channels = kChannels - n0 < kBN ? static_cast<int>(kChannels - n0) : kBN;
-  const int rows = kHo - h0 < kTH ? kHo - h0 : kTH;
-  const int width = kWo - w0 < kTW ? kWo - w0 : kTW;
+  const int rows = patch_rows(h0);
+  const int width = patch_width(w0);
   const T* slots = reinterpret_cast<const T*>(staging);
   for (int v = ct; v < channels * kTH; v += kFinishers) {
     const int cl = v / kTH, t = v % kTH;
@@ -313,7 +319,7 @@ __device__ __forceinline__ void store_runs(const uint8_t* staging, int ct, int i
 // The kernel's body (the file's __global__ wrapper calls it with its __grid_constant__
 // tensor maps): map_x over x [rows, H, W, C_in] (dims C_in, W, H, rows), map_w over w
 // [kChannels, kTaps x kCinPad]. Warpgroup 0's first thread loads, by TMA, for each k-step
-// (tap, channel block) the patch of input pixels that tap reads (coordinates shifted by
+// (tap, channel block of kSwizzle bytes: the tiles' rows) the patch of input pixels that tap reads (coordinates shifted by
 // the tap, zeros past the image: the conv's padding) and the tap's weights, tile after
 // tile of the CTA in order, into one ring; warpgroups 1 and 2 multiply (wgmma), apply the
 // chain in registers, stage the tile and issue its bulk copies to out, which run under
@@ -388,14 +394,14 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
         const int s = it % kStages;
         hop::mbar_wait(&full[s], (it / kStages) & 1);
         hop::wgmma_fence();
-        const uint8_t* sa = tiles_a + s * kTileA + (kPingPong ? 0 : half * 64 * 128);  // rows of 128 bytes
+        const uint8_t* sa = tiles_a + s * kTileA + (kPingPong ? 0 : half * 64 * kSwizzle);  // rows of kSwizzle bytes
         const uint8_t* sb = tiles_b + s * kTileB;
 #pragma unroll
         for (int kk = 0; kk < kBK / kMmaK; ++kk)
 #pragma unroll
           for (int b = 0; b < kMBlocks; ++b)
-            wgmma_n(d[b], hop::desc_sw128(sa + b * 64 * 128 + kk * 32), hop::desc_sw128(sb + kk * 32),
-                    (i > 0 || kk > 0) ? 1 : 0);
+            wgmma_n(d[b], hop::desc_sw<kSwizzle>(sa + b * 64 * kSwizzle + kk * 32),
+                    hop::desc_sw<kSwizzle>(sb + kk * 32), (i > 0 || kk > 0) ? 1 : 0);
         hop::wgmma_commit();
         hop::wgmma_wait<1>();  // the previous k-step's wgmma is done: free its stage
         if (i > 0) release((it - 1) % kStages);

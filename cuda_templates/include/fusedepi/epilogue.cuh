@@ -396,4 +396,17 @@ __device__ __forceinline__ Moments merge(Moments a, Moments b) {
   return {n, a.mean + delta * wb, a.m2 + b.m2 + delta * delta * a.n * wb};
 }
 
+// The merge of a 256-thread block's moments, a tree in shared memory: the whole block's
+// in thread 0 (the others' results are partial). Every thread of the block calls it.
+__device__ __forceinline__ Moments block_merge(Moments m) {
+  __shared__ Moments sm[256];
+  sm[threadIdx.x] = m;
+  __syncthreads();
+  for (int o = 128; o > 0; o >>= 1) {
+    if (threadIdx.x < o) sm[threadIdx.x] = merge(sm[threadIdx.x], sm[threadIdx.x + o]);
+    __syncthreads();
+  }
+  return sm[threadIdx.x];
+}
+
 }  // namespace fusedepi

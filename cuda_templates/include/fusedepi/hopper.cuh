@@ -134,11 +134,17 @@ __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_g
 
 // ------------------------------------------------------------------- wgmma
 
-// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row atoms 1024 bytes apart.
-__device__ __forceinline__ uint64_t desc_sw128(const void* p) {
+// Shared-memory matrix descriptor: K-major rows of kBytes (32, 64 or 128) in the swizzle of
+// that width, 8-row atoms 8 * kBytes apart (the layout a tensor map of that swizzle writes;
+// the tile aligned to 8 * kBytes). Mode bits 62-63: 1 = 128-byte, 2 = 64-byte, 3 = 32-byte.
+template <int kBytes>
+__device__ __forceinline__ uint64_t desc_sw(const void* p) {
+  static_assert(kBytes == 32 || kBytes == 64 || kBytes == 128, "a swizzle of 32, 64 or 128 bytes");
+  constexpr uint64_t kMode = kBytes == 128 ? 1 : kBytes == 64 ? 2 : 3;
   const uint64_t addr = smem_u32(p);
-  return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+  return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(8 * kBytes / 16) << 32) | (kMode << 62);
 }
+__device__ __forceinline__ uint64_t desc_sw128(const void* p) { return desc_sw<128>(p); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int kPending>
@@ -213,11 +219,11 @@ __device__ __forceinline__ void sts_pair(void* p, float a, float b) {
 
 // A tensor map of `rank` dims over T (bf16, fp16 or float32): dims and boxes innermost
 // first, strides[i] the bytes between steps of dim i + 1 (multiples of 16), the box's
-// inner dim 128 bytes at most (the 128-byte swizzle's row).
+// inner dim `swizzle` bytes (32, 64 or 128: the swizzle's row, as desc_sw<swizzle> reads it).
 // Returns a cudaError_t value.
 template <typename T>
 inline int encode_map(CUtensorMap* map, const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
-                      const cuuint32_t* box) {
+                      const cuuint32_t* box, int swizzle = 128) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (encode == nullptr) {
     cudaDriverEntryPointQueryResult found;
@@ -233,21 +239,25 @@ inline int encode_map(CUtensorMap* map, const void* base, int rank, const cuuint
   const CUtensorMapDataType type = std::is_same_v<T, float>    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
                                    : std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                                                : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  if (swizzle != 32 && swizzle != 64 && swizzle != 128) return static_cast<int>(cudaErrorInvalidValue);
+  const CUtensorMapSwizzle mode = swizzle == 128  ? CU_TENSOR_MAP_SWIZZLE_128B
+                                  : swizzle == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                                  : CU_TENSOR_MAP_SWIZZLE_32B;
   const CUresult r = encode(map, type, rank, const_cast<void*>(base), dims, strides, box, elem,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, mode,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? 0 : static_cast<int>(cudaErrorInvalidValue);
 }
 
 // A 2-D tensor map over a row-major [rows, cols] matrix of T, boxes of box_rows x box_cols
-// (box_cols * sizeof(T) == 128 bytes).
+// (box_cols * sizeof(T) == swizzle bytes).
 template <typename T>
 inline int encode_map_2d(CUtensorMap* map, const void* base, long long rows, long long cols, int box_rows,
-                         int box_cols) {
+                         int box_cols, int swizzle = 128) {
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * sizeof(T)};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  return encode_map<T>(map, base, 2, dims, strides, box);
+  return encode_map<T>(map, base, 2, dims, strides, box, swizzle);
 }
 
 }  // namespace sm90

@@ -72,13 +72,7 @@ __device__ __forceinline__ void channel_final(const Args& a, long long parts, Fi
     const float* part = a.ws + parts + ((r * kGroups + c) * kChunks + t) * 2;
     m = fusedepi::merge(m, {n, part[0], part[1]});
   }
-  __shared__ fusedepi::Moments sm[256];
-  sm[threadIdx.x] = m;
-  __syncthreads();
-  for (int o = 128; o > 0; o >>= 1) {
-    if (threadIdx.x < o) sm[threadIdx.x] = fusedepi::merge(sm[threadIdx.x], sm[threadIdx.x + o]);
-    __syncthreads();
-  }
+  m = fusedepi::block_merge(m);
   if (threadIdx.x != 0) return;
-  finish(c, sm[0]);
+  finish(c, m);
 }
