@@ -148,9 +148,8 @@ __device__ __forceinline__ void tile_moments(const float (&d)[kMBlocks][kBN / 2]
   float* squares = scratch + kFinishWarps * kBN;      // [kFinishWarps][kBN], pass 2
   float* means = scratch + 2 * kFinishWarps * kBN;    // [kBN]
   const int fw = ft / 32;
-  // The value before the norm: stage0 on the stored conv value, in float32 (what the
+  // d: the value before the norm, stage0 on the stored conv value in float32 (what the
   // apply kernel computes from it).
-  const auto value = [&](int b, int i) { return d[b][i]; };
   const auto warp_rows = [&](float s) {  // over the 8 lanes that share lane % 4: the warp's 16 rows
     s += __shfl_xor_sync(0xffffffffu, s, 4);
     s += __shfl_xor_sync(0xffffffffu, s, 8);
@@ -162,7 +161,7 @@ __device__ __forceinline__ void tile_moments(const float (&d)[kMBlocks][kBN / 2]
 #pragma unroll
     for (int b = 0; b < kMBlocks; ++b)
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) s += inside[b][hh] ? value(b, 4 * j + 2 * hh + e) : 0.f;
+      for (int hh = 0; hh < 2; ++hh) s += inside[b][hh] ? d[b][4 * j + 2 * hh + e] : 0.f;
     s = warp_rows(s);
     if (lane < 4) sums[fw * kBN + 8 * j + 2 * lane + e] = s;
   });
@@ -183,7 +182,7 @@ __device__ __forceinline__ void tile_moments(const float (&d)[kMBlocks][kBN / 2]
     for (int b = 0; b < kMBlocks; ++b)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const float v = value(b, 4 * j + 2 * hh + e) - mean;
+        const float v = d[b][4 * j + 2 * hh + e] - mean;
         q += inside[b][hh] ? v * v : 0.f;
       }
     q = warp_rows(q);
@@ -228,7 +227,8 @@ __device__ __forceinline__ void conv_stats_final(const Args& a, Done done) {
 }
 
 // A tile's finish, part 1: the consumers apply stage0 to their accumulators in registers
-// (each rounded to T first, what the library conv's output holds) and stage the results.
+// (each rounded to T first, what the library conv's output holds) and stage the results
+// (with a norm, kConvStats: stage the rounded values, then apply stage0 for the moments).
 // For 8-column chunk j a thread holds tile rows r0 and r0 + 8 (r0 = 64 * block + 16 *
 // warp + lane / 4, `block` the tile's m64 row block of `d`) and channels 8j + 2 * (lane %
 // 4) + {0, 1} of the tile; a run's offset from a 16-byte boundary depends on its channel
