@@ -147,12 +147,14 @@ def test_in_kernel_anchors_check_the_sizes_they_were_built_for():
         launch.check_anchor_operands([torch.zeros(2, 4, 10, 11), torch.zeros(8, 4, 3, 3)], conv, "direct conv")
 
 
-@pytest.mark.parametrize("dtype, cin, padded", [("bfloat16", 20, 64), ("float32", 40, 64), ("float16", 64, 64)])
+@pytest.mark.parametrize("dtype, cin, padded", [("bfloat16", 20, 32), ("bfloat16", 8, 16), ("float32", 12, 16),
+                                                 ("float32", 40, 64), ("float16", 64, 64)])
 def test_the_in_kernel_conv_reads_its_operands_in_its_own_layout(dtype, cin, padded):
     """The in-kernel conv's operands, as the launcher hands them to its tensor maps: x
     channels-last, the weight [C_out, kh, kw, C_in'] with C_in' padded with zeros to whole
-    k-steps (64 16-bit or 32 float32 channels), values unchanged; a shape other than the
-    kernel's raises before any kernel runs."""
+    k-steps (32 or 64 bytes where a pixel's C_in fits them, else 128: 64 16-bit or 32
+    float32 channels), values unchanged; a shape other than the kernel's raises before any
+    kernel runs."""
     anchor = Anchor("conv", conv=((1, 1), (1, 1), (1, 1), False, (0, 0), 1), direct=(cin, 3, 3, 6, 7), implicit=True)
     spec = EpilogueSpec(anchor, (Step("relu"),), dtype, (), 16, 42, "conv_pointwise")
     t = getattr(torch, dtype)
