@@ -1,6 +1,14 @@
 import pytest
 import torch
 
+# Test ids of torch dtypes: short names none of which holds another, so that `-k bf16`
+# or `-k "not fp16"` selects what it says (str() gave "torch.bfloat16", which holds "float16").
+DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+def pytest_make_parametrize_id(config, val, argname):
+    return DTYPE_IDS.get(val) if isinstance(val, torch.dtype) else None
+
 
 @pytest.fixture
 def count_builds(monkeypatch):

@@ -64,7 +64,7 @@ def float64_reference(model, *inputs):
         return ref_model(*(t.double() for t in inputs)), ref_model
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("name", list(WORKLOADS))
 def test_workload(name, training, dtype, exact_float32):
@@ -105,7 +105,7 @@ def test_batchnorm_running_stats_over_steps(exact_float32):
     torch.testing.assert_close(bn.running_var, ebn.running_var, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("features,rows", [(1, 4099), (3, 5000), (7, 20011), (16, 777), (17, 3001)])
 def test_narrow_batchnorm_train(features, rows, dtype, exact_float32):
     """Outputs of up to 16 columns take their statistics with several rows a warp
@@ -173,7 +173,7 @@ class _Divisions(nn.Module):
         return F.softplus(torch.div(self.w, y + 2.0), beta=2.0) / 7.0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_divisions_match_eager(dtype, exact_float32):
     """float32: bit for bit against eager (the scalar reciprocal rounds as ATen's does);
     16-bit chains (div.full, __expf): within tolerance of float64."""
@@ -217,7 +217,7 @@ MATH_STEPS = {  # on an identity Linear's output x in [-4, 4); sigmoid first whe
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(MATH_STEPS))
 def test_math_steps_match_eager(name, dtype, exact_float32):
     """erf, log1p, expm1, sin, cos, sqrt, rsqrt, reciprocal and constant powers: float32 bit for bit
@@ -227,7 +227,7 @@ def test_math_steps_match_eager(name, dtype, exact_float32):
     _assert_identity_chain_as_eager(model, model[0], dtype, exact_float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("slopes", [1, 64], ids=["one", "per_feature"])
 def test_prelu_matches_eager(slopes, dtype, exact_float32):
     """nn.PReLU after a Linear (its slopes negative, small, above 1): float32 bit for bit
@@ -238,7 +238,7 @@ def test_prelu_matches_eager(slopes, dtype, exact_float32):
     _assert_identity_chain_as_eager(model, model[0], dtype, exact_float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_batchnorm_prelu(dtype, exact_float32):
     """Conv2d -> BatchNorm (training) -> PReLU a channel, ArcFace's unit: one fusion, its
     output and running stats within tolerance of float64."""
@@ -268,7 +268,7 @@ class _LinearNormalize(nn.Module):
         return F.normalize(torch.relu(self.linear(x)), dim=-1) * 14.3
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [512, 1000], ids=["n512", "n1000"])
 def test_l2_normalize(n, dtype, exact_float32):
     model = _LinearNormalize(256, n).cuda().to(dtype)
@@ -299,7 +299,7 @@ class _SoftmaxSpelled(nn.Module):
         return softmax_spelled(self.anchor(x), 1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv"])
 def test_softmax_written_out(conv, dtype, exact_float32):
     """The written-out softmax runs as the softmax step (over the features, over a conv's
@@ -318,7 +318,7 @@ def test_softmax_written_out(conv, dtype, exact_float32):
     assert relative_error(out, ref) <= bound, f"seed {exact_float32}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_norm_written_out(dtype, exact_float32):
     """BERT's output layer with LayerNorm written out (x - mean twice, pow and mean):
     the layernorm step, then the weight and bias as steps, within tolerance of float64."""
@@ -350,7 +350,7 @@ BRANCHES = {  # two values computed from one earlier value meet: `branch` steps
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(BRANCHES))
 def test_branches_match_eager(name, dtype, exact_float32):
     """A chain through branches of its own: float32 bit for bit against eager (eager's
@@ -378,7 +378,7 @@ def _assert_fuses_within_tolerance(model, x, fusion, seed):
     assert err <= TOLERANCE[x.dtype], f"{err:.3g} (seed {seed})"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_branch_between_a_conv_norm_and_global_pooling(dtype, exact_float32):
     model = _ConvGroupNormGeluSpelled().cuda().to(dtype)
     x = torch.randn(3, 16, 33, 31, device="cuda", dtype=dtype)
@@ -399,7 +399,7 @@ class _MinWithCpuScalar(nn.Module):
         return (x + self.bias) * 2.0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_cpu_scalar_tensor_operand_is_a_number(dtype, exact_float32):
     model = _MinWithCpuScalar().cuda().to(dtype)
     x = torch.randn(4, 16, 20, 20, device="cuda", dtype=dtype)
@@ -447,7 +447,7 @@ EARLIER_TAILS = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("anchor", ["linear", "conv"])
 @pytest.mark.parametrize("form", list(EARLIER_TAILS))
 def test_steps_reading_earlier_values_of_the_chain(form, anchor, dtype, exact_float32):
@@ -598,7 +598,7 @@ CONV_BATCHNORM = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(AWKWARD))
 def test_awkward_shapes(name, dtype, exact_float32):
     factory, shapes, training, fusion = AWKWARD[name]
@@ -615,7 +615,7 @@ def test_awkward_shapes(name, dtype, exact_float32):
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32})"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(CONV_BATCHNORM))
 def test_conv_batchnorm_train_output_and_running_stats(name, dtype, exact_float32):
     factory, shape = CONV_BATCHNORM[name]
@@ -760,7 +760,7 @@ def _fuses_within_eagers_error(model, shapes, dtype, fusion, seed):
     assert err <= max(TOLERANCE[dtype], 2 * eager_err), f"relative error {err:.3g}, eager's {eager_err:.3g} (seed {seed})"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", [f"spatial_{n}" for n in POOLED] + [f"channels_{n}" for n in OVER_CHANNELS]
                          + [f"windows_{n}" for n in WINDOWED])
 def test_reductions_of_a_conv_output(name, dtype, exact_float32):
@@ -839,7 +839,7 @@ NORM_THEN_REDUCE = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(NORM_THEN_REDUCE))
 def test_a_reduction_after_the_norm(name, dtype, exact_float32, monkeypatch):
     """The norm's chain and the reduction after it in one fused op (the kernel's name
@@ -900,7 +900,7 @@ BATCHED = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(BATCHED))
 def test_bmm_chains(name, dtype, exact_float32):
     """A batched matmul (cuBLAS) and its chain in the epilogue kernel, against float64
@@ -936,7 +936,7 @@ BADDBMMS = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(BADDBMMS))
 def test_baddbmm_chains(name, dtype, exact_float32):
     """baddbmm: cuBLAS's bmm, then alpha and the input in the epilogue kernel with the
@@ -972,7 +972,7 @@ REGROUPED = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(REGROUPED))
 def test_views_that_regroup_a_conv_or_bmm_output(name, dtype, exact_float32):
     factory, shapes, fusion = REGROUPED[name]
@@ -1049,7 +1049,7 @@ class _BatchedProduct(nn.Module):
         return torch.bmm(x, self.w)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(BROADCASTING))
 def test_broadcast_operands(name, dtype, exact_float32, monkeypatch):
     """A binary step whose operand broadcasts over some of the chain's dims, in each
@@ -1088,7 +1088,7 @@ PERMUTED = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(PERMUTED))
 def test_layer_norm_after_a_permute_of_the_conv_channels(name, dtype, exact_float32):
     """ConvNeXt's and timm's LayerNorm2d: the conv channels-last, its output read as rows
@@ -1140,7 +1140,7 @@ CONV_LAYERNORMS = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(CONV_LAYERNORMS))
 def test_layer_norm_over_trailing_dims_of_a_conv_output(name, dtype, exact_float32):
     factory, shape, normalized = CONV_LAYERNORMS[name]
@@ -1175,7 +1175,7 @@ FEATURE_POOLS = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(FEATURE_POOLS))
 def test_pooling_windows_over_a_linear_outputs_features(name, dtype, exact_float32):
     k, n, shapes, fn, fusion = FEATURE_POOLS[name]
@@ -1313,7 +1313,7 @@ PADDED = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", list(PADDED))
 def test_padded_library_gemm(name, dtype, monkeypatch, exact_float32):
     monkeypatch.setenv("FUSEDEPI_PAD_GEMM", "1")
@@ -1430,7 +1430,7 @@ CHANNELS_LAST = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", list(CHANNELS_LAST))
 def test_channels_last_library_conv(name, dtype, monkeypatch, exact_float32):
     monkeypatch.setenv("FUSEDEPI_CONV_CHANNELS_LAST", "1")
@@ -1469,7 +1469,7 @@ CHANNELS_LAST_BATCHNORM = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(CHANNELS_LAST_BATCHNORM))
 def test_channels_last_batchnorm_training(name, dtype, monkeypatch, exact_float32):
     """Output and running statistics as eager's, against float64."""
@@ -1540,7 +1540,7 @@ def _kernels(model, *inputs):
     return out, [r.kernel for report in reports for r in report.records if r.status == "fused"]
 
 
-@pytest.mark.parametrize("name, dtype", DIRECT_CASES, ids=[f"{n}-{d}" for n, d in DIRECT_CASES])
+@pytest.mark.parametrize("name, dtype", DIRECT_CASES)
 def test_direct_conv(name, dtype, exact_float32):
     cin, cout, k, padding, groups, shape, _ = DIRECT_CONVS[name]
     model = _ConvChain(cin, cout, k, padding, groups).cuda().to(dtype)
@@ -1651,7 +1651,7 @@ def _needs_sm90():
         pytest.skip("the in-kernel conv is sm_90 only")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("name", list(IN_KERNEL_CONVS))
 def test_in_kernel_conv(name, dtype, exact_float32, monkeypatch):
     # 16-bit at eager's error; float32 only where cuDNN may use TF32, at TF32's error.
@@ -1756,7 +1756,7 @@ IN_KERNEL_CONV_NORMS = {
 IN_KERNEL_CONV_PRE = {"sigmoid_groupnorm_c8": lambda y: torch.sigmoid(y * 1.5 + 0.25)}
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", list(IN_KERNEL_CONV_NORMS))
 def test_in_kernel_conv_with_a_norm(name, dtype, exact_float32, monkeypatch):
     # The tiles' moments merged into the norm's statistics, then the output normalized in
@@ -1920,7 +1920,7 @@ def _eval_bn(model):
 TF32_TOLERANCE = 5e-3  # float32 chains whose product ran in TF32 (10 mantissa bits in)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("name", list(GEMM_CASES))
 def test_in_kernel_gemm(name, dtype, exact_float32, monkeypatch):
     if torch.cuda.get_device_capability() != (9, 0):

@@ -71,7 +71,7 @@ def test_batch_sizes_share_one_kernel(fresh_cache, monkeypatch):
     assert len(fresh_cache) == 1, f"{len(fresh_cache)} kernel builds for one chain"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reduce_overhead_cuda_graphs(dtype, fresh_cache, monkeypatch):
     from torch._dynamo.utils import counters
 

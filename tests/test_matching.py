@@ -93,7 +93,7 @@ class _ConvPReLU(nn.Module):
         return self.act(self.conv(x)) + 1.0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("model, steps, operand", [
     (lambda: Chain(nn.PReLU(), bias=True), ["prelu"], "one"),
     (lambda: Chain(nn.PReLU(32), bias=True), ["prelu"], "channel"),
@@ -499,7 +499,7 @@ def test_instance_norm_with_running_stats_in_eval_is_batchnorm_eval(dims, affine
             close_to_float64(p.grad, pe.grad, pr.grad, name)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_instance_norm_with_running_stats_in_eval_keeps_its_16_bit_input_for_backward(dtype):
     # The view the fused op returns for backward holds the conv output + bias as the
     # fused op rounds it; gradients stay within 4x eager's error off float64.

@@ -107,7 +107,7 @@ def test_maximum_with_a_per_channel_tensor():
     torch.testing.assert_close(out, model(x))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fn, steps, bias", [
     (lambda y: F.normalize(y, dim=-1), ["l2normalize"], 0.1),
     (lambda y: F.normalize(y, dim=1, eps=1e-6) * 14.3, ["l2normalize", "mul"], 0.1),  # CLIP's scaled cosine
@@ -1126,7 +1126,7 @@ def test_matmul_with_nd_input_and_no_bias():
     torch.testing.assert_close(out, model(x))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rmsnorm_in_half_precision_reads_through_the_float32_conversions(dtype):
     model = Chain(nn.Sequential(nn.RMSNorm(32), nn.GELU())).to(dtype)
     x = torch.randn(4, 16, dtype=dtype)
