@@ -1250,30 +1250,29 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
     fields, bind = _fields(spec, direct=True)
     launches = ["  err = static_cast<cudaError_t>(conv_launch(a, device, stream));",
                 "  if (err != cudaSuccess) return static_cast<int>(err);"]
-    if not c.stats:
-        return _kernel_file(spec, name, p, anchor_inside=1, includes='#include "fusedepi/hopper.cuh"\n', apply=False,
-                            fields=fields, bind=bind, stages=_stages(spec), stats_kernels=conv,
-                            launches="\n".join(launches), ws_floats="0")
-    parts = "rows * kPatches * kChannels * 2"  # the tiles' moments, a float2 a (image, patch, channel)
-    if red.name == "batchnorm_train":
-        # Workspace: the normalize's scale[C] and shift[C], then the moments.
-        conv += "\n\n" + conv_sm90.CONV_STATS_FINAL.substitute(kernel=name, segments="false", seg_groups=1,
-                                                               done=_batch_norm_finish(spec))
-        middle, grid, ws_floats = templates.BATCH_NORM_APPLY, "kChannels", f"2 * kChannels + {parts}"
-    else:
-        # Workspace: the moments, then (mean, rstd) a segment.
-        stats_at = f"(a.ws + {parts.replace('rows', 'a.rows')})"
-        done = conv_sm90.SEGMENT_STATS.substitute(stats_at=stats_at, eps=cfloat(red.consts[0]))
-        conv += "\n\n" + conv_sm90.CONV_STATS_FINAL.substitute(kernel=name, segments="true", seg_groups=red.groups,
-                                                               done=done)
-        middle = templates.CHUNK_NORM.substitute(apply=templates.APPLY_STAGE1, stats_at=stats_at)
-        grid, ws_floats = "segments", f"{parts} + rows * kGroups * 2"
-    launches += [f"  {name}_convstats<<<{grid}, 256, 0, stream>>>(a);",
-                 "  Args b = a;  // the apply kernel normalizes the output in place",
-                 "  b.y = a.out;",
-                 f"  {name}_apply<<<{_apply_grid(p)}, kBlock, 0, stream>>>(b);"]
-    # The output holds the conv's value: the apply kernel runs stage0 on it, then the norm.
-    return _kernel_file(spec, name, p, anchor_inside=1, includes='#include "fusedepi/hopper.cuh"\n',
+    middle, ws_floats = "", "0"  # a pointwise chain: the conv's launch alone writes its result
+    if c.stats:  # the output holds the conv's value: the apply kernel runs stage0 on it, then the norm
+        def parts(rows: str) -> str:  # the tiles' moments, a float2 a (image, patch, channel)
+            return f"{rows} * kPatches * kChannels * 2"
+
+        bn = red.name == "batchnorm_train"  # else segments of whole channels (GroupNorm...)
+        if bn:
+            # Workspace: the normalize's scale[C] and shift[C], then the moments.
+            done = _batch_norm_finish(spec)
+            middle, grid, ws_floats = templates.BATCH_NORM_APPLY, "kChannels", f"2 * kChannels + {parts('rows')}"
+        else:
+            # Workspace: the moments, then (mean, rstd) a segment.
+            stats_at = f"(a.ws + {parts('a.rows')})"
+            done = conv_sm90.SEGMENT_STATS.substitute(stats_at=stats_at, eps=cfloat(red.consts[0]))
+            middle = templates.CHUNK_NORM.substitute(apply=templates.APPLY_STAGE1, stats_at=stats_at)
+            grid, ws_floats = "segments", f"{parts('rows')} + rows * kGroups * 2"
+        conv += "\n\n" + conv_sm90.CONV_STATS_FINAL.substitute(
+            kernel=name, segments="false" if bn else "true", seg_groups=1 if bn else red.groups, done=done)
+        launches += [f"  {name}_convstats<<<{grid}, 256, 0, stream>>>(a);",
+                     "  Args b = a;  // the apply kernel normalizes the output in place",
+                     "  b.y = a.out;",
+                     f"  {name}_apply<<<{_apply_grid(p)}, kBlock, 0, stream>>>(b);"]
+    return _kernel_file(spec, name, p, anchor_inside=1, includes='#include "fusedepi/hopper.cuh"\n', apply=c.stats,
                         fields=fields, bind=bind, stages=_stages(spec), middle=middle, stats_kernels=conv,
                         launches="\n".join(launches), ws_floats=ws_floats)
 

@@ -319,9 +319,9 @@ __device__ __forceinline__ void store_runs(const uint8_t* staging, int ct, int i
 // The kernel's body (the file's __global__ wrapper calls it with its __grid_constant__
 // tensor maps): map_x over x [rows, H, W, C_in] (dims C_in, W, H, rows), map_w over w
 // [kChannels, kTaps x kCinPad]. Warpgroup 0's first thread loads, by TMA, for each k-step
-// (tap, channel block of kSwizzle bytes: the tiles' rows) the patch of input pixels that tap reads (coordinates shifted by
-// the tap, zeros past the image: the conv's padding) and the tap's weights, tile after
-// tile of the CTA in order, into one ring; warpgroups 1 and 2 multiply (wgmma), apply the
+// (tap, channel block of kSwizzle bytes: the tiles' rows) the patch of input pixels that
+// tap reads (coordinates shifted by the tap, zeros past the image: the conv's padding) and
+// the tap's weights, tile after tile of the CTA in order, into one ring; warpgroups 1 and 2 multiply (wgmma), apply the
 // chain in registers, stage the tile and issue its bulk copies to out, which run under
 // the next mainloop. Persistent: CTA b takes tiles b, b + gridDim.x, ... (its tiles 0, 1,
 // 2, ...); cooperative, both consumer warpgroups take each; ping-pong, warpgroup h takes

@@ -200,7 +200,7 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap& map_a, const CUtens
         const uint8_t* sb = tiles_b + s * kTileB;
 #pragma unroll
         for (int kk = 0; kk < kBK / kMmaK; ++kk)  // 32 bytes along K within the swizzled row
-          wgmma_256(d, hop::desc_sw128(sa + kk * 32), hop::desc_sw128(sb + kk * 32), (i > 0 || kk > 0) ? 1 : 0);
+          wgmma_256(d, hop::desc_sw<128>(sa + kk * 32), hop::desc_sw<128>(sb + kk * 32), (i > 0 || kk > 0) ? 1 : 0);
         hop::wgmma_commit();
         hop::wgmma_wait<1>();  // the previous k-tile's wgmma is done: free its stage
         if (i > 0) release((it - 1) % kStages);

@@ -144,7 +144,6 @@ __device__ __forceinline__ uint64_t desc_sw(const void* p) {
   const uint64_t addr = smem_u32(p);
   return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(8 * kBytes / 16) << 32) | (kMode << 62);
 }
-__device__ __forceinline__ uint64_t desc_sw128(const void* p) { return desc_sw<128>(p); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int kPending>
