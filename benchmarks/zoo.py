@@ -338,6 +338,12 @@ MODELS = [
         _conv(32, 64, stride=2, padding=1), lambda y, m: F.relu6(m.bn(y)), bn=nn.BatchNorm2d(64)), (32, 32, 128, 128)),
     ZooModel("conv2d_1x1_bn_silu", lambda: Seq(_conv(64, 128, 1), lambda y, m: F.silu(m.bn(y)), bn=nn.BatchNorm2d(128)),
              (32, 64, 56, 56)),
+    # downsampling by a stride of 2: a ResNet stage's first conv, a diffusion UNet's down block
+    ZooModel("resnet_downsample_bn_relu", lambda: Seq(
+        _conv(64, 128, stride=2, padding=1), lambda y, m: F.relu(m.bn(y)), bn=nn.BatchNorm2d(128)), (32, 64, 56, 56)),
+    ZooModel("unet_downsample_gn_silu", lambda: Seq(
+        _conv(128, 128, stride=2, padding=1), lambda y, m: F.silu(m.gn(y)), gn=nn.GroupNorm(32, 128)),
+        (16, 128, 64, 64)),
     # PReLU: face recognition (ArcFace's iResNet: BN, conv, BN, PReLU a channel) and
     # super-resolution feature layers (ESPCN, SRGAN: one slope)
     ZooModel("conv2d_bn_prelu", lambda: Seq(

@@ -2,8 +2,9 @@
 implicit GEMM whose output tile gets the chain in registers and is written once.
 
 The GEMM: M = the output's pixels (rows x Ho x Wo), N = the output channels, K = kh x kw x
-C_in. `render.conv_gemm_plan` decides where it applies (2-D, stride 1, dilation 1, groups
-1, pointwise chains and norms over whole channels, C_in a multiple of 16 bytes, sm_90)
+C_in. `render.conv_gemm_plan` decides where it applies (2-D, groups 1, any dilation,
+strides up to MAX_STRIDE, pointwise chains and norms over whole channels, C_in a
+multiple of 16 bytes, sm_90)
 and renders it into `templates.KERNEL_FILE` with the spec's stage functions; the launcher hands it the input
 in channels-last memory ([rows, H, W, C_in]; one copy, as Inductor's channels-last conv
 makes) and the weight as [C_out, kh, kw, C_in].
@@ -15,8 +16,10 @@ channels, persistent over tiles, 384 threads):
 - warpgroup 0's first thread is the producer: for each k-step (a tap, and a block of
   input channels of 128 bytes, or of 32 or 64 where a pixel's C_in fits them:
   `k_step_bytes`) it copies by TMA the patch of input pixels that tap reads (a 4-D box of
-  the channels-last input, shifted by the tap; coordinates outside the image read zeros,
-  which is the conv's zero padding, and channels past C_in too) and the tap's weights (a
+  the channels-last input, shifted by the tap times the dilation; with a stride s the box
+  spans s times the patch and TMA reads every s-th pixel of it, its element strides;
+  coordinates outside the image read zeros, which is the conv's zero padding, and
+  channels past C_in too) and the tap's weights (a
   2-D box of [C_out, taps x C_in'], C_in' padded with zeros by the launcher to whole
   k-steps, so a k-step never mixes two taps). Both land as rows of the k-step's bytes in
   the swizzle of that width (the in-kernel GEMM's tiles: 128), in a ring of stages;
@@ -76,6 +79,10 @@ K_STEP_BYTES = (32, 64, 128)
 # The ring's depth at most: 8 stages of 128-byte k-steps, as many bytes of narrower ones
 # (a k-step of 32 bytes is a quarter of the work, the latency it must hide the same).
 RING_BYTES_K = 8 * 128
+# The largest stride the tensor map reads (TMA's element strides: 1 to 8). A box spans
+# the patch's width times the stride, at most MAX_BOX pixels, which bounds the patch's width.
+MAX_STRIDE = 8
+MAX_BOX = 256
 
 
 @dataclass(frozen=True)
@@ -135,25 +142,29 @@ def stats_floats(block_n: int, pingpong: bool) -> int:
     return (2 * warps + 1) * block_n * (2 if pingpong else 1)
 
 
-def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int = 128) -> ConvGemmPlan:
+def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int = 128,
+           stride_w: int = 1) -> ConvGemmPlan:
     """The tile for C_out channels and an output width `wo`: the fewest channel tiles of
     a BLOCK_N width, the narrowest that covers C_out in that many; a patch as wide as the
-    output (a power of two, 8 to 128); and as many ring stages of k-steps of `k_bytes`
+    output (a power of two, 8 to 128, and at most MAX_BOX / stride_w: the input box it
+    reads spans the patch's width times the stride); and as many ring stages of k-steps of `k_bytes`
     (`k_step_bytes`) as shared memory holds beside the staging tile (and, with `stats`,
     the tile's moments), RING_BYTES_K bytes of k-steps at most. Where fewer than
     MIN_STAGES fit beside that tile's staging (a narrow patch's many runs, the moments of
     a wide tile), the next narrower width is taken.
 
     Raises:
-        ValueError: k_bytes is not one of K_STEP_BYTES.
+        ValueError: k_bytes is not one of K_STEP_BYTES, or stride_w not 1 to MAX_STRIDE.
     """
     if k_bytes not in K_STEP_BYTES:
         raise ValueError(f"a k-step of {k_bytes} bytes (the swizzles: {K_STEP_BYTES})")
+    if not 1 <= stride_w <= MAX_STRIDE:
+        raise ValueError(f"stride {stride_w} (the tensor map reads 1 to {MAX_STRIDE})")
     widths = BLOCK_N[itemsize]
     n_tiles = -(-cout // widths[-1])
     preferred = next(n for n in widths if n * n_tiles >= cout)
     tile_w = 8
-    while tile_w < min(wo, BLOCK_M):
+    while tile_w < min(wo, BLOCK_M) and 2 * tile_w * stride_w <= MAX_BOX:
         tile_w *= 2
     for block_n in sorted((n for n in widths if n <= preferred), reverse=True):
         stage = (BLOCK_M + block_n) * k_bytes  # an x box and a w box of k_bytes-byte rows
@@ -202,6 +213,10 @@ def wgmma_asm(dtype: str, n: int) -> str:
 #   $kw         the kernel's width
 #   $ph         the padding of the height
 #   $pw         the padding of the width
+#   $sh         the stride of the height (1 to MAX_STRIDE)
+#   $sw         the stride of the width (1 to MAX_STRIDE)
+#   $dh         the dilation of the height
+#   $dw         the dilation of the width
 #   $ho         the output's height
 #   $wo         the output's width
 #   $pitch      the staging tile's elements between two channels (staging_pitch)
@@ -217,6 +232,7 @@ constexpr int kBM = $bm, kBN = $bn, kBK = $bk, kStages = $stages, kMmaK = $mma_k
 constexpr int kTH = $th, kTW = $tw;  // the tile's output pixels: kTH rows of kTW
 constexpr int kCin = $cin, kH = $h, kW = $w;
 constexpr int kKH = $kh, kKW = $kw, kPH = $ph, kPW = $pw, kTaps = kKH * kKW;
+constexpr int kSH = $sh, kSW = $sw, kDH = $dh, kDW = $dw;  // stride, dilation
 constexpr int kHo = $ho, kWo = $wo;
 constexpr int kPitch = $pitch;  // the staging tile's elements between two channels
 constexpr bool kPingPong = $pingpong;  // the consumers' schedule (conv_sm90.cuh)
@@ -244,6 +260,8 @@ static_assert((kSwizzle == 32 || kSwizzle == 64 || kSwizzle == 128) && kBK % kMm
 static_assert(kTileB % (8 * kSwizzle) == 0, "each stage's tiles aligned to the swizzle's 8-row atom");
 static_assert(kBN % 8 == 0 && kBN <= 256 && kChannels % 8 == 0, "wgmma's N; whole 8-channel chunks");
 static_assert(kCin * kElem % 16 == 0, "TMA's 16-byte strides");
+static_assert(kSH >= 1 && kSH <= 8 && kSW >= 1 && kSW <= 8 && kTW * kSW <= 256 && kTH * kSH <= 256,
+              "TMA's element strides (1 to 8) and boxes (256 elements a dim)");
 static_assert(kConvSmem <= 227 * 1024, "sm_90's dynamic shared memory a block");
 
 __global__ void __launch_bounds__(384, 1) ${kernel}_conv(const __grid_constant__ CUtensorMap map_x,
@@ -257,8 +275,10 @@ int conv_launch(const Args& a, int device, cudaStream_t stream) {
   const cuuint64_t x_dims[4] = {kCin, kW, kH, static_cast<cuuint64_t>(a.rows)};
   const cuuint64_t x_strides[3] = {static_cast<cuuint64_t>(kCin) * kElem, static_cast<cuuint64_t>(kW) * kCin * kElem,
                                    static_cast<cuuint64_t>(kH) * kW * kCin * kElem};
-  const cuuint32_t x_box[4] = {kBK, kTW, kTH, 1};
-  if (int e = hop::encode_map<T>(&map_x, a.x, 4, x_dims, x_strides, x_box, kSwizzle)) return e;
+  // A stride s: the box spans s times the patch, of which TMA reads every s-th pixel.
+  const cuuint32_t x_box[4] = {kBK, kTW * kSW, kTH * kSH, 1};
+  const cuuint32_t x_steps[4] = {1, kSW, kSH, 1};
+  if (int e = hop::encode_map<T>(&map_x, a.x, 4, x_dims, x_strides, x_box, kSwizzle, x_steps)) return e;
   if (int e = hop::encode_map_2d<T>(&map_w, a.w, kChannels, kTaps * kCinPad, kBN, kBK, kSwizzle)) return e;
   static int sms[64] = {};
   if (device >= 64) return static_cast<int>(cudaErrorInvalidDevice);
@@ -300,5 +320,5 @@ SEGMENT_STATS = Template(
     stats[1] = rsqrtf(fmaxf(m.m2 / m.n, 0.f) + $eps);"""
 )
 
-__all__ = ["BLOCK_M", "CONV_KERNELS", "CONV_STATS_FINAL", "K_STEP_BYTES", "SEGMENT_STATS", "ConvGemmPlan",
+__all__ = ["BLOCK_M", "CONV_KERNELS", "CONV_STATS_FINAL", "K_STEP_BYTES", "MAX_STRIDE", "SEGMENT_STATS", "ConvGemmPlan",
            "k_step_bytes", "padded_in_channels", "stats_floats", "tiling", "wgmma_asm"]

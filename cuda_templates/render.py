@@ -494,7 +494,9 @@ def direct_plan(spec: EpilogueSpec, arch: str = "sm90", conv_tf32: bool = False)
     if anchor.channels_last:
         return "the library conv runs on channels-last operands (Anchor.channels_last)"
     if not anchor.direct:
-        return "not 2-D with stride 1, dilation 1 and groups 1 (or disabled)"
+        return "not 2-D with groups 1 (or disabled)"
+    if not anchor.unit_stride:
+        return f"stride {anchor.conv[0]}, dilation {anchor.conv[2]} (the direct conv takes 1 and 1)"
     if anchor.has_bias:
         return "the conv keeps its bias (the matcher moves it into the epilogue)"
     red = spec.reduction
@@ -649,13 +651,16 @@ def gemm_plan(spec: EpilogueSpec, arch: str) -> GemmPlan | str:
 
 def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> conv_sm90.ConvGemmPlan | str:
     """The in-kernel conv (an implicit GEMM, `conv_sm90`) for `spec` on `arch`, or the
-    reason it does not apply. It takes the direct-conv candidates (2-D, stride 1,
-    dilation 1, groups 1) that the direct conv does not cover (`direct_plan`), with a
-    pointwise chain. conv_tf32: a float32 conv may use TF32
+    reason it does not apply. It takes the candidates for the file's own conv kernels
+    (`Anchor.direct`: 2-D, groups 1; any dilation, strides up to conv_sm90.MAX_STRIDE)
+    that the direct conv does not cover (`direct_plan`), with a pointwise chain or a norm
+    over whole channels. conv_tf32: a float32 conv may use TF32
     (`torch.backends.cudnn.allow_tf32`); without it float32 is not taken."""
     anchor = spec.anchor
     if anchor.kind != "conv" or not anchor.direct or anchor.channels_last:
-        return "not a 2-D conv with stride 1, dilation 1 and groups 1"
+        return "not a 2-D conv with groups 1"
+    if max(anchor.conv[0]) > conv_sm90.MAX_STRIDE:
+        return f"stride {anchor.conv[0]} (the in-kernel conv's TMA reads strides up to {conv_sm90.MAX_STRIDE})"
     if not anchor.implicit:
         return "the in-kernel conv is not taken (FUSEDEPI_IN_KERNEL_CONV, or slower where timed)"
     if arch != "sm90":
@@ -682,7 +687,7 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
         return (f"{cin} -> {spec.channels} channels (the in-kernel conv takes input channels in multiples of "
                 f"{per_16_bytes}, output channels in multiples of 8)")
     return conv_sm90.tiling(spec.channels, wo, ITEMSIZE[spec.dtype], stats=stats,
-                            k_bytes=conv_sm90.k_step_bytes(cin, ITEMSIZE[spec.dtype]))
+                            k_bytes=conv_sm90.k_step_bytes(cin, ITEMSIZE[spec.dtype]), stride_w=anchor.conv[0][1])
 
 
 def conv_stats(spec: EpilogueSpec) -> bool | str:
@@ -1237,11 +1242,11 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
     red = spec.reduction
     cin, kh, kw, h, w = spec.anchor.direct
     ho, wo = spec.anchor.direct_out_hw()
-    ph, pw = spec.anchor.conv[1]
+    (sh, sw), (ph, pw), (dh, dw) = spec.anchor.conv[:3]
     conv = conv_sm90.CONV_KERNELS.substitute(
         kernel=name, bm=conv_sm90.BLOCK_M, bn=c.block_n, bk=c.k_bytes // ITEMSIZE[spec.dtype],
         mma_k=gemm_sm90.WGMMA_TYPES[spec.dtype][1], stages=c.stages, th=c.tile_h, tw=c.tile_w,
-        cin=cin, h=h, w=w, kh=kh, kw=kw, ph=ph, pw=pw, ho=ho, wo=wo,
+        cin=cin, h=h, w=w, kh=kh, kw=kw, ph=ph, pw=pw, sh=sh, sw=sw, dh=dh, dw=dw, ho=ho, wo=wo,
         pitch=conv_sm90.staging_pitch(c.tile_h, c.tile_w, ITEMSIZE[spec.dtype]),
         pingpong="true" if c.pingpong else "false", wgmma=conv_sm90.wgmma_asm(spec.dtype, c.block_n),
         stats="true" if c.stats else "false",

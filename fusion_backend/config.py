@@ -36,7 +36,7 @@ class Config:
             matmul precision allows it): "auto" (the default: 16-bit pointwise chains and
             row reductions, float32 row reductions, at the calls whose rows fill the GPU
             with tiles), "on" (every chain the kernel covers, every call) or "off".
-        in_kernel_conv: whether a 2-D stride-1 conv that the direct conv does not take
+        in_kernel_conv: whether a 2-D conv (groups 1, strides up to 8) that the direct conv does not take
             runs, with a pointwise chain, in one kernel that also computes the conv, on
             sm_90 (FUSEDEPI_IN_KERNEL_CONV, README "In-kernel conv"): "auto" (the default:
             where the measured choice times the chain, it is timed with the in-kernel

@@ -1428,7 +1428,8 @@ def auto_takes_gemm(steps, dtype: torch.dtype, matmul_tf32: bool) -> bool:
 def _match_anchor(node: Node, direct_conv: bool = True, direct_gemm: bool = False, implicit_conv: bool = False):
     """Returns (Anchor, operand nodes) for an anchor node, else None.
 
-    direct_conv: mark 2-D stride-1 convolutions as candidates for the direct conv.
+    direct_conv: mark 2-D convolutions of groups 1 as candidates for the direct conv
+        (stride 1, dilation 1) and the in-kernel conv.
     direct_gemm: mark x @ w^T products (a Linear's) as candidates for the in-kernel GEMM.
     implicit_conv: mark those convolutions as candidates for the in-kernel conv too.
     """
@@ -1479,12 +1480,13 @@ def linear_form(x: Node, wt: Node, bias: Node | None = None) -> tuple:
 
 
 def _direct_conv(x: Node, w: Node, conv: tuple) -> tuple:
-    """(in_channels, kh, kw, in_h, in_w) for a conv the direct kernel may compute, else ()."""
-    stride, _, dilation, _, _, groups = conv
+    """(in_channels, kh, kw, in_h, in_w) for a 2-D conv of groups 1 that the file's own
+    conv kernels may compute (`Anchor.direct`), else ()."""
+    groups = conv[5]
     xv, wv = _val(x), _val(w)
     if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor) or wv.dim() != 4 or xv.dim() != 4:
         return ()
-    if tuple(stride) != (1, 1) or tuple(dilation) != (1, 1) or groups != 1:
+    if groups != 1:
         return ()
     sizes = (xv.shape[1], wv.shape[2], wv.shape[3], xv.shape[2], xv.shape[3])
     if not all(isinstance(s, int) for s in sizes):

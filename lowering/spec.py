@@ -85,9 +85,10 @@ class Anchor:
             alpha, so a spec never holds a bmm with a bias).
         conv: conv only: (stride, padding, dilation, transposed, output_padding, groups).
         direct: conv only: (in_channels, kernel_h, kernel_w, in_h, in_w) when the conv
-            is a candidate for the in-kernel direct convolution (2-D, stride 1,
-            dilation 1, groups 1); empty otherwise. The renderer still decides
-            whether the direct kernel covers it (else: the library conv runs first).
+            is a candidate for the file's own conv kernels (2-D, groups 1, static
+            sizes; the direct conv takes stride 1 and dilation 1, the in-kernel conv any
+            dilation and strides up to 8); empty otherwise. The renderer still decides
+            whether one covers it (else: the library conv runs first).
         gemm: addmm/mm only: (in_features, every_call) when the product is x[M, K] @ w[N, K]^T
             with x 2-D and w contiguous (a Linear's transposed weight), and a bias, if any,
             of shape [N]: a candidate for the in-kernel GEMM; empty otherwise. The renderer
@@ -138,10 +139,16 @@ class Anchor:
     rounded: bool = False
 
     def direct_out_hw(self) -> tuple[int, int]:
-        """Output (H, W) of a direct-conv candidate (stride 1, dilation 1)."""
+        """Output (H, W) of a candidate for the file's own conv kernels (`direct`)."""
         _, kh, kw, h, w = self.direct
-        (ph, pw) = self.conv[1]
-        return h + 2 * ph - kh + 1, w + 2 * pw - kw + 1
+        (sh, sw), (ph, pw), (dh, dw) = self.conv[:3]
+        return (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+
+    @property
+    def unit_stride(self) -> bool:
+        """A conv of stride 1 and dilation 1 in every dim."""
+        stride, _, dilation = self.conv[:3]
+        return all(s == 1 for s in stride) and all(d == 1 for d in dilation)
 
     @property
     def n_operands(self) -> int:

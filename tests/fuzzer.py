@@ -22,7 +22,8 @@ model is "ill_conditioned". A model eager refuses to run must fail alike ("rejec
 "high", where the kernel computes in TF32) and runs them with FUSEDEPI_IN_KERNEL_GEMM=1, so that its
 kernel (sm_90) meets random chains; the default setting takes it only at row counts
 too large for the fuzzer. `--in-kernel-conv` likewise draws 2-D convs of the in-kernel
-conv's shapes (stride 1, input channels in 8s, 40-256 output channels in 8s; float32
+conv's shapes (stride 1, from generation 16 strides of 1-3 and dilations of 1-2; input
+channels in 8s, 40-256 output channels in 8s; float32
 ones with `cudnn.allow_tf32`, for eager and fusedepi alike) and runs them with
 FUSEDEPI_IN_KERNEL_CONV=1 (sm_90; its default, auto, takes it only where the measured
 choice times the chain, which the fuzzer does not).
@@ -134,6 +135,10 @@ CONV_NORMS[12] = CONV_NORMS[11]
 CONV_NORMS[13] = CONV_NORMS[12]
 CONV_NORMS[14] = CONV_NORMS[13]
 CONV_NORMS[15] = CONV_NORMS[14]
+CONV_NORMS[16] = CONV_NORMS[15]
+# From this generation on, the in-kernel conv's anchors (`--in-kernel-conv`) have strides
+# of 1 to 3 and dilations of 1 or 2 (`_implicit_anchor`), drawn from a stream of their own.
+STRIDED_GENERATION = 16
 # From this generation on, the pointwise steps include erf, sin, cos, sqrt, rsqrt,
 # reciprocal, log1p, expm1 and powers by a constant (`POWERS`; square as pow 2); sqrt,
 # rsqrt, reciprocal, log1p and the fractional and negative powers only where the value is
@@ -287,15 +292,21 @@ def _gemm_anchor(rng: random.Random) -> dict:
             "bias": rng.random() < 0.8}
 
 
-def _implicit_anchor(rng: random.Random) -> dict:
-    """A 2-D conv the in-kernel conv covers: stride 1, dilation 1, input channels in 8s,
-    more output channels than the direct conv takes; outputs narrower and wider than its
-    patches."""
+def _implicit_anchor(rng: random.Random, strides: random.Random | None = None) -> dict:
+    """A 2-D conv the in-kernel conv covers: input channels in 8s, more output channels
+    than the direct conv takes; outputs narrower and wider than its patches. Stride 1 and
+    dilation 1, or where `strides` is given (STRIDED_GENERATION), drawn from it."""
     kernel = rng.choice([1, 3, 3, 5])
-    return {"kind": "conv", "dims": 2, "batch": rng.randint(1, 4), "in": 8 * rng.randint(1, 10),
-            "out": 8 * rng.randint(5, 32), "spatial": [rng.randint(kernel, 24), rng.randint(kernel, 150)],
-            "kernel": kernel, "stride": 1, "padding": rng.choice([0, 1, 2]), "dilation": 1,
-            "bias": rng.random() < 0.8}
+    anchor = {"kind": "conv", "dims": 2, "batch": rng.randint(1, 4), "in": 8 * rng.randint(1, 10),
+              "out": 8 * rng.randint(5, 32), "spatial": [rng.randint(kernel, 24), rng.randint(kernel, 150)],
+              "kernel": kernel, "stride": 1, "padding": rng.choice([0, 1, 2]), "dilation": 1,
+              "bias": rng.random() < 0.8}
+    if strides is not None:
+        anchor["stride"] = strides.choice([1, 2, 2, 3])
+        anchor["dilation"] = strides.choice([1, 1, 2]) if kernel > 1 else 1
+        reach = anchor["dilation"] * (kernel - 1) + 1  # the output is at least 1 wide
+        anchor["spatial"] = [max(n, reach) for n in anchor["spatial"]]
+    return anchor
 
 
 def _step(rng: random.Random, ctx: dict) -> dict:
@@ -453,7 +464,8 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
     bmm = (generation >= BMM_GENERATION and not gemm and not implicit
            and random.Random(f"{seed}/{index}/{device}/bmm").random() < 0.25)
     if implicit:
-        anchor = _implicit_anchor(rng)
+        strides = random.Random(f"{seed}/{index}/{device}/strides") if generation >= STRIDED_GENERATION else None
+        anchor = _implicit_anchor(rng, strides)
     else:
         anchor = _gemm_anchor(rng) if gemm else _bmm_anchor(rng) if bmm else _anchor(rng)
     if bmm and generation >= BADDBMM_GENERATION:

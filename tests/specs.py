@@ -171,16 +171,17 @@ def direct_specs(dtype="float32"):
     }
 
 
-def _implicit(pad, direct):
+def _implicit(pad, direct, stride=1, dilation=1):
     """A conv anchor the in-kernel conv may compute (FUSEDEPI_IN_KERNEL_CONV=1)."""
-    return Anchor("conv", has_bias=False, conv=((1, 1), (pad, pad), (1, 1), False, (0, 0), 1), direct=direct,
-                  implicit=True)
+    conv = ((stride, stride), (pad, pad), (dilation, dilation), False, (0, 0), 1)
+    return Anchor("conv", has_bias=False, conv=conv, direct=direct, implicit=True)
 
 
 def conv_gemm_specs(dtype="bfloat16"):
     """Convs the in-kernel conv computes (`conv_gemm_plan`): more output channels than
     the direct conv takes; padding, a tile wider than the output, two channel tiles,
-    input channels below a k-step, a residual read at its NCHW place. (float32 only
+    input channels below a k-step, a residual read at its NCHW place, strides and
+    dilations (a patch narrowed by its stride's box). (float32 only
     where TF32 is allowed: render with conv_tf32=True.)"""
     p = (dtype,)
     specs = {
@@ -223,6 +224,21 @@ def conv_gemm_specs(dtype="bfloat16"):
             _implicit(0, (16, 3, 3, 30, 30)),
             (_bias(0), Step("groupnorm", consts=(1e-5,), inputs=(-1, -1), groups=32), Step("leaky_relu", consts=(0.2,))),
             dtype, p, 32, 28 * 28, "conv_groupnorm",
+        ),
+        # strides and dilations: the tensor map's element strides, the taps' offsets
+        "igemm_stride2_bn_relu6": EpilogueSpec(  # conv2d_stride2_bn_relu6: 30 x 70 -> 15 x 35
+            _implicit(1, (32, 3, 3, 30, 70), stride=2),
+            (_bias(0), Step("batchnorm_train", consts=(0.1, 1e-5), inputs=(1, 2, 3, 4)),
+             Step("clamp", consts=(0.0, 6.0))),
+            dtype, p * 5, 64, 15 * 35, "conv_batchnorm_train",
+        ),
+        "igemm_dilated2_gelu": EpilogueSpec(  # dilation 2, padding 2: 20 x 40 -> 20 x 40
+            _implicit(2, (16, 3, 3, 20, 40), dilation=2), (_bias(0), Step("gelu")),
+            dtype, p, 64, 20 * 40, "conv_pointwise",
+        ),
+        "igemm_stride3_k5_wide": EpilogueSpec(  # 134 columns out; the box of 3 x 128 > 256: patches of 64
+            _implicit(2, (16, 5, 5, 9, 400), stride=3), (_bias(0), Step("relu")),
+            dtype, p, 64, 3 * 134, "conv_pointwise",
         ),
     }
     return {name: spec.with_in_kernel_conv() for name, spec in specs.items()}  # float32: operands rounded

@@ -570,3 +570,27 @@ def test_cpu_fuzz_with_the_library_call_forms_forced(monkeypatch):
     moved = [r for r in results if r["dtype"] == "float32" and r["anchor"] == "linear" and r["fused_steps"]
              and r["fused_steps"][0][:1] == ["add"]]
     assert len(moved) >= 5 and any(r["index"] in indices for r in moved), len(moved)
+
+
+def test_cpu_fuzz_of_strided_in_kernel_convs():
+    # Generation 16 draws the in-kernel conv's strides (1 to 3) and dilations (1, 2) from
+    # a stream of their own: its anchors are otherwise generation 15's, and so are its
+    # models of stride 1 and dilation 1 (a chain's steps fit its output's sizes). Run on
+    # CPU through the fused op's reference (the rewrite, the output sizes); the GPU fuzzer
+    # runs the kernel.
+    import dataclasses
+
+    gen = fuzzer.STRIDED_GENERATION
+    before = [fuzzer.make_case(0, i, "cuda", generation=gen - 1, implicit=True) for i in range(60)]
+    after = [fuzzer.make_case(0, i, "cuda", generation=gen, implicit=True) for i in range(60)]
+    assert {c.anchor["stride"] for c in after} == {1, 2, 3} and {c.anchor["dilation"] for c in after} == {1, 2}
+    for b, c in zip(before, after):
+        assert {**c.anchor, "stride": 1, "dilation": 1, "spatial": b.anchor["spatial"]} == b.anchor
+        if c.anchor == b.anchor:
+            assert dataclasses.replace(c, generation=gen - 1) == b
+    for c in after:  # every output at least one pixel
+        assert all(n >= 1 for n in fuzzer._conv_out_sizes(c.anchor))
+    results = fuzzer.run(seed=0, indices=range(12), device="cpu", generation=gen, implicit=True)
+    summary = fuzzer.summarize(results)
+    assert not summary["findings"], _shown(summary["findings"])
+    assert summary["fusion"].get("full", 0) >= 4, summary["reasons"]

@@ -1250,9 +1250,9 @@ def test_tf32_moves_the_gemm_bias_into_the_epilogue(exact_float32):
 class _ConvChain(nn.Module):
     """Conv2d -> sigmoid(1.5 x) -> [GroupNorm] -> silu * per-channel scale."""
 
-    def __init__(self, cin, cout, k, padding, groups):
+    def __init__(self, cin, cout, k, padding, groups, stride=1, dilation=1):
         super().__init__()
-        self.conv = nn.Conv2d(cin, cout, k, padding=padding)
+        self.conv = nn.Conv2d(cin, cout, k, padding=padding, stride=stride, dilation=dilation)
         self.gn = nn.GroupNorm(groups, cout) if groups else nn.Identity()
         self.scale = nn.Parameter(torch.rand(cout, 1, 1) + 0.5)
 
@@ -1643,7 +1643,16 @@ IN_KERNEL_CONVS = {
     # 480 tiles: more than an H100's or H200's 132 CTAs, which then take 3-4 tiles each
     # (the ring and the staging tile's hand-over carried from tile to tile)
     "c64_to_128_many_tiles": (64, 128, 3, 1, (12, 64, 40, 70)),
+    # strides (TMA's element strides) and dilations (the taps' offsets), edges cut
+    "c32_to_64_stride2": (32, 64, 3, 1, (3, 32, 37, 70)),  # 19 x 35 out
+    "c16_to_64_dilation2": (16, 64, 3, 2, (2, 16, 21, 45)),  # 21 x 45 out
+    "c16_to_96_k5_stride3_dilation2": (16, 96, 5, 3, (2, 16, 40, 400)),  # 13 x 133: patches of 64, a box of 192
+    "c64_to_128_stride2_1x1": (64, 128, 1, 0, (2, 64, 31, 33)),  # ResNet's downsampling shortcut: 16 x 17
 }
+# The convs' (stride, dilation) where not 1 and 1.
+IN_KERNEL_CONV_STRIDES = {"c32_to_64_stride2": (2, 1), "c16_to_64_dilation2": (1, 2),
+                          "c16_to_96_k5_stride3_dilation2": (3, 2), "c64_to_128_stride2_1x1": (2, 1),
+                          "batchnorm_stride2": (2, 1), "groupnorm_dilation2": (1, 2)}
 
 
 def _needs_sm90():
@@ -1659,7 +1668,7 @@ def test_in_kernel_conv(name, dtype, exact_float32, monkeypatch):
     _needs_sm90()
     monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
     cin, cout, k, padding, shape = IN_KERNEL_CONVS[name]
-    model = _ConvChain(cin, cout, k, padding, 0).cuda().to(dtype)
+    model = _ConvChain(cin, cout, k, padding, 0, *IN_KERNEL_CONV_STRIDES.get(name, (1, 1))).cuda().to(dtype)
     x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
     ref, _ = float64_reference(model, x)
     saved = torch.backends.cudnn.allow_tf32
@@ -1729,9 +1738,9 @@ def test_in_kernel_conv_residual_nan_and_zero_batch(exact_float32, monkeypatch):
 class _ConvNorm(nn.Module):
     """Conv2d -> [pre] -> norm -> silu: the in-kernel conv with a norm's statistics from its tiles."""
 
-    def __init__(self, cin, cout, k, padding, norm, pre=None):
+    def __init__(self, cin, cout, k, padding, norm, pre=None, stride=1, dilation=1):
         super().__init__()
-        self.conv = nn.Conv2d(cin, cout, k, padding=padding)
+        self.conv = nn.Conv2d(cin, cout, k, padding=padding, stride=stride, dilation=dilation)
         self.norm, self.pre = norm, pre
 
     def forward(self, x):
@@ -1752,6 +1761,9 @@ IN_KERNEL_CONV_NORMS = {
     # steps before the norm whose results span a narrow range (the norm magnifies any rounding
     # of them); 8 input channels: k-steps of 32 bytes
     "sigmoid_groupnorm_c8": (8, 32, 3, 0, lambda c: nn.GroupNorm(8, c), (4, 8, 34, 40)),
+    # a stride of 2 (conv2d_stride2_bn_relu6's), a dilation of 2 (IN_KERNEL_CONV_STRIDES)
+    "batchnorm_stride2": (32, 64, 3, 1, lambda c: nn.BatchNorm2d(c), (4, 32, 45, 90)),
+    "groupnorm_dilation2": (16, 64, 3, 2, lambda c: nn.GroupNorm(16, c), (2, 16, 20, 36)),
 }
 IN_KERNEL_CONV_PRE = {"sigmoid_groupnorm_c8": lambda y: torch.sigmoid(y * 1.5 + 0.25)}
 
@@ -1765,7 +1777,8 @@ def test_in_kernel_conv_with_a_norm(name, dtype, exact_float32, monkeypatch):
     _needs_sm90()
     monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
     cin, cout, k, padding, norm, shape = IN_KERNEL_CONV_NORMS[name]
-    model = _ConvNorm(cin, cout, k, padding, norm(cout), IN_KERNEL_CONV_PRE.get(name)).cuda().to(dtype)
+    model = _ConvNorm(cin, cout, k, padding, norm(cout), IN_KERNEL_CONV_PRE.get(name),
+                      *IN_KERNEL_CONV_STRIDES.get(name, (1, 1))).cuda().to(dtype)
     if isinstance(model.norm, nn.GroupNorm | nn.LayerNorm):
         with torch.no_grad():
             model.norm.weight.uniform_(0.5, 1.5)

@@ -934,8 +934,25 @@ def test_stride_one_conv_is_a_direct_conv_candidate():
     torch.testing.assert_close(out, model(x))
 
 
-@pytest.mark.parametrize("conv", [nn.Conv2d(3, 8, 3, stride=2), nn.Conv2d(3, 8, 3, dilation=2), nn.Conv2d(4, 8, 3, groups=2),
-                                  nn.Conv1d(3, 8, 3)])
+@pytest.mark.parametrize("conv, direct", [(nn.Conv2d(3, 8, 3, stride=2), [3, 3, 3, 12, 12]),
+                                          (nn.Conv2d(3, 8, 3, dilation=2, padding=2), [3, 3, 3, 12, 12])])
+def test_strided_and_dilated_convs_are_in_kernel_conv_candidates(conv, direct):
+    # Candidates for the file's own conv kernels; the direct conv takes stride 1 and
+    # dilation 1 only, the in-kernel conv any dilation and strides up to 8.
+    import cuda_templates
+    from lowering.spec import EpilogueSpec
+
+    model = nn.Sequential(conv, nn.ReLU())
+    x = torch.randn(2, 3, 12, 12)
+    out, fused, _ = compile_records(model, x)
+    spec = EpilogueSpec.from_json(fused[0].spec)
+    assert json.loads(fused[0].spec)["anchor"]["direct"] == direct
+    assert spec.anchor.direct_out_hw() == tuple(model(x).shape[2:]) and not spec.anchor.unit_stride
+    assert "the direct conv takes 1 and 1" in cuda_templates.direct_plan(spec, "sm90")
+    torch.testing.assert_close(out, model(x))
+
+
+@pytest.mark.parametrize("conv", [nn.Conv2d(4, 8, 3, groups=2), nn.Conv1d(3, 8, 3)])
 def test_other_convs_use_the_library_conv(conv):
     import json
 

@@ -363,7 +363,9 @@ def test_direct_conv_lag_keeps_the_stored_value_in_l2():
 @pytest.mark.parametrize(
     "change, reason",
     [
-        (dict(direct=()), "stride 1"),
+        (dict(direct=()), "groups 1"),
+        (dict(conv=((2, 2), (0, 0), (1, 1), False, (0, 0), 1)), "the direct conv takes 1 and 1"),
+        (dict(conv=((1, 1), (0, 0), (2, 2), False, (0, 0), 1)), "the direct conv takes 1 and 1"),
         (dict(has_bias=True), "keeps its bias"),
     ],
 )
@@ -495,7 +497,8 @@ def representatives(specs: dict, arch: str, conv_tf32: bool = False) -> list[str
     def covers(spec):
         family = cuda_templates.kernel_name(spec, arch, conv_tf32).split("_")[0]
         form = _form(spec, arch, conv_tf32)
-        return ({("form",) + form, ("dtype", family, spec.dtype), ("saves", bool(spec.saves))}
+        strided = spec.anchor.kind == "conv" and bool(spec.anchor.direct) and not spec.anchor.unit_stride
+        return ({("form",) + form, ("dtype", family, spec.dtype), ("saves", bool(spec.saves)), ("strided", strided)}
                 | {("step", s.name, s.operand) for s in spec.steps}
                 | {("broadcast",) + form for s in spec.steps if s.operand == BROADCAST})
 
@@ -689,20 +692,26 @@ def test_in_kernel_conv_plans_and_names(name):
     c = cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True)
     assert isinstance(c, cuda_templates.ConvGemmPlan), c
     # Channel tiles of at most 256, in 8s, as few as cover C_out; a 128-pixel patch at
-    # least as wide as the output (8 to 128).
+    # least as wide as the output (8 to 128), where its input box of the patch's width
+    # times the stride fits TMA's 256.
     widths = conv_sm90.BLOCK_N[2 if spec.dtype != "float32" else 4]  # the widths checked on a GPU
     tiles = -(-spec.channels // c.block_n)
     assert c.block_n in widths and tiles == -(-spec.channels // widths[-1])
     assert c.block_n == min(n for n in widths if n * tiles >= spec.channels)
     assert c.stages >= 3
     ho, wo = spec.anchor.direct_out_hw()
-    assert c.tile_h * c.tile_w == 128 and c.tile_w >= min(wo, 128) and (c.tile_w == 8 or c.tile_w < 2 * wo)
+    (sh, sw), _, (dh, dw) = spec.anchor.conv[:3]
+    assert c.tile_h * c.tile_w == 128 and (c.tile_w == 8 or c.tile_w < 2 * wo)
+    assert c.tile_w >= min(wo, 128) or 2 * c.tile_w * sw > 256  # (the widest patch whose box fits)
+    assert c.tile_w * sw <= 256 and c.tile_h * sh <= 256
     assert cuda_templates.build_arch(spec, "sm90", True) == "sm90a"
     kernel = cuda_templates.kernel_name(spec, "sm90", True)
     assert kernel.startswith(f"igemm128x{c.block_n}_") and kernel.endswith("_sm90a")
     source = cuda_templates.render(spec, "sm90", conv_tf32=True)
     itemsize = 4 if spec.dtype == "float32" else 2
     assert f"constexpr int kPitch = {conv_sm90.staging_pitch(c.tile_h, c.tile_w, itemsize)};" in source
+    assert f"constexpr int kSH = {sh}, kSW = {sw}, kDH = {dh}, kDW = {dw};" in source
+    assert f"constexpr int kHo = {ho}, kWo = {wo};" in source
     # A k-step of the narrowest swizzle (32, 64, 128 bytes) that holds a pixel's C_in,
     # 128 bytes where none does; the weight padded to whole k-steps of it.
     cin = spec.anchor.direct[0]
@@ -737,6 +746,8 @@ def test_in_kernel_conv_plans_and_names(name):
 
 
 def test_in_kernel_conv_refuses_what_it_does_not_cover():
+    from cuda_templates import conv_sm90
+
     base = CONV_GEMM_SPECS["igemm_relu_bias_64_128-bfloat16"]
 
     def implicit(spec):
@@ -760,6 +771,16 @@ def test_in_kernel_conv_refuses_what_it_does_not_cover():
     assert "multiples of 8" in cuda_templates.conv_gemm_plan(odd_cin, "sm90")
     odd_cout = replace(base, channels=100)
     assert "output channels in multiples of 8" in cuda_templates.conv_gemm_plan(odd_cout, "sm90")
+    # strides past TMA's element strides (8); an output the chain's sizes do not match
+    conv = base.anchor.conv
+    stride9 = replace(base, anchor=replace(base.anchor, conv=((9, 9),) + conv[1:]))
+    assert "strides up to 8" in cuda_templates.conv_gemm_plan(stride9, "sm90")
+    stride2 = replace(base, anchor=replace(base.anchor, conv=((2, 2),) + conv[1:]))
+    assert "does not match" in cuda_templates.conv_gemm_plan(stride2, "sm90")
+    assert isinstance(cuda_templates.conv_gemm_plan(replace(stride2, inner=31 * 31), "sm90"),
+                      cuda_templates.ConvGemmPlan)
+    with pytest.raises(ValueError, match="stride 9"):
+        conv_sm90.tiling(64, 100, 2, stride_w=9)
     # float32 only on operands the graph rounds to TF32 (the tensor cores would truncate them)
     f32 = CONV_GEMM_SPECS["igemm_relu_bias_64_128-float32"]
     assert f32.anchor.rounded and not isinstance(cuda_templates.conv_gemm_plan(f32, "sm90", conv_tf32=True), str)

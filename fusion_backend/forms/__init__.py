@@ -10,7 +10,7 @@ renderer, the launchers and `explain` read the decision instead of re-deriving i
 | `gemm_bias` | float32 `addmm` of a Linear, matmul precision "highest" | `mm`, the bias added in the epilogue |
 | `gemm_padding` | 16-bit `addmm`/`mm` whose K or N is not a multiple of 8 | the GEMM on zero-padded operands |
 | `conv_layout` | a 2-D/3-D library conv with a channels-last epilogue mapping | cuDNN on channels-last operands |
-| `in_kernel_conv` | a 2-D stride-1 conv with a pointwise chain or a norm over whole channels, on sm_90 | the conv computed in the chain's kernel |
+| `in_kernel_conv` | a 2-D conv (groups 1, strides up to 8) with a pointwise chain or a norm over whole channels, on sm_90 | the conv computed in the chain's kernel |
 | `gemm_consumers` | a 16-bit in-kernel GEMM whose CTAs have tiles for the spare warps | the chain in the consumer warps |
 
 Each row's setting (`Config`, one environment variable each) is "auto" (time both

@@ -320,7 +320,9 @@ __device__ __forceinline__ void store_runs(const uint8_t* staging, int ct, int i
 // tensor maps): map_x over x [rows, H, W, C_in] (dims C_in, W, H, rows), map_w over w
 // [kChannels, kTaps x kCinPad]. Warpgroup 0's first thread loads, by TMA, for each k-step
 // (tap, channel block of kSwizzle bytes: the tiles' rows) the patch of input pixels that
-// tap reads (coordinates shifted by the tap, zeros past the image: the conv's padding) and
+// tap reads (the patch's origin times the stride, shifted by the tap times the dilation;
+// every kSW-th / kSH-th pixel, the map's element strides; zeros past the image: the
+// conv's padding) and
 // the tap's weights, tile after tile of the CTA in order, into one ring; warpgroups 1 and 2 multiply (wgmma), apply the
 // chain in registers, stage the tile and issue its bulk copies to out, which run under
 // the next mainloop. Persistent: CTA b takes tiles b, b + gridDim.x, ... (its tiles 0, 1,
@@ -358,7 +360,8 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
           const int s = it % kStages, tap = i / kCBlocks, c0 = i % kCBlocks * kBK;
           if (it >= kStages) hop::mbar_wait(&empty[s], ((it / kStages) + 1) & 1);
           hop::mbar_expect_tx(&full[s], kTileA + kTileB);
-          hop::tma_load_4d(tiles_a + s * kTileA, &map_x, &full[s], c0, w0 + tap % kKW - kPW, h0 + tap / kKW - kPH, img);
+          hop::tma_load_4d(tiles_a + s * kTileA, &map_x, &full[s], c0, w0 * kSW + tap % kKW * kDW - kPW,
+                           h0 * kSH + tap / kKW * kDH - kPH, img);
           hop::tma_load_2d(tiles_b + s * kTileB, &map_w, &full[s], tap * kCinPad + c0, n0);
         }
       }

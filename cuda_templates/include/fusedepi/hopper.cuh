@@ -218,11 +218,13 @@ __device__ __forceinline__ void sts_pair(void* p, float a, float b) {
 
 // A tensor map of `rank` dims over T (bf16, fp16 or float32): dims and boxes innermost
 // first, strides[i] the bytes between steps of dim i + 1 (multiples of 16), the box's
-// inner dim `swizzle` bytes (32, 64 or 128: the swizzle's row, as desc_sw<swizzle> reads it).
+// inner dim `swizzle` bytes (32, 64 or 128: the swizzle's row, as desc_sw<swizzle> reads it);
+// `steps`, where given, each dim's element stride (TMA reads every steps[i]-th element of a
+// box of box[i], steps[0] = 1), else 1.
 // Returns a cudaError_t value.
 template <typename T>
 inline int encode_map(CUtensorMap* map, const void* base, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
-                      const cuuint32_t* box, int swizzle = 128) {
+                      const cuuint32_t* box, int swizzle = 128, const cuuint32_t* steps = nullptr) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   if (encode == nullptr) {
     cudaDriverEntryPointQueryResult found;
@@ -234,7 +236,7 @@ inline int encode_map(CUtensorMap* map, const void* base, int rank, const cuuint
     encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }
   static_assert(sizeof(T) == 2 || std::is_same_v<T, float>, "bf16, fp16 or float32");
-  const cuuint32_t elem[5] = {1, 1, 1, 1, 1};
+  const cuuint32_t ones[5] = {1, 1, 1, 1, 1};
   const CUtensorMapDataType type = std::is_same_v<T, float>    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
                                    : std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                                                : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
@@ -242,7 +244,7 @@ inline int encode_map(CUtensorMap* map, const void* base, int rank, const cuuint
   const CUtensorMapSwizzle mode = swizzle == 128  ? CU_TENSOR_MAP_SWIZZLE_128B
                                   : swizzle == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
                                                   : CU_TENSOR_MAP_SWIZZLE_32B;
-  const CUresult r = encode(map, type, rank, const_cast<void*>(base), dims, strides, box, elem,
+  const CUresult r = encode(map, type, rank, const_cast<void*>(base), dims, strides, box, steps != nullptr ? steps : ones,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, mode,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? 0 : static_cast<int>(cudaErrorInvalidValue);
