@@ -680,7 +680,7 @@ def test_nvcc_compiles_the_in_kernel_gemm(name, nvcc_builds):
 
 
 CONV_GEMM_SPECS = {
-    f"{name}-{dtype}": spec for dtype in ("bfloat16", "float16", "float32") for name, spec in conv_gemm_specs(dtype).items()
+    f"{name}-{dtype}": spec for dtype in ("bfloat16", "float32") for name, spec in conv_gemm_specs(dtype).items()
 }
 
 
@@ -781,6 +781,9 @@ def test_in_kernel_conv_refuses_what_it_does_not_cover():
                       cuda_templates.ConvGemmPlan)
     with pytest.raises(ValueError, match="stride 9"):
         conv_sm90.tiling(64, 100, 2, stride_w=9)
+    # not float16 (wrong values on some shapes of an H200, render.conv_gemm_plan)
+    fp16 = conv_gemm_specs("float16")["igemm_relu_bias_64_128"]
+    assert "float16: the in-kernel conv is not taken" in cuda_templates.conv_gemm_plan(fp16, "sm90")
     # float32 only on operands the graph rounds to TF32 (the tensor cores would truncate them)
     f32 = CONV_GEMM_SPECS["igemm_relu_bias_64_128-float32"]
     assert f32.anchor.rounded and not isinstance(cuda_templates.conv_gemm_plan(f32, "sm90", conv_tf32=True), str)
