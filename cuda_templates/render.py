@@ -667,11 +667,8 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
         return f"the in-kernel conv needs sm_90 (wgmma, TMA), not {arch}"
     if isinstance(direct_plan(spec, arch, conv_tf32), DirectPlan):
         return "the direct conv covers it"
-    if spec.dtype == "float16":
-        # On an H200 the float16 kernel wrote wrong values to channels 112-127 of its
-        # 128-channel tiles over 64-byte k-steps (C_in = 32), where bf16 is right on the
-        # same shapes (fuzzer generation 16, seed 0, models 61 and 98; benchmarks/NOTES.md).
-        return "float16: the in-kernel conv is not taken (wrong values on some shapes, not understood)"
+    if spec.dtype == "float16" and not conv_sm90.TAKES_FLOAT16:
+        return "float16: the in-kernel conv is not taken (wrong values on an H200, conv_sm90.TAKES_FLOAT16)"
     if spec.dtype not in gemm_sm90.WGMMA_TYPES or (spec.dtype == "float32" and not conv_tf32):
         return f"{spec.dtype}: the in-kernel conv takes bfloat16, and float32 where TF32 is allowed"
     if anchor.has_bias:

@@ -23,6 +23,7 @@ from lowering.spec import BROADCAST, CHANNEL, FULL, SCALAR, Anchor, Save, Step
 from specs import (
     CHANNELS_LAST,
     CONV,
+    _implicit,
     awkward_specs,
     broadcast_specs,
     conv_gemm_specs,
@@ -784,6 +785,7 @@ def test_in_kernel_conv_refuses_what_it_does_not_cover():
     # not float16 (wrong values on some shapes of an H200, render.conv_gemm_plan)
     fp16 = conv_gemm_specs("float16")["igemm_relu_bias_64_128"]
     assert "float16: the in-kernel conv is not taken" in cuda_templates.conv_gemm_plan(fp16, "sm90")
+    assert not conv_sm90.TAKES_FLOAT16
     # float32 only on operands the graph rounds to TF32 (the tensor cores would truncate them)
     f32 = CONV_GEMM_SPECS["igemm_relu_bias_64_128-float32"]
     assert f32.anchor.rounded and not isinstance(cuda_templates.conv_gemm_plan(f32, "sm90", conv_tf32=True), str)
@@ -795,6 +797,58 @@ def test_in_kernel_conv_refuses_what_it_does_not_cover():
 @pytest.mark.parametrize("name", representatives(CONV_GEMM_SPECS, "sm90", True))
 def test_nvcc_compiles_the_in_kernel_conv(name, nvcc_builds):
     _assert_builds(nvcc_builds, "test_nvcc_compiles_the_in_kernel_conv", name)
+
+
+def _cuobjdump() -> str | None:
+    """cuobjdump from $CUDA_HOME/bin, else from PATH (not every CUDA image ships it)."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and os.path.exists(os.path.join(home, "bin", "cuobjdump")):
+        return os.path.join(home, "bin", "cuobjdump")
+    return shutil.which("cuobjdump")
+
+
+def accumulator_uses_in_flight(sass: str) -> list[str]:
+    """The instructions of `sass` that touch a wgmma's accumulator registers after the
+    wgmma (HGMMA) is issued and before the wait for all of them (WARPGROUP.DEPBAR.LE
+    gsb0, 0x0): they would read values the tensor cores are still writing."""
+    found, accumulators = [], set()
+    for line in sass.splitlines():
+        if not re.search(r"/\*[0-9a-f]{4}\*/", line):
+            continue
+        instruction = line.split("*/", 1)[1].split(";")[0].strip()
+        hgmma = re.match(r"(?:@!?U?P\w+\s+)?HGMMA\.64x(\d+)x\d+\S*\s+R(\d+),", instruction)
+        if hgmma:  # m64nNk: N / 2 float32 accumulators a thread, from R<base>
+            n, base = int(hgmma.group(1)), int(hgmma.group(2))
+            accumulators |= set(range(base, base + n // 2))
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in instruction:
+            accumulators = set()
+        elif accumulators and "WARPGROUP." not in instruction:
+            if {int(r) for r in re.findall(r"\bR(\d+)\b", instruction)} & accumulators:
+                found.append(instruction)
+    return found
+
+
+@needs_nvcc
+@pytest.mark.skipif(_cuobjdump() is None, reason="cuobjdump not installed")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_no_accumulator_is_read_before_its_wgmma_is_waited_for(dtype, tmp_path, monkeypatch):
+    # The file in which ptxas packed the last accumulators to float16 before the wait for
+    # the last wgmma (fuzzer generation 16, seed 0, model 61's conv: 32 -> 128 channels,
+    # 64-byte k-steps, a 41-pixel-wide output), and an in-kernel GEMM file of that dtype:
+    # hop::fence_accumulators keeps every use of them after the wait.
+    from cuda_templates import conv_sm90
+
+    monkeypatch.setattr(conv_sm90, "TAKES_FLOAT16", True)
+    conv = EpilogueSpec(_implicit(0, (32, 3, 3, 14, 43)), (Step("relu"),), dtype, (), 128, 12 * 41,
+                        "conv_pointwise").with_in_kernel_conv()
+    gemm = GEMM_SPECS[f"gemm_pointwise-{dtype}"]
+    for spec in (conv, gemm):
+        source = cuda_templates.render(spec, "sm90", conv_tf32=True)
+        name = cuda_templates.kernel_name(spec, "sm90", True)
+        library = cuda_templates.build(source, name, "sm90a", tmp_path)
+        sass = subprocess.run([_cuobjdump(), "-sass", str(library)], capture_output=True, text=True, check=True).stdout
+        assert "HGMMA" in sass, name
+        assert not accumulator_uses_in_flight(sass), (name, accumulator_uses_in_flight(sass)[:5])
 
 
 def test_tf32_direct_conv_plans():

@@ -416,6 +416,8 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
       // as complete.)
       if (other_next) hop::named_arrive<256>(kBarMath + 1 - half);
       hop::wgmma_wait<0>();
+#pragma unroll
+      for (int b = 0; b < kMBlocks; ++b) hop::fence_accumulators(d[b]);
       release((it - 1) % kStages);
       if constexpr (kPingPong) {
         if (other_before) hop::named_sync<256>(kBarStage + half);  // its copies have read the staging tile

@@ -206,6 +206,7 @@ __device__ __forceinline__ void gemm_body(const CUtensorMap& map_a, const CUtens
         if (i > 0) release((it - 1) % kStages);
       }
       hop::wgmma_wait<0>();
+      hop::fence_accumulators(d);
       release((it - 1) % kStages);
       consumer_epilogue(d, half, tid, m0, n0, a, hand_over);  // in registers
       if constexpr (!kRowReduce) {  // a row reduction leaves partial statistics only: no staging tile, no store

@@ -150,6 +150,15 @@ template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
 }
+// Pins accumulator registers at this point: called right after wgmma_wait<0>, no read of
+// them moves above the wait. (The wait's asm names no registers, so the compiler may hoist
+// register reads over it while the last wgmma still writes them: a float16 conv file
+// packed its last accumulators to half before the wait and stored wrong values.)
+template <int N>
+__device__ __forceinline__ void fence_accumulators(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("add.f32 %0, %0, 0f80000000;" : "+f"(d[i])::"memory");
+}
 
 // Registers a thread of this warpgroup may hold from here on (warp-specialized kernels
 // give the producer's few and the consumers' many; the sum must fit the SM's file).
