@@ -150,10 +150,12 @@ template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
 }
-// Pins accumulator registers at this point: called right after wgmma_wait<0>, no read of
-// them moves above the wait. (The wait's asm names no registers, so the compiler may hoist
-// register reads over it while the last wgmma still writes them: a float16 conv file
-// packed its last accumulators to half before the wait and stored wrong values.)
+// Called right after wgmma_wait<0>: keeps every read of the accumulators after the wait.
+// Each is written in place (+ -0.0, the identity; NaN stays NaN), a write ptxas keeps
+// after the wait as the wgmma writes the same register, and later reads depend on it.
+// (Without it ptxas moved a float16 conv file's packing of its last accumulators to half
+// above the wait, reading partial sums. An empty asm with the registers as operands, as
+// CUTLASS's operand fence, binds nvcc's front end only: the PTX had them in order.)
 template <int N>
 __device__ __forceinline__ void fence_accumulators(float (&d)[N]) {
 #pragma unroll
