@@ -800,11 +800,17 @@ def test_nvcc_compiles_the_in_kernel_conv(name, nvcc_builds):
 
 
 def _cuobjdump() -> str | None:
-    """cuobjdump from $CUDA_HOME/bin, else from PATH (not every CUDA image ships it)."""
+    """cuobjdump from $CUDA_HOME/bin, PATH, or Triton's package (the `bench` extra), which
+    carries one; not every CUDA image ships it."""
+    import importlib.util
+
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home and os.path.exists(os.path.join(home, "bin", "cuobjdump")):
-        return os.path.join(home, "bin", "cuobjdump")
-    return shutil.which("cuobjdump")
+    triton = importlib.util.find_spec("triton")
+    places = [os.path.join(home, "bin")] if home else []
+    if triton is not None and triton.submodule_search_locations:
+        places += [os.path.join(p, "backends", "nvidia", "bin") for p in triton.submodule_search_locations]
+    found = [os.path.join(p, "cuobjdump") for p in places if os.access(os.path.join(p, "cuobjdump"), os.X_OK)]
+    return found[0] if found else shutil.which("cuobjdump")
 
 
 def accumulator_uses_in_flight(sass: str) -> list[str]:
