@@ -321,9 +321,12 @@ def forget_loaded() -> None:
 
 def reads_conv_tf32(spec: str) -> bool:
     """Whether the kernel of `spec` depends on conv_allows_tf32(): a float32 conv that
-    the direct kernel may compute."""
+    the direct conv (stride 1, dilation 1) or the in-kernel conv (`Anchor.implicit`) may
+    compute; a strided library conv's file is the same either way."""
     parsed = _parse(spec)
-    return parsed.dtype == "float32" and parsed.anchor.kind == "conv" and bool(parsed.anchor.direct)
+    anchor = parsed.anchor
+    return (parsed.dtype == "float32" and anchor.kind == "conv" and bool(anchor.direct)
+            and (anchor.unit_stride or anchor.implicit))
 
 
 def launcher_for(spec: str, device: torch.device) -> Launcher:

@@ -5,6 +5,7 @@ launchers' per-call checks are plain torch and run on CPU tensors here.
 """
 
 import struct
+from dataclasses import replace
 
 import pytest
 import torch
@@ -168,3 +169,16 @@ def test_the_in_kernel_conv_reads_its_operands_in_its_own_layout(dtype, cin, pad
         launch.channels_last_operands([x.transpose(2, 3), w], spec)
     with pytest.raises(RuntimeError, match="the kernel was built for"):
         launch.channels_last_operands([x, w[:8]], spec)
+
+
+def test_only_convs_the_file_may_compute_follow_cudnns_tf32_flag():
+    # A launcher variant for each cuDNN TF32 flag where the file's own conv kernels may
+    # run (the direct conv: stride 1; the in-kernel conv, any stride); a strided library
+    # conv's file is one.
+    conv = Anchor("conv", conv=((1, 1), (0, 0), (1, 1), False, (0, 0), 1), direct=(4, 3, 3, 10, 10))
+    spec = EpilogueSpec(conv, (Step("relu"),), "float32", (), 8, 64, "conv_pointwise")
+    assert launch.reads_conv_tf32(spec.to_json())
+    strided = replace(spec, anchor=replace(conv, conv=((2, 2),) + conv.conv[1:]), inner=16)
+    assert not launch.reads_conv_tf32(strided.to_json())
+    assert launch.reads_conv_tf32(strided.with_in_kernel_conv().to_json())
+    assert not launch.reads_conv_tf32(replace(spec, dtype="bfloat16").to_json())
