@@ -813,6 +813,9 @@ def _cuobjdump() -> str | None:
     return found[0] if found else shutil.which("cuobjdump")
 
 
+CUOBJDUMP = _cuobjdump()
+
+
 def accumulator_uses_in_flight(sass: str) -> list[str]:
     """The instructions of `sass` that touch a wgmma's accumulator registers after the
     wgmma (HGMMA) is issued and before the wait for all of them (WARPGROUP.DEPBAR.LE
@@ -835,7 +838,7 @@ def accumulator_uses_in_flight(sass: str) -> list[str]:
 
 
 @needs_nvcc
-@pytest.mark.skipif(_cuobjdump() is None, reason="cuobjdump not installed")
+@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_no_accumulator_is_read_before_its_wgmma_is_waited_for(dtype, tmp_path, monkeypatch):
     # The file in which ptxas packed the last accumulators to float16 before the wait for
@@ -852,7 +855,7 @@ def test_no_accumulator_is_read_before_its_wgmma_is_waited_for(dtype, tmp_path, 
         source = cuda_templates.render(spec, "sm90", conv_tf32=True)
         name = cuda_templates.kernel_name(spec, "sm90", True)
         library = cuda_templates.build(source, name, "sm90a", tmp_path)
-        sass = subprocess.run([_cuobjdump(), "-sass", str(library)], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([CUOBJDUMP, "-sass", str(library)], capture_output=True, text=True, check=True).stdout
         assert "HGMMA" in sass, name
         assert not accumulator_uses_in_flight(sass), (name, accumulator_uses_in_flight(sass)[:5])
 
