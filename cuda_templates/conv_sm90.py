@@ -9,9 +9,9 @@ and renders it into `templates.KERNEL_FILE` with the spec's stage functions; the
 in channels-last memory ([rows, H, W, C_in]; one copy, as Inductor's channels-last conv
 makes) and the weight as [C_out, kh, kw, C_in].
 
-Structure (include/fusedepi/conv_sm90.cuh; one CTA an output tile of 128 pixels x kBN
-channels, persistent over tiles, 384 threads):
-- a tile's 128 pixels are a patch of kTH x kTW output pixels of one image (kTW: the output
+Structure (include/fusedepi/conv_sm90.cuh; one CTA an output tile of 128 pixels (256 where
+the tile has few channels: TALL_BLOCK_M) x kBN channels, persistent over tiles, 384 threads):
+- a tile's pixels are a patch of kTH x kTW output pixels of one image (kTW: the output
   width rounded up to a power of two, 8 to 128);
 - warpgroup 0's first thread is the producer: for each k-step (a tap, and a block of
   input channels of 128 bytes, or of 32 or 64 where a pixel's C_in fits them:
@@ -25,9 +25,9 @@ channels, persistent over tiles, 384 threads):
   the swizzle of that width (the in-kernel GEMM's tiles: 128), in a ring of stages;
 - warpgroups 1 and 2 are the consumers: wgmma m64nBNk16 (k8 in TF32), float32
   accumulators. Where the tile is at most PINGPONG_MAX_N channels wide they take the CTA's
-  tiles in turn (ping-pong: each holds a whole tile, two m64 wgmmas a k-step, and one's
-  finish runs under the other's mainloop); wider tiles are shared, 64 rows each
-  (cooperative). Each accumulator is rounded to the output type (what the library conv's
+  tiles in turn (ping-pong: each holds a whole tile, two m64 wgmmas a k-step, four in a
+  tile of 256, and one's finish runs under the other's mainloop); wider tiles are shared,
+  64 rows each (cooperative). Each accumulator is rounded to the output type (what the library conv's
   output holds), stage0 is applied to it in registers (the tile's per-channel operands
   loaded before its mainloop), and the result goes into a staging tile, with no branch an
   element: each (channel, patch row) run of kTW pixels in a slot of its own, placed at
@@ -60,6 +60,13 @@ from string import Template
 from .gemm_sm90 import WGMMA_TYPES
 
 BLOCK_M = 128  # output pixels a tile
+# Output pixels a tile where its channels are few (at most TALL_MAX_N, ping-pong) and a
+# k-step is narrower than TALL_MAX_K_BYTES: four m64 wgmmas a k-step instead of two,
+# over a short mainloop (a 16 -> 32 channel 3 x 3 conv: 9 k-steps of 32 bytes a tile)
+# that otherwise waits on each k-step's wgmma latency, and half the tiles' finishes.
+TALL_BLOCK_M = 256
+TALL_MAX_N = 64
+TALL_MAX_K_BYTES = 64
 # Output channels a tile: the widths whose results were checked against float64 on an
 # H100, by element size (the staging tile's bytes bound float32 to 128). bf16 tiles of 96
 # and 256 channels gave wrong values there (96: channels 64-95 only; float32 at 96 was
@@ -83,13 +90,6 @@ RING_BYTES_K = 8 * 128
 # the patch's width times the stride, at most MAX_BOX pixels, which bounds the patch's width.
 MAX_STRIDE = 8
 MAX_BOX = 256
-# float16 is not taken. On an H200 the float16 kernel wrote wrong values to channels
-# 112-127 of its 128-channel tiles over 64-byte k-steps (C_in = 32), where bf16 was right
-# on the same shapes (fuzzer generation 16, seed 0, models 61 and 98). In that file's
-# SASS, ptxas had moved the packing of the last accumulators to half above the wait for
-# the last wgmma; hop::fence_accumulators keeps every read after it (checked in the SASS
-# of the test specs, tests/test_templates.py), not yet run on a GPU.
-TAKES_FLOAT16 = False
 
 
 @dataclass(frozen=True)
@@ -98,8 +98,9 @@ class ConvGemmPlan:
 
     Attributes:
         block_n: output channels a tile (a multiple of 8, at most 256).
+        block_m: output pixels a tile (BLOCK_M, or TALL_BLOCK_M for ping-pong tiles of few channels).
         k_bytes: input-channel bytes a k-step (`k_step_bytes`): the tiles' rows, the swizzle's width.
-        tile_h, tile_w: the output pixel patch of a tile (tile_h x tile_w = BLOCK_M).
+        tile_h, tile_w: the output pixel patch of a tile (tile_h x tile_w = block_m).
         stages: the ring's depth.
         pingpong: each consumer warpgroup takes whole tiles in turn (one's finish under
             the other's mainloop; block_n <= PINGPONG_MAX_N), else both take each tile.
@@ -114,9 +115,10 @@ class ConvGemmPlan:
     pingpong: bool = False
     stats: bool = False
     k_bytes: int = 128
+    block_m: int = BLOCK_M
 
     def name(self, spec, arch: str) -> str:
-        return f"igemm{BLOCK_M}x{self.block_n}_" + spec.kernel_name(arch + "a")
+        return f"igemm{self.block_m}x{self.block_n}_" + spec.kernel_name(arch + "a")
 
 
 def k_step_bytes(cin: int, itemsize: int) -> int:
@@ -150,15 +152,18 @@ def stats_floats(block_n: int, pingpong: bool) -> int:
 
 
 def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int = 128,
-           stride_w: int = 1) -> ConvGemmPlan:
-    """The tile for C_out channels and an output width `wo`: the fewest channel tiles of
-    a BLOCK_N width, the narrowest that covers C_out in that many; a patch as wide as the
-    output (a power of two, 8 to 128, and at most MAX_BOX / stride_w: the input box it
-    reads spans the patch's width times the stride); and as many ring stages of k-steps of `k_bytes`
-    (`k_step_bytes`) as shared memory holds beside the staging tile (and, with `stats`,
-    the tile's moments), RING_BYTES_K bytes of k-steps at most. Where fewer than
-    MIN_STAGES fit beside that tile's staging (a narrow patch's many runs, the moments of
-    a wide tile), the next narrower width is taken.
+           stride_w: int = 1, ho: int = 0) -> ConvGemmPlan:
+    """The tile for C_out channels and an output of `ho` x `wo` pixels (`ho` 0: not
+    known): the fewest channel tiles of a BLOCK_N width, the narrowest that covers C_out
+    in that many; a patch as wide as the output (a power of two, 8 to 128, and at most
+    MAX_BOX / stride_w: the input box it reads spans the patch's width times the stride);
+    TALL_BLOCK_M pixels where the tile is ping-pong, of at most TALL_MAX_N channels, over
+    k-steps of at most TALL_MAX_K_BYTES, and its patch's rows fit the output's height,
+    else BLOCK_M; and as many ring stages of k-steps of `k_bytes` (`k_step_bytes`) as
+    shared memory holds beside the staging tile (and, with `stats`, the tile's moments),
+    RING_BYTES_K bytes of k-steps at most. Where fewer than MIN_STAGES fit beside that
+    tile's staging (a narrow patch's many runs, the moments of a wide tile), a tile of
+    BLOCK_M pixels, then the next narrower width is taken.
 
     Raises:
         ValueError: k_bytes is not one of K_STEP_BYTES, or stride_w not 1 to MAX_STRIDE.
@@ -174,14 +179,17 @@ def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int 
     while tile_w < min(wo, BLOCK_M) and 2 * tile_w * stride_w <= MAX_BOX:
         tile_w *= 2
     for block_n in sorted((n for n in widths if n <= preferred), reverse=True):
-        stage = (BLOCK_M + block_n) * k_bytes  # an x box and a w box of k_bytes-byte rows
-        staging = block_n * staging_pitch(BLOCK_M // tile_w, tile_w, itemsize) * itemsize  # the kernel's kStaging
         pingpong = block_n <= PINGPONG_MAX_N
-        staging += 4 * stats_floats(block_n, pingpong) if stats else 0
-        stages = min(RING_BYTES_K // k_bytes, (SMEM_BUDGET - staging) // stage)
-        if stages >= MIN_STAGES:
-            return ConvGemmPlan(block_n, BLOCK_M // tile_w, tile_w, stages, pingpong=pingpong, stats=stats,
-                                k_bytes=k_bytes)
+        tall = (pingpong and block_n <= TALL_MAX_N and k_bytes <= TALL_MAX_K_BYTES
+                and (ho == 0 or TALL_BLOCK_M // tile_w <= ho))
+        for block_m in (TALL_BLOCK_M, BLOCK_M) if tall else (BLOCK_M,):
+            stage = (block_m + block_n) * k_bytes  # an x box and a w box of k_bytes-byte rows
+            staging = block_n * staging_pitch(block_m // tile_w, tile_w, itemsize) * itemsize  # the kernel's kStaging
+            staging += 4 * stats_floats(block_n, pingpong) if stats else 0
+            stages = min(RING_BYTES_K // k_bytes, (SMEM_BUDGET - staging) // stage)
+            if stages >= MIN_STAGES:
+                return ConvGemmPlan(block_n, block_m // tile_w, tile_w, stages, pingpong=pingpong, stats=stats,
+                                    k_bytes=k_bytes, block_m=block_m)
     raise AssertionError(f"no tile of {widths} fits {MIN_STAGES} stages ({cout}, {wo}, {itemsize})")  # 32 always fits
 
 
@@ -206,7 +214,7 @@ def wgmma_asm(dtype: str, n: int) -> str:
 # conv_sm90.cuh's body, and its launch; inside KERNEL_FILE (after Args and the stage
 # functions). Placeholders:
 #   $kernel     the kernel name (prefix of the __global__)
-#   $bm         tile pixels (BLOCK_M)
+#   $bm         tile pixels (ConvGemmPlan.block_m)
 #   $bn         tile channels (ConvGemmPlan.block_n)
 #   $bk         input channels a k-step (ConvGemmPlan.k_bytes of them)
 #   $mma_k      K of one wgmma instruction
@@ -261,7 +269,8 @@ __device__ __forceinline__ void wgmma_n(float (&d)[kBN / 2], uint64_t desc_a, ui
 #include "fusedepi/conv_sm90.cuh"
 
 constexpr int kConvSmem = kStages * (kTileA + kTileB) + kStaging + kStatsBytes + 1024;  // + alignment slack
-static_assert(kTH * kTW == kBM && kTW >= 8, "a tile's patch: 128 pixels, rows of 8 or more");
+static_assert(kTH * kTW == kBM && kTW >= 8, "a tile's patch: kBM pixels, rows of 8 or more");
+static_assert(kBM == 128 || (kBM == 256 && kPingPong), "tiles of 128 pixels, or 256 in ping-pong");
 static_assert((kSwizzle == 32 || kSwizzle == 64 || kSwizzle == 128) && kBK % kMmaK == 0 && kMmaK * kElem == 32,
               "rows of 32, 64 or 128 bytes, 32 bytes a wgmma");
 static_assert(kTileB % (8 * kSwizzle) == 0, "each stage's tiles aligned to the swizzle's 8-row atom");
@@ -327,5 +336,5 @@ SEGMENT_STATS = Template(
     stats[1] = rsqrtf(fmaxf(m.m2 / m.n, 0.f) + $eps);"""
 )
 
-__all__ = ["BLOCK_M", "CONV_KERNELS", "CONV_STATS_FINAL", "K_STEP_BYTES", "MAX_STRIDE", "SEGMENT_STATS", "ConvGemmPlan",
-           "k_step_bytes", "padded_in_channels", "stats_floats", "tiling", "wgmma_asm"]
+__all__ = ["BLOCK_M", "CONV_KERNELS", "CONV_STATS_FINAL", "K_STEP_BYTES", "MAX_STRIDE", "SEGMENT_STATS", "TALL_BLOCK_M",
+           "ConvGemmPlan", "k_step_bytes", "padded_in_channels", "stats_floats", "tiling", "wgmma_asm"]

@@ -667,10 +667,8 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
         return f"the in-kernel conv needs sm_90 (wgmma, TMA), not {arch}"
     if isinstance(direct_plan(spec, arch, conv_tf32), DirectPlan):
         return "the direct conv covers it"
-    if spec.dtype == "float16" and not conv_sm90.TAKES_FLOAT16:
-        return "float16: the in-kernel conv is not taken (wrong values on an H200, conv_sm90.TAKES_FLOAT16)"
     if spec.dtype not in gemm_sm90.WGMMA_TYPES or (spec.dtype == "float32" and not conv_tf32):
-        return f"{spec.dtype}: the in-kernel conv takes bfloat16, and float32 where TF32 is allowed"
+        return f"{spec.dtype}: the in-kernel conv takes bfloat16, float16, and float32 where TF32 is allowed"
     if anchor.has_bias:
         return "the conv keeps its bias (the matcher moves it into the epilogue)"
     if spec.dtype == "float32" and not anchor.rounded:
@@ -689,7 +687,8 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
         return (f"{cin} -> {spec.channels} channels (the in-kernel conv takes input channels in multiples of "
                 f"{per_16_bytes}, output channels in multiples of 8)")
     return conv_sm90.tiling(spec.channels, wo, ITEMSIZE[spec.dtype], stats=stats,
-                            k_bytes=conv_sm90.k_step_bytes(cin, ITEMSIZE[spec.dtype]), stride_w=anchor.conv[0][1])
+                            k_bytes=conv_sm90.k_step_bytes(cin, ITEMSIZE[spec.dtype]), stride_w=anchor.conv[0][1],
+                            ho=ho)
 
 
 def conv_stats(spec: EpilogueSpec) -> bool | str:
@@ -723,7 +722,7 @@ def anchor_plan(spec: EpilogueSpec, arch: str,
 def kernel_name(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> str:
     """The spec's kernel name; "directconv" instead of "conv" when the kernel computes the
     conv, and "_tf32" at the end when it does so in TF32; "wgmma128x256_" or
-    "igemm128x<N>_" in front (the tile) when it computes the GEMM or the conv as one, for
+    "igemm<M>x<N>_" in front (the tile) when it computes the GEMM or the conv as one, for
     the arch it is built for (sm90a)."""
     planned = anchor_plan(spec, arch, conv_tf32)
     if isinstance(planned, DirectPlan):
@@ -1246,7 +1245,7 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
     ho, wo = spec.anchor.direct_out_hw()
     (sh, sw), (ph, pw), (dh, dw) = spec.anchor.conv[:3]
     conv = conv_sm90.CONV_KERNELS.substitute(
-        kernel=name, bm=conv_sm90.BLOCK_M, bn=c.block_n, bk=c.k_bytes // ITEMSIZE[spec.dtype],
+        kernel=name, bm=c.block_m, bn=c.block_n, bk=c.k_bytes // ITEMSIZE[spec.dtype],
         mma_k=gemm_sm90.WGMMA_TYPES[spec.dtype][1], stages=c.stages, th=c.tile_h, tw=c.tile_w,
         cin=cin, h=h, w=w, kh=kh, kw=kw, ph=ph, pw=pw, sh=sh, sw=sw, dh=dh, dw=dw, ho=ho, wo=wo,
         pitch=conv_sm90.staging_pitch(c.tile_h, c.tile_w, ITEMSIZE[spec.dtype]),

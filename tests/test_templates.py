@@ -692,7 +692,8 @@ def test_in_kernel_conv_plans_and_names(name):
     spec = CONV_GEMM_SPECS[name]
     c = cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True)
     assert isinstance(c, cuda_templates.ConvGemmPlan), c
-    # Channel tiles of at most 256, in 8s, as few as cover C_out; a 128-pixel patch at
+    source = cuda_templates.render(spec, "sm90", conv_tf32=True)
+    # Channel tiles of at most 256, in 8s, as few as cover C_out; a pixel patch at
     # least as wide as the output (8 to 128), where its input box of the patch's width
     # times the stride fits TMA's 256.
     widths = conv_sm90.BLOCK_N[2 if spec.dtype != "float32" else 4]  # the widths checked on a GPU
@@ -702,13 +703,17 @@ def test_in_kernel_conv_plans_and_names(name):
     assert c.stages >= 3
     ho, wo = spec.anchor.direct_out_hw()
     (sh, sw), _, (dh, dw) = spec.anchor.conv[:3]
-    assert c.tile_h * c.tile_w == 128 and (c.tile_w == 8 or c.tile_w < 2 * wo)
+    # 256 pixels where a ping-pong tile of few channels runs over narrow k-steps and the
+    # patch's rows fit the output's height
+    tall = (c.pingpong and c.block_n <= conv_sm90.TALL_MAX_N and c.k_bytes <= conv_sm90.TALL_MAX_K_BYTES
+            and 256 // c.tile_w <= ho)
+    assert c.block_m == (256 if tall else 128) and f"kBM = {c.block_m}, kBN = {c.block_n}," in source
+    assert c.tile_h * c.tile_w == c.block_m and (c.tile_w == 8 or c.tile_w < 2 * wo)
     assert c.tile_w >= min(wo, 128) or 2 * c.tile_w * sw > 256  # (the widest patch whose box fits)
     assert c.tile_w * sw <= 256 and c.tile_h * sh <= 256
     assert cuda_templates.build_arch(spec, "sm90", True) == "sm90a"
     kernel = cuda_templates.kernel_name(spec, "sm90", True)
-    assert kernel.startswith(f"igemm128x{c.block_n}_") and kernel.endswith("_sm90a")
-    source = cuda_templates.render(spec, "sm90", conv_tf32=True)
+    assert kernel.startswith(f"igemm{c.block_m}x{c.block_n}_") and kernel.endswith("_sm90a")
     itemsize = 4 if spec.dtype == "float32" else 2
     assert f"constexpr int kPitch = {conv_sm90.staging_pitch(c.tile_h, c.tile_w, itemsize)};" in source
     assert f"constexpr int kSH = {sh}, kSW = {sw}, kDH = {dh}, kDW = {dw};" in source
@@ -782,10 +787,8 @@ def test_in_kernel_conv_refuses_what_it_does_not_cover():
                       cuda_templates.ConvGemmPlan)
     with pytest.raises(ValueError, match="stride 9"):
         conv_sm90.tiling(64, 100, 2, stride_w=9)
-    # not float16 (wrong values on some shapes of an H200, render.conv_gemm_plan)
     fp16 = conv_gemm_specs("float16")["igemm_relu_bias_64_128"]
-    assert "float16: the in-kernel conv is not taken" in cuda_templates.conv_gemm_plan(fp16, "sm90")
-    assert not conv_sm90.TAKES_FLOAT16
+    assert isinstance(cuda_templates.conv_gemm_plan(fp16, "sm90"), cuda_templates.ConvGemmPlan)
     # float32 only on operands the graph rounds to TF32 (the tensor cores would truncate them)
     f32 = CONV_GEMM_SPECS["igemm_relu_bias_64_128-float32"]
     assert f32.anchor.rounded and not isinstance(cuda_templates.conv_gemm_plan(f32, "sm90", conv_tf32=True), str)
@@ -840,18 +843,19 @@ def accumulator_uses_in_flight(sass: str) -> list[str]:
 @needs_nvcc
 @pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_no_accumulator_is_read_before_its_wgmma_is_waited_for(dtype, tmp_path, monkeypatch):
+def test_no_accumulator_is_read_before_its_wgmma_is_waited_for(dtype, tmp_path):
     # The file in which ptxas packed the last accumulators to float16 before the wait for
     # the last wgmma (fuzzer generation 16, seed 0, model 61's conv: 32 -> 128 channels,
     # 64-byte k-steps, a 41-pixel-wide output), and an in-kernel GEMM file of that dtype:
     # hop::fence_accumulators keeps every use of them after the wait.
-    from cuda_templates import conv_sm90
-
-    monkeypatch.setattr(conv_sm90, "TAKES_FLOAT16", True)
     conv = EpilogueSpec(_implicit(0, (32, 3, 3, 14, 43)), (Step("relu"),), dtype, (), 128, 12 * 41,
                         "conv_pointwise").with_in_kernel_conv()
+    # and a tile of 256 pixels (conv_sm90.TALL_BLOCK_M: four m64 blocks a consumer)
+    tall = EpilogueSpec(_implicit(1, (16, 3, 3, 20, 70)), (Step("relu"),), dtype, (), 32, 20 * 70,
+                        "conv_pointwise").with_in_kernel_conv()
+    assert cuda_templates.conv_gemm_plan(tall, "sm90", conv_tf32=True).block_m == 256
     gemm = GEMM_SPECS[f"gemm_pointwise-{dtype}"]
-    for spec in (conv, gemm):
+    for spec in (conv, tall, gemm):
         source = cuda_templates.render(spec, "sm90", conv_tf32=True)
         name = cuda_templates.kernel_name(spec, "sm90", True)
         library = cuda_templates.build(source, name, "sm90a", tmp_path)
@@ -990,7 +994,7 @@ def test_in_kernel_conv_tiles_fit_shared_memory():
                 t = conv_sm90.tiling(cout, wo, itemsize, stats=stats, k_bytes=k_bytes)
                 staging = t.block_n * conv_sm90.staging_pitch(t.tile_h, t.tile_w, itemsize) * itemsize
                 moments = 4 * conv_sm90.stats_floats(t.block_n, t.pingpong) if stats else 0
-                smem = t.stages * (conv_sm90.BLOCK_M + t.block_n) * k_bytes + staging + moments + 1024
+                smem = t.stages * (t.block_m + t.block_n) * k_bytes + staging + moments + 1024
                 assert t.stages >= 3 and smem <= 227 * 1024, (itemsize, cout, wo, t)
                 # the ring holds 8 k-steps of 128 bytes at most, or as many bytes of narrower ones
                 assert t.k_bytes == k_bytes and t.stages * k_bytes <= 8 * 128, t

@@ -42,11 +42,12 @@ constexpr int kStaging = kBN * kPitch * kElem;
 // cores idle meanwhile. Ping-pong: each warpgroup takes every other tile of the CTA
 // whole (two m64 wgmmas a k-step, kBN accumulators a thread) and the two take turns on
 // the tensor cores, one's finish under the other's mainloop; its accumulators bound kBN
-// to 128.
-constexpr int kWgRows = kPingPong ? 128 : 64;   // a consumer warpgroup's rows of a tile
+// to 128. A ping-pong tile of 256 pixels (few channels: conv_sm90.TALL_BLOCK_M) is four
+// m64 wgmmas a k-step.
+constexpr int kWgRows = kPingPong ? kBM : 64;   // a consumer warpgroup's rows of a tile
 constexpr int kMBlocks = kWgRows / 64;          // ... its m64 wgmmas a k-step
 constexpr int kFinishers = kPingPong ? 128 : 256;  // the threads that stage and store a tile
-static_assert(!kPingPong || kBN <= 128, "ping-pong: kBN accumulators a thread");
+static_assert(!kPingPong || kBN * kMBlocks <= 256, "ping-pong: kBN / 2 accumulators a thread an m64 block");
 // Named barriers (0 is __syncthreads'). Cooperative: the tile is staged (kBarFull), the
 // last tile's copies have read the staging tile (kBarEmpty). Ping-pong, for warpgroup h
 // (0 or 1): its tile is staged (kBarFull + h, its 128 threads); it may run its mainloop
