@@ -11,6 +11,7 @@
 #   bash benchmarks/device_run.sh backward [args]                            # training-step benchmark
 #   bash benchmarks/device_run.sh fuzzbench N SEED [MODE]                    # N fused random models vs Inductor
 #   bash benchmarks/device_run.sh zoo [args]                                 # benchmarks.zoo, args passed on
+#     (on a kind of several GPUs: zoo --gpus N --warm M, one timed process a GPU; ZOO_TIMEOUT bounds it all)
 #   bash benchmarks/device_run.sh variants [args]                            # benchmarks.kernel_variants, args passed on
 # The benchmark makes fresh kernel and Inductor caches of its own, so its compile times are cold.
 # Logs and JSON go to $OUT (the device tool's output folder) or /tmp/fusedepi-out.

@@ -16,11 +16,16 @@ what fused and what the measured choice found; then a summary of both ratios.
     python -m benchmarks.zoo --models linear_hardtanh --profile   # and each backend's GPU kernels
     python -m benchmarks.zoo --table zoo_a.json zoo_b.json   # RESULTS.md's tables from --json files
     python -m benchmarks.zoo --chains               # where each model's chains stop, nothing timed
+    python -m benchmarks.zoo --gpus 4 --warm 32 --json zoo.json   # the timed pass on 4 GPUs at once
 
 `--warm N` first compiles every selected model with both backends in N processes
-(FUSEDEPI_AUTOTUNE=off there: nothing is timed), so that the timed pass finds nvcc's
-and Inductor's caches warm; the timed pass runs one model at a time on the GPU.
-`--json` is rewritten after every model ("complete": false until the last), so a run
+(FUSEDEPI_AUTOTUNE=off there: nothing is timed; each process compiles Inductor's
+kernels in one thread, TORCHINDUCTOR_COMPILE_THREADS=1, since the processes are the
+parallelism), so that the timed pass finds nvcc's and Inductor's caches warm; the timed
+pass runs one model at a time on a GPU. `--gpus N` runs the timed pass in N processes,
+one a GPU of this machine, each on every N-th model, and merges their rows; one model
+still runs alone on its GPU. `--json` is rewritten after every model ("complete": false
+until the last; with --gpus, when the processes end or the run is stopped), so a run
 stopped at a time limit leaves the rows it finished; `--table` says so of such a file.
 """
 
@@ -605,6 +610,71 @@ def _warm(task):
         return name, dtype_name, f"{type(err).__name__}: {str(err)[:200]}"
 
 
+def gpu_shards(names: list[str], gpus: int, visible: str | None) -> list[tuple[str, list[str]]]:
+    """(CUDA_VISIBLE_DEVICES, models) for each of `gpus` timed-pass processes: every
+    gpus-th model of `names`, on the i-th GPU this process sees (`visible`: its own
+    CUDA_VISIBLE_DEVICES, None for all of the machine's). Processes with no model are
+    left out.
+
+    Raises:
+        ValueError: fewer GPUs visible than `gpus`.
+    """
+    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else None
+    if devices is not None and len(devices) < gpus:
+        raise ValueError(f"--gpus {gpus}: CUDA_VISIBLE_DEVICES={visible} names {len(devices)}")
+    return [(devices[i] if devices is not None else str(i), names[i::gpus]) for i in range(gpus) if names[i::gpus]]
+
+
+def merged_rows(paths: list[str], names: list[str], dtypes: list[str]) -> tuple[list[dict], bool]:
+    """The rows of the timed-pass processes' --json files, in the order of `names` and
+    `dtypes`, and whether every file is there and complete."""
+    found, complete = {}, True
+    for path in paths:
+        try:
+            with open(path) as handle:
+                result = json.load(handle)
+        except (OSError, ValueError):  # not written yet: its process timed no model
+            complete = False
+            continue
+        complete &= result.get("complete") is True
+        found.update({(r["model"], r["dtype"]): r for r in result["rows"]})
+    return [found[(n, d)] for n in names for d in dtypes if (n, d) in found], complete
+
+
+def _time_on_gpus(names: list[str], args) -> tuple[list[dict], bool]:
+    """The timed pass of `names` in args.gpus processes (`gpu_shards`); their output
+    goes to this process's stdout as they print it. A SIGTERM here (a time limit) stops
+    them, and the rows they finished are kept."""
+    import signal
+    import subprocess
+    import tempfile
+
+    shards = gpu_shards(names, args.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    with tempfile.TemporaryDirectory(prefix="fusedepi-zoo-") as tmp:
+        paths = [os.path.join(tmp, f"gpu{i}.json") for i in range(len(shards))]
+        procs = []
+        previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        try:
+            for (device, these), path in zip(shards, paths):
+                cmd = [sys.executable, "-m", "benchmarks.zoo", "--models", *these, "--dtypes", *args.dtypes,
+                       "--json", path] + (["--profile"] if args.profile else [])
+                procs.append(subprocess.Popen(cmd, env=dict(os.environ, CUDA_VISIBLE_DEVICES=device)))
+            for proc in procs:
+                proc.wait()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in procs:
+                proc.wait()
+            rows, complete = merged_rows(paths, names, args.dtypes)
+            if args.json:
+                _write_json(args.json, _result(rows, args.dtypes, complete=complete))
+        failed = [p.returncode for p in procs if p.returncode]
+        return rows, complete and not failed
+
+
 def summary(rows: list[dict], key: str = "ratio") -> dict:
     ratios = [r[key] for r in rows if key in r]
     if not ratios:
@@ -671,6 +741,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--shard", default="1/1", help="I/N: the I-th of N equal parts of the selection")
     parser.add_argument("--warm", type=int, default=0, metavar="N", help="compile everything in N processes first")
+    parser.add_argument("--gpus", type=int, default=1, metavar="N",
+                        help="the timed pass in N processes, one a GPU, each on every N-th model")
     parser.add_argument("--json", help="also write the rows and the summary here")
     parser.add_argument("--profile", action="store_true", help="also list each backend's GPU kernels per call")
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print RESULTS.md's tables from --json files")
@@ -708,14 +780,32 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks.zoo needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.gpus < 1 or (args.gpus > 1 and args.gpus > torch.cuda.device_count()):
+        print(f"benchmarks.zoo: --gpus {args.gpus}, of {torch.cuda.device_count()} GPUs", file=sys.stderr)
+        return 2
     tasks = [(n, d) for n in names for d in args.dtypes]
     if args.warm:
         started = time.perf_counter()
-        with multiprocessing.get_context("spawn").Pool(args.warm) as pool:
-            for name, dtype_name, error in pool.imap_unordered(_warm, tasks):
-                if error:
-                    print(f"[warm] {name} {dtype_name}: {error}", flush=True)
+        threads = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # the pool's processes inherit it
+        try:
+            with multiprocessing.get_context("spawn").Pool(args.warm) as pool:
+                for name, dtype_name, error in pool.imap_unordered(_warm, tasks):
+                    if error:
+                        print(f"[warm] {name} {dtype_name}: {error}", flush=True)
+        finally:
+            if threads is None:
+                del os.environ["TORCHINDUCTOR_COMPILE_THREADS"]
+            else:
+                os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = threads
         print(f"[warm] {len(tasks)} compiles in {time.perf_counter() - started:.0f} s", flush=True)
+    if args.gpus > 1:
+        rows, complete = _time_on_gpus(names, args)
+        _print_summary(_result(rows, args.dtypes, complete=complete))
+        if not complete:
+            print(f"benchmarks.zoo --gpus: {len(rows)} of {len(tasks)} rows (a process stopped early or failed)",
+                  file=sys.stderr)
+        return 0 if complete else 1
     rows = []
     for name, dtype_name in tasks:
         try:
@@ -740,14 +830,18 @@ def main(argv=None) -> int:
             for kernel, us in row[f"{backend}_kernels"]:
                 print(f"    {backend:8s} {us:9.1f} us  {kernel[:110]}", flush=True)
     result = _result(rows, args.dtypes, complete=True)
+    _print_summary(result)
+    if args.json:
+        _write_json(args.json, result)
+    return 0
+
+
+def _print_summary(result: dict) -> None:
     for what, table in (("wall", result["summary"]), ("GPU time", result["gpu_summary"])):
         for dtype_name, s in table.items():
             if s["models"]:
                 print(f"summary {dtype_name} ({what}): {s['models']} models, min {s['min']:.2f}x, geomean "
                       f"{s['geomean']:.3f}x, {s['below_0.97']} below 0.97x, {s['fused_any']} fused a chain")
-    if args.json:
-        _write_json(args.json, result)
-    return 0
 
 
 def _result(rows: list[dict], dtypes, complete: bool) -> dict:

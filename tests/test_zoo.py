@@ -161,3 +161,68 @@ def test_each_model_fuses_its_whole_chain(name, cpu_reference):
     else:  # (a refusal: the Linear that computes a bmm's operand)
         assert all(stop.startswith(WHOLE[0]) or WHOLE[1] in stop for stop in stops), stops
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_gpu_shards_split_the_models_over_the_visible_gpus():
+    names = [f"m{i}" for i in range(7)]
+    assert zoo.gpu_shards(names, 3, None) == [("0", ["m0", "m3", "m6"]), ("1", ["m1", "m4"]), ("2", ["m2", "m5"])]
+    # the GPUs this process sees, by their names in CUDA_VISIBLE_DEVICES
+    assert zoo.gpu_shards(names[:2], 4, "4, 5,6,7") == [("4", ["m0"]), ("5", ["m1"])]
+    with pytest.raises(ValueError, match="names 2"):
+        zoo.gpu_shards(names, 3, "0,1")
+
+
+def test_rows_of_the_gpu_processes_merge_in_the_models_order(tmp_path):
+    import json
+
+    def row(model, dtype):
+        return {"model": model, "dtype": dtype, "ratio": 1.0}
+
+    first, second, missing = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    first.write_text(json.dumps({"complete": True, "rows": [row("m2", "float32"), row("m0", "bfloat16"),
+                                                           row("m0", "float32")]}))
+    second.write_text(json.dumps({"complete": False, "rows": [row("m1", "float32")]}))
+    rows, complete = zoo.merged_rows([str(first), str(second)], ["m0", "m1", "m2"], ["float32", "bfloat16"])
+    assert [(r["model"], r["dtype"]) for r in rows] == [("m0", "float32"), ("m0", "bfloat16"), ("m1", "float32"),
+                                                       ("m2", "float32")]
+    assert not complete  # the second process stopped before its last model
+    second.write_text(json.dumps({"complete": True, "rows": [row("m1", "float32")]}))
+    assert zoo.merged_rows([str(first), str(second)], ["m0", "m1", "m2"], ["float32"])[1]
+    # a process that wrote no file (it timed no model) leaves the run incomplete
+    assert not zoo.merged_rows([str(first), str(missing)], ["m0"], ["float32"])[1]
+
+
+def test_the_timed_pass_on_gpus_runs_a_process_a_gpu_and_writes_their_rows(tmp_path, monkeypatch):
+    """`_time_on_gpus` with a stand-in for the processes: each is started on its GPU with
+    its models, and the --json file holds the rows of all, in the models' order."""
+    import argparse
+    import json
+    import subprocess
+
+    started = []
+
+    class Process:
+        def __init__(self, cmd, env):
+            started.append((env["CUDA_VISIBLE_DEVICES"], cmd[cmd.index("--models") + 1:cmd.index("--dtypes")]))
+            path = cmd[cmd.index("--json") + 1]
+            models = cmd[cmd.index("--models") + 1:cmd.index("--dtypes")]
+            rows = [{"model": m, "dtype": "float32", "ratio": 2.0, "gpu_ratio": 1.5, "fused": []} for m in models]
+            with open(path, "w") as handle:
+                json.dump({"complete": True, "rows": rows}, handle)
+            self.returncode = 0
+
+        def poll(self):
+            return self.returncode
+
+        def wait(self):
+            return self.returncode
+
+    monkeypatch.setattr(subprocess, "Popen", Process)
+    monkeypatch.setattr(zoo, "_result", lambda rows, dtypes, complete: {"complete": complete, "rows": rows})
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    out = tmp_path / "zoo.json"
+    args = argparse.Namespace(gpus=2, dtypes=["float32"], profile=False, json=str(out))
+    rows, complete = zoo._time_on_gpus(["a", "b", "c"], args)
+    assert started == [("0", ["a", "c"]), ("1", ["b"])]
+    assert complete and [r["model"] for r in rows] == ["a", "b", "c"]
+    assert [r["model"] for r in json.loads(out.read_text())["rows"]] == ["a", "b", "c"]
