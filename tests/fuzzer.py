@@ -136,9 +136,14 @@ CONV_NORMS[13] = CONV_NORMS[12]
 CONV_NORMS[14] = CONV_NORMS[13]
 CONV_NORMS[15] = CONV_NORMS[14]
 CONV_NORMS[16] = CONV_NORMS[15]
+CONV_NORMS[17] = CONV_NORMS[16]
 # From this generation on, the in-kernel conv's anchors (`--in-kernel-conv`) have strides
 # of 1 to 3 and dilations of 1 or 2 (`_implicit_anchor`), drawn from a stream of their own.
 STRIDED_GENERATION = 16
+# From this generation on, half the in-kernel conv's anchors have few channels, 8 to 32
+# in and 32 to 64 out, drawn from a stream of their own: the tiles of 256 pixels
+# (`conv_sm90.TALL_BLOCK_M`: at most 64 channels over k-steps of at most 64 bytes).
+NARROW_GENERATION = 17
 # From this generation on, the pointwise steps include erf, sin, cos, sqrt, rsqrt,
 # reciprocal, log1p, expm1 and powers by a constant (`POWERS`; square as pow 2); sqrt,
 # rsqrt, reciprocal, log1p and the fractional and negative powers only where the value is
@@ -292,10 +297,12 @@ def _gemm_anchor(rng: random.Random) -> dict:
             "bias": rng.random() < 0.8}
 
 
-def _implicit_anchor(rng: random.Random, strides: random.Random | None = None) -> dict:
+def _implicit_anchor(rng: random.Random, strides: random.Random | None = None,
+                     narrow: random.Random | None = None) -> dict:
     """A 2-D conv the in-kernel conv covers: input channels in 8s, more output channels
     than the direct conv takes; outputs narrower and wider than its patches. Stride 1 and
-    dilation 1, or where `strides` is given (STRIDED_GENERATION), drawn from it."""
+    dilation 1, or where `strides` is given (STRIDED_GENERATION), drawn from it; where
+    `narrow` is given (NARROW_GENERATION), half the anchors' channels drawn from it, few."""
     kernel = rng.choice([1, 3, 3, 5])
     anchor = {"kind": "conv", "dims": 2, "batch": rng.randint(1, 4), "in": 8 * rng.randint(1, 10),
               "out": 8 * rng.randint(5, 32), "spatial": [rng.randint(kernel, 24), rng.randint(kernel, 150)],
@@ -306,6 +313,8 @@ def _implicit_anchor(rng: random.Random, strides: random.Random | None = None) -
         anchor["dilation"] = strides.choice([1, 1, 2]) if kernel > 1 else 1
         reach = anchor["dilation"] * (kernel - 1) + 1  # the output is at least 1 wide
         anchor["spatial"] = [max(n, reach) for n in anchor["spatial"]]
+    if narrow is not None and narrow.random() < 0.5:
+        anchor["in"], anchor["out"] = 8 * narrow.randint(1, 4), 8 * narrow.randint(4, 8)
     return anchor
 
 
@@ -465,7 +474,8 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
            and random.Random(f"{seed}/{index}/{device}/bmm").random() < 0.25)
     if implicit:
         strides = random.Random(f"{seed}/{index}/{device}/strides") if generation >= STRIDED_GENERATION else None
-        anchor = _implicit_anchor(rng, strides)
+        narrow = random.Random(f"{seed}/{index}/{device}/narrow") if generation >= NARROW_GENERATION else None
+        anchor = _implicit_anchor(rng, strides, narrow)
     else:
         anchor = _gemm_anchor(rng) if gemm else _bmm_anchor(rng) if bmm else _anchor(rng)
     if bmm and generation >= BADDBMM_GENERATION:

@@ -594,3 +594,36 @@ def test_cpu_fuzz_of_strided_in_kernel_convs():
     summary = fuzzer.summarize(results)
     assert not summary["findings"], _shown(summary["findings"])
     assert summary["fusion"].get("full", 0) >= 4, summary["reasons"]
+
+
+def test_cpu_fuzz_of_narrow_in_kernel_convs():
+    # Generation 17 draws half the in-kernel conv's anchors with few channels (8-32 in,
+    # 32-64 out) from a stream of their own, so that tiles of 256 pixels run: the other
+    # anchors are generation 16's. Run on CPU through the fused op's reference.
+    import dataclasses
+
+    from cuda_templates import conv_sm90
+
+    gen = fuzzer.NARROW_GENERATION
+    before = [fuzzer.make_case(0, i, "cuda", generation=gen - 1, implicit=True) for i in range(60)]
+    after = [fuzzer.make_case(0, i, "cuda", generation=gen, implicit=True) for i in range(60)]
+    narrow = [c for b, c in zip(before, after) if c.anchor != b.anchor]
+    assert 20 <= len(narrow) <= 40
+    for b, c in zip(before, after):
+        assert {**c.anchor, "in": b.anchor["in"], "out": b.anchor["out"]} == b.anchor
+        if c.anchor == b.anchor:
+            assert dataclasses.replace(c, generation=gen - 1) == b
+        else:
+            assert c.anchor["in"] in (8, 16, 24, 32) and c.anchor["out"] in range(32, 65, 8)
+    tall = 0
+    for c in narrow:  # the tile the in-kernel conv plans for each, by its sizes
+        itemsize = 4 if c.dtype == "float32" else 2
+        ho, wo = fuzzer._conv_out_sizes(c.anchor)
+        plan = conv_sm90.tiling(c.anchor["out"], wo, itemsize, k_bytes=conv_sm90.k_step_bytes(c.anchor["in"], itemsize),
+                                stride_w=c.anchor["stride"], ho=ho)
+        tall += plan.block_m == conv_sm90.TALL_BLOCK_M
+    assert tall >= 10, tall
+    results = fuzzer.run(seed=0, indices=[c.index for c in narrow[:12]], device="cpu", generation=gen, implicit=True)
+    summary = fuzzer.summarize(results)
+    assert not summary["findings"], _shown(summary["findings"])
+    assert summary["fusion"].get("full", 0) >= 4, summary["reasons"]
