@@ -803,15 +803,21 @@ def test_nvcc_compiles_the_in_kernel_conv(name, nvcc_builds):
 
 
 def _cuobjdump() -> str | None:
-    """cuobjdump from $CUDA_HOME/bin, PATH, or Triton's package (the `bench` extra), which
-    carries one; not every CUDA image ships it."""
+    """cuobjdump from $CUDA_HOME/bin, NVIDIA's `nvidia-cuda-cuobjdump` and
+    `nvidia-cuda-nvdisasm` wheels (the `test` extra: cuobjdump -sass runs nvdisasm from
+    its own folder), Triton's package (the `bench` extra), or PATH; not every CUDA image
+    ships it."""
     import importlib.util
 
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    triton = importlib.util.find_spec("triton")
     places = [os.path.join(home, "bin")] if home else []
-    if triton is not None and triton.submodule_search_locations:
-        places += [os.path.join(p, "backends", "nvidia", "bin") for p in triton.submodule_search_locations]
+    for package, below in (("nvidia", ("cu13", "bin")), ("triton", ("backends", "nvidia", "bin"))):
+        try:
+            found = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            found = None
+        if found is not None and found.submodule_search_locations:
+            places += [os.path.join(p, *below) for p in found.submodule_search_locations]
     found = [os.path.join(p, "cuobjdump") for p in places if os.access(os.path.join(p, "cuobjdump"), os.X_OK)]
     return found[0] if found else shutil.which("cuobjdump")
 
