@@ -1,6 +1,7 @@
 """GPU-free: rendered sources, launch plans, and an nvcc compile of every template path."""
 
 import concurrent.futures
+import functools
 import itertools
 import math
 import os
@@ -846,28 +847,46 @@ def accumulator_uses_in_flight(sass: str) -> list[str]:
     return found
 
 
-@needs_nvcc
-@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_no_accumulator_is_read_before_its_wgmma_is_waited_for(dtype, tmp_path):
-    # The file in which ptxas packed the last accumulators to float16 before the wait for
-    # the last wgmma (fuzzer generation 16, seed 0, model 61's conv: 32 -> 128 channels,
-    # 64-byte k-steps, a 41-pixel-wide output), and an in-kernel GEMM file of that dtype:
-    # hop::fence_accumulators keeps every use of them after the wait.
+@functools.lru_cache(maxsize=None)
+def wgmma_sass(dtype: str) -> tuple[tuple[str, str], ...]:
+    """(kernel name, SASS) of the wgmma kernels the SASS checks read, in `dtype`: the
+    in-kernel conv file in which ptxas packed the last accumulators to float16 before
+    the wait for the last wgmma (fuzzer generation 16, seed 0, model 61's conv: 32 -> 128
+    channels, 64-byte k-steps, a 41-pixel-wide output), a conv of 256-pixel tiles
+    (conv_sm90.TALL_BLOCK_M: four m64 blocks a consumer), and an in-kernel GEMM file."""
     conv = EpilogueSpec(_implicit(0, (32, 3, 3, 14, 43)), (Step("relu"),), dtype, (), 128, 12 * 41,
                         "conv_pointwise").with_in_kernel_conv()
-    # and a tile of 256 pixels (conv_sm90.TALL_BLOCK_M: four m64 blocks a consumer)
     tall = EpilogueSpec(_implicit(1, (16, 3, 3, 20, 70)), (Step("relu"),), dtype, (), 32, 20 * 70,
                         "conv_pointwise").with_in_kernel_conv()
     assert cuda_templates.conv_gemm_plan(tall, "sm90", conv_tf32=True).block_m == 256
-    gemm = GEMM_SPECS[f"gemm_pointwise-{dtype}"]
-    for spec in (conv, tall, gemm):
+    found, workdir = [], tempfile.mkdtemp(prefix="fusedepi-sass-")
+    for spec in (conv, tall, GEMM_SPECS[f"gemm_pointwise-{dtype}"]):
         source = cuda_templates.render(spec, "sm90", conv_tf32=True)
         name = cuda_templates.kernel_name(spec, "sm90", True)
-        library = cuda_templates.build(source, name, "sm90a", tmp_path)
+        library = cuda_templates.build(source, name, "sm90a", workdir)
         sass = subprocess.run([CUOBJDUMP, "-sass", str(library)], capture_output=True, text=True, check=True).stdout
+        found.append((name, sass))
+    return tuple(found)
+
+
+@needs_nvcc
+@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_no_accumulator_is_read_before_its_wgmma_is_waited_for(dtype):
+    # hop::fence_accumulators keeps every use of the accumulators after the wait.
+    for name, sass in wgmma_sass(dtype):
         assert "HGMMA" in sass, name
         assert not accumulator_uses_in_flight(sass), (name, accumulator_uses_in_flight(sass)[:5])
+
+
+@needs_nvcc
+@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_wgmma_kernels_use_no_local_memory(dtype):
+    # Local loads and stores (LDL, STL): spilled registers, or a register array indexed at
+    # run time; in these kernels the accumulators and the chain's values stay in registers.
+    for name, sass in wgmma_sass(dtype):
+        assert not re.search(r"\b(?:LDL|STL)\b", sass), (name, re.findall(r"[^;\n]*\b(?:LDL|STL)\b[^;]*", sass)[:3])
 
 
 def test_tf32_direct_conv_plans():
