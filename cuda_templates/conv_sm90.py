@@ -27,10 +27,10 @@ the tile has few channels: TALL_BLOCK_M) x kBN channels, persistent over tiles, 
   accumulators. Where the tile is at most PINGPONG_MAX_N channels wide they take the CTA's
   tiles in turn (ping-pong: each holds a whole tile, two m64 wgmmas a k-step, four in a
   tile of 256, and one's finish runs under the other's mainloop); wider tiles are shared,
-  64 rows each (cooperative). Each accumulator is rounded to the output type (what the library conv's
-  output holds), stage0 is applied to it in registers (the tile's per-channel operands
-  loaded before its mainloop), and the result goes into a staging tile, with no branch an
-  element: each (channel, patch row) run of kTW pixels in a slot of its own, placed at
+  64 rows each (cooperative). Each accumulator is rounded to the output type (what the
+  library conv's output holds), stage0 is applied to it in registers (the tile's
+  per-channel operands loaded before its mainloop), and the result goes into a staging
+  tile, with no branch an element: each (channel, patch row) run of kTW pixels in a slot of its own, placed at
   the run's offset from a 16-byte boundary of the NCHW output; the elements of a run's
   partial first and last 16-byte chunk are stored from registers;
 - the finishing threads then issue one bulk copy (cp.async.bulk, shared to global) a
@@ -61,7 +61,7 @@ from .gemm_sm90 import WGMMA_TYPES
 
 BLOCK_M = 128  # output pixels a tile
 # Output pixels a tile where its channels are few (at most TALL_MAX_N, ping-pong) and a
-# k-step is narrower than TALL_MAX_K_BYTES: four m64 wgmmas a k-step instead of two,
+# k-step is at most TALL_MAX_K_BYTES: four m64 wgmmas a k-step instead of two,
 # over a short mainloop (a 16 -> 32 channel 3 x 3 conv: 9 k-steps of 32 bytes a tile)
 # that otherwise waits on each k-step's wgmma latency, and half the tiles' finishes.
 TALL_BLOCK_M = 256
