@@ -7,7 +7,9 @@ strides up to MAX_STRIDE, pointwise chains and norms over whole channels, C_in a
 multiple of 16 bytes, sm_90)
 and renders it into `templates.KERNEL_FILE` with the spec's stage functions; the launcher hands it the input
 in channels-last memory ([rows, H, W, C_in]; one copy, as Inductor's channels-last conv
-makes) and the weight as [C_out, kh, kw, C_in].
+makes), or in 16-bit as the graph has it where READS_NCHW allows (`reads_nchw`: a box an
+m64 block, 64 pixels of a patch row by a k-step's channels, read by the wgmma as an
+MN-major A), and the weight as [C_out, kh, kw, C_in].
 
 Structure (include/fusedepi/conv_sm90.cuh; one CTA an output tile of 128 pixels (256 where
 the tile has few channels: TALL_BLOCK_M) x kBN channels, persistent over tiles, 384 threads):
@@ -90,6 +92,11 @@ RING_BYTES_K = 8 * 128
 # the patch's width times the stride, at most MAX_BOX pixels, which bounds the patch's width.
 MAX_STRIDE = 8
 MAX_BOX = 256
+# 16-bit convs of stride 1 along the width, patches 64 or 128 wide and an input width of
+# whole 16-byte rows may read x in the graph's NCHW layout (ConvGemmPlan.nchw): no
+# channels-last copy of x. Not taken until run on a GPU (benchmarks/NOTES.md).
+READS_NCHW = False
+NCHW_BOX_W = 64  # pixels of an NCHW box: one m64 block, a 128-byte swizzle row in 16-bit
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,9 @@ class ConvGemmPlan:
             the other's mainloop; block_n <= PINGPONG_MAX_N), else both take each tile.
         stats: the tiles write each channel's moments over their pixels (a norm's
             statistics, `stats_floats`), beside the conv's value.
+        nchw: x is read in its NCHW layout (`reads_nchw`): an m64 block's 64 pixels of a
+            patch row by a k-step's channels a box, MN-major (the wgmma's transposed A),
+            not the channels-last copy's rows of channels.
     """
 
     block_n: int
@@ -116,9 +126,19 @@ class ConvGemmPlan:
     stats: bool = False
     k_bytes: int = 128
     block_m: int = BLOCK_M
+    nchw: bool = False
 
     def name(self, spec, arch: str) -> str:
-        return f"igemm{self.block_m}x{self.block_n}_" + spec.kernel_name(arch + "a")
+        return f"igemm{self.block_m}x{self.block_n}{'_nchw' if self.nchw else ''}_" + spec.kernel_name(arch + "a")
+
+
+def reads_nchw(plan: "ConvGemmPlan", itemsize: int, stride_w: int, width: int) -> bool:
+    """Whether the in-kernel conv of `plan` may read an NCHW x of `width` input columns
+    (READS_NCHW): 16-bit (the wgmma reads A MN-major in 16-bit only), stride 1 along the
+    width (a box of NCHW_BOX_W neighbouring pixels), patches of whole boxes, rows of
+    whole 16 bytes (the tensor map's strides)."""
+    return (READS_NCHW and itemsize == 2 and stride_w == 1 and plan.tile_w % NCHW_BOX_W == 0
+            and width * itemsize % 16 == 0)
 
 
 def k_step_bytes(cin: int, itemsize: int) -> int:
@@ -193,14 +213,20 @@ def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int 
     raise AssertionError(f"no tile of {widths} fits {MIN_STAGES} stages ({cout}, {wo}, {itemsize})")  # 32 always fits
 
 
-def wgmma_asm(dtype: str, n: int) -> str:
+def wgmma_asm(dtype: str, n: int, a_mn_major: bool = False) -> str:
     """One m64nNk16 wgmma (k8 in TF32): N / 2 float32 accumulators `d`, both operands
-    K-major from shared memory."""
+    K-major from shared memory, or A MN-major (`a_mn_major`, 16-bit only).
+
+    Raises:
+        ValueError: an MN-major A in TF32.
+    """
     t, k = WGMMA_TYPES[dtype]
+    if a_mn_major and t == "tf32":
+        raise ValueError("TF32 wgmma reads K-major operands only")
     acc = n // 2
     regs = ", ".join(f"%{i}" for i in range(acc))
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(acc))
-    transpose = ", 0, 0" if t != "tf32" else ""
+    transpose = (", 1, 0" if a_mn_major else ", 0, 0") if t != "tf32" else ""
     return (
         "asm volatile(\n"
         f'      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 2}, 0;\\n"\n'
@@ -237,6 +263,8 @@ def wgmma_asm(dtype: str, n: int) -> str:
 #   $pitch      the staging tile's elements between two channels (staging_pitch)
 #   $pingpong   the consumers' schedule: true (ping-pong) or false (cooperative)
 #   $stats      the tiles write their channels' moments (ConvGemmPlan.stats): true or false
+#   $nchw       x read in its NCHW layout (ConvGemmPlan.nchw): true or false
+#   $nchw_box_w pixels of an NCHW box (NCHW_BOX_W)
 #   $parts_at   where the moments go: floats from the workspace's start
 #   $wgmma      the wgmma_asm() statement
 CONV_KERNELS = Template(
@@ -252,6 +280,8 @@ constexpr int kHo = $ho, kWo = $wo;
 constexpr int kPitch = $pitch;  // the staging tile's elements between two channels
 constexpr bool kPingPong = $pingpong;  // the consumers' schedule (conv_sm90.cuh)
 constexpr bool kConvStats = $stats;  // the tiles write their channels' moments (conv_sm90.cuh)
+constexpr bool kNchw = $nchw;  // x read in its NCHW layout, boxes of kNchwBoxW pixels (conv_sm90.cuh)
+constexpr int kNchwBoxW = $nchw_box_w;
 [[maybe_unused]] constexpr long long kPartsAt = $parts_at;  // ... at a.ws + kPartsAt (kConvStats)
 constexpr int kCBlocks = (kCin + kBK - 1) / kBK;  // k-steps a tap
 constexpr int kCinPad = kCBlocks * kBK;  // the weight's input channels, padded with zeros by the launcher
@@ -271,6 +301,9 @@ __device__ __forceinline__ void wgmma_n(float (&d)[kBN / 2], uint64_t desc_a, ui
 constexpr int kConvSmem = kStages * (kTileA + kTileB) + kStaging + kStatsBytes + 1024;  // + alignment slack
 static_assert(kTH * kTW == kBM && kTW >= 8, "a tile's patch: kBM pixels, rows of 8 or more");
 static_assert(kBM == 128 || (kBM == 256 && kPingPong), "tiles of 128 pixels, or 256 in ping-pong");
+static_assert(!kNchw || (kElem == 2 && kSW == 1 && kTW % kNchwBoxW == 0 && kNchwBoxW * kElem == 128 &&
+                         kW * kElem % 16 == 0 && kBK % 16 == 0),
+              "an NCHW x: 16-bit, stride 1 along the width, patches of whole 128-byte boxes, rows of 16 bytes");
 static_assert((kSwizzle == 32 || kSwizzle == 64 || kSwizzle == 128) && kBK % kMmaK == 0 && kMmaK * kElem == 32,
               "rows of 32, 64 or 128 bytes, 32 bytes a wgmma");
 static_assert(kTileB % (8 * kSwizzle) == 0, "each stage's tiles aligned to the swizzle's 8-row atom");
@@ -288,13 +321,21 @@ __global__ void __launch_bounds__(384, 1) ${kernel}_conv(const __grid_constant__
 // Launches the conv on `device`: one CTA an SM (its shared memory), at most one a tile.
 int conv_launch(const Args& a, int device, cudaStream_t stream) {
   CUtensorMap map_x, map_w;
-  const cuuint64_t x_dims[4] = {kCin, kW, kH, static_cast<cuuint64_t>(a.rows)};
-  const cuuint64_t x_strides[3] = {static_cast<cuuint64_t>(kCin) * kElem, static_cast<cuuint64_t>(kW) * kCin * kElem,
-                                   static_cast<cuuint64_t>(kH) * kW * kCin * kElem};
-  // A stride s: the box spans s times the patch, of which TMA reads every s-th pixel.
-  const cuuint32_t x_box[4] = {kBK, kTW * kSW, kTH * kSH, 1};
-  const cuuint32_t x_steps[4] = {1, kSW, kSH, 1};
-  if (int e = hop::encode_map<T>(&map_x, a.x, 4, x_dims, x_strides, x_box, kSwizzle, x_steps)) return e;
+  if constexpr (kNchw) {  // [rows, C_in, H, W]: kNchwBoxW pixels of a row by a k-step's channels a box
+    const cuuint64_t x_dims[4] = {kW, kH, kCin, static_cast<cuuint64_t>(a.rows)};
+    const cuuint64_t x_strides[3] = {static_cast<cuuint64_t>(kW) * kElem, static_cast<cuuint64_t>(kH) * kW * kElem,
+                                     static_cast<cuuint64_t>(kCin) * kH * kW * kElem};
+    const cuuint32_t x_box[4] = {kNchwBoxW, 1, kBK, 1};
+    if (int e = hop::encode_map<T>(&map_x, a.x, 4, x_dims, x_strides, x_box, kNchwBoxW * kElem)) return e;
+  } else {  // [rows, H, W, C_in]
+    const cuuint64_t x_dims[4] = {kCin, kW, kH, static_cast<cuuint64_t>(a.rows)};
+    const cuuint64_t x_strides[3] = {static_cast<cuuint64_t>(kCin) * kElem, static_cast<cuuint64_t>(kW) * kCin * kElem,
+                                     static_cast<cuuint64_t>(kH) * kW * kCin * kElem};
+    // A stride s: the box spans s times the patch, of which TMA reads every s-th pixel.
+    const cuuint32_t x_box[4] = {kBK, kTW * kSW, kTH * kSH, 1};
+    const cuuint32_t x_steps[4] = {1, kSW, kSH, 1};
+    if (int e = hop::encode_map<T>(&map_x, a.x, 4, x_dims, x_strides, x_box, kSwizzle, x_steps)) return e;
+  }
   if (int e = hop::encode_map_2d<T>(&map_w, a.w, kChannels, kTaps * kCinPad, kBN, kBK, kSwizzle)) return e;
   static int sms[64] = {};
   if (device >= 64) return static_cast<int>(cudaErrorInvalidDevice);
@@ -337,4 +378,4 @@ SEGMENT_STATS = Template(
 )
 
 __all__ = ["BLOCK_M", "CONV_KERNELS", "CONV_STATS_FINAL", "K_STEP_BYTES", "MAX_STRIDE", "SEGMENT_STATS", "TALL_BLOCK_M",
-           "ConvGemmPlan", "k_step_bytes", "padded_in_channels", "stats_floats", "tiling", "wgmma_asm"]
+           "ConvGemmPlan", "k_step_bytes", "padded_in_channels", "reads_nchw", "stats_floats", "tiling", "wgmma_asm"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lowering.spec import (
     BROADCAST,
@@ -686,9 +686,10 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     if cin % per_16_bytes or spec.channels % 8:
         return (f"{cin} -> {spec.channels} channels (the in-kernel conv takes input channels in multiples of "
                 f"{per_16_bytes}, output channels in multiples of 8)")
-    return conv_sm90.tiling(spec.channels, wo, ITEMSIZE[spec.dtype], stats=stats,
+    tile = conv_sm90.tiling(spec.channels, wo, ITEMSIZE[spec.dtype], stats=stats,
                             k_bytes=conv_sm90.k_step_bytes(cin, ITEMSIZE[spec.dtype]), stride_w=anchor.conv[0][1],
                             ho=ho)
+    return replace(tile, nchw=conv_sm90.reads_nchw(tile, ITEMSIZE[spec.dtype], anchor.conv[0][1], anchor.direct[4]))
 
 
 def conv_stats(spec: EpilogueSpec) -> bool | str:
@@ -1249,8 +1250,8 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
         mma_k=gemm_sm90.WGMMA_TYPES[spec.dtype][1], stages=c.stages, th=c.tile_h, tw=c.tile_w,
         cin=cin, h=h, w=w, kh=kh, kw=kw, ph=ph, pw=pw, sh=sh, sw=sw, dh=dh, dw=dw, ho=ho, wo=wo,
         pitch=conv_sm90.staging_pitch(c.tile_h, c.tile_w, ITEMSIZE[spec.dtype]),
-        pingpong="true" if c.pingpong else "false", wgmma=conv_sm90.wgmma_asm(spec.dtype, c.block_n),
-        stats="true" if c.stats else "false",
+        pingpong="true" if c.pingpong else "false", wgmma=conv_sm90.wgmma_asm(spec.dtype, c.block_n, c.nchw),
+        stats="true" if c.stats else "false", nchw="true" if c.nchw else "false", nchw_box_w=conv_sm90.NCHW_BOX_W,
         parts_at="2 * kChannels" if c.stats and red.name == "batchnorm_train" else "0",
     )
     fields, bind = _fields(spec, direct=True)

@@ -102,10 +102,12 @@ class Launcher:
         # Who computes the anchor: the in-kernel GEMM (or, per call, the library GEMM and the
         # file's epilogue kernel), the file's direct conv, or the library before the kernels.
         # The C++ launcher takes the same paths (native.PATH_CODES).
+        implicit = cuda_templates.conv_gemm_plan(self.spec, arch_of(device), conv_tf32)
+        # The in-kernel conv reads x in the graph's NCHW layout, not a channels-last copy.
+        self.in_kernel_nchw = isinstance(implicit, cuda_templates.ConvGemmPlan) and implicit.nchw
         if self.gemm:
             self.anchor_path = "in-kernel GEMM"
-        elif self.lib.anchor_inside and isinstance(cuda_templates.conv_gemm_plan(self.spec, arch_of(device), conv_tf32),
-                                                   cuda_templates.ConvGemmPlan):
+        elif self.lib.anchor_inside and isinstance(implicit, cuda_templates.ConvGemmPlan):
             self.anchor_path = "in-kernel conv"
         elif self.lib.anchor_inside:
             self.anchor_path = "direct conv"
@@ -169,9 +171,10 @@ class Launcher:
             out = x.new_empty((x.shape[0], self.spec.channels, *self.spec.anchor.direct_out_hw()))
             y = torch.empty_like(out) if self.stores_pre_norm else out
         elif self.anchor_path == "in-kernel conv":
-            # The implicit GEMM reads x channels-last ([rows, H, W, C_in] in memory) and the
-            # weight as [C_out, kh, kw, C_in'], both by TMA (`channels_last_operands`).
-            anchor_operands = channels_last_operands(anchor_operands, self.spec)
+            # The implicit GEMM reads x channels-last ([rows, H, W, C_in] in memory; or NCHW,
+            # `in_kernel_nchw`) and the weight as [C_out, kh, kw, C_in'], both by TMA
+            # (`channels_last_operands`).
+            anchor_operands = channels_last_operands(anchor_operands, self.spec, self.in_kernel_nchw)
             x = anchor_operands[0]
             out = y = x.new_empty((x.shape[0], self.spec.channels, *self.spec.anchor.direct_out_hw()))
         else:
@@ -224,11 +227,11 @@ class Launcher:
 # hands a call that fails to the Python launcher, whose checks raise.
 
 
-def channels_last_operands(operands: list[torch.Tensor], spec: EpilogueSpec) -> list[torch.Tensor]:
+def channels_last_operands(operands: list[torch.Tensor], spec: EpilogueSpec, nchw: bool = False) -> list[torch.Tensor]:
     """The in-kernel conv's x and weight in the memory order its tensor maps read: x
-    [rows, C_in, H, W] channels-last, the weight [C_out, C_in, kh, kw] as [C_out, kh, kw,
-    C_in'] contiguous (C_in' = C_in padded with zeros to whole k-steps), each 16-byte
-    aligned.
+    [rows, C_in, H, W] channels-last (`nchw`: contiguous, the file reads it so), the
+    weight [C_out, C_in, kh, kw] as [C_out, kh, kw, C_in'] contiguous (C_in' = C_in padded
+    with zeros to whole k-steps), each 16-byte aligned.
 
     Raises:
         RuntimeError: x or the weight is not of the shape the kernel was built for.
@@ -238,9 +241,10 @@ def channels_last_operands(operands: list[torch.Tensor], spec: EpilogueSpec) -> 
     if x.dim() != 4 or tuple(x.shape[1:]) != (cin, h, w) or tuple(wt.shape) != (spec.channels, cin, kh, kw):
         raise RuntimeError(f"fusedepi::chain ({spec.fusion}): conv operands {tuple(x.shape)} and {tuple(wt.shape)}; "
                            f"the kernel was built for [rows, {cin}, {h}, {w}] and [{spec.channels}, {cin}, {kh}, {kw}]")
-    x = x.contiguous(memory_format=torch.channels_last)
+    layout = torch.contiguous_format if nchw else torch.channels_last
+    x = x.contiguous(memory_format=layout)
     if x.data_ptr() % 16:
-        x = x.clone(memory_format=torch.channels_last)
+        x = x.clone(memory_format=layout)
     # The weight's input channels padded with zeros to whole k-steps: its boxes never
     # reach past a row's end.
     cin_pad = cuda_templates.conv_sm90.padded_in_channels(cin, spec.dtype)

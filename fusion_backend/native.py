@@ -267,6 +267,8 @@ class LaunchLayout:
     # The call's first two inputs are x and the weight rounded to TF32 and its last two
     # themselves (`Anchor.rounded`): the in-kernel conv reads the first, a library conv the last.
     rounded: bool
+    # The in-kernel conv reads x in its NCHW layout (`ConvGemmPlan.nchw`), not channels-last.
+    in_nchw: bool
 
     @classmethod
     def of(cls, launcher) -> "LaunchLayout":
@@ -289,7 +291,7 @@ class LaunchLayout:
                    spec.channels, out_h, out_w, launcher.stores_pre_norm, spec.anchor.has_bias, pad_k, pad_n,
                    spec.anchor.channels_last, spec.anchor.permuted, launcher.gemm_tf32,
                    launcher.reads_conv_tf32, launcher.conv_tf32, in_c, in_h, in_w, k_h, k_w, in_c_pad,
-                   spec.anchor.rounded)
+                   spec.anchor.rounded, launcher.anchor_path == "in-kernel conv" and launcher.in_kernel_nchw)
 
     def encode(self) -> list[int]:
         return [int(getattr(self, f.name)) for f in fields(self)]

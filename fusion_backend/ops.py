@@ -76,7 +76,7 @@ def input_layouts(spec: str, inputs: list) -> tuple | None:
         return None
     parsed = _parse(spec)
     library = anchor_reads_channels_last(parsed.anchor, inputs[0])
-    if not library and not runs_in_kernel_conv(parsed, inputs[0]):
+    if not library and not runs_in_kernel_conv(parsed, inputs[0], channels_last=True):
         return None
     layout = channels_last_format(inputs[0])
     wanted: list = [None] * len(inputs)
@@ -138,16 +138,17 @@ def _rounded_to_tf32(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Nod
     return graph.graph_copy(traced.graph, {placeholder: node})
 
 
-def runs_in_kernel_conv(spec: EpilogueSpec, x: torch.Tensor) -> bool:
-    """Whether the CUDA op computes the conv as the in-kernel conv (an implicit GEMM over
-    a channels-last x) on x's device, at the cuDNN TF32 setting of now (a float32 chain
-    whose TF32 is switched off later runs the library conv, on a channels-last x as well)."""
+def runs_in_kernel_conv(spec: EpilogueSpec, x: torch.Tensor, channels_last: bool = False) -> bool:
+    """Whether the CUDA op computes the conv as the in-kernel conv (an implicit GEMM) on
+    x's device, at the cuDNN TF32 setting of now (a float32 chain whose TF32 is switched
+    off later runs the library conv, on a channels-last x as well); with `channels_last`,
+    over a channels-last copy of x (not x in its NCHW layout, `ConvGemmPlan.nchw`)."""
     if spec.anchor.kind != "conv" or not spec.anchor.implicit or x.dim() != 4 or x.device.type != "cuda":
         return False
     import cuda_templates
 
     plan = cuda_templates.conv_gemm_plan(spec, arch_of(x.device), conv_allows_tf32())
-    return isinstance(plan, cuda_templates.ConvGemmPlan)
+    return isinstance(plan, cuda_templates.ConvGemmPlan) and not (channels_last and plan.nchw)
 
 
 def round_to_tf32(t: torch.Tensor) -> torch.Tensor:

@@ -241,3 +241,23 @@ def test_the_in_kernel_conv_asks_a_channels_last_input(monkeypatch):
     cin, kh, kw, h, w = cpu.anchor.direct
     arch[0] = "sm90"
     assert ops.input_layouts(cpu.to_json(), [torch.empty(2, cin, h, w), torch.empty(cpu.channels, cin, kh, kw)]) is None
+
+
+def test_an_in_kernel_conv_that_reads_nchw_asks_no_layout(monkeypatch):
+    """Where the in-kernel conv reads x in its NCHW layout (`ConvGemmPlan.nchw`), the op
+    asks Inductor for no channels-last copy of x: nothing is constrained."""
+    from specs import conv_gemm_specs
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cuda_templates import conv_sm90
+
+    monkeypatch.setattr(ops, "arch_of", lambda device: "sm90")
+    spec = conv_gemm_specs("bfloat16")["igemm_relu_bias_64_128"]
+    cin, kh, kw, h, w = spec.anchor.direct
+    with FakeTensorMode():
+        x = torch.empty(2, cin, h, w, device="cuda", dtype=torch.bfloat16)
+        wt = torch.empty(spec.channels, cin, kh, kw, device="cuda", dtype=torch.bfloat16)
+        assert ops.input_layouts(spec.to_json(), [x, wt]) is not None  # READS_NCHW off: channels-last
+        monkeypatch.setattr(conv_sm90, "READS_NCHW", True)
+        assert ops.runs_in_kernel_conv(spec, x) and not ops.runs_in_kernel_conv(spec, x, channels_last=True)
+        assert ops.input_layouts(spec.to_json(), [x, wt]) is None

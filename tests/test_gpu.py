@@ -1711,6 +1711,41 @@ def test_in_kernel_conv(name, dtype, exact_float32, monkeypatch):
         assert err <= TOLERANCE[torch.float32], f"relative error {err:.3g} after TF32 was switched off"
 
 
+# The in-kernel conv reading x in its NCHW layout (conv_sm90.READS_NCHW, off by default
+# until these pass on a GPU): 16-bit, input widths of whole 16 bytes, patches of 64 or 128.
+IN_KERNEL_CONV_NCHW = {
+    # name: (cin, cout, k, padding, input shape), as IN_KERNEL_CONVS
+    "c64_to_128_w64": (64, 128, 3, 1, (2, 64, 20, 64)),  # patches of 2 rows of 64: a box a row
+    "c16_to_32_tall_w128": (16, 32, 3, 1, (4, 16, 12, 128)),  # 256 pixels: 4 boxes, half rows
+    "c72_to_64_1x1_w96": (72, 64, 1, 0, (2, 72, 7, 96)),  # two k-steps a tap, the second partial; a cut patch
+    "c8_to_64_dilation2_w48": (8, 64, 3, 2, (3, 8, 17, 48)),  # 8 channels of a 16-channel box: zeros past C_in
+    "c32_to_192_cooperative": (32, 192, 3, 1, (2, 32, 9, 80)),  # both warpgroups a tile, a block each
+}
+IN_KERNEL_CONV_STRIDES["c8_to_64_dilation2_w48"] = (1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(IN_KERNEL_CONV_NCHW))
+def test_in_kernel_conv_reads_nchw(name, dtype, exact_float32, monkeypatch):
+    from cuda_templates import conv_sm90
+
+    _needs_sm90()
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
+    monkeypatch.setattr(conv_sm90, "READS_NCHW", True)
+    cin, cout, k, padding, shape = IN_KERNEL_CONV_NCHW[name]
+    model = _ConvChain(cin, cout, k, padding, 0, *IN_KERNEL_CONV_STRIDES.get(name, (1, 1))).cuda().to(dtype)
+    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
+    ref, _ = float64_reference(model, x)
+    with torch.no_grad():
+        out, kernels = _kernels(model, x)
+        fn = torch.compile(model, backend=fusedepi)
+        ran = _fusedepi_kernels_run(fn, x, pattern=r"_sm[0-9]+a?_")
+    assert len(kernels) == 1 and re.match(r"igemm(128|256)x\d+_nchw_", kernels[0]), kernels
+    assert ran and all("_nchw_" in r for r in ran), ran
+    err = relative_error(out, ref)
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32})"
+
+
 class _ConvResidual(nn.Module):
     """Conv2d -> + residual (a full-shape operand, read at its NCHW place) -> relu."""
 

@@ -169,6 +169,10 @@ def test_the_in_kernel_conv_reads_its_operands_in_its_own_layout(dtype, cin, pad
         launch.channels_last_operands([x.transpose(2, 3), w], spec)
     with pytest.raises(RuntimeError, match="the kernel was built for"):
         launch.channels_last_operands([x, w[:8]], spec)
+    # A file that reads x in its NCHW layout (`ConvGemmPlan.nchw`): x contiguous, a
+    # channels-last x copied so, the weight as above.
+    xn, wn = launch.channels_last_operands([x.contiguous(memory_format=torch.channels_last), w], spec, nchw=True)
+    assert xn.is_contiguous() and torch.equal(xn, x) and torch.equal(wn, wp)
 
 
 def test_only_convs_the_file_may_compute_follow_cudnns_tf32_flag():

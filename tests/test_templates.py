@@ -889,6 +889,59 @@ def test_wgmma_kernels_use_no_local_memory(dtype):
         assert not re.search(r"\b(?:LDL|STL)\b", sass), (name, re.findall(r"[^;\n]*\b(?:LDL|STL)\b[^;]*", sass)[:3])
 
 
+def test_in_kernel_conv_nchw_plans(monkeypatch):
+    # x read in its NCHW layout (conv_sm90.READS_NCHW, off until run on a GPU): 16-bit,
+    # stride 1 along the width, patches of whole 64-pixel boxes, input rows of 16 bytes.
+    from cuda_templates import conv_sm90
+
+    bf16 = conv_gemm_specs("bfloat16")
+    wide = bf16["igemm_relu_bias_64_128"]  # 62 x 62 out: patches of 64
+    assert not cuda_templates.conv_gemm_plan(wide, "sm90").nchw  # READS_NCHW off
+    monkeypatch.setattr(conv_sm90, "READS_NCHW", True)
+    c = cuda_templates.conv_gemm_plan(wide, "sm90")
+    assert c.nchw and c.tile_w == 64 and cuda_templates.kernel_name(wide, "sm90").startswith("igemm128x128_nchw_")
+    source = cuda_templates.render(wide, "sm90")
+    assert "constexpr bool kNchw = true;" in source and "constexpr int kNchwBoxW = 64;" in source
+    assert "p, 1, 1, 1, 0;" in source and "p, 1, 1, 0, 0;" not in source  # A MN-major (transposed)
+    assert cuda_templates.conv_gemm_plan(conv_gemm_specs("float16")["igemm_relu_bias_64_128"], "sm90").nchw
+    # not: float32 (TF32 reads K-major operands only), a stride along the width, patches
+    # narrower than a box, input rows of other than whole 16 bytes
+    f32 = CONV_GEMM_SPECS["igemm_relu_bias_64_128-float32"]
+    assert not cuda_templates.conv_gemm_plan(f32, "sm90", conv_tf32=True).nchw
+    assert "constexpr bool kNchw = false;" in cuda_templates.render(f32, "sm90", conv_tf32=True)
+    with pytest.raises(ValueError, match="K-major"):
+        conv_sm90.wgmma_asm("float32", 64, a_mn_major=True)
+    conv = wide.anchor.conv
+    strided = replace(wide, anchor=replace(wide.anchor, conv=((1, 2),) + conv[1:]), inner=62 * 31)
+    assert not cuda_templates.conv_gemm_plan(strided, "sm90").nchw
+    narrow = replace(wide, anchor=replace(wide.anchor, direct=(64, 3, 3, 64, 32)), inner=62 * 30)
+    assert cuda_templates.conv_gemm_plan(narrow, "sm90").tile_w == 32
+    assert not cuda_templates.conv_gemm_plan(narrow, "sm90").nchw
+    odd = replace(wide, anchor=replace(wide.anchor, direct=(64, 3, 3, 64, 68)), inner=62 * 66)
+    assert not cuda_templates.conv_gemm_plan(odd, "sm90").nchw  # 136-byte rows
+    even = replace(wide, anchor=replace(wide.anchor, direct=(64, 3, 3, 64, 72)), inner=62 * 70)
+    assert cuda_templates.conv_gemm_plan(even, "sm90").nchw
+
+
+@needs_nvcc
+@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
+@pytest.mark.parametrize("dtype, name", [("bfloat16", "igemm_relu_bias_64_128"), ("float16", "igemm_bn_relu_16_32")])
+def test_nvcc_compiles_the_nchw_in_kernel_conv(dtype, name, tmp_path, monkeypatch):
+    # The NCHW files build; their wgmmas read A transposed (tnspA), no accumulator is read
+    # before the last wgmma's wait, and nothing spills.
+    from cuda_templates import conv_sm90
+
+    monkeypatch.setattr(conv_sm90, "READS_NCHW", True)
+    spec = conv_gemm_specs(dtype)[name]
+    kernel = cuda_templates.kernel_name(spec, "sm90")
+    assert "_nchw_" in kernel
+    library = cuda_templates.build(cuda_templates.render(spec, "sm90"), kernel, "sm90a", tmp_path)
+    sass = subprocess.run([CUOBJDUMP, "-sass", str(library)], capture_output=True, text=True, check=True).stdout
+    assert re.search(r"HGMMA\.64x\d+x16\.F32\S* R\d+, gdesc\[UR\d+\]\.tnspA", sass), kernel
+    assert not accumulator_uses_in_flight(sass), accumulator_uses_in_flight(sass)[:5]
+    assert not re.search(r"\b(?:LDL|STL)\b", sass)
+
+
 def test_tf32_direct_conv_plans():
     w5 = direct_specs()["w5_direct"]
     d = cuda_templates.direct_plan(w5, "sm90", conv_tf32=True)

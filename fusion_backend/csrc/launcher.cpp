@@ -111,6 +111,7 @@ struct Plan {
   // The call's first two inputs are x and the weight rounded to TF32, its last two
   // themselves (Anchor.rounded): kImplicitConv reads the first, any other path the last.
   bool rounded = false;
+  bool in_nchw = false;  // kImplicitConv reads x in its NCHW layout, not channels-last
   std::vector<int64_t> stride, padding, dilation, output_padding;
   bool transposed = false;
   int64_t groups = 1;
@@ -197,14 +198,14 @@ T symbol(void* handle, const char* name, const std::string& library) {
 // layout: [path, anchor, n_operands, gemm_auto, row_output, out_rank, out_d0 .. out_d3,
 //          out_spatial, channels, out_h, out_w, stores_pre_norm, has_bias, pad_k, pad_n,
 //          channels_last, permuted, gemm_tf32, reads_conv_tf32, conv_tf32,
-//          in_c, in_h, in_w, k_h, k_w, in_c_pad, rounded]
+//          in_c, in_h, in_w, k_h, k_w, in_c_pad, rounded, in_nchw]
 // conv: empty, or [nd, stride x nd, padding x nd, dilation x nd, transposed,
 //       output_padding x nd, groups]
 // saves: per save [anchor_value, dtype code, per_row, ndim, dims x ndim] (native.SaveLayout).
 // checks: [dtype code, y_row, n, (a row, whole) x n, m, (dtype code, whole, per_row) x m]
 //         (native.CheckLayout).
 // The fields of native.LaunchLayout, read below in its order (plan->field = layout[i]).
-constexpr size_t kLayoutFields = 30;
+constexpr size_t kLayoutFields = 31;
 
 void set_plan(std::string_view spec, int64_t device, std::string_view library, std::string_view name,
               at::IntArrayRef layout, at::IntArrayRef running_stats, at::IntArrayRef conv,
@@ -255,6 +256,7 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   plan->k_w = layout[27];
   plan->in_c_pad = layout[28];
   plan->rounded = layout[29] != 0;
+  plan->in_nchw = layout[30] != 0;
   TORCH_CHECK(plan->out_rank >= 0 && plan->out_rank <= 4, "fusedepi_native.plan: a reduced output's tail of ",
               plan->out_rank, " dims");
   TORCH_CHECK(layout[0] >= 0 && layout[0] <= 3 && layout[1] >= 0 && layout[1] <= 3,
@@ -502,8 +504,9 @@ std::vector<at::Tensor> launch(const Plan& plan, at::TensorList call, at::Tensor
     out = y = plan.row_output ? at::empty(row_shape(plan, rows), x.options())
                               : at::empty({rows, plan.channels}, x.options());
   } else if (plan.path == Path::kImplicitConv) {
-    // As launch.channels_last_operands: x channels-last, the weight as [C_out, kh, kw,
-    // C_in'] with zeros past C_in, each 16-byte aligned; the shapes the file was built for.
+    // As launch.channels_last_operands: x channels-last (in_nchw: contiguous), the weight
+    // as [C_out, kh, kw, C_in'] with zeros past C_in, each 16-byte aligned; the shapes the
+    // file was built for.
     const at::Tensor& x0 = operands[0];
     const at::Tensor& w0 = operands[1];
     if (x0.dim() != 4 || x0.size(1) != plan.in_c || x0.size(2) != plan.in_h || x0.size(3) != plan.in_w ||
@@ -511,8 +514,9 @@ std::vector<at::Tensor> launch(const Plan& plan, at::TensorList call, at::Tensor
         w0.size(3) != plan.k_w) {
       return python_chain(call, plan.spec);  // which raises, naming the shapes
     }
-    at::Tensor x = x0.contiguous(at::MemoryFormat::ChannelsLast);
-    if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16) x = x.clone(at::MemoryFormat::ChannelsLast);
+    const at::MemoryFormat x_layout = plan.in_nchw ? at::MemoryFormat::Contiguous : at::MemoryFormat::ChannelsLast;
+    at::Tensor x = x0.contiguous(x_layout);
+    if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16) x = x.clone(x_layout);
     at::Tensor w;
     if (plan.in_c_pad == plan.in_c) {
       w = w0.permute({0, 2, 3, 1}).contiguous();

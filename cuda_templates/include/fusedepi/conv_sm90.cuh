@@ -1,13 +1,14 @@
-// The in-kernel conv (sm_90a): an implicit GEMM over a channels-last input whose output
-// tile gets the chain on chip and is written once, in the graph's NCHW layout.
+// The in-kernel conv (sm_90a): an implicit GEMM over a channels-last input (or, kNchw, the
+// NCHW input itself) whose output tile gets the chain on chip and is written once, in the
+// graph's NCHW layout.
 //
 // Included by the rendered file (cuda_templates/conv_sm90.py, CONV_KERNELS) inside its
 // anonymous namespace, after the file has defined what this code reads:
-//   T, Args (x: the input [rows, H, W, C_in] in memory, w: the weight [kChannels, kTaps,
-//   kCinPad]), stage0_chan, stage0_chan_of, stage0_at, kChannels (KERNEL_FILE and
+//   T, Args (x: the input [rows, H, W, C_in] in memory, or [rows, C_in, H, W] where kNchw;
+//   w: the weight [kChannels, kTaps, kCinPad]), stage0_chan, stage0_chan_of, stage0_at, kChannels (KERNEL_FILE and
 //   CONV_KERNELS' constants: kBM, kBN, kBK, kSwizzle, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
 //   kHo, kWo, kPitch, kCBlocks, kTilesN, kTilesPerImage, kTileA, kTileB, kMmaK, kPingPong,
-//   kConvStats, kPartsAt, wgmma_n), and hopper.cuh.
+//   kConvStats, kPartsAt, kNchw, kNchwBoxW, wgmma_n), and hopper.cuh.
 // It is not a standalone header: those constants differ per file.
 #pragma once
 
@@ -318,7 +319,8 @@ __device__ __forceinline__ void store_runs(const uint8_t* staging, int ct, int i
 }
 
 // The kernel's body (the file's __global__ wrapper calls it with its __grid_constant__
-// tensor maps): map_x over x [rows, H, W, C_in] (dims C_in, W, H, rows), map_w over w
+// tensor maps): map_x over x [rows, H, W, C_in] (dims C_in, W, H, rows; kNchw: over x
+// [rows, C_in, H, W], dims W, H, C_in, rows, a box an m64 block), map_w over w
 // [kChannels, kTaps x kCinPad]. Warpgroup 0's first thread loads, by TMA, for each k-step
 // (tap, channel block of kSwizzle bytes: the tiles' rows) the patch of input pixels that
 // tap reads (the patch's origin times the stride, shifted by the tap times the dilation;
@@ -361,8 +363,16 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
           const int s = it % kStages, tap = i / kCBlocks, c0 = i % kCBlocks * kBK;
           if (it >= kStages) hop::mbar_wait(&empty[s], ((it / kStages) + 1) & 1);
           hop::mbar_expect_tx(&full[s], kTileA + kTileB);
-          hop::tma_load_4d(tiles_a + s * kTileA, &map_x, &full[s], c0, w0 * kSW + tap % kKW * kDW - kPW,
-                           h0 * kSH + tap / kKW * kDH - kPH, img);
+          if constexpr (kNchw) {  // a box an m64 block: its kNchwBoxW pixels of one patch row, kBK channels
+#pragma unroll
+            for (int b = 0; b < kBM / 64; ++b)
+              hop::tma_load_4d(tiles_a + s * kTileA + b * 64 * kSwizzle, &map_x, &full[s],
+                               w0 + b * 64 % kTW + tap % kKW * kDW - kPW, (h0 + b * 64 / kTW) * kSH + tap / kKW * kDH - kPH,
+                               c0, img);
+          } else {
+            hop::tma_load_4d(tiles_a + s * kTileA, &map_x, &full[s], c0, w0 * kSW + tap % kKW * kDW - kPW,
+                             h0 * kSH + tap / kKW * kDH - kPH, img);
+          }
           hop::tma_load_2d(tiles_b + s * kTileB, &map_w, &full[s], tap * kCinPad + c0, n0);
         }
       }
@@ -403,9 +413,13 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
 #pragma unroll
         for (int kk = 0; kk < kBK / kMmaK; ++kk)
 #pragma unroll
-          for (int b = 0; b < kMBlocks; ++b)
-            wgmma_n(d[b], hop::desc_sw<kSwizzle>(sa + b * 64 * kSwizzle + kk * 32),
-                    hop::desc_sw<kSwizzle>(sb + kk * 32), (i > 0 || kk > 0) ? 1 : 0);
+          for (int b = 0; b < kMBlocks; ++b) {
+            // an m64 block's rows of kSwizzle bytes, K-major; or (kNchw) its kBK channel rows
+            // of 64 pixels, MN-major: a wgmma's 16 channels are two 1 KB atoms
+            const uint64_t desc_a = kNchw ? hop::desc_mn128(sa + b * 64 * kSwizzle + kk * 2048)
+                                          : hop::desc_sw<kSwizzle>(sa + b * 64 * kSwizzle + kk * 32);
+            wgmma_n(d[b], desc_a, hop::desc_sw<kSwizzle>(sb + kk * 32), (i > 0 || kk > 0) ? 1 : 0);
+          }
         hop::wgmma_commit();
         hop::wgmma_wait<1>();  // the previous k-step's wgmma is done: free its stage
         if (i > 0) release((it - 1) % kStages);

@@ -144,6 +144,15 @@ __device__ __forceinline__ uint64_t desc_sw(const void* p) {
   const uint64_t addr = smem_u32(p);
   return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(8 * kBytes / 16) << 32) | (kMode << 62);
 }
+// Shared-memory matrix descriptor of a 16-bit operand MN-major in the 128-byte swizzle:
+// rows of 64 MN elements (128 bytes), one a K index, in 8-row atoms of 1 KB (the layout a
+// tensor map of that swizzle writes from a box whose inner dim is 64 MN elements). The
+// stride from 8 K rows to the next (SBO) is 1 KB; an m64 operand spans one atom along MN,
+// so the offset between MN atoms (LBO) is not read (1).
+__device__ __forceinline__ uint64_t desc_mn128(const void* p) {
+  const uint64_t addr = smem_u32(p);
+  return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 / 16) << 32) | (1ull << 62);
+}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int kPending>
