@@ -94,7 +94,7 @@ MAX_STRIDE = 8
 MAX_BOX = 256
 # 16-bit convs of stride 1 along the width, patches 64 or 128 wide and an input width of
 # whole 16-byte rows may read x in the graph's NCHW layout (ConvGemmPlan.nchw): no
-# channels-last copy of x. Not taken until run on a GPU (benchmarks/NOTES.md).
+# channels-last copy of x. Off: its GPU tests failed on an H200 (benchmarks/NOTES.md).
 READS_NCHW = False
 NCHW_BOX_W = 64  # pixels of an NCHW box: one m64 block, a 128-byte swizzle row in 16-bit
 
