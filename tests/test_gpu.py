@@ -1745,7 +1745,23 @@ def test_in_kernel_conv_reads_nchw(name, dtype, exact_float32, monkeypatch):
     assert len(kernels) == 1 and re.match(r"igemm(128|256)x\d+_nchw_", kernels[0]), kernels
     assert ran and all("_nchw_" in r for r in ran), ran
     err = relative_error(out, ref)
-    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32})"
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32}); {_where_wrong(out, ref)}"
+
+
+def _where_wrong(out: torch.Tensor, ref: torch.Tensor) -> str:
+    """Where an NCHW output is off its reference by more than 16-bit rounding: the share
+    of such elements and the channels, rows and columns (mod 64, a box's width) they are
+    in, so that a layout error shows its pattern."""
+    wrong = ((out.double() - ref).abs() > 2e-2 * ref.abs().amax().clamp_min(1e-6)) | out.isnan()
+    if not wrong.any():
+        return "no element off"
+    idx = wrong.nonzero()
+
+    def first(values):
+        return sorted(set(values.tolist()))[:16]
+
+    return (f"{wrong.double().mean().item():.2%} off; channels {first(idx[:, 1])}, rows {first(idx[:, 2])}, "
+            f"columns mod 64 {first(idx[:, 3] % 64)}; out zero there: {(out[wrong] == 0).double().mean().item():.0%}")
 
 
 class _ConvResidual(nn.Module):
