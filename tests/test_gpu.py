@@ -1658,7 +1658,8 @@ IN_KERNEL_CONVS = {
 # The convs' (stride, dilation) where not 1 and 1.
 IN_KERNEL_CONV_STRIDES = {"c32_to_64_stride2": (2, 1), "c16_to_64_dilation2": (1, 2),
                           "c16_to_96_k5_stride3_dilation2": (3, 2), "c64_to_128_stride2_1x1": (2, 1),
-                          "batchnorm_stride2": (2, 1), "groupnorm_dilation2": (1, 2)}
+                          "batchnorm_stride2": (2, 1), "groupnorm_dilation2": (1, 2),
+                          "c8_to_64_dilation2_w48": (1, 2)}
 
 
 def _needs_sm90():
@@ -1722,7 +1723,6 @@ IN_KERNEL_CONV_NCHW = {
     "c8_to_64_dilation2_w48": (8, 64, 3, 2, (3, 8, 17, 48)),  # 8 channels of a 16-channel box: zeros past C_in
     "c32_to_192_cooperative": (32, 192, 3, 1, (2, 32, 9, 80)),  # both warpgroups a tile, a block each
 }
-IN_KERNEL_CONV_STRIDES["c8_to_64_dilation2_w48"] = (1, 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -847,8 +847,7 @@ def accumulator_uses_in_flight(sass: str) -> list[str]:
     return found
 
 
-@functools.lru_cache(maxsize=None)
-def wgmma_sass(dtype: str) -> tuple[tuple[str, str], ...]:
+def _wgmma_sass(dtype: str, workdir) -> tuple[tuple[str, str], ...]:
     """(kernel name, SASS) of the wgmma kernels the SASS checks read, in `dtype`: the
     in-kernel conv file in which ptxas packed the last accumulators to float16 before
     the wait for the last wgmma (fuzzer generation 16, seed 0, model 61's conv: 32 -> 128
@@ -859,7 +858,7 @@ def wgmma_sass(dtype: str) -> tuple[tuple[str, str], ...]:
     tall = EpilogueSpec(_implicit(1, (16, 3, 3, 20, 70)), (Step("relu"),), dtype, (), 32, 20 * 70,
                         "conv_pointwise").with_in_kernel_conv()
     assert cuda_templates.conv_gemm_plan(tall, "sm90", conv_tf32=True).block_m == 256
-    found, workdir = [], tempfile.mkdtemp(prefix="fusedepi-sass-")
+    found = []
     for spec in (conv, tall, GEMM_SPECS[f"gemm_pointwise-{dtype}"]):
         source = cuda_templates.render(spec, "sm90", conv_tf32=True)
         name = cuda_templates.kernel_name(spec, "sm90", True)
@@ -869,10 +868,16 @@ def wgmma_sass(dtype: str) -> tuple[tuple[str, str], ...]:
     return tuple(found)
 
 
+@pytest.fixture(scope="module")
+def wgmma_sass(tmp_path_factory):
+    """`_wgmma_sass` of a dtype, built once for the module's SASS checks."""
+    return functools.lru_cache(maxsize=None)(functools.partial(_wgmma_sass, workdir=tmp_path_factory.mktemp("sass")))
+
+
 @needs_nvcc
 @pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_no_accumulator_is_read_before_its_wgmma_is_waited_for(dtype):
+def test_no_accumulator_is_read_before_its_wgmma_is_waited_for(dtype, wgmma_sass):
     # hop::fence_accumulators keeps every use of the accumulators after the wait.
     for name, sass in wgmma_sass(dtype):
         assert "HGMMA" in sass, name
@@ -882,7 +887,7 @@ def test_no_accumulator_is_read_before_its_wgmma_is_waited_for(dtype):
 @needs_nvcc
 @pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_wgmma_kernels_use_no_local_memory(dtype):
+def test_wgmma_kernels_use_no_local_memory(dtype, wgmma_sass):
     # Local loads and stores (LDL, STL): spilled registers, or a register array indexed at
     # run time; in these kernels the accumulators and the chain's values stay in registers.
     for name, sass in wgmma_sass(dtype):

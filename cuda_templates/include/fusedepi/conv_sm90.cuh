@@ -5,8 +5,8 @@
 // Included by the rendered file (cuda_templates/conv_sm90.py, CONV_KERNELS) inside its
 // anonymous namespace, after the file has defined what this code reads:
 //   T, Args (x: the input [rows, H, W, C_in] in memory, or [rows, C_in, H, W] where kNchw;
-//   w: the weight [kChannels, kTaps, kCinPad]), stage0_chan, stage0_chan_of, stage0_at, kChannels (KERNEL_FILE and
-//   CONV_KERNELS' constants: kBM, kBN, kBK, kSwizzle, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
+//   w: the weight [kChannels, kTaps, kCinPad]), stage0_chan, stage0_chan_of, stage0_at,
+//   kChannels (KERNEL_FILE and CONV_KERNELS' constants: kBM, kBN, kBK, kSwizzle, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
 //   kHo, kWo, kPitch, kCBlocks, kTilesN, kTilesPerImage, kTileA, kTileB, kMmaK, kPingPong,
 //   kConvStats, kPartsAt, kNchw, kNchwBoxW, wgmma_n), and hopper.cuh.
 // It is not a standalone header: those constants differ per file.
@@ -325,10 +325,9 @@ __device__ __forceinline__ void store_runs(const uint8_t* staging, int ct, int i
 // (tap, channel block of kSwizzle bytes: the tiles' rows) the patch of input pixels that
 // tap reads (the patch's origin times the stride, shifted by the tap times the dilation;
 // every kSW-th / kSH-th pixel, the map's element strides; zeros past the image: the
-// conv's padding) and
-// the tap's weights, tile after tile of the CTA in order, into one ring; warpgroups 1 and 2 multiply (wgmma), apply the
-// chain in registers, stage the tile and issue its bulk copies to out, which run under
-// the next mainloop. Persistent: CTA b takes tiles b, b + gridDim.x, ... (its tiles 0, 1,
+// conv's padding) and the tap's weights, tile after tile of the CTA in order, into one
+// ring; warpgroups 1 and 2 multiply (wgmma), apply the chain in registers, stage the
+// tile and issue its bulk copies to out, which run under the next mainloop. Persistent: CTA b takes tiles b, b + gridDim.x, ... (its tiles 0, 1,
 // 2, ...); cooperative, both consumer warpgroups take each; ping-pong, warpgroup h takes
 // the CTA's tiles h, h + 2, ... The ring's stage and phase run on across tiles.
 __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtensorMap& map_w, const Args& a) {
