@@ -103,8 +103,6 @@ class Launcher:
         # file's epilogue kernel), the file's direct conv, or the library before the kernels.
         # The C++ launcher takes the same paths (native.PATH_CODES).
         implicit = cuda_templates.conv_gemm_plan(self.spec, arch_of(device), conv_tf32)
-        # The in-kernel conv reads x in the graph's NCHW layout, not a channels-last copy.
-        self.in_kernel_nchw = isinstance(implicit, cuda_templates.ConvGemmPlan) and implicit.nchw
         if self.gemm:
             self.anchor_path = "in-kernel GEMM"
         elif self.lib.anchor_inside and isinstance(implicit, cuda_templates.ConvGemmPlan):
@@ -113,6 +111,8 @@ class Launcher:
             self.anchor_path = "direct conv"
         else:
             self.anchor_path = "library anchor"
+        # The in-kernel conv reads x in the graph's NCHW layout, not a channels-last copy.
+        self.in_kernel_nchw = self.anchor_path == "in-kernel conv" and implicit.nchw
         direct = cuda_templates.direct_plan(self.spec, arch_of(device), conv_tf32)
         self.stores_pre_norm = (
             self.anchor_path == "direct conv" and direct.stores_pre_norm and self.spec.reduction is not None
