@@ -343,6 +343,9 @@ MODELS = [
         _conv(32, 64, stride=2, padding=1), lambda y, m: F.relu6(m.bn(y)), bn=nn.BatchNorm2d(64)), (32, 32, 128, 128)),
     ZooModel("conv2d_1x1_bn_silu", lambda: Seq(_conv(64, 128, 1), lambda y, m: F.silu(m.bn(y)), bn=nn.BatchNorm2d(128)),
              (32, 64, 56, 56)),
+    # a ResNet-50 bottleneck's 1 x 1 reduction of 256 channels to 64 (no conv bias), BatchNorm, ReLU
+    ZooModel("resnet_bottleneck_reduce_1x1", lambda: Seq(
+        nn.Conv2d(256, 64, 1, bias=False), lambda y, m: F.relu(m.bn(y)), bn=nn.BatchNorm2d(64)), (32, 256, 56, 56)),
     # downsampling by a stride of 2: a ResNet stage's first conv, a diffusion UNet's down block
     ZooModel("resnet_downsample_bn_relu", lambda: Seq(
         _conv(64, 128, stride=2, padding=1), lambda y, m: F.relu(m.bn(y)), bn=nn.BatchNorm2d(128)), (32, 64, 56, 56)),

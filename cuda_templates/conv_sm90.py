@@ -7,9 +7,10 @@ strides up to MAX_STRIDE, pointwise chains and norms over whole channels, C_in a
 multiple of 16 bytes, sm_90)
 and renders it into `templates.KERNEL_FILE` with the spec's stage functions; the launcher hands it the input
 in channels-last memory ([rows, H, W, C_in]; one copy, as Inductor's channels-last conv
-makes), or in 16-bit as the graph has it where READS_NCHW allows (`reads_nchw`: a box an
-m64 block, 64 pixels of a patch row by a k-step's channels, read by the wgmma as an
-MN-major A), and the weight as [C_out, kh, kw, C_in].
+makes), or in 16-bit as the graph has it where every tap's box starts on a 16-byte
+column (`reads_nchw`, a 1 x 1 conv: a box an m64 block, 64 pixels of a patch row by a
+k-step's channels, read by the wgmma as an MN-major A), and the weight as [C_out, kh, kw,
+C_in].
 
 Structure (include/fusedepi/conv_sm90.cuh; one CTA an output tile of 128 pixels (256 where
 the tile has few channels: TALL_BLOCK_M) x kBN channels, persistent over tiles, 384 threads):
@@ -92,10 +93,13 @@ RING_BYTES_K = 8 * 128
 # the patch's width times the stride, at most MAX_BOX pixels, which bounds the patch's width.
 MAX_STRIDE = 8
 MAX_BOX = 256
-# 16-bit convs of stride 1 along the width, patches 64 or 128 wide and an input width of
-# whole 16-byte rows may read x in the graph's NCHW layout (ConvGemmPlan.nchw): no
-# channels-last copy of x. Off: its GPU tests failed on an H200 (benchmarks/NOTES.md).
-READS_NCHW = False
+# 16-bit convs of stride 1 along the width, patches 64 or 128 wide, an input width of
+# whole 16-byte rows and every tap's box starting on a 16-byte column (a 1 x 1 conv
+# without padding, say) read x in the graph's NCHW layout (ConvGemmPlan.nchw): no
+# channels-last copy of x. A TMA box of the 128-byte swizzle whose innermost coordinate
+# is off a 16-byte column stopped the kernel with "illegal instruction" on an H200 (3 x 3
+# convs, padded or not); 1 x 1 ones were right (benchmarks/NOTES.md).
+READS_NCHW = True
 NCHW_BOX_W = 64  # pixels of an NCHW box: one m64 block, a 128-byte swizzle row in 16-bit
 
 
@@ -132,13 +136,18 @@ class ConvGemmPlan:
         return f"igemm{self.block_m}x{self.block_n}{'_nchw' if self.nchw else ''}_" + spec.kernel_name(arch + "a")
 
 
-def reads_nchw(plan: "ConvGemmPlan", itemsize: int, stride_w: int, width: int) -> bool:
+def reads_nchw(plan: "ConvGemmPlan", itemsize: int, stride_w: int, width: int, kernel_w: int = 1,
+               padding_w: int = 0, dilation_w: int = 1) -> bool:
     """Whether the in-kernel conv of `plan` may read an NCHW x of `width` input columns
     (READS_NCHW): 16-bit (the wgmma reads A MN-major in 16-bit only), stride 1 along the
     width (a box of NCHW_BOX_W neighbouring pixels), patches of whole boxes, rows of
-    whole 16 bytes (the tensor map's strides)."""
+    whole 16 bytes (the tensor map's strides), and each of the `kernel_w` taps' boxes
+    starting on a 16-byte column (tap * dilation_w - padding_w in whole 16 bytes; the
+    patches start at multiples of NCHW_BOX_W)."""
+    per_16_bytes = 16 // itemsize
+    taps_aligned = all((t * dilation_w - padding_w) % per_16_bytes == 0 for t in range(kernel_w))
     return (READS_NCHW and itemsize == 2 and stride_w == 1 and plan.tile_w % NCHW_BOX_W == 0
-            and width * itemsize % 16 == 0)
+            and width * itemsize % 16 == 0 and taps_aligned)
 
 
 def k_step_bytes(cin: int, itemsize: int) -> int:

@@ -689,7 +689,9 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     tile = conv_sm90.tiling(spec.channels, wo, ITEMSIZE[spec.dtype], stats=stats,
                             k_bytes=conv_sm90.k_step_bytes(cin, ITEMSIZE[spec.dtype]), stride_w=anchor.conv[0][1],
                             ho=ho)
-    return replace(tile, nchw=conv_sm90.reads_nchw(tile, ITEMSIZE[spec.dtype], anchor.conv[0][1], anchor.direct[4]))
+    stride, padding, dilation = anchor.conv[:3]
+    return replace(tile, nchw=conv_sm90.reads_nchw(tile, ITEMSIZE[spec.dtype], stride[1], anchor.direct[4], kw,
+                                                   padding[1], dilation[1]))
 
 
 def conv_stats(spec: EpilogueSpec) -> bool | str:

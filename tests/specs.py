@@ -196,6 +196,9 @@ def conv_gemm_specs(dtype="bfloat16"):
             _implicit(2, (8, 5, 5, 20, 140)), (Step("silu"), Step("mul", consts=(2.0,), operand=SCALAR)),
             dtype, p, 320, 20 * 140, "conv_pointwise",
         ),
+        "igemm_1x1_nchw_gelu": EpilogueSpec(  # a 1 x 1 conv of 128-byte rows: 16-bit x read NCHW (reads_nchw)
+            _implicit(0, (64, 1, 1, 16, 64)), (_bias(0), Step("gelu")), dtype, p * 2, 128, 16 * 64, "conv_pointwise",
+        ),
         "igemm_time_embedding": EpilogueSpec(  # + an operand per (image, channel) [N, C, 1, 1]
             _implicit(0, (64, 3, 3, 12, 20)), (_bias(0), _broadcast("add", 1, (180, 0, 1)), Step("relu")),
             dtype, p * 2, 128, 10 * 18, "conv_pointwise",

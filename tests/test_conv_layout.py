@@ -252,11 +252,12 @@ def test_an_in_kernel_conv_that_reads_nchw_asks_no_layout(monkeypatch):
     from cuda_templates import conv_sm90
 
     monkeypatch.setattr(ops, "arch_of", lambda device: "sm90")
-    spec = conv_gemm_specs("bfloat16")["igemm_relu_bias_64_128"]
+    spec = conv_gemm_specs("bfloat16")["igemm_1x1_nchw_gelu"]
     cin, kh, kw, h, w = spec.anchor.direct
     with FakeTensorMode():
         x = torch.empty(2, cin, h, w, device="cuda", dtype=torch.bfloat16)
         wt = torch.empty(spec.channels, cin, kh, kw, device="cuda", dtype=torch.bfloat16)
+        monkeypatch.setattr(conv_sm90, "READS_NCHW", False)
         assert ops.input_layouts(spec.to_json(), [x, wt]) is not None  # READS_NCHW off: channels-last
         monkeypatch.setattr(conv_sm90, "READS_NCHW", True)
         assert ops.runs_in_kernel_conv(spec, x) and not ops.runs_in_kernel_conv(spec, x, channels_last=True)

@@ -1659,7 +1659,7 @@ IN_KERNEL_CONVS = {
 IN_KERNEL_CONV_STRIDES = {"c32_to_64_stride2": (2, 1), "c16_to_64_dilation2": (1, 2),
                           "c16_to_96_k5_stride3_dilation2": (3, 2), "c64_to_128_stride2_1x1": (2, 1),
                           "batchnorm_stride2": (2, 1), "groupnorm_dilation2": (1, 2),
-                          "c8_to_64_dilation2_w48": (1, 2)}
+                          "c8_to_64_k3_dilation8_w64": (1, 8)}
 
 
 def _needs_sm90():
@@ -1712,29 +1712,28 @@ def test_in_kernel_conv(name, dtype, exact_float32, monkeypatch):
         assert err <= TOLERANCE[torch.float32], f"relative error {err:.3g} after TF32 was switched off"
 
 
-# The in-kernel conv reading x in its NCHW layout (conv_sm90.READS_NCHW): 16-bit, input
-# widths of whole 16 bytes, patches of 64 or 128. Off: on an H200, 5 of the first 6 cases
-# to report failed (benchmarks/NOTES.md); the test runs where READS_NCHW is set.
+# The in-kernel conv reading x in its NCHW layout (conv_sm90.reads_nchw): 16-bit, input
+# widths of whole 16 bytes, patches of 64 or 128, every tap's box from a 16-byte column.
+# Convs whose taps start boxes off those columns read x channels-last (with NCHW boxes
+# they stopped on an H200 with "illegal instruction": benchmarks/NOTES.md).
 IN_KERNEL_CONV_NCHW = {
-    # name: (cin, cout, k, padding, input shape), as IN_KERNEL_CONVS
-    "c64_to_128_w64": (64, 128, 3, 1, (2, 64, 20, 64)),  # patches of 2 rows of 64: a box a row
-    "c16_to_32_tall_w128": (16, 32, 3, 1, (4, 16, 12, 128)),  # 256 pixels: 4 boxes, half rows
-    "c72_to_64_1x1_w96": (72, 64, 1, 0, (2, 72, 7, 96)),  # two k-steps a tap, the second partial; a cut patch
-    "c8_to_64_dilation2_w48": (8, 64, 3, 2, (3, 8, 17, 48)),  # 8 channels of a 16-channel box: zeros past C_in
-    "c32_to_192_cooperative": (32, 192, 3, 1, (2, 32, 9, 80)),  # both warpgroups a tile, a block each
+    # name: (cin, cout, k, padding, input shape, read NCHW), as IN_KERNEL_CONVS
+    "c64_to_128_w64": (64, 128, 3, 1, (2, 64, 20, 64), False),  # taps from columns -1, 0, 1
+    "c16_to_32_tall_w128": (16, 32, 1, 0, (4, 16, 12, 128), True),  # 256 pixels: 4 boxes, half rows
+    "c72_to_64_1x1_w96": (72, 64, 1, 0, (2, 72, 7, 96), True),  # two k-steps a tap, the second partial; a cut patch
+    "c8_to_64_k3_dilation8_w64": (8, 64, 3, 8, (3, 8, 17, 64), True),  # taps from -8, 0, 8; zeros past C_in
+    "c32_to_192_cooperative": (32, 192, 1, 0, (2, 32, 9, 80), True),  # both warpgroups a tile, a block each
+    "c64_to_64_1x1_w64": (64, 64, 1, 0, (2, 64, 6, 64), True),  # C_in a whole k-step
+    "c64_to_64_k3_unpadded_w72": (64, 64, 3, 0, (2, 64, 7, 72), False),  # taps from columns 0, 1, 2
 }
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", list(IN_KERNEL_CONV_NCHW))
 def test_in_kernel_conv_reads_nchw(name, dtype, exact_float32, monkeypatch):
-    from cuda_templates import conv_sm90
-
     _needs_sm90()
-    if not conv_sm90.READS_NCHW:
-        pytest.skip("conv_sm90.READS_NCHW is off (its GPU cases failed on an H200: benchmarks/NOTES.md)")
     monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
-    cin, cout, k, padding, shape = IN_KERNEL_CONV_NCHW[name]
+    cin, cout, k, padding, shape, nchw = IN_KERNEL_CONV_NCHW[name]
     model = _ConvChain(cin, cout, k, padding, 0, *IN_KERNEL_CONV_STRIDES.get(name, (1, 1))).cuda().to(dtype)
     x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
     ref, _ = float64_reference(model, x)
@@ -1742,8 +1741,9 @@ def test_in_kernel_conv_reads_nchw(name, dtype, exact_float32, monkeypatch):
         out, kernels = _kernels(model, x)
         fn = torch.compile(model, backend=fusedepi)
         ran = _fusedepi_kernels_run(fn, x, pattern=r"_sm[0-9]+a?_")
-    assert len(kernels) == 1 and re.match(r"igemm(128|256)x\d+_nchw_", kernels[0]), kernels
-    assert ran and all("_nchw_" in r for r in ran), ran
+    assert len(kernels) == 1 and re.match(r"igemm(128|256)x\d+_", kernels[0]), kernels
+    assert ("_nchw_" in kernels[0]) == nchw, kernels
+    assert ran and all(("_nchw_" in r) == nchw for r in ran), ran
     err = relative_error(out, ref)
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32}); {_where_wrong(out, ref)}"
 

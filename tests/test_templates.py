@@ -733,7 +733,8 @@ def test_in_kernel_conv_plans_and_names(name):
     t, k = {"bfloat16": ("bf16", 16), "float16": ("f16", 16), "float32": ("tf32", 8)}[spec.dtype]
     acc = c.block_n // 2
     assert f"wgmma.mma_async.sync.aligned.m64n{c.block_n}k{k}.f32.{t}.{t} " in source
-    assert f"%{acc - 1}}}, %{acc}, %{acc + 1}, p, 1, 1{'' if t == 'tf32' else ', 0, 0'};" in source
+    transpose = "" if t == "tf32" else ", 1, 0" if c.nchw else ", 0, 0"  # A MN-major where x is read NCHW
+    assert f"%{acc - 1}}}, %{acc}, %{acc + 1}, p, 1, 1{transpose};" in source
     assert "fusedepi_anchor_inside() { return 1; }" in source
     # A norm: the tiles write their moments, a kernel merges them, the apply kernel
     # normalizes the output in place; a pointwise chain is the conv's launch alone.
@@ -895,49 +896,61 @@ def test_wgmma_kernels_use_no_local_memory(dtype, wgmma_sass):
 
 
 def test_in_kernel_conv_nchw_plans(monkeypatch):
-    # x read in its NCHW layout (conv_sm90.READS_NCHW, off until run on a GPU): 16-bit,
-    # stride 1 along the width, patches of whole 64-pixel boxes, input rows of 16 bytes.
+    # x read in its NCHW layout (conv_sm90.reads_nchw): 16-bit, stride 1 along the width,
+    # patches of whole 64-pixel boxes, input rows of 16 bytes, and every tap's box from a
+    # 16-byte column (a box off one stopped the kernel on an H200: "illegal instruction").
     from cuda_templates import conv_sm90
 
     bf16 = conv_gemm_specs("bfloat16")
-    wide = bf16["igemm_relu_bias_64_128"]  # 62 x 62 out: patches of 64
-    assert not cuda_templates.conv_gemm_plan(wide, "sm90").nchw  # READS_NCHW off
-    monkeypatch.setattr(conv_sm90, "READS_NCHW", True)
-    c = cuda_templates.conv_gemm_plan(wide, "sm90")
-    assert c.nchw and c.tile_w == 64 and cuda_templates.kernel_name(wide, "sm90").startswith("igemm128x128_nchw_")
-    source = cuda_templates.render(wide, "sm90")
+    pointwise = bf16["igemm_1x1_nchw_gelu"]  # 1 x 1, 16 x 64 out: patches of 64
+    c = cuda_templates.conv_gemm_plan(pointwise, "sm90")
+    assert c.nchw and c.tile_w == 64 and cuda_templates.kernel_name(pointwise, "sm90").startswith("igemm128x128_nchw_")
+    source = cuda_templates.render(pointwise, "sm90")
     assert "constexpr bool kNchw = true;" in source and "constexpr int kNchwBoxW = 64;" in source
     assert "p, 1, 1, 1, 0;" in source and "p, 1, 1, 0, 0;" not in source  # A MN-major (transposed)
-    assert cuda_templates.conv_gemm_plan(conv_gemm_specs("float16")["igemm_relu_bias_64_128"], "sm90").nchw
+    assert cuda_templates.conv_gemm_plan(conv_gemm_specs("float16")["igemm_1x1_nchw_gelu"], "sm90").nchw
+    monkeypatch.setattr(conv_sm90, "READS_NCHW", False)
+    assert not cuda_templates.conv_gemm_plan(pointwise, "sm90").nchw
+    monkeypatch.setattr(conv_sm90, "READS_NCHW", True)
+
+    def variant(direct, inner, stride=1, padding=0, dilation=1):
+        anchor = replace(pointwise.anchor, direct=direct, conv=((1, stride), (0, padding), (1, dilation))
+                         + pointwise.anchor.conv[3:])
+        return cuda_templates.conv_gemm_plan(replace(pointwise, anchor=anchor, inner=inner), "sm90")
+
     # not: float32 (TF32 reads K-major operands only), a stride along the width, patches
-    # narrower than a box, input rows of other than whole 16 bytes
-    f32 = CONV_GEMM_SPECS["igemm_relu_bias_64_128-float32"]
+    # narrower than a box, input rows of other than whole 16 bytes, taps off 16-byte columns
+    f32 = CONV_GEMM_SPECS["igemm_1x1_nchw_gelu-float32"]
     assert not cuda_templates.conv_gemm_plan(f32, "sm90", conv_tf32=True).nchw
     assert "constexpr bool kNchw = false;" in cuda_templates.render(f32, "sm90", conv_tf32=True)
     with pytest.raises(ValueError, match="K-major"):
         conv_sm90.wgmma_asm("float32", 64, a_mn_major=True)
-    conv = wide.anchor.conv
-    strided = replace(wide, anchor=replace(wide.anchor, conv=((1, 2),) + conv[1:]), inner=62 * 31)
-    assert not cuda_templates.conv_gemm_plan(strided, "sm90").nchw
-    narrow = replace(wide, anchor=replace(wide.anchor, direct=(64, 3, 3, 64, 32)), inner=62 * 30)
-    assert cuda_templates.conv_gemm_plan(narrow, "sm90").tile_w == 32
-    assert not cuda_templates.conv_gemm_plan(narrow, "sm90").nchw
-    odd = replace(wide, anchor=replace(wide.anchor, direct=(64, 3, 3, 64, 68)), inner=62 * 66)
-    assert not cuda_templates.conv_gemm_plan(odd, "sm90").nchw  # 136-byte rows
-    even = replace(wide, anchor=replace(wide.anchor, direct=(64, 3, 3, 64, 72)), inner=62 * 70)
-    assert cuda_templates.conv_gemm_plan(even, "sm90").nchw
+    strided = variant((64, 1, 1, 16, 256), 16 * 128, stride=2)
+    assert strided.tile_w == 128 and not strided.nchw
+    narrow = variant((64, 1, 1, 16, 32), 16 * 32)
+    assert narrow.tile_w == 32 and not narrow.nchw
+    assert not variant((64, 1, 1, 16, 68), 16 * 68).nchw  # 136-byte rows
+    assert variant((64, 1, 1, 16, 72), 16 * 72).nchw
+    assert not variant((64, 1, 3, 16, 72), 16 * 70).nchw  # taps from columns 0, 1 and 2
+    assert not variant((64, 1, 3, 16, 72), 16 * 72, padding=1).nchw
+    assert not variant((64, 1, 1, 16, 64), 16 * 66, padding=1).nchw  # from column -1
+    assert variant((64, 1, 1, 16, 64), 16 * 80, padding=8).nchw  # from column -8: 16 bytes
+    assert variant((64, 1, 3, 16, 64), 16 * 64, padding=8, dilation=8).nchw  # columns -8, 0, 8
+    assert not cuda_templates.conv_gemm_plan(bf16["igemm_relu_bias_64_128"], "sm90").nchw  # 3 x 3
 
 
 @needs_nvcc
 @pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
-@pytest.mark.parametrize("dtype, name", [("bfloat16", "igemm_relu_bias_64_128"), ("float16", "igemm_bn_relu_16_32")])
-def test_nvcc_compiles_the_nchw_in_kernel_conv(dtype, name, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype, name", [("bfloat16", "igemm_1x1_nchw_gelu"), ("float16", "igemm_bn_relu_16_32")])
+def test_nvcc_compiles_the_nchw_in_kernel_conv(dtype, name, tmp_path):
     # The NCHW files build; their wgmmas read A transposed (tnspA), no accumulator is read
-    # before the last wgmma's wait, and nothing spills.
-    from cuda_templates import conv_sm90
-
-    monkeypatch.setattr(conv_sm90, "READS_NCHW", True)
+    # before the last wgmma's wait, and nothing spills. (BatchNorm's 16 -> 32 as a 1 x 1
+    # conv on 128-wide rows: tiles of 256 pixels, 4 boxes a k-step.)
     spec = conv_gemm_specs(dtype)[name]
+    if spec.anchor.direct[1:3] != (1, 1):
+        anchor = replace(spec.anchor, direct=(16, 1, 1, 40, 128), conv=((1, 1), (0, 0)) + spec.anchor.conv[2:])
+        spec = replace(spec, anchor=anchor, inner=40 * 128)
+        assert cuda_templates.conv_gemm_plan(spec, "sm90").block_m == 256
     kernel = cuda_templates.kernel_name(spec, "sm90")
     assert "_nchw_" in kernel
     library = cuda_templates.build(cuda_templates.render(spec, "sm90"), kernel, "sm90a", tmp_path)
