@@ -54,7 +54,7 @@ if [ "$what" = fuzz ] || [ "$what" = fuzzgrad ]; then
   FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 tests/fuzzer.py --device cuda \
     --models "$models" --first "$first" --workers "$workers" --seed "$seed" --time-limit "$limit" "${gargs[@]}" \
     --generation "$generation" \
-    --json "$OUT/${what}_${seed}_${first}_${models}.json" 2>&1 | grep -v -i warn | tee "$OUT/${what}_${seed}_${first}.log" | tail -60
+    --json "$OUT/${what}_${seed}_${first}_${models}.json" 2>&1 | grep --line-buffered -v -i warn | tee "$OUT/${what}_${seed}_${first}.log" | tail -60
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = backward ]; then
@@ -65,17 +65,17 @@ if [ "$what" = fuzzbench ]; then
   mode=${3:-default}
   margs=(); [ "$mode" = default ] || margs=(--mode "$mode")
   FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 tests/fuzzer.py --bench "$1" --seed "$2" \
-    "${margs[@]}" --json "$OUT/fuzzbench_$2_$1_$mode.json" 2>&1 | grep -v -i warn | tee "$OUT/fuzzbench_$mode.log" | tail -70
+    "${margs[@]}" --json "$OUT/fuzzbench_$2_$1_$mode.json" 2>&1 | grep --line-buffered -v -i warn | tee "$OUT/fuzzbench_$mode.log" | tail -70
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = zoo ]; then
   FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} timeout ${ZOO_TIMEOUT:-560} python3 -m benchmarks.zoo \
-    "$@" 2>&1 | grep -v -i warn | tee -a "$OUT/zoo.log"
+    "$@" 2>&1 | grep --line-buffered -v -i warn | tee -a "$OUT/zoo.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = variants ]; then
   FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 -m benchmarks.kernel_variants "$@" 2>&1 \
-    | grep -v -i warn | tee -a "$OUT/variants.log"
+    | grep --line-buffered -v -i warn | tee -a "$OUT/variants.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -20,9 +20,10 @@ what fused and what the measured choice found; then a summary of both ratios.
 
 `--warm N` first compiles every selected model with both backends in N processes
 (FUSEDEPI_AUTOTUNE=off there: nothing is timed; each process compiles Inductor's
-kernels in one thread, TORCHINDUCTOR_COMPILE_THREADS=1, since the processes are the
-parallelism), so that the timed pass finds nvcc's and Inductor's caches warm; the timed
-pass runs one model at a time on a GPU. `--gpus N` runs the timed pass in N processes,
+kernels in one thread, TORCHINDUCTOR_COMPILE_THREADS=1, and runs torch's CPU ops in one,
+since the processes are the parallelism; with --gpus N they take the N GPUs in turn), so
+that the timed pass finds nvcc's and Inductor's caches warm, and prints a line as each
+compile ends; the timed pass runs one model at a time on a GPU. `--gpus N` runs the timed pass in N processes,
 one a GPU of this machine, each on every N-th model, and merges their rows; one model
 still runs alone on its GPU. `--json` is rewritten after every model ("complete": false
 until the last; with --gpus, when the processes end or the run is stopped), so a run
@@ -601,16 +602,60 @@ def chains(zoo: ZooModel, dtype_name: str) -> list[str]:
 
 
 def _warm(task):
+    """One warm compile: (name, dtype, error or "", its seconds)."""
     name, dtype_name = task
     os.environ["FUSEDEPI_AUTOTUNE"] = "off"
     import logging
 
     logging.getLogger("fusedepi").setLevel(logging.ERROR)
+    started = time.perf_counter()
     try:
         run_model(BY_NAME[name], dtype_name, time_it=False)
-        return name, dtype_name, ""
+        return name, dtype_name, "", time.perf_counter() - started
     except Exception as err:  # noqa: BLE001 - reported, and the timed pass meets it again
-        return name, dtype_name, f"{type(err).__name__}: {str(err)[:200]}"
+        return name, dtype_name, f"{type(err).__name__}: {str(err)[:200]}", time.perf_counter() - started
+
+
+def _warm_worker(counter, devices: list[str] | None) -> None:
+    """A warm process's start: one CPU thread for torch's own ops (the processes are
+    the parallelism) and, with `devices`, the next of them in turn as its only GPU (the
+    processes spread over the GPUs the timed pass uses, not all on the first)."""
+    torch.set_num_threads(1)
+    if devices:
+        with counter.get_lock():
+            index = counter.value
+            counter.value += 1
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices[index % len(devices)]
+
+
+def warm(tasks: list[tuple[str, str]], processes: int, devices: list[str] | None) -> int:
+    """Compiles each (model, dtype) of `tasks` with both backends in `processes`
+    processes (`_warm`, spread over `devices`), printing a line as each ends (its
+    seconds, the time so far) so that a run cut short says how far it got. Returns the
+    number of compiles that failed."""
+    import signal
+
+    started, failed, done = time.perf_counter(), 0, 0
+    threads = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # the pool's processes inherit it
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit: the pool stopped
+    try:
+        context = multiprocessing.get_context("spawn")
+        counter = context.Value("i", 0)
+        with context.Pool(processes, initializer=_warm_worker, initargs=(counter, devices)) as pool:
+            for name, dtype_name, error, seconds in pool.imap_unordered(_warm, tasks):
+                done += 1
+                failed += bool(error)
+                print(f"[warm] {done}/{len(tasks)} {name} {dtype_name}: {seconds:.0f} s"
+                      f"{' ' + error if error else ''} ({time.perf_counter() - started:.0f} s so far)", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if threads is None:
+            del os.environ["TORCHINDUCTOR_COMPILE_THREADS"]
+        else:
+            os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = threads
+        print(f"[warm] {done} of {len(tasks)} compiles in {time.perf_counter() - started:.0f} s", flush=True)
+    return failed
 
 
 def gpu_shards(names: list[str], gpus: int, visible: str | None) -> list[tuple[str, list[str]]]:
@@ -622,10 +667,21 @@ def gpu_shards(names: list[str], gpus: int, visible: str | None) -> list[tuple[s
     Raises:
         ValueError: fewer GPUs visible than `gpus`.
     """
+    devices = visible_gpus(gpus, visible)
+    return [(devices[i], names[i::gpus]) for i in range(gpus) if names[i::gpus]]
+
+
+def visible_gpus(gpus: int, visible: str | None) -> list[str]:
+    """The CUDA_VISIBLE_DEVICES names of the first `gpus` GPUs this process sees
+    (`visible`: its own CUDA_VISIBLE_DEVICES, None for all of the machine's).
+
+    Raises:
+        ValueError: fewer GPUs visible than `gpus`.
+    """
     devices = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None else None
     if devices is not None and len(devices) < gpus:
         raise ValueError(f"--gpus {gpus}: CUDA_VISIBLE_DEVICES={visible} names {len(devices)}")
-    return [(devices[i] if devices is not None else str(i), names[i::gpus]) for i in range(gpus) if names[i::gpus]]
+    return devices[:gpus] if devices is not None else [str(i) for i in range(gpus)]
 
 
 def merged_rows(paths: list[str], names: list[str], dtypes: list[str]) -> tuple[list[dict], bool]:
@@ -788,20 +844,8 @@ def main(argv=None) -> int:
         return 2
     tasks = [(n, d) for n in names for d in args.dtypes]
     if args.warm:
-        started = time.perf_counter()
-        threads = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
-        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # the pool's processes inherit it
-        try:
-            with multiprocessing.get_context("spawn").Pool(args.warm) as pool:
-                for name, dtype_name, error in pool.imap_unordered(_warm, tasks):
-                    if error:
-                        print(f"[warm] {name} {dtype_name}: {error}", flush=True)
-        finally:
-            if threads is None:
-                del os.environ["TORCHINDUCTOR_COMPILE_THREADS"]
-            else:
-                os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = threads
-        print(f"[warm] {len(tasks)} compiles in {time.perf_counter() - started:.0f} s", flush=True)
+        devices = visible_gpus(args.gpus, os.environ.get("CUDA_VISIBLE_DEVICES")) if args.gpus > 1 else None
+        warm(tasks, args.warm, devices)
     if args.gpus > 1:
         rows, complete = _time_on_gpus(names, args)
         _print_summary(_result(rows, args.dtypes, complete=complete))

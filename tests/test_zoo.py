@@ -1,6 +1,7 @@
 """GPU-free: the zoo's models build and run (one sample each), fuse their whole chains (through the
 fused op's reference), and the command line lists them."""
 
+import os
 import subprocess
 import sys
 
@@ -226,3 +227,62 @@ def test_the_timed_pass_on_gpus_runs_a_process_a_gpu_and_writes_their_rows(tmp_p
     assert started == [("0", ["a", "c"]), ("1", ["b"])]
     assert complete and [r["model"] for r in rows] == ["a", "b", "c"]
     assert [r["model"] for r in json.loads(out.read_text())["rows"]] == ["a", "b", "c"]
+
+
+def test_visible_gpus_names_the_first_n_this_process_sees():
+    assert zoo.visible_gpus(2, None) == ["0", "1"]
+    assert zoo.visible_gpus(2, "6, 7,3") == ["6", "7"]
+    with pytest.raises(ValueError, match="names 1"):
+        zoo.visible_gpus(2, "5")
+
+
+def test_warm_prints_each_compile_as_it_ends_and_spreads_its_processes_over_the_gpus(monkeypatch, capsys):
+    """`warm` with an in-process stand-in for the spawn pool: each process starts through
+    `_warm_worker` (one CPU thread; the next GPU in turn), a line a compile as it ends
+    (failures with their error), and the count at the end."""
+    import multiprocessing
+
+    workers = []
+    spawn = multiprocessing.get_context("spawn")
+
+    class StandInPool:
+        def __init__(self, processes, initializer, initargs):
+            for _ in range(processes):
+                monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "all")
+                initializer(*initargs)
+                workers.append((os.environ["CUDA_VISIBLE_DEVICES"], torch.get_num_threads()))
+
+        def imap_unordered(self, fn, tasks):
+            return map(fn, tasks)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class Context:
+        Pool = StandInPool
+
+        @staticmethod
+        def Value(kind, value):
+            return spawn.Value(kind, value)
+
+    def warm_one(task):
+        assert os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+        return task[0], task[1], "RuntimeError: no" if task[0] == "b" else "", 2.0
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(multiprocessing, "get_context", lambda method: Context)
+    monkeypatch.setattr(zoo, "_warm", warm_one)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    try:
+        failed = zoo.warm([("a", "float32"), ("b", "bfloat16")], 3, ["4", "5"])
+    finally:
+        torch.set_num_threads(threads)
+    assert failed == 1 and workers == [("4", 1), ("5", 1), ("4", 1)]
+    assert "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("[warm] 1/2 a float32: 2 s (")
+    assert lines[1].startswith("[warm] 2/2 b bfloat16: 2 s RuntimeError: no (")
+    assert lines[2].startswith("[warm] 2 of 2 compiles in ")
