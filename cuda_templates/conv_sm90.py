@@ -51,6 +51,13 @@ tile's mean); CONV_STATS_FINAL merges them (a block a channel or segment), and t
 file's apply kernel runs stage0 and the norm on the output in place, as on the library
 path (the value before the norm is never rounded to T).
 
+With a spatial reduction after a pointwise chain (`ConvGemmPlan.reduce`, REDUCES: global
+pooling, the sum, mean, maximum or minimum over each channel's plane) the tiles write no
+conv output: each reduces its channels over its valid pixels in registers (shuffles over a
+warp's rows, shared memory over the finishing warps) into a float an (image, patch,
+channel), and CONV_REDUCE_FINAL merges an (image, channel)'s patches and runs the steps
+after the reduction on the value.
+
 float32 runs in TF32 (wgmma reads the operands' top 19 bits), only where
 `torch.backends.cudnn.allow_tf32` allows it, as cuDNN's conv does.
 """
@@ -101,6 +108,10 @@ MAX_BOX = 256
 # convs, padded or not); 1 x 1 ones were right (benchmarks/NOTES.md).
 READS_NCHW = True
 NCHW_BOX_W = 64  # pixels of an NCHW box: one m64 block, a 128-byte swizzle row in 16-bit
+# A spatial reduction after a pointwise chain (global pooling: spatial_sum, _mean, _amax,
+# _amin) inside the tiles, the conv's output never written (ConvGemmPlan.reduce). Off
+# until its GPU tests have run (tests/test_gpu.py, test_in_kernel_conv_spatial_reduction).
+REDUCES = False
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,8 @@ class ConvGemmPlan:
         nchw: x is read in its NCHW layout (`reads_nchw`): an m64 block's 64 pixels of a
             patch row by a k-step's channels a box, MN-major (the wgmma's transposed A),
             not the channels-last copy's rows of channels.
+        reduce: the tiles reduce each channel over their pixels (a spatial reduction,
+            REDUCES) and write that instead of the conv's output.
     """
 
     block_n: int
@@ -131,6 +144,7 @@ class ConvGemmPlan:
     k_bytes: int = 128
     block_m: int = BLOCK_M
     nchw: bool = False
+    reduce: bool = False
 
     def name(self, spec, arch: str) -> str:
         return f"igemm{self.block_m}x{self.block_n}{'_nchw' if self.nchw else ''}_" + spec.kernel_name(arch + "a")
@@ -272,9 +286,11 @@ def wgmma_asm(dtype: str, n: int, a_mn_major: bool = False) -> str:
 #   $pitch      the staging tile's elements between two channels (staging_pitch)
 #   $pingpong   the consumers' schedule: true (ping-pong) or false (cooperative)
 #   $stats      the tiles write their channels' moments (ConvGemmPlan.stats): true or false
+#   $reduce     the tiles reduce their channels instead of writing them (ConvGemmPlan.reduce)
+#   $reduce_op  that reduction (a fusedepi::RowReduce; kSum where none)
 #   $nchw       x read in its NCHW layout (ConvGemmPlan.nchw): true or false
 #   $nchw_box_w pixels of an NCHW box (NCHW_BOX_W)
-#   $parts_at   where the moments go: floats from the workspace's start
+#   $parts_at   where the moments or the reductions go: floats from the workspace's start
 #   $wgmma      the wgmma_asm() statement
 CONV_KERNELS = Template(
     r"""// In-kernel conv (cuda_templates/conv_sm90.py): out = chain(conv2d(x, w)), an implicit GEMM.
@@ -289,9 +305,11 @@ constexpr int kHo = $ho, kWo = $wo;
 constexpr int kPitch = $pitch;  // the staging tile's elements between two channels
 constexpr bool kPingPong = $pingpong;  // the consumers' schedule (conv_sm90.cuh)
 constexpr bool kConvStats = $stats;  // the tiles write their channels' moments (conv_sm90.cuh)
+constexpr bool kConvReduce = $reduce;  // the tiles reduce their channels, nothing else written (conv_sm90.cuh)
+constexpr fusedepi::RowReduce kReduceOp = $reduce_op;
 constexpr bool kNchw = $nchw;  // x read in its NCHW layout, boxes of kNchwBoxW pixels (conv_sm90.cuh)
 constexpr int kNchwBoxW = $nchw_box_w;
-[[maybe_unused]] constexpr long long kPartsAt = $parts_at;  // ... at a.ws + kPartsAt (kConvStats)
+[[maybe_unused]] constexpr long long kPartsAt = $parts_at;  // ... at a.ws + kPartsAt (kConvStats, kConvReduce)
 constexpr int kCBlocks = (kCin + kBK - 1) / kBK;  // k-steps a tap
 constexpr int kCinPad = kCBlocks * kBK;  // the weight's input channels, padded with zeros by the launcher
 constexpr int kKSteps = kTaps * kCBlocks;
@@ -376,6 +394,19 @@ $done
 }"""
 )
 
+# The output of a spatial reduction (ConvGemmPlan.reduce): element o = (image, channel)
+# merges its patches' partials (conv_sm90.cuh, conv_reduce_value), then stage1 (the steps
+# after the reduction) runs on it at its channel's place. Placeholder: $kernel.
+CONV_REDUCE_FINAL = Template(
+    r"""__global__ void __launch_bounds__(256) ${kernel}_convreduce(Args a) {
+  const long long o = static_cast<long long>(blockIdx.x) * 256 + threadIdx.x;
+  if (o >= a.rows * kChannels) return;
+  float r[1] = {conv_reduce_value(a, o)};
+  stage1<1>(r, static_cast<int>(o % kChannels * kInner), o, a, 0.f, 0.f);
+  a.out[o] = fusedepi::from_float<T>(r[0]);
+}"""
+)
+
 # A segment's (mean, rstd) into the workspace, where the apply kernel reads them
 # (templates.CHUNK_NORM). Placeholders:
 #   $stats_at    the statistics' place (a float* expression)
@@ -386,5 +417,6 @@ SEGMENT_STATS = Template(
     stats[1] = rsqrtf(fmaxf(m.m2 / m.n, 0.f) + $eps);"""
 )
 
-__all__ = ["BLOCK_M", "CONV_KERNELS", "CONV_STATS_FINAL", "K_STEP_BYTES", "MAX_STRIDE", "SEGMENT_STATS", "TALL_BLOCK_M",
-           "ConvGemmPlan", "k_step_bytes", "padded_in_channels", "reads_nchw", "stats_floats", "tiling", "wgmma_asm"]
+__all__ = ["BLOCK_M", "CONV_KERNELS", "CONV_REDUCE_FINAL", "CONV_STATS_FINAL", "K_STEP_BYTES", "MAX_STRIDE",
+           "SEGMENT_STATS", "TALL_BLOCK_M", "ConvGemmPlan", "k_step_bytes", "padded_in_channels", "reads_nchw",
+           "stats_floats", "tiling", "wgmma_asm"]

@@ -675,7 +675,8 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
         return "float32: the in-kernel conv reads x and the weight rounded to TF32 by the graph (Anchor.rounded)"
     if spec.saves:
         return "it returns values saved for backward, and the in-kernel conv writes only the result"
-    stats = conv_stats(spec)
+    reduce = conv_reduces(spec)
+    stats = False if reduce else conv_stats(spec)
     if isinstance(stats, str):
         return stats
     cin, kh, kw, _, _ = anchor.direct
@@ -686,12 +687,22 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     if cin % per_16_bytes or spec.channels % 8:
         return (f"{cin} -> {spec.channels} channels (the in-kernel conv takes input channels in multiples of "
                 f"{per_16_bytes}, output channels in multiples of 8)")
-    tile = conv_sm90.tiling(spec.channels, wo, ITEMSIZE[spec.dtype], stats=stats,
+    tile = conv_sm90.tiling(spec.channels, wo, ITEMSIZE[spec.dtype], stats=stats or reduce,
                             k_bytes=conv_sm90.k_step_bytes(cin, ITEMSIZE[spec.dtype]), stride_w=anchor.conv[0][1],
                             ho=ho)
     stride, padding, dilation = anchor.conv[:3]
-    return replace(tile, nchw=conv_sm90.reads_nchw(tile, ITEMSIZE[spec.dtype], stride[1], anchor.direct[4], kw,
-                                                   padding[1], dilation[1]))
+    return replace(tile, stats=stats, reduce=reduce,
+                   nchw=conv_sm90.reads_nchw(tile, ITEMSIZE[spec.dtype], stride[1], anchor.direct[4], kw, padding[1],
+                                             dilation[1]))
+
+
+def conv_reduces(spec: EpilogueSpec) -> bool:
+    """Whether the in-kernel conv's tiles reduce the chain's value over each channel's
+    pixels (a spatial reduction after pointwise steps, `conv_sm90.REDUCES`), writing no
+    conv output."""
+    red = spec.reduction
+    return (conv_sm90.REDUCES and red is not None and red.name in SPATIAL_REDUCTIONS
+            and spec.second_reduction is None)
 
 
 def conv_stats(spec: EpilogueSpec) -> bool | str:
@@ -707,8 +718,10 @@ def conv_stats(spec: EpilogueSpec) -> bool | str:
         return True
     if red.name in SEGMENT_NORMS and red.groups and spec.channels % red.groups == 0:
         return True
-    return (f"{red.name} after the in-kernel conv is not implemented (pointwise chains, BatchNorm, and norms over "
-            "whole channels of an image)")
+    if red.name in SPATIAL_REDUCTIONS:
+        return f"{red.name} after the in-kernel conv: off until run on a GPU (conv_sm90.REDUCES)"
+    return (f"{red.name} after the in-kernel conv is not implemented (pointwise chains, BatchNorm, norms over "
+            "whole channels of an image, and spatial reductions)")
 
 
 def anchor_plan(spec: EpilogueSpec, arch: str,
@@ -1241,7 +1254,9 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
     norm (`c.stats`) it writes the conv's value into the output (rounded to T, as the
     library conv's) and its tiles' moments of stage0 on it; a kernel merges those into
     the norm's statistics, and the file's apply kernel runs stage0 and stage1 (the
-    norm, then the steps after it) on the output in place, as on the library path."""
+    norm, then the steps after it) on the output in place, as on the library path. With
+    a spatial reduction (`c.reduce`) the tiles write each (image, patch, channel)'s
+    reduction of stage0 into the workspace, and a kernel merges them and runs stage1."""
     name = c.name(spec, arch)
     red = spec.reduction
     cin, kh, kw, h, w = spec.anchor.direct
@@ -1255,11 +1270,18 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
         pingpong="true" if c.pingpong else "false", wgmma=conv_sm90.wgmma_asm(spec.dtype, c.block_n, c.nchw),
         stats="true" if c.stats else "false", nchw="true" if c.nchw else "false", nchw_box_w=conv_sm90.NCHW_BOX_W,
         parts_at="2 * kChannels" if c.stats and red.name == "batchnorm_train" else "0",
+        reduce="true" if c.reduce else "false",
+        reduce_op=templates.ROW_REDUCE_OPS[red.name.removeprefix("spatial_") if c.reduce else "sum"],
     )
     fields, bind = _fields(spec, direct=True)
     launches = ["  err = static_cast<cudaError_t>(conv_launch(a, device, stream));",
                 "  if (err != cudaSuccess) return static_cast<int>(err);"]
     middle, ws_floats = "", "0"  # a pointwise chain: the conv's launch alone writes its result
+    if c.reduce:  # the tiles' partials, a float an (image, patch, channel); a kernel merges them into out
+        ws_floats = "rows * kPatches * kChannels"
+        conv += "\n\n" + conv_sm90.CONV_REDUCE_FINAL.substitute(kernel=name)
+        grid = "static_cast<unsigned>((rows * kChannels + 255) / 256)"
+        launches += [f"  {name}_convreduce<<<{grid}, 256, 0, stream>>>(a);"]
     if c.stats:  # the output holds the conv's value: the apply kernel runs stage0 on it, then the norm
         def parts(rows: str) -> str:  # the tiles' moments, a float2 a (image, patch, channel)
             return f"{rows} * kPatches * kChannels * 2"

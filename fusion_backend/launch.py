@@ -176,7 +176,10 @@ class Launcher:
             # (`channels_last_operands`).
             anchor_operands = channels_last_operands(anchor_operands, self.spec, self.in_kernel_nchw)
             x = anchor_operands[0]
-            out = y = x.new_empty((x.shape[0], self.spec.channels, *self.spec.anchor.direct_out_hw()))
+            if self.row_output:  # a spatial reduction in the tiles (ConvGemmPlan.reduce): [rows, C, ...] out
+                out = y = x.new_empty(self._row_shape(x.shape[0]))
+            else:
+                out = y = x.new_empty((x.shape[0], self.spec.channels, *self.spec.anchor.direct_out_hw()))
         else:
             # A padded GEMM's y keeps its padded rows: the kernels read them with that stride.
             # A channels-last conv's y stays channels-last: the kernel writes the output

@@ -199,6 +199,16 @@ def conv_gemm_specs(dtype="bfloat16"):
         "igemm_1x1_nchw_gelu": EpilogueSpec(  # a 1 x 1 conv of 128-byte rows: 16-bit x read NCHW (reads_nchw)
             _implicit(0, (64, 1, 1, 16, 64)), (_bias(0), Step("gelu")), dtype, p * 2, 128, 16 * 64, "conv_pointwise",
         ),
+        # spatial reductions (conv_sm90.REDUCES): the tiles' partials, no conv output written
+        "igemm_relu_global_mean": EpilogueSpec(  # conv2d_relu_global_avgpool's chain on 28 x 28: patches of 4 rows
+            _implicit(1, (64, 3, 3, 28, 28)), (_bias(0), Step("relu"), Step("spatial_mean")),
+            dtype, p, 128, 28 * 28, "conv_spatial_mean",
+        ),
+        "igemm_tanh_amax_scale": EpilogueSpec(  # amax, then a scalar step on its value; cut patches at both edges
+            _implicit(0, (16, 3, 3, 19, 70)), (Step("tanh"), Step("spatial_amax"), Step("mul", consts=(2.0,),
+                                                                                         operand=SCALAR)),
+            dtype, (), 32, 17 * 68, "conv_spatial_amax",
+        ),
         "igemm_time_embedding": EpilogueSpec(  # + an operand per (image, channel) [N, C, 1, 1]
             _implicit(0, (64, 3, 3, 12, 20)), (_bias(0), _broadcast("add", 1, (180, 0, 1)), Step("relu")),
             dtype, p * 2, 128, 10 * 18, "conv_pointwise",

@@ -1748,6 +1748,75 @@ def test_in_kernel_conv_reads_nchw(name, dtype, exact_float32, monkeypatch):
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32}); {_where_wrong(out, ref)}"
 
 
+class _ConvPool(nn.Module):
+    """Conv2d -> relu, then the mean over each channel's plane (global average pooling);
+    or tanh, then the maximum over it, times 2."""
+
+    def __init__(self, cin, cout, k, padding, how):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, k, padding=padding)
+        self.how = how
+
+    def forward(self, x):
+        y = self.conv(x)
+        if self.how == "mean":
+            return F.adaptive_avg_pool2d(F.relu(y), 1).flatten(1)
+        return torch.tanh(y).amax(dim=(2, 3)) * 2.0
+
+
+IN_KERNEL_CONV_REDUCTIONS = {
+    # name: (cin, cout, k, padding, reduction, input shape)
+    "relu_mean_c64_to_128": (64, 128, 3, 1, "mean", (3, 64, 28, 28)),  # patches of 4 x 32, cut at 28 columns
+    "tanh_amax_c16_to_32": (16, 32, 3, 0, "amax", (2, 16, 19, 70)),  # 256-pixel tiles, cut at both edges
+    "relu_mean_c32_to_192": (32, 192, 3, 1, "mean", (2, 32, 40, 70)),  # cooperative tiles of 192; 2 x 20 x 1 patches
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("name", list(IN_KERNEL_CONV_REDUCTIONS))
+def test_in_kernel_conv_spatial_reduction(name, dtype, exact_float32, monkeypatch):
+    # A spatial reduction in the tiles (conv_sm90.REDUCES): their partials merged by one
+    # kernel, the conv's output never written; 16-bit at eager's error, float32 (TF32)
+    # against float64 on the TF32-rounded operands; a NaN in x gives NaN where eager's does.
+    from cuda_templates import conv_sm90
+    from fusion_backend.ops import round_to_tf32
+
+    _needs_sm90()
+    monkeypatch.setattr(conv_sm90, "REDUCES", True)
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
+    cin, cout, k, padding, how, shape = IN_KERNEL_CONV_REDUCTIONS[name]
+    model = _ConvPool(cin, cout, k, padding, how).cuda().to(dtype)
+    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
+    saved = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = dtype == torch.float32
+        if dtype == torch.float32:
+            rounded = copy.deepcopy(model)
+            with torch.no_grad():
+                rounded.conv.weight.copy_(round_to_tf32(rounded.conv.weight))
+            ref, _ = float64_reference(rounded, round_to_tf32(x))
+        else:
+            ref, _ = float64_reference(model, x)
+        with torch.no_grad():
+            out, kernels = _kernels(model, x)
+            fn = torch.compile(model, backend=fusedepi)
+            ran = _fusedepi_kernels_run(fn, x, pattern=r"_sm[0-9]+a?_")
+            x_nan = x.clone()
+            x_nan[1, 3, 5, 7] = float("nan")
+            out_nan, eager_nan = fn(x_nan), model(x_nan)
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    assert len(kernels) == 1 and re.match(rf"igemm(128|256)x\d+_conv_.*spatial_{how}", kernels[0]), kernels
+    assert any(re.search(r"_conv\b", r) for r in ran) and any(re.search(r"_convreduce\b", r) for r in ran), ran
+    assert not any(re.search(r"_apply\b", r) for r in ran), ran  # no pass over a conv output
+    assert out.shape == ref.shape == (shape[0], cout)
+    err = relative_error(out, ref)
+    tolerance = 1e-5 if dtype == torch.float32 else TOLERANCE[dtype]
+    assert err <= tolerance, f"relative error {err:.3g} (seed {exact_float32})"
+    assert torch.equal(out_nan.isnan(), eager_nan.isnan()) and out_nan[1].isnan().all(), out_nan[1]
+    assert not out_nan[0].isnan().any()
+
+
 def _where_wrong(out: torch.Tensor, ref: torch.Tensor) -> str:
     """Where an NCHW output is off its reference by more than 16-bit rounding: the share
     of such elements and the channels, rows and columns (mod 64, a box's width) they are

@@ -687,9 +687,10 @@ CONV_GEMM_SPECS = {
 
 
 @pytest.mark.parametrize("name", list(CONV_GEMM_SPECS))
-def test_in_kernel_conv_plans_and_names(name):
+def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     from cuda_templates import conv_sm90
 
+    monkeypatch.setattr(conv_sm90, "REDUCES", True)  # the spatial reductions' specs (off until run on a GPU)
     spec = CONV_GEMM_SPECS[name]
     c = cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True)
     assert isinstance(c, cuda_templates.ConvGemmPlan), c
@@ -738,7 +739,8 @@ def test_in_kernel_conv_plans_and_names(name):
     assert "fusedepi_anchor_inside() { return 1; }" in source
     # A norm: the tiles write their moments, a kernel merges them, the apply kernel
     # normalizes the output in place; a pointwise chain is the conv's launch alone.
-    assert c.stats == (spec.reduction is not None)
+    assert c.reduce == (spec.reduction is not None and spec.reduction.name.startswith("spatial_"))
+    assert c.stats == (spec.reduction is not None and not c.reduce)
     assert ("_apply(" in source) == ("_convstats(" in source) == ("b.y = a.out;" in source) == c.stats
     assert f"constexpr bool kConvStats = {'true' if c.stats else 'false'};" in source
     if c.stats:  # the output holds the conv's value; the apply kernel runs stage0 on it, as on the library path
@@ -937,6 +939,59 @@ def test_in_kernel_conv_nchw_plans(monkeypatch):
     assert variant((64, 1, 1, 16, 64), 16 * 80, padding=8).nchw  # from column -8: 16 bytes
     assert variant((64, 1, 3, 16, 64), 16 * 64, padding=8, dilation=8).nchw  # columns -8, 0, 8
     assert not cuda_templates.conv_gemm_plan(bf16["igemm_relu_bias_64_128"], "sm90").nchw  # 3 x 3
+
+
+def test_in_kernel_conv_spatial_reduction_plans(monkeypatch):
+    # A spatial reduction after a pointwise chain in the tiles (conv_sm90.REDUCES, off
+    # until its GPU tests run): the tiles' partials, a float an (image, patch, channel),
+    # then a kernel that merges them and runs the steps after the reduction; no apply
+    # kernel, no conv output.
+    from cuda_templates import conv_sm90
+
+    spec = conv_gemm_specs("bfloat16")["igemm_relu_global_mean"]
+    monkeypatch.setattr(conv_sm90, "REDUCES", False)
+    assert "off until run on a GPU" in cuda_templates.conv_gemm_plan(spec, "sm90")
+    monkeypatch.setattr(conv_sm90, "REDUCES", True)
+    c = cuda_templates.conv_gemm_plan(spec, "sm90")
+    assert c.reduce and not c.stats and (c.tile_h, c.tile_w) == (4, 32)
+    source = cuda_templates.render(spec, "sm90")
+    assert "constexpr bool kConvReduce = true;" in source and "constexpr bool kConvStats = false;" in source
+    assert "constexpr fusedepi::RowReduce kReduceOp = fusedepi::RowReduce::kMean;" in source
+    assert "fusedepi_workspace_floats(long long rows) { return rows * kPatches * kChannels; }" in source
+    assert "_convreduce<<<" in source and "_apply(" not in source
+    amax = conv_gemm_specs("float32")["igemm_tanh_amax_scale"]
+    amax = replace(amax, anchor=replace(amax.anchor, rounded=True))
+    c = cuda_templates.conv_gemm_plan(amax, "sm90", conv_tf32=True)
+    assert c.reduce and c.block_m == 256
+    assert "fusedepi::RowReduce::kAmax;" in cuda_templates.render(amax, "sm90", conv_tf32=True)
+    # not: a reduction after a norm, a chain that saves values for backward
+    gn = conv_gemm_specs("bfloat16")["igemm_groupnorm_silu"]
+    assert not cuda_templates.conv_gemm_plan(gn, "sm90").reduce
+    from lowering.spec import Save
+
+    saving = replace(spec, saves=(Save("value", "bfloat16", (-1, 128, 28, 28), 128 * 28 * 28, at=1),))
+    assert "saved for backward" in cuda_templates.conv_gemm_plan(saving, "sm90")
+
+
+@needs_nvcc
+@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_nvcc_compiles_the_in_kernel_conv_spatial_reduction(dtype, tmp_path, monkeypatch):
+    # Both reductions' files build: the tiles' wgmmas with no accumulator read before
+    # the last one's wait, nothing spilled, and the merging kernel.
+    from cuda_templates import conv_sm90
+
+    monkeypatch.setattr(conv_sm90, "REDUCES", True)
+    for name in ("igemm_relu_global_mean", "igemm_tanh_amax_scale"):
+        spec = conv_gemm_specs(dtype)[name]
+        spec = replace(spec, anchor=replace(spec.anchor, rounded=dtype == "float32"))
+        kernel = cuda_templates.kernel_name(spec, "sm90", True)
+        assert cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True).reduce, kernel
+        library = cuda_templates.build(cuda_templates.render(spec, "sm90", conv_tf32=True), kernel, "sm90a", tmp_path)
+        sass = subprocess.run([CUOBJDUMP, "-sass", str(library)], capture_output=True, text=True, check=True).stdout
+        assert "HGMMA" in sass and "_convreduce" in sass, kernel
+        assert not accumulator_uses_in_flight(sass), accumulator_uses_in_flight(sass)[:5]
+        assert not re.search(r"\b(?:LDL|STL)\b", sass), kernel
 
 
 @needs_nvcc

@@ -8,7 +8,7 @@
 //   w: the weight [kChannels, kTaps, kCinPad]), stage0_chan, stage0_chan_of, stage0_at,
 //   kChannels (KERNEL_FILE and CONV_KERNELS' constants: kBM, kBN, kBK, kSwizzle, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
 //   kHo, kWo, kPitch, kCBlocks, kTilesN, kTilesPerImage, kTileA, kTileB, kMmaK, kPingPong,
-//   kConvStats, kPartsAt, kNchw, kNchwBoxW, wgmma_n), and hopper.cuh.
+//   kConvStats, kConvReduce, kReduceOp, kPartsAt, kNchw, kNchwBoxW, wgmma_n), and hopper.cuh.
 // It is not a standalone header: those constants differ per file.
 #pragma once
 
@@ -117,7 +117,8 @@ __device__ __forceinline__ void each_value(int n0, F&& f) {
 constexpr int kPatches = kTilesPerImage / kTilesN;  // pixel patches an image
 constexpr int kFinishWarps = kFinishers / 32;
 constexpr int kStatsFloats = (2 * kFinishWarps + 1) * kBN;  // a tile's finishers'
-constexpr int kStatsBytes = kConvStats ? kStatsFloats * 4 * (kPingPong ? 2 : 1) : 0;
+constexpr int kStatsBytes = kConvStats || kConvReduce ? kStatsFloats * 4 * (kPingPong ? 2 : 1) : 0;
+static_assert(!(kConvStats && kConvReduce), "a norm's moments or a spatial reduction, not both");
 
 // The valid pixels of patch `patch` (of kPatches) of an image.
 __device__ __forceinline__ int patch_pixels(int patch) {
@@ -228,6 +229,102 @@ __device__ __forceinline__ void conv_stats_final(const Args& a, Done done) {
   if (threadIdx.x == 0) done(at, m);
 }
 
+// A spatial reduction from the tiles (kConvReduce: global pooling after a pointwise
+// chain, `mean(dim=[2, 3])`, `adaptive_avg_pool2d(y, 1)`, amax, amin): the conv's output
+// is never written. Each tile reduces each of its channels over its valid pixels (stage0
+// on the conv's value rounded to T, in float32, as the apply kernel reads the library
+// conv's output) with kReduceOp (kSum and kMean: the sum; kAmax, kAmin: the maximum or
+// minimum, NaN where a pixel's value is NaN, as eager's) into a float at a.ws + kPartsAt:
+// [rows][kPatches][kChannels]; conv_reduce_value merges an (image, channel)'s patches.
+constexpr bool kReduceSum = kReduceOp == fusedepi::RowReduce::kSum || kReduceOp == fusedepi::RowReduce::kMean;
+constexpr bool kReduceMax = kReduceOp == fusedepi::RowReduce::kAmax;
+static_assert(!kConvReduce || kReduceOp != fusedepi::RowReduce::kLogsumexp, "sum, mean, amax, amin");
+
+__device__ __forceinline__ float reduce_pair(float x, float y) {
+  return kReduceSum ? x + y : kReduceMax ? fmaxf(x, y) : fminf(x, y);  // NaNs are counted apart
+}
+
+// The reduction of each channel of a tile over its valid pixels, by its finishing thread
+// `ft` (as tile_moments: d after stage_chain, shuffles over a warp's rows, then the
+// finishing warps' values and NaN counts in `scratch`, kStatsFloats).
+template <typename Sync>
+__device__ __forceinline__ void tile_reduce(const float (&d)[kMBlocks][kBN / 2], int block0, int tid, int ft,
+                                            float* scratch, int tile, int h0, int w0, int n0, const Args& a,
+                                            Sync sync) {
+  constexpr float kIdentity = kReduceSum ? 0.f : kReduceMax ? -INFINITY : INFINITY;
+  const int warp = tid / 32, lane = tid % 32;
+  const int rows = patch_rows(h0);
+  const int width = patch_width(w0);
+  bool inside[kMBlocks][2];  // row r0 + 8h of block b is a pixel of the output
+#pragma unroll
+  for (int b = 0; b < kMBlocks; ++b)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = (block0 + b) * 64 + warp * 16 + lane / 4 + 8 * h;
+      inside[b][h] = r / kTW < rows && r % kTW < width;
+    }
+  float* values = scratch;                         // [kFinishWarps][kBN]
+  float* nans = scratch + kFinishWarps * kBN;      // [kFinishWarps][kBN]
+  const int fw = ft / 32;
+  const auto warp_rows = [&](float s) {  // over the 8 lanes that share lane % 4: the warp's 16 rows
+    s = reduce_pair(s, __shfl_xor_sync(0xffffffffu, s, 4));
+    s = reduce_pair(s, __shfl_xor_sync(0xffffffffu, s, 8));
+    return reduce_pair(s, __shfl_xor_sync(0xffffffffu, s, 16));
+  };
+  const auto warp_count = [&](float s) {
+    s += __shfl_xor_sync(0xffffffffu, s, 4);
+    s += __shfl_xor_sync(0xffffffffu, s, 8);
+    return s + __shfl_xor_sync(0xffffffffu, s, 16);
+  };
+  each_value(n0, [&](int j, int e, int h, int i) {
+    if (h != 0) return;  // once a channel: both rows below
+    float s = kIdentity, n = 0.f;
+#pragma unroll
+    for (int b = 0; b < kMBlocks; ++b)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const float v = d[b][4 * j + 2 * hh + e];
+        s = reduce_pair(s, inside[b][hh] ? v : kIdentity);
+        if constexpr (!kReduceSum) n += inside[b][hh] && isnan(v) ? 1.f : 0.f;
+      }
+    s = warp_rows(s);
+    if constexpr (!kReduceSum) n = warp_count(n);
+    if (lane < 4) {
+      values[fw * kBN + 8 * j + 2 * lane + e] = s;
+      nans[fw * kBN + 8 * j + 2 * lane + e] = n;
+    }
+  });
+  sync();
+  if (ft < kBN && n0 + ft < kChannels) {
+    float s = kIdentity, n = 0.f;
+#pragma unroll
+    for (int w = 0; w < kFinishWarps; ++w) {
+      s = reduce_pair(s, values[w * kBN + ft]);
+      if constexpr (!kReduceSum) n += nans[w * kBN + ft];
+    }
+    float* parts = a.ws + kPartsAt;
+    parts[static_cast<long long>(tile / kTilesN) * kChannels + n0 + ft] = n > 0.f ? NAN : s;
+  }
+  sync();  // the scratch is read before the next tile's reduction writes it
+}
+
+// The value of output element o = (image, channel) of a spatial reduction: its patches'
+// partials (tile_reduce) merged, NaN where one is NaN (amax, amin), the mean's sum over
+// the plane's kHo x kWo pixels.
+__device__ __forceinline__ float conv_reduce_value(const Args& a, long long o) {
+  const float* parts = a.ws + kPartsAt;
+  const long long n = o / kChannels, c = o % kChannels;
+  float r = parts[n * kPatches * kChannels + c];
+  bool nan = isnan(r);
+  for (int patch = 1; patch < kPatches; ++patch) {
+    const float u = parts[(n * kPatches + patch) * kChannels + c];
+    nan = nan || isnan(u);
+    r = reduce_pair(r, u);
+  }
+  if (!kReduceSum && nan) return NAN;
+  return kReduceOp == fusedepi::RowReduce::kMean ? r / static_cast<float>(static_cast<long long>(kHo) * kWo) : r;
+}
+
 // A tile's finish, part 1: the consumers apply stage0 to their accumulators in registers
 // (each rounded to T first, what the library conv's output holds) and stage the results
 // (with a norm, kConvStats: stage the rounded values, then apply stage0 for the moments).
@@ -281,6 +378,7 @@ __device__ __forceinline__ void stage_chain(float (&d)[kBN / 2], const TileChans
     d[i] = fusedepi::to_float(fusedepi::from_float<T>(d[i]));
     if constexpr (!kConvStats) chain(j, e, h, i);
   });
+  if constexpr (kConvReduce) return;  // the chain's values stay in registers for tile_reduce: nothing is written
   each_value(n0, [&](int j, int e, int h, int i) { sts_value(at[h][e] + 8 * j * kPitch * kElem, d[i]); });
   // The elements of the runs' partial chunks, which no bulk copy writes (it moves whole,
   // aligned 16-byte chunks), stored from registers: a run's first and last kOutV - 1
@@ -444,7 +542,7 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
         stage_chain(d[b], chans, staging, kPingPong ? b : half, tid, img, h0, w0, n0, a);
       hop::fence_async_shared();  // the staging tile's writes, before the bulk copies read it
       hop::named_sync<kFinishers>(kBarFull + (kPingPong ? half : 0));  // the whole tile is staged
-      store_runs(staging, ft, img, h0, w0, n0, a);
+      if constexpr (!kConvReduce) store_runs(staging, ft, img, h0, w0, n0, a);
       if (other_next) {  // the other warpgroup stages its tile once these copies have read this one
         hop::bulk_wait_read();
         hop::named_arrive<256>(kBarStage + 1 - half);
@@ -453,6 +551,11 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
         float* scratch = reinterpret_cast<float*>(staging + kStaging) + (kPingPong ? half * kStatsFloats : 0);
         tile_moments(d, kPingPong ? 0 : half, tid, ft, scratch, tile, h0, w0, n0, a,
                      [&] { hop::named_sync<kFinishers>(kBarFull + (kPingPong ? half : 0)); });
+      }
+      if constexpr (kConvReduce) {  // the tile's reduction of each channel, on the finishers' barrier
+        float* scratch = reinterpret_cast<float*>(staging + kStaging) + (kPingPong ? half * kStatsFloats : 0);
+        tile_reduce(d, kPingPong ? 0 : half, tid, ft, scratch, tile, h0, w0, n0, a,
+                    [&] { hop::named_sync<kFinishers>(kBarFull + (kPingPong ? half : 0)); });
       }
     }
     hop::bulk_wait();  // the copies are complete before the kernel ends
