@@ -221,10 +221,8 @@ def covers(launcher) -> bool:
     variants that depend on a TF32 setting read it at every call there, through the
     getters Python's launcher reads (a float32 in-kernel GEMM file: the matmul precision;
     a float32 conv the file may compute: cuDNN's TF32 flag, one plan for each of its
-    values). Not the in-kernel conv with a spatial reduction in its tiles
-    (`ConvGemmPlan.reduce`, its output the reduction's): the Python launcher runs it."""
-    return launcher.anchor_path in PATH_CODES and not (launcher.anchor_path == "in-kernel conv"
-                                                       and launcher.row_output)
+    values)."""
+    return launcher.anchor_path in PATH_CODES
 
 
 @dataclass(frozen=True)

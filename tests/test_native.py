@@ -201,10 +201,9 @@ def test_plan_layout_of_a_gemm_and_the_variants_that_read_tf32_settings():
     rounded = _launcher(replace(implicit, rounded=True), anchor_path="in-kernel conv", channels=128,
                         reads_conv_tf32=True, conv_tf32=True)
     assert native.covers(rounded) and native._layout(rounded)[21:23] + native._layout(rounded)[29:] == [1, 1, 1, 0]
-    # A spatial reduction in the in-kernel conv's tiles (`ConvGemmPlan.reduce`): Python's launcher.
-    assert not native.covers(_launcher(implicit, anchor_path="in-kernel conv", channels=128, row_output=True,
-                                       reduced_tail=(128,)))
-    assert native.covers(_launcher(Anchor("addmm"), anchor_path="in-kernel GEMM", row_output=True, reduced_tail=(1,)))
+    # A spatial reduction in its tiles (`ConvGemmPlan.reduce`): the reduction's [rows, C] output.
+    reduced = _launcher(implicit, anchor_path="in-kernel conv", channels=128, row_output=True, reduced_tail=(128,))
+    assert native.covers(reduced) and native._layout(reduced)[4:7] == [1, 1, 128]
     # Reading x in its NCHW layout (`ConvGemmPlan.nchw`), on the in-kernel conv's path only.
     nchw = _launcher(implicit, anchor_path="in-kernel conv", channels=128, in_kernel_nchw=True)
     assert native._layout(nchw)[30] == 1
