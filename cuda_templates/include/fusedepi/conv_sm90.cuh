@@ -126,6 +126,20 @@ __device__ __forceinline__ int patch_pixels(int patch) {
   return patch_rows(patch / kTilesW * kTH) * patch_width(patch % kTilesW * kTW);
 }
 
+// inside[b][h]: whether row r0 + 8h of the tile's m64 row block `block0 + b` (r0 = 16 *
+// warp + lane / 4 of thread `tid`) is a pixel of the output (the patch at h0, w0 cut at
+// the output's edges).
+__device__ __forceinline__ void rows_inside(bool (&inside)[kMBlocks][2], int block0, int tid, int h0, int w0) {
+  const int rows = patch_rows(h0), width = patch_width(w0);
+#pragma unroll
+  for (int b = 0; b < kMBlocks; ++b)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = (block0 + b) * 64 + tid / 32 * 16 + tid % 32 / 4 + 8 * h;
+      inside[b][h] = r / kTW < rows && r % kTW < width;
+    }
+}
+
 // The moments of each channel of a tile over its valid pixels, by its finishing thread
 // `ft` (of kFinishers; `sync` the finishers' named barrier): d[b] holds the values of m64
 // row block `block0 + b` of the tile after stage0, as stage_chain left them. Two passes
@@ -136,17 +150,11 @@ template <typename Sync>
 __device__ __forceinline__ void tile_moments(const float (&d)[kMBlocks][kBN / 2], int block0, int tid, int ft,
                                              float* scratch, int tile, int h0, int w0, int n0, const Args& a,
                                              Sync sync) {
-  const int warp = tid / 32, lane = tid % 32;
+  const int lane = tid % 32;
   const int rows = patch_rows(h0);
   const int width = patch_width(w0);
-  bool inside[kMBlocks][2];  // row r0 + 8h of block b is a pixel of the output
-#pragma unroll
-  for (int b = 0; b < kMBlocks; ++b)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = (block0 + b) * 64 + warp * 16 + lane / 4 + 8 * h;
-      inside[b][h] = r / kTW < rows && r % kTW < width;
-    }
+  bool inside[kMBlocks][2];
+  rows_inside(inside, block0, tid, h0, w0);
   float* sums = scratch;                              // [kFinishWarps][kBN], pass 1
   float* squares = scratch + kFinishWarps * kBN;      // [kFinishWarps][kBN], pass 2
   float* means = scratch + 2 * kFinishWarps * kBN;    // [kBN]
@@ -252,17 +260,9 @@ __device__ __forceinline__ void tile_reduce(const float (&d)[kMBlocks][kBN / 2],
                                             float* scratch, int tile, int h0, int w0, int n0, const Args& a,
                                             Sync sync) {
   constexpr float kIdentity = kReduceSum ? 0.f : kReduceMax ? -INFINITY : INFINITY;
-  const int warp = tid / 32, lane = tid % 32;
-  const int rows = patch_rows(h0);
-  const int width = patch_width(w0);
-  bool inside[kMBlocks][2];  // row r0 + 8h of block b is a pixel of the output
-#pragma unroll
-  for (int b = 0; b < kMBlocks; ++b)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = (block0 + b) * 64 + warp * 16 + lane / 4 + 8 * h;
-      inside[b][h] = r / kTW < rows && r % kTW < width;
-    }
+  const int lane = tid % 32;
+  bool inside[kMBlocks][2];
+  rows_inside(inside, block0, tid, h0, w0);
   float* values = scratch;                         // [kFinishWarps][kBN]
   float* nans = scratch + kFinishWarps * kBN;      // [kFinishWarps][kBN]
   const int fw = ft / 32;
