@@ -56,7 +56,11 @@ pooling, the sum, mean, maximum or minimum over each channel's plane) the tiles 
 conv output: each reduces its channels over its valid pixels in registers (shuffles over a
 warp's rows, shared memory over the finishing warps) into a float an (image, patch,
 channel), and CONV_REDUCE_FINAL merges an (image, channel)'s patches and runs the steps
-after the reduction on the value.
+after the reduction on the value. With a softmax or log_softmax over each pixel's
+channels where one tile holds them all (`ConvGemmPlan.softmax`, PIXEL_NORMS), each pixel's
+maximum and sum of exponentials come from the 4 lanes that hold its channels (shuffles),
+and stage1 (the normalize, then the steps after it) runs on every value before the tile
+is staged and written as a pointwise chain's.
 
 float32 runs in TF32 (wgmma reads the operands' top 19 bits), only where
 `torch.backends.cudnn.allow_tf32` allows it, as cuDNN's conv does.
@@ -112,6 +116,10 @@ NCHW_BOX_W = 64  # pixels of an NCHW box: one m64 block, a 128-byte swizzle row 
 # _amin) inside the tiles, the conv's output never written (ConvGemmPlan.reduce). Off
 # until its GPU tests have run (tests/test_gpu.py, test_in_kernel_conv_spatial_reduction).
 REDUCES = False
+# A softmax or log_softmax over each pixel's channels (channel_softmax, channel_log_softmax)
+# where one tile holds all of them, in registers before the tile is staged
+# (ConvGemmPlan.softmax). Off until its GPU tests have run (test_in_kernel_conv_channel_softmax).
+PIXEL_NORMS = False
 
 
 @dataclass(frozen=True)
@@ -133,6 +141,8 @@ class ConvGemmPlan:
             not the channels-last copy's rows of channels.
         reduce: the tiles reduce each channel over their pixels (a spatial reduction,
             REDUCES) and write that instead of the conv's output.
+        softmax: 0, or 1 (softmax) or 2 (log_softmax) over each pixel's channels, all in
+            the tile (PIXEL_NORMS), applied before the tile is staged.
     """
 
     block_n: int
@@ -145,6 +155,7 @@ class ConvGemmPlan:
     block_m: int = BLOCK_M
     nchw: bool = False
     reduce: bool = False
+    softmax: int = 0
 
     def name(self, spec, arch: str) -> str:
         return f"igemm{self.block_m}x{self.block_n}{'_nchw' if self.nchw else ''}_" + spec.kernel_name(arch + "a")
@@ -288,6 +299,8 @@ def wgmma_asm(dtype: str, n: int, a_mn_major: bool = False) -> str:
 #   $stats      the tiles write their channels' moments (ConvGemmPlan.stats): true or false
 #   $reduce     the tiles reduce their channels instead of writing them (ConvGemmPlan.reduce)
 #   $reduce_op  that reduction (a fusedepi::RowReduce; kSum where none)
+#   $softmax    ConvGemmPlan.softmax
+#   $pixel_stage1  pixel_stage1's body: stage1 on one value (ConvGemmPlan.softmax), else nothing
 #   $nchw       x read in its NCHW layout (ConvGemmPlan.nchw): true or false
 #   $nchw_box_w pixels of an NCHW box (NCHW_BOX_W)
 #   $parts_at   where the moments or the reductions go: floats from the workspace's start
@@ -307,6 +320,13 @@ constexpr bool kPingPong = $pingpong;  // the consumers' schedule (conv_sm90.cuh
 constexpr bool kConvStats = $stats;  // the tiles write their channels' moments (conv_sm90.cuh)
 constexpr bool kConvReduce = $reduce;  // the tiles reduce their channels, nothing else written (conv_sm90.cuh)
 constexpr fusedepi::RowReduce kReduceOp = $reduce_op;
+constexpr int kConvSoftmax = $softmax;  // 1 softmax, 2 log_softmax over each pixel's channels in the tile
+// stage1 (the normalize, then the steps after it) on value v of a pixel whose channels'
+// statistics are (s0, s1), at its place pos in the row and element e0 (kConvSoftmax).
+[[maybe_unused]] __device__ __forceinline__ void pixel_stage1(float& v, int pos, long long e0, const Args& a, float s0,
+                                                              float s1) {
+$pixel_stage1
+}
 constexpr bool kNchw = $nchw;  // x read in its NCHW layout, boxes of kNchwBoxW pixels (conv_sm90.cuh)
 constexpr int kNchwBoxW = $nchw_box_w;
 [[maybe_unused]] constexpr long long kPartsAt = $parts_at;  // ... at a.ws + kPartsAt (kConvStats, kConvReduce)

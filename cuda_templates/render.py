@@ -675,8 +675,8 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
         return "float32: the in-kernel conv reads x and the weight rounded to TF32 by the graph (Anchor.rounded)"
     if spec.saves:
         return "it returns values saved for backward, and the in-kernel conv writes only the result"
-    reduce = conv_reduces(spec)
-    stats = False if reduce else conv_stats(spec)
+    reduce, softmax = conv_reduces(spec), conv_softmax(spec)
+    stats = False if reduce or softmax else conv_stats(spec)
     if isinstance(stats, str):
         return stats
     cin, kh, kw, _, _ = anchor.direct
@@ -691,9 +691,22 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
                             k_bytes=conv_sm90.k_step_bytes(cin, ITEMSIZE[spec.dtype]), stride_w=anchor.conv[0][1],
                             ho=ho)
     stride, padding, dilation = anchor.conv[:3]
-    return replace(tile, stats=stats, reduce=reduce,
+    if softmax and tile.block_n < spec.channels:
+        return (f"{spec.reduction.name} over {spec.channels} channels: more than one tile of the in-kernel conv "
+                f"({tile.block_n})")
+    return replace(tile, stats=stats, reduce=reduce, softmax=softmax,
                    nchw=conv_sm90.reads_nchw(tile, ITEMSIZE[spec.dtype], stride[1], anchor.direct[4], kw, padding[1],
                                              dilation[1]))
+
+
+def conv_softmax(spec: EpilogueSpec) -> int:
+    """1 (softmax) or 2 (log_softmax) where the in-kernel conv's tiles normalize each
+    pixel's channels (`conv_sm90.PIXEL_NORMS`; whether one tile holds them all is the
+    plan's to say), else 0."""
+    red = spec.reduction
+    if not conv_sm90.PIXEL_NORMS or red is None or red.name not in CHANNEL_NORMS or spec.second_reduction is not None:
+        return 0
+    return 1 if red.name == "channel_softmax" else 2
 
 
 def conv_reduces(spec: EpilogueSpec) -> bool:
@@ -720,8 +733,10 @@ def conv_stats(spec: EpilogueSpec) -> bool | str:
         return True
     if red.name in SPATIAL_REDUCTIONS:
         return f"{red.name} after the in-kernel conv: off until run on a GPU (conv_sm90.REDUCES)"
+    if red.name in CHANNEL_NORMS:
+        return f"{red.name} after the in-kernel conv: off until run on a GPU (conv_sm90.PIXEL_NORMS)"
     return (f"{red.name} after the in-kernel conv is not implemented (pointwise chains, BatchNorm, norms over "
-            "whole channels of an image, and spatial reductions)")
+            "whole channels of an image, spatial reductions, a softmax over a pixel's channels)")
 
 
 def anchor_plan(spec: EpilogueSpec, arch: str,
@@ -1272,6 +1287,8 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
         parts_at="2 * kChannels" if c.stats and red.name == "batchnorm_train" else "0",
         reduce="true" if c.reduce else "false",
         reduce_op=templates.ROW_REDUCE_OPS[red.name.removeprefix("spatial_") if c.reduce else "sum"],
+        softmax=c.softmax,
+        pixel_stage1="  float y[1] = {v};\n  stage1<1>(y, pos, e0, a, s0, s1);\n  v = y[0];" if c.softmax else "",
     )
     fields, bind = _fields(spec, direct=True)
     launches = ["  err = static_cast<cudaError_t>(conv_launch(a, device, stream));",

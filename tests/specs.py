@@ -209,6 +209,16 @@ def conv_gemm_specs(dtype="bfloat16"):
                                                                                          operand=SCALAR)),
             dtype, (), 32, 17 * 68, "conv_spatial_amax",
         ),
+        # a softmax over each pixel's channels, all in one tile (conv_sm90.PIXEL_NORMS)
+        "igemm_channel_softmax_32": EpilogueSpec(  # conv2d_softmax_channels' chain: 32 -> 32 channels
+            _implicit(1, (32, 3, 3, 24, 40)), (_bias(0), Step("channel_softmax"), Step("mul", consts=(3.0,),
+                                                                                       operand=SCALAR)),
+            dtype, p, 32, 24 * 40, "conv_channel_softmax",
+        ),
+        "igemm_channel_log_softmax_128": EpilogueSpec(  # 1 x 1, 128 channels: every channel in one tile
+            _implicit(0, (16, 1, 1, 10, 36)), (Step("tanh"), Step("channel_log_softmax")),
+            dtype, (), 128, 10 * 36, "conv_channel_log_softmax",
+        ),
         "igemm_time_embedding": EpilogueSpec(  # + an operand per (image, channel) [N, C, 1, 1]
             _implicit(0, (64, 3, 3, 12, 20)), (_bias(0), _broadcast("add", 1, (180, 0, 1)), Step("relu")),
             dtype, p * 2, 128, 10 * 18, "conv_pointwise",

@@ -1748,45 +1748,13 @@ def test_in_kernel_conv_reads_nchw(name, dtype, exact_float32, monkeypatch):
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32}); {_where_wrong(out, ref)}"
 
 
-class _ConvPool(nn.Module):
-    """Conv2d -> relu, then the mean over each channel's plane (global average pooling);
-    or tanh, then the maximum over it, times 2."""
-
-    def __init__(self, cin, cout, k, padding, how):
-        super().__init__()
-        self.conv = nn.Conv2d(cin, cout, k, padding=padding)
-        self.how = how
-
-    def forward(self, x):
-        y = self.conv(x)
-        if self.how == "mean":
-            return F.adaptive_avg_pool2d(F.relu(y), 1).flatten(1)
-        return torch.tanh(y).amax(dim=(2, 3)) * 2.0
-
-
-IN_KERNEL_CONV_REDUCTIONS = {
-    # name: (cin, cout, k, padding, reduction, input shape)
-    "relu_mean_c64_to_128": (64, 128, 3, 1, "mean", (3, 64, 28, 28)),  # patches of 4 x 32, cut at 28 columns
-    "tanh_amax_c16_to_32": (16, 32, 3, 0, "amax", (2, 16, 19, 70)),  # 256-pixel tiles, cut at both edges
-    "relu_mean_c32_to_192": (32, 192, 3, 1, "mean", (2, 32, 40, 70)),  # cooperative tiles of 192; 2 x 20 x 1 patches
-}
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("name", list(IN_KERNEL_CONV_REDUCTIONS))
-def test_in_kernel_conv_spatial_reduction(name, dtype, exact_float32, monkeypatch):
-    # A spatial reduction in the tiles (conv_sm90.REDUCES): their partials merged by one
-    # kernel, the conv's output never written; 16-bit at eager's error, float32 (TF32)
-    # against float64 on the TF32-rounded operands; a NaN in x gives NaN where eager's does.
-    from cuda_templates import conv_sm90
+def _run_with_nan(model, x, dtype):
+    """The float64 reference of `model` at x (float32: cuDNN's TF32 allowed, on x and the
+    weight rounded to TF32, as the in-kernel conv reads them), its compiled output, the
+    kernels fused and those one call ran, and the compiled and eager outputs with a NaN
+    at x[1, 3, 5, 7]."""
     from fusion_backend.ops import round_to_tf32
 
-    _needs_sm90()
-    monkeypatch.setattr(conv_sm90, "REDUCES", True)
-    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
-    cin, cout, k, padding, how, shape = IN_KERNEL_CONV_REDUCTIONS[name]
-    model = _ConvPool(cin, cout, k, padding, how).cuda().to(dtype)
-    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
     saved = torch.backends.cudnn.allow_tf32
     try:
         torch.backends.cudnn.allow_tf32 = dtype == torch.float32
@@ -1803,9 +1771,54 @@ def test_in_kernel_conv_spatial_reduction(name, dtype, exact_float32, monkeypatc
             ran = _fusedepi_kernels_run(fn, x, pattern=r"_sm[0-9]+a?_")
             x_nan = x.clone()
             x_nan[1, 3, 5, 7] = float("nan")
-            out_nan, eager_nan = fn(x_nan), model(x_nan)
+            return ref, out, kernels, ran, fn(x_nan), model(x_nan)
     finally:
         torch.backends.cudnn.allow_tf32 = saved
+
+
+class _ConvTail(nn.Module):
+    """Conv2d -> `tail`, a function of the conv's output."""
+
+    def __init__(self, cin, cout, k, padding, tail):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, k, padding=padding)
+        self.tail = tail
+
+    def forward(self, x):
+        return self.tail(self.conv(x))
+
+
+def _relu_mean(y):  # global average pooling
+    return F.adaptive_avg_pool2d(F.relu(y), 1).flatten(1)
+
+
+def _tanh_amax(y):
+    return torch.tanh(y).amax(dim=(2, 3)) * 2.0
+
+
+IN_KERNEL_CONV_REDUCTIONS = {
+    # name: (cin, cout, k, padding, reduction, tail, input shape)
+    "relu_mean_c64_to_128": (64, 128, 3, 1, "mean", _relu_mean, (3, 64, 28, 28)),  # patches of 4 x 32, cut at 28
+    "tanh_amax_c16_to_32": (16, 32, 3, 0, "amax", _tanh_amax, (2, 16, 19, 70)),  # 256-pixel tiles, cut at both edges
+    "relu_mean_c32_to_192": (32, 192, 3, 1, "mean", _relu_mean, (2, 32, 40, 70)),  # cooperative tiles of 192
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("name", list(IN_KERNEL_CONV_REDUCTIONS))
+def test_in_kernel_conv_spatial_reduction(name, dtype, exact_float32, monkeypatch):
+    # A spatial reduction in the tiles (conv_sm90.REDUCES): their partials merged by one
+    # kernel, the conv's output never written; 16-bit at eager's error, float32 (TF32)
+    # against float64 on the TF32-rounded operands; a NaN in x gives NaN where eager's does.
+    from cuda_templates import conv_sm90
+
+    _needs_sm90()
+    monkeypatch.setattr(conv_sm90, "REDUCES", True)
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
+    cin, cout, k, padding, how, tail, shape = IN_KERNEL_CONV_REDUCTIONS[name]
+    model = _ConvTail(cin, cout, k, padding, tail).cuda().to(dtype)
+    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
+    ref, out, kernels, ran, out_nan, eager_nan = _run_with_nan(model, x, dtype)
     assert len(kernels) == 1 and re.match(rf"igemm(128|256)x\d+_conv_.*spatial_{how}", kernels[0]), kernels
     assert any(re.search(r"_conv\b", r) for r in ran) and any(re.search(r"_convreduce\b", r) for r in ran), ran
     assert not any(re.search(r"_apply\b", r) for r in ran), ran  # no pass over a conv output
@@ -1815,6 +1828,47 @@ def test_in_kernel_conv_spatial_reduction(name, dtype, exact_float32, monkeypatc
     assert err <= tolerance, f"relative error {err:.3g} (seed {exact_float32})"
     assert torch.equal(out_nan.isnan(), eager_nan.isnan()) and out_nan[1].isnan().all(), out_nan[1]
     assert not out_nan[0].isnan().any()
+
+
+def _softmax_times_3(y):
+    return torch.softmax(y, dim=1) * 3.0
+
+
+def _tanh_log_softmax(y):
+    return torch.log_softmax(torch.tanh(y), dim=1)
+
+
+IN_KERNEL_CONV_SOFTMAXES = {
+    # name: (cin, cout, k, padding, norm, tail, input shape)
+    "softmax_c32_to_32": (32, 32, 3, 1, "softmax", _softmax_times_3, (3, 32, 24, 40)),  # conv2d_softmax_channels'
+    "log_softmax_1x1_c16_to_128": (16, 128, 1, 0, "log_softmax", _tanh_log_softmax, (2, 16, 10, 36)),  # ping-pong
+    "log_softmax_1x1_c16_to_192": (16, 192, 1, 0, "log_softmax", _tanh_log_softmax, (2, 16, 10, 36)),  # cooperative
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("name", list(IN_KERNEL_CONV_SOFTMAXES))
+def test_in_kernel_conv_channel_softmax(name, dtype, exact_float32, monkeypatch):
+    # A softmax over each pixel's channels in the tile (conv_sm90.PIXEL_NORMS): one kernel,
+    # 16-bit at eager's error, float32 (TF32) against float64 on the TF32-rounded
+    # operands; a NaN in x gives NaN where eager's does (every channel of its pixels).
+    from cuda_templates import conv_sm90
+
+    _needs_sm90()
+    cin, cout, k, padding, how, tail, shape = IN_KERNEL_CONV_SOFTMAXES[name]
+    if dtype == torch.float32 and cout > 128:
+        pytest.skip("float32 tiles hold at most 128 channels: the library conv runs it")
+    monkeypatch.setattr(conv_sm90, "PIXEL_NORMS", True)
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
+    model = _ConvTail(cin, cout, k, padding, tail).cuda().to(dtype)
+    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
+    ref, out, kernels, ran, out_nan, eager_nan = _run_with_nan(model, x, dtype)
+    assert len(kernels) == 1 and re.match(rf"igemm(128|256)x\d+_conv_.*channel_{how}", kernels[0]), kernels
+    assert ran and all(re.search(r"_conv\b", r) for r in ran), ran  # the conv's launch alone
+    err = relative_error(out, ref)
+    tolerance = 1e-5 if dtype == torch.float32 else TOLERANCE[dtype]
+    assert err <= tolerance, f"relative error {err:.3g} (seed {exact_float32}); {_where_wrong(out, ref)}"
+    assert torch.equal(out_nan.isnan(), eager_nan.isnan()) and out_nan[1].isnan().any()
 
 
 def _where_wrong(out: torch.Tensor, ref: torch.Tensor) -> str:

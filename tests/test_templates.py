@@ -691,6 +691,7 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     from cuda_templates import conv_sm90
 
     monkeypatch.setattr(conv_sm90, "REDUCES", True)  # the spatial reductions' specs (off until run on a GPU)
+    monkeypatch.setattr(conv_sm90, "PIXEL_NORMS", True)  # ... and the channel softmax's
     spec = CONV_GEMM_SPECS[name]
     c = cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True)
     assert isinstance(c, cuda_templates.ConvGemmPlan), c
@@ -740,7 +741,9 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     # A norm: the tiles write their moments, a kernel merges them, the apply kernel
     # normalizes the output in place; a pointwise chain is the conv's launch alone.
     assert c.reduce == (spec.reduction is not None and spec.reduction.name.startswith("spatial_"))
-    assert c.stats == (spec.reduction is not None and not c.reduce)
+    assert c.softmax == {"channel_softmax": 1, "channel_log_softmax": 2}.get(getattr(spec.reduction, "name", None), 0)
+    assert c.stats == (spec.reduction is not None and not c.reduce and not c.softmax)
+    assert f"constexpr int kConvSoftmax = {c.softmax};" in source
     assert ("_apply(" in source) == ("_convstats(" in source) == ("b.y = a.out;" in source) == c.stats
     assert f"constexpr bool kConvStats = {'true' if c.stats else 'false'};" in source
     if c.stats:  # the output holds the conv's value; the apply kernel runs stage0 on it, as on the library path
@@ -776,7 +779,9 @@ def test_in_kernel_conv_refuses_what_it_does_not_cover():
     then_mean = replace(gn, steps=gn.steps[:2] + (Step("spatial_mean"),))
     assert "after groupnorm" in cuda_templates.conv_gemm_plan(then_mean, "sm90")
     softmax = replace(gn, steps=(gn.steps[0], Step("channel_softmax")), fusion="conv_channel_softmax")
-    assert "not implemented" in cuda_templates.conv_gemm_plan(softmax, "sm90")
+    assert "off until run on a GPU" in cuda_templates.conv_gemm_plan(softmax, "sm90")  # conv_sm90.PIXEL_NORMS
+    channel_max = replace(gn, steps=(gn.steps[0], Step("channel_amax")), fusion="conv_channel_amax")
+    assert "not implemented" in cuda_templates.conv_gemm_plan(channel_max, "sm90")
     odd_cin = replace(base, anchor=replace(base.anchor, direct=(60, 3, 3, 64, 64)))
     assert "multiples of 8" in cuda_templates.conv_gemm_plan(odd_cin, "sm90")
     odd_cout = replace(base, channels=100)
@@ -973,6 +978,66 @@ def test_in_kernel_conv_spatial_reduction_plans(monkeypatch):
     assert "saved for backward" in cuda_templates.conv_gemm_plan(saving, "sm90")
 
 
+def _clean_wgmma_sass(spec, workdir) -> str:
+    """The SASS of `spec`'s in-kernel file (float32 in TF32), after checking that it holds
+    wgmmas, reads no accumulator before the last one's wait, and spills nothing."""
+    kernel = cuda_templates.kernel_name(spec, "sm90", True)
+    library = cuda_templates.build(cuda_templates.render(spec, "sm90", conv_tf32=True), kernel, "sm90a", workdir)
+    sass = subprocess.run([CUOBJDUMP, "-sass", str(library)], capture_output=True, text=True, check=True).stdout
+    assert "HGMMA" in sass, kernel
+    assert not accumulator_uses_in_flight(sass), (kernel, accumulator_uses_in_flight(sass)[:5])
+    assert not re.search(r"\b(?:LDL|STL)\b", sass), kernel
+    return sass
+
+
+def test_in_kernel_conv_channel_softmax_plans(monkeypatch):
+    # A softmax or log_softmax over each pixel's channels in registers (conv_sm90.PIXEL_NORMS,
+    # off until its GPU tests run), where one tile holds every channel: then staged and
+    # stored as a pointwise chain's tile; no apply kernel, no workspace.
+    from cuda_templates import conv_sm90
+
+    spec = conv_gemm_specs("bfloat16")["igemm_channel_softmax_32"]
+    monkeypatch.setattr(conv_sm90, "PIXEL_NORMS", False)
+    assert "off until run on a GPU" in cuda_templates.conv_gemm_plan(spec, "sm90")
+    monkeypatch.setattr(conv_sm90, "PIXEL_NORMS", True)
+    c = cuda_templates.conv_gemm_plan(spec, "sm90")
+    assert c.softmax == 1 and not c.stats and not c.reduce and c.block_n == 32
+    source = cuda_templates.render(spec, "sm90")
+    assert "constexpr int kConvSoftmax = 1;" in source and "stage1<1>(y, pos, e0, a, s0, s1);" in source
+    assert "fusedepi_workspace_floats(long long rows) { return 0; }" in source and "_apply(" not in source
+    assert "x = expf(x - s0) / s1;" in source  # stage1's normalize, as the library path's
+    log = conv_gemm_specs("bfloat16")["igemm_channel_log_softmax_128"]
+    assert cuda_templates.conv_gemm_plan(log, "sm90").softmax == 2
+    assert "x = x - s0 - s1;" in cuda_templates.render(log, "sm90")
+    # bf16 tiles of 192 (cooperative) hold 192 channels; float32 tiles hold at most 128
+    wide = replace(log, channels=192)
+    assert cuda_templates.conv_gemm_plan(wide, "sm90").block_n == 192
+    wide32 = replace(conv_gemm_specs("float32")["igemm_channel_log_softmax_128"], channels=192)
+    wide32 = replace(wide32, anchor=replace(wide32.anchor, rounded=True))
+    assert "more than one tile" in cuda_templates.conv_gemm_plan(wide32, "sm90", conv_tf32=True)
+    f32 = conv_gemm_specs("float32")["igemm_channel_softmax_32"]
+    f32 = replace(f32, anchor=replace(f32.anchor, rounded=True))
+    assert "_apply(" not in cuda_templates.render(f32, "sm90", conv_tf32=True)
+    assert "_apply(" in cuda_templates.render(f32, "sm90")  # exact float32: the library conv, then the kernel
+
+
+@needs_nvcc
+@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_nvcc_compiles_the_in_kernel_conv_channel_softmax(dtype, tmp_path, monkeypatch):
+    # The softmax files build (bf16 also on a cooperative tile of 192 channels) with no
+    # accumulator read before the last wgmma's wait and nothing spilled.
+    from cuda_templates import conv_sm90
+
+    monkeypatch.setattr(conv_sm90, "PIXEL_NORMS", True)
+    specs = [conv_gemm_specs(dtype)[name] for name in ("igemm_channel_softmax_32", "igemm_channel_log_softmax_128")]
+    specs += [replace(specs[1], channels=192)] if dtype == "bfloat16" else []
+    for spec in specs:
+        spec = replace(spec, anchor=replace(spec.anchor, rounded=dtype == "float32"))
+        assert cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True).softmax, spec.fusion
+        _clean_wgmma_sass(spec, tmp_path)
+
+
 @needs_nvcc
 @pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -985,13 +1050,8 @@ def test_nvcc_compiles_the_in_kernel_conv_spatial_reduction(dtype, tmp_path, mon
     for name in ("igemm_relu_global_mean", "igemm_tanh_amax_scale"):
         spec = conv_gemm_specs(dtype)[name]
         spec = replace(spec, anchor=replace(spec.anchor, rounded=dtype == "float32"))
-        kernel = cuda_templates.kernel_name(spec, "sm90", True)
-        assert cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True).reduce, kernel
-        library = cuda_templates.build(cuda_templates.render(spec, "sm90", conv_tf32=True), kernel, "sm90a", tmp_path)
-        sass = subprocess.run([CUOBJDUMP, "-sass", str(library)], capture_output=True, text=True, check=True).stdout
-        assert "HGMMA" in sass and "_convreduce" in sass, kernel
-        assert not accumulator_uses_in_flight(sass), accumulator_uses_in_flight(sass)[:5]
-        assert not re.search(r"\b(?:LDL|STL)\b", sass), kernel
+        assert cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True).reduce, spec.fusion
+        assert "_convreduce" in _clean_wgmma_sass(spec, tmp_path)
 
 
 @needs_nvcc

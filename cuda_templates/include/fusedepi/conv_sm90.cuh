@@ -8,7 +8,8 @@
 //   w: the weight [kChannels, kTaps, kCinPad]), stage0_chan, stage0_chan_of, stage0_at,
 //   kChannels (KERNEL_FILE and CONV_KERNELS' constants: kBM, kBN, kBK, kSwizzle, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
 //   kHo, kWo, kPitch, kCBlocks, kTilesN, kTilesPerImage, kTileA, kTileB, kMmaK, kPingPong,
-//   kConvStats, kConvReduce, kReduceOp, kPartsAt, kNchw, kNchwBoxW, wgmma_n), and hopper.cuh.
+//   kConvStats, kConvReduce, kReduceOp, kConvSoftmax, pixel_stage1, kPartsAt, kNchw, kNchwBoxW, wgmma_n),
+//   and hopper.cuh.
 // It is not a standalone header: those constants differ per file.
 #pragma once
 
@@ -378,6 +379,37 @@ __device__ __forceinline__ void stage_chain(float (&d)[kBN / 2], const TileChans
     d[i] = fusedepi::to_float(fusedepi::from_float<T>(d[i]));
     if constexpr (!kConvStats) chain(j, e, h, i);
   });
+  if constexpr (kConvSoftmax > 0) {
+    // A softmax (1) or log_softmax (2) over each pixel's channels, all in the tile: a
+    // pixel's kChannels values are in the 4 lanes that share lane / 4 (each holds channels
+    // 8j + 2 * (lane % 4) + e). Its maximum m (fmaxf skips NaN), then the sum s of exp(x -
+    // m) (a -inf adds 0; a NaN reaches s, and so every channel of the pixel, as eager's),
+    // then stage1 (the normalize, then the steps after it) on each value with (m, s or
+    // log s), as the library path's channel apply kernel computes them.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 8 * h;
+      const bool inside = r / kTW < rows && r % kTW < width;
+      const int pixel = inside ? (h0 + r / kTW) * kWo + w0 + r % kTW : 0;
+      float m = -INFINITY, sum = 0.f;
+      each_value(n0, [&](int j, int e, int hh, int i) {
+        if (hh == h) m = fmaxf(m, d[i]);
+      });
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      each_value(n0, [&](int j, int e, int hh, int i) {
+        if (hh == h) sum += d[i] == -INFINITY ? 0.f : expf(d[i] - m);
+      });
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float s1 = kConvSoftmax == 2 ? logf(sum) : sum;
+      each_value(n0, [&](int j, int e, int hh, int i) {
+        if (hh != h) return;
+        const int c = n0 + 8 * j + 2 * (lane % 4) + e;
+        pixel_stage1(d[i], c * static_cast<int>(kPlane) + pixel, idx[h][e] + 8 * j * kPlane, a, m, s1);
+      });
+    }
+  }
   if constexpr (kConvReduce) return;  // the chain's values stay in registers for tile_reduce: nothing is written
   each_value(n0, [&](int j, int e, int h, int i) { sts_value(at[h][e] + 8 * j * kPitch * kElem, d[i]); });
   // The elements of the runs' partial chunks, which no bulk copy writes (it moves whole,
