@@ -654,8 +654,10 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     reason it does not apply. It takes the candidates for the file's own conv kernels
     (`Anchor.direct`: 2-D, groups 1; any dilation, strides up to conv_sm90.MAX_STRIDE)
     that the direct conv does not cover (`direct_plan`), with a pointwise chain or a norm
-    over whole channels. conv_tf32: a float32 conv may use TF32
-    (`torch.backends.cudnn.allow_tf32`); without it float32 is not taken."""
+    over whole channels (and, where conv_sm90's switches allow, a spatial reduction or a
+    softmax over each pixel's channels after a pointwise chain). conv_tf32: a float32
+    conv may use TF32 (`torch.backends.cudnn.allow_tf32`); without it float32 is not
+    taken."""
     anchor = spec.anchor
     if anchor.kind != "conv" or not anchor.direct or anchor.channels_last:
         return "not a 2-D conv with groups 1"
@@ -1271,7 +1273,9 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
     the norm's statistics, and the file's apply kernel runs stage0 and stage1 (the
     norm, then the steps after it) on the output in place, as on the library path. With
     a spatial reduction (`c.reduce`) the tiles write each (image, patch, channel)'s
-    reduction of stage0 into the workspace, and a kernel merges them and runs stage1."""
+    reduction of stage0 into the workspace, and a kernel merges them and runs stage1; with
+    a softmax over each pixel's channels (`c.softmax`) the tiles run stage1 too, before
+    they are staged: one launch, as a pointwise chain's."""
     name = c.name(spec, arch)
     red = spec.reduction
     cin, kh, kw, h, w = spec.anchor.direct
