@@ -141,6 +141,15 @@ __device__ __forceinline__ void rows_inside(bool (&inside)[kMBlocks][2], int blo
     }
 }
 
+// `s` of each of the 8 lanes that share lane % 4 (one channel's values over a warp's 16
+// rows) combined by `op`, in every one of them.
+template <typename Op>
+__device__ __forceinline__ float over_warp_rows(float s, Op op) {
+  s = op(s, __shfl_xor_sync(0xffffffffu, s, 4));
+  s = op(s, __shfl_xor_sync(0xffffffffu, s, 8));
+  return op(s, __shfl_xor_sync(0xffffffffu, s, 16));
+}
+
 // The moments of each channel of a tile over its valid pixels, by its finishing thread
 // `ft` (of kFinishers; `sync` the finishers' named barrier): d[b] holds the values of m64
 // row block `block0 + b` of the tile after stage0, as stage_chain left them. Two passes
@@ -162,11 +171,7 @@ __device__ __forceinline__ void tile_moments(const float (&d)[kMBlocks][kBN / 2]
   const int fw = ft / 32;
   // d: the value before the norm, stage0 on the stored conv value in float32 (what the
   // apply kernel computes from it).
-  const auto warp_rows = [&](float s) {  // over the 8 lanes that share lane % 4: the warp's 16 rows
-    s += __shfl_xor_sync(0xffffffffu, s, 4);
-    s += __shfl_xor_sync(0xffffffffu, s, 8);
-    return s + __shfl_xor_sync(0xffffffffu, s, 16);
-  };
+  const auto warp_rows = [](float s) { return over_warp_rows(s, [](float x, float y) { return x + y; }); };
   each_value(n0, [&](int j, int e, int h, int i) {
     if (h != 0) return;  // once a channel: both rows below
     float s = 0.f;
@@ -267,16 +272,8 @@ __device__ __forceinline__ void tile_reduce(const float (&d)[kMBlocks][kBN / 2],
   float* values = scratch;                         // [kFinishWarps][kBN]
   float* nans = scratch + kFinishWarps * kBN;      // [kFinishWarps][kBN]
   const int fw = ft / 32;
-  const auto warp_rows = [&](float s) {  // over the 8 lanes that share lane % 4: the warp's 16 rows
-    s = reduce_pair(s, __shfl_xor_sync(0xffffffffu, s, 4));
-    s = reduce_pair(s, __shfl_xor_sync(0xffffffffu, s, 8));
-    return reduce_pair(s, __shfl_xor_sync(0xffffffffu, s, 16));
-  };
-  const auto warp_count = [&](float s) {
-    s += __shfl_xor_sync(0xffffffffu, s, 4);
-    s += __shfl_xor_sync(0xffffffffu, s, 8);
-    return s + __shfl_xor_sync(0xffffffffu, s, 16);
-  };
+  const auto warp_rows = [](float s) { return over_warp_rows(s, [](float x, float y) { return reduce_pair(x, y); }); };
+  const auto warp_count = [](float s) { return over_warp_rows(s, [](float x, float y) { return x + y; }); };
   each_value(n0, [&](int j, int e, int h, int i) {
     if (h != 0) return;  // once a channel: both rows below
     float s = kIdentity, n = 0.f;
