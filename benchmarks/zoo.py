@@ -23,9 +23,9 @@ what fused and what the measured choice found; then a summary of both ratios.
 kernels in one thread, TORCHINDUCTOR_COMPILE_THREADS=1, and runs torch's CPU ops in one,
 since the processes are the parallelism; with --gpus N they take the N GPUs in turn), so
 that the timed pass finds nvcc's and Inductor's caches warm, and prints a line as each
-compile ends; the timed pass runs one model at a time on a GPU. `--gpus N` runs the timed pass in N processes,
-one a GPU of this machine, each on every N-th model, and merges their rows; one model
-still runs alone on its GPU. `--json` is rewritten after every model ("complete": false
+compile ends; the timed pass runs one model at a time on a GPU. `--gpus N` runs the
+timed pass in N processes, one a GPU of this machine, each on every N-th model, and
+merges their rows; one model still runs alone on its GPU. `--json` is rewritten after every model ("complete": false
 until the last; with --gpus, when the processes end or the run is stopped), so a run
 stopped at a time limit leaves the rows it finished; `--table` says so of such a file.
 """
