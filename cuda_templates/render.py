@@ -689,10 +689,9 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     if cin % per_16_bytes or spec.channels % 8:
         return (f"{cin} -> {spec.channels} channels (the in-kernel conv takes input channels in multiples of "
                 f"{per_16_bytes}, output channels in multiples of 8)")
-    tile = conv_sm90.tiling(spec.channels, wo, ITEMSIZE[spec.dtype], stats=stats or reduce,
-                            k_bytes=conv_sm90.k_step_bytes(cin, ITEMSIZE[spec.dtype]), stride_w=anchor.conv[0][1],
-                            ho=ho)
     stride, padding, dilation = anchor.conv[:3]
+    tile = conv_sm90.tiling(spec.channels, wo, ITEMSIZE[spec.dtype], stats=stats or reduce,
+                            k_bytes=conv_sm90.k_step_bytes(cin, ITEMSIZE[spec.dtype]), stride_w=stride[1], ho=ho)
     if softmax and tile.block_n < spec.channels:
         return (f"{spec.reduction.name} over {spec.channels} channels: more than one tile of the in-kernel conv "
                 f"({tile.block_n})")
