@@ -113,13 +113,13 @@ MAX_BOX = 256
 READS_NCHW = True
 NCHW_BOX_W = 64  # pixels of an NCHW box: one m64 block, a 128-byte swizzle row in 16-bit
 # A spatial reduction after a pointwise chain (global pooling: spatial_sum, _mean, _amax,
-# _amin) inside the tiles, the conv's output never written (ConvGemmPlan.reduce). Off
-# until its GPU tests have run (tests/test_gpu.py, test_in_kernel_conv_spatial_reduction).
-REDUCES = False
+# _amin) inside the tiles, the conv's output never written (ConvGemmPlan.reduce); GPU
+# tests: tests/test_gpu.py, test_in_kernel_conv_spatial_reduction.
+REDUCES = True
 # A softmax or log_softmax over each pixel's channels (channel_softmax, channel_log_softmax)
 # where one tile holds all of them, in registers before the tile is staged
-# (ConvGemmPlan.softmax). Off until its GPU tests have run (test_in_kernel_conv_channel_softmax).
-PIXEL_NORMS = False
+# (ConvGemmPlan.softmax); GPU tests: test_in_kernel_conv_channel_softmax.
+PIXEL_NORMS = True
 
 
 @dataclass(frozen=True)

@@ -733,9 +733,9 @@ def conv_stats(spec: EpilogueSpec) -> bool | str:
     if red.name in SEGMENT_NORMS and red.groups and spec.channels % red.groups == 0:
         return True
     if red.name in SPATIAL_REDUCTIONS:
-        return f"{red.name} after the in-kernel conv: off until run on a GPU (conv_sm90.REDUCES)"
+        return f"{red.name} after the in-kernel conv: switched off (conv_sm90.REDUCES)"
     if red.name in CHANNEL_NORMS:
-        return f"{red.name} after the in-kernel conv: off until run on a GPU (conv_sm90.PIXEL_NORMS)"
+        return f"{red.name} after the in-kernel conv: switched off (conv_sm90.PIXEL_NORMS)"
     return (f"{red.name} after the in-kernel conv is not implemented (pointwise chains, BatchNorm, norms over "
             "whole channels of an image, spatial reductions, a softmax over a pixel's channels)")
 

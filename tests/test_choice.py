@@ -31,7 +31,7 @@ def _model():
     return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.GELU())
 
 
-def _forced(monkeypatch, fused_ms, inductor_ms, difference=0.0, graph=(1.0, 1.0, 0.1, 0.1)):
+def _forced(monkeypatch, fused_ms, inductor_ms, difference=0.0, graph=(1.0, 2.0, 0.1, 0.1)):
     """Forces the chains' times (and `graph`, the whole graph's: fused, Inductor's, on the
     GPU and then the CPU's launches: `choice.GraphTimes`);
     returns the list of what was measured, anchors' names and "graph"."""
@@ -50,15 +50,21 @@ def _forced(monkeypatch, fused_ms, inductor_ms, difference=0.0, graph=(1.0, 1.0,
     return calls
 
 
-@pytest.mark.parametrize("fused_ms, inductor_ms, fuses", [(1.0, 2.0, True), (1.0, 1.0, True), (2.0, 1.0, False)])
-def test_a_chain_is_fused_only_where_it_is_not_slower(timed, monkeypatch, fused_ms, inductor_ms, fuses):
+@pytest.mark.parametrize("fused_ms, inductor_ms, why", [
+    (1.0, 2.0, None), (0.98, 1.0, None),  # faster by 2% or more: fused
+    (0.99, 1.0, "not 2% faster than Inductor here: fused 0.99 ms"), (1.0, 1.0, "not 2% faster than Inductor here"),
+    (2.0, 1.0, "Inductor is faster here: fused 2 ms, Inductor 1 ms")])
+def test_a_chain_is_fused_only_where_it_is_faster(timed, monkeypatch, fused_ms, inductor_ms, why):
+    """A chain's fused op is kept where it takes at most `choice.WIN` (98%) of Inductor's
+    time: a tie, or a gain within the timings' spread, leaves the chain to Inductor."""
     _forced(monkeypatch, fused_ms, inductor_ms)
     model, x = _model(), torch.randn(8, 16)
     out, fused, refused = compile_records(model, x, grad=False)
+    fuses = why is None
     records = fused if fuses else refused
     assert len(records) == 1 and f"Inductor {inductor_ms:.4g} ms" in records[0].measured
     if not fuses:
-        assert records[0].reason.startswith("Inductor is faster here: fused 2 ms, Inductor 1 ms")
+        assert records[0].reason.startswith(why)
     assert len(fused) == int(fuses)
     torch.testing.assert_close(out, _model()(x))
 
@@ -72,7 +78,7 @@ def test_the_plan_names_the_forms_the_chain_was_timed_in(timed, monkeypatch, fus
     out, fused, refused = compile_records(_model(), torch.randn(8, 16), grad=False)
     (record,) = fused or refused
     assert record.plan.forms[0].form == "gemm_bias" and record.plan.forms[0].taken
-    graph = "; whole graph: fused 1 ms, Inductor 1 ms" if fused else ""  # timed where the chain stays fused
+    graph = "; whole graph: fused 1 ms, Inductor 2 ms" if fused else ""  # timed where the chain stays fused
     assert record.measured == (f"gemm_bias: taken (FUSEDEPI_FOLD_GEMM_BIAS=1); fused {fused_ms:.4g} ms, "
                                f"Inductor {inductor_ms:.4g} ms{graph}")
     if refused:
@@ -88,14 +94,15 @@ def test_the_choice_is_cached_on_disk_and_not_measured_again(timed, monkeypatch)
     compile_records(model, x)
     assert calls == ["addmm", "graph"]
     stored = json.loads((timed / timings.CACHE_FILE).read_text())
-    assert sorted(stored.values()) == [[1.0, 1.0, 0.1, 0.1], [1.0, 2.0, 0.0]]
+    assert sorted(stored.values()) == [[1.0, 2.0, 0.0], [1.0, 2.0, 0.1, 0.1]]
     choice.timings._cache.clear()  # as a new process: only the file is left
     choice.timings._read_files.clear()
     _, fused, _ = compile_records(model, x)
     assert calls == ["addmm", "graph"] and len(fused) == 1
 
 
-@pytest.mark.parametrize("graph, fuses", [((1.0, 1.0, 0.1, 0.1), True), ((2.0, 1.0, 0.1, 0.1), False)])
+@pytest.mark.parametrize("graph, fuses", [((0.9, 1.0, 0.1, 0.1), True), ((1.0, 1.0, 0.1, 0.1), False),
+                                          ((2.0, 1.0, 0.1, 0.1), False)])
 def test_a_graph_slower_as_a_whole_runs_as_inductor_compiles_it(timed, monkeypatch, graph, fuses):
     """Each chain wins on its own (1 ms against 2), but where the graph with its fused ops
     is slower than Inductor's compile of the whole graph, Inductor's runs: the fused op is
@@ -120,9 +127,10 @@ def test_a_graph_slower_as_a_whole_runs_as_inductor_compiles_it(timed, monkeypat
     assert (record.status == "fused") == fuses and bool(ran) == fuses
     # The chain's own times, then the whole graph's, in explain's "measured" text.
     assert record.measured == f"fused 1 ms, Inductor 2 ms; whole graph: fused {graph[0]:.4g} ms, Inductor 1 ms"
-    if not fuses:
-        assert record.reason == ("the graph with its fused ops is slower than Inductor's: 2 ms against 1 ms a call "
-                                 "for the whole graph, which Inductor then compiles as it stands")
+    if not fuses:  # slower, or a tie: not faster by `choice.WIN`'s 2%
+        slower = "slower than" if graph[0] > 1.0 else "not 2% faster than"
+        assert record.reason == (f"the graph with its fused ops is {slower} Inductor's: {graph[0]:.4g} ms against 1 ms "
+                                 "a call for the whole graph, which Inductor then compiles as it stands")
 
 
 

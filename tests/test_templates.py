@@ -690,7 +690,7 @@ CONV_GEMM_SPECS = {
 def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     from cuda_templates import conv_sm90
 
-    monkeypatch.setattr(conv_sm90, "REDUCES", True)  # the spatial reductions' specs (off until run on a GPU)
+    monkeypatch.setattr(conv_sm90, "REDUCES", True)  # the spatial reductions' specs
     monkeypatch.setattr(conv_sm90, "PIXEL_NORMS", True)  # ... and the channel softmax's
     spec = CONV_GEMM_SPECS[name]
     c = cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True)
@@ -779,7 +779,7 @@ def test_in_kernel_conv_refuses_what_it_does_not_cover():
     then_mean = replace(gn, steps=gn.steps[:2] + (Step("spatial_mean"),))
     assert "after groupnorm" in cuda_templates.conv_gemm_plan(then_mean, "sm90")
     softmax = replace(gn, steps=(gn.steps[0], Step("channel_softmax")), fusion="conv_channel_softmax")
-    assert "off until run on a GPU" in cuda_templates.conv_gemm_plan(softmax, "sm90")  # conv_sm90.PIXEL_NORMS
+    assert cuda_templates.conv_gemm_plan(softmax, "sm90").softmax == 1  # conv_sm90.PIXEL_NORMS
     channel_max = replace(gn, steps=(gn.steps[0], Step("channel_amax")), fusion="conv_channel_amax")
     assert "not implemented" in cuda_templates.conv_gemm_plan(channel_max, "sm90")
     odd_cin = replace(base, anchor=replace(base.anchor, direct=(60, 3, 3, 64, 64)))
@@ -947,15 +947,15 @@ def test_in_kernel_conv_nchw_plans(monkeypatch):
 
 
 def test_in_kernel_conv_spatial_reduction_plans(monkeypatch):
-    # A spatial reduction after a pointwise chain in the tiles (conv_sm90.REDUCES, off
-    # until its GPU tests run): the tiles' partials, a float an (image, patch, channel),
+    # A spatial reduction after a pointwise chain in the tiles (conv_sm90.REDUCES; the
+    # switch off names it): the tiles' partials, a float an (image, patch, channel),
     # then a kernel that merges them and runs the steps after the reduction; no apply
     # kernel, no conv output.
     from cuda_templates import conv_sm90
 
     spec = conv_gemm_specs("bfloat16")["igemm_relu_global_mean"]
     monkeypatch.setattr(conv_sm90, "REDUCES", False)
-    assert "off until run on a GPU" in cuda_templates.conv_gemm_plan(spec, "sm90")
+    assert "switched off" in cuda_templates.conv_gemm_plan(spec, "sm90")
     monkeypatch.setattr(conv_sm90, "REDUCES", True)
     c = cuda_templates.conv_gemm_plan(spec, "sm90")
     assert c.reduce and not c.stats and (c.tile_h, c.tile_w) == (4, 32)
@@ -991,14 +991,14 @@ def _clean_wgmma_sass(spec, workdir) -> str:
 
 
 def test_in_kernel_conv_channel_softmax_plans(monkeypatch):
-    # A softmax or log_softmax over each pixel's channels in registers (conv_sm90.PIXEL_NORMS,
-    # off until its GPU tests run), where one tile holds every channel: then staged and
+    # A softmax or log_softmax over each pixel's channels in registers (conv_sm90.PIXEL_NORMS;
+    # the switch off names it), where one tile holds every channel: then staged and
     # stored as a pointwise chain's tile; no apply kernel, no workspace.
     from cuda_templates import conv_sm90
 
     spec = conv_gemm_specs("bfloat16")["igemm_channel_softmax_32"]
     monkeypatch.setattr(conv_sm90, "PIXEL_NORMS", False)
-    assert "off until run on a GPU" in cuda_templates.conv_gemm_plan(spec, "sm90")
+    assert "switched off" in cuda_templates.conv_gemm_plan(spec, "sm90")
     monkeypatch.setattr(conv_sm90, "PIXEL_NORMS", True)
     c = cuda_templates.conv_gemm_plan(spec, "sm90")
     assert c.softmax == 1 and not c.stats and not c.reduce and c.block_n == 32
