@@ -13,6 +13,7 @@
 #   bash benchmarks/device_run.sh zoo [args]                                 # benchmarks.zoo, args passed on
 #     (on a kind of several GPUs: zoo --gpus N --warm M, one timed process a GPU; ZOO_TIMEOUT bounds it all)
 #   bash benchmarks/device_run.sh variants [args]                            # benchmarks.kernel_variants, args passed on
+#   bash benchmarks/device_run.sh compile MODEL... [--dtypes ...]            # benchmarks.compile_time: cold, then warm
 # The benchmark makes fresh kernel and Inductor caches of its own, so its compile times are cold.
 # Logs and JSON go to $OUT (the device tool's output folder) or /tmp/fusedepi-out.
 set -uo pipefail
@@ -76,6 +77,11 @@ fi
 if [ "$what" = variants ]; then
   FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 -m benchmarks.kernel_variants "$@" 2>&1 \
     | grep --line-buffered -v -i warn | tee -a "$OUT/variants.log"
+  status=${PIPESTATUS[0]}
+fi
+if [ "$what" = compile ]; then
+  python3 -m benchmarks.compile_time "$@" --json "$OUT/compile_time.json" 2>&1 | grep --line-buffered -v -i warn \
+    | tee -a "$OUT/compile_time.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -286,3 +286,24 @@ def test_warm_prints_each_compile_as_it_ends_and_spreads_its_processes_over_the_
     assert lines[0].startswith("[warm] 1/2 a float32: 2 s (")
     assert lines[1].startswith("[warm] 2/2 b bfloat16: 2 s RuntimeError: no (")
     assert lines[2].startswith("[warm] 2 of 2 compiles in ")
+
+
+def test_compile_time_starts_cold_then_warm_and_the_warm_start_times_nothing(monkeypatch, capsys):
+    """`benchmarks.compile_time`: two new processes on fresh caches of their own. Here on
+    the CPU, with the measured choice timing the fused op's reference against Inductor
+    (FUSEDEPI_AUTOTUNE=on): the cold start times the chain, the warm one reads the choice
+    from the cache and times nothing; neither runs nvcc."""
+    from benchmarks import compile_time
+
+    monkeypatch.setenv("FUSEDEPI_CPU_REFERENCE", "1")
+    monkeypatch.setenv("FUSEDEPI_AUTOTUNE", "on")
+    row = compile_time.measure("linear_ln_relu", "float32")
+    cold, warm = row["starts"]
+    assert cold["timed_chains"] == 1 and (warm["timed_chains"], warm["timed_graphs"]) == (0, 0)
+    assert cold["builds"] == warm["builds"] == 0 and cold["seconds"] > 0 and warm["seconds"] > 0
+    assert cold["fused"] + cold["refused"]  # the chain's record came back from the process
+    text = compile_time.describe(row)
+    assert text.startswith("linear_ln_relu") and "warm" in text and "1 chains and 0 graphs timed" in text
+    with pytest.raises(SystemExit):
+        compile_time.main(["no_such_model"])
+    assert "unknown zoo models: ['no_such_model']" in capsys.readouterr().err
