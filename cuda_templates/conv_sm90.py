@@ -118,8 +118,10 @@ NCHW_BOX_W = 64  # pixels of an NCHW box: one m64 block, a 128-byte swizzle row 
 REDUCES = True
 # A softmax or log_softmax over each pixel's channels (channel_softmax, channel_log_softmax)
 # where one tile holds all of them, in registers before the tile is staged
-# (ConvGemmPlan.softmax); GPU tests: test_in_kernel_conv_channel_softmax.
-PIXEL_NORMS = True
+# (ConvGemmPlan.softmax); GPU tests: test_in_kernel_conv_channel_softmax. Right, but off:
+# on conv2d_softmax_channels (H200) it took 0.1205 / 0.1234 ms (float32 / bf16) against
+# the library conv's form's 0.0995 / 0.0812, so it would only cost a build and a timing.
+PIXEL_NORMS = False
 
 
 @dataclass(frozen=True)
