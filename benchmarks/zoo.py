@@ -555,7 +555,10 @@ def run_model(zoo: ZooModel, dtype_name: str, time_it: bool = True, profile: boo
     row = {"model": zoo.name, "dtype": dtype_name}
     compiled = {}
     with torch.no_grad():
+        started = time.perf_counter()
         reference = copy.deepcopy(base).double()(x.double())
+        torch.cuda.synchronize()
+        row["reference_s"] = round(time.perf_counter() - started, 1)
         for backend in ("inductor", "fusedepi"):
             model = copy.deepcopy(base)
             torch._dynamo.reset()
@@ -602,7 +605,8 @@ def chains(zoo: ZooModel, dtype_name: str) -> list[str]:
 
 
 def _warm(task):
-    """One warm compile: (name, dtype, error or "", its seconds)."""
+    """One warm compile: (name, dtype, error or "", its seconds, where they went: the
+    float64 reference's and each backend's compile's seconds, as far as it got)."""
     name, dtype_name = task
     os.environ["FUSEDEPI_AUTOTUNE"] = "off"
     import logging
@@ -610,10 +614,12 @@ def _warm(task):
     logging.getLogger("fusedepi").setLevel(logging.ERROR)
     started = time.perf_counter()
     try:
-        run_model(BY_NAME[name], dtype_name, time_it=False)
-        return name, dtype_name, "", time.perf_counter() - started
+        row = run_model(BY_NAME[name], dtype_name, time_it=False)
     except Exception as err:  # noqa: BLE001 - reported, and the timed pass meets it again
-        return name, dtype_name, f"{type(err).__name__}: {str(err)[:200]}", time.perf_counter() - started
+        return name, dtype_name, f"{type(err).__name__}: {str(err)[:200]}", time.perf_counter() - started, ""
+    phases = ", ".join(f"{label} {row[key]:.0f} s" for label, key in (
+        ("reference", "reference_s"), ("inductor", "inductor_compile_s"), ("fusedepi", "fusedepi_compile_s")))
+    return name, dtype_name, "", time.perf_counter() - started, phases
 
 
 def _warm_worker(counter, devices: list[str] | None) -> None:
@@ -643,11 +649,12 @@ def warm(tasks: list[tuple[str, str]], processes: int, devices: list[str] | None
         context = multiprocessing.get_context("spawn")
         counter = context.Value("i", 0)
         with context.Pool(processes, initializer=_warm_worker, initargs=(counter, devices)) as pool:
-            for name, dtype_name, error, seconds in pool.imap_unordered(_warm, tasks):
+            for name, dtype_name, error, seconds, phases in pool.imap_unordered(_warm, tasks):
                 done += 1
                 failed += bool(error)
                 print(f"[warm] {done}/{len(tasks)} {name} {dtype_name}: {seconds:.0f} s"
-                      f"{' ' + error if error else ''} ({time.perf_counter() - started:.0f} s so far)", flush=True)
+                      f"{' (' + phases + ')' if phases else ''}{' ' + error if error else ''} "
+                      f"({time.perf_counter() - started:.0f} s so far)", flush=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
         if threads is None:

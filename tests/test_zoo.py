@@ -270,7 +270,9 @@ def test_warm_prints_each_compile_as_it_ends_and_spreads_its_processes_over_the_
 
     def warm_one(task):
         assert os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
-        return task[0], task[1], "RuntimeError: no" if task[0] == "b" else "", 2.0
+        if task[0] == "b":
+            return task[0], task[1], "RuntimeError: no", 2.0, ""
+        return task[0], task[1], "", 2.0, "reference 0 s, inductor 1 s, fusedepi 1 s"
 
     threads = torch.get_num_threads()
     monkeypatch.setattr(multiprocessing, "get_context", lambda method: Context)
@@ -283,7 +285,7 @@ def test_warm_prints_each_compile_as_it_ends_and_spreads_its_processes_over_the_
     assert failed == 1 and workers == [("4", 1), ("5", 1), ("4", 1)]
     assert "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("[warm] 1/2 a float32: 2 s (")
+    assert lines[0].startswith("[warm] 1/2 a float32: 2 s (reference 0 s, inductor 1 s, fusedepi 1 s) (")
     assert lines[1].startswith("[warm] 2/2 b bfloat16: 2 s RuntimeError: no (")
     assert lines[2].startswith("[warm] 2 of 2 compiles in ")
 
@@ -307,3 +309,19 @@ def test_compile_time_starts_cold_then_warm_and_the_warm_start_times_nothing(mon
     with pytest.raises(SystemExit):
         compile_time.main(["no_such_model"])
     assert "unknown zoo models: ['no_such_model']" in capsys.readouterr().err
+
+
+def test_compile_time_profile_lists_this_projects_functions_then_where_time_went_itself():
+    from benchmarks import compile_time
+
+    stats = {  # (file, line, function): (calls, primitive calls, own s, cumulative s, callers)
+        ("/x/fusion_backend/backend.py", 10, "fusedepi"): (1, 1, 0.1, 9.0, {}),
+        ("/x/lowering/matcher.py", 5, "match"): (1, 1, 0.2, 1.0, {}),
+        ("/y/torch/_inductor/codecache.py", 7, "load"): (1, 1, 3.0, 4.0, {}),
+        ("~", 0, "<built-in method time.sleep>"): (1, 1, 5.0, 5.0, {}),
+    }
+    lines = compile_time._profile_lines(stats, 2)
+    assert lines == ["    9.00 s cumulative  fusion_backend/backend.py:10 fusedepi",
+                     "    1.00 s cumulative  lowering/matcher.py:5 match",
+                     "    5.00 s itself      ~:0 <built-in method time.sleep>",
+                     "    3.00 s itself      _inductor/codecache.py:7 load"]
