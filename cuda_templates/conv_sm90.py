@@ -60,7 +60,10 @@ after the reduction on the value. With a softmax or log_softmax over each pixel'
 channels where one tile holds them all (`ConvGemmPlan.softmax`, PIXEL_NORMS), each pixel's
 maximum and sum of exponentials come from the 4 lanes that hold its channels (shuffles),
 and stage1 (the normalize, then the steps after it) runs on every value before the tile
-is staged and written as a pointwise chain's.
+is staged and written as a pointwise chain's. With a pooling window whose stride is the
+window (`ConvGemmPlan.pool`, POOLS_IN_TILE: MaxPool2d, AvgPool2d of 2 or 4 pixels a side,
+unpadded) the staged tile is pooled by the finishing threads instead of stored, and the
+pooled plane is the only output.
 
 float32 runs in TF32 (wgmma reads the operands' top 19 bits), only where
 `torch.backends.cudnn.allow_tf32` allows it, as cuDNN's conv does.
@@ -122,6 +125,13 @@ REDUCES = True
 # on conv2d_softmax_channels (H200) it took 0.1205 / 0.1234 ms (float32 / bf16) against
 # the library conv's form's 0.0995 / 0.0812, so it would only cost a build and a timing.
 PIXEL_NORMS = False
+# A MaxPool2d or AvgPool2d after a pointwise chain, its stride its window (2 or 4 pixels a
+# side), unpadded, pooled in the tile from the staged values (ConvGemmPlan.pool): the
+# conv's output never written, the pooled plane written once. Off until its GPU tests
+# have run (tests/test_gpu.py, test_in_kernel_conv_pool).
+POOLS_IN_TILE = False
+# The window sides a patch of power-of-two rows and columns holds whole.
+POOL_SIDES = (1, 2, 4)
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,9 @@ class ConvGemmPlan:
             REDUCES) and write that instead of the conv's output.
         softmax: 0, or 1 (softmax) or 2 (log_softmax) over each pixel's channels, all in
             the tile (PIXEL_NORMS), applied before the tile is staged.
+        pool: () or the (rows, columns) of a pooling window whose stride is the window,
+            unpadded (POOLS_IN_TILE): the staged tile is pooled and only the pooled plane
+            is written; the patch holds whole windows.
     """
 
     block_n: int
@@ -158,6 +171,7 @@ class ConvGemmPlan:
     nchw: bool = False
     reduce: bool = False
     softmax: int = 0
+    pool: tuple = ()
 
     def name(self, spec, arch: str) -> str:
         return f"igemm{self.block_m}x{self.block_n}{'_nchw' if self.nchw else ''}_" + spec.kernel_name(arch + "a")
@@ -303,6 +317,14 @@ def wgmma_asm(dtype: str, n: int, a_mn_major: bool = False) -> str:
 #   $reduce_op  that reduction (a fusedepi::RowReduce; kSum where none)
 #   $softmax    ConvGemmPlan.softmax
 #   $pixel_stage1  pixel_stage1's body: stage1 on one value (ConvGemmPlan.softmax), else nothing
+#   $pool       a pooling window in the tiles (ConvGemmPlan.pool): true or false
+#   $pool_kh    its window (and stride): rows (1 where none)
+#   $pool_kw    ... and columns
+#   $pool_max   max (true) or avg (false)
+#   $pool_divisor  avg's divisor: the window's size, or divisor_override (1 where none)
+#   $pool_ho    the pooled plane's rows (the output's where none)
+#   $pool_wo    ... and columns
+#   $pool_stage1  pool_stage1's body: stage1 on the pooled value (ConvGemmPlan.pool), else nothing
 #   $nchw       x read in its NCHW layout (ConvGemmPlan.nchw): true or false
 #   $nchw_box_w pixels of an NCHW box (NCHW_BOX_W)
 #   $parts_at   where the moments or the reductions go: floats from the workspace's start
@@ -328,6 +350,16 @@ constexpr int kConvSoftmax = $softmax;  // 1 softmax, 2 log_softmax over each pi
 [[maybe_unused]] __device__ __forceinline__ void pixel_stage1(float& v, int pos, long long e0, const Args& a, float s0,
                                                               float s1) {
 $pixel_stage1
+}
+// A pooling window over each channel's plane in place of the output's stores (conv_sm90.cuh, pool_runs):
+// kPoolKH x kPoolKW, its stride; max or avg (by kPoolDivisor); the pooled plane kPoolHo x kPoolWo.
+constexpr bool kConvPool = $pool;
+constexpr int kPoolKH = $pool_kh, kPoolKW = $pool_kw, kPoolDivisor = $pool_divisor, kPoolHo = $pool_ho, kPoolWo = $pool_wo;
+constexpr bool kPoolMax = $pool_max;
+// stage1 (the steps after the pool) on pooled value v, at its channel's place pos in the
+// row and its element e0 of the pooled output (kConvPool).
+[[maybe_unused]] __device__ __forceinline__ void pool_stage1(float& v, int pos, long long e0, const Args& a) {
+$pool_stage1
 }
 constexpr bool kNchw = $nchw;  // x read in its NCHW layout, boxes of kNchwBoxW pixels (conv_sm90.cuh)
 constexpr int kNchwBoxW = $nchw_box_w;

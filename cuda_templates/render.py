@@ -677,8 +677,10 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
         return "float32: the in-kernel conv reads x and the weight rounded to TF32 by the graph (Anchor.rounded)"
     if spec.saves:
         return "it returns values saved for backward, and the in-kernel conv writes only the result"
-    reduce, softmax = conv_reduces(spec), conv_softmax(spec)
-    stats = False if reduce or softmax else conv_stats(spec)
+    reduce, softmax, pool = conv_reduces(spec), conv_softmax(spec), conv_pool(spec)
+    if isinstance(pool, str):
+        return pool
+    stats = False if reduce or softmax or pool else conv_stats(spec)
     if isinstance(stats, str):
         return stats
     cin, kh, kw, _, _ = anchor.direct
@@ -690,12 +692,17 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
         return (f"{cin} -> {spec.channels} channels (the in-kernel conv takes input channels in multiples of "
                 f"{per_16_bytes}, output channels in multiples of 8)")
     stride, padding, dilation = anchor.conv[:3]
-    tile = conv_sm90.tiling(spec.channels, wo, ITEMSIZE[spec.dtype], stats=stats or reduce,
+    # A pool's windows whole in a patch: at least a window's rows of them (patches as wide
+    # as 128 // rows pixels at most).
+    patch_w = min(wo, conv_sm90.BLOCK_M // pool[0]) if pool else wo
+    tile = conv_sm90.tiling(spec.channels, patch_w, ITEMSIZE[spec.dtype], stats=stats or reduce,
                             k_bytes=conv_sm90.k_step_bytes(cin, ITEMSIZE[spec.dtype]), stride_w=stride[1], ho=ho)
     if softmax and tile.block_n < spec.channels:
         return (f"{spec.reduction.name} over {spec.channels} channels: more than one tile of the in-kernel conv "
                 f"({tile.block_n})")
-    return replace(tile, stats=stats, reduce=reduce, softmax=softmax,
+    if pool and (tile.tile_h % pool[0] or tile.tile_w % pool[1]):
+        return f"a {pool[0]} x {pool[1]} window: the in-kernel conv's {tile.tile_h} x {tile.tile_w} patch holds no whole ones"
+    return replace(tile, stats=stats, reduce=reduce, softmax=softmax, pool=pool,
                    nchw=conv_sm90.reads_nchw(tile, ITEMSIZE[spec.dtype], stride[1], anchor.direct[4], kw, padding[1],
                                              dilation[1]))
 
@@ -708,6 +715,33 @@ def conv_softmax(spec: EpilogueSpec) -> int:
     if not conv_sm90.PIXEL_NORMS or red is None or red.name not in CHANNEL_NORMS or spec.second_reduction is not None:
         return 0
     return 1 if red.name == "channel_softmax" else 2
+
+
+def conv_pool(spec: EpilogueSpec) -> tuple | str:
+    """The (rows, columns) of the pooling window the in-kernel conv's tiles apply
+    (`conv_sm90.POOLS_IN_TILE`: a 2-D MaxPool or AvgPool after pointwise steps whose
+    stride is its window, of `conv_sm90.POOL_SIDES`, unpadded, undilated, floor mode; the
+    pooled plane the output's rows and columns over the window's), () where the chain has
+    no pool, or why the tiles do not pool it."""
+    red = spec.reduction
+    if red is None or red.name not in POOLS:
+        return ()
+    if not conv_sm90.POOLS_IN_TILE:
+        return f"{red.name} after the in-kernel conv: switched off (conv_sm90.POOLS_IN_TILE)"
+    if spec.second_reduction is not None:
+        return f"{spec.second_reduction.name} after {red.name}: the in-kernel conv's pool is the chain's last reduction"
+    sizes, pooled, kernel, stride, padding, dilation = red.window
+    if len(kernel) != 2:
+        return f"a {len(kernel)}-D {red.name}: the in-kernel conv pools 2-D windows"
+    ceil_mode = red.consts[0]
+    if (tuple(stride) != tuple(kernel) or any(padding) or any(d != 1 for d in dilation) or ceil_mode
+            or any(k not in conv_sm90.POOL_SIDES for k in kernel)):
+        return (f"{red.name} of window {tuple(kernel)}, stride {tuple(stride)}, padding {tuple(padding)}, dilation "
+                f"{tuple(dilation)}{', ceil_mode' if ceil_mode else ''}: the in-kernel conv pools windows of "
+                f"{conv_sm90.POOL_SIDES[1:]} pixels a side, strided by their size, unpadded, undilated")
+    if tuple(pooled) != tuple(n // k for n, k in zip(sizes, kernel)):
+        return f"{red.name}: pooled {tuple(pooled)} from {tuple(sizes)} is not floor mode's"
+    return tuple(kernel)
 
 
 def conv_reduces(spec: EpilogueSpec) -> bool:
@@ -738,7 +772,7 @@ def conv_stats(spec: EpilogueSpec) -> bool | str:
         return (f"{red.name} after the in-kernel conv: switched off (conv_sm90.PIXEL_NORMS: slower than the "
                 "library conv's form where measured)")
     return (f"{red.name} after the in-kernel conv is not implemented (pointwise chains, BatchNorm, norms over "
-            "whole channels of an image, spatial reductions, a softmax over a pixel's channels)")
+            "whole channels of an image, spatial reductions, a softmax over a pixel's channels, pooling windows)")
 
 
 def anchor_plan(spec: EpilogueSpec, arch: str,
@@ -1293,6 +1327,7 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
         reduce_op=templates.ROW_REDUCE_OPS[red.name.removeprefix("spatial_") if c.reduce else "sum"],
         softmax=c.softmax,
         pixel_stage1="  float y[1] = {v};\n  stage1<1>(y, pos, e0, a, s0, s1);\n  v = y[0];" if c.softmax else "",
+        **_conv_pool_constants(spec, c, ho, wo),
     )
     fields, bind = _fields(spec, direct=True)
     launches = ["  err = static_cast<cudaError_t>(conv_launch(a, device, stream));",
@@ -1327,6 +1362,20 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
     return _kernel_file(spec, name, p, anchor_inside=1, includes='#include "fusedepi/hopper.cuh"\n', apply=c.stats,
                         fields=fields, bind=bind, stages=_stages(spec), middle=middle, stats_kernels=conv,
                         launches="\n".join(launches), ws_floats=ws_floats)
+
+
+def _conv_pool_constants(spec: EpilogueSpec, c: conv_sm90.ConvGemmPlan, ho: int, wo: int) -> dict:
+    """CONV_KERNELS' pool placeholders: the window of `c.pool` (the spec's pooling step),
+    or none (a 1 x 1 window over the output's plane, never used)."""
+    if not c.pool:
+        return dict(pool="false", pool_kh=1, pool_kw=1, pool_max="false", pool_divisor=1, pool_ho=ho, pool_wo=wo,
+                    pool_stage1="")
+    red = spec.reduction
+    (kh, kw), (pooled_h, pooled_w) = c.pool, red.window[1]
+    avg = red.name == "avgpool"
+    return dict(pool="true", pool_kh=kh, pool_kw=kw, pool_max="false" if avg else "true",
+                pool_divisor=(red.consts[2] or kh * kw) if avg else 1, pool_ho=pooled_h, pool_wo=pooled_w,
+                pool_stage1="  float y[1] = {v};\n  stage1<1>(y, pos, e0, a, 0.f, 0.f);\n  v = y[0];")
 
 
 def _apply_vec(d: DirectPlan, ho: int, wo: int) -> int:

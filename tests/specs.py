@@ -209,6 +209,21 @@ def conv_gemm_specs(dtype="bfloat16"):
                                                                                          operand=SCALAR)),
             dtype, (), 32, 17 * 68, "conv_spatial_amax",
         ),
+        # pooling windows in the tiles (conv_sm90.POOLS_IN_TILE): the pooled plane written, not the conv's output
+        "igemm_relu_maxpool_2x2": EpilogueSpec(  # conv2d_relu_maxpool's chain, then a per-channel scale
+            _implicit(1, (16, 3, 3, 40, 40)),
+            (_bias(0), Step("relu"), Step("maxpool", consts=(0,), window=((40, 40), (20, 20), (2, 2), (2, 2), (0, 0),
+                                                                         (1, 1))),
+             Step("mul", inputs=(1,), operand=CHANNEL)),
+            dtype, p * 2, 32, 40 * 40, "conv_maxpool",
+        ),
+        "igemm_tanh_avgpool_2x4_cut": EpilogueSpec(  # 17 x 70: a row and 2 columns past the last window; + a
+            _implicit(0, (32, 3, 3, 19, 72)),       # residual of the pooled shape
+            (Step("tanh"), Step("avgpool", consts=(0, 1, 0), window=((17, 70), (8, 17), (2, 4), (2, 4), (0, 0),
+                                                                    (1, 1))),
+             Step("add", inputs=(0,), operand=FULL)),
+            dtype, p, 64, 17 * 70, "conv_avgpool",
+        ),
         # a softmax over each pixel's channels, all in one tile (conv_sm90.PIXEL_NORMS)
         "igemm_channel_softmax_32": EpilogueSpec(  # conv2d_softmax_channels' chain: 32 -> 32 channels
             _implicit(1, (32, 3, 3, 24, 40)), (_bias(0), Step("channel_softmax"), Step("mul", consts=(3.0,),

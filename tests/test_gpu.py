@@ -1830,6 +1830,53 @@ def test_in_kernel_conv_spatial_reduction(name, dtype, exact_float32, monkeypatc
     assert not out_nan[0].isnan().any()
 
 
+def _relu_maxpool(y):
+    return F.max_pool2d(F.relu(y), 2)
+
+
+def _tanh_avgpool_2x4_times_2(y):
+    return F.avg_pool2d(torch.tanh(y), (2, 4)) * 2.0
+
+
+def _sigmoid_maxpool4_minus_half(y):
+    return F.max_pool2d(torch.sigmoid(y), 4) - 0.5
+
+
+IN_KERNEL_CONV_POOLS = {
+    # name: (cin, cout, k, padding, pool, tail, input shape)
+    "relu_maxpool2_c16_to_32": (16, 32, 3, 1, "maxpool", _relu_maxpool, (3, 16, 40, 40)),  # conv2d_relu_maxpool's
+    "tanh_avgpool_2x4_c32_to_64": (32, 64, 3, 0, "avgpool", _tanh_avgpool_2x4_times_2, (2, 32, 19, 72)),  # 17 x 70:
+    # a row and 2 columns past the last window
+    "maxpool4_c64_to_192": (64, 192, 3, 1, "maxpool", _sigmoid_maxpool4_minus_half, (2, 64, 24, 300)),  # patches
+    # narrowed to rows of 32 (4 x 32: whole windows of 4 rows), 192 channels
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("name", list(IN_KERNEL_CONV_POOLS))
+def test_in_kernel_conv_pool(name, dtype, exact_float32, monkeypatch):
+    # A pooling window in the tiles (conv_sm90.POOLS_IN_TILE): one kernel, which writes the
+    # pooled plane only; 16-bit at eager's error, float32 (TF32) against float64 on the
+    # TF32-rounded operands; a NaN in x gives NaN where eager's does.
+    from cuda_templates import conv_sm90
+
+    _needs_sm90()
+    monkeypatch.setattr(conv_sm90, "POOLS_IN_TILE", True)
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
+    cin, cout, k, padding, how, tail, shape = IN_KERNEL_CONV_POOLS[name]
+    model = _ConvTail(cin, cout, k, padding, tail).cuda().to(dtype)
+    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
+    ref, out, kernels, ran, out_nan, eager_nan = _run_with_nan(model, x, dtype)
+    assert len(kernels) == 1 and re.match(rf"igemm(128|256)x\d+_conv_.*{how}", kernels[0]), kernels
+    assert ran and all(re.search(r"_conv\b", r) for r in ran), ran  # the conv's launch alone
+    assert out.shape == ref.shape
+    err = relative_error(out, ref)
+    tolerance = 1e-5 if dtype == torch.float32 else TOLERANCE[dtype]
+    assert err <= tolerance, f"relative error {err:.3g} (seed {exact_float32}); {_where_wrong(out, ref)}"
+    assert torch.equal(out_nan.isnan(), eager_nan.isnan()) and out_nan[1].isnan().any()
+    assert not out_nan[0].isnan().any()
+
+
 def _softmax_times_3(y):
     return torch.softmax(y, dim=1) * 3.0
 

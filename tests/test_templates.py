@@ -692,6 +692,7 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
 
     monkeypatch.setattr(conv_sm90, "REDUCES", True)  # the spatial reductions' specs
     monkeypatch.setattr(conv_sm90, "PIXEL_NORMS", True)  # ... and the channel softmax's
+    monkeypatch.setattr(conv_sm90, "POOLS_IN_TILE", True)  # ... and the pooling windows'
     spec = CONV_GEMM_SPECS[name]
     c = cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True)
     assert isinstance(c, cuda_templates.ConvGemmPlan), c
@@ -712,7 +713,8 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
             and 256 // c.tile_w <= ho)
     assert c.block_m == (256 if tall else 128) and f"kBM = {c.block_m}, kBN = {c.block_n}," in source
     assert c.tile_h * c.tile_w == c.block_m and (c.tile_w == 8 or c.tile_w < 2 * wo)
-    assert c.tile_w >= min(wo, 128) or 2 * c.tile_w * sw > 256  # (the widest patch whose box fits)
+    # (the widest patch whose box fits; with a pool, whose rows hold a window's)
+    assert c.tile_w >= min(wo, 128 // (c.pool[0] if c.pool else 1)) or 2 * c.tile_w * sw > 256
     assert c.tile_w * sw <= 256 and c.tile_h * sh <= 256
     assert cuda_templates.build_arch(spec, "sm90", True) == "sm90a"
     kernel = cuda_templates.kernel_name(spec, "sm90", True)
@@ -742,7 +744,13 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     # normalizes the output in place; a pointwise chain is the conv's launch alone.
     assert c.reduce == (spec.reduction is not None and spec.reduction.name.startswith("spatial_"))
     assert c.softmax == {"channel_softmax": 1, "channel_log_softmax": 2}.get(getattr(spec.reduction, "name", None), 0)
-    assert c.stats == (spec.reduction is not None and not c.reduce and not c.softmax)
+    pools = spec.reduction is not None and spec.reduction.name in ("maxpool", "avgpool")
+    assert c.pool == (tuple(spec.reduction.window[2]) if pools else ())
+    assert c.stats == (spec.reduction is not None and not c.reduce and not c.softmax and not c.pool)
+    assert f"constexpr bool kConvPool = {'true' if c.pool else 'false'};" in source
+    if c.pool:  # whole windows in a patch; the pooled plane the only output
+        assert c.tile_h % c.pool[0] == 0 and c.tile_w % c.pool[1] == 0
+        assert f"kPoolKH = {c.pool[0]}, kPoolKW = {c.pool[1]}," in source and "stage1<1>(y, pos, e0, a, 0.f, 0.f);" in source
     assert f"constexpr int kConvSoftmax = {c.softmax};" in source
     assert ("_apply(" in source) == ("_convstats(" in source) == ("b.y = a.out;" in source) == c.stats
     assert f"constexpr bool kConvStats = {'true' if c.stats else 'false'};" in source
@@ -978,6 +986,50 @@ def test_in_kernel_conv_spatial_reduction_plans(monkeypatch):
     assert "saved for backward" in cuda_templates.conv_gemm_plan(saving, "sm90")
 
 
+def test_in_kernel_conv_pool_plans(monkeypatch):
+    # A pooling window whose stride is its window, unpadded (conv_sm90.POOLS_IN_TILE; the
+    # switch off names it): the tiles stage the chain's values and pool them, writing the
+    # pooled plane only (one launch, no workspace, no apply kernel); every other window is
+    # refused with its geometry.
+    from cuda_templates import conv_sm90
+
+    spec = conv_gemm_specs("bfloat16")["igemm_relu_maxpool_2x2"]
+    monkeypatch.setattr(conv_sm90, "POOLS_IN_TILE", False)
+    assert "switched off" in cuda_templates.conv_gemm_plan(spec, "sm90")
+    monkeypatch.setattr(conv_sm90, "POOLS_IN_TILE", True)
+    c = cuda_templates.conv_gemm_plan(spec, "sm90")
+    assert c.pool == (2, 2) and not c.stats and not c.reduce and c.tile_h % 2 == 0
+    source = cuda_templates.render(spec, "sm90")
+    assert "constexpr bool kConvPool = true;" in source and "constexpr bool kPoolMax = true;" in source
+    assert "kPoolKH = 2, kPoolKW = 2, kPoolDivisor = 1, kPoolHo = 20, kPoolWo = 20;" in source
+    assert "fusedepi_workspace_floats(long long rows) { return 0; }" in source and "_apply(" not in source
+    avg = conv_gemm_specs("float32")["igemm_tanh_avgpool_2x4_cut"]
+    avg = replace(avg, anchor=replace(avg.anchor, rounded=True))
+    c = cuda_templates.conv_gemm_plan(avg, "sm90", conv_tf32=True)
+    assert c.pool == (2, 4) and c.tile_w % 4 == 0
+    source = cuda_templates.render(avg, "sm90", conv_tf32=True)
+    assert "kPoolKH = 2, kPoolKW = 4, kPoolDivisor = 8, kPoolHo = 8, kPoolWo = 17;" in source
+    # divisor_override divides instead of the window's size
+    override = replace(avg.reduction, consts=(0, 1, 5))
+    overridden = replace(avg, steps=(avg.steps[0], override, avg.steps[2]))
+    assert "kPoolDivisor = 5," in cuda_templates.render(overridden, "sm90", conv_tf32=True)
+    # A wide output: patches narrowed so that their rows hold whole windows of 4 rows.
+    wide = replace(spec, anchor=replace(spec.anchor, direct=(16, 3, 3, 16, 256)), inner=16 * 256,
+                   steps=(spec.steps[0], spec.steps[1], replace(spec.steps[2], window=(
+                       (16, 256), (4, 64), (4, 4), (4, 4), (0, 0), (1, 1))), spec.steps[3]))
+    c = cuda_templates.conv_gemm_plan(wide, "sm90")
+    assert c.pool == (4, 4) and c.tile_h % 4 == 0 and c.tile_w <= 32
+    # refused: strides other than the window, padding, dilation, ceil_mode, sides of 3
+    window = spec.steps[2].window
+    for geometry, consts in (((2, 2), (1, 1), (0, 0), (1, 1)), (0,)), (((2, 2), (2, 2), (1, 1), (1, 1)), (0,)), \
+            (((2, 2), (2, 2), (0, 0), (2, 2)), (0,)), (((2, 2), (2, 2), (0, 0), (1, 1)), (1,)), \
+            (((3, 3), (3, 3), (0, 0), (1, 1)), (0,)):
+        refused = replace(spec, steps=spec.steps[:2] + (replace(spec.steps[2], window=window[:2] + geometry,
+                                                                consts=consts),) + spec.steps[3:])
+        assert "the in-kernel conv pools windows of (2, 4) pixels a side" in cuda_templates.conv_gemm_plan(refused,
+                                                                                                           "sm90")
+
+
 def _clean_wgmma_sass(spec, workdir) -> str:
     """The SASS of `spec`'s in-kernel file (float32 in TF32), after checking that it holds
     wgmmas, reads no accumulator before the last one's wait, and spills nothing."""
@@ -1052,6 +1104,24 @@ def test_nvcc_compiles_the_in_kernel_conv_spatial_reduction(dtype, tmp_path, mon
         spec = replace(spec, anchor=replace(spec.anchor, rounded=dtype == "float32"))
         assert cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True).reduce, spec.fusion
         assert "_convreduce" in _clean_wgmma_sass(spec, tmp_path)
+
+
+@needs_nvcc
+@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_nvcc_compiles_the_in_kernel_conv_pool(dtype, tmp_path, monkeypatch):
+    # Both pools' files build: the tiles' wgmmas with no accumulator read before the last
+    # one's wait, nothing spilled, no bulk copy of the conv's output (the pooled plane is
+    # stored by the finishing threads).
+    from cuda_templates import conv_sm90
+
+    monkeypatch.setattr(conv_sm90, "POOLS_IN_TILE", True)
+    for name in ("igemm_relu_maxpool_2x2", "igemm_tanh_avgpool_2x4_cut"):
+        spec = conv_gemm_specs(dtype)[name]
+        spec = replace(spec, anchor=replace(spec.anchor, rounded=dtype == "float32"))
+        assert cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True).pool, spec.fusion
+        sass = _clean_wgmma_sass(spec, tmp_path)
+        assert "UBLKCP" not in sass  # cp.async.bulk (UBLKCP.G.S): store_runs' copies
 
 
 @needs_nvcc

@@ -526,7 +526,7 @@ std::vector<at::Tensor> launch(const Plan& plan, at::TensorList call, at::Tensor
       w.narrow(3, 0, plan.in_c).copy_(w0.permute({0, 2, 3, 1}));
     }
     operands = {x, w};
-    // A spatial reduction in the tiles (ConvGemmPlan.reduce) writes the reduction's output only.
+    // A spatial reduction or a pool in the tiles (ConvGemmPlan.reduce, .pool) writes the reduction's output only.
     out = y = plan.row_output ? at::empty(row_shape(plan, x.size(0)), x.options())
                               : at::empty({x.size(0), plan.channels, plan.out_h, plan.out_w}, x.options());
   } else if (plan.path == Path::kDirectConv) {

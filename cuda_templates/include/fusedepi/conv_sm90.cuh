@@ -8,7 +8,8 @@
 //   w: the weight [kChannels, kTaps, kCinPad]), stage0_chan, stage0_chan_of, stage0_at,
 //   kChannels (KERNEL_FILE and CONV_KERNELS' constants: kBM, kBN, kBK, kSwizzle, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
 //   kHo, kWo, kPitch, kCBlocks, kTilesN, kTilesPerImage, kTileA, kTileB, kMmaK, kPingPong,
-//   kConvStats, kConvReduce, kReduceOp, kConvSoftmax, pixel_stage1, kPartsAt, kNchw, kNchwBoxW, wgmma_n),
+//   kConvStats, kConvReduce, kReduceOp, kConvSoftmax, pixel_stage1, kConvPool, kPoolKH, kPoolKW, kPoolMax,
+//   kPoolDivisor, kPoolHo, kPoolWo, pool_stage1, kPartsAt, kNchw, kNchwBoxW, wgmma_n),
 //   and hopper.cuh.
 // It is not a standalone header: those constants differ per file.
 #pragma once
@@ -354,13 +355,14 @@ __device__ __forceinline__ void stage_chain(float (&d)[kBN / 2], const TileChans
     for (int e = 0; e < 2; ++e) {
       const int r = r0 + 8 * h, t = r / kTW, x = r % kTW, cl = 2 * (lane % 4) + e;
       const long long start = run_start(img, n0 + cl, h0 + t, w0);
-      const int shift = static_cast<int>(static_cast<unsigned>(start) % kOutV);  // kOutV divides 2^32
+      // (kConvPool: each run at its slot's start, where pool_runs reads it; nothing stored from here)
+      const int shift = kConvPool ? 0 : static_cast<int>(static_cast<unsigned>(start) % kOutV);  // kOutV divides 2^32
       at[h][e] = hop::smem_u32(staging) + (cl * kPitch + t * kRunSlot + shift + x) * kElem;
       const bool inside = t < rows && x < width;
       idx[h][e] = inside ? start + x : 0;
       // the run's elements before its first whole chunk, and from its last one's end on
       const int head = min(shift ? kOutV - shift : 0, width), tail = max(width - (shift + width) % kOutV, head);
-      part[h][e] = inside && (x < head || x >= tail);
+      part[h][e] = !kConvPool && inside && (x < head || x >= tail);
     }
   // The chain on every value first, in place, then the stores: independent work for the
   // scheduler to interleave (one finishing warp a scheduler in the ping-pong schedule).
@@ -443,6 +445,50 @@ __device__ __forceinline__ void store_runs(const uint8_t* staging, int ct, int i
     }
   }
   hop::bulk_commit();
+}
+
+// A pooling window over each channel's plane (kConvPool: a MaxPool2d or AvgPool2d whose
+// stride is its window, kPoolKH x kPoolKW, unpadded), in place of store_runs: the tile
+// was staged with each run at its slot's start (stage_chain), and finishing thread `ct`
+// (of kFinishers) pools it a pooled element at a time, consecutive threads taking
+// consecutive pooled pixels of a channel's row; the conv's output is never written. A
+// patch holds whole windows (kTH and kTW are multiples of the window, and the patches
+// start at multiples of kTH and kTW); the pooled plane is kPoolHo x kPoolWo, the output's
+// rows and columns past its last whole window dropped (PyTorch's floor mode). As pool.cuh:
+// max keeps the first maximum and a NaN wins (`v > m || isnan(v)`); avg sums in float32
+// in window order and divides by kPoolDivisor (the window's size, or divisor_override);
+// then the steps after the pool on the pooled value (pool_stage1). The window reads the
+// staged values, rounded to T as eager's tensor before the pool is.
+constexpr int kPoolTH = kTH / kPoolKH, kPoolTW = kTW / kPoolKW;  // a tile's pooled rows and columns
+static_assert(!kConvPool || (kTH % kPoolKH == 0 && kTW % kPoolKW == 0), "a patch of whole windows");
+static_assert(!kConvPool || (!kConvStats && !kConvReduce && kConvSoftmax == 0), "a pool after pointwise steps");
+
+__device__ __forceinline__ void pool_runs(const uint8_t* staging, int ct, int img, int h0, int w0, int n0,
+                                          const Args& a) {
+  const int channels = kChannels - n0 < kBN ? static_cast<int>(kChannels - n0) : kBN;
+  const int oh0 = h0 / kPoolKH, ow0 = w0 / kPoolKW;
+  const T* slots = reinterpret_cast<const T*>(staging);
+  for (int v = ct; v < channels * kPoolTH * kPoolTW; v += kFinishers) {
+    const int cl = v / (kPoolTH * kPoolTW), tp = v / kPoolTW % kPoolTH, xp = v % kPoolTW;
+    if (oh0 + tp >= kPoolHo || ow0 + xp >= kPoolWo) continue;
+    const T* window = slots + cl * kPitch + tp * kPoolKH * kRunSlot + xp * kPoolKW;
+    float r = kPoolMax ? -INFINITY : 0.f;
+#pragma unroll
+    for (int kh = 0; kh < kPoolKH; ++kh)
+#pragma unroll
+      for (int kw = 0; kw < kPoolKW; ++kw) {
+        const float u = fusedepi::to_float(window[kh * kRunSlot + kw]);
+        if constexpr (kPoolMax) {
+          if (u > r || isnan(u)) r = u;
+        } else {
+          r += u;
+        }
+      }
+    if constexpr (!kPoolMax) r = __fdiv_rn(r, static_cast<float>(kPoolDivisor));
+    const long long o = ((static_cast<long long>(img) * kChannels + n0 + cl) * kPoolHo + oh0 + tp) * kPoolWo + ow0 + xp;
+    pool_stage1(r, static_cast<int>((n0 + cl) * kInner), o, a);
+    a.out[o] = fusedepi::from_float<T>(r);
+  }
 }
 
 // The kernel's body (the file's __global__ wrapper calls it with its __grid_constant__
@@ -571,7 +617,11 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
         stage_chain(d[b], chans, staging, kPingPong ? b : half, tid, img, h0, w0, n0, a);
       hop::fence_async_shared();  // the staging tile's writes, before the bulk copies read it
       hop::named_sync<kFinishers>(kBarFull + (kPingPong ? half : 0));  // the whole tile is staged
-      if constexpr (!kConvReduce) store_runs(staging, ft, img, h0, w0, n0, a);
+      if constexpr (kConvPool) {
+        pool_runs(staging, ft, img, h0, w0, n0, a);
+      } else if constexpr (!kConvReduce) {
+        store_runs(staging, ft, img, h0, w0, n0, a);
+      }
       if (other_next) {  // the other warpgroup stages its tile once these copies have read this one
         hop::bulk_wait_read();
         hop::named_arrive<256>(kBarStage + 1 - half);
