@@ -354,7 +354,8 @@ $pixel_stage1
 // A pooling window over each channel's plane in place of the output's stores (conv_sm90.cuh, pool_runs):
 // kPoolKH x kPoolKW, its stride; max or avg (by kPoolDivisor); the pooled plane kPoolHo x kPoolWo.
 constexpr bool kConvPool = $pool;
-constexpr int kPoolKH = $pool_kh, kPoolKW = $pool_kw, kPoolDivisor = $pool_divisor, kPoolHo = $pool_ho, kPoolWo = $pool_wo;
+constexpr int kPoolKH = $pool_kh, kPoolKW = $pool_kw, kPoolDivisor = $pool_divisor;
+constexpr int kPoolHo = $pool_ho, kPoolWo = $pool_wo;
 constexpr bool kPoolMax = $pool_max;
 // stage1 (the steps after the pool) on pooled value v, at its channel's place pos in the
 // row and its element e0 of the pooled output (kConvPool).

@@ -701,7 +701,8 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
         return (f"{spec.reduction.name} over {spec.channels} channels: more than one tile of the in-kernel conv "
                 f"({tile.block_n})")
     if pool and (tile.tile_h % pool[0] or tile.tile_w % pool[1]):
-        return f"a {pool[0]} x {pool[1]} window: the in-kernel conv's {tile.tile_h} x {tile.tile_w} patch holds no whole ones"
+        return (f"a {pool[0]} x {pool[1]} window: the in-kernel conv's {tile.tile_h} x {tile.tile_w} patch holds "
+                "no whole ones")
     return replace(tile, stats=stats, reduce=reduce, softmax=softmax, pool=pool,
                    nchw=conv_sm90.reads_nchw(tile, ITEMSIZE[spec.dtype], stride[1], anchor.direct[4], kw, padding[1],
                                              dilation[1]))

@@ -379,10 +379,13 @@ def rewrite(gm: GraphModule, cfg: Config, skip: dict | None = None) -> Report:
                               cfg, claimed)
         spec, kernel = plan.spec, plan.kernel
         if not plan.fused:
-            why = (f"its result differs from Inductor's by {plan.choice.difference:.3g} (relative, on random "
-                   "inputs)" if plan.choice.difference else "Inductor is faster here"
-                   if plan.choice.fused_ms > plan.choice.inductor_ms else
-                   f"not {1 - choice.WIN:.0%} faster than Inductor here")
+            if plan.choice.difference:
+                why = (f"its result differs from Inductor's by {plan.choice.difference:.3g} (relative, on random "
+                       "inputs)")
+            elif plan.choice.fused_ms > plan.choice.inductor_ms:
+                why = "Inductor is faster here"
+            else:  # within `choice.WIN` of Inductor's time: a tie
+                why = f"not {1 - choice.WIN:.0%} faster than Inductor here"
             reason = f"{why}: {plan.choice.describe()}" + "".join(
                 f"; {row.describe()}" for row in plan.forms)  # the forms it was timed in
             log.info("fusedepi: not fused at %s: %s", chain.anchor.name, reason)

@@ -750,7 +750,8 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     assert f"constexpr bool kConvPool = {'true' if c.pool else 'false'};" in source
     if c.pool:  # whole windows in a patch; the pooled plane the only output
         assert c.tile_h % c.pool[0] == 0 and c.tile_w % c.pool[1] == 0
-        assert f"kPoolKH = {c.pool[0]}, kPoolKW = {c.pool[1]}," in source and "stage1<1>(y, pos, e0, a, 0.f, 0.f);" in source
+        assert f"kPoolKH = {c.pool[0]}, kPoolKW = {c.pool[1]}," in source
+        assert "stage1<1>(y, pos, e0, a, 0.f, 0.f);" in source
     assert f"constexpr int kConvSoftmax = {c.softmax};" in source
     assert ("_apply(" in source) == ("_convstats(" in source) == ("b.y = a.out;" in source) == c.stats
     assert f"constexpr bool kConvStats = {'true' if c.stats else 'false'};" in source
@@ -1001,18 +1002,18 @@ def test_in_kernel_conv_pool_plans(monkeypatch):
     assert c.pool == (2, 2) and not c.stats and not c.reduce and c.tile_h % 2 == 0
     source = cuda_templates.render(spec, "sm90")
     assert "constexpr bool kConvPool = true;" in source and "constexpr bool kPoolMax = true;" in source
-    assert "kPoolKH = 2, kPoolKW = 2, kPoolDivisor = 1, kPoolHo = 20, kPoolWo = 20;" in source
+    assert "kPoolKH = 2, kPoolKW = 2, kPoolDivisor = 1;" in source and "kPoolHo = 20, kPoolWo = 20;" in source
     assert "fusedepi_workspace_floats(long long rows) { return 0; }" in source and "_apply(" not in source
     avg = conv_gemm_specs("float32")["igemm_tanh_avgpool_2x4_cut"]
     avg = replace(avg, anchor=replace(avg.anchor, rounded=True))
     c = cuda_templates.conv_gemm_plan(avg, "sm90", conv_tf32=True)
     assert c.pool == (2, 4) and c.tile_w % 4 == 0
     source = cuda_templates.render(avg, "sm90", conv_tf32=True)
-    assert "kPoolKH = 2, kPoolKW = 4, kPoolDivisor = 8, kPoolHo = 8, kPoolWo = 17;" in source
+    assert "kPoolKH = 2, kPoolKW = 4, kPoolDivisor = 8;" in source and "kPoolHo = 8, kPoolWo = 17;" in source
     # divisor_override divides instead of the window's size
     override = replace(avg.reduction, consts=(0, 1, 5))
     overridden = replace(avg, steps=(avg.steps[0], override, avg.steps[2]))
-    assert "kPoolDivisor = 5," in cuda_templates.render(overridden, "sm90", conv_tf32=True)
+    assert "kPoolDivisor = 5;" in cuda_templates.render(overridden, "sm90", conv_tf32=True)
     # A wide output: patches narrowed so that their rows hold whole windows of 4 rows.
     wide = replace(spec, anchor=replace(spec.anchor, direct=(16, 3, 3, 16, 256)), inner=16 * 256,
                    steps=(spec.steps[0], spec.steps[1], replace(spec.steps[2], window=(
