@@ -60,7 +60,10 @@ after the reduction on the value. With a softmax or log_softmax over each pixel'
 channels where one tile holds them all (`ConvGemmPlan.softmax`, PIXEL_NORMS), each pixel's
 maximum and sum of exponentials come from the 4 lanes that hold its channels (shuffles),
 and stage1 (the normalize, then the steps after it) runs on every value before the tile
-is staged and written as a pointwise chain's. With a pooling window whose stride is the
+is staged and written as a pointwise chain's. With a reduction over each pixel's
+channels where one tile holds them all (`ConvGemmPlan.pixel_reduce`, PIXEL_REDUCES: sum,
+mean, logsumexp, amax, amin) the same lanes merge their partials and one of them stores
+the pixel's value; nothing is staged. With a pooling window whose stride is the
 window (`ConvGemmPlan.pool`, POOLS_IN_TILE: MaxPool2d, AvgPool2d of 2 or 4 pixels a side,
 unpadded) the staged tile is pooled by the finishing threads instead of stored, and the
 pooled plane is the only output.
@@ -125,6 +128,11 @@ REDUCES = True
 # on conv2d_softmax_channels (H200) it took 0.1205 / 0.1234 ms (float32 / bf16) against
 # the library conv's form's 0.0995 / 0.0812, so it would only cost a build and a timing.
 PIXEL_NORMS = False
+# A reduction over each pixel's channels (channel_sum, _mean, _logsumexp, _amax, _amin)
+# after a pointwise chain where one tile holds every channel, one value a pixel written
+# from registers (ConvGemmPlan.pixel_reduce). Off until its GPU tests have run
+# (tests/test_gpu.py, test_in_kernel_conv_pixel_reduction).
+PIXEL_REDUCES = False
 # A MaxPool2d or AvgPool2d after a pointwise chain, its stride its window (2 or 4 pixels a
 # side), unpadded, pooled in the tile from the staged values (ConvGemmPlan.pool): the
 # conv's output never written, the pooled plane written once. Off until its GPU tests
@@ -155,6 +163,9 @@ class ConvGemmPlan:
             REDUCES) and write that instead of the conv's output.
         softmax: 0, or 1 (softmax) or 2 (log_softmax) over each pixel's channels, all in
             the tile (PIXEL_NORMS), applied before the tile is staged.
+        pixel_reduce: "" or the reduction over each pixel's channels ("sum", "mean",
+            "logsumexp", "amax", "amin"), all in the tile (PIXEL_REDUCES): one value a
+            pixel is written, nothing staged.
         pool: () or the (rows, columns) of a pooling window whose stride is the window,
             unpadded (POOLS_IN_TILE): the staged tile is pooled and only the pooled plane
             is written; the patch holds whole windows.
@@ -171,6 +182,7 @@ class ConvGemmPlan:
     nchw: bool = False
     reduce: bool = False
     softmax: int = 0
+    pixel_reduce: str = ""
     pool: tuple = ()
 
     def name(self, spec, arch: str) -> str:
@@ -314,7 +326,9 @@ def wgmma_asm(dtype: str, n: int, a_mn_major: bool = False) -> str:
 #   $pingpong   the consumers' schedule: true (ping-pong) or false (cooperative)
 #   $stats      the tiles write their channels' moments (ConvGemmPlan.stats): true or false
 #   $reduce     the tiles reduce their channels instead of writing them (ConvGemmPlan.reduce)
-#   $reduce_op  that reduction (a fusedepi::RowReduce; kSum where none)
+#   $pixel_reduce  the tiles reduce each pixel's channels, all in the tile (ConvGemmPlan.pixel_reduce)
+#   $reduce_op  either reduction (a fusedepi::RowReduce; kSum where none)
+#   $pixel_reduce_stage1  pixel_reduce_stage1's body: stage1 on a pixel's value (ConvGemmPlan.pixel_reduce)
 #   $softmax    ConvGemmPlan.softmax
 #   $pixel_stage1  pixel_stage1's body: stage1 on one value (ConvGemmPlan.softmax), else nothing
 #   $pool       a pooling window in the tiles (ConvGemmPlan.pool): true or false
@@ -343,7 +357,12 @@ constexpr int kPitch = $pitch;  // the staging tile's elements between two chann
 constexpr bool kPingPong = $pingpong;  // the consumers' schedule (conv_sm90.cuh)
 constexpr bool kConvStats = $stats;  // the tiles write their channels' moments (conv_sm90.cuh)
 constexpr bool kConvReduce = $reduce;  // the tiles reduce their channels, nothing else written (conv_sm90.cuh)
-constexpr fusedepi::RowReduce kReduceOp = $reduce_op;
+constexpr bool kConvPixelReduce = $pixel_reduce;  // ... or each pixel's channels, one value a pixel written
+constexpr fusedepi::RowReduce kReduceOp = $reduce_op;  // the reduction of either
+// stage1 (the steps after the reduction) on pixel value v, element e0 of the output (kConvPixelReduce).
+[[maybe_unused]] __device__ __forceinline__ void pixel_reduce_stage1(float& v, long long e0, const Args& a) {
+$pixel_reduce_stage1
+}
 constexpr int kConvSoftmax = $softmax;  // 1 softmax, 2 log_softmax over each pixel's channels in the tile
 // stage1 (the normalize, then the steps after it) on value v of a pixel whose channels'
 // statistics are (s0, s1), at its place pos in the row and element e0 (kConvSoftmax).

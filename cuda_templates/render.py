@@ -677,10 +677,10 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
         return "float32: the in-kernel conv reads x and the weight rounded to TF32 by the graph (Anchor.rounded)"
     if spec.saves:
         return "it returns values saved for backward, and the in-kernel conv writes only the result"
-    reduce, softmax, pool = conv_reduces(spec), conv_softmax(spec), conv_pool(spec)
+    reduce, softmax, pixel_reduce, pool = conv_reduces(spec), conv_softmax(spec), conv_pixel_reduce(spec), conv_pool(spec)
     if isinstance(pool, str):
         return pool
-    stats = False if reduce or softmax or pool else conv_stats(spec)
+    stats = False if reduce or softmax or pixel_reduce or pool else conv_stats(spec)
     if isinstance(stats, str):
         return stats
     cin, kh, kw, _, _ = anchor.direct
@@ -697,13 +697,13 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     patch_w = min(wo, conv_sm90.BLOCK_M // pool[0]) if pool else wo
     tile = conv_sm90.tiling(spec.channels, patch_w, ITEMSIZE[spec.dtype], stats=stats or reduce,
                             k_bytes=conv_sm90.k_step_bytes(cin, ITEMSIZE[spec.dtype]), stride_w=stride[1], ho=ho)
-    if softmax and tile.block_n < spec.channels:
+    if (softmax or pixel_reduce) and tile.block_n < spec.channels:
         return (f"{spec.reduction.name} over {spec.channels} channels: more than one tile of the in-kernel conv "
                 f"({tile.block_n})")
     if pool and (tile.tile_h % pool[0] or tile.tile_w % pool[1]):
         return (f"a {pool[0]} x {pool[1]} window: the in-kernel conv's {tile.tile_h} x {tile.tile_w} patch holds "
                 "no whole ones")
-    return replace(tile, stats=stats, reduce=reduce, softmax=softmax, pool=pool,
+    return replace(tile, stats=stats, reduce=reduce, softmax=softmax, pixel_reduce=pixel_reduce, pool=pool,
                    nchw=conv_sm90.reads_nchw(tile, ITEMSIZE[spec.dtype], stride[1], anchor.direct[4], kw, padding[1],
                                              dilation[1]))
 
@@ -716,6 +716,17 @@ def conv_softmax(spec: EpilogueSpec) -> int:
     if not conv_sm90.PIXEL_NORMS or red is None or red.name not in CHANNEL_NORMS or spec.second_reduction is not None:
         return 0
     return 1 if red.name == "channel_softmax" else 2
+
+
+def conv_pixel_reduce(spec: EpilogueSpec) -> str:
+    """The reduction ("sum", "mean", "logsumexp", "amax", "amin") the in-kernel conv's
+    tiles run over each pixel's channels (`conv_sm90.PIXEL_REDUCES`; whether one tile
+    holds them all is the plan's to say), else ""."""
+    red = spec.reduction
+    if (not conv_sm90.PIXEL_REDUCES or red is None or red.name not in CHANNEL_REDUCTIONS
+            or spec.second_reduction is not None):
+        return ""
+    return red.name.removeprefix("channel_")
 
 
 def conv_pool(spec: EpilogueSpec) -> tuple | str:
@@ -772,8 +783,11 @@ def conv_stats(spec: EpilogueSpec) -> bool | str:
     if red.name in CHANNEL_NORMS:
         return (f"{red.name} after the in-kernel conv: switched off (conv_sm90.PIXEL_NORMS: slower than the "
                 "library conv's form where measured)")
+    if red.name in CHANNEL_REDUCTIONS:
+        return f"{red.name} after the in-kernel conv: switched off (conv_sm90.PIXEL_REDUCES)"
     return (f"{red.name} after the in-kernel conv is not implemented (pointwise chains, BatchNorm, norms over "
-            "whole channels of an image, spatial reductions, a softmax over a pixel's channels, pooling windows)")
+            "whole channels of an image, spatial reductions, a softmax or reduction over a pixel's channels, "
+            "pooling windows)")
 
 
 def anchor_plan(spec: EpilogueSpec, arch: str,
@@ -1324,8 +1338,10 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
         pingpong="true" if c.pingpong else "false", wgmma=conv_sm90.wgmma_asm(spec.dtype, c.block_n, c.nchw),
         stats="true" if c.stats else "false", nchw="true" if c.nchw else "false", nchw_box_w=conv_sm90.NCHW_BOX_W,
         parts_at="2 * kChannels" if c.stats and red.name == "batchnorm_train" else "0",
-        reduce="true" if c.reduce else "false",
-        reduce_op=templates.ROW_REDUCE_OPS[red.name.removeprefix("spatial_") if c.reduce else "sum"],
+        reduce="true" if c.reduce else "false", pixel_reduce="true" if c.pixel_reduce else "false",
+        reduce_op=templates.ROW_REDUCE_OPS[red.name.removeprefix("spatial_") if c.reduce else c.pixel_reduce or "sum"],
+        pixel_reduce_stage1=("  float y[1] = {v};\n  stage1<1>(y, 0, e0, a, 0.f, 0.f);\n  v = y[0];"
+                             if c.pixel_reduce else ""),
         softmax=c.softmax,
         pixel_stage1="  float y[1] = {v};\n  stage1<1>(y, pos, e0, a, s0, s1);\n  v = y[0];" if c.softmax else "",
         **_conv_pool_constants(spec, c, ho, wo),

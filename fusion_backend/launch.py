@@ -176,8 +176,8 @@ class Launcher:
             # (`channels_last_operands`).
             anchor_operands = channels_last_operands(anchor_operands, self.spec, self.in_kernel_nchw)
             x = anchor_operands[0]
-            if self.row_output:  # a spatial reduction or a pool in the tiles (ConvGemmPlan.reduce, .pool)
-                out = y = x.new_empty(self._row_shape(x.shape[0]))
+            if self.row_output:  # a reduction or a pool in the tiles (ConvGemmPlan.reduce, .pixel_reduce, .pool)
+                out = y = x.new_empty(self._row_shape(x.shape[0], self.spec.anchor.direct_out_hw()))
             else:
                 out = y = x.new_empty((x.shape[0], self.spec.channels, *self.spec.anchor.direct_out_hw()))
         else:

@@ -209,6 +209,16 @@ def conv_gemm_specs(dtype="bfloat16"):
                                                                                          operand=SCALAR)),
             dtype, (), 32, 17 * 68, "conv_spatial_amax",
         ),
+        # reductions over each pixel's channels, all in one tile (conv_sm90.PIXEL_REDUCES): a value a pixel
+        "igemm_channel_amin_tanh_32": EpilogueSpec(  # conv2d_min_channels_tanh's chain (keepdim), 16 -> 32
+            _implicit(0, (16, 3, 3, 26, 40)), (_bias(0), Step("channel_amin", keepdim=True), Step("tanh")),
+            dtype, p, 32, 24 * 38, "conv_channel_amin",
+        ),
+        "igemm_channel_logsumexp_128": EpilogueSpec(  # 1 x 1, 128 channels; + a residual of the pixels' shape
+            _implicit(0, (16, 1, 1, 10, 36)), (Step("silu"), Step("channel_logsumexp"),
+                                               Step("add", inputs=(0,), operand=FULL)),
+            dtype, p, 128, 10 * 36, "conv_channel_logsumexp",
+        ),
         # pooling windows in the tiles (conv_sm90.POOLS_IN_TILE): the pooled plane written, not the conv's output
         "igemm_relu_maxpool_2x2": EpilogueSpec(  # conv2d_relu_maxpool's chain, then a per-channel scale
             _implicit(1, (16, 3, 3, 40, 40)),

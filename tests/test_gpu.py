@@ -1830,6 +1830,58 @@ def test_in_kernel_conv_spatial_reduction(name, dtype, exact_float32, monkeypatc
     assert not out_nan[0].isnan().any()
 
 
+def _amin_channels_tanh(y):  # conv2d_min_channels_tanh's
+    return torch.tanh(torch.min(y, dim=1, keepdim=True).values)
+
+
+def _silu_logsumexp_channels(y):
+    return torch.logsumexp(F.silu(y), dim=1)
+
+
+def _relu_mean_channels_times_2(y):
+    return F.relu(y).mean(dim=1) * 2.0
+
+
+def _amax_channels(y):
+    return y.amax(dim=1, keepdim=True)
+
+
+IN_KERNEL_CONV_PIXEL_REDUCTIONS = {
+    # name: (cin, cout, k, padding, reduction, tail, input shape)
+    "amin_tanh_c16_to_32": (16, 32, 3, 0, "amin", _amin_channels_tanh, (3, 16, 26, 40)),  # 256-pixel tiles, cut
+    "logsumexp_1x1_c16_to_128": (16, 128, 1, 0, "logsumexp", _silu_logsumexp_channels, (2, 16, 10, 36)),
+    "mean_c32_to_64": (32, 64, 3, 1, "mean", _relu_mean_channels_times_2, (2, 32, 19, 70)),
+    "amax_c16_to_192": (16, 192, 3, 1, "amax", _amax_channels, (2, 16, 12, 20)),  # cooperative tiles of 192
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("name", list(IN_KERNEL_CONV_PIXEL_REDUCTIONS))
+def test_in_kernel_conv_pixel_reduction(name, dtype, exact_float32, monkeypatch):
+    # A reduction over each pixel's channels in the tile (conv_sm90.PIXEL_REDUCES): one
+    # kernel, a value a pixel; 16-bit at eager's error, float32 (TF32) against float64 on
+    # the TF32-rounded operands; a NaN in x gives NaN where eager's does.
+    from cuda_templates import conv_sm90
+
+    _needs_sm90()
+    cin, cout, k, padding, how, tail, shape = IN_KERNEL_CONV_PIXEL_REDUCTIONS[name]
+    if dtype == torch.float32 and cout > 128:
+        pytest.skip("float32 tiles hold at most 128 channels: the library conv runs it")
+    monkeypatch.setattr(conv_sm90, "PIXEL_REDUCES", True)
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
+    model = _ConvTail(cin, cout, k, padding, tail).cuda().to(dtype)
+    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
+    ref, out, kernels, ran, out_nan, eager_nan = _run_with_nan(model, x, dtype)
+    assert len(kernels) == 1 and re.match(rf"igemm(128|256)x\d+_conv_.*channel_{how}", kernels[0]), kernels
+    assert ran and all(re.search(r"_conv\b", r) for r in ran), ran  # the conv's launch alone
+    assert out.shape == ref.shape
+    err = relative_error(out, ref)
+    tolerance = 1e-5 if dtype == torch.float32 else TOLERANCE[dtype]
+    assert err <= tolerance, f"relative error {err:.3g} (seed {exact_float32})"
+    assert torch.equal(out_nan.isnan(), eager_nan.isnan()) and out_nan[1].isnan().any()
+    assert not out_nan[0].isnan().any()
+
+
 def _relu_maxpool(y):
     return F.max_pool2d(F.relu(y), 2)
 

@@ -462,6 +462,56 @@ def test_cpp_and_python_launchers_agree_on_the_in_kernel_conv(dtype, cin, monkey
         torch.ops.fusedepi.chain(other, record.spec)
     torch.cuda.synchronize()
 
+class _ConvThen(torch.nn.Module):
+    """Conv2d(16 -> 32, k3, padding 1) -> `tail`."""
+
+    def __init__(self, tail):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(16, 32, 3, padding=1)
+        self.tail = tail
+
+    def forward(self, x):
+        return self.tail(self.conv(x))
+
+
+def _relu_global_mean(y):
+    return torch.relu(y).mean(dim=(2, 3))
+
+
+def _channel_amin_tanh(y):
+    return torch.tanh(torch.amin(y, dim=1, keepdim=True))
+
+
+def _relu_maxpool(y):
+    return torch.nn.functional.max_pool2d(torch.relu(y), 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tail, switch", [(_relu_global_mean, "REDUCES"), (_channel_amin_tanh, "PIXEL_REDUCES"),
+                                          (_relu_maxpool, "POOLS_IN_TILE")])
+def test_cpp_and_python_launchers_agree_on_the_in_kernel_convs_reduced_outputs(tail, switch, monkeypatch,
+                                                                                python_launches):
+    """An output that a reduction or a pool in the in-kernel conv's tiles shrinks ([rows, C]
+    after a spatial mean; [rows, 1, H, W] after a reduction over each pixel's channels,
+    which keeps the spatial dims; [rows, C, H / 2, W / 2] after a 2 x 2 pool) is made alike
+    in C++ and Python: the same shapes, strides and bits."""
+    from cuda_templates import conv_sm90
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the in-kernel conv is built for sm_90a")
+    monkeypatch.setattr(conv_sm90, switch, True)
+    monkeypatch.setenv("FUSEDEPI_AUTOTUNE", "off")
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
+    torch.manual_seed(0)
+    model = _ConvThen(tail).cuda().to(torch.bfloat16)
+    x = torch.rand(3, 16, 20, 32, device="cuda", dtype=torch.bfloat16) * 2 - 1
+    record, inputs = _fused_call(model, x, monkeypatch)
+    assert record.kernel.startswith("igemm"), record.kernel
+    assert launch.launcher_for(record.spec, x.device).native
+    assert _agree(record.spec, inputs, python_launches)
+    torch.cuda.synchronize()
+
+
 def _fused_call(model, x, monkeypatch):
     """The fused record of compiling `model` on `x` (one chain) and the inputs of its op's
     first call, which the Python launcher serves (plans are made on that call)."""

@@ -693,6 +693,7 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     monkeypatch.setattr(conv_sm90, "REDUCES", True)  # the spatial reductions' specs
     monkeypatch.setattr(conv_sm90, "PIXEL_NORMS", True)  # ... and the channel softmax's
     monkeypatch.setattr(conv_sm90, "POOLS_IN_TILE", True)  # ... and the pooling windows'
+    monkeypatch.setattr(conv_sm90, "PIXEL_REDUCES", True)  # ... and the reductions over a pixel's channels
     spec = CONV_GEMM_SPECS[name]
     c = cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True)
     assert isinstance(c, cuda_templates.ConvGemmPlan), c
@@ -746,7 +747,12 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     assert c.softmax == {"channel_softmax": 1, "channel_log_softmax": 2}.get(getattr(spec.reduction, "name", None), 0)
     pools = spec.reduction is not None and spec.reduction.name in ("maxpool", "avgpool")
     assert c.pool == (tuple(spec.reduction.window[2]) if pools else ())
-    assert c.stats == (spec.reduction is not None and not c.reduce and not c.softmax and not c.pool)
+    channel_reductions = ("channel_sum", "channel_mean", "channel_logsumexp", "channel_amax", "channel_amin")
+    reduced = getattr(spec.reduction, "name", "")
+    assert c.pixel_reduce == (reduced.removeprefix("channel_") if reduced in channel_reductions else "")
+    assert f"constexpr bool kConvPixelReduce = {'true' if c.pixel_reduce else 'false'};" in source
+    assert c.stats == (spec.reduction is not None and not c.reduce and not c.softmax and not c.pool
+                       and not c.pixel_reduce)
     assert f"constexpr bool kConvPool = {'true' if c.pool else 'false'};" in source
     if c.pool:  # whole windows in a patch; the pooled plane the only output
         assert c.tile_h % c.pool[0] == 0 and c.tile_w % c.pool[1] == 0
@@ -790,7 +796,9 @@ def test_in_kernel_conv_refuses_what_it_does_not_cover():
     softmax = replace(gn, steps=(gn.steps[0], Step("channel_softmax")), fusion="conv_channel_softmax")
     assert "switched off" in cuda_templates.conv_gemm_plan(softmax, "sm90")  # conv_sm90.PIXEL_NORMS
     channel_max = replace(gn, steps=(gn.steps[0], Step("channel_amax")), fusion="conv_channel_amax")
-    assert "not implemented" in cuda_templates.conv_gemm_plan(channel_max, "sm90")
+    assert "switched off" in cuda_templates.conv_gemm_plan(channel_max, "sm90")  # conv_sm90.PIXEL_REDUCES
+    channel_norm_then_max = replace(gn, steps=gn.steps[:2] + (Step("channel_amax"),))
+    assert "after groupnorm" in cuda_templates.conv_gemm_plan(channel_norm_then_max, "sm90")
     odd_cin = replace(base, anchor=replace(base.anchor, direct=(60, 3, 3, 64, 64)))
     assert "multiples of 8" in cuda_templates.conv_gemm_plan(odd_cin, "sm90")
     odd_cout = replace(base, channels=100)
@@ -987,6 +995,31 @@ def test_in_kernel_conv_spatial_reduction_plans(monkeypatch):
     assert "saved for backward" in cuda_templates.conv_gemm_plan(saving, "sm90")
 
 
+def test_in_kernel_conv_pixel_reduction_plans(monkeypatch):
+    # A reduction over each pixel's channels where one tile holds them all
+    # (conv_sm90.PIXEL_REDUCES; the switch off names it): one launch, a value a pixel
+    # stored from registers, no workspace, no apply kernel; more channels than a tile
+    # holds are refused.
+    from cuda_templates import conv_sm90
+
+    spec = conv_gemm_specs("bfloat16")["igemm_channel_amin_tanh_32"]
+    monkeypatch.setattr(conv_sm90, "PIXEL_REDUCES", False)
+    assert "switched off (conv_sm90.PIXEL_REDUCES)" in cuda_templates.conv_gemm_plan(spec, "sm90")
+    monkeypatch.setattr(conv_sm90, "PIXEL_REDUCES", True)
+    c = cuda_templates.conv_gemm_plan(spec, "sm90")
+    assert c.pixel_reduce == "amin" and not c.stats and not c.reduce and not c.softmax and c.block_n >= 32
+    source = cuda_templates.render(spec, "sm90")
+    assert "constexpr bool kConvPixelReduce = true;" in source and "constexpr bool kConvReduce = false;" in source
+    assert "constexpr fusedepi::RowReduce kReduceOp = fusedepi::RowReduce::kAmin;" in source
+    assert "stage1<1>(y, 0, e0, a, 0.f, 0.f);" in source  # the steps after it, on the pixel's value
+    assert "fusedepi_workspace_floats(long long rows) { return 0; }" in source and "_apply(" not in source
+    lse = conv_gemm_specs("float32")["igemm_channel_logsumexp_128"]
+    lse = replace(lse, anchor=replace(lse.anchor, rounded=True))
+    assert cuda_templates.conv_gemm_plan(lse, "sm90", conv_tf32=True).pixel_reduce == "logsumexp"
+    wide = replace(lse, channels=256)  # float32 tiles hold at most 128 channels
+    assert "more than one tile" in cuda_templates.conv_gemm_plan(wide, "sm90", conv_tf32=True)
+
+
 def test_in_kernel_conv_pool_plans(monkeypatch):
     # A pooling window whose stride is its window, unpadded (conv_sm90.POOLS_IN_TILE; the
     # switch off names it): the tiles stage the chain's values and pool them, writing the
@@ -1105,6 +1138,28 @@ def test_nvcc_compiles_the_in_kernel_conv_spatial_reduction(dtype, tmp_path, mon
         spec = replace(spec, anchor=replace(spec.anchor, rounded=dtype == "float32"))
         assert cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True).reduce, spec.fusion
         assert "_convreduce" in _clean_wgmma_sass(spec, tmp_path)
+
+
+@needs_nvcc
+@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_nvcc_compiles_the_in_kernel_conv_pixel_reduction(dtype, tmp_path, monkeypatch):
+    # The reductions over each pixel's channels build (amin, logsumexp; bf16 also sum, mean
+    # and amax, and a cooperative tile of 192 channels) with no accumulator read before the
+    # last wgmma's wait, nothing spilled, and no bulk copy (nothing is staged).
+    from cuda_templates import conv_sm90
+
+    monkeypatch.setattr(conv_sm90, "PIXEL_REDUCES", True)
+    amin, lse = (conv_gemm_specs(dtype)[name] for name in ("igemm_channel_amin_tanh_32", "igemm_channel_logsumexp_128"))
+    specs = [amin, lse]
+    if dtype == "bfloat16":
+        specs += [replace(amin, steps=(amin.steps[0], replace(amin.steps[1], name=f"channel_{op}"), amin.steps[2]))
+                  for op in ("sum", "mean", "amax")] + [replace(lse, channels=192)]
+    for spec in specs:
+        spec = replace(spec, anchor=replace(spec.anchor, rounded=dtype == "float32"))
+        plan = cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True)
+        assert plan.pixel_reduce == spec.reduction.name.removeprefix("channel_"), plan
+        assert "UBLKCP" not in _clean_wgmma_sass(spec, tmp_path)
 
 
 @needs_nvcc

@@ -526,9 +526,11 @@ std::vector<at::Tensor> launch(const Plan& plan, at::TensorList call, at::Tensor
       w.narrow(3, 0, plan.in_c).copy_(w0.permute({0, 2, 3, 1}));
     }
     operands = {x, w};
-    // A spatial reduction or a pool in the tiles (ConvGemmPlan.reduce, .pool) writes the reduction's output only.
-    out = y = plan.row_output ? at::empty(row_shape(plan, x.size(0)), x.options())
-                              : at::empty({x.size(0), plan.channels, plan.out_h, plan.out_w}, x.options());
+    // A reduction or a pool in the tiles (ConvGemmPlan.reduce, .pixel_reduce, .pool) writes its output only
+    // (a reduction over each pixel's channels keeps the output's spatial dims).
+    const std::vector<int64_t> conv_out{x.size(0), plan.channels, plan.out_h, plan.out_w};
+    out = y = plan.row_output ? at::empty(row_shape(plan, x.size(0), conv_out), x.options())
+                              : at::empty(conv_out, x.options());
   } else if (plan.path == Path::kDirectConv) {
     for (auto& t : operands) t = aligned(t);
     const at::Tensor& x = operands[0];

@@ -8,7 +8,8 @@
 //   w: the weight [kChannels, kTaps, kCinPad]), stage0_chan, stage0_chan_of, stage0_at,
 //   kChannels (KERNEL_FILE and CONV_KERNELS' constants: kBM, kBN, kBK, kSwizzle, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
 //   kHo, kWo, kPitch, kCBlocks, kTilesN, kTilesPerImage, kTileA, kTileB, kMmaK, kPingPong,
-//   kConvStats, kConvReduce, kReduceOp, kConvSoftmax, pixel_stage1, kConvPool, kPoolKH, kPoolKW, kPoolMax,
+//   kConvStats, kConvReduce, kReduceOp, kConvSoftmax, pixel_stage1, kConvPixelReduce, pixel_reduce_stage1,
+//   kConvPool, kPoolKH, kPoolKW, kPoolMax,
 //   kPoolDivisor, kPoolHo, kPoolWo, pool_stage1, kPartsAt, kNchw, kNchwBoxW, wgmma_n),
 //   and hopper.cuh.
 // It is not a standalone header: those constants differ per file.
@@ -254,6 +255,8 @@ __device__ __forceinline__ void conv_stats_final(const Args& a, Done done) {
 constexpr bool kReduceSum = kReduceOp == fusedepi::RowReduce::kSum || kReduceOp == fusedepi::RowReduce::kMean;
 constexpr bool kReduceMax = kReduceOp == fusedepi::RowReduce::kAmax;
 static_assert(!kConvReduce || kReduceOp != fusedepi::RowReduce::kLogsumexp, "sum, mean, amax, amin");
+static_assert(!kConvPixelReduce || (kTilesN == 1 && !kConvStats && !kConvReduce && kConvSoftmax == 0),
+              "a reduction over each pixel's channels: one tile holds them, after pointwise steps");
 
 __device__ __forceinline__ float reduce_pair(float x, float y) {
   return kReduceSum ? x + y : kReduceMax ? fmaxf(x, y) : fminf(x, y);  // NaNs are counted apart
@@ -409,7 +412,62 @@ __device__ __forceinline__ void stage_chain(float (&d)[kBN / 2], const TileChans
       });
     }
   }
-  if constexpr (kConvReduce) return;  // the chain's values stay in registers for tile_reduce: nothing is written
+  if constexpr (kConvPixelReduce) {
+    // A reduction over each pixel's channels, all in the tile (kReduceOp: sum, mean,
+    // logsumexp, amax, amin), one value a pixel, as the library path's channel apply
+    // kernel computes it: a pixel's channels are in the 4 lanes that share lane / 4, whose
+    // partials are merged by shuffles; logsumexp's maximum (fmaxf skips NaN; 0 where it is
+    // infinite), then its sum of exp(x - max); amax and amin NaN where a channel is. The
+    // lane with lane % 4 == 0 runs stage1 (the steps after the reduction) on the value and
+    // stores it at the pixel's place in the [rows, Ho, Wo] output; nothing is staged.
+    const auto quad = [](float s, auto op) {
+      s = op(s, __shfl_xor_sync(0xffffffffu, s, 1));
+      return op(s, __shfl_xor_sync(0xffffffffu, s, 2));
+    };
+    const auto sum_of = [](float x, float y) { return x + y; };
+    const auto max_of = [](float x, float y) { return fmaxf(x, y); };
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float v = 0.f;
+      if constexpr (kReduceSum) {
+        each_value(n0, [&](int, int, int hh, int i) {
+          if (hh == h) v += d[i];
+        });
+        v = quad(v, sum_of);
+        if constexpr (kReduceOp == fusedepi::RowReduce::kMean) v /= static_cast<float>(kChannels);
+      } else if constexpr (kReduceOp == fusedepi::RowReduce::kLogsumexp) {
+        float m = -INFINITY;
+        each_value(n0, [&](int, int, int hh, int i) {
+          if (hh == h) m = fmaxf(m, d[i]);
+        });
+        m = quad(m, max_of);
+        m = isinf(m) ? 0.f : m;
+        each_value(n0, [&](int, int, int hh, int i) {
+          if (hh == h) v += expf(d[i] - m);
+        });
+        v = logf(quad(v, sum_of)) + m;
+      } else {  // amax, amin: the maximum of x (of -x), NaN where a channel's value is
+        float m = -INFINITY, nans = 0.f;
+        each_value(n0, [&](int, int, int hh, int i) {
+          if (hh != h) return;
+          m = fmaxf(m, kReduceMax ? d[i] : -d[i]);
+          nans += isnan(d[i]) ? 1.f : 0.f;
+        });
+        m = quad(m, max_of);
+        v = quad(nans, sum_of) > 0.f ? NAN : (kReduceMax ? m : -m);
+      }
+      const int r = r0 + 8 * h;
+      if (lane % 4 == 0 && r / kTW < rows && r % kTW < width) {
+        const long long e = static_cast<long long>(img) * kPlane + static_cast<long long>(h0 + r / kTW) * kWo + w0 +
+                            r % kTW;
+        pixel_reduce_stage1(v, e, a);
+        a.out[e] = fusedepi::from_float<T>(v);
+      }
+    }
+  }
+  // A spatial reduction keeps the chain's values in registers for tile_reduce; a
+  // reduction over each pixel's channels has stored its values: nothing is staged.
+  if constexpr (kConvReduce || kConvPixelReduce) return;
   each_value(n0, [&](int j, int e, int h, int i) { sts_value(at[h][e] + 8 * j * kPitch * kElem, d[i]); });
   // The elements of the runs' partial chunks, which no bulk copy writes (it moves whole,
   // aligned 16-byte chunks), stored from registers: a run's first and last kOutV - 1
@@ -619,7 +677,7 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
       hop::named_sync<kFinishers>(kBarFull + (kPingPong ? half : 0));  // the whole tile is staged
       if constexpr (kConvPool) {
         pool_runs(staging, ft, img, h0, w0, n0, a);
-      } else if constexpr (!kConvReduce) {
+      } else if constexpr (!kConvReduce && !kConvPixelReduce) {
         store_runs(staging, ft, img, h0, w0, n0, a);
       }
       if (other_next) {  // the other warpgroup stages its tile once these copies have read this one
