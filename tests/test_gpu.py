@@ -1776,8 +1776,9 @@ def _run_with_nan(model, x, dtype):
         torch.backends.cudnn.allow_tf32 = saved
 
 
-class _ConvTail(nn.Module):
-    """Conv2d -> `tail`, a function of the conv's output."""
+class _Conv2dThen(nn.Module):
+    """Conv2d -> `tail`, a function of the conv's output. (_ConvTail above takes a conv
+    module and a residual: the channels-last tables build theirs when their tests run.)"""
 
     def __init__(self, cin, cout, k, padding, tail):
         super().__init__()
@@ -1816,7 +1817,7 @@ def test_in_kernel_conv_spatial_reduction(name, dtype, exact_float32, monkeypatc
     monkeypatch.setattr(conv_sm90, "REDUCES", True)
     monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
     cin, cout, k, padding, how, tail, shape = IN_KERNEL_CONV_REDUCTIONS[name]
-    model = _ConvTail(cin, cout, k, padding, tail).cuda().to(dtype)
+    model = _Conv2dThen(cin, cout, k, padding, tail).cuda().to(dtype)
     x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
     ref, out, kernels, ran, out_nan, eager_nan = _run_with_nan(model, x, dtype)
     assert len(kernels) == 1 and re.match(rf"igemm(128|256)x\d+_conv_.*spatial_{how}", kernels[0]), kernels
@@ -1869,7 +1870,7 @@ def test_in_kernel_conv_pixel_reduction(name, dtype, exact_float32, monkeypatch)
         pytest.skip("float32 tiles hold at most 128 channels: the library conv runs it")
     monkeypatch.setattr(conv_sm90, "PIXEL_REDUCES", True)
     monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
-    model = _ConvTail(cin, cout, k, padding, tail).cuda().to(dtype)
+    model = _Conv2dThen(cin, cout, k, padding, tail).cuda().to(dtype)
     x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
     ref, out, kernels, ran, out_nan, eager_nan = _run_with_nan(model, x, dtype)
     assert len(kernels) == 1 and re.match(rf"igemm(128|256)x\d+_conv_.*channel_{how}", kernels[0]), kernels
@@ -1916,7 +1917,7 @@ def test_in_kernel_conv_pool(name, dtype, exact_float32, monkeypatch):
     monkeypatch.setattr(conv_sm90, "POOLS_IN_TILE", True)
     monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
     cin, cout, k, padding, how, tail, shape = IN_KERNEL_CONV_POOLS[name]
-    model = _ConvTail(cin, cout, k, padding, tail).cuda().to(dtype)
+    model = _Conv2dThen(cin, cout, k, padding, tail).cuda().to(dtype)
     x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
     ref, out, kernels, ran, out_nan, eager_nan = _run_with_nan(model, x, dtype)
     assert len(kernels) == 1 and re.match(rf"igemm(128|256)x\d+_conv_.*{how}", kernels[0]), kernels
@@ -1959,7 +1960,7 @@ def test_in_kernel_conv_channel_softmax(name, dtype, exact_float32, monkeypatch)
         pytest.skip("float32 tiles hold at most 128 channels: the library conv runs it")
     monkeypatch.setattr(conv_sm90, "PIXEL_NORMS", True)
     monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
-    model = _ConvTail(cin, cout, k, padding, tail).cuda().to(dtype)
+    model = _Conv2dThen(cin, cout, k, padding, tail).cuda().to(dtype)
     x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
     ref, out, kernels, ran, out_nan, eager_nan = _run_with_nan(model, x, dtype)
     assert len(kernels) == 1 and re.match(rf"igemm(128|256)x\d+_conv_.*channel_{how}", kernels[0]), kernels
