@@ -1797,6 +1797,33 @@ def _tanh_amax(y):
     return torch.tanh(y).amax(dim=(2, 3)) * 2.0
 
 
+def _check_conv_then(case, dtype, switch, fusion, seed, monkeypatch):
+    """Runs `case` (cin, cout, k, padding, _, tail, input shape: a `_Conv2dThen`) with
+    `conv_sm90.<switch>` on and the in-kernel conv asked for, and checks what every form
+    of a reduction or pool in its tiles shares: one kernel file, named for `fusion`, the
+    graph's output shape, the error (16-bit at eager's, float32 in TF32 against float64 on
+    the TF32-rounded operands) and NaN where eager's is, from a NaN in x (image 1; none in
+    image 0). Returns the kernels that ran and the NaN case's output."""
+    from cuda_templates import conv_sm90
+
+    _needs_sm90()
+    cin, cout, k, padding, _, tail, shape = case
+    monkeypatch.setattr(conv_sm90, switch, True)
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
+    model = _Conv2dThen(cin, cout, k, padding, tail).cuda().to(dtype)
+    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
+    ref, out, kernels, ran, out_nan, eager_nan = _run_with_nan(model, x, dtype)
+    assert len(kernels) == 1 and re.match(rf"igemm(128|256)x\d+_conv_.*{fusion}", kernels[0]), kernels
+    assert out.shape == ref.shape
+    err = relative_error(out, ref)
+    tolerance = 1e-5 if dtype == torch.float32 else TOLERANCE[dtype]
+    where = f"; {_where_wrong(out, ref)}" if out.dim() == 4 else ""
+    assert err <= tolerance, f"relative error {err:.3g} (seed {seed}){where}"
+    assert torch.equal(out_nan.isnan(), eager_nan.isnan()) and out_nan[1].isnan().any()
+    assert not out_nan[0].isnan().any()
+    return ran, out_nan
+
+
 IN_KERNEL_CONV_REDUCTIONS = {
     # name: (cin, cout, k, padding, reduction, tail, input shape)
     "relu_mean_c64_to_128": (64, 128, 3, 1, "mean", _relu_mean, (3, 64, 28, 28)),  # patches of 4 x 32, cut at 28
@@ -1809,26 +1836,12 @@ IN_KERNEL_CONV_REDUCTIONS = {
 @pytest.mark.parametrize("name", list(IN_KERNEL_CONV_REDUCTIONS))
 def test_in_kernel_conv_spatial_reduction(name, dtype, exact_float32, monkeypatch):
     # A spatial reduction in the tiles (conv_sm90.REDUCES): their partials merged by one
-    # kernel, the conv's output never written; 16-bit at eager's error, float32 (TF32)
-    # against float64 on the TF32-rounded operands; a NaN in x gives NaN where eager's does.
-    from cuda_templates import conv_sm90
-
-    _needs_sm90()
-    monkeypatch.setattr(conv_sm90, "REDUCES", True)
-    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
-    cin, cout, k, padding, how, tail, shape = IN_KERNEL_CONV_REDUCTIONS[name]
-    model = _Conv2dThen(cin, cout, k, padding, tail).cuda().to(dtype)
-    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
-    ref, out, kernels, ran, out_nan, eager_nan = _run_with_nan(model, x, dtype)
-    assert len(kernels) == 1 and re.match(rf"igemm(128|256)x\d+_conv_.*spatial_{how}", kernels[0]), kernels
+    # kernel, the conv's output never written; a NaN in x makes its image's every channel NaN.
+    case = IN_KERNEL_CONV_REDUCTIONS[name]
+    ran, out_nan = _check_conv_then(case, dtype, "REDUCES", f"spatial_{case[4]}", exact_float32, monkeypatch)
     assert any(re.search(r"_conv\b", r) for r in ran) and any(re.search(r"_convreduce\b", r) for r in ran), ran
     assert not any(re.search(r"_apply\b", r) for r in ran), ran  # no pass over a conv output
-    assert out.shape == ref.shape == (shape[0], cout)
-    err = relative_error(out, ref)
-    tolerance = 1e-5 if dtype == torch.float32 else TOLERANCE[dtype]
-    assert err <= tolerance, f"relative error {err:.3g} (seed {exact_float32})"
-    assert torch.equal(out_nan.isnan(), eager_nan.isnan()) and out_nan[1].isnan().all(), out_nan[1]
-    assert not out_nan[0].isnan().any()
+    assert out_nan.shape == (case[6][0], case[1]) and out_nan[1].isnan().all(), out_nan[1]
 
 
 def _amin_channels_tanh(y):  # conv2d_min_channels_tanh's
@@ -1860,27 +1873,12 @@ IN_KERNEL_CONV_PIXEL_REDUCTIONS = {
 @pytest.mark.parametrize("name", list(IN_KERNEL_CONV_PIXEL_REDUCTIONS))
 def test_in_kernel_conv_pixel_reduction(name, dtype, exact_float32, monkeypatch):
     # A reduction over each pixel's channels in the tile (conv_sm90.PIXEL_REDUCES): one
-    # kernel, a value a pixel; 16-bit at eager's error, float32 (TF32) against float64 on
-    # the TF32-rounded operands; a NaN in x gives NaN where eager's does.
-    from cuda_templates import conv_sm90
-
-    _needs_sm90()
-    cin, cout, k, padding, how, tail, shape = IN_KERNEL_CONV_PIXEL_REDUCTIONS[name]
-    if dtype == torch.float32 and cout > 128:
+    # kernel, a value a pixel.
+    case = IN_KERNEL_CONV_PIXEL_REDUCTIONS[name]
+    if dtype == torch.float32 and case[1] > 128:
         pytest.skip("float32 tiles hold at most 128 channels: the library conv runs it")
-    monkeypatch.setattr(conv_sm90, "PIXEL_REDUCES", True)
-    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
-    model = _Conv2dThen(cin, cout, k, padding, tail).cuda().to(dtype)
-    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
-    ref, out, kernels, ran, out_nan, eager_nan = _run_with_nan(model, x, dtype)
-    assert len(kernels) == 1 and re.match(rf"igemm(128|256)x\d+_conv_.*channel_{how}", kernels[0]), kernels
+    ran, _ = _check_conv_then(case, dtype, "PIXEL_REDUCES", f"channel_{case[4]}", exact_float32, monkeypatch)
     assert ran and all(re.search(r"_conv\b", r) for r in ran), ran  # the conv's launch alone
-    assert out.shape == ref.shape
-    err = relative_error(out, ref)
-    tolerance = 1e-5 if dtype == torch.float32 else TOLERANCE[dtype]
-    assert err <= tolerance, f"relative error {err:.3g} (seed {exact_float32})"
-    assert torch.equal(out_nan.isnan(), eager_nan.isnan()) and out_nan[1].isnan().any()
-    assert not out_nan[0].isnan().any()
 
 
 def _relu_maxpool(y):
@@ -1909,25 +1907,10 @@ IN_KERNEL_CONV_POOLS = {
 @pytest.mark.parametrize("name", list(IN_KERNEL_CONV_POOLS))
 def test_in_kernel_conv_pool(name, dtype, exact_float32, monkeypatch):
     # A pooling window in the tiles (conv_sm90.POOLS_IN_TILE): one kernel, which writes the
-    # pooled plane only; 16-bit at eager's error, float32 (TF32) against float64 on the
-    # TF32-rounded operands; a NaN in x gives NaN where eager's does.
-    from cuda_templates import conv_sm90
-
-    _needs_sm90()
-    monkeypatch.setattr(conv_sm90, "POOLS_IN_TILE", True)
-    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
-    cin, cout, k, padding, how, tail, shape = IN_KERNEL_CONV_POOLS[name]
-    model = _Conv2dThen(cin, cout, k, padding, tail).cuda().to(dtype)
-    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
-    ref, out, kernels, ran, out_nan, eager_nan = _run_with_nan(model, x, dtype)
-    assert len(kernels) == 1 and re.match(rf"igemm(128|256)x\d+_conv_.*{how}", kernels[0]), kernels
+    # pooled plane only.
+    case = IN_KERNEL_CONV_POOLS[name]
+    ran, _ = _check_conv_then(case, dtype, "POOLS_IN_TILE", case[4], exact_float32, monkeypatch)
     assert ran and all(re.search(r"_conv\b", r) for r in ran), ran  # the conv's launch alone
-    assert out.shape == ref.shape
-    err = relative_error(out, ref)
-    tolerance = 1e-5 if dtype == torch.float32 else TOLERANCE[dtype]
-    assert err <= tolerance, f"relative error {err:.3g} (seed {exact_float32}); {_where_wrong(out, ref)}"
-    assert torch.equal(out_nan.isnan(), eager_nan.isnan()) and out_nan[1].isnan().any()
-    assert not out_nan[0].isnan().any()
 
 
 def _softmax_times_3(y):
@@ -1949,26 +1932,13 @@ IN_KERNEL_CONV_SOFTMAXES = {
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("name", list(IN_KERNEL_CONV_SOFTMAXES))
 def test_in_kernel_conv_channel_softmax(name, dtype, exact_float32, monkeypatch):
-    # A softmax over each pixel's channels in the tile (conv_sm90.PIXEL_NORMS): one kernel,
-    # 16-bit at eager's error, float32 (TF32) against float64 on the TF32-rounded
-    # operands; a NaN in x gives NaN where eager's does (every channel of its pixels).
-    from cuda_templates import conv_sm90
-
-    _needs_sm90()
-    cin, cout, k, padding, how, tail, shape = IN_KERNEL_CONV_SOFTMAXES[name]
-    if dtype == torch.float32 and cout > 128:
+    # A softmax over each pixel's channels in the tile (conv_sm90.PIXEL_NORMS): one kernel;
+    # a NaN in x makes every channel of its pixels NaN.
+    case = IN_KERNEL_CONV_SOFTMAXES[name]
+    if dtype == torch.float32 and case[1] > 128:
         pytest.skip("float32 tiles hold at most 128 channels: the library conv runs it")
-    monkeypatch.setattr(conv_sm90, "PIXEL_NORMS", True)
-    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
-    model = _Conv2dThen(cin, cout, k, padding, tail).cuda().to(dtype)
-    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
-    ref, out, kernels, ran, out_nan, eager_nan = _run_with_nan(model, x, dtype)
-    assert len(kernels) == 1 and re.match(rf"igemm(128|256)x\d+_conv_.*channel_{how}", kernels[0]), kernels
+    ran, _ = _check_conv_then(case, dtype, "PIXEL_NORMS", f"channel_{case[4]}", exact_float32, monkeypatch)
     assert ran and all(re.search(r"_conv\b", r) for r in ran), ran  # the conv's launch alone
-    err = relative_error(out, ref)
-    tolerance = 1e-5 if dtype == torch.float32 else TOLERANCE[dtype]
-    assert err <= tolerance, f"relative error {err:.3g} (seed {exact_float32}); {_where_wrong(out, ref)}"
-    assert torch.equal(out_nan.isnan(), eager_nan.isnan()) and out_nan[1].isnan().any()
 
 
 def _where_wrong(out: torch.Tensor, ref: torch.Tensor) -> str:
