@@ -1107,77 +1107,51 @@ def test_in_kernel_conv_channel_softmax_plans(monkeypatch):
     assert "_apply(" in cuda_templates.render(f32, "sm90")  # exact float32: the library conv, then the kernel
 
 
-@needs_nvcc
-@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_nvcc_compiles_the_in_kernel_conv_channel_softmax(dtype, tmp_path, monkeypatch):
-    # The softmax files build (bf16 also on a cooperative tile of 192 channels) with no
-    # accumulator read before the last wgmma's wait and nothing spilled.
-    from cuda_templates import conv_sm90
-
-    monkeypatch.setattr(conv_sm90, "PIXEL_NORMS", True)
+def _softmax_specs(dtype):  # bf16 also on a cooperative tile of 192 channels
     specs = [conv_gemm_specs(dtype)[name] for name in ("igemm_channel_softmax_32", "igemm_channel_log_softmax_128")]
-    specs += [replace(specs[1], channels=192)] if dtype == "bfloat16" else []
-    for spec in specs:
-        spec = replace(spec, anchor=replace(spec.anchor, rounded=dtype == "float32"))
-        assert cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True).softmax, spec.fusion
-        _clean_wgmma_sass(spec, tmp_path)
+    return specs + ([replace(specs[1], channels=192)] if dtype == "bfloat16" else [])
 
 
-@needs_nvcc
-@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_nvcc_compiles_the_in_kernel_conv_spatial_reduction(dtype, tmp_path, monkeypatch):
-    # Both reductions' files build: the tiles' wgmmas with no accumulator read before
-    # the last one's wait, nothing spilled, and the merging kernel.
-    from cuda_templates import conv_sm90
-
-    monkeypatch.setattr(conv_sm90, "REDUCES", True)
-    for name in ("igemm_relu_global_mean", "igemm_tanh_amax_scale"):
-        spec = conv_gemm_specs(dtype)[name]
-        spec = replace(spec, anchor=replace(spec.anchor, rounded=dtype == "float32"))
-        assert cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True).reduce, spec.fusion
-        assert "_convreduce" in _clean_wgmma_sass(spec, tmp_path)
-
-
-@needs_nvcc
-@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_nvcc_compiles_the_in_kernel_conv_pixel_reduction(dtype, tmp_path, monkeypatch):
-    # The reductions over each pixel's channels build (amin, logsumexp; bf16 also sum, mean
-    # and amax, and a cooperative tile of 192 channels) with no accumulator read before the
-    # last wgmma's wait, nothing spilled, and no bulk copy (nothing is staged).
-    from cuda_templates import conv_sm90
-
-    monkeypatch.setattr(conv_sm90, "PIXEL_REDUCES", True)
+def _pixel_reduction_specs(dtype):  # amin, logsumexp; bf16 also sum, mean, amax and a cooperative tile of 192
     amin, lse = (conv_gemm_specs(dtype)[name] for name in ("igemm_channel_amin_tanh_32", "igemm_channel_logsumexp_128"))
-    specs = [amin, lse]
-    if dtype == "bfloat16":
-        specs += [replace(amin, steps=(amin.steps[0], replace(amin.steps[1], name=f"channel_{op}"), amin.steps[2]))
-                  for op in ("sum", "mean", "amax")] + [replace(lse, channels=192)]
-    for spec in specs:
-        spec = replace(spec, anchor=replace(spec.anchor, rounded=dtype == "float32"))
-        plan = cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True)
-        assert plan.pixel_reduce == spec.reduction.name.removeprefix("channel_"), plan
-        assert "UBLKCP" not in _clean_wgmma_sass(spec, tmp_path)
+    if dtype != "bfloat16":
+        return [amin, lse]
+    return [amin, lse, replace(lse, channels=192)] + [
+        replace(amin, steps=(amin.steps[0], replace(amin.steps[1], name=f"channel_{op}"), amin.steps[2]))
+        for op in ("sum", "mean", "amax")]
+
+
+# The in-kernel conv's forms that reduce or pool in the tiles: (the conv_sm90 switch,
+# the specs of a dtype, the plan's field that says the form is taken, the SASS it holds
+# (True) or lacks (False): the spatial reduction's merging kernel; no bulk copies
+# (UBLKCP.G.S, store_runs') where nothing is staged or the pooled plane is stored directly).
+REDUCING_FORMS = {
+    "channel_softmax": ("PIXEL_NORMS", _softmax_specs, "softmax", {}),
+    "spatial_reduction": ("REDUCES", lambda dtype: [conv_gemm_specs(dtype)[name] for name in (
+        "igemm_relu_global_mean", "igemm_tanh_amax_scale")], "reduce", {"_convreduce": True}),
+    "pixel_reduction": ("PIXEL_REDUCES", _pixel_reduction_specs, "pixel_reduce", {"UBLKCP": False}),
+    "pool": ("POOLS_IN_TILE", lambda dtype: [conv_gemm_specs(dtype)[name] for name in (
+        "igemm_relu_maxpool_2x2", "igemm_tanh_avgpool_2x4_cut")], "pool", {"UBLKCP": False}),
+}
 
 
 @needs_nvcc
 @pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_nvcc_compiles_the_in_kernel_conv_pool(dtype, tmp_path, monkeypatch):
-    # Both pools' files build: the tiles' wgmmas with no accumulator read before the last
-    # one's wait, nothing spilled, no bulk copy of the conv's output (the pooled plane is
-    # stored by the finishing threads).
+@pytest.mark.parametrize("form", list(REDUCING_FORMS))
+def test_nvcc_compiles_the_in_kernel_convs_reducing_forms(form, dtype, tmp_path, monkeypatch):
+    # Each form's files build with the form taken: the tiles' wgmmas with no accumulator
+    # read before the last one's wait, nothing spilled, and the form's own SASS.
     from cuda_templates import conv_sm90
 
-    monkeypatch.setattr(conv_sm90, "POOLS_IN_TILE", True)
-    for name in ("igemm_relu_maxpool_2x2", "igemm_tanh_avgpool_2x4_cut"):
-        spec = conv_gemm_specs(dtype)[name]
+    switch, specs, field, sass_has = REDUCING_FORMS[form]
+    monkeypatch.setattr(conv_sm90, switch, True)
+    for spec in specs(dtype):
         spec = replace(spec, anchor=replace(spec.anchor, rounded=dtype == "float32"))
-        assert cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True).pool, spec.fusion
+        assert getattr(cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True), field), spec.fusion
         sass = _clean_wgmma_sass(spec, tmp_path)
-        assert "UBLKCP" not in sass  # cp.async.bulk (UBLKCP.G.S): store_runs' copies
+        for text, present in sass_has.items():
+            assert (text in sass) == present, (spec.fusion, text)
 
 
 @needs_nvcc
