@@ -137,6 +137,7 @@ CONV_NORMS[14] = CONV_NORMS[13]
 CONV_NORMS[15] = CONV_NORMS[14]
 CONV_NORMS[16] = CONV_NORMS[15]
 CONV_NORMS[17] = CONV_NORMS[16]
+CONV_NORMS[18] = CONV_NORMS[17]
 # From this generation on, the in-kernel conv's anchors (`--in-kernel-conv`) have strides
 # of 1 to 3 and dilations of 1 or 2 (`_implicit_anchor`), drawn from a stream of their own.
 STRIDED_GENERATION = 16
@@ -144,6 +145,12 @@ STRIDED_GENERATION = 16
 # in and 32 to 64 out, drawn from a stream of their own: the tiles of 256 pixels
 # (`conv_sm90.TALL_BLOCK_M`: at most 64 channels over k-steps of at most 64 bytes).
 NARROW_GENERATION = 17
+# From this generation on, half the pooling windows after the in-kernel conv's 2-D anchors
+# are the ones its tiles pool (`conv_sm90.POOLS_IN_TILE`): a stride of the window's size,
+# 2 or 4 pixels a side, unpadded, undilated, floor mode, decided by a stream of their own
+# (the window is drawn as before, then replaced: the models' other steps stay generation
+# 17's).
+TILE_POOL_GENERATION = 18
 # From this generation on, the pointwise steps include erf, sin, cos, sqrt, rsqrt,
 # reciprocal, log1p, expm1 and powers by a constant (`POWERS`; square as pow 2); sqrt,
 # rsqrt, reciprocal, log1p and the fractional and negative powers only where the value is
@@ -432,7 +439,12 @@ def _step(rng: random.Random, ctx: dict) -> dict:
         pools = pools + WINDOWS * 3 if ctx["generation"] >= WINDOW_GENERATION else pools
         op = rng.choice(pools)
         if op in WINDOWS:
-            return _window(rng, op, ctx["spatial"])
+            window = _window(rng, op, ctx["spatial"])
+            tile = ctx.get("tile_pools")
+            if tile is not None and len(ctx["spatial"]) == 2 and tile.random() < 0.5:
+                side = tile.choice([k for k in (2, 2, 4) if k <= min(ctx["spatial"])] or [1])
+                window.update(kernel=side, stride=side, padding=0, dilation=1, ceil=False)
+            return window
         step = {"op": op, "keepdim": rng.random() < 0.5}
         if step["keepdim"] and ctx["generation"] >= BMM_GENERATION:  # then its unit dims squeezed away, or not
             step["squeeze"] = rng.random() < 0.5
@@ -499,6 +511,9 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         "spatial": [] if linear else list(anchor["spatial"]) if anchor["kind"] == "bmm" else _conv_out_sizes(anchor),
         "heads": anchor.get("heads", 1) > 1,  # a bmm's product viewed to 4-D
         "windowed": False,  # after a pooling window: no full operands (the residual has the conv's shape)
+        # the in-kernel conv's anchors: a stream that makes half their windows the tiles' own
+        "tile_pools": (random.Random(f"{seed}/{index}/{device}/tilepool")
+                       if implicit and generation >= TILE_POOL_GENERATION else None),
     }
     steps, in_vocabulary = [], True
     for _ in range(rng.randint(1, 8)):

@@ -627,3 +627,30 @@ def test_cpu_fuzz_of_narrow_in_kernel_convs():
     summary = fuzzer.summarize(results)
     assert not summary["findings"], _shown(summary["findings"])
     assert summary["fusion"].get("full", 0) >= 4, summary["reasons"]
+
+
+def test_cpu_fuzz_of_windows_the_in_kernel_convs_tiles_pool():
+    # Generation 18 makes half the pooling windows after the in-kernel conv's 2-D anchors
+    # the ones its tiles pool (conv_sm90.POOLS_IN_TILE: a stride of the window's size, 2 or
+    # 4 a side, unpadded, undilated, floor mode), from a stream of their own: every other
+    # draw is generation 17's. Run on CPU through the fused op's reference.
+    import dataclasses
+
+    gen = fuzzer.TILE_POOL_GENERATION
+    before = [fuzzer.make_case(0, i, "cuda", generation=gen - 1, implicit=True) for i in range(200)]
+    after = [fuzzer.make_case(0, i, "cuda", generation=gen, implicit=True) for i in range(200)]
+    changed = []
+    for b, c in zip(before, after):
+        if dataclasses.replace(c, generation=gen - 1) == b:
+            continue
+        changed.append(c)
+        assert [s["op"] for s in c.steps] == [s["op"] for s in b.steps] and c.anchor == b.anchor
+        for old, new in zip(b.steps, c.steps):
+            if new != old:
+                assert new["op"] in fuzzer.WINDOWS and new["kernel"] == new["stride"] in (2, 4)
+                assert (new["padding"], new["dilation"], new["ceil"]) == (0, 1, False)
+    assert len(changed) >= 8
+    results = fuzzer.run(seed=0, indices=[c.index for c in changed[:8]], device="cpu", generation=gen, implicit=True)
+    summary = fuzzer.summarize(results)
+    assert not summary["findings"], _shown(summary["findings"])
+    assert summary["fusion"].get("full", 0) >= 4, summary["reasons"]
