@@ -6,8 +6,9 @@ Inductor's compile of the chain's nodes together with their consumers up to the 
 matrix op (`consumers`: Inductor may fuse the chain's last steps into what follows,
 and write less than the fused op must), and the fused op (in the form the backend chose
 for it: library or in-kernel anchor, padding, layout) followed by Inductor's compile of
-those same consumers. The fused op is kept where its form is at least as fast (GPU time);
-otherwise the chain is left to Inductor, with both times in `explain`. Times are cached
+those same consumers. The fused op is kept where its form takes at most `WIN` (99%) of
+Inductor's GPU time, a tie being no win; otherwise the chain is left to Inductor, with
+both times in `explain`. Times are cached
 on disk beside the kernels (`choices.json`), keyed by spec, the neighbourhood, shapes,
 settings, GPU and torch version: a warm start times nothing.
 
@@ -22,7 +23,8 @@ compile of the graph as Dynamo gave it, on random inputs of the graph's shapes, 
 time a call takes in a user's loop: its GPU time or the CPU's time to launch it,
 whichever is longer (a small graph's calls run at the pace the host launches them, and
 a library call inside a fused op can cost the host more than Inductor's graph does);
-where the fused graph is slower, Inductor's is run and every chain of the graph is
+where the fused graph is not faster by the margin (`WIN`; `WIN_HOST` where the CPU's
+launches set the pace), Inductor's is run and every chain of the graph is
 reported as left to Inductor, with the times (the backend then tries a graph of several
 chains again without its weakest one: `backend.GRAPH_ATTEMPTS`). Forward only: a
 training graph's backward is compiled alongside and not timed.
