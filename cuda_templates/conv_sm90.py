@@ -110,6 +110,11 @@ RING_BYTES_K = 8 * 128
 # the patch's width times the stride, at most MAX_BOX pixels, which bounds the patch's width.
 MAX_STRIDE = 8
 MAX_BOX = 256
+# The widest patch `tiling` takes (a power of two, 8 to BLOCK_M). A patch as wide as the
+# output stores the longest runs, but past a width that is no power of two it computes
+# pixels outside the output: 94 or 96 columns in patches of 128 leave a quarter of each
+# tile outside (benchmarks/NOTES.md); narrower patches would not, with shorter runs.
+MAX_PATCH_W = BLOCK_M
 # 16-bit convs of stride 1 along the width, patches 64 or 128 wide, an input width of
 # whole 16-byte rows and every tap's box starting on a 16-byte column (a 1 x 1 conv
 # without padding, say) read x in the graph's NCHW layout (ConvGemmPlan.nchw): no
@@ -237,8 +242,9 @@ def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int 
            stride_w: int = 1, ho: int = 0) -> ConvGemmPlan:
     """The tile for C_out channels and an output of `ho` x `wo` pixels (`ho` 0: not
     known): the fewest channel tiles of a BLOCK_N width, the narrowest that covers C_out
-    in that many; a patch as wide as the output (a power of two, 8 to 128, and at most
-    MAX_BOX / stride_w: the input box it reads spans the patch's width times the stride);
+    in that many; a patch as wide as the output (a power of two, 8 to MAX_PATCH_W, and at
+    most MAX_BOX / stride_w: the input box it reads spans the patch's width times the
+    stride);
     TALL_BLOCK_M pixels where the tile is ping-pong, of at most TALL_MAX_N channels, over
     k-steps of at most TALL_MAX_K_BYTES, and its patch's rows fit the output's height,
     else BLOCK_M; and as many ring stages of k-steps of `k_bytes` (`k_step_bytes`) as
@@ -258,7 +264,7 @@ def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int 
     n_tiles = -(-cout // widths[-1])
     preferred = next(n for n in widths if n * n_tiles >= cout)
     tile_w = 8
-    while tile_w < min(wo, BLOCK_M) and 2 * tile_w * stride_w <= MAX_BOX:
+    while tile_w < min(wo, MAX_PATCH_W) and 2 * tile_w * stride_w <= MAX_BOX:
         tile_w *= 2
     for block_n in sorted((n for n in widths if n <= preferred), reverse=True):
         pingpong = block_n <= PINGPONG_MAX_N
