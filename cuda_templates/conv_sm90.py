@@ -334,9 +334,9 @@ def wgmma_asm(dtype: str, n: int, a_mn_major: bool = False) -> str:
 #   $reduce     the tiles reduce their channels instead of writing them (ConvGemmPlan.reduce)
 #   $pixel_reduce  the tiles reduce each pixel's channels, all in the tile (ConvGemmPlan.pixel_reduce)
 #   $reduce_op  either reduction (a fusedepi::RowReduce; kSum where none)
-#   $pixel_reduce_stage1  pixel_reduce_stage1's body: stage1 on a pixel's value (ConvGemmPlan.pixel_reduce)
 #   $softmax    ConvGemmPlan.softmax
-#   $pixel_stage1  pixel_stage1's body: stage1 on one value (ConvGemmPlan.softmax), else nothing
+#   $value_stage1  value_stage1's body: stage1 on one value (ConvGemmPlan.softmax, .pixel_reduce,
+#               .pool), else nothing
 #   $pool       a pooling window in the tiles (ConvGemmPlan.pool): true or false
 #   $pool_kh    its window (and stride): rows (1 where none)
 #   $pool_kw    ... and columns
@@ -344,7 +344,6 @@ def wgmma_asm(dtype: str, n: int, a_mn_major: bool = False) -> str:
 #   $pool_divisor  avg's divisor: the window's size, or divisor_override (1 where none)
 #   $pool_ho    the pooled plane's rows (the output's where none)
 #   $pool_wo    ... and columns
-#   $pool_stage1  pool_stage1's body: stage1 on the pooled value (ConvGemmPlan.pool), else nothing
 #   $nchw       x read in its NCHW layout (ConvGemmPlan.nchw): true or false
 #   $nchw_box_w pixels of an NCHW box (NCHW_BOX_W)
 #   $parts_at   where the moments or the reductions go: floats from the workspace's start
@@ -365,16 +364,13 @@ constexpr bool kConvStats = $stats;  // the tiles write their channels' moments 
 constexpr bool kConvReduce = $reduce;  // the tiles reduce their channels, nothing else written (conv_sm90.cuh)
 constexpr bool kConvPixelReduce = $pixel_reduce;  // ... or each pixel's channels, one value a pixel written
 constexpr fusedepi::RowReduce kReduceOp = $reduce_op;  // the reduction of either
-// stage1 (the steps after the reduction) on pixel value v, element e0 of the output (kConvPixelReduce).
-[[maybe_unused]] __device__ __forceinline__ void pixel_reduce_stage1(float& v, long long e0, const Args& a) {
-$pixel_reduce_stage1
-}
 constexpr int kConvSoftmax = $softmax;  // 1 softmax, 2 log_softmax over each pixel's channels in the tile
-// stage1 (the normalize, then the steps after it) on value v of a pixel whose channels'
-// statistics are (s0, s1), at its place pos in the row and element e0 (kConvSoftmax).
-[[maybe_unused]] __device__ __forceinline__ void pixel_stage1(float& v, int pos, long long e0, const Args& a, float s0,
+// stage1 (the reduction's normalize where it has one, then the steps after it) on one
+// value v in the tiles: at its channel's place pos in the row and its element e0 of the
+// output, with a normalize's statistics (s0, s1) (kConvSoftmax, kConvPixelReduce, kConvPool).
+[[maybe_unused]] __device__ __forceinline__ void value_stage1(float& v, int pos, long long e0, const Args& a, float s0,
                                                               float s1) {
-$pixel_stage1
+$value_stage1
 }
 // A pooling window over each channel's plane in place of the output's stores (conv_sm90.cuh, pool_runs):
 // kPoolKH x kPoolKW, its stride; max or avg (by kPoolDivisor); the pooled plane kPoolHo x kPoolWo.
@@ -382,11 +378,6 @@ constexpr bool kConvPool = $pool;
 constexpr int kPoolKH = $pool_kh, kPoolKW = $pool_kw, kPoolDivisor = $pool_divisor;
 constexpr int kPoolHo = $pool_ho, kPoolWo = $pool_wo;
 constexpr bool kPoolMax = $pool_max;
-// stage1 (the steps after the pool) on pooled value v, at its channel's place pos in the
-// row and its element e0 of the pooled output (kConvPool).
-[[maybe_unused]] __device__ __forceinline__ void pool_stage1(float& v, int pos, long long e0, const Args& a) {
-$pool_stage1
-}
 constexpr bool kNchw = $nchw;  // x read in its NCHW layout, boxes of kNchwBoxW pixels (conv_sm90.cuh)
 constexpr int kNchwBoxW = $nchw_box_w;
 [[maybe_unused]] constexpr long long kPartsAt = $parts_at;  // ... at a.ws + kPartsAt (kConvStats, kConvReduce)

@@ -654,8 +654,9 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     reason it does not apply. It takes the candidates for the file's own conv kernels
     (`Anchor.direct`: 2-D, groups 1; any dilation, strides up to conv_sm90.MAX_STRIDE)
     that the direct conv does not cover (`direct_plan`), with a pointwise chain or a norm
-    over whole channels (and, where conv_sm90's switches allow, a spatial reduction or a
-    softmax over each pixel's channels after a pointwise chain). conv_tf32: a float32
+    over whole channels (and, where conv_sm90's switches allow, a spatial reduction, a
+    softmax or reduction over each pixel's channels, or a pooling window after a
+    pointwise chain). conv_tf32: a float32
     conv may use TF32 (`torch.backends.cudnn.allow_tf32`); without it float32 is not
     taken."""
     anchor = spec.anchor
@@ -1324,7 +1325,9 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
     a spatial reduction (`c.reduce`) the tiles write each (image, patch, channel)'s
     reduction of stage0 into the workspace, and a kernel merges them and runs stage1; with
     a softmax over each pixel's channels (`c.softmax`) the tiles run stage1 too, before
-    they are staged: one launch, as a pointwise chain's."""
+    they are staged: one launch, as a pointwise chain's; so with a reduction over each
+    pixel's channels (`c.pixel_reduce`: a value a pixel, stored from registers) and a
+    pooling window (`c.pool`: the staged tile pooled, the pooled plane stored)."""
     name = c.name(spec, arch)
     red = spec.reduction
     cin, kh, kw, h, w = spec.anchor.direct
@@ -1340,10 +1343,9 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
         parts_at="2 * kChannels" if c.stats and red.name == "batchnorm_train" else "0",
         reduce="true" if c.reduce else "false", pixel_reduce="true" if c.pixel_reduce else "false",
         reduce_op=templates.ROW_REDUCE_OPS[red.name.removeprefix("spatial_") if c.reduce else c.pixel_reduce or "sum"],
-        pixel_reduce_stage1=("  float y[1] = {v};\n  stage1<1>(y, 0, e0, a, 0.f, 0.f);\n  v = y[0];"
-                             if c.pixel_reduce else ""),
         softmax=c.softmax,
-        pixel_stage1="  float y[1] = {v};\n  stage1<1>(y, pos, e0, a, s0, s1);\n  v = y[0];" if c.softmax else "",
+        value_stage1=("  float y[1] = {v};\n  stage1<1>(y, pos, e0, a, s0, s1);\n  v = y[0];"
+                      if c.softmax or c.pixel_reduce or c.pool else ""),
         **_conv_pool_constants(spec, c, ho, wo),
     )
     fields, bind = _fields(spec, direct=True)
@@ -1385,14 +1387,12 @@ def _conv_pool_constants(spec: EpilogueSpec, c: conv_sm90.ConvGemmPlan, ho: int,
     """CONV_KERNELS' pool placeholders: the window of `c.pool` (the spec's pooling step),
     or none (a 1 x 1 window over the output's plane, never used)."""
     if not c.pool:
-        return dict(pool="false", pool_kh=1, pool_kw=1, pool_max="false", pool_divisor=1, pool_ho=ho, pool_wo=wo,
-                    pool_stage1="")
+        return dict(pool="false", pool_kh=1, pool_kw=1, pool_max="false", pool_divisor=1, pool_ho=ho, pool_wo=wo)
     red = spec.reduction
     (kh, kw), (pooled_h, pooled_w) = c.pool, red.window[1]
     avg = red.name == "avgpool"
     return dict(pool="true", pool_kh=kh, pool_kw=kw, pool_max="false" if avg else "true",
-                pool_divisor=(red.consts[2] or kh * kw) if avg else 1, pool_ho=pooled_h, pool_wo=pooled_w,
-                pool_stage1="  float y[1] = {v};\n  stage1<1>(y, pos, e0, a, 0.f, 0.f);\n  v = y[0];")
+                pool_divisor=(red.consts[2] or kh * kw) if avg else 1, pool_ho=pooled_h, pool_wo=pooled_w)
 
 
 def _apply_vec(d: DirectPlan, ho: int, wo: int) -> int:

@@ -757,7 +757,9 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     if c.pool:  # whole windows in a patch; the pooled plane the only output
         assert c.tile_h % c.pool[0] == 0 and c.tile_w % c.pool[1] == 0
         assert f"kPoolKH = {c.pool[0]}, kPoolKW = {c.pool[1]}," in source
-        assert "stage1<1>(y, pos, e0, a, 0.f, 0.f);" in source
+    # value_stage1 (stage1 on one value in the tiles) is rendered for the forms that call it
+    hook = "stage1<1>(y, pos, e0, a, s0, s1);" in source
+    assert hook == bool(c.softmax or c.pixel_reduce or c.pool)
     assert f"constexpr int kConvSoftmax = {c.softmax};" in source
     assert ("_apply(" in source) == ("_convstats(" in source) == ("b.y = a.out;" in source) == c.stats
     assert f"constexpr bool kConvStats = {'true' if c.stats else 'false'};" in source
@@ -1011,7 +1013,7 @@ def test_in_kernel_conv_pixel_reduction_plans(monkeypatch):
     source = cuda_templates.render(spec, "sm90")
     assert "constexpr bool kConvPixelReduce = true;" in source and "constexpr bool kConvReduce = false;" in source
     assert "constexpr fusedepi::RowReduce kReduceOp = fusedepi::RowReduce::kAmin;" in source
-    assert "stage1<1>(y, 0, e0, a, 0.f, 0.f);" in source  # the steps after it, on the pixel's value
+    assert "stage1<1>(y, pos, e0, a, s0, s1);" in source  # the steps after it, on the pixel's value (value_stage1)
     assert "fusedepi_workspace_floats(long long rows) { return 0; }" in source and "_apply(" not in source
     lse = conv_gemm_specs("float32")["igemm_channel_logsumexp_128"]
     lse = replace(lse, anchor=replace(lse.anchor, rounded=True))

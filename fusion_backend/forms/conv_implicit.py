@@ -2,9 +2,9 @@
 on sm_90: `cuda_templates.conv_sm90`).
 
 A 2-D conv (groups 1, any dilation, strides up to 8) that the direct conv does not take,
-with a pointwise chain or a norm over whole channels (or, where `conv_sm90.REDUCES` and
-`conv_sm90.PIXEL_NORMS` allow, a spatial reduction or a softmax over each pixel's
-channels after a pointwise chain), runs as
+with a pointwise chain or a norm over whole channels (or, where conv_sm90's switches
+allow, a spatial reduction, a softmax or reduction over each pixel's channels, or a
+pooling window after a pointwise chain), runs as
 one kernel that gathers channels-last x by TMA, multiplies on the tensor cores and
 applies the chain to each output tile before writing it once, in the graph's layout.
 Whether that beats the library conv (cuDNN, in the graph's layout or channels-last) and

@@ -8,9 +8,8 @@
 //   w: the weight [kChannels, kTaps, kCinPad]), stage0_chan, stage0_chan_of, stage0_at,
 //   kChannels (KERNEL_FILE and CONV_KERNELS' constants: kBM, kBN, kBK, kSwizzle, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
 //   kHo, kWo, kPitch, kCBlocks, kTilesN, kTilesPerImage, kTileA, kTileB, kMmaK, kPingPong,
-//   kConvStats, kConvReduce, kReduceOp, kConvSoftmax, pixel_stage1, kConvPixelReduce, pixel_reduce_stage1,
-//   kConvPool, kPoolKH, kPoolKW, kPoolMax,
-//   kPoolDivisor, kPoolHo, kPoolWo, pool_stage1, kPartsAt, kNchw, kNchwBoxW, wgmma_n),
+//   kConvStats, kConvReduce, kReduceOp, kConvSoftmax, kConvPixelReduce, kConvPool, kPoolKH, kPoolKW, kPoolMax,
+//   kPoolDivisor, kPoolHo, kPoolWo, value_stage1, kPartsAt, kNchw, kNchwBoxW, wgmma_n),
 //   and hopper.cuh.
 // It is not a standalone header: those constants differ per file.
 #pragma once
@@ -349,6 +348,7 @@ __device__ __forceinline__ void stage_chain(float (&d)[kBN / 2], const TileChans
   const int r0 = block * 64 + warp * 16 + lane / 4;
   const int rows = patch_rows(h0);
   const int width = patch_width(w0);
+  bool in_output[2];    // [h]: pixel r0 + 8h is inside the output (the patch cut at its edges)
   unsigned at[2][2];    // [h][e]: the shared address of channel 2 * (lane % 4) + e's pixel r0 + 8h
   long long idx[2][2];  // ... its element of out (channel chunk j adds 8j planes); 0 past the edges
   bool part[2][2];      // ... in its run's partial first or last chunk (of every chunk j alike)
@@ -362,6 +362,7 @@ __device__ __forceinline__ void stage_chain(float (&d)[kBN / 2], const TileChans
       const int shift = kConvPool ? 0 : static_cast<int>(static_cast<unsigned>(start) % kOutV);  // kOutV divides 2^32
       at[h][e] = hop::smem_u32(staging) + (cl * kPitch + t * kRunSlot + shift + x) * kElem;
       const bool inside = t < rows && x < width;
+      in_output[h] = inside;  // (alike for both e)
       idx[h][e] = inside ? start + x : 0;
       // the run's elements before its first whole chunk, and from its last one's end on
       const int head = min(shift ? kOutV - shift : 0, width), tail = max(width - (shift + width) % kOutV, head);
@@ -391,24 +392,21 @@ __device__ __forceinline__ void stage_chain(float (&d)[kBN / 2], const TileChans
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = r0 + 8 * h;
-      const bool inside = r / kTW < rows && r % kTW < width;
-      const int pixel = inside ? (h0 + r / kTW) * kWo + w0 + r % kTW : 0;
+      const int pixel = in_output[h] ? (h0 + r / kTW) * kWo + w0 + r % kTW : 0;
       float m = -INFINITY, sum = 0.f;
       each_value(n0, [&](int j, int e, int hh, int i) {
         if (hh == h) m = fmaxf(m, d[i]);
       });
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      m = fusedepi::team_max_warp<4>(m);
       each_value(n0, [&](int j, int e, int hh, int i) {
         if (hh == h) sum += d[i] == -INFINITY ? 0.f : expf(d[i] - m);
       });
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      sum = fusedepi::team_sum_warp<4>(sum);
       const float s1 = kConvSoftmax == 2 ? logf(sum) : sum;
       each_value(n0, [&](int j, int e, int hh, int i) {
         if (hh != h) return;
         const int c = n0 + 8 * j + 2 * (lane % 4) + e;
-        pixel_stage1(d[i], c * static_cast<int>(kPlane) + pixel, idx[h][e] + 8 * j * kPlane, a, m, s1);
+        value_stage1(d[i], c * static_cast<int>(kPlane) + pixel, idx[h][e] + 8 * j * kPlane, a, m, s1);
       });
     }
   }
@@ -420,12 +418,6 @@ __device__ __forceinline__ void stage_chain(float (&d)[kBN / 2], const TileChans
     // infinite), then its sum of exp(x - max); amax and amin NaN where a channel is. The
     // lane with lane % 4 == 0 runs stage1 (the steps after the reduction) on the value and
     // stores it at the pixel's place in the [rows, Ho, Wo] output; nothing is staged.
-    const auto quad = [](float s, auto op) {
-      s = op(s, __shfl_xor_sync(0xffffffffu, s, 1));
-      return op(s, __shfl_xor_sync(0xffffffffu, s, 2));
-    };
-    const auto sum_of = [](float x, float y) { return x + y; };
-    const auto max_of = [](float x, float y) { return fmaxf(x, y); };
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float v = 0.f;
@@ -433,19 +425,19 @@ __device__ __forceinline__ void stage_chain(float (&d)[kBN / 2], const TileChans
         each_value(n0, [&](int, int, int hh, int i) {
           if (hh == h) v += d[i];
         });
-        v = quad(v, sum_of);
+        v = fusedepi::team_sum_warp<4>(v);
         if constexpr (kReduceOp == fusedepi::RowReduce::kMean) v /= static_cast<float>(kChannels);
       } else if constexpr (kReduceOp == fusedepi::RowReduce::kLogsumexp) {
         float m = -INFINITY;
         each_value(n0, [&](int, int, int hh, int i) {
           if (hh == h) m = fmaxf(m, d[i]);
         });
-        m = quad(m, max_of);
+        m = fusedepi::team_max_warp<4>(m);
         m = isinf(m) ? 0.f : m;
         each_value(n0, [&](int, int, int hh, int i) {
           if (hh == h) v += expf(d[i] - m);
         });
-        v = logf(quad(v, sum_of)) + m;
+        v = logf(fusedepi::team_sum_warp<4>(v)) + m;
       } else {  // amax, amin: the maximum of x (of -x), NaN where a channel's value is
         float m = -INFINITY, nans = 0.f;
         each_value(n0, [&](int, int, int hh, int i) {
@@ -453,14 +445,14 @@ __device__ __forceinline__ void stage_chain(float (&d)[kBN / 2], const TileChans
           m = fmaxf(m, kReduceMax ? d[i] : -d[i]);
           nans += isnan(d[i]) ? 1.f : 0.f;
         });
-        m = quad(m, max_of);
-        v = quad(nans, sum_of) > 0.f ? NAN : (kReduceMax ? m : -m);
+        m = fusedepi::team_max_warp<4>(m);
+        v = fusedepi::team_sum_warp<4>(nans) > 0.f ? NAN : (kReduceMax ? m : -m);
       }
       const int r = r0 + 8 * h;
-      if (lane % 4 == 0 && r / kTW < rows && r % kTW < width) {
+      if (lane % 4 == 0 && in_output[h]) {
         const long long e = static_cast<long long>(img) * kPlane + static_cast<long long>(h0 + r / kTW) * kWo + w0 +
                             r % kTW;
-        pixel_reduce_stage1(v, e, a);
+        value_stage1(v, 0, e, a, 0.f, 0.f);  // no per-channel operand after a reduction over the channels
         a.out[e] = fusedepi::from_float<T>(v);
       }
     }
@@ -515,7 +507,7 @@ __device__ __forceinline__ void store_runs(const uint8_t* staging, int ct, int i
 // rows and columns past its last whole window dropped (PyTorch's floor mode). As pool.cuh:
 // max keeps the first maximum and a NaN wins (`v > m || isnan(v)`); avg sums in float32
 // in window order and divides by kPoolDivisor (the window's size, or divisor_override);
-// then the steps after the pool on the pooled value (pool_stage1). The window reads the
+// then the steps after the pool on the pooled value (value_stage1). The window reads the
 // staged values, rounded to T as eager's tensor before the pool is.
 constexpr int kPoolTH = kTH / kPoolKH, kPoolTW = kTW / kPoolKW;  // a tile's pooled rows and columns
 static_assert(!kConvPool || (kTH % kPoolKH == 0 && kTW % kPoolKW == 0), "a patch of whole windows");
@@ -544,7 +536,7 @@ __device__ __forceinline__ void pool_runs(const uint8_t* staging, int ct, int im
       }
     if constexpr (!kPoolMax) r = __fdiv_rn(r, static_cast<float>(kPoolDivisor));
     const long long o = ((static_cast<long long>(img) * kChannels + n0 + cl) * kPoolHo + oh0 + tp) * kPoolWo + ow0 + xp;
-    pool_stage1(r, static_cast<int>((n0 + cl) * kInner), o, a);
+    value_stage1(r, static_cast<int>((n0 + cl) * kInner), o, a, 0.f, 0.f);
     a.out[o] = fusedepi::from_float<T>(r);
   }
 }
