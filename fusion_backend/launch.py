@@ -8,6 +8,7 @@ device, every operand checked, the anchor run, the kernels launched.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from pathlib import Path
@@ -393,9 +394,27 @@ def native_launcher() -> str:
     return _native_state
 
 
+# `start_native`'s builds by cache directory, each taken by the `enable_native` that
+# waits for it.
+_native_builds: dict[Path, concurrent.futures.Future] = {}
+_NATIVE_BUILD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusedepi-native")
+
+
+def start_native(cache_dir: Path) -> None:
+    """Starts finding or building the C++ launcher (`native.build`) in a thread of its
+    own, so that a first build (seconds of a C++ compiler) overlaps the compile's kernel
+    builds and timings; `enable_native` with the same `cache_dir` waits for it. Nothing
+    happens where the launcher was tried already or its build is under way."""
+    with _native_lock:
+        if _native_state != "python" or Path(cache_dir) in _native_builds:
+            return
+        _native_builds[Path(cache_dir)] = _NATIVE_BUILD.submit(native.build, cache_dir)
+
+
 def enable_native(cache_dir: Path) -> bool:
     """Makes the C++ launcher serve `fusedepi::chain` on CUDA, building it first if the
-    cache lacks it. Tried once per process: after a failure Python serves for good.
+    cache lacks it (or waiting for the build `start_native` started). Tried once per
+    process: after a failure Python serves for good.
 
     Returns:
         Whether this call loaded it (False: already loaded, or failed before).
@@ -407,8 +426,9 @@ def enable_native(cache_dir: Path) -> bool:
     with _native_lock:
         if _native_state != "python":
             return False
+        started = _native_builds.pop(Path(cache_dir), None)
         try:
-            native.load(native.build(cache_dir))
+            native.load(started.result() if started is not None else native.build(cache_dir))
         except native.BuildError:
             _native_state = "failed"
             raise

@@ -8,14 +8,18 @@ the C++ side has no plan for goes to the Python implementation (`fusedepi::chain
 
 Built with the C++ compiler and torch's include and library paths into
 `<cache>/native/<key>/`, keyed by the source, the command, the compiler and torch's
-version, so a machine builds it once per torch version (about 10 s). As with the
+version, so a machine builds it once per torch version (a compiler's build and test
+about 16 s on the H200 host, where the first compiler's library is refused and the
+second's taken: `build`; a refusal is recorded in the cache, `FAILED`). As with the
 kernels, the build runs in a private directory under a file lock that dies with its
-process, and is installed by an atomic rename. `launch.enable_native` loads it at the
-first compile of a CUDA chain.
+process, and is installed by an atomic rename. The rewrite of a graph with a CUDA chain
+starts it in a thread (`launch.start_native`), beside the chains' kernel builds and
+timings, and `launch.enable_native` loads it once the chains are decided.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import os
@@ -45,6 +49,10 @@ ANCHOR_CODES = {"addmm": 0, "mm": 1, "conv": 2, "bmm": 3}
 
 class BuildError(RuntimeError):
     """The C++ launcher could not be built or loaded; the message says why."""
+
+
+class _Untested(BuildError):
+    """The built library's test did not finish: the machine's failure, not the library's."""
 
 
 @lru_cache(maxsize=1)
@@ -125,7 +133,11 @@ def build_key(cxx: str = "c++") -> str:
 
 def build(cache_dir: Path) -> Path:
     """The launcher library in the cache, built first if it is not there: by the first
-    compiler (`compilers()`) whose library passes `_errors_reach_python`.
+    compiler (`compilers()`) whose library passes `_errors_reach_python`. The compilers
+    before the first one with a library in the cache, and without a failure recorded
+    there (`FAILED`), build side by side, each in its own thread: where the first one's
+    library crashes on errors (a compiler whose C++ runtime is not Python's), the next
+    one's is ready as soon as its own build ends, not after both.
 
     Raises:
         BuildError: no compiler, no CUDA headers, a compile or link error, a library
@@ -134,28 +146,53 @@ def build(cache_dir: Path) -> Path:
     candidates = compilers()
     if not candidates:
         raise BuildError(_NO_COMPILER)
+    entries = {cxx: _entry(cxx, cache_dir) for cxx in candidates}
+    to_build = []
+    for cxx in candidates:
+        if (entries[cxx] / LIBRARY).exists():
+            break
+        if not (entries[cxx] / FAILED).exists():
+            to_build.append(cxx)
+    builds = {cxx: _COMPILERS.submit(_build_with, cxx, cache_dir) for cxx in to_build[1:]}
     failures = []
     for cxx in candidates:
         try:
-            return _build_with(cxx, cache_dir)
+            return builds[cxx].result() if cxx in builds else _build_with(cxx, cache_dir)
         except BuildError as err:
             log.info("fusedepi: %s", str(err).splitlines()[0])
             failures.append(str(err))
     raise BuildError("\n".join(failures))
 
 
+# `build`'s builds beside the first compiler's (g++ runs in a child process): a build
+# the first compiler's success leaves unneeded ends in the cache all the same.
+_COMPILERS = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="fusedepi-native")
+
+# The file in a compiler's cache entry that records why its library was refused (a
+# compile or link error, or errors that do not reach Python): the same source, command,
+# compiler and torch fail the same way, so later processes read the reason instead of
+# building again. Removing the entry tries again.
+FAILED = "failed.txt"
+
+
+def _entry(cxx: str, cache_dir: Path) -> Path:
+    return Path(cache_dir) / "native" / build_key(cxx)[:16]
+
+
 def _build_with(cxx: str, cache_dir: Path) -> Path:
     from cuda_templates.compiler import file_lock
 
-    key = build_key(cxx)[:16]
-    entry = Path(cache_dir) / "native" / key
-    library = entry / LIBRARY
+    entry = _entry(cxx, cache_dir)
+    library, failed = entry / LIBRARY, entry / FAILED
     if library.exists():
         return library
     try:
-        with file_lock(entry.parent / f"{key}.lock"):
+        with file_lock(entry.parent / f"{entry.name}.lock"):
             if library.exists():  # another process built it while we waited
                 return library
+            if failed.exists():
+                raise BuildError(f"{failed.read_text().strip()} (recorded in {failed}; remove {entry} to build "
+                                 "again)")
             entry.mkdir(parents=True, exist_ok=True)
             start = time.perf_counter()
             log.info("fusedepi: building the C++ launcher into %s with %s (once per torch version)", entry, cxx)
@@ -163,13 +200,29 @@ def _build_with(cxx: str, cache_dir: Path) -> Path:
                 built = Path(tmp) / LIBRARY
                 result = subprocess.run(build_command(cxx, str(built)), capture_output=True, text=True, check=False)
                 if result.returncode != 0:
-                    raise BuildError(f"{cxx} failed on {SOURCE.name}:\n{result.stderr[-4000:]}")
-                _errors_reach_python(built, cxx)
+                    error = BuildError(f"{cxx} failed on {SOURCE.name}:\n{result.stderr[-4000:]}")
+                    if result.returncode > 0:  # not killed by a signal (out of memory, say): for good
+                        _record(failed, str(error))
+                    raise error
+                try:
+                    _errors_reach_python(built, cxx)
+                except _Untested:
+                    raise
+                except BuildError as err:
+                    _record(failed, str(err))
+                    raise
                 os.replace(built, library)
             log.info("fusedepi: built the C++ launcher in %.1f s", time.perf_counter() - start)
     except OSError as err:
         raise BuildError(f"cannot write {entry}: {err}") from err
     return library
+
+
+def _record(failed: Path, reason: str) -> None:
+    """Writes `reason` to `failed` whole or not at all (a temporary file renamed)."""
+    part = failed.with_name(f"{failed.name}.{os.getpid()}")
+    part.write_text(reason + "\n")
+    os.replace(part, failed)
 
 
 # A new process loads the library and has it raise as `plan` raises on bad arguments:
@@ -189,8 +242,12 @@ except RuntimeError as err:
 
 def _errors_reach_python(library: Path, cxx: str) -> None:
     """Raises BuildError unless `library`'s errors reach Python (run in a new process)."""
-    result = subprocess.run([sys.executable, "-c", _RAISE_TEST, str(library)], capture_output=True, text=True,
-                            check=False, timeout=300)
+    try:
+        result = subprocess.run([sys.executable, "-c", _RAISE_TEST, str(library)], capture_output=True, text=True,
+                                check=False, timeout=300)
+    except subprocess.TimeoutExpired as err:  # a busy machine, not the library: not recorded as its failure
+        raise _Untested(f"the launcher built by {cxx} was not tried: its test process ran past {err.timeout} s") \
+            from err
     if result.returncode != 0 or result.stdout.strip() != "raised":
         raise BuildError(f"the launcher built by {cxx} does not raise its errors into Python (exit "
                          f"{result.returncode}: {(result.stderr or result.stdout).strip()[-300:]}); set CXX to "

@@ -340,6 +340,8 @@ def rewrite(gm: GraphModule, cfg: Config, skip: dict | None = None) -> Report:
     for refusal in refusals:
         log.info("fusedepi: not fused at %s: %s", refusal.anchor, refusal.reason)
         report.records.append(Record("refused", refusal.anchor, refusal.nodes, reason=refusal.reason))
+    if cfg.native_launcher and any(chain.anchor.meta["val"].device.type == "cuda" for chain in chains):
+        launch.start_native(cfg.cache_dir)  # built beside the kernels; `_enable_native` waits for it
     fused, builds = [], []
     for chain in chains:
         names = [n.name for n in chain.nodes]

@@ -115,13 +115,47 @@ def test_a_failed_install_puts_the_python_launcher_back(failure, native_untried,
 
 
 @pytest.mark.skipif(not _cuda_include_dirs(), reason="needs nvcc")
-def test_a_compiler_error_is_a_build_error_and_leaves_nothing_behind(monkeypatch, tmp_path):
+def test_a_compiler_error_is_a_build_error_recorded_for_later_processes(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "compilers", lambda: [shutil.which("false") or "/bin/false"])
     with pytest.raises(native.BuildError, match="failed on launcher.cpp"):
         native.build(tmp_path)
     entries = list((tmp_path / "native").iterdir())
     assert [p.suffix for p in entries if p.is_file()] == [".lock"]
-    assert all(not any(d.iterdir()) for d in entries if d.is_dir()), "a build directory was left behind"
+    (entry,) = [d for d in entries if d.is_dir()]
+    assert [p.name for p in entry.iterdir()] == [native.FAILED], "a build directory was left behind"
+    runs = []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: runs.append(a))
+    with pytest.raises(native.BuildError, match=f"failed on launcher.cpp.*recorded in .*{native.FAILED}"):
+        native.build(tmp_path)
+    assert not runs, "a compiler refused before ran again"
+
+
+def test_a_compiler_killed_by_a_signal_is_not_recorded(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "compilers", lambda: ["/usr/bin/c++"])
+    monkeypatch.setattr(native, "_entry", lambda cxx, cache_dir: tmp_path / "entry")
+    monkeypatch.setattr(native, "build_command", lambda cxx, output: ["sh", "-c", "kill -9 $$"])
+    with pytest.raises(native.BuildError, match="failed on launcher.cpp"):
+        native.build(tmp_path)
+    assert not (tmp_path / "entry" / native.FAILED).exists()
+
+
+def test_a_library_whose_errors_do_not_reach_python_is_recorded(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "compilers", lambda: ["/usr/bin/c++"])
+    monkeypatch.setattr(native, "_entry", lambda cxx, cache_dir: tmp_path / "entry")
+    monkeypatch.setattr(native, "build_command", lambda cxx, output: ["touch", output])
+    with pytest.raises(native.BuildError, match="does not raise its errors into Python"):
+        native.build(tmp_path)
+    assert "does not raise its errors" in (tmp_path / "entry" / native.FAILED).read_text()
+
+    def slow(*args, **kwargs):
+        raise subprocess.TimeoutExpired(args[0], kwargs["timeout"])
+
+    (tmp_path / "entry" / native.FAILED).unlink()
+    monkeypatch.setattr(native.subprocess, "run", lambda cmd, **k: slow(cmd, **k) if cmd[0] == native.sys.executable
+                        else subprocess.CompletedProcess(cmd, 0, "", ""))
+    with pytest.raises(native.BuildError, match="was not tried: its test process ran past 300 s"):
+        native.build(tmp_path)
+    assert not (tmp_path / "entry" / native.FAILED).exists(), "a test that did not finish was recorded as a failure"
 
 
 def test_compilers_are_tried_in_order_without_duplicates(monkeypatch, tmp_path):
@@ -133,17 +167,56 @@ def test_compilers_are_tried_in_order_without_duplicates(monkeypatch, tmp_path):
 
     def build_with(cxx, cache_dir):
         tried.append(cxx)
-        if len(tried) == 1:
+        if cxx == "/opt/other/g++":
             raise native.BuildError(f"the launcher built by {cxx} does not raise its errors into Python")
-        return tmp_path / "ok.so"
+        return tmp_path / f"{cxx.replace('/', '_')}.so"
 
-    monkeypatch.setattr(native, "compilers", lambda: ["/opt/other/g++", "/usr/bin/c++"])
+    entries = {"/opt/other/g++": tmp_path / "a", "/usr/bin/c++": tmp_path / "b", "/usr/bin/g++": tmp_path / "c"}
+    monkeypatch.setattr(native, "_entry", lambda cxx, cache_dir: entries[cxx])
+    monkeypatch.setattr(native, "compilers", lambda: list(entries))
     monkeypatch.setattr(native, "_build_with", build_with)
-    assert native.build(tmp_path) == tmp_path / "ok.so" and tried == ["/opt/other/g++", "/usr/bin/c++"]
+    # the first to pass is taken; the others build side by side with the first
+    assert native.build(tmp_path) == tmp_path / "_usr_bin_c++.so"
+    native._COMPILERS.submit(lambda: None).result()
+    assert sorted(tried) == sorted(entries)
+    # a compiler with a library in the cache ends the list: none after it builds
     tried.clear()
+    entries["/usr/bin/c++"].mkdir()
+    (entries["/usr/bin/c++"] / native.LIBRARY).touch()
+    assert native.build(tmp_path) == tmp_path / "_usr_bin_c++.so" and tried == ["/opt/other/g++", "/usr/bin/c++"]
+    # one with a failure recorded is not built beside the others
+    tried.clear()
+    (entries["/usr/bin/c++"] / native.LIBRARY).unlink()
+    entries["/opt/other/g++"].mkdir()
+    (entries["/opt/other/g++"] / native.FAILED).write_text("refused\n")
+    assert native.build(tmp_path) == tmp_path / "_usr_bin_c++.so"
+    native._COMPILERS.submit(lambda: None).result()
+    assert sorted(tried) == ["/opt/other/g++", "/usr/bin/c++", "/usr/bin/g++"]
     monkeypatch.setattr(native, "compilers", lambda: ["/opt/other/g++"])
     with pytest.raises(native.BuildError, match="does not raise its errors"):
         native.build(tmp_path)
+
+
+def test_enable_native_waits_for_the_build_start_native_started(native_untried, monkeypatch, tmp_path):
+    started, release = __import__("threading").Event(), __import__("threading").Event()
+    builds = []
+
+    def build(cache_dir):
+        builds.append(cache_dir)
+        started.set()
+        release.wait(10)
+        raise native.BuildError("no compiler")
+
+    monkeypatch.setattr(native, "build", build)
+    launch.start_native(tmp_path)
+    assert started.wait(10)
+    launch.start_native(tmp_path)  # under way: not started twice
+    release.set()
+    with pytest.raises(native.BuildError, match="no compiler"):
+        launch.enable_native(tmp_path)
+    assert builds == [tmp_path] and launch.native_launcher() == "failed" and not launch._native_builds
+    launch.start_native(tmp_path)  # tried: nothing more
+    assert builds == [tmp_path] and not launch._native_builds
 
 
 def test_a_library_whose_errors_crash_is_refused(tmp_path):
