@@ -488,6 +488,26 @@ def test_excess_over_a_well_conditioned_eager_is_a_mismatch_at_once(monkeypatch)
     assert result.check == "mismatch" and len(draws) == 1, result
 
 
+def test_tf32_error_is_the_budget_of_a_tf32_model_whose_eager_ran_exact():
+    # GPU fuzzer, seed 23, generation 18, model 185 (in-kernel conv draw): a 16 -> 80 conv
+    # of TF32 operands, then a division of a per-channel operand by the conv's value.
+    # cuDNN ran eager and Inductor exact (1.8e-6, 2.3e-6); the in-kernel conv in TF32
+    # gave 5.2e-3, the error its operands rounded to TF32 give in float64.
+    case = fuzzer.make_case(23, 185, "cuda", 18, implicit=True)
+    assert case.tf32 and [s["op"] for s in case.steps][:3] == ["mul", "div", "avgpool"]
+    assert _tf32_error(case) == pytest.approx(5.2e-3, rel=0.02)
+    # A well-conditioned model's TF32 error is well within the budget.
+    assert 0 < _tf32_error(fuzzer.make_case(23, 0, "cuda", 18, implicit=True)) < fuzzer.TF32_TOLERANCE / 4
+
+
+def _tf32_error(case) -> float:
+    base = fuzzer.FuzzModel(case).train(case.training)
+    x, residual = fuzzer.make_inputs(case, base, "cpu")
+    exact = fuzzer.copy.deepcopy(base).double()
+    ref = fuzzer._outputs(exact, exact, x.double(), residual.double(), None)
+    return fuzzer._tf32_error(base, x, residual, ref, "cpu", None, 0)
+
+
 CI_GRAD_MODELS = 60  # with backward: about two minutes on two cores
 
 
