@@ -135,14 +135,13 @@ REDUCES = True
 PIXEL_NORMS = False
 # A reduction over each pixel's channels (channel_sum, _mean, _logsumexp, _amax, _amin)
 # after a pointwise chain where one tile holds every channel, one value a pixel written
-# from registers (ConvGemmPlan.pixel_reduce). Off until its GPU tests have run
-# (tests/test_gpu.py, test_in_kernel_conv_pixel_reduction).
-PIXEL_REDUCES = False
+# from registers (ConvGemmPlan.pixel_reduce); GPU tests: test_in_kernel_conv_pixel_reduction.
+PIXEL_REDUCES = True
 # A MaxPool2d or AvgPool2d after a pointwise chain, its stride its window (2 or 4 pixels a
 # side), unpadded, pooled in the tile from the staged values (ConvGemmPlan.pool): the
-# conv's output never written, the pooled plane written once. Off until its GPU tests
-# have run (tests/test_gpu.py, test_in_kernel_conv_pool).
-POOLS_IN_TILE = False
+# conv's output never written, the pooled plane written once; GPU tests:
+# test_in_kernel_conv_pool.
+POOLS_IN_TILE = True
 # The window sides a patch of power-of-two rows and columns holds whole.
 POOL_SIDES = (1, 2, 4)
 
