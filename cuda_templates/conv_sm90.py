@@ -110,11 +110,16 @@ RING_BYTES_K = 8 * 128
 # the patch's width times the stride, at most MAX_BOX pixels, which bounds the patch's width.
 MAX_STRIDE = 8
 MAX_BOX = 256
-# The widest patch `tiling` takes (a power of two, 8 to BLOCK_M). A patch as wide as the
-# output stores the longest runs, but past a width that is no power of two it computes
-# pixels outside the output: 94 or 96 columns in patches of 128 leave a quarter of each
-# tile outside (benchmarks/NOTES.md); narrower patches would not, with shorter runs.
+# The widest patch `tiling` takes (a power of two, 8 to BLOCK_M). Of the widths up to it
+# (and MAX_BOX), `tiling` takes the widest that computes the fewest columns outside the
+# output: 128 for outputs 126 to 128 wide, 32 for 94 or 96 (patches of 128 would leave a
+# quarter of each tile outside; on an H200 patches of 32 took 0.0718 against 0.0830 ms
+# for conv2d_residual_relu in float32, 0.0475-0.0480 against 0.0524-0.0531 ms for
+# conv2d_min_channels_tanh, benchmarks/RESULTS.md).
 MAX_PATCH_W = BLOCK_M
+# The narrowest width `tiling` narrows a patch to (64-byte runs of a channel in 16-bit);
+# narrower patches, whose runs would be shorter, were not measured.
+NARROWEST_PATCH_W = 32
 # 16-bit convs of stride 1 along the width, patches 64 or 128 wide, an input width of
 # whole 16-byte rows and every tap's box starting on a 16-byte column (a 1 x 1 conv
 # without padding, say) read x in the graph's NCHW layout (ConvGemmPlan.nchw): no
@@ -237,13 +242,22 @@ def stats_floats(block_n: int, pingpong: bool) -> int:
     return (2 * warps + 1) * block_n * (2 if pingpong else 1)
 
 
+def patch_width(wo: int, widest: int) -> int:
+    """Of the power-of-two patch widths from NARROWEST_PATCH_W (or `widest`, if that is
+    narrower) to `widest`, the widest whose patches cover `wo` columns with the fewest
+    outside them (94: 32, three patches of 96 columns; 126: 128; 56: 64)."""
+    widths = [w for w in (8 << i for i in range(widest.bit_length() - 3)) if w >= min(widest, NARROWEST_PATCH_W)]
+    return min(widths, key=lambda w: (-(-wo // w) * w, -w))
+
+
 def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int = 128,
-           stride_w: int = 1, ho: int = 0) -> ConvGemmPlan:
+           stride_w: int = 1, ho: int = 0, narrow: bool = True) -> ConvGemmPlan:
     """The tile for C_out channels and an output of `ho` x `wo` pixels (`ho` 0: not
     known): the fewest channel tiles of a BLOCK_N width, the narrowest that covers C_out
     in that many; a patch as wide as the output (a power of two, 8 to MAX_PATCH_W, and at
     most MAX_BOX / stride_w: the input box it reads spans the patch's width times the
-    stride);
+    stride), or with `narrow` narrower where that leaves fewer columns outside it
+    (`patch_width`);
     TALL_BLOCK_M pixels where the tile is ping-pong, of at most TALL_MAX_N channels, over
     k-steps of at most TALL_MAX_K_BYTES, and its patch's rows fit the output's height,
     else BLOCK_M; and as many ring stages of k-steps of `k_bytes` (`k_step_bytes`) as
@@ -265,6 +279,8 @@ def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int 
     tile_w = 8
     while tile_w < min(wo, MAX_PATCH_W) and 2 * tile_w * stride_w <= MAX_BOX:
         tile_w *= 2
+    if narrow:
+        tile_w = patch_width(wo, tile_w)
     for block_n in sorted((n for n in widths if n <= preferred), reverse=True):
         pingpong = block_n <= PINGPONG_MAX_N
         tall = (pingpong and block_n <= TALL_MAX_N and k_bytes <= TALL_MAX_K_BYTES

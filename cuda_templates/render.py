@@ -696,8 +696,20 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     # A pool's windows whole in a patch: at least a window's rows of them (patches as wide
     # as 128 // rows pixels at most).
     patch_w = min(wo, conv_sm90.BLOCK_M // pool[0]) if pool else wo
-    tile = conv_sm90.tiling(spec.channels, patch_w, ITEMSIZE[spec.dtype], stats=stats or reduce,
-                            k_bytes=conv_sm90.k_step_bytes(cin, ITEMSIZE[spec.dtype]), stride_w=stride[1], ho=ho)
+    def tiling(narrow: bool) -> conv_sm90.ConvGemmPlan:
+        return conv_sm90.tiling(spec.channels, patch_w, ITEMSIZE[spec.dtype], stats=stats or reduce,
+                                k_bytes=conv_sm90.k_step_bytes(cin, ITEMSIZE[spec.dtype]), stride_w=stride[1], ho=ho,
+                                narrow=narrow)
+
+    def nchw(tile: conv_sm90.ConvGemmPlan) -> bool:
+        return conv_sm90.reads_nchw(tile, ITEMSIZE[spec.dtype], stride[1], anchor.direct[4], kw, padding[1],
+                                    dilation[1])
+
+    # Patches as wide as the output where they let the kernel read x NCHW (no channels-last
+    # copy of x), else the ones that leave the fewest columns outside it.
+    tile = tiling(narrow=False)
+    if not nchw(tile):
+        tile = tiling(narrow=True)
     if (softmax or pixel_reduce) and tile.block_n < spec.channels:
         return (f"{spec.reduction.name} over {spec.channels} channels: more than one tile of the in-kernel conv "
                 f"({tile.block_n})")
@@ -705,8 +717,7 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
         return (f"a {pool[0]} x {pool[1]} window: the in-kernel conv's {tile.tile_h} x {tile.tile_w} patch holds "
                 "no whole ones")
     return replace(tile, stats=stats, reduce=reduce, softmax=softmax, pixel_reduce=pixel_reduce, pool=pool,
-                   nchw=conv_sm90.reads_nchw(tile, ITEMSIZE[spec.dtype], stride[1], anchor.direct[4], kw, padding[1],
-                                             dilation[1]))
+                   nchw=nchw(tile))
 
 
 def conv_softmax(spec: EpilogueSpec) -> int:

@@ -698,9 +698,10 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     c = cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True)
     assert isinstance(c, cuda_templates.ConvGemmPlan), c
     source = cuda_templates.render(spec, "sm90", conv_tf32=True)
-    # Channel tiles of at most 256, in 8s, as few as cover C_out; a pixel patch at
-    # least as wide as the output (8 to 128), where its input box of the patch's width
-    # times the stride fits TMA's 256.
+    # Channel tiles of at most 256, in 8s, as few as cover C_out; a pixel patch as wide
+    # as the output (8 to 128), where its input box of the patch's width times the stride
+    # fits TMA's 256, or narrower where fewer columns fall outside (not where it reads x
+    # NCHW: whole boxes of 64).
     widths = conv_sm90.BLOCK_N[2 if spec.dtype != "float32" else 4]  # the widths checked on a GPU
     tiles = -(-spec.channels // c.block_n)
     assert c.block_n in widths and tiles == -(-spec.channels // widths[-1])
@@ -708,6 +709,7 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     assert c.stages >= 3
     ho, wo = spec.anchor.direct_out_hw()
     (sh, sw), _, (dh, dw) = spec.anchor.conv[:3]
+    itemsize = 4 if spec.dtype == "float32" else 2
     # 256 pixels where a ping-pong tile of few channels runs over narrow k-steps and the
     # patch's rows fit the output's height
     tall = (c.pingpong and c.block_n <= conv_sm90.TALL_MAX_N and c.k_bytes <= conv_sm90.TALL_MAX_K_BYTES
@@ -715,12 +717,14 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     assert c.block_m == (256 if tall else 128) and f"kBM = {c.block_m}, kBN = {c.block_n}," in source
     assert c.tile_h * c.tile_w == c.block_m and (c.tile_w == 8 or c.tile_w < 2 * wo)
     # (the widest patch whose box fits; with a pool, whose rows hold a window's)
-    assert c.tile_w >= min(wo, 128 // (c.pool[0] if c.pool else 1)) or 2 * c.tile_w * sw > 256
+    patch_w = min(wo, 128 // c.pool[0]) if c.pool else wo
+    widest = conv_sm90.tiling(c.block_n, patch_w, itemsize, stride_w=sw, narrow=False).tile_w
+    assert widest >= min(patch_w, 128) or 2 * widest * sw > 256  # as wide as the output, or as the box allows
+    assert c.tile_w == (widest if c.nchw else conv_sm90.patch_width(patch_w, widest))
     assert c.tile_w * sw <= 256 and c.tile_h * sh <= 256
     assert cuda_templates.build_arch(spec, "sm90", True) == "sm90a"
     kernel = cuda_templates.kernel_name(spec, "sm90", True)
     assert kernel.startswith(f"igemm{c.block_m}x{c.block_n}_") and kernel.endswith("_sm90a")
-    itemsize = 4 if spec.dtype == "float32" else 2
     assert f"constexpr int kPitch = {conv_sm90.staging_pitch(c.tile_h, c.tile_w, itemsize)};" in source
     assert f"constexpr int kSH = {sh}, kSW = {sw}, kDH = {dh}, kDW = {dw};" in source
     assert f"constexpr int kHo = {ho}, kWo = {wo};" in source
@@ -1313,6 +1317,19 @@ def test_in_kernel_conv_tiles_fit_shared_memory():
                 assert t.k_bytes == k_bytes and t.stages * k_bytes <= 8 * 128, t
     with pytest.raises(ValueError, match="k-step of 48 bytes"):
         conv_sm90.tiling(64, 64, 2, k_bytes=48)
+
+
+@pytest.mark.parametrize("wo, width", [(94, 32), (96, 32), (126, 128), (128, 128), (200, 32), (100, 128), (62, 64),
+                                       (56, 64), (48, 64), (28, 32), (19, 32), (5, 8)])
+def test_in_kernel_conv_patches_leave_the_fewest_columns_outside(wo, width):
+    # The widest power-of-two patch (32 to the output's width) with the fewest columns
+    # outside the output: 94 columns in three patches of 32, not one of 128.
+    from cuda_templates import conv_sm90
+
+    t = conv_sm90.tiling(32, wo, 2, ho=64)
+    assert t.tile_w == width and t.tile_h * t.tile_w == t.block_m, t
+    if wo >= conv_sm90.NARROWEST_PATCH_W:
+        assert all(-(-wo // w) * w >= -(-wo // width) * width for w in (32, 64, 128) if w <= max(width, wo))
 
 
 @pytest.mark.parametrize("exponent, code", [
