@@ -94,9 +94,39 @@ def ask_input_layouts(node) -> None:
     node's `eager_input_vals` meta). A graph traced again (AOTAutograd) loses them: mark it
     after the trace."""
     inputs, spec = node.args
-    layouts = input_layouts(spec, [n.meta["val"] if isinstance(n, torch.fx.Node) else n for n in inputs])
-    if layouts is not None:
-        node.meta["eager_input_vals"] = layouts
+    vals = [n.meta["val"] if isinstance(n, torch.fx.Node) else n for n in inputs]
+    layouts = input_layouts(spec, vals)
+    if layouts is None:
+        return
+    (wanted, _), _ = layouts
+    if wanted[0] is not None and _parse(spec).anchor.rounded and _made_for(inputs, node):
+        # x itself (passed last but one, for a call whose TF32 is off: the library conv)
+        # in the layout of its rounded copy, so that the kernel that computes x writes
+        # both alike: asked in NCHW beside a channels-last copy, Inductor wrote the two
+        # from one untiled kernel whose channels-last stores were strided (117 us
+        # against 17 for the one copy, 32 x 64 x 64 x 64 float32 on an H200).
+        wanted[-2] = torch.empty_like(vals[-2], memory_format=channels_last_format(vals[-2]))
+    node.meta["eager_input_vals"] = layouts
+
+
+def _made_for(inputs: list, node) -> bool:
+    """Whether the graph computes the in-kernel conv's x (the call's input last but one,
+    `insert_chain`) for `node` and its rounding to TF32 (the call's first input) alone: an
+    op's output, not a graph input, whose users lead only to `node`."""
+    original, rounded = inputs[-2], inputs[0]
+    if not isinstance(original, torch.fx.Node) or original.op != "call_function" or not isinstance(rounded,
+                                                                                                      torch.fx.Node):
+        return False
+    rounding, frontier = set(), [rounded]
+    while frontier:  # the rounding's ops: from its result back to x
+        n = frontier.pop()
+        if n is original or n in rounding:
+            continue
+        rounding.add(n)
+        frontier.extend(a for a in n.all_input_nodes)
+        if len(rounding) > 64:  # not the rounding's few ops
+            return False
+    return all(user is node or user in rounding for user in original.users)
 
 
 def insert_chain(graph: torch.fx.Graph, inputs: list, spec: str, value: bool = True) -> torch.fx.Node:

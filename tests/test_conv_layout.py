@@ -262,3 +262,45 @@ def test_an_in_kernel_conv_that_reads_nchw_asks_no_layout(monkeypatch):
         monkeypatch.setattr(conv_sm90, "READS_NCHW", True)
         assert ops.runs_in_kernel_conv(spec, x) and not ops.runs_in_kernel_conv(spec, x, channels_last=True)
         assert ops.input_layouts(spec.to_json(), [x, wt]) is None
+
+
+@pytest.mark.parametrize("x_is", ["computed", "a graph input", "used elsewhere"])
+def test_a_computed_x_of_a_tf32_in_kernel_conv_is_asked_channels_last_beside_its_rounding(monkeypatch, x_is):
+    """A float32 in-kernel conv takes x rounded to TF32 (first) and x itself (last but
+    one, for a call with TF32 off). Where the graph computes x for the op alone, both are
+    asked channels-last, so that Inductor's kernel making them stores both alike; a graph
+    input, or an x that other ops read as it is, stays free (no copy of it is made)."""
+    from specs import conv_gemm_specs
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(ops, "arch_of", lambda device: "sm90")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    spec = conv_gemm_specs("float32")["igemm_relu_bias_64_128"]
+    assert spec.anchor.rounded
+    cin, kh, kw, h, w = spec.anchor.direct
+    graph = torch.fx.Graph()
+    with FakeTensorMode():
+        vals = [torch.empty(2, cin, h, w, device="cuda"), torch.empty(spec.channels, cin, kh, kw, device="cuda")]
+        vals += [torch.empty(spec.channels, device="cuda") for _ in spec.param_dtypes]
+        nodes = []
+        for i, val in enumerate(vals):
+            nodes.append(graph.placeholder(f"in{i}"))
+            nodes[-1].meta["val"] = val
+        if x_is != "a graph input":
+            x = graph.call_function(torch.ops.aten.relu.default, (nodes[0],))
+            x.meta["val"] = torch.relu(vals[0])
+            nodes[0] = x
+        call = ops.insert_chain(graph, nodes, spec.to_json(), value=False)
+        if x_is == "used elsewhere":
+            other = graph.call_function(torch.ops.aten.neg.default, (nodes[0],))
+            other.meta["val"] = -vals[0]
+            ops.ask_input_layouts(call)  # asked again, as after AOTAutograd's trace
+    inputs = call.args[0]
+    assert inputs[-2] is nodes[0] and inputs[-1] is nodes[1]
+    (asked, _), _ = call.meta["eager_input_vals"]
+    assert asked[0].is_contiguous(memory_format=torch.channels_last)
+    if x_is == "computed":
+        assert asked[-2].shape == vals[0].shape and asked[-2].is_contiguous(memory_format=torch.channels_last)
+    else:
+        assert asked[-2] is None
+    assert asked[-1] is None
