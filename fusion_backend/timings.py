@@ -87,6 +87,15 @@ def hinted(sizes) -> tuple | None:
     return tuple(dims)
 
 
+# A round of `compare_ms` lasts at least this long on the GPU (more calls of a short
+# function), and the functions run in turns for at least WARM_MS before the rounds: ten
+# calls of a 20 us graph made rounds of 0.2 ms, the whole timing of two graphs 16 ms,
+# short against a GPU's clock settling after the idle of a compile.
+MIN_ROUND_MS = 1.0
+WARM_MS = 20.0
+MAX_CALLS = 2000
+
+
 def compare_ms(fns: Sequence[Callable[[], object]], device: torch.device, capture: bool = True,
                calls: int = 10, rounds: int = 4) -> tuple[float, ...]:
     """GPU milliseconds of a call of each of `fns`, timed side by side.
@@ -95,9 +104,11 @@ def compare_ms(fns: Sequence[Callable[[], object]], device: torch.device, captur
     CPU's cost of a call (which a compiled model's other launches hide) does not decide;
     one that cannot be captured, and all where `capture` is False (a function that
     replays CUDA graphs of its own, a user's loop), is called as is. After a call of each
-    to warm up, `rounds` rounds, in each of which every function is timed over `calls`
-    calls back to back (CUDA events), the order reversed from round to round (`in_turns`);
-    each function's median round. On the CPU: wall time, in the same turns.
+    to warm up, a round of `calls` calls of each sizes the rounds (`calls_a_round`: at
+    least MIN_ROUND_MS of the shortest) and the functions take turns for WARM_MS; then
+    `rounds` rounds, in each of which every function is timed over that many calls back
+    to back (CUDA events), the order reversed from round to round (`in_turns`); each
+    function's median round. On the CPU: wall time, in the same turns.
     """
     if device.type != "cuda":  # the reference ops: fewer calls a round
         for fn in fns:
@@ -108,7 +119,20 @@ def compare_ms(fns: Sequence[Callable[[], object]], device: torch.device, captur
         for fn in timed:  # warm up: a graph's first replay uploads it
             fn()
         torch.cuda.synchronize()
-        return in_turns([functools.partial(cuda_round_ms, fn, calls) for fn in timed], rounds)
+        probe = [cuda_round_ms(fn, calls) for fn in timed]
+        n = calls_a_round(min(probe), calls)
+        busy = sum(probe) * calls
+        while busy < WARM_MS:
+            busy += sum(cuda_round_ms(fn, n) for fn in timed) * n
+        return in_turns([functools.partial(cuda_round_ms, fn, n) for fn in timed], rounds)
+
+
+def calls_a_round(ms_a_call: float, calls: int) -> int:
+    """Calls a round of `compare_ms` makes of functions whose shortest call takes
+    `ms_a_call`: `calls`, or as many more as make MIN_ROUND_MS (MAX_CALLS at most)."""
+    if ms_a_call <= 0:
+        return MAX_CALLS
+    return max(calls, min(MAX_CALLS, -int(-MIN_ROUND_MS // ms_a_call)))
 
 
 def in_turns(time_a_round: Sequence[Callable[[], float]], rounds: int) -> tuple[float, ...]:

@@ -215,6 +215,30 @@ def test_compare_ms_on_the_cpu_times_each_function_in_turns(monkeypatch):
     assert times == (3.25, 0.875)  # medians of (3, 2.5, 3.5, 4) and (1, 1.5, 0.5, 0.75)
 
 
+def test_compare_ms_on_a_gpu_sizes_its_rounds_and_warms_the_device(monkeypatch):
+    """On a GPU each round makes at least MIN_ROUND_MS of the shortest function's calls,
+    and the functions take turns for WARM_MS first (functions of 0.02 and 0.05 ms a call
+    here, the CUDA calls faked)."""
+    import contextlib
+
+    ms = {"a": 0.02, "b": 0.05}
+    rounds = []
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    monkeypatch.setattr(timings, "_captured", lambda fn: fn)
+    monkeypatch.setattr(timings, "cuda_round_ms", lambda fn, n: (rounds.append((fn(), n)), ms[fn()])[1])
+    times = timings.compare_ms([lambda: "a", lambda: "b"], torch.device("cuda"))
+    assert times == (0.02, 0.05)
+    n = timings.calls_a_round(0.02, 10)
+    assert n == 50 and rounds[:2] == [("a", 10), ("b", 10)]  # the probe sizes the rounds
+    warm = rounds[2:-8]
+    assert warm and all(calls == n for _, calls in warm)
+    busy = 0.07 * 10 + sum(ms[name] * calls for name, calls in warm)
+    assert timings.WARM_MS <= busy < timings.WARM_MS + 0.07 * n
+    assert rounds[-8:] == [(name, n) for name in "abbaabba"]
+    assert timings.calls_a_round(5.0, 10) == 10 and timings.calls_a_round(1e-6, 10) == timings.MAX_CALLS
+
+
 def test_gemm_padding_pads_k_and_n_to_whole_vectors():
     chain, found = _chain("gemm_padding")
     spec = gemm_padding.GemmPadding().apply(chain, found)
