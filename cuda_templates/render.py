@@ -440,6 +440,12 @@ DIRECT_MAX_COUT = 64  # 8 warps x 8 channels
 DIRECT_MAX_TAPS = 128  # in_channels x kh x kw: beyond this the conv is compute-bound
 DIRECT_MIN_COLUMN_USE = 0.75  # share of a block's 256 columns inside the image
 DIRECT_SMEM_BUDGET = 110 * 1024  # two blocks per SM on sm_80 / sm_90
+# bf16 and fp16 convs that the tensor-core direct conv does not take (input channels not
+# in 8s, output channels not in 16s up to 32: an RGB image's first conv, say) run in the
+# FMA kernel, their inputs converted to float32 as they are staged (exactly), the
+# products summed in float32. Off until its GPU tests have run (tests/test_gpu.py,
+# test_direct_conv_fma_16bit).
+DIRECT_FMA_16BIT = False
 
 
 @dataclass(frozen=True)
@@ -447,7 +453,9 @@ class DirectPlan:
     """How the direct-conv kernel tiles the output.
 
     Attributes:
-        kind: "fma" (float32, CUDA cores, GroupNorm through a stored pre-norm value),
+        kind: "fma" (CUDA cores in float32: float32, or 16-bit inputs the tensor-core
+            kernel does not take under DIRECT_FMA_16BIT; GroupNorm through a stored
+            pre-norm value),
             "mma" (bf16/fp16 tensor cores, GroupNorm by recomputing the conv) or
             "tf32" (float32 where TF32 is allowed: tensor cores, pre-norm value stored).
         tile_h: output rows per block.
@@ -520,9 +528,12 @@ def direct_plan(spec: EpilogueSpec, arch: str = "sm90", conv_tf32: bool = False)
             if isinstance(tf32, DirectPlan):
                 return tf32
         return _fma_plan(spec, cin, kh, kw, ho, wo, col_tiles)
-    if sm < 80:
-        return f"the tensor-core direct conv needs sm_80 or newer, not {arch}"
-    return _mma_plan(spec, cin, kh, kw, ho, wo, col_tiles)
+    mma = (_mma_plan(spec, cin, kh, kw, ho, wo, col_tiles) if sm >= 80
+           else f"the tensor-core direct conv needs sm_80 or newer, not {arch}")
+    if isinstance(mma, DirectPlan) or not DIRECT_FMA_16BIT:
+        return mma
+    fma = _fma_plan(spec, cin, kh, kw, ho, wo, col_tiles)
+    return fma if isinstance(fma, DirectPlan) else f"{mma}; and the FMA direct conv: {fma}"
 
 
 def _fma_plan(spec, cin, kh, kw, ho, wo, col_tiles) -> DirectPlan | str:
@@ -1234,7 +1245,8 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
     ]
     if stats:
         # fma and tf32 read back in phase 2 what phase 1 stored: bytes of `mid` a tile writes
-        mid_tile = spec.channels * d.tile_h * min(wo, DIRECT_TILE_W) * 4 if d.stores_pre_norm else 0
+        mid_tile = (spec.channels * d.tile_h * min(wo, DIRECT_TILE_W) * ITEMSIZE[spec.dtype]
+                    if d.stores_pre_norm else 0)
         launches += [
             "  static int sms[64] = {}, l2[64] = {};",
             "  if (device < 64 && sms[device] == 0) {",

@@ -1616,6 +1616,33 @@ def test_direct_conv_disabled_runs_the_library_conv(monkeypatch, exact_float32):
     assert err <= TOLERANCE[torch.float32], f"relative error {err:.3g} (seed {exact_float32})"
 
 
+# bf16 and fp16 convs that the tensor-core direct conv does not take, in the FMA kernel
+# (cuda_templates.render.DIRECT_FMA_16BIT, set here): 3 or 4 input channels, 20 or 64
+# output channels, GroupNorm or not, many images.
+FMA_16BIT = ["k5_pad2_cout20_cpg4", "cpg3_pad1", "cout64_cpg16", "pointwise_only", "many_images_pair_runs"]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("name", FMA_16BIT)
+def test_direct_conv_fma_16bit(name, dtype, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys.modules["cuda_templates.render"], "DIRECT_FMA_16BIT", True)
+    cin, cout, k, padding, groups, shape, _ = DIRECT_CONVS[name]
+    model = _ConvChain(cin, cout, k, padding, groups).cuda().to(dtype)
+    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
+    x[0, 0, 1, 5] = float("nan")  # one image's outputs near it NaN, as eager's
+    ref, _ = float64_reference(model, x)
+    with torch.no_grad():
+        out, kernels = _kernels(model, x)
+        eager = model(x)
+    assert len(kernels) == 1 and kernels[0].startswith("directconv_"), kernels
+    assert torch.equal(out.isnan(), eager.isnan())
+    clean = slice(1, None)  # the images without the NaN
+    err = relative_error(out[clean], ref[clean])
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g}"
+
+
 def test_direct_conv_nan_and_zero_batch(exact_float32):
     model = _ConvChain(3, 16, 3, 1, 4).cuda()
     x = torch.rand(2, 3, 8, 256, device="cuda")

@@ -6,6 +6,7 @@ import itertools
 import math
 import os
 import re
+import sys
 import shutil
 import subprocess
 import tempfile
@@ -1179,6 +1180,46 @@ def test_nvcc_compiles_the_nchw_in_kernel_conv(dtype, name, tmp_path):
     assert re.search(r"HGMMA\.64x\d+x16\.F32\S* R\d+, gdesc\[UR\d+\]\.tnspA", sass), kernel
     assert not accumulator_uses_in_flight(sass), accumulator_uses_in_flight(sass)[:5]
     assert not re.search(r"\b(?:LDL|STL)\b", sass)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_direct_conv_fma_takes_16_bit_inputs_the_tensor_cores_do_not(dtype, monkeypatch):
+    # An RGB image's conv (3 input channels) and 20 output channels: the tensor-core
+    # kernel takes neither; under DIRECT_FMA_16BIT the FMA kernel does, staging the
+    # 16-bit values as float32.
+    render_module = sys.modules["cuda_templates.render"]
+    spec = direct_specs(dtype)["direct_pointwise_k5_pad2"]
+    assert "multiples of 8" in cuda_templates.direct_plan(spec)
+    monkeypatch.setattr(render_module, "DIRECT_FMA_16BIT", True)
+    d = cuda_templates.direct_plan(spec)
+    assert isinstance(d, cuda_templates.DirectPlan) and d.kind == "fma" and d.copad == 32
+    source = cuda_templates.render(spec, "sm90")
+    assert '#include "fusedepi/direct_conv.cuh"' in source and "mma.sync" not in source
+    assert cuda_templates.kernel_name(spec, "sm90").startswith("directconv_")
+    # what the tensor cores take stays theirs, with or without GroupNorm
+    assert cuda_templates.direct_plan(direct_specs(dtype)["w5_direct"]).kind == "mma"
+    assert cuda_templates.direct_plan(direct_specs(dtype)["direct_pointwise_cin8"]).kind == "mma"
+    assert cuda_templates.direct_plan(direct_specs(dtype)["direct_groupnorm_cpg3"]).kind == "fma"
+    # before sm_80 too (no tensor-core kernel there)
+    assert cuda_templates.direct_plan(direct_specs(dtype)["w5_direct"], "sm75").kind == "fma"
+    # what neither takes gives both reasons
+    wide = replace(spec, channels=96)
+    reason = cuda_templates.direct_plan(wide)
+    assert "multiples of 8" in reason and "96 output channels" in reason
+
+
+@needs_nvcc
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_nvcc_compiles_the_16_bit_fma_direct_conv(dtype, tmp_path, monkeypatch):
+    # Pointwise (one phase) and GroupNorm (two phases, the pre-norm value stored in the
+    # 16-bit dtype) files build for sm_80 and sm_90.
+    monkeypatch.setattr(sys.modules["cuda_templates.render"], "DIRECT_FMA_16BIT", True)
+    for name in ("direct_pointwise_k5_pad2", "direct_groupnorm_cpg3"):
+        spec = direct_specs(dtype)[name]
+        assert cuda_templates.direct_plan(spec).kind == "fma"
+        for arch in ("sm80", "sm90"):
+            kernel = cuda_templates.kernel_name(spec, arch)
+            cuda_templates.build(cuda_templates.render(spec, arch), kernel, arch, tmp_path)
 
 
 def test_tf32_direct_conv_plans():

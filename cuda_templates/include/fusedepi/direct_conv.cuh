@@ -1,7 +1,8 @@
-// The float32 direct conv's tile: a block's output tile of a small 2-D convolution in
-// CUDA-core FMA (float32, TF32 off), from an input tile staged in shared memory, with
-// the chain's stage0 applied in registers and, with GroupNorm, the tile's partial
-// statistics left in the workspace.
+// The FMA direct conv's tile: a block's output tile of a small 2-D convolution in
+// CUDA-core float32 FMA (float32 with TF32 off; bf16 and fp16 inputs the tensor-core
+// kernel does not take, converted to float32 as they are staged), from an input tile
+// staged in shared memory, with the chain's stage0 applied in registers and, with
+// GroupNorm, the tile's partial statistics left in the workspace.
 //
 // Included by the rendered file (cuda_templates/templates.py, DIRECT_CONV_KERNELS)
 // inside its anonymous namespace, after the file has defined what this code reads:
@@ -20,10 +21,11 @@ __device__ __forceinline__ void conv_tile(const Args& a, const long long n, cons
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int oh0 = tile / kColTiles * kTH, ow0 = tile % kColTiles * kTW;
 
-  // The input tile, zero outside the image (padding), and the weights. Copied with
-  // cp.async (sm_80+; zero-filled where the source is outside), so that all of a
-  // thread's copies are in flight at once rather than a round trip per row.
-  static_assert(sizeof(T) == 4, "the FMA direct conv is float32 only (render.direct_plan)");
+  // The input tile, zero outside the image (padding), and the weights, as float32.
+  // float32 is copied with cp.async (sm_80+; zero-filled where the source is outside),
+  // so that all of a thread's copies are in flight at once rather than a round trip per
+  // row; 16-bit values are loaded and converted (exactly) on the way.
+  static_assert(sizeof(T) == 4 || sizeof(T) == 2, "the FMA direct conv reads float32, bf16 or fp16");
   const T* xn = a.x + n * kCin * kHi * kWi;
   for (int r = warp; r < kCin * kInRows; r += 8) {
     const int ci = r / kInRows, ih = oh0 - kPadH + r % kInRows;
@@ -33,14 +35,25 @@ __device__ __forceinline__ void conv_tile(const Args& a, const long long n, cons
     for (int k = 0; k < (kSW + 31) / 32; ++k) {
       const int col = k * 32 + lane, iw = ow0 - kPadW + col;
       const bool in = row_in && iw >= 0 && iw < kWi;
-      if (col < kSW) fusedepi::copy_async4(xs + r * kSW + col, in ? src + iw : src, in);
+      if (col >= kSW) continue;
+      if constexpr (sizeof(T) == 4) {
+        // (T is float here; the cast only lets the 16-bit files compile this branch)
+        fusedepi::copy_async4(xs + r * kSW + col, reinterpret_cast<const float*>(in ? src + iw : src), in);
+      } else {
+        xs[r * kSW + col] = in ? fusedepi::to_float(src[iw]) : 0.f;
+      }
     }
   }
   for (int i = threadIdx.x; i < kTaps * kCoPad; i += blockDim.x) {
     const int co = i % kCoPad, tap = i / kCoPad;
-    fusedepi::copy_async4(wsm + i, a.w + (co < kCout ? co * kTaps + tap : 0), co < kCout);
+    if constexpr (sizeof(T) == 4) {
+      fusedepi::copy_async4(wsm + i, reinterpret_cast<const float*>(a.w + (co < kCout ? co * kTaps + tap : 0)),
+                            co < kCout);
+    } else {
+      wsm[i] = co < kCout ? fusedepi::to_float(a.w[co * kTaps + tap]) : 0.f;
+    }
   }
-  fusedepi::copy_async_wait();
+  if constexpr (sizeof(T) == 4) fusedepi::copy_async_wait();
   if constexpr (kConvStats)
     for (int i = threadIdx.x; i < 8 * kSlots; i += blockDim.x) part[i] = {0.f, 0.f, 0.f};
   __syncthreads();

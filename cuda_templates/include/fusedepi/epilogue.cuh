@@ -49,6 +49,26 @@ __device__ __forceinline__ void load_vec_cg(const float* __restrict__ p, float (
   }
 }
 
+// V elements of any T through L2 only (ld.global.cg), as one access of V * sizeof(T)
+// bytes (2 to 16), converted to float: the 16-bit counterpart of load_vec_cg.
+template <typename T, int V>
+__device__ __forceinline__ void load_vec_cg_packed(const T* __restrict__ p, float (&out)[V]) {
+  constexpr int kBytes = sizeof(T) * V;
+  static_assert(kBytes == 2 || kBytes == 4 || kBytes == 8 || kBytes == 16, "2 to 16 bytes");
+  Pack<T, V> pk;
+  if constexpr (kBytes == 16) {
+    *reinterpret_cast<uint4*>(&pk) = __ldcg(reinterpret_cast<const uint4*>(p));
+  } else if constexpr (kBytes == 8) {
+    *reinterpret_cast<uint2*>(&pk) = __ldcg(reinterpret_cast<const uint2*>(p));
+  } else if constexpr (kBytes == 4) {
+    *reinterpret_cast<unsigned int*>(&pk) = __ldcg(reinterpret_cast<const unsigned int*>(p));
+  } else {
+    *reinterpret_cast<unsigned short*>(&pk) = __ldcg(reinterpret_cast<const unsigned short*>(p));
+  }
+#pragma unroll
+  for (int j = 0; j < V; ++j) out[j] = to_float(pk.v[j]);
+}
+
 // Float stores marked evict-first (st.global.cs): for a final output, which no block of
 // the same launch reads (a cache hint only).
 template <int V>

@@ -1,5 +1,6 @@
 // The direct conv's second phase with GroupNorm: normalizes one output tile of `mid`
-// (the conv's values, stage0 applied) into `out` with its image's statistics (stage1).
+// (the conv's values, stage0 applied, in the file's dtype T) into `out` with its
+// image's statistics (stage1).
 //
 // Included by the rendered file (cuda_templates/templates.py, NORMALIZE_TILE) inside its
 // anonymous namespace, after the file has defined what this code reads:
@@ -25,8 +26,8 @@ __device__ __forceinline__ void apply_tile(const Args& a, const long long n, con
     const stage1_chan k1 = stage1_chan_of(a, co);
     const float mean = gstat[co / kCpg * 2], rstd = gstat[co / kCpg * 2 + 1];
     const long long base = n * kChannels * kInner + (long long)co * kInner + (long long)oh0 * kWo + ow0;
-    const float* src = a.mid + base;
-    float* dst = a.out + base;
+    const T* src = a.mid + base;
+    T* dst = a.out + base;
 #pragma unroll 1
     for (int j0 = 0; j0 < kLaneVecs; j0 += kApplyBatch) {
       float v[kApplyBatch][kAV];
@@ -43,12 +44,21 @@ __device__ __forceinline__ void apply_tile(const Args& a, const long long n, con
           ok[b] = run < runs && off < run_len;
           at[b] = ok[b] ? run * kWo + off : 0;
         }
-        fusedepi::load_vec_cg<kAV>(src + at[b], v[b]);
+        if constexpr (sizeof(T) == 4) {  // (T is float here; the cast only lets 16-bit files compile it)
+          fusedepi::load_vec_cg<kAV>(reinterpret_cast<const float*>(src + at[b]), v[b]);
+        } else {
+          fusedepi::load_vec_cg_packed<T, kAV>(src + at[b], v[b]);
+        }
       }
 #pragma unroll
       for (int b = 0; b < kApplyBatch; ++b) {
         stage1_at<kAV>(v[b], k1, base + at[b], a, mean, rstd, true);
-        if (ok[b]) fusedepi::store_vec_cs<kAV>(dst + at[b], v[b]);
+        if (!ok[b]) continue;
+        if constexpr (sizeof(T) == 4) {
+          fusedepi::store_vec_cs<kAV>(reinterpret_cast<float*>(dst + at[b]), v[b]);
+        } else {
+          fusedepi::store_vec<T, kAV>(dst + at[b], v[b]);
+        }
       }
     }
   }
