@@ -436,6 +436,11 @@ def _narrow_team(vecs: int, max_nvec: int) -> int:
 
 
 DIRECT_TILE_W = 256  # output columns per direct-conv block (templates.DIRECT_CONV_KERNELS)
+# The FMA kernel's blocks of 128 columns (one run of 4 columns a lane, not two), where
+# they leave fewer of a block's columns outside the output than 256 (outputs up to 128
+# wide, say: a 256-column block would leave half of it idle and the library conv would
+# run). Off until its GPU tests have run (tests/test_gpu.py, test_direct_conv_fma_narrow).
+DIRECT_FMA_NARROW = False
 DIRECT_MAX_COUT = 64  # 8 warps x 8 channels
 DIRECT_MAX_TAPS = 128  # in_channels x kh x kw: beyond this the conv is compute-bound
 DIRECT_MIN_COLUMN_USE = 0.75  # share of a block's 256 columns inside the image
@@ -463,6 +468,8 @@ class DirectPlan:
         out_vec: elements per store (divides the output width).
         smem: dynamic shared memory per block, bytes.
         tiles: blocks per image.
+        tile_w: output columns per block: DIRECT_TILE_W, or 128 for the FMA kernel
+            (DIRECT_FMA_NARROW).
     """
 
     kind: str
@@ -471,6 +478,7 @@ class DirectPlan:
     out_vec: int
     smem: int
     tiles: int
+    tile_w: int = DIRECT_TILE_W
 
     @property
     def stores_pre_norm(self) -> bool:
@@ -517,26 +525,45 @@ def direct_plan(spec: EpilogueSpec, arch: str = "sm90", conv_tf32: bool = False)
     if ho * wo != spec.inner or ho < 1 or wo < 1:
         return f"output {ho}x{wo} does not match the chain's {spec.inner} elements per channel"
     col_tiles = _ceil_div(wo, DIRECT_TILE_W)
-    if wo < DIRECT_MIN_COLUMN_USE * col_tiles * DIRECT_TILE_W:
-        return f"output width {wo} leaves most of a {DIRECT_TILE_W}-column tile idle"
+    idle = (f"output width {wo} leaves most of a {DIRECT_TILE_W}-column tile idle"
+            if wo < DIRECT_MIN_COLUMN_USE * col_tiles * DIRECT_TILE_W else "")
+    fma_w = _fma_tile_w(wo)
+    if idle and fma_w == DIRECT_TILE_W:
+        return idle
     sm = int("".join(ch for ch in arch if ch.isdigit()))
     if red is not None and sm < 70:
         return f"the direct conv's GroupNorm phases synchronize with ld.acquire (sm_70 or newer, not {arch})"
     if spec.dtype == "float32":
-        if conv_tf32 and sm >= 80:
+        if conv_tf32 and sm >= 80 and not idle:
             tf32 = _mma_plan(spec, cin, kh, kw, ho, wo, col_tiles)
             if isinstance(tf32, DirectPlan):
                 return tf32
-        return _fma_plan(spec, cin, kh, kw, ho, wo, col_tiles)
-    mma = (_mma_plan(spec, cin, kh, kw, ho, wo, col_tiles) if sm >= 80
-           else f"the tensor-core direct conv needs sm_80 or newer, not {arch}")
+        return _fma_plan(spec, cin, kh, kw, ho, wo, fma_w)
+    mma = idle or (_mma_plan(spec, cin, kh, kw, ho, wo, col_tiles) if sm >= 80
+                   else f"the tensor-core direct conv needs sm_80 or newer, not {arch}")
     if isinstance(mma, DirectPlan) or not DIRECT_FMA_16BIT:
         return mma
-    fma = _fma_plan(spec, cin, kh, kw, ho, wo, col_tiles)
+    fma = _fma_plan(spec, cin, kh, kw, ho, wo, fma_w)
     return fma if isinstance(fma, DirectPlan) else f"{mma}; and the FMA direct conv: {fma}"
 
 
-def _fma_plan(spec, cin, kh, kw, ho, wo, col_tiles) -> DirectPlan | str:
+def _fma_tile_w(wo: int) -> int:
+    """The FMA kernel's columns a block: DIRECT_TILE_W, or under DIRECT_FMA_NARROW 128
+    where that leaves fewer columns of its blocks outside the output, and enough inside
+    (DIRECT_MIN_COLUMN_USE)."""
+    if not DIRECT_FMA_NARROW:
+        return DIRECT_TILE_W
+
+    def outside(w: int) -> int:
+        return _ceil_div(wo, w) * w - wo
+
+    narrow = 128
+    if outside(narrow) < outside(DIRECT_TILE_W) and wo >= DIRECT_MIN_COLUMN_USE * _ceil_div(wo, narrow) * narrow:
+        return narrow
+    return DIRECT_TILE_W
+
+
+def _fma_plan(spec, cin, kh, kw, ho, wo, tile_w) -> DirectPlan | str:
     cout, red = spec.channels, spec.reduction
     if cout > DIRECT_MAX_COUT:
         return f"{cout} output channels (the direct conv takes at most {DIRECT_MAX_COUT})"
@@ -545,7 +572,8 @@ def _fma_plan(spec, cin, kh, kw, ho, wo, col_tiles) -> DirectPlan | str:
     copad = 8 * _pow2_at_least(_ceil_div(cout, 8))
     rows_at_once = 64 // copad
     xv = _ceil_div(4 + kw - 1, 4)
-    row_stride = DIRECT_TILE_W + 4 * (xv - 1)
+    row_stride = tile_w + 4 * (xv - 1)
+    col_tiles = _ceil_div(wo, tile_w)
     cpg = cout // red.groups if red is not None else 1
     slots = 1 if cpg % 8 == 0 else (8 // cpg if 8 % cpg == 0 else 8)
     for tile_h in (8, 4, 2, 1):
@@ -554,7 +582,7 @@ def _fma_plan(spec, cin, kh, kw, ho, wo, col_tiles) -> DirectPlan | str:
         smem = 4 * (cin * (tile_h + kh - 1) * row_stride + cin * kh * kw * copad) + 12 * 8 * slots
         if smem <= DIRECT_SMEM_BUDGET:
             out_vec = next(v for v in (4, 2, 1) if wo % v == 0)
-            return DirectPlan("fma", tile_h, copad, out_vec, smem, _ceil_div(ho, tile_h) * col_tiles)
+            return DirectPlan("fma", tile_h, copad, out_vec, smem, _ceil_div(ho, tile_h) * col_tiles, tile_w)
     return f"the input tile of {cin} channels does not fit {DIRECT_SMEM_BUDGET // 1024} KiB of shared memory"
 
 
@@ -1215,7 +1243,8 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
         normalize = templates.NORMALIZE_TILE.substitute(kernel=name, apply_vec=_apply_vec(d, ho, wo))
     if d.kind == "fma":
         conv = templates.DIRECT_CONV_KERNELS.substitute(
-            copad=d.copad, out_vec=d.out_vec, dst="a.mid" if stats else "a.out", normalize=normalize, **shape
+            copad=d.copad, out_vec=d.out_vec, tile_w=d.tile_w, dst="a.mid" if stats else "a.out", normalize=normalize,
+            **shape
         )
         phases = ("conv_tile(a, n, tile);", "apply_tile(a, n, tile);")
     else:
@@ -1245,7 +1274,7 @@ def _render_direct(spec: EpilogueSpec, arch: str, p: Plan, d: DirectPlan) -> str
     ]
     if stats:
         # fma and tf32 read back in phase 2 what phase 1 stored: bytes of `mid` a tile writes
-        mid_tile = (spec.channels * d.tile_h * min(wo, DIRECT_TILE_W) * ITEMSIZE[spec.dtype]
+        mid_tile = (spec.channels * d.tile_h * min(wo, d.tile_w) * ITEMSIZE[spec.dtype]
                     if d.stores_pre_norm else 0)
         launches += [
             "  static int sms[64] = {}, l2[64] = {};",
@@ -1421,7 +1450,7 @@ def _conv_pool_constants(spec: EpilogueSpec, c: conv_sm90.ConvGemmPlan, ho: int,
 def _apply_vec(d: DirectPlan, ho: int, wo: int) -> int:
     """Elements per access of the fused normalize: a tile's run per channel is kTH whole
     rows (one column tile) or kTW columns of a row, and every run starts a multiple of it."""
-    if _ceil_div(wo, DIRECT_TILE_W) == 1:
+    if _ceil_div(wo, d.tile_w) == 1:
         return next(v for v in (4, 2, 1) if (d.tile_h * wo) % v == 0 and (ho * wo) % v == 0)
     return next(v for v in (4, 2, 1) if wo % v == 0)
 

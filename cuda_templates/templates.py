@@ -627,7 +627,8 @@ DIRECT_CONV_KERNELS = Template(
 constexpr int kKH = $kh, kKW = $kw, kPadH = $pad_h, kPadW = $pad_w;
 constexpr int kHi = $in_h, kWi = $in_w, kHo = $out_h, kWo = $out_w;
 constexpr int kTH = $tile_h;                     // output rows per block
-constexpr int kTW = 256;                         // output columns per block
+constexpr int kTW = $tile_w;                     // output columns per block: 128 or 256
+constexpr int kColRuns = kTW / 128;              // runs of 4 columns a lane (32 lanes x 4 = 128 a run)
 constexpr int kOV = $out_vec;                    // elements per store
 constexpr bool kConvStats = $stats;              // GroupNorm: two phases (TWO_PHASE_KERNEL)
 constexpr int kCpg = $cpg;                       // channels per group
@@ -648,6 +649,7 @@ constexpr int kConvSmem = $smem;
 static_assert(kConvSmem == (int)(sizeof(float) * (kCin * kInRows * kSW + kTaps * kCoPad) +
                                  sizeof(fusedepi::Moments) * 8 * kSlots), "render._fma_plan's shared memory");
 static_assert(kCog * kRowsAtOnce == 8 && kTH % kRowsAtOnce == 0, "8 warps tile channels x rows");
+static_assert(kTW == 128 || kTW == 256, "a lane's one or two runs of 4 columns");
 static_assert(kWo % kOV == 0 && 4 % kOV == 0, "stores stay inside a row");
 
 """ + _CONV_WORKSPACE + r"""

@@ -1643,6 +1643,39 @@ def test_direct_conv_fma_16bit(name, dtype, monkeypatch):
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g}"
 
 
+# The FMA kernel's blocks of 128 columns (render.DIRECT_FMA_NARROW, set here) on outputs
+# 100, 124 and 300 wide (the library conv's without it), with and without GroupNorm.
+FMA_NARROW = {
+    # name: (cin, cout, k, padding, groups, input shape)
+    "w100_pointwise": (3, 20, 5, 2, 0, (3, 3, 9, 100)),
+    "w124_gn_cpg4": (3, 20, 5, 0, 5, (2, 3, 12, 128)),
+    "w300_gn_cpg3": (4, 24, 3, 1, 8, (2, 4, 11, 300)),
+    "w112_many_images": (8, 32, 3, 1, 8, (150, 8, 10, 112)),
+}
+
+
+@pytest.mark.parametrize("dtype", F32 + HALF)
+@pytest.mark.parametrize("name", list(FMA_NARROW))
+def test_direct_conv_fma_narrow(name, dtype, monkeypatch, exact_float32):
+    import sys
+
+    render_module = sys.modules["cuda_templates.render"]
+    monkeypatch.setattr(render_module, "DIRECT_FMA_16BIT", True)
+    monkeypatch.setattr(render_module, "DIRECT_FMA_NARROW", True)
+    cin, cout, k, padding, groups, shape = FMA_NARROW[name]
+    model = _ConvChain(cin, cout, k, padding, groups).cuda().to(dtype)
+    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
+    ref, _ = float64_reference(model, x)
+    with torch.no_grad():
+        out, kernels = _kernels(model, x)
+        eager = model(x)
+    assert len(kernels) == 1 and kernels[0].startswith("directconv_"), kernels
+    err = relative_error(out, ref)
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32})"
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
+
+
 def test_direct_conv_nan_and_zero_batch(exact_float32):
     model = _ConvChain(3, 16, 3, 1, 4).cuda()
     x = torch.rand(2, 3, 8, 256, device="cuda")

@@ -1222,6 +1222,52 @@ def test_nvcc_compiles_the_16_bit_fma_direct_conv(dtype, tmp_path, monkeypatch):
             cuda_templates.build(cuda_templates.render(spec, arch), kernel, arch, tmp_path)
 
 
+def _with_input_width(spec, width):
+    """`spec` with its conv's input `width` columns wide."""
+    anchor = replace(spec.anchor, direct=spec.anchor.direct[:4] + (width,))
+    ho, wo = anchor.direct_out_hw()
+    return replace(spec, anchor=anchor, inner=ho * wo)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_direct_conv_fma_blocks_of_128_columns(dtype, monkeypatch):
+    # Under DIRECT_FMA_NARROW the FMA kernel takes blocks of 128 columns where they leave
+    # fewer columns outside the output: 100 and 300 wide (the library conv's before), not
+    # 200 or 254 (as many outside either way).
+    render_module = sys.modules["cuda_templates.render"]
+    monkeypatch.setattr(render_module, "DIRECT_FMA_16BIT", True)
+    base = direct_specs(dtype)["direct_pointwise_k5_pad2"]  # 3 -> 20 channels, 5 x 5, padding 2: wo = width
+    assert "256-column tile idle" in cuda_templates.direct_plan(_with_input_width(base, 100))
+    monkeypatch.setattr(render_module, "DIRECT_FMA_NARROW", True)
+    for wo, tile_w in ((100, 128), (128, 128), (300, 128), (200, 256), (254, 256), (450, 256)):
+        spec = _with_input_width(base, wo)
+        d = cuda_templates.direct_plan(spec)
+        assert isinstance(d, cuda_templates.DirectPlan) and d.kind == "fma" and d.tile_w == tile_w, (wo, d)
+        assert d.tiles == -(-9 // d.tile_h) * -(-wo // tile_w)
+        assert f"constexpr int kTW = {tile_w};" in cuda_templates.render(spec, "sm90")
+    assert "256-column tile idle" in cuda_templates.direct_plan(_with_input_width(base, 80))  # idle either way
+    assert "256-column tile idle" in cuda_templates.direct_plan(_with_input_width(base, 150))
+    # the tensor-core kernels keep their 256 columns: what they take at 256 wide goes to FMA at 100
+    cin8 = direct_specs(dtype)["direct_pointwise_cin8"]
+    assert cuda_templates.direct_plan(_with_input_width(cin8, 100), "sm90", conv_tf32=True).kind == "fma"
+    assert cuda_templates.direct_plan(cin8, "sm90", conv_tf32=True).kind in ("mma", "tf32")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nvcc_compiles_the_fma_direct_conv_of_128_columns(dtype, tmp_path, monkeypatch):
+    # Pointwise (one phase) and GroupNorm (two phases) files of 128-column blocks build.
+    render_module = sys.modules["cuda_templates.render"]
+    monkeypatch.setattr(render_module, "DIRECT_FMA_16BIT", True)
+    monkeypatch.setattr(render_module, "DIRECT_FMA_NARROW", True)
+    for name in ("direct_pointwise_k5_pad2", "direct_groupnorm_cpg3"):
+        spec = _with_input_width(direct_specs(dtype)[name], 112)
+        d = cuda_templates.direct_plan(spec)
+        assert d.kind == "fma" and d.tile_w == 128, d
+        cuda_templates.build(cuda_templates.render(spec, "sm90"), cuda_templates.kernel_name(spec, "sm90"), "sm90",
+                             tmp_path)
+
+
 def test_tf32_direct_conv_plans():
     w5 = direct_specs()["w5_direct"]
     d = cuda_templates.direct_plan(w5, "sm90", conv_tf32=True)

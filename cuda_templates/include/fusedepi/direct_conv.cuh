@@ -7,7 +7,7 @@
 // Included by the rendered file (cuda_templates/templates.py, DIRECT_CONV_KERNELS)
 // inside its anonymous namespace, after the file has defined what this code reads:
 //   T, Args, stage0_at, stage0_chan, stage0_chan_of, kGroups, ... (KERNEL_FILE's constants);
-//   kCin, kCout, kCoPad, kKH, kKW, kPadH, kPadW, kHi, kWi, kHo, kWo, kTH, kTW, kOV,
+//   kCin, kCout, kCoPad, kKH, kKW, kPadH, kPadW, kHi, kWi, kHo, kWo, kTH, kTW, kColRuns, kOV,
 //   kConvStats, kCpg and the values derived from them (the conv's shape);
 //   conv_part (the GroupNorm workspace) and conv_dst (where the tile's values go).
 // It is not a standalone header: those constants differ per file.
@@ -63,9 +63,9 @@ __device__ __forceinline__ void conv_tile(const Args& a, const long long n, cons
   for (int rr = warp / kCog; rr < kTH; rr += kRowsAtOnce) {
     const int oh = oh0 + rr;
     if (oh >= kHo) break;
-    float acc[2][4][8];  // [run][column][channel]
+    float acc[kColRuns][4][8];  // [run][column][channel]
 #pragma unroll
-    for (int s = 0; s < 2; ++s)
+    for (int s = 0; s < kColRuns; ++s)
 #pragma unroll
       for (int p = 0; p < 4; ++p)
 #pragma unroll
@@ -75,9 +75,9 @@ __device__ __forceinline__ void conv_tile(const Args& a, const long long n, cons
 #pragma unroll
       for (int kh = 0; kh < kKH; ++kh) {
         const float* row = xs + (ci * kInRows + rr + kh) * kSW + 4 * lane;
-        float xv[2][4 * kXV];
+        float xv[kColRuns][4 * kXV];
 #pragma unroll
-        for (int s = 0; s < 2; ++s)
+        for (int s = 0; s < kColRuns; ++s)
 #pragma unroll
           for (int q = 0; q < kXV; ++q) {
             const float4 t = *reinterpret_cast<const float4*>(row + 128 * s + 4 * q);
@@ -93,7 +93,7 @@ __device__ __forceinline__ void conv_tile(const Args& a, const long long n, cons
           const float4 w1 = *reinterpret_cast<const float4*>(wrow + kw * kCoPad + 4);
           const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
-          for (int s = 0; s < 2; ++s)
+          for (int s = 0; s < kColRuns; ++s)
 #pragma unroll
             for (int p = 0; p < 4; ++p)
 #pragma unroll
@@ -110,7 +110,7 @@ __device__ __forceinline__ void conv_tile(const Args& a, const long long n, cons
       if (kCoPad != kCout && co >= kCout) continue;
       const stage0_chan k0 = stage0_chan_of(a, co);
 #pragma unroll
-      for (int s = 0; s < 2; ++s)
+      for (int s = 0; s < kColRuns; ++s)
 #pragma unroll
         for (int p = 0; p < 4; p += kOV) {
           const int ow = ow0 + 128 * s + 4 * lane + p;
@@ -138,7 +138,7 @@ __device__ __forceinline__ void conv_tile(const Args& a, const long long n, cons
         const float count = static_cast<float>(valid_cols * chans);
         float sum = 0.f;
 #pragma unroll
-        for (int s = 0; s < 2; ++s)
+        for (int s = 0; s < kColRuns; ++s)
 #pragma unroll
           for (int p = 0; p < 4; ++p)
             if (ow0 + 128 * s + 4 * lane + p < kWo)
@@ -148,7 +148,7 @@ __device__ __forceinline__ void conv_tile(const Args& a, const long long n, cons
         const float mean = fusedepi::team_sum_warp<32>(sum) / count;
         float q = 0.f;
 #pragma unroll
-        for (int s = 0; s < 2; ++s)
+        for (int s = 0; s < kColRuns; ++s)
 #pragma unroll
           for (int p = 0; p < 4; ++p)
             if (ow0 + 128 * s + 4 * lane + p < kWo)
