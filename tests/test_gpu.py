@@ -1772,6 +1772,49 @@ def test_in_kernel_conv(name, dtype, exact_float32, monkeypatch):
         assert err <= TOLERANCE[torch.float32], f"relative error {err:.3g} after TF32 was switched off"
 
 
+class _ReluFirst(_ConvChain):
+    """_ConvChain after a ReLU of its input: a conv whose x the graph computes."""
+
+    def forward(self, x):
+        return super().forward(torch.relu(x))
+
+
+def test_in_kernel_conv_of_a_computed_x(exact_float32, monkeypatch):
+    # A float32 in-kernel conv whose x the graph computes: the op takes x rounded to TF32
+    # and x itself, both asked channels-last (ops.ask_input_layouts). TF32's result on
+    # the rounded operands; after TF32 is switched off, the library conv's on x itself.
+    _needs_sm90()
+    from fusion_backend.ops import round_to_tf32
+
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
+    model = _ReluFirst(64, 128, 3, 0, 0).cuda()
+    x = torch.rand(2, 64, 20, 70, device="cuda") * 2 - 1
+    ref, _ = float64_reference(model, x)
+    rounded = _ConvChain(64, 128, 3, 0, 0).cuda()
+    rounded.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        rounded.conv.weight.copy_(round_to_tf32(rounded.conv.weight))
+    ref_tf32, _ = float64_reference(rounded, round_to_tf32(torch.relu(x)))
+    saved = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        with torch.no_grad():
+            fn = torch.compile(model, backend=fusedepi)
+            out = fn(x)
+            ran = _fusedepi_kernels_run(fn, x, pattern=r"_sm[0-9]+a?_")
+            torch.backends.cudnn.allow_tf32 = False
+            ran_exact = _fusedepi_kernels_run(fn, x, pattern=r"_sm[0-9]+a?_")
+            exact = fn(x)
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    assert ran and all(re.search(r"igemm(128|256)x", r) for r in ran), ran
+    err = relative_error(out, ref_tf32)
+    assert err <= 1e-5, f"relative error {err:.3g} to the TF32-rounded operands' result (seed {exact_float32})"
+    assert ran_exact and not any("igemm" in r for r in ran_exact), ran_exact
+    err = relative_error(exact, ref)
+    assert err <= TOLERANCE[torch.float32], f"relative error {err:.3g} after TF32 was switched off"
+
+
 # The in-kernel conv reading x in its NCHW layout (conv_sm90.reads_nchw): 16-bit, input
 # widths of whole 16 bytes, patches of 64 or 128, every tap's box from a 16-byte column.
 # Convs whose taps start boxes off those columns read x channels-last (with NCHW boxes
