@@ -14,7 +14,8 @@ second's taken: `build`; a refusal is recorded in the cache, `FAILED`). As with 
 kernels, the build runs in a private directory under a file lock that dies with its
 process, and is installed by an atomic rename. The rewrite of a graph with a CUDA chain
 starts it in a thread (`launch.start_native`), beside the chains' kernel builds and
-timings, and `launch.enable_native` loads it once the chains are decided.
+timings, and `launch.enable_native` loads it once the chains are decided (a process
+that ends before, its chains all refused, waits for the build to end, once a machine).
 """
 
 from __future__ import annotations
