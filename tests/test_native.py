@@ -177,7 +177,7 @@ def test_compilers_are_tried_in_order_without_duplicates(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_build_with", build_with)
     # the first to pass is taken; the others build side by side with the first
     assert native.build(tmp_path) == tmp_path / "_usr_bin_c++.so"
-    native._COMPILERS.submit(lambda: None).result()
+    _wait_for(lambda: len(tried) == 3)
     assert sorted(tried) == sorted(entries)
     # a compiler with a library in the cache ends the list: none after it builds
     tried.clear()
@@ -190,11 +190,20 @@ def test_compilers_are_tried_in_order_without_duplicates(monkeypatch, tmp_path):
     entries["/opt/other/g++"].mkdir()
     (entries["/opt/other/g++"] / native.FAILED).write_text("refused\n")
     assert native.build(tmp_path) == tmp_path / "_usr_bin_c++.so"
-    native._COMPILERS.submit(lambda: None).result()
+    _wait_for(lambda: len(tried) == 3)
     assert sorted(tried) == ["/opt/other/g++", "/usr/bin/c++", "/usr/bin/g++"]
     monkeypatch.setattr(native, "compilers", lambda: ["/opt/other/g++"])
     with pytest.raises(native.BuildError, match="does not raise its errors"):
         native.build(tmp_path)
+
+
+def _wait_for(done, seconds: float = 10.0) -> None:
+    """Until `done()` (the builds `native.build` leaves running in its threads), or `seconds`."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def test_enable_native_waits_for_the_build_start_native_started(native_untried, monkeypatch, tmp_path):
