@@ -1542,7 +1542,12 @@ def _kernels(model, *inputs):
 
 @pytest.mark.parametrize("name, dtype", DIRECT_CASES)
 def test_direct_conv(name, dtype, exact_float32):
-    cin, cout, k, padding, groups, shape, _ = DIRECT_CONVS[name]
+    _check_direct_conv(*DIRECT_CONVS[name][:6], dtype, exact_float32)
+
+
+def _check_direct_conv(cin, cout, k, padding, groups, shape, dtype, seed):
+    """_ConvChain of these sizes fused as one direct-conv kernel, within the dtype's error
+    of float64 (float32: eager's result too)."""
     model = _ConvChain(cin, cout, k, padding, groups).cuda().to(dtype)
     x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
     ref, _ = float64_reference(model, x)
@@ -1551,7 +1556,7 @@ def test_direct_conv(name, dtype, exact_float32):
         eager = model(x)
     assert len(kernels) == 1 and kernels[0].startswith("directconv_"), kernels
     err = relative_error(out, ref)
-    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32})"
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {seed})"
     if dtype == torch.float32:
         torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
 
@@ -1662,18 +1667,7 @@ def test_direct_conv_fma_narrow(name, dtype, monkeypatch, exact_float32):
     render_module = sys.modules["cuda_templates.render"]
     monkeypatch.setattr(render_module, "DIRECT_FMA_16BIT", True)
     monkeypatch.setattr(render_module, "DIRECT_FMA_NARROW", True)
-    cin, cout, k, padding, groups, shape = FMA_NARROW[name]
-    model = _ConvChain(cin, cout, k, padding, groups).cuda().to(dtype)
-    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
-    ref, _ = float64_reference(model, x)
-    with torch.no_grad():
-        out, kernels = _kernels(model, x)
-        eager = model(x)
-    assert len(kernels) == 1 and kernels[0].startswith("directconv_"), kernels
-    err = relative_error(out, ref)
-    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32})"
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
+    _check_direct_conv(*FMA_NARROW[name], dtype, exact_float32)
 
 
 def test_direct_conv_nan_and_zero_batch(exact_float32):
