@@ -439,8 +439,8 @@ DIRECT_TILE_W = 256  # output columns per direct-conv block (templates.DIRECT_CO
 # The FMA kernel's blocks of 128 columns (one run of 4 columns a lane, not two), where
 # they leave fewer of a block's columns outside the output than 256 (outputs up to 128
 # wide, say: a 256-column block would leave half of it idle and the library conv would
-# run). Off until its GPU tests have run (tests/test_gpu.py, test_direct_conv_fma_narrow).
-DIRECT_FMA_NARROW = False
+# run). tests/test_gpu.py: test_direct_conv_fma_narrow.
+DIRECT_FMA_NARROW = True
 DIRECT_MAX_COUT = 64  # 8 warps x 8 channels
 DIRECT_MAX_TAPS = 128  # in_channels x kh x kw: beyond this the conv is compute-bound
 DIRECT_MIN_COLUMN_USE = 0.75  # share of a block's 256 columns inside the image
@@ -448,9 +448,8 @@ DIRECT_SMEM_BUDGET = 110 * 1024  # two blocks per SM on sm_80 / sm_90
 # bf16 and fp16 convs that the tensor-core direct conv does not take (input channels not
 # in 8s, output channels not in 16s up to 32: an RGB image's first conv, say) run in the
 # FMA kernel, their inputs converted to float32 as they are staged (exactly), the
-# products summed in float32. Off until its GPU tests have run (tests/test_gpu.py,
-# test_direct_conv_fma_16bit).
-DIRECT_FMA_16BIT = False
+# products summed in float32. tests/test_gpu.py: test_direct_conv_fma_16bit.
+DIRECT_FMA_16BIT = True
 
 
 @dataclass(frozen=True)
@@ -541,7 +540,7 @@ def direct_plan(spec: EpilogueSpec, arch: str = "sm90", conv_tf32: bool = False)
         return _fma_plan(spec, cin, kh, kw, ho, wo, fma_w)
     mma = idle or (_mma_plan(spec, cin, kh, kw, ho, wo, col_tiles) if sm >= 80
                    else f"the tensor-core direct conv needs sm_80 or newer, not {arch}")
-    if isinstance(mma, DirectPlan) or not DIRECT_FMA_16BIT:
+    if isinstance(mma, DirectPlan) or not DIRECT_FMA_16BIT or sm < 80:  # built for sm_80 and sm_90, run on sm_90
         return mma
     fma = _fma_plan(spec, cin, kh, kw, ho, wo, fma_w)
     return fma if isinstance(fma, DirectPlan) else f"{mma}; and the FMA direct conv: {fma}"

@@ -1555,8 +1555,11 @@ def _check_direct_conv(cin, cout, k, padding, groups, shape, dtype, seed):
         out, kernels = _kernels(model, x)
         eager = model(x)
     assert len(kernels) == 1 and kernels[0].startswith("directconv_"), kernels
-    err = relative_error(out, ref)
-    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {seed})"
+    # bf16/fp16: GroupNorm over sigmoid(1.5 y) scales up the rounding of its input, which
+    # puts eager's own error at about 1e-2 (1.05-1.13e-2 in bf16 for these shapes)
+    err, eager_err = relative_error(out, ref), relative_error(eager, ref)
+    bound = TOLERANCE[dtype] if dtype == torch.float32 else max(TOLERANCE[dtype], 1.5 * eager_err)
+    assert err <= bound, f"relative error {err:.3g}, eager's {eager_err:.3g} (seed {seed})"
     if dtype == torch.float32:
         torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
 
@@ -1644,8 +1647,9 @@ def test_direct_conv_fma_16bit(name, dtype, monkeypatch):
     assert len(kernels) == 1 and kernels[0].startswith("directconv_"), kernels
     assert torch.equal(out.isnan(), eager.isnan())
     clean = slice(1, None)  # the images without the NaN
-    err = relative_error(out[clean], ref[clean])
-    assert err <= TOLERANCE[dtype], f"relative error {err:.3g}"
+    err, eager_err = relative_error(out[clean], ref[clean]), relative_error(eager[clean], ref[clean])
+    # eager's own error is about 1e-2 here (see _check_direct_conv)
+    assert err <= max(TOLERANCE[dtype], 1.5 * eager_err), f"relative error {err:.3g}, eager's {eager_err:.3g}"
 
 
 # The FMA kernel's blocks of 128 columns (render.DIRECT_FMA_NARROW, set here) on outputs

@@ -394,8 +394,9 @@ def test_direct_conv_kinds():
     assert '#include "fusedepi/direct_conv_mma.cuh"' in source
     assert "mma_tile<0>(a, n, tile);" in source and "mma_tile<1>(a, n, tile);" in source
     assert cuda_templates.direct_plan(direct_specs()["w5_direct"]).kind == "fma"
-    # 3 input channels do not fill a 16-byte chunk: bf16 runs the library conv
-    assert "multiples of 8" in cuda_templates.direct_plan(direct_specs("bfloat16")["direct_pointwise_k5_pad2"])
+    # 3 input channels do not fill a 16-byte chunk: bf16 runs the FMA kernel (or, without
+    # DIRECT_FMA_16BIT, the library conv)
+    assert cuda_templates.direct_plan(direct_specs("bfloat16")["direct_pointwise_k5_pad2"]).kind == "fma"
     # Turing has no m16n8k16 bf16/fp16 mma: its chains keep the library conv there
     assert "sm_80" in cuda_templates.direct_plan(w5_bf16, "sm75")
     assert cuda_templates.kernel_name(w5_bf16, "sm75").startswith("conv_")
@@ -1185,10 +1186,11 @@ def test_nvcc_compiles_the_nchw_in_kernel_conv(dtype, name, tmp_path):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_direct_conv_fma_takes_16_bit_inputs_the_tensor_cores_do_not(dtype, monkeypatch):
     # An RGB image's conv (3 input channels) and 20 output channels: the tensor-core
-    # kernel takes neither; under DIRECT_FMA_16BIT the FMA kernel does, staging the
+    # kernel takes neither; under DIRECT_FMA_16BIT (on) the FMA kernel does, staging the
     # 16-bit values as float32.
     render_module = sys.modules["cuda_templates.render"]
     spec = direct_specs(dtype)["direct_pointwise_k5_pad2"]
+    monkeypatch.setattr(render_module, "DIRECT_FMA_16BIT", False)
     assert "multiples of 8" in cuda_templates.direct_plan(spec)
     monkeypatch.setattr(render_module, "DIRECT_FMA_16BIT", True)
     d = cuda_templates.direct_plan(spec)
@@ -1200,8 +1202,8 @@ def test_direct_conv_fma_takes_16_bit_inputs_the_tensor_cores_do_not(dtype, monk
     assert cuda_templates.direct_plan(direct_specs(dtype)["w5_direct"]).kind == "mma"
     assert cuda_templates.direct_plan(direct_specs(dtype)["direct_pointwise_cin8"]).kind == "mma"
     assert cuda_templates.direct_plan(direct_specs(dtype)["direct_groupnorm_cpg3"]).kind == "fma"
-    # before sm_80 too (no tensor-core kernel there)
-    assert cuda_templates.direct_plan(direct_specs(dtype)["w5_direct"], "sm75").kind == "fma"
+    # not before sm_80: the 16-bit FMA kernel has run on sm_90 only, and the library conv runs there
+    assert "sm_80" in cuda_templates.direct_plan(direct_specs(dtype)["w5_direct"], "sm75")
     # what neither takes gives both reasons
     wide = replace(spec, channels=96)
     reason = cuda_templates.direct_plan(wide)
@@ -1236,6 +1238,7 @@ def test_direct_conv_fma_blocks_of_128_columns(dtype, monkeypatch):
     # 200 or 254 (as many outside either way).
     render_module = sys.modules["cuda_templates.render"]
     monkeypatch.setattr(render_module, "DIRECT_FMA_16BIT", True)
+    monkeypatch.setattr(render_module, "DIRECT_FMA_NARROW", False)
     base = direct_specs(dtype)["direct_pointwise_k5_pad2"]  # 3 -> 20 channels, 5 x 5, padding 2: wo = width
     assert "256-column tile idle" in cuda_templates.direct_plan(_with_input_width(base, 100))
     monkeypatch.setattr(render_module, "DIRECT_FMA_NARROW", True)
