@@ -33,6 +33,7 @@ stopped at a time limit leaves the rows it finished; `--table` says so of such a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import multiprocessing
@@ -490,6 +491,17 @@ MODELS = [
                                                       norm=nn.InstanceNorm1d(128)), (32, 128, 2048)),
 ]
 BY_NAME = {m.name: m for m in MODELS}
+ANCHORS = ("conv", "gemm")
+
+
+@functools.cache
+def anchor_kind(name: str) -> str:
+    """"conv" where the model holds a convolution (of any dimension, transposed too: issue
+    targets name "the zoo's conv models"), else "gemm". Built on the meta device: no
+    memory, no kernels."""
+    with torch.device("meta"):
+        model = BY_NAME[name].make()
+    return "conv" if any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules()) else "gemm"
 QUICK = ["conv2d_relu_bias", "conv2d_bn_relu", "conv2d_bias_scale_sigmoid_gn", "conv3d_bn_relu",
          "convtranspose2d_bn_relu", "linear_ln_relu", "linear_gn_swish", "linear_sigmoid_linear_logsumexp"]
 
@@ -790,6 +802,16 @@ def markdown(results: list[dict]) -> str:
         lines.append(f"| {dtype_name} | {gpu['models']} | {gpu['min']:.2f} / {gpu['geomean']:.3f} / "
                      f"{gpu['below_0.97']} | {wall['min']:.2f} / {wall['geomean']:.3f} / {wall['below_0.97']} | "
                      f"{fused['models']} models | {tail} |")
+    lines += ["", "| anchor | dtype | models | GPU time: min / geometric mean / below 0.97x | "
+                  "wall: min / geometric mean / below 0.97x |", "|---|---|---|---|---|"]
+    for anchor in ANCHORS:
+        for dtype_name in DTYPES:
+            these = [r for r in ordered if r["dtype"] == dtype_name and anchor_kind(r["model"]) == anchor]
+            if not these:
+                continue
+            gpu, wall = summary(these, "gpu_ratio"), summary(these, "ratio")
+            lines.append(f"| {anchor} | {dtype_name} | {gpu['models']} | {gpu['min']:.2f} / {gpu['geomean']:.3f} / "
+                         f"{gpu['below_0.97']} | {wall['min']:.2f} / {wall['geomean']:.3f} / {wall['below_0.97']} |")
     lines += ["", "| model | dtype | Inductor GPU ms | fusedepi GPU ms | GPU ratio | wall ratio | "
                   "fused (measured) / not fused |", "|---|---|---|---|---|---|---|"]
     for r in ordered:
@@ -809,6 +831,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} models: {', '.join(QUICK)}")
     parser.add_argument("--models", nargs="*", choices=list(BY_NAME), metavar="NAME", help="these models only")
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--anchor", choices=ANCHORS, help="only the models with a convolution (conv), or without (gemm)")
     parser.add_argument("--shard", default="1/1", help="I/N: the I-th of N equal parts of the selection")
     parser.add_argument("--warm", type=int, default=0, metavar="N", help="compile everything in N processes first")
     parser.add_argument("--gpus", type=int, default=1, metavar="N",
@@ -820,7 +843,7 @@ def main(argv=None) -> int:
                         help="print where each model's chains stop (FUSEDEPI_AUTOTUNE=off; on the CPU via the reference)")
     args = parser.parse_args(argv)
     if args.list:
-        print("\n".join(BY_NAME))
+        print("\n".join(n for n in BY_NAME if not args.anchor or anchor_kind(n) == args.anchor))
         return 0
     if args.table:
         results = []
@@ -834,6 +857,8 @@ def main(argv=None) -> int:
             return 2
         return 0
     names = args.models or (QUICK if args.quick else list(BY_NAME))
+    if args.anchor:
+        names = [n for n in names if anchor_kind(n) == args.anchor]
     index, count = (int(v) for v in args.shard.split("/"))
     names = names[index - 1::count]
     if args.chains:
@@ -900,6 +925,13 @@ def _print_summary(result: dict) -> None:
             if s["models"]:
                 print(f"summary {dtype_name} ({what}): {s['models']} models, min {s['min']:.2f}x, geomean "
                       f"{s['geomean']:.3f}x, {s['below_0.97']} below 0.97x, {s['fused_any']} fused a chain")
+    for anchor in ANCHORS:
+        for dtype_name in result["gpu_summary"]:
+            s = summary([r for r in result["rows"] if r["dtype"] == dtype_name and anchor_kind(r["model"]) == anchor],
+                        "gpu_ratio")
+            if s["models"]:
+                print(f"summary {anchor} models {dtype_name} (GPU time): {s['models']} models, min {s['min']:.2f}x, "
+                      f"geomean {s['geomean']:.3f}x, {s['below_0.97']} below 0.97x")
 
 
 def _result(rows: list[dict], dtypes, complete: bool) -> dict:

@@ -59,6 +59,16 @@ def test_list_prints_one_name_a_line():
     assert out.stdout.split() == list(zoo.BY_NAME)
 
 
+def test_anchor_splits_the_zoo_into_conv_and_gemm_models():
+    out = subprocess.run([sys.executable, "-m", "benchmarks.zoo", "--list", "--anchor", "conv"], capture_output=True,
+                         text=True, check=True)
+    conv = out.stdout.split()
+    assert {"conv2d_relu", "convtranspose3d_residual", "conv1d_bn_gelu", "unet_resblock_time_embedding"} <= set(conv)
+    gemm = [n for n in zoo.BY_NAME if n not in conv]
+    assert {"mlp_gelu", "bmm_scores_softmax", "linear_sigmoid_linear_logsumexp"} <= set(gemm)
+    assert all(zoo.anchor_kind(n) == "gemm" for n in gemm)
+
+
 def test_the_ncu_target_takes_zoo_models_as_well_as_workloads():
     from benchmarks import once
 
@@ -91,7 +101,11 @@ def test_the_results_tables_from_two_shards(tmp_path):
     lines = run.stdout.splitlines()
     assert lines[2] == "| float32 | 2 | 0.50 / 1.000 / 1 | 0.90 / 0.949 / 1 | 1 models | 2.00 / 2.000 |"
     assert lines[3] == "| bfloat16 | 1 | 1.00 / 1.000 / 0 | 1.00 / 1.000 / 0 | 0 models | - |"
-    rows = [line.split(" | ")[:2] for line in lines[7:]]
+    # the same summaries by anchor (both models hold a conv)
+    assert [zoo.anchor_kind(first), zoo.anchor_kind(second)] == ["conv", "conv"]
+    assert lines[7:9] == ["| conv | float32 | 2 | 0.50 / 1.000 / 1 | 0.90 / 0.949 / 1 |",
+                          "| conv | bfloat16 | 1 | 1.00 / 1.000 / 0 | 1.00 / 1.000 / 0 |"]
+    rows = [line.split(" | ")[:2] for line in lines[12:]]
     assert rows == [[f"| {first}", "float32"], [f"| {first}", "bfloat16"], [f"| {second}", "float32"]]
     assert lines[-1].endswith("| 2.00 | 1.00 | conv_pointwise (fused 1 ms) |")
     with pytest.raises(ValueError, match="in more than one run"):
