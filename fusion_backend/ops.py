@@ -109,6 +109,14 @@ def ask_input_layouts(node) -> None:
     node.meta["eager_input_vals"] = layouts
 
 
+def ask_graph_input_layouts(graph: torch.fx.Graph) -> None:
+    """`ask_input_layouts` for every `fusedepi::chain` call of `graph`, once the rewrite
+    has taken out the nodes the calls replace: while the replaced conv still reads x,
+    x is not made for the call alone (`_made_for`)."""
+    for node in graph.find_nodes(op="call_function", target=torch.ops.fusedepi.chain.default):
+        ask_input_layouts(node)
+
+
 def _made_for(inputs: list, node) -> bool:
     """Whether the graph computes the in-kernel conv's x (the call's input last but one,
     `insert_chain`) for `node` and its rounding to TF32 (the call's first input) alone: an

@@ -410,6 +410,7 @@ def rewrite(gm: GraphModule, cfg: Config, skip: dict | None = None) -> Report:
                 _replace(gm.graph, chain, spec, renamed)
                 log.info("fusedepi: fused %s at %s (%s)", chain.spec.fusion, chain.anchor.name, kernel)
             _stable_topological_sort(gm.graph)
+            ops.ask_graph_input_layouts(gm.graph)  # the replaced nodes gone, x's readers are final
             gm.graph.lint()
         except Exception as err:  # a surgery bug must not stop the user's model: undo it all
             if cfg.strict:

@@ -264,7 +264,7 @@ def test_an_in_kernel_conv_that_reads_nchw_asks_no_layout(monkeypatch):
         assert ops.input_layouts(spec.to_json(), [x, wt]) is None
 
 
-@pytest.mark.parametrize("x_is", ["computed", "a graph input", "used elsewhere"])
+@pytest.mark.parametrize("x_is", ["computed", "a graph input", "used elsewhere", "computed, the conv it replaces"])
 def test_a_computed_x_of_a_tf32_in_kernel_conv_is_asked_channels_last_beside_its_rounding(monkeypatch, x_is):
     """A float32 in-kernel conv takes x rounded to TF32 (first) and x itself (last but
     one, for a call with TF32 off). Where the graph computes x for the op alone, both are
@@ -290,7 +290,15 @@ def test_a_computed_x_of_a_tf32_in_kernel_conv_is_asked_channels_last_beside_its
             x = graph.call_function(torch.ops.aten.relu.default, (nodes[0],))
             x.meta["val"] = torch.relu(vals[0])
             nodes[0] = x
+        if x_is == "computed, the conv it replaces":  # as the rewrite has it: the old conv reads x too
+            conv = graph.call_function(torch.ops.aten.convolution.default,
+                                       (nodes[0], nodes[1], None, *spec.anchor.conv))
         call = ops.insert_chain(graph, nodes, spec.to_json(), value=False)
+        if x_is == "computed, the conv it replaces":
+            (asked, _), _ = call.meta["eager_input_vals"]
+            assert asked[-2] is None  # the conv still reads x
+            graph.erase_node(conv)
+            ops.ask_graph_input_layouts(graph)  # rewrite.rewrite, after the surgery
         if x_is == "used elsewhere":
             other = graph.call_function(torch.ops.aten.neg.default, (nodes[0],))
             other.meta["val"] = -vals[0]
@@ -299,7 +307,7 @@ def test_a_computed_x_of_a_tf32_in_kernel_conv_is_asked_channels_last_beside_its
     assert inputs[-2] is nodes[0] and inputs[-1] is nodes[1]
     (asked, _), _ = call.meta["eager_input_vals"]
     assert asked[0].is_contiguous(memory_format=torch.channels_last)
-    if x_is == "computed":
+    if x_is.startswith("computed"):
         assert asked[-2].shape == vals[0].shape and asked[-2].is_contiguous(memory_format=torch.channels_last)
     else:
         assert asked[-2] is None
