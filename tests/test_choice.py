@@ -167,6 +167,20 @@ def test_a_graph_is_timed_at_the_pace_of_its_launches_where_they_take_longer(tim
                                  "as it stands")
 
 
+def test_timings_on_one_gpu_share_a_lock_named_by_its_uuid(monkeypatch):
+    """`timings.gpu_lock_path`: one lock file a GPU, named by its UUID (two GPUs of one
+    model get two locks), by its name where torch gives no UUID."""
+    from types import SimpleNamespace
+
+    props = {0: SimpleNamespace(uuid="GPU-aaaa", name="NVIDIA H200"), 1: SimpleNamespace(uuid="GPU-bbbb",
+                                                                                       name="NVIDIA H200"),
+             2: SimpleNamespace(name="NVIDIA H200")}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props[device.index])
+    paths = [timings.gpu_lock_path(torch.device("cuda", i)) for i in range(3)]
+    assert [p.name for p in paths] == ["fusedepi-timing-GPU-aaaa.lock", "fusedepi-timing-GPU-bbbb.lock",
+                                       "fusedepi-timing-NVIDIA_H200.lock"]
+
+
 def test_host_ms_times_the_cpus_share_of_a_call():
     """`timings.host_ms`: each function's time a call on the host, in turns; a function that
     holds the host 2 ms a call reads at least that, one that returns at once far less."""

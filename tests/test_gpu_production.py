@@ -302,3 +302,27 @@ def test_second_gpu(fresh_cache):
         _check(outs[index], local, x)
     assert len(fresh_cache) == 1
     assert {key[1] for key in launch._launchers} >= {0, 1}
+
+
+def test_timings_wait_for_another_processs_timing_on_the_same_gpu():
+    """`timings.compare_ms` holds the GPU's timing lock: while another process holds it
+    (here a child process, 1.5 s), a timing waits, and then times as usual."""
+    import time
+
+    from fusion_backend import timings
+
+    path = timings.gpu_lock_path(torch.device("cuda", torch.cuda.current_device()))
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time\n"
+        f"f = open({str(path)!r}, 'a+'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(1.5)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        x = torch.randn(256, 256, device="cuda")
+        started = time.perf_counter()
+        times = timings.compare_ms([lambda: x @ x, lambda: x + 1], torch.device("cuda"))
+        waited = time.perf_counter() - started
+    finally:
+        holder.wait(timeout=30)
+    assert waited >= 1.0, waited
+    assert len(times) == 2 and all(t > 0 for t in times)
