@@ -23,10 +23,9 @@ compile of the graph as Dynamo gave it, on random inputs of the graph's shapes, 
 time a call takes in a user's loop: its GPU time or the CPU's time to launch it,
 whichever is longer (a small graph's calls run at the pace the host launches them, and
 a library call inside a fused op can cost the host more than Inductor's graph does);
-where the fused graph is not faster by the margin (`WIN`; `WIN_HOST` where the CPU's
-launches set the pace), or takes more GPU time than Inductor's beyond the timings'
-spread even where its launches make its calls faster (`GraphTimes.gpu_slower`: inside
-a larger graph, or as a CUDA graph, it runs at the GPU's pace), Inductor's is run and every chain of the graph is
+where the fused graph is not faster by the margin (`WIN`; where the CPU's launches set
+the pace, it must lose neither in GPU time nor a call, and win one by `WIN` or
+`WIN_HOST`: `GraphTimes.refusal`), Inductor's is run and every chain of the graph is
 reported as left to Inductor, with the times (the backend then tries a graph of several
 chains again without its weakest one: `backend.GRAPH_ATTEMPTS`). Forward only: a
 training graph's backward is compiled alongside and not timed.
@@ -333,14 +332,38 @@ class GraphTimes:
     def inductor_call(self) -> float:
         return max(self.inductor_ms, self.inductor_cpu_ms)
 
-    @property
-    def gpu_slower(self) -> bool:
-        """The fused graph takes more GPU time than Inductor's beyond the timings' spread
-        (1 / WIN). Where the CPU's launches set a call's pace, a faster call can hide
-        this; the same graph inside a larger one, or replayed as a CUDA graph, runs at the
-        GPU's pace, so it is not taken (a ReLU before a float32 in-kernel conv: 0.193
-        against 0.118 ms of GPU time, 0.180 against 0.256 ms of launches, H200)."""
-        return self.fused_ms * WIN > self.inductor_ms
+    def refusal(self) -> str | None:
+        """Why Inductor's graph is run instead, or None where the fused graph is kept.
+
+        Where the GPU's time sets both graphs' pace (no `cpu_decides`): kept where the
+        fused graph takes at most WIN of Inductor's GPU time. Where the CPU's launches
+        set either graph's pace, a call in a user's loop runs at that pace, but the
+        same graph inside a larger one, or replayed as a CUDA graph, runs at the GPU's:
+        kept where it loses on neither measure beyond its spread (GPU time by 1 / WIN, a
+        call by 1 / WIN_HOST) and wins on one by its margin (WIN, WIN_HOST). So a graph
+        whose calls are faster only because Inductor's launches are slower, while its
+        GPU time is longer, is refused (a ReLU before a float32 in-kernel conv: 0.193
+        against 0.118 ms of GPU time, 0.180 against 0.256 ms of launches, H200), and one
+        1.7x faster on the GPU whose calls tie within the host's spread is kept."""
+        if not self.cpu_decides:
+            if self.fused_ms <= WIN * self.inductor_ms:
+                return None
+            slower = "slower than" if self.fused_ms > self.inductor_ms else f"not {1 - WIN:.0%} faster than"
+            return (f"the graph with its fused ops is {slower} Inductor's: {self.fused_ms:.4g} ms against "
+                    f"{self.inductor_ms:.4g} ms a call for the whole graph")
+        if self.fused_ms * WIN > self.inductor_ms:
+            return (f"the graph with its fused ops takes more GPU time than Inductor's: {self.fused_ms:.4g} ms "
+                    f"against {self.inductor_ms:.4g} ms for the whole graph (a call {self.fused_call:.4g} against "
+                    f"{self.inductor_call:.4g} ms, the CPU's launches {self.fused_cpu_ms:.4g} against "
+                    f"{self.inductor_cpu_ms:.4g} ms)")
+        if self.fused_call * WIN_HOST > self.inductor_call:
+            return (f"the graph with its fused ops is slower than Inductor's: {self.fused_call:.4g} ms against "
+                    f"{self.inductor_call:.4g} ms a call for the whole graph{self.cpu_note()}")
+        if self.fused_ms <= WIN * self.inductor_ms or self.fused_call <= WIN_HOST * self.inductor_call:
+            return None
+        return (f"the graph with its fused ops is not faster than Inductor's by {1 - WIN_HOST:.0%} a call or "
+                f"{1 - WIN:.0%} of GPU time: {self.fused_call:.4g} ms against {self.inductor_call:.4g} ms a call "
+                f"for the whole graph{self.cpu_note()}")
 
     @property
     def cpu_decides(self) -> bool:
@@ -362,9 +385,9 @@ class GraphTimes:
 def whole_graph(gm: GraphModule, example_inputs: list, ours, fused: list, cfg: Config, inductor,
                 cuda_graphs: bool = False):
     """The compiled graph to run: `ours` (the graph with its fused ops), or Inductor's
-    compile of Dynamo's graph `gm` (`inductor()`, compiled only where needed) where a
-    call of that takes less time (`GraphTimes`: GPU time, or the CPU's where that is
-    longer). `fused`: the graph's records of fused chains; each gets the times
+    compile of Dynamo's graph `gm` (`inductor()`, compiled only where needed) where
+    `GraphTimes.refusal` says so (GPU time, and a call's time where the CPU's launches
+    are longer). `fused`: the graph's records of fused chains; each gets the times
     (`Record.graph`), and becomes a refusal where Inductor's graph is taken.
 
     Timed where the chains are (`timed_on`), on random
@@ -396,8 +419,8 @@ def whole_graph(gm: GraphModule, example_inputs: list, ours, fused: list, cfg: C
                                                                    cuda_graphs)))
         for record in fused:
             record.graph = f"whole graph: {times.describe()}"
-        win = WIN_HOST if times.cpu_decides else WIN
-        if times.fused_call <= win * times.inductor_call and not times.gpu_slower:
+        refusal = times.refusal()
+        if refusal is None:
             return ours
         chosen = compiled()
     except Exception as err:  # noqa: BLE001 - the fused graph as compiled
@@ -406,16 +429,7 @@ def whole_graph(gm: GraphModule, example_inputs: list, ours, fused: list, cfg: C
         log.warning("fusedepi: timing the whole graph against Inductor's failed (%s: %s); its fused chains are "
                     "kept", type(err).__name__, err)
         return ours
-    if times.fused_call <= win * times.inductor_call:  # faster a call, at the pace of its launches
-        reason = (f"the graph with its fused ops takes more GPU time than Inductor's: {times.fused_ms:.4g} ms "
-                  f"against {times.inductor_ms:.4g} ms for the whole graph (a call {times.fused_call:.4g} against "
-                  f"{times.inductor_call:.4g} ms, at the pace of the CPU's launches), which Inductor then compiles "
-                  "as it stands")
-    else:
-        slower = "slower than" if times.fused_call > times.inductor_call else f"not {1 - win:.0%} faster than"
-        reason = (f"the graph with its fused ops is {slower} Inductor's: {times.fused_call:.4g} ms against "
-                  f"{times.inductor_call:.4g} ms a call for the whole graph{times.cpu_note()}, which Inductor then "
-                  "compiles as it stands")
+    reason = f"{refusal}, which Inductor then compiles as it stands"
     log.info("fusedepi: %s", reason)
     for record in fused:
         record.status, record.reason = "refused", reason
