@@ -226,6 +226,7 @@ def test_compare_ms_on_a_gpu_sizes_its_rounds_and_warms_the_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
     monkeypatch.setattr(timings, "_captured", lambda fn: fn)
+    monkeypatch.setattr(timings, "gpu_lock", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(timings, "cuda_round_ms", lambda fn, n: (rounds.append((fn(), n)), ms[fn()])[1])
     times = timings.compare_ms([lambda: "a", lambda: "b"], torch.device("cuda"))
     assert times == (0.02, 0.05)
