@@ -140,16 +140,22 @@ def _made_for(inputs: list, node) -> bool:
 def insert_chain(graph: torch.fx.Graph, inputs: list, spec: str, value: bool = True) -> torch.fx.Node:
     """Puts a `fusedepi::chain` call of `spec` on `inputs` (the chain's operands and
     parameters, nodes with fake values) into `graph` at its insertion point, as every
-    graph takes it: with the layouts it asks of its inputs (`ask_input_layouts`) and,
-    where `spec.anchor.rounded`, after graph ops that round x and the weight to the
+    graph takes it: with the layouts it asks of its inputs (`ask_input_layouts`),
+    where `spec.anchor.flipped` after graph ops that make the weight the conv's
+    (`flip_transposed_weight`), and where `spec.anchor.rounded` after graph ops that round x and the weight to the
     nearest TF32 value, passed first, x and the weight themselves last. `value`: the
     call's fake value as its meta too (a graph that Inductor lowers as it is). Returns
     the call."""
     example = [n.meta["val"] for n in inputs]
-    rounds = _parse(spec).anchor.rounded
+    anchor = _parse(spec).anchor
+    rounds = anchor.rounded
     vals = None
-    if rounds or value:
+    if rounds or value or anchor.flipped:
         with detect_fake_mode(example):
+            if anchor.flipped:  # the ConvTranspose's weight as the conv it equals takes it
+                flipped = _traced_into(graph, flip_transposed_weight, inputs[1], decompose=True)
+                inputs = [inputs[0], flipped] + list(inputs[2:])
+                example = [n.meta["val"] for n in inputs]
             if rounds:
                 inputs = [_rounded_to_tf32(graph, n) for n in inputs[:2]] + list(inputs[2:]) + list(inputs[:2])
                 example = [n.meta["val"] for n in inputs]
@@ -162,12 +168,31 @@ def insert_chain(graph: torch.fx.Graph, inputs: list, spec: str, value: bool = T
     return call
 
 
+def flip_transposed_weight(w: torch.Tensor) -> torch.Tensor:
+    """A 2-D ConvTranspose's weight [C_in, C_out, kh, kw] as the conv it equals takes it
+    (`Anchor.flipped`): [C_out, C_in, kh, kw], flipped along kh and kw, contiguous."""
+    return w.permute(1, 0, 2, 3).flip((2, 3)).contiguous()
+
+
 def _rounded_to_tf32(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
     """Graph ops that compute `round_to_tf32` of `node` (a float32 tensor), traced on
     its fake value (in the graph's fake mode), each node with its own; Inductor fuses them
     into the kernel that writes the operand in the layout the fused op asks
     (`input_layouts`). Returns the rounded value's node."""
-    traced = make_fx(round_to_tf32)(node.meta["val"])
+    return _traced_into(graph, round_to_tf32, node)
+
+
+def _traced_into(graph: torch.fx.Graph, fn, node: torch.fx.Node, decompose: bool = False) -> torch.fx.Node:
+    """Graph ops that compute `fn` of `node`, traced on its fake value (in the graph's
+    fake mode), each node with its own value, put into `graph` at its insertion point;
+    `decompose`: into the ops Inductor lowers (its decompositions: a graph after
+    AOTAutograd holds no `flip`). Returns the result's node."""
+    table = None
+    if decompose:
+        from torch._inductor.decomposition import select_decomp_table
+
+        table = select_decomp_table()
+    traced = make_fx(fn, decomposition_table=table)(node.meta["val"])
     for n in list(traced.graph.nodes):  # the trace's detach after each view: no-ops here
         if n.target is aten.detach.default:
             n.replace_all_uses_with(n.args[0])

@@ -156,10 +156,12 @@ def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
         padded = " (library GEMM on operands padded to K={}, N={}: aligned rows)".format(*chain.spec.anchor.pad)
     elif chain.spec.anchor.channels_last:
         padded = " (library conv on channels-last operands)"
+    if chain.spec.anchor.flipped:
+        padded += " (a ConvTranspose of stride 1 as the conv it equals: its weight transposed and flipped by the graph)"
     if device.type != "cuda":
         return "reference (cpu)" + padded
     if chain.spec.anchor.rounded and ops.runs_in_kernel_conv(chain.spec, chain.operands[0].meta["val"]):
-        padded = " (x and the weight rounded to the nearest TF32 value by the graph first, as cuDNN's TF32 convs round)"
+        padded += " (x and the weight rounded to the nearest TF32 value by the graph first, as cuDNN's TF32 convs round)"
     tf32 = _build(spec, device, cfg)
     arch = ops.arch_of(device)
     name = cuda_templates.kernel_name(chain.spec, arch, tf32) + padded

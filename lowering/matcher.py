@@ -1455,9 +1455,14 @@ def _match_anchor(node: Node, direct_conv: bool = True, direct_gemm: bool = Fals
         x, w, b, stride, padding, dilation, transposed, out_pad, groups = node.args
         conv = (tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(out_pad), groups)
         operands = [x, w] + ([b] if b is not None else [])
-        direct = _direct_conv(x, w, conv) if direct_conv and not transposed else ()
+        flipped = False
+        if transposed and direct_conv:
+            equal = _conv_equal_to_transposed(w, conv)
+            if equal is not None and _direct_conv(x, w, equal):
+                conv, flipped = equal, True
+        direct = _direct_conv(x, w, conv) if direct_conv and not conv[3] else ()
         return Anchor("conv", has_bias=b is not None, conv=conv, direct=direct,
-                      implicit=bool(direct) and implicit_conv), operands
+                      implicit=bool(direct) and implicit_conv, flipped=flipped), operands
     return None
 
 
@@ -1477,6 +1482,28 @@ def linear_form(x: Node, wt: Node, bias: Node | None = None) -> tuple:
         if not isinstance(bv, torch.Tensor) or tuple(bv.shape) != (n,):
             return ()
     return (int(k),)
+
+
+def _conv_equal_to_transposed(w: Node, conv: tuple) -> tuple | None:
+    """The parameters of the conv that equals a 2-D ConvTranspose of stride 1 and groups 1
+    (`conv`, its parameters) on its weight transposed and flipped (`Anchor.flipped`):
+    stride 1, padding dilation x (kernel - 1) - padding, the same dilation. None where
+    the ConvTranspose is not such (a stride, groups, an output padding, a padding past
+    the kernel's reach, or sizes unknown)."""
+    stride, padding, dilation, _, out_pad, groups = conv
+    wv = _val(w)
+    if groups != 1 or not isinstance(wv, torch.Tensor) or wv.dim() != 4 or len(stride) != 2:
+        return None
+    if any(s != 1 for s in stride) or any(o != 0 for o in out_pad):
+        return None
+    kernel = tuple(wv.shape[2:])
+    if not all(isinstance(k, int) for k in kernel):
+        return None
+    reach = tuple(d * (k - 1) for d, k in zip(dilation, kernel))
+    if any(p > r for p, r in zip(padding, reach)):
+        return None
+    return (tuple(stride), tuple(r - p for r, p in zip(reach, padding)), tuple(dilation), False,
+            tuple(out_pad), 1)
 
 
 def _direct_conv(x: Node, w: Node, conv: tuple) -> tuple:

@@ -124,6 +124,13 @@ class Anchor:
             graph ops before it (`fusion_backend.ops.insert_chain`), and its last two are
             x and the weight themselves, which the library conv reads at calls where
             cuDNN's TF32 flag is off. The in-kernel conv takes float32 only so.
+        flipped: conv only: a 2-D ConvTranspose of stride 1 and groups 1 computed as the
+            conv it equals, so that the direct and the in-kernel conv may take it: the
+            graph's weight operand is the ConvTranspose's [C_in, C_out, kh, kw];
+            `fusion_backend.ops.insert_chain` passes the fused op its transpose, flipped
+            along kh and kw ([C_out, C_in, kh, kw]), made by graph ops before the call;
+            `conv` holds that conv's parameters (stride 1, padding dilation x (k - 1) -
+            the ConvTranspose's, not transposed). The matcher sets it (`direct` too).
     """
 
     kind: str
@@ -137,6 +144,12 @@ class Anchor:
     permuted: bool = False
     gemm_consumers: bool = False
     rounded: bool = False
+    flipped: bool = False
+
+    def op_weight_shape(self, shape) -> tuple:
+        """The weight's shape as the fused op takes it, given the graph's weight operand's
+        (`flipped`: the ConvTranspose's [C_in, C_out, ...], transposed)."""
+        return (shape[1], shape[0], *shape[2:]) if self.flipped else tuple(shape)
 
     def direct_out_hw(self) -> tuple[int, int]:
         """Output (H, W) of a candidate for the file's own conv kernels (`direct`)."""

@@ -1674,6 +1674,53 @@ def test_direct_conv_fma_narrow(name, dtype, monkeypatch, exact_float32):
     _check_direct_conv(*FMA_NARROW[name], dtype, exact_float32)
 
 
+class _TransposedChain(nn.Module):
+    """ConvTranspose2d (stride 1) -> silu * per-channel scale."""
+
+    def __init__(self, cin, cout, k, padding):
+        super().__init__()
+        self.conv = nn.ConvTranspose2d(cin, cout, k, padding=padding)
+        self.scale = nn.Parameter(torch.rand(cout, 1, 1) + 0.5)
+
+    def forward(self, x):
+        return F.silu(self.conv(x)) * self.scale
+
+
+# ConvTranspose2d of stride 1 as the conv it equals (Anchor.flipped: the weight
+# transposed and flipped by graph ops before the op), in the direct conv and the
+# in-kernel conv. name: (cin, cout, k, padding, dtype, input shape, kernel prefix).
+TRANSPOSED = {
+    "fma_direct": (3, 16, 3, 1, torch.float32, (2, 3, 12, 250), "directconv_"),
+    "fma_direct_bf16": (3, 16, 3, 0, torch.bfloat16, (2, 3, 12, 250), "directconv_"),
+    "in_kernel_bf16": (64, 128, 3, 0, torch.bfloat16, (2, 64, 20, 70), "igemm"),
+    "in_kernel_tf32": (64, 128, 3, 1, torch.float32, (2, 64, 20, 70), "igemm"),
+}
+
+
+@pytest.mark.parametrize("name", list(TRANSPOSED))
+def test_stride_1_conv_transpose_in_the_conv_kernels(name, monkeypatch, exact_float32):
+    cin, cout, k, padding, dtype, shape, prefix = TRANSPOSED[name]
+    tf32 = prefix == "igemm" and dtype == torch.float32
+    if prefix == "igemm":
+        _needs_sm90()
+        monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
+    model = _TransposedChain(cin, cout, k, padding).cuda().to(dtype)
+    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
+    ref, _ = float64_reference(model, x)
+    saved = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = tf32
+        with torch.no_grad():
+            out, kernels = _kernels(model, x)
+            eager = model(x)
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    assert len(kernels) == 1 and kernels[0].startswith(prefix), kernels
+    err, eager_err = relative_error(out, ref), relative_error(eager, ref)
+    bound = 2e-3 if tf32 else max(TOLERANCE[dtype], 1.5 * eager_err)
+    assert err <= bound, f"relative error {err:.3g}, eager's {eager_err:.3g} (seed {exact_float32})"
+
+
 def test_direct_conv_nan_and_zero_batch(exact_float32):
     model = _ConvChain(3, 16, 3, 1, 4).cuda()
     x = torch.rand(2, 3, 8, 256, device="cuda")

@@ -497,6 +497,7 @@ def test_cpp_and_python_launchers_agree_on_a_channels_last_conv(monkeypatch, pyt
     from fusion_backend.backend import collect_reports
 
     monkeypatch.setenv("FUSEDEPI_CONV_CHANNELS_LAST", "1")
+    monkeypatch.setenv("FUSEDEPI_DISABLE", "direct_conv")  # the ConvTranspose as cuDNN runs it (not Anchor.flipped)
     torch._dynamo.reset()  # a static batch: earlier tests' Sequential models would make this compile dynamic
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.ConvTranspose2d(4, 16, 2, padding=1), torch.nn.GroupNorm(4, 16),

@@ -347,6 +347,45 @@ def test_conv_anchors_with_groupnorm(make, shape):
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("make, cin, flipped", [
+    (lambda: nn.ConvTranspose2d(3, 8, 3, padding=1), 3, True),
+    (lambda: nn.ConvTranspose2d(3, 8, 3), 3, True),  # the conv's padding 2
+    (lambda: nn.ConvTranspose2d(3, 8, (2, 3), padding=(1, 0), dilation=(2, 1)), 3, True),
+    (lambda: nn.ConvTranspose2d(3, 8, 3, padding=3), 3, False),  # padding past the kernel's reach
+    (lambda: nn.ConvTranspose2d(3, 8, 3, stride=2), 3, False),
+    (lambda: nn.ConvTranspose2d(3, 8, 3, stride=2, output_padding=1), 3, False),
+    (lambda: nn.ConvTranspose2d(4, 8, 3, groups=2), 4, False),
+], ids=["padding1", "padding0", "dilated_rectangular", "padding_past_reach", "stride2", "output_padding", "groups2"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_stride_1_conv_transpose_runs_as_the_conv_it_equals(make, cin, flipped, grad):
+    # Anchor.flipped: the fused op takes the ConvTranspose's weight transposed and flipped
+    # (graph ops before it) and computes the conv it equals, which the direct and the
+    # in-kernel conv may take; the others stay ConvTransposes. Results and gradients are
+    # eager's (the sums in another order).
+    torch.manual_seed(0)
+    model = ConvChain(make(), nn.Sequential(nn.GroupNorm(4, 8), nn.Hardswish()))
+    x = torch.randn(2, cin, 7, 9, requires_grad=grad)
+    out, fused, refused = compile_records(model, x, grad=grad)
+    (record,) = fused
+    anchor = json.loads(record.spec)["anchor"]
+    assert anchor["flipped"] == flipped and anchor["conv"][3] == (not flipped) and bool(anchor["direct"]) == flipped
+    assert ("a ConvTranspose of stride 1 as the conv it equals" in record.kernel) == flipped  # explain's kernel column
+    if flipped:
+        reach = [d * (k - 1) for d, k in zip(model.conv.dilation, model.conv.kernel_size)]
+        assert anchor["conv"][1] == [r - p for r, p in zip(reach, model.conv.padding)]
+    eager_x = x.detach().clone().requires_grad_(grad)
+    eager = model(eager_x)
+    torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+    if grad:
+        model.zero_grad()
+        eager.square().sum().backward()
+        expected = [p.grad.clone() for p in model.parameters()] + [eager_x.grad]
+        model.zero_grad()
+        out.square().sum().backward()
+        for got, want in zip([p.grad for p in model.parameters()] + [x.grad], expected):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 SPATIAL = [
     # (id, conv, input shape, fn on the conv's output, expected steps after the folded bias, output shape)
     ("mean_2d", lambda: nn.Conv2d(3, 8, 3), (2, 3, 9, 10), lambda y: F.relu(y).mean(dim=[2, 3]),

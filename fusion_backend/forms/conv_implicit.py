@@ -53,6 +53,7 @@ class ConvImplicit(Form):
         x_shape, w_shape = timings.example_shape(xv), timings.example_shape(wv)
         if x_shape is None or w_shape is None:
             return None
+        w_shape = spec.anchor.op_weight_shape(w_shape)  # a ConvTranspose's, as the conv it equals takes it
         return spec.dtype, x_shape, w_shape, tf32
 
     def describe(self, found) -> str:
