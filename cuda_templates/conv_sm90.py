@@ -281,6 +281,10 @@ def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int 
         tile_w *= 2
     if narrow:
         tile_w = patch_width(wo, tile_w)
+    # No patch taller than the output where a wider one is not (a Conv1d as a 2-D conv of
+    # one row, `Anchor.as_2d`: a 64-wide patch of 2 rows would leave one outside).
+    while ho and BLOCK_M // tile_w > ho and tile_w < MAX_PATCH_W and 2 * tile_w * stride_w <= MAX_BOX:
+        tile_w *= 2
     for block_n in sorted((n for n in widths if n <= preferred), reverse=True):
         pingpong = block_n <= PINGPONG_MAX_N
         tall = (pingpong and block_n <= TALL_MAX_N and k_bytes <= TALL_MAX_K_BYTES

@@ -46,6 +46,8 @@ def run_anchor(anchor: Anchor, operands: list[torch.Tensor], for_kernels: bool =
         layout = channels_last_format(x)
         x, w = x.contiguous(memory_format=layout), w.contiguous(memory_format=layout)
     y = aten.convolution.default(x, w, b, *anchor.conv)
+    if anchor.as_2d:  # the Conv1d's output [N, C, L_out]: a view
+        y = y.squeeze(2)
     if anchor.permuted:
         return y.movedim(1, -1).reshape(-1, y.shape[1])
     if channels_last:
@@ -142,7 +144,8 @@ def insert_chain(graph: torch.fx.Graph, inputs: list, spec: str, value: bool = T
     parameters, nodes with fake values) into `graph` at its insertion point, as every
     graph takes it: with the layouts it asks of its inputs (`ask_input_layouts`),
     where `spec.anchor.flipped` after graph ops that make the weight the conv's
-    (`flip_transposed_weight`), and where `spec.anchor.rounded` after graph ops that round x and the weight to the
+    (`flip_transposed_weight`), where `spec.anchor.as_2d` after views of x and the
+    weight as a 2-D conv's (`one_row`), and where `spec.anchor.rounded` after graph ops that round x and the weight to the
     nearest TF32 value, passed first, x and the weight themselves last. `value`: the
     call's fake value as its meta too (a graph that Inductor lowers as it is). Returns
     the call."""
@@ -150,11 +153,14 @@ def insert_chain(graph: torch.fx.Graph, inputs: list, spec: str, value: bool = T
     anchor = _parse(spec).anchor
     rounds = anchor.rounded
     vals = None
-    if rounds or value or anchor.flipped:
+    if rounds or value or anchor.flipped or anchor.as_2d:
         with detect_fake_mode(example):
             if anchor.flipped:  # the ConvTranspose's weight as the conv it equals takes it
                 flipped = _traced_into(graph, flip_transposed_weight, inputs[1], decompose=True)
                 inputs = [inputs[0], flipped] + list(inputs[2:])
+                example = [n.meta["val"] for n in inputs]
+            if anchor.as_2d:  # a Conv1d's x and weight as one row of a 2-D conv's
+                inputs = [_traced_into(graph, one_row, n) for n in inputs[:2]] + list(inputs[2:])
                 example = [n.meta["val"] for n in inputs]
             if rounds:
                 inputs = [_rounded_to_tf32(graph, n) for n in inputs[:2]] + list(inputs[2:]) + list(inputs[:2])
@@ -166,6 +172,12 @@ def insert_chain(graph: torch.fx.Graph, inputs: list, spec: str, value: bool = T
         call.meta["val"] = vals
     ask_input_layouts(call)
     return call
+
+
+def one_row(t: torch.Tensor) -> torch.Tensor:
+    """A Conv1d's x [N, C, L] or weight [C_out, C_in, k] as a 2-D conv's, of one row
+    (`Anchor.as_2d`): a view [N, C, 1, L] / [C_out, C_in, 1, k]."""
+    return t.unsqueeze(2)
 
 
 def flip_transposed_weight(w: torch.Tensor) -> torch.Tensor:

@@ -158,6 +158,8 @@ def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
         padded = " (library conv on channels-last operands)"
     if chain.spec.anchor.flipped:
         padded += " (a ConvTranspose of stride 1 as the conv it equals: its weight transposed and flipped by the graph)"
+    if chain.spec.anchor.as_2d:
+        padded += " (a Conv1d as a 2-D conv of one row)"
     if device.type != "cuda":
         return "reference (cpu)" + padded
     if chain.spec.anchor.rounded and ops.runs_in_kernel_conv(chain.spec, chain.operands[0].meta["val"]):

@@ -1455,14 +1455,16 @@ def _match_anchor(node: Node, direct_conv: bool = True, direct_gemm: bool = Fals
         x, w, b, stride, padding, dilation, transposed, out_pad, groups = node.args
         conv = (tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(out_pad), groups)
         operands = [x, w] + ([b] if b is not None else [])
-        flipped = False
+        flipped = as_2d = False
         if transposed and direct_conv:
             equal = _conv_equal_to_transposed(w, conv)
             if equal is not None and _direct_conv(x, w, equal):
                 conv, flipped = equal, True
-        direct = _direct_conv(x, w, conv) if direct_conv and not conv[3] else ()
+        elif direct_conv and len(stride) == 1 and _direct_conv(x, w, _conv_of_one_row(conv), one_row=True):
+            conv, as_2d = _conv_of_one_row(conv), True
+        direct = _direct_conv(x, w, conv, one_row=as_2d) if direct_conv and not conv[3] else ()
         return Anchor("conv", has_bias=b is not None, conv=conv, direct=direct,
-                      implicit=bool(direct) and implicit_conv, flipped=flipped), operands
+                      implicit=bool(direct) and implicit_conv, flipped=flipped, as_2d=as_2d), operands
     return None
 
 
@@ -1506,16 +1508,28 @@ def _conv_equal_to_transposed(w: Node, conv: tuple) -> tuple | None:
             tuple(out_pad), 1)
 
 
-def _direct_conv(x: Node, w: Node, conv: tuple) -> tuple:
+def _conv_of_one_row(conv: tuple) -> tuple:
+    """A Conv1d's parameters as the 2-D conv of one row's (`Anchor.as_2d`)."""
+    stride, padding, dilation, transposed, out_pad, groups = conv
+    return ((1, *stride), (0, *padding), (1, *dilation), transposed, (0, *out_pad), groups)
+
+
+def _direct_conv(x: Node, w: Node, conv: tuple, one_row: bool = False) -> tuple:
     """(in_channels, kh, kw, in_h, in_w) for a 2-D conv of groups 1 that the file's own
-    conv kernels may compute (`Anchor.direct`), else ()."""
+    conv kernels may compute (`Anchor.direct`), else (); `one_row`: a Conv1d's x and
+    weight, as the 2-D conv of one row (`Anchor.as_2d`)."""
     groups = conv[5]
     xv, wv = _val(x), _val(w)
-    if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor) or wv.dim() != 4 or xv.dim() != 4:
+    if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor) or groups != 1:
         return ()
-    if groups != 1:
+    xs, ws = tuple(xv.shape), tuple(wv.shape)
+    if one_row:
+        if len(xs) != 3 or len(ws) != 3:
+            return ()
+        xs, ws = (*xs[:2], 1, xs[2]), (*ws[:2], 1, ws[2])
+    if len(ws) != 4 or len(xs) != 4:
         return ()
-    sizes = (xv.shape[1], wv.shape[2], wv.shape[3], xv.shape[2], xv.shape[3])
+    sizes = (xs[1], ws[2], ws[3], xs[2], xs[3])
     if not all(isinstance(s, int) for s in sizes):
         return ()
     return tuple(int(s) for s in sizes)
@@ -2044,8 +2058,8 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
             continue
         anchor, operands = found
         permute = _channels_last_permute(node) if anchor.kind == "conv" and node not in backward else None
-        if permute is not None:
-            anchor = replace(anchor, permuted=True, direct=(), implicit=False)
+        if permute is not None:  # (a Conv1d as it is: no kernel of the file's computes a permuted conv)
+            anchor = replace(anchor.as_1d(), permuted=True, direct=(), implicit=False)
         try:
             # With the anchor's bias moved into the epilogue, then, where the graph reads
             # the anchor's value outside the chain (or the folded match was refused and it

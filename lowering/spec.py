@@ -131,6 +131,14 @@ class Anchor:
             along kh and kw ([C_out, C_in, kh, kw]), made by graph ops before the call;
             `conv` holds that conv's parameters (stride 1, padding dilation x (k - 1) -
             the ConvTranspose's, not transposed). The matcher sets it (`direct` too).
+        as_2d: conv only: a Conv1d computed as the 2-D conv of one row it equals, so that
+            the direct and the in-kernel conv may take it: the graph's x [N, C, L] and
+            weight [C_out, C / groups, k] reach the fused op as [N, C, 1, L] and
+            [C_out, C / groups, 1, k] (views, graph ops before the call,
+            `fusion_backend.ops.insert_chain`); `conv` holds the 2-D conv's parameters
+            ((1, stride), (0, padding), (1, dilation), ...); its output [N, C_out, 1,
+            L_out] is read as the Conv1d's [N, C_out, L_out]. The matcher sets it
+            (`direct` too).
     """
 
     kind: str
@@ -145,11 +153,26 @@ class Anchor:
     gemm_consumers: bool = False
     rounded: bool = False
     flipped: bool = False
+    as_2d: bool = False
 
-    def op_weight_shape(self, shape) -> tuple:
-        """The weight's shape as the fused op takes it, given the graph's weight operand's
-        (`flipped`: the ConvTranspose's [C_in, C_out, ...], transposed)."""
-        return (shape[1], shape[0], *shape[2:]) if self.flipped else tuple(shape)
+    def op_shapes(self, x_shape, w_shape) -> tuple[tuple, tuple]:
+        """x's and the weight's shapes as the fused op takes them, given the graph's
+        operands' (`flipped`: the ConvTranspose's weight [C_in, C_out, ...], transposed;
+        `as_2d`: a Conv1d's, a row of height 1 inserted)."""
+        x_shape, w_shape = tuple(x_shape), tuple(w_shape)
+        if self.flipped:
+            w_shape = (w_shape[1], w_shape[0], *w_shape[2:])
+        if self.as_2d:
+            x_shape, w_shape = (*x_shape[:2], 1, *x_shape[2:]), (*w_shape[:2], 1, *w_shape[2:])
+        return x_shape, w_shape
+
+    def as_1d(self) -> "Anchor":
+        """An `as_2d` anchor as the graph's Conv1d (no kernel of the file's computes it)."""
+        if not self.as_2d:
+            return self
+        stride, padding, dilation, transposed, out_pad, groups = self.conv
+        conv = (stride[1:], padding[1:], dilation[1:], transposed, out_pad[1:], groups)
+        return dataclasses.replace(self, conv=conv, direct=(), implicit=False, as_2d=False)
 
     def direct_out_hw(self) -> tuple[int, int]:
         """Output (H, W) of a candidate for the file's own conv kernels (`direct`)."""

@@ -1674,37 +1674,43 @@ def test_direct_conv_fma_narrow(name, dtype, monkeypatch, exact_float32):
     _check_direct_conv(*FMA_NARROW[name], dtype, exact_float32)
 
 
-class _TransposedChain(nn.Module):
-    """ConvTranspose2d (stride 1) -> silu * per-channel scale."""
+class _SiluScale(nn.Module):
+    """`conv` -> silu * per-channel scale."""
 
-    def __init__(self, cin, cout, k, padding):
+    def __init__(self, conv):
         super().__init__()
-        self.conv = nn.ConvTranspose2d(cin, cout, k, padding=padding)
-        self.scale = nn.Parameter(torch.rand(cout, 1, 1) + 0.5)
+        self.conv = conv
+        self.scale = nn.Parameter(torch.rand(conv.out_channels, *[1] * len(conv.kernel_size)) + 0.5)
 
     def forward(self, x):
         return F.silu(self.conv(x)) * self.scale
 
 
-# ConvTranspose2d of stride 1 as the conv it equals (Anchor.flipped: the weight
-# transposed and flipped by graph ops before the op), in the direct conv and the
-# in-kernel conv. name: (cin, cout, k, padding, dtype, input shape, kernel prefix).
-TRANSPOSED = {
-    "fma_direct": (3, 16, 3, 1, torch.float32, (2, 3, 12, 250), "directconv_"),
-    "fma_direct_bf16": (3, 16, 3, 0, torch.bfloat16, (2, 3, 12, 250), "directconv_"),
-    "in_kernel_bf16": (64, 128, 3, 0, torch.bfloat16, (2, 64, 20, 70), "igemm"),
-    "in_kernel_tf32": (64, 128, 3, 1, torch.float32, (2, 64, 20, 70), "igemm"),
+# Anchors the conv kernels take as the 2-D conv they equal: a ConvTranspose2d of stride 1
+# (Anchor.flipped: its weight transposed and flipped by graph ops before the op) and a
+# Conv1d (Anchor.as_2d: x and the weight viewed as one row). name: (conv, dtype, input
+# shape, kernel prefix).
+AS_CONV2D = {
+    "transposed_fma": (lambda: nn.ConvTranspose2d(3, 16, 3, padding=1), torch.float32, (2, 3, 12, 250), "directconv_"),
+    "transposed_fma_bf16": (lambda: nn.ConvTranspose2d(3, 16, 3), torch.bfloat16, (2, 3, 12, 250), "directconv_"),
+    "transposed_in_kernel_bf16": (lambda: nn.ConvTranspose2d(64, 128, 3), torch.bfloat16, (2, 64, 20, 70), "igemm"),
+    "transposed_in_kernel_tf32": (lambda: nn.ConvTranspose2d(64, 128, 3, padding=1), torch.float32, (2, 64, 20, 70),
+                                  "igemm"),
+    "conv1d_fma": (lambda: nn.Conv1d(3, 16, 5, padding=2), torch.float32, (4, 3, 250), "directconv_"),
+    "conv1d_fma_bf16": (lambda: nn.Conv1d(32, 64, 3), torch.bfloat16, (3, 32, 2048), "directconv_"),
+    "conv1d_in_kernel_bf16": (lambda: nn.Conv1d(64, 128, 5, padding=2), torch.bfloat16, (2, 64, 300), "igemm"),
+    "conv1d_in_kernel_tf32": (lambda: nn.Conv1d(64, 128, 5, stride=2), torch.float32, (3, 64, 1030), "igemm"),
 }
 
 
-@pytest.mark.parametrize("name", list(TRANSPOSED))
-def test_stride_1_conv_transpose_in_the_conv_kernels(name, monkeypatch, exact_float32):
-    cin, cout, k, padding, dtype, shape, prefix = TRANSPOSED[name]
+@pytest.mark.parametrize("name", list(AS_CONV2D))
+def test_convs_the_conv_kernels_take_as_the_2d_conv_they_equal(name, monkeypatch, exact_float32):
+    make, dtype, shape, prefix = AS_CONV2D[name]
     tf32 = prefix == "igemm" and dtype == torch.float32
     if prefix == "igemm":
         _needs_sm90()
         monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
-    model = _TransposedChain(cin, cout, k, padding).cuda().to(dtype)
+    model = _SiluScale(make()).cuda().to(dtype)
     x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
     ref, _ = float64_reference(model, x)
     saved = torch.backends.cudnn.allow_tf32

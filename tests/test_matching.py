@@ -952,8 +952,9 @@ def test_strided_and_dilated_convs_are_in_kernel_conv_candidates(conv, direct):
     torch.testing.assert_close(out, model(x))
 
 
-@pytest.mark.parametrize("conv", [nn.Conv2d(4, 8, 3, groups=2), nn.Conv1d(3, 8, 3)])
+@pytest.mark.parametrize("conv", [nn.Conv2d(4, 8, 3, groups=2), nn.Conv1d(4, 8, 3, groups=2)])
 def test_other_convs_use_the_library_conv(conv):
+    # (a Conv1d of groups 1 is a candidate as a 2-D conv of one row: test_vocabulary)
     import json
 
     model = nn.Sequential(conv, nn.ReLU())

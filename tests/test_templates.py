@@ -1271,6 +1271,33 @@ def test_nvcc_compiles_the_fma_direct_conv_of_128_columns(dtype, tmp_path, monke
                              tmp_path)
 
 
+def _one_row(spec, cin, cout, k, width, padding=0, stride=1):
+    """`spec`'s chain after a Conv1d(cin, cout, k) on rows of `width`, as the 2-D conv of one
+    row the matcher makes of it (`Anchor.as_2d`)."""
+    conv = ((1, stride), (0, padding), (1, 1), False, (0, 0), 1)
+    anchor = replace(spec.anchor, conv=conv, direct=(cin, 1, k, 1, width), as_2d=True)
+    wo = (width + 2 * padding - k) // stride + 1
+    return replace(spec, anchor=anchor, channels=cout, inner=wo)
+
+
+@needs_nvcc
+def test_a_conv1d_as_one_row_tiles_no_row_outside_and_builds(tmp_path):
+    # The in-kernel conv: patches of 1 x 128 (a 300-wide row would take 64 x 2, a row
+    # outside); the FMA direct conv: blocks of the fewest rows its channels allow. Both build.
+    igemm = _one_row(conv_gemm_specs("bfloat16")["igemm_relu_bias_64_128"], 64, 128, 5, 300, padding=2)
+    plan = cuda_templates.conv_gemm_plan(igemm, "sm90")
+    assert isinstance(plan, cuda_templates.ConvGemmPlan) and (plan.tile_h, plan.tile_w) == (1, 128), plan
+    two_d = conv_gemm_specs("bfloat16")["igemm_relu_bias_64_128"]
+    assert cuda_templates.conv_gemm_plan(two_d, "sm90").tile_h > 1  # a 62 x 62 output: unchanged
+    fma = _one_row(direct_specs("float32")["direct_pointwise_k5_pad2"], 3, 20, 5, 250, padding=2)
+    d = cuda_templates.direct_plan(fma, "sm90")
+    assert d.kind == "fma" and d.tile_h == 64 // d.copad, d  # 32 channels: 2 rows at once, no fewer
+    for spec in (igemm, fma):
+        arch = cuda_templates.build_arch(spec, "sm90")
+        cuda_templates.build(cuda_templates.render(spec, "sm90"), cuda_templates.kernel_name(spec, "sm90"), arch,
+                             tmp_path)
+
+
 def test_tf32_direct_conv_plans():
     w5 = direct_specs()["w5_direct"]
     d = cuda_templates.direct_plan(w5, "sm90", conv_tf32=True)

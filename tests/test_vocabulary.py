@@ -386,6 +386,54 @@ def test_a_stride_1_conv_transpose_runs_as_the_conv_it_equals(make, cin, flipped
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("make, shape, fn, as_2d", [
+    (lambda: nn.Conv1d(3, 8, 3, padding=1), (2, 3, 20), lambda y: F.hardswish(y), True),
+    (lambda: nn.Conv1d(3, 8, 5, stride=2, dilation=2), (2, 3, 31), lambda y: torch.sigmoid(y) * 2.0, True),
+    (lambda: nn.Conv1d(3, 8, 3), (2, 3, 20), lambda y: F.gelu(nn.functional.group_norm(y, 4)), True),
+    (lambda: nn.Conv1d(3, 8, 3), (2, 3, 20), lambda y: torch.relu(y).mean(dim=2), True),
+    (lambda: nn.Conv1d(4, 8, 3, groups=2), (2, 4, 20), lambda y: F.hardswish(y), False),
+], ids=["padding1", "stride2_dilation2", "groupnorm", "spatial_mean", "groups2"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_conv1d_runs_as_the_2d_conv_of_one_row(make, shape, fn, as_2d, grad):
+    # Anchor.as_2d: x and the weight reach the fused op as [N, C, 1, L] and [O, C, 1, k]
+    # (graph views), a 2-D conv's, which the direct and the in-kernel conv may take;
+    # grouped and permuted ones stay Conv1d. Results and gradients are eager's.
+    torch.manual_seed(0)
+    model = ConvChain(make(), fn)
+    x = torch.randn(shape, requires_grad=grad)
+    out, fused, refused = compile_records(model, x, grad=grad)
+    (record,) = fused
+    anchor = json.loads(record.spec)["anchor"]
+    assert anchor["as_2d"] == as_2d and len(anchor["conv"][0]) == 1 + as_2d and bool(anchor["direct"]) == as_2d
+    if as_2d:
+        assert anchor["direct"][1] == 1 and anchor["direct"][3] == 1  # kh, h: one row
+        assert "a Conv1d as a 2-D conv of one row" in record.kernel
+    eager_x = x.detach().clone().requires_grad_(grad)
+    eager = model(eager_x)
+    torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+    if grad:
+        model.zero_grad()
+        eager.square().sum().backward()
+        expected = [p.grad.clone() for p in model.parameters()] + [eager_x.grad]
+        model.zero_grad()
+        out.square().sum().backward()
+        for got, want in zip([p.grad for p in model.parameters()] + [x.grad], expected):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_permuted_conv1d_stays_a_conv1d():
+    # A LayerNorm over the channels after a permute: the library conv runs it, channels-last
+    # (Anchor.permuted), as a Conv1d.
+    torch.manual_seed(0)
+    model = ConvChain(nn.Conv1d(3, 8, 3), lambda y: F.layer_norm(y.permute(0, 2, 1), (8,)))
+    x = torch.randn(2, 3, 20)
+    out, fused, refused = compile_records(model, x)
+    (record,) = fused
+    anchor = json.loads(record.spec)["anchor"]
+    assert anchor["permuted"] and not anchor["as_2d"] and anchor["conv"][0] == [1] and not anchor["direct"]
+    torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
 SPATIAL = [
     # (id, conv, input shape, fn on the conv's output, expected steps after the folded bias, output shape)
     ("mean_2d", lambda: nn.Conv2d(3, 8, 3), (2, 3, 9, 10), lambda y: F.relu(y).mean(dim=[2, 3]),

@@ -44,7 +44,7 @@ class ConvImplicit(Form):
         if anchor.kind != "conv" or not anchor.direct or anchor.implicit or anchor.permuted:
             return None
         xv, wv = chain.operands[0].meta["val"], chain.operands[1].meta["val"]
-        if xv.device.type != "cuda" or xv.dim() != 4:
+        if xv.device.type != "cuda" or xv.dim() + anchor.as_2d != 4:  # (a Conv1d as a 2-D conv's row)
             return None
         tf32 = spec.dtype == "float32" and conv_allows_tf32()
         if not isinstance(cuda_templates.conv_gemm_plan(spec.with_in_kernel_conv(), arch_of(xv.device), tf32),
@@ -53,7 +53,7 @@ class ConvImplicit(Form):
         x_shape, w_shape = timings.example_shape(xv), timings.example_shape(wv)
         if x_shape is None or w_shape is None:
             return None
-        w_shape = spec.anchor.op_weight_shape(w_shape)  # a ConvTranspose's, as the conv it equals takes it
+        x_shape, w_shape = spec.anchor.op_shapes(x_shape, w_shape)  # as the fused op takes them
         return spec.dtype, x_shape, w_shape, tf32
 
     def describe(self, found) -> str:

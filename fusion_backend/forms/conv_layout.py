@@ -61,7 +61,7 @@ class ConvLayout(Form):
         x_shape, w_shape = timings.example_shape(xv), timings.example_shape(wv)
         if x_shape is None or w_shape is None:
             return None
-        w_shape = spec.anchor.op_weight_shape(w_shape)  # a ConvTranspose's, as the conv it equals takes it
+        x_shape, w_shape = spec.anchor.op_shapes(x_shape, w_shape)  # as the fused op takes them
         return spec.anchor, spec.dtype, x_shape, w_shape, xv.is_contiguous(memory_format=channels_last_format(xv))
 
     def describe(self, found) -> str:
