@@ -22,7 +22,8 @@ model is "ill_conditioned". A model eager refuses to run must fail alike ("rejec
 "high", where the kernel computes in TF32) and runs them with FUSEDEPI_IN_KERNEL_GEMM=1, so that its
 kernel (sm_90) meets random chains; the default setting takes it only at row counts
 too large for the fuzzer. `--in-kernel-conv` likewise draws 2-D convs of the in-kernel
-conv's shapes (stride 1, from generation 16 strides of 1-3 and dilations of 1-2; input
+conv's shapes (stride 1, from generation 16 strides of 1-3 and dilations of 1-2, from
+generation 19 a third of them a Conv1d or a ConvTranspose2d of stride 1; input
 channels in 8s, 40-256 output channels in 8s; float32
 ones with `cudnn.allow_tf32`, for eager and fusedepi alike) and runs them with
 FUSEDEPI_IN_KERNEL_CONV=1 (sm_90; its default, auto, takes it only where the measured
@@ -138,6 +139,7 @@ CONV_NORMS[15] = CONV_NORMS[14]
 CONV_NORMS[16] = CONV_NORMS[15]
 CONV_NORMS[17] = CONV_NORMS[16]
 CONV_NORMS[18] = CONV_NORMS[17]
+CONV_NORMS[19] = CONV_NORMS[18]
 # From this generation on, the in-kernel conv's anchors (`--in-kernel-conv`) have strides
 # of 1 to 3 and dilations of 1 or 2 (`_implicit_anchor`), drawn from a stream of their own.
 STRIDED_GENERATION = 16
@@ -151,6 +153,11 @@ NARROW_GENERATION = 17
 # (the window is drawn as before, then replaced: the models' other steps stay generation
 # 17's).
 TILE_POOL_GENERATION = 18
+# From this generation on, a third of the in-kernel conv's anchors, decided by a stream of
+# their own, are convs it takes as the 2-D conv they equal: a Conv1d over the anchor's
+# width (`Anchor.as_2d`), or a ConvTranspose2d of stride 1 (`Anchor.flipped`; dilation 1,
+# padding at most the kernel's reach); the other anchors are generation 18's.
+AS_CONV2D_GENERATION = 19
 # From this generation on, the pointwise steps include erf, sin, cos, sqrt, rsqrt,
 # reciprocal, log1p, expm1 and powers by a constant (`POWERS`; square as pow 2); sqrt,
 # rsqrt, reciprocal, log1p and the fractional and negative powers only where the value is
@@ -325,6 +332,18 @@ def _implicit_anchor(rng: random.Random, strides: random.Random | None = None,
     return anchor
 
 
+def _as_conv2d(anchor: dict, rng: random.Random) -> dict:
+    """A third of the time, an in-kernel conv anchor turned into a conv that runs as the
+    2-D conv it equals (AS_CONV2D_GENERATION): a Conv1d over its width, or a
+    ConvTranspose2d of stride 1; else `anchor`."""
+    if rng.random() >= 1 / 3:
+        return anchor
+    if rng.random() < 0.5:
+        return {**anchor, "dims": 1, "spatial": [anchor["spatial"][1]]}
+    return {**anchor, "kind": "conv_transpose", "stride": 1, "dilation": 1,
+            "padding": min(anchor["padding"], anchor["kernel"] - 1)}
+
+
 def _step(rng: random.Random, ctx: dict) -> dict:
     """One random step valid for the chain's current value (`ctx`)."""
     channels = ctx["channels"]
@@ -488,6 +507,8 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         strides = random.Random(f"{seed}/{index}/{device}/strides") if generation >= STRIDED_GENERATION else None
         narrow = random.Random(f"{seed}/{index}/{device}/narrow") if generation >= NARROW_GENERATION else None
         anchor = _implicit_anchor(rng, strides, narrow)
+        if generation >= AS_CONV2D_GENERATION:
+            anchor = _as_conv2d(anchor, random.Random(f"{seed}/{index}/{device}/as2d"))
     else:
         anchor = _gemm_anchor(rng) if gemm else _bmm_anchor(rng) if bmm else _anchor(rng)
     if bmm and generation >= BADDBMM_GENERATION:

@@ -674,3 +674,34 @@ def test_cpu_fuzz_of_windows_the_in_kernel_convs_tiles_pool():
     summary = fuzzer.summarize(results)
     assert not summary["findings"], _shown(summary["findings"])
     assert summary["fusion"].get("full", 0) >= 4, summary["reasons"]
+
+
+def test_cpu_fuzz_of_convs_run_as_the_2d_conv_they_equal():
+    # Generation 19 turns a third of the in-kernel conv's anchors, by a stream of their
+    # own, into a Conv1d over their width (Anchor.as_2d) or a ConvTranspose2d of stride 1
+    # (Anchor.flipped): the other draws are generation 18's. Run on CPU through the fused
+    # op's reference.
+    import dataclasses
+
+    gen = fuzzer.AS_CONV2D_GENERATION
+    before = [fuzzer.make_case(0, i, "cpu", generation=gen - 1, implicit=True) for i in range(60)]
+    after = [fuzzer.make_case(0, i, "cpu", generation=gen, implicit=True) for i in range(60)]
+    changed = [c for b, c in zip(before, after) if c.anchor != b.anchor]
+    assert 10 <= len(changed) <= 30
+    kinds = set()
+    for b, c in zip(before, after):
+        if c.anchor == b.anchor:
+            assert dataclasses.replace(c, generation=gen - 1) == b
+        elif c.anchor["kind"] == "conv":
+            assert c.anchor["dims"] == 1 and c.anchor["spatial"] == [b.anchor["spatial"][1]]
+            kinds.add("conv1d")
+        else:
+            assert c.anchor["kind"] == "conv_transpose" and c.anchor["stride"] == 1
+            assert c.anchor["padding"] <= c.anchor["kernel"] - 1
+            kinds.add("conv_transpose")
+    assert kinds == {"conv1d", "conv_transpose"}
+    results = fuzzer.run(seed=0, indices=[c.index for c in changed[:10]], device="cpu", generation=gen, implicit=True)
+    summary = fuzzer.summarize(results)
+    assert not summary["findings"], _shown(summary["findings"])
+    assert summary["fusion"].get("full", 0) >= 4, summary["reasons"]
+    assert {r["anchor"] for r in results} == {"conv1d", "conv_transpose2d"}
