@@ -347,6 +347,22 @@ def test_conv_anchors_with_groupnorm(make, shape):
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
 
 
+def _as_eager(model, x, out, grad):
+    """`out` (the compiled model's output on `x`) is eager's; with `grad`, so are the
+    gradients of x and the parameters of the same loss through each."""
+    eager_x = x.detach().clone().requires_grad_(grad)
+    eager = model(eager_x)
+    torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+    if grad:
+        model.zero_grad()
+        eager.square().sum().backward()
+        expected = [p.grad.clone() for p in model.parameters()] + [eager_x.grad]
+        model.zero_grad()
+        out.square().sum().backward()
+        for got, want in zip([p.grad for p in model.parameters()] + [x.grad], expected):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("make, cin, flipped", [
     (lambda: nn.ConvTranspose2d(3, 8, 3, padding=1), 3, True),
     (lambda: nn.ConvTranspose2d(3, 8, 3), 3, True),  # the conv's padding 2
@@ -373,17 +389,7 @@ def test_a_stride_1_conv_transpose_runs_as_the_conv_it_equals(make, cin, flipped
     if flipped:
         reach = [d * (k - 1) for d, k in zip(model.conv.dilation, model.conv.kernel_size)]
         assert anchor["conv"][1] == [r - p for r, p in zip(reach, model.conv.padding)]
-    eager_x = x.detach().clone().requires_grad_(grad)
-    eager = model(eager_x)
-    torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
-    if grad:
-        model.zero_grad()
-        eager.square().sum().backward()
-        expected = [p.grad.clone() for p in model.parameters()] + [eager_x.grad]
-        model.zero_grad()
-        out.square().sum().backward()
-        for got, want in zip([p.grad for p in model.parameters()] + [x.grad], expected):
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    _as_eager(model, x, out, grad)
 
 
 @pytest.mark.parametrize("make, shape, fn, as_2d", [
@@ -408,17 +414,7 @@ def test_a_conv1d_runs_as_the_2d_conv_of_one_row(make, shape, fn, as_2d, grad):
     if as_2d:
         assert anchor["direct"][1] == 1 and anchor["direct"][3] == 1  # kh, h: one row
         assert "a Conv1d as a 2-D conv of one row" in record.kernel
-    eager_x = x.detach().clone().requires_grad_(grad)
-    eager = model(eager_x)
-    torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
-    if grad:
-        model.zero_grad()
-        eager.square().sum().backward()
-        expected = [p.grad.clone() for p in model.parameters()] + [eager_x.grad]
-        model.zero_grad()
-        out.square().sum().backward()
-        for got, want in zip([p.grad for p in model.parameters()] + [x.grad], expected):
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    _as_eager(model, x, out, grad)
 
 
 def test_a_permuted_conv1d_stays_a_conv1d():
