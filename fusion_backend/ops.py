@@ -142,13 +142,13 @@ def _made_for(inputs: list, node) -> bool:
 def insert_chain(graph: torch.fx.Graph, inputs: list, spec: str, value: bool = True) -> torch.fx.Node:
     """Puts a `fusedepi::chain` call of `spec` on `inputs` (the chain's operands and
     parameters, nodes with fake values) into `graph` at its insertion point, as every
-    graph takes it: with the layouts it asks of its inputs (`ask_input_layouts`),
-    where `spec.anchor.flipped` after graph ops that make the weight the conv's
-    (`flip_transposed_weight`), where `spec.anchor.as_2d` after views of x and the
-    weight as a 2-D conv's (`one_row`), and where `spec.anchor.rounded` after graph ops that round x and the weight to the
-    nearest TF32 value, passed first, x and the weight themselves last. `value`: the
-    call's fake value as its meta too (a graph that Inductor lowers as it is). Returns
-    the call."""
+    graph takes it: with the layouts it asks of its inputs (`ask_input_layouts`); where
+    `spec.anchor.flipped`, after graph ops that make the weight the conv's
+    (`flip_transposed_weight`); where `spec.anchor.as_2d`, after views of x and the
+    weight as a 2-D conv's (`one_row`); and where `spec.anchor.rounded`, after graph ops
+    that round x and the weight to the nearest TF32 value, passed first, x and the
+    weight themselves last. `value`: the call's fake value as its meta too (a graph that
+    Inductor lowers as it is). Returns the call."""
     example = [n.meta["val"] for n in inputs]
     anchor = _parse(spec).anchor
     rounds = anchor.rounded
