@@ -187,17 +187,33 @@ def gpu_lock_path(device: torch.device) -> Path:
     return Path(tempfile.gettempdir()) / f"fusedepi-timing-{name}.lock"
 
 
+_held = threading.local()  # the GPU timing locks this thread holds: a nested timing takes none again
+
+
 @contextlib.contextmanager
 def gpu_lock(device: torch.device):
-    """Holds `device`'s timing lock (`gpu_lock_path`) while fusedepi times on it."""
+    """Holds `device`'s timing lock (`gpu_lock_path`) while fusedepi times on it; a
+    timing inside another on the same thread (a timed call that compiles and times)
+    holds it already (an flock taken twice by one process would wait for itself)."""
     from cuda_templates.compiler import file_lock
 
+    path = gpu_lock_path(device)
+    held = getattr(_held, "paths", None)
+    if held is None:
+        held = _held.paths = set()
+    if path in held:
+        yield
+        return
     started = time.perf_counter()
-    with file_lock(gpu_lock_path(device)):
+    with file_lock(path):
         waited = time.perf_counter() - started
         if waited > 1.0:
             log.debug("fusedepi: waited %.1f s for another process's timing on %s", waited, device)
-        yield
+        held.add(path)
+        try:
+            yield
+        finally:
+            held.discard(path)
 
 
 def _host_round_ms(fn: Callable[[], object], calls: int, device: torch.device) -> float:

@@ -189,6 +189,31 @@ def test_timings_on_one_gpu_share_a_lock_named_by_its_uuid(monkeypatch):
                                        "fusedepi-timing-NVIDIA_H200.lock"]
 
 
+def test_a_timing_inside_another_on_one_thread_takes_the_gpu_lock_once(monkeypatch, tmp_path):
+    """`timings.gpu_lock` nested on one thread does not wait for itself; another thread
+    waits until the outer one ends."""
+    import threading
+    import time as _time
+
+    monkeypatch.setattr(timings, "gpu_lock_path", lambda device: tmp_path / "gpu.lock")
+    device = torch.device("cuda", 0)
+    order = []
+
+    def other():
+        with timings.gpu_lock(device):
+            order.append("other")
+
+    with timings.gpu_lock(device):
+        with timings.gpu_lock(device):  # returns at once
+            order.append("inner")
+        thread = threading.Thread(target=other)
+        thread.start()
+        _time.sleep(0.2)
+        order.append("outer ends")
+    thread.join(timeout=10)
+    assert order == ["inner", "outer ends", "other"]
+
+
 def test_host_ms_times_the_cpus_share_of_a_call():
     """`timings.host_ms`: each function's time a call on the host, in turns; a function that
     holds the host 2 ms a call reads at least that, one that returns at once far less."""
