@@ -801,7 +801,7 @@ def conv_pool(spec: EpilogueSpec) -> tuple | str:
         return f"{red.name} after the in-kernel conv: switched off (conv_sm90.POOLS_IN_TILE)"
     if spec.second_reduction is not None:
         return f"{spec.second_reduction.name} after {red.name}: the in-kernel conv's pool is the chain's last reduction"
-    sizes, pooled, kernel, stride, padding, dilation = red.window
+    sizes, pooled, kernel, stride, padding, dilation = _pool_window_2d(spec)
     if len(kernel) != 2:
         return f"a {len(kernel)}-D {red.name}: the in-kernel conv pools 2-D windows"
     ceil_mode = red.consts[0]
@@ -813,6 +813,17 @@ def conv_pool(spec: EpilogueSpec) -> tuple | str:
     if tuple(pooled) != tuple(n // k for n, k in zip(sizes, kernel)):
         return f"{red.name}: pooled {tuple(pooled)} from {tuple(sizes)} is not floor mode's"
     return tuple(kernel)
+
+
+def _pool_window_2d(spec: EpilogueSpec) -> tuple:
+    """The spec's pooling window (sizes, pooled, kernel, stride, padding, dilation); after
+    a Conv1d run as a 2-D conv of one row (`Anchor.as_2d`), its 1-D window as that row's
+    (1 x k)."""
+    window = spec.reduction.window
+    if spec.anchor.as_2d and len(window[2]) == 1:
+        sizes, pooled, kernel, stride, padding, dilation = window
+        return ((1, *sizes), (1, *pooled), (1, *kernel), (1, *stride), (0, *padding), (1, *dilation))
+    return window
 
 
 def conv_reduces(spec: EpilogueSpec) -> bool:
@@ -1449,7 +1460,7 @@ def _conv_pool_constants(spec: EpilogueSpec, c: conv_sm90.ConvGemmPlan, ho: int,
     if not c.pool:
         return dict(pool="false", pool_kh=1, pool_kw=1, pool_max="false", pool_divisor=1, pool_ho=ho, pool_wo=wo)
     red = spec.reduction
-    (kh, kw), (pooled_h, pooled_w) = c.pool, red.window[1]
+    (kh, kw), (pooled_h, pooled_w) = c.pool, _pool_window_2d(spec)[1]
     avg = red.name == "avgpool"
     return dict(pool="true", pool_kh=kh, pool_kw=kw, pool_max="false" if avg else "true",
                 pool_divisor=(red.consts[2] or kh * kw) if avg else 1, pool_ho=pooled_h, pool_wo=pooled_w)

@@ -1675,21 +1675,22 @@ def test_direct_conv_fma_narrow(name, dtype, monkeypatch, exact_float32):
 
 
 class _SiluScale(nn.Module):
-    """`conv` -> silu * per-channel scale."""
+    """`conv` -> silu * per-channel scale, or -> `tail` (the scale added after it)."""
 
-    def __init__(self, conv):
+    def __init__(self, conv, tail=None):
         super().__init__()
-        self.conv = conv
+        self.conv, self.tail = conv, tail
         self.scale = nn.Parameter(torch.rand(conv.out_channels, *[1] * len(conv.kernel_size)) + 0.5)
 
     def forward(self, x):
-        return F.silu(self.conv(x)) * self.scale
+        y = self.conv(x)
+        return self.tail(y) + self.scale if self.tail else F.silu(y) * self.scale
 
 
 # Anchors the conv kernels take as the 2-D conv they equal: a ConvTranspose2d of stride 1
 # (Anchor.flipped: its weight transposed and flipped by graph ops before the op) and a
 # Conv1d (Anchor.as_2d: x and the weight viewed as one row). name: (conv, dtype, input
-# shape, kernel prefix).
+# shape, kernel prefix[, the chain after the conv, then + the scale]).
 AS_CONV2D = {
     "transposed_fma": (lambda: nn.ConvTranspose2d(3, 16, 3, padding=1), torch.float32, (2, 3, 12, 250), "directconv_"),
     "transposed_fma_bf16": (lambda: nn.ConvTranspose2d(3, 16, 3), torch.bfloat16, (2, 3, 12, 250), "directconv_"),
@@ -1700,17 +1701,20 @@ AS_CONV2D = {
     "conv1d_fma_bf16": (lambda: nn.Conv1d(32, 64, 3), torch.bfloat16, (3, 32, 2048), "directconv_"),
     "conv1d_in_kernel_bf16": (lambda: nn.Conv1d(64, 128, 5, padding=2), torch.bfloat16, (2, 64, 300), "igemm"),
     "conv1d_in_kernel_tf32": (lambda: nn.Conv1d(64, 128, 5, stride=2), torch.float32, (3, 64, 1030), "igemm"),
+    # a 1-D pooling window as the row's 1 x 4 window, pooled in the tiles (conv_sm90.POOLS_IN_TILE)
+    "conv1d_in_kernel_avgpool_bf16": (lambda: nn.Conv1d(64, 128, 5, padding=2), torch.bfloat16, (2, 64, 1030),
+                                      "igemm", lambda y: F.avg_pool1d(F.gelu(y), 4)),
 }
 
 
 @pytest.mark.parametrize("name", list(AS_CONV2D))
 def test_convs_the_conv_kernels_take_as_the_2d_conv_they_equal(name, monkeypatch, exact_float32):
-    make, dtype, shape, prefix = AS_CONV2D[name]
+    make, dtype, shape, prefix, *tail = AS_CONV2D[name]
     tf32 = prefix == "igemm" and dtype == torch.float32
     if prefix == "igemm":
         _needs_sm90()
         monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
-    model = _SiluScale(make()).cuda().to(dtype)
+    model = _SiluScale(make(), *tail).cuda().to(dtype)
     x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
     ref, _ = float64_reference(model, x)
     saved = torch.backends.cudnn.allow_tf32

@@ -3,6 +3,7 @@ checked against eager through the plain-torch reference (FUSEDEPI_CPU_REFERENCE=
 """
 
 import copy
+from dataclasses import replace
 import json
 import math
 
@@ -415,6 +416,24 @@ def test_a_conv1d_runs_as_the_2d_conv_of_one_row(make, shape, fn, as_2d, grad):
         assert anchor["direct"][1] == 1 and anchor["direct"][3] == 1  # kh, h: one row
         assert "a Conv1d as a 2-D conv of one row" in record.kernel
     _as_eager(model, x, out, grad)
+
+
+def test_a_conv1d_pooling_window_is_its_rows_window_in_the_in_kernel_conv():
+    # After a Conv1d run as one row (Anchor.as_2d), avg_pool1d(4) is the row's 1 x 4
+    # window, which the in-kernel conv's tiles pool (render.conv_pool); as a Conv1d's it
+    # would be refused there as 1-D.
+    import cuda_templates
+    from cuda_templates.render import conv_pool
+
+    model = ConvChain(nn.Conv1d(64, 128, 5, padding=2), lambda y: F.avg_pool1d(F.gelu(y), 4) * 2.0).to(torch.bfloat16)
+    x = torch.randn(2, 64, 1030, dtype=torch.bfloat16)
+    out, fused, _ = compile_records(model, x)
+    spec = EpilogueSpec.from_json(fused[0].spec)
+    assert spec.anchor.as_2d and conv_pool(spec) == (1, 4)
+    plan = cuda_templates.conv_gemm_plan(spec.with_in_kernel_conv(), "sm90")
+    assert plan.pool == (1, 4) and (plan.tile_h, plan.tile_w) == (1, 128), plan
+    assert "1-D avgpool" in conv_pool(replace(spec, anchor=spec.anchor.as_1d()))
+    torch.testing.assert_close(out, model(x), atol=2e-2, rtol=2e-2)  # bf16: the bias added after the conv's rounding
 
 
 def test_a_permuted_conv1d_stays_a_conv1d():
