@@ -281,10 +281,18 @@ def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int 
         tile_w *= 2
     if narrow:
         tile_w = patch_width(wo, tile_w)
-    # No patch taller than the output where a wider one is not (a Conv1d as a 2-D conv of
-    # one row, `Anchor.as_2d`: a 64-wide patch of 2 rows would leave one outside).
-    while ho and BLOCK_M // tile_w > ho and tile_w < MAX_PATCH_W and 2 * tile_w * stride_w <= MAX_BOX:
-        tile_w *= 2
+    # A patch taller than the whole output widens where its tiles then cover fewer
+    # pixels, rows and columns counted (a Conv1d as a 2-D conv of one row, `Anchor.as_2d`:
+    # 300 columns in patches of 2 x 64 cover 640 pixels, of 1 x 128 384).
+    def covered(w: int) -> int:
+        rows = BLOCK_M // w
+        return -(-ho // rows) * rows * -(-wo // w) * w
+
+    wider = tile_w
+    while ho and BLOCK_M // wider > ho and wider < MAX_PATCH_W and 2 * wider * stride_w <= MAX_BOX:
+        wider *= 2
+        if covered(wider) < covered(tile_w):
+            tile_w = wider
     for block_n in sorted((n for n in widths if n <= preferred), reverse=True):
         pingpong = block_n <= PINGPONG_MAX_N
         tall = (pingpong and block_n <= TALL_MAX_N and k_bytes <= TALL_MAX_K_BYTES
