@@ -546,11 +546,11 @@ def direct_plan(spec: EpilogueSpec, arch: str = "sm90", conv_tf32: bool = False)
     return fma if isinstance(fma, DirectPlan) else f"{mma}; and the FMA direct conv: {fma}"
 
 
-def _covers_in_fewer(tile_h: int, ho: int, shorter) -> bool:
-    """Whether a tile shorter than `tile_h` (of `shorter`) still covers all `ho` output
+def _covers_in_fewer(tile_h: int, ho: int, heights) -> bool:
+    """Whether a tile of `heights` shorter than `tile_h` still covers all `ho` output
     rows: a taller one only adds rows outside the output (a Conv1d as a 2-D conv of one
     row, `Anchor.as_2d`)."""
-    return any(ho <= t < tile_h for t in shorter)
+    return any(ho <= t < tile_h for t in heights)
 
 
 def _fma_tile_w(wo: int) -> int:
@@ -582,8 +582,9 @@ def _fma_plan(spec, cin, kh, kw, ho, wo, tile_w) -> DirectPlan | str:
     col_tiles = _ceil_div(wo, tile_w)
     cpg = cout // red.groups if red is not None else 1
     slots = 1 if cpg % 8 == 0 else (8 // cpg if 8 % cpg == 0 else 8)
-    for tile_h in (8, 4, 2, 1):
-        if tile_h % rows_at_once or _covers_in_fewer(tile_h, ho, (t for t in (4, 2, 1) if t % rows_at_once == 0)):
+    heights = [t for t in (8, 4, 2, 1) if t % rows_at_once == 0]
+    for tile_h in heights:
+        if _covers_in_fewer(tile_h, ho, heights):
             continue
         smem = 4 * (cin * (tile_h + kh - 1) * row_stride + cin * kh * kw * copad) + 12 * 8 * slots
         if smem <= DIRECT_SMEM_BUDGET:
@@ -611,8 +612,9 @@ def _mma_plan(spec, cin, kh, kw, ho, wo, col_tiles) -> DirectPlan | str:
     if not tf32 and frags > MMA_MAX_WEIGHT_REGS:
         return f"{cout}x{cin}x{kh}x{kw} weights do not fit the registers of the tensor-core direct conv"
     groups = cout // cpg
-    for tile_h in (16, 8, 4, 2, 1):  # tall tiles spread the weight and halo loads over more rows
-        if _covers_in_fewer(tile_h, ho, (8, 4, 2, 1)):
+    heights = (16, 8, 4, 2, 1)
+    for tile_h in heights:  # tall tiles spread the weight and halo loads over more rows
+        if _covers_in_fewer(tile_h, ho, heights):
             continue
         staged = 0 if tf32 else 8 * cout * 40 * ITEMSIZE[spec.dtype]  # pass 1's output staging
         weights = 32 * 4 * frags if tf32 else 0  # TF32: A fragments in shared memory

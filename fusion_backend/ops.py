@@ -158,15 +158,12 @@ def insert_chain(graph: torch.fx.Graph, inputs: list, spec: str, value: bool = T
             if anchor.flipped:  # the ConvTranspose's weight as the conv it equals takes it
                 flipped = _traced_into(graph, flip_transposed_weight, inputs[1], decompose=True)
                 inputs = [inputs[0], flipped] + list(inputs[2:])
-                example = [n.meta["val"] for n in inputs]
             if anchor.as_2d:  # a Conv1d's x and weight as one row of a 2-D conv's
                 inputs = [_traced_into(graph, one_row, n) for n in inputs[:2]] + list(inputs[2:])
-                example = [n.meta["val"] for n in inputs]
             if rounds:
                 inputs = [_rounded_to_tf32(graph, n) for n in inputs[:2]] + list(inputs[2:]) + list(inputs[:2])
-                example = [n.meta["val"] for n in inputs]
             if value:
-                vals = reference(example, spec)
+                vals = reference([n.meta["val"] for n in inputs], spec)
     call = graph.call_function(torch.ops.fusedepi.chain.default, (inputs, spec))
     if value:
         call.meta["val"] = vals

@@ -170,7 +170,7 @@ def host_ms(fns: Sequence[Callable[[], object]], device: torch.device, calls: in
     GPU time. On the CPU: the wall time, as `compare_ms`'s."""
     for fn in fns:  # warm up: the first call of a compiled graph may still compile
         fn()
-    with gpu_lock(device) if device.type == "cuda" else contextlib.nullcontext():
+    with gpu_lock(device):
         return in_turns([functools.partial(_host_round_ms, fn, calls, device) for fn in fns], rounds)
 
 
@@ -192,15 +192,17 @@ _held = threading.local()  # the GPU timing locks this thread holds: a nested ti
 
 @contextlib.contextmanager
 def gpu_lock(device: torch.device):
-    """Holds `device`'s timing lock (`gpu_lock_path`) while fusedepi times on it; a
-    timing inside another on the same thread (a timed call that compiles and times)
-    holds it already (an flock taken twice by one process would wait for itself)."""
+    """Holds `device`'s timing lock (`gpu_lock_path`) while fusedepi times on it (none
+    on the CPU); a timing inside another on the same thread (a timed call that compiles
+    and times) holds it already (an flock taken twice by one process would wait for
+    itself)."""
     from cuda_templates.compiler import file_lock
 
+    if device.type != "cuda":
+        yield
+        return
     path = gpu_lock_path(device)
-    held = getattr(_held, "paths", None)
-    if held is None:
-        held = _held.paths = set()
+    held = _held.__dict__.setdefault("paths", set())
     if path in held:
         yield
         return

@@ -1455,14 +1455,18 @@ def _match_anchor(node: Node, direct_conv: bool = True, direct_gemm: bool = Fals
         x, w, b, stride, padding, dilation, transposed, out_pad, groups = node.args
         conv = (tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(out_pad), groups)
         operands = [x, w] + ([b] if b is not None else [])
-        flipped = as_2d = False
-        if transposed and direct_conv:
+        direct, flipped, as_2d = (), False, False
+        if direct_conv and transposed:  # a stride-1 ConvTranspose2d as the conv it equals
             equal = _conv_equal_to_transposed(w, conv)
-            if equal is not None and _direct_conv(x, w, equal):
+            direct = _direct_conv(x, w, equal) if equal is not None else ()
+            if direct:
                 conv, flipped = equal, True
-        elif direct_conv and len(stride) == 1 and _direct_conv(x, w, _conv_of_one_row(conv), one_row=True):
-            conv, as_2d = _conv_of_one_row(conv), True
-        direct = _direct_conv(x, w, conv, one_row=as_2d) if direct_conv and not conv[3] else ()
+        elif direct_conv:  # a Conv1d as the 2-D conv of one row
+            one_row = len(stride) == 1
+            candidate = _conv_of_one_row(conv) if one_row else conv
+            direct = _direct_conv(x, w, candidate, one_row=one_row)
+            if direct and one_row:
+                conv, as_2d = candidate, True
         return Anchor("conv", has_bias=b is not None, conv=conv, direct=direct,
                       implicit=bool(direct) and implicit_conv, flipped=flipped, as_2d=as_2d), operands
     return None

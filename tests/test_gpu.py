@@ -1717,14 +1717,10 @@ def test_convs_the_conv_kernels_take_as_the_2d_conv_they_equal(name, monkeypatch
     model = _SiluScale(make(), *tail).cuda().to(dtype)
     x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
     ref, _ = float64_reference(model, x)
-    saved = torch.backends.cudnn.allow_tf32
-    try:
-        torch.backends.cudnn.allow_tf32 = tf32
-        with torch.no_grad():
-            out, kernels = _kernels(model, x)
-            eager = model(x)
-    finally:
-        torch.backends.cudnn.allow_tf32 = saved
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", tf32)
+    with torch.no_grad():
+        out, kernels = _kernels(model, x)
+        eager = model(x)
     assert len(kernels) == 1 and kernels[0].startswith(prefix), kernels
     err, eager_err = relative_error(out, ref), relative_error(eager, ref)
     bound = 2e-3 if tf32 else max(TOLERANCE[dtype], 1.5 * eager_err)
