@@ -169,7 +169,7 @@ class Launcher:
             # Direct conv: the library computes the anchor from x and the weight.
             anchor_operands = [_aligned(t) for t in anchor_operands]
             x = anchor_operands[0]
-            out = x.new_empty((x.shape[0], self.spec.channels, *self.spec.anchor.direct_out_hw()))
+            out = x.new_empty((x.shape[0], self.spec.channels, *self.spec.anchor.direct_out_spatial()))
             y = torch.empty_like(out) if self.stores_pre_norm else out
         elif self.anchor_path == "in-kernel conv":
             # The implicit GEMM reads x channels-last ([rows, H, W, C_in] in memory; or NCHW,
@@ -178,9 +178,9 @@ class Launcher:
             anchor_operands = channels_last_operands(anchor_operands, self.spec, self.in_kernel_nchw)
             x = anchor_operands[0]
             if self.row_output:  # a reduction or a pool in the tiles (ConvGemmPlan.reduce, .pixel_reduce, .pool)
-                out = y = x.new_empty(self._row_shape(x.shape[0], self.spec.anchor.direct_out_hw()))
+                out = y = x.new_empty(self._row_shape(x.shape[0], self.spec.anchor.direct_out_spatial()))
             else:
-                out = y = x.new_empty((x.shape[0], self.spec.channels, *self.spec.anchor.direct_out_hw()))
+                out = y = x.new_empty((x.shape[0], self.spec.channels, *self.spec.anchor.direct_out_spatial()))
         else:
             # A padded GEMM's y keeps its padded rows: the kernels read them with that stride.
             # A channels-last conv's y stays channels-last: the kernel writes the output

@@ -327,6 +327,9 @@ class LaunchLayout:
     rounded: bool
     # The in-kernel conv reads x in its NCHW layout (`ConvGemmPlan.nchw`), not channels-last.
     in_nchw: bool
+    # The direct or in-kernel conv of a Conv1d as the 2-D conv of one row (`Anchor.as_2d`):
+    # its output [rows, channels, out_w], as the graph has it.
+    one_row: bool
 
     @classmethod
     def of(cls, launcher) -> "LaunchLayout":
@@ -349,7 +352,8 @@ class LaunchLayout:
                    spec.channels, out_h, out_w, launcher.stores_pre_norm, spec.anchor.has_bias, pad_k, pad_n,
                    spec.anchor.channels_last, spec.anchor.permuted, launcher.gemm_tf32,
                    launcher.reads_conv_tf32, launcher.conv_tf32, in_c, in_h, in_w, k_h, k_w, in_c_pad,
-                   spec.anchor.rounded, launcher.anchor_path == "in-kernel conv" and launcher.in_kernel_nchw)
+                   spec.anchor.rounded, launcher.anchor_path == "in-kernel conv" and launcher.in_kernel_nchw,
+                   conv_in and spec.anchor.as_2d)
 
     def encode(self) -> list[int]:
         return [int(getattr(self, f.name)) for f in fields(self)]

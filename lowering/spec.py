@@ -180,6 +180,13 @@ class Anchor:
         (sh, sw), (ph, pw), (dh, dw) = self.conv[:3]
         return (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
 
+    def direct_out_spatial(self) -> tuple[int, ...]:
+        """The output's spatial dims as the graph has them, of a candidate for the file's own
+        conv kernels: (H, W), or a Conv1d's (L,) where `as_2d` (the kernels write the same
+        bytes: its one row)."""
+        ho, wo = self.direct_out_hw()
+        return (wo,) if self.as_2d else (ho, wo)
+
     @property
     def unit_stride(self) -> bool:
         """A conv of stride 1 and dilation 1 in every dim."""

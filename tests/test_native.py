@@ -251,7 +251,7 @@ def test_plan_layout_of_a_library_conv_with_saves():
     saves = (Save("value", "float32", (-1, 16, 5, 5), 16 * 25, at=0), Save("mean", "bfloat16", (16,), 0),
              Save("value", "float16", (-1, 16), 16, at=2))
     launcher = _launcher(conv, saves, running_stats=(2, 3))
-    assert native._layout(launcher) == [0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert native._layout(launcher) == [0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
     assert native._conv(conv) == [2, 2, 1, 1, 0, 1, 3, 0, 0, 0, 4]
     assert native._saves(launcher) == [1, 0, 400, 4, -1, 16, 5, 5, 0, 2, 0, 1, 16, 0, 1, 16, 2, -1, 16]
 
@@ -259,7 +259,7 @@ def test_plan_layout_of_a_library_conv_with_saves():
 def test_plan_layout_of_a_gemm_and_the_variants_that_read_tf32_settings():
     launcher = _launcher(Anchor("addmm"), anchor_path="in-kernel GEMM", gemm_auto=True, row_output=True,
                          reduced_tail=(1,), channels=8192)
-    assert native._layout(launcher) == [1, 0, 3, 1, 1, 1, 1, 0, 0, 0, 0, 8192, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert native._layout(launcher) == [1, 0, 3, 1, 1, 1, 1, 0, 0, 0, 0, 8192, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
     assert native._conv(launcher.spec.anchor) == []
     assert native.covers(launcher)
     # A float32 in-kernel GEMM file, and the two variants of a float32 direct conv: the C++
@@ -278,11 +278,11 @@ def test_plan_layout_of_a_gemm_and_the_variants_that_read_tf32_settings():
     launcher = _launcher(implicit, anchor_path="in-kernel conv", channels=128)
     assert native.covers(launcher)
     assert native._layout(launcher) == [3, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 128, 20, 28, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                        12, 20, 30, 3, 5, 16, 0, 0]
+                                        12, 20, 30, 3, 5, 16, 0, 0, 0]
     # Its float32 form on x and a weight rounded to TF32 by the graph (`Anchor.rounded`).
     rounded = _launcher(replace(implicit, rounded=True), anchor_path="in-kernel conv", channels=128,
                         reads_conv_tf32=True, conv_tf32=True)
-    assert native.covers(rounded) and native._layout(rounded)[21:23] + native._layout(rounded)[29:] == [1, 1, 1, 0]
+    assert native.covers(rounded) and native._layout(rounded)[21:23] + native._layout(rounded)[29:31] == [1, 1, 1, 0]
     # A spatial reduction in its tiles (`ConvGemmPlan.reduce`): the reduction's [rows, C] output.
     reduced = _launcher(implicit, anchor_path="in-kernel conv", channels=128, row_output=True, reduced_tail=(128,))
     assert native.covers(reduced) and native._layout(reduced)[4:7] == [1, 1, 128]
@@ -290,6 +290,15 @@ def test_plan_layout_of_a_gemm_and_the_variants_that_read_tf32_settings():
     nchw = _launcher(implicit, anchor_path="in-kernel conv", channels=128, in_kernel_nchw=True)
     assert native._layout(nchw)[30] == 1
     assert native._layout(_launcher(conv, anchor_path="direct conv", in_kernel_nchw=True))[30] == 0
+    # A Conv1d as the 2-D conv of one row (`Anchor.as_2d`): the output is the graph's
+    # [rows, C, L], on the paths whose kernels compute the conv; a library conv runs the 1-D op.
+    one_row = replace(implicit, as_2d=True, conv=((1, 1), (0, 1), (1, 1), False, (0, 0), 1),
+                      direct=(12, 1, 5, 1, 30))
+    assert one_row.direct_out_spatial() == (28,) and implicit.direct_out_spatial() == (20, 28)
+    for path in ("in-kernel conv", "direct conv"):
+        layout = native.LaunchLayout.of(_launcher(one_row, anchor_path=path, channels=128))
+        assert (layout.one_row, layout.out_h, layout.out_w) == (True, 1, 28)
+    assert not native.LaunchLayout.of(_launcher(implicit, anchor_path="in-kernel conv", channels=128)).one_row
 
 
 def test_plan_layout_of_a_permuted_conv():
@@ -300,12 +309,12 @@ def test_plan_layout_of_a_permuted_conv():
 
 def test_plan_layout_of_a_padded_gemm():
     launcher = _launcher(Anchor("addmm", pad=(152, 520)), channels=513)
-    assert native._layout(launcher) == [0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 513, 0, 0, 0, 0, 152, 520, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert native._layout(launcher) == [0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 513, 0, 0, 0, 0, 152, 520, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
 
 
 def test_plan_layout_of_a_channels_last_conv():
     conv = Anchor("conv", has_bias=True, conv=((1, 1), (1, 1), (1, 1), False, (0, 0), 1), channels_last=True)
-    assert native._layout(_launcher(conv)) == [0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert native._layout(_launcher(conv)) == [0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("tail", [(), (1,), (16,), (16, 1, 1), (1, 1, 1), (16, 7, 9), (16, 3, 5, 4)])

@@ -112,6 +112,9 @@ struct Plan {
   // themselves (Anchor.rounded): kImplicitConv reads the first, any other path the last.
   bool rounded = false;
   bool in_nchw = false;  // kImplicitConv reads x in its NCHW layout, not channels-last
+  // kDirectConv / kImplicitConv of a Conv1d as the 2-D conv of one row (Anchor.as_2d): the
+  // output is [rows, channels, out_w], the graph's, the same bytes as the plane of one row.
+  bool one_row = false;
   std::vector<int64_t> stride, padding, dilation, output_padding;
   bool transposed = false;
   int64_t groups = 1;
@@ -198,14 +201,14 @@ T symbol(void* handle, const char* name, const std::string& library) {
 // layout: [path, anchor, n_operands, gemm_auto, row_output, out_rank, out_d0 .. out_d3,
 //          out_spatial, channels, out_h, out_w, stores_pre_norm, has_bias, pad_k, pad_n,
 //          channels_last, permuted, gemm_tf32, reads_conv_tf32, conv_tf32,
-//          in_c, in_h, in_w, k_h, k_w, in_c_pad, rounded, in_nchw]
+//          in_c, in_h, in_w, k_h, k_w, in_c_pad, rounded, in_nchw, one_row]
 // conv: empty, or [nd, stride x nd, padding x nd, dilation x nd, transposed,
 //       output_padding x nd, groups]
 // saves: per save [anchor_value, dtype code, per_row, ndim, dims x ndim] (native.SaveLayout).
 // checks: [dtype code, y_row, n, (a row, whole) x n, m, (dtype code, whole, per_row) x m]
 //         (native.CheckLayout).
 // The fields of native.LaunchLayout, read below in its order (plan->field = layout[i]).
-constexpr size_t kLayoutFields = 31;
+constexpr size_t kLayoutFields = 32;
 
 void set_plan(std::string_view spec, int64_t device, std::string_view library, std::string_view name,
               at::IntArrayRef layout, at::IntArrayRef running_stats, at::IntArrayRef conv,
@@ -257,6 +260,7 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   plan->in_c_pad = layout[28];
   plan->rounded = layout[29] != 0;
   plan->in_nchw = layout[30] != 0;
+  plan->one_row = layout[31] != 0;
   TORCH_CHECK(plan->out_rank >= 0 && plan->out_rank <= 4, "fusedepi_native.plan: a reduced output's tail of ",
               plan->out_rank, " dims");
   TORCH_CHECK(layout[0] >= 0 && layout[0] <= 3 && layout[1] >= 0 && layout[1] <= 3,
@@ -292,6 +296,9 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
                    plan->in_w > 0 && plan->k_h > 0 && plan->k_w > 0 && plan->in_c_pad >= plan->in_c &&
                    plan->out_h > 0 && plan->out_w > 0 && plan->n_operands == 2),
               "fusedepi_native.plan: the in-kernel conv needs its input's and weight's shapes");
+  TORCH_CHECK(!plan->one_row || ((plan->path == Path::kImplicitConv || plan->path == Path::kDirectConv) &&
+                                 plan->out_h == 1),
+              "fusedepi_native.plan: a conv of one row is the direct or in-kernel conv's, of an output one row high");
   TORCH_CHECK((!plan->reads_conv_tf32 || plan->anchor == Anchor::kConv) && (plan->reads_conv_tf32 || !plan->conv_tf32),
               "fusedepi_native.plan: a TF32 variant is a conv's");
   TORCH_CHECK(!plan->rounded || (plan->anchor == Anchor::kConv && plan->reads_conv_tf32 && plan->n_operands == 2),
@@ -372,6 +379,13 @@ std::vector<int64_t> row_shape(const Plan& plan, int64_t rows, at::IntArrayRef s
   shape.insert(shape.end(), tail, tail + plan.out_rank);
   if (plan.out_spatial && spatial_of.size() > 2) shape.insert(shape.end(), spatial_of.begin() + 2, spatial_of.end());
   return shape;
+}
+
+// The direct or in-kernel conv's output as the graph has it: [rows, channels, out_h, out_w],
+// or a Conv1d's [rows, channels, out_w] (one_row).
+std::vector<int64_t> conv_output_shape(const Plan& plan, int64_t rows) {
+  if (plan.one_row) return {rows, plan.channels, plan.out_w};
+  return {rows, plan.channels, plan.out_h, plan.out_w};
 }
 
 // Raises with the kernel file's message when one of its entry points returned an error.
@@ -528,13 +542,13 @@ std::vector<at::Tensor> launch(const Plan& plan, at::TensorList call, at::Tensor
     operands = {x, w};
     // A reduction or a pool in the tiles (ConvGemmPlan.reduce, .pixel_reduce, .pool) writes its output only
     // (a reduction over each pixel's channels keeps the output's spatial dims).
-    const std::vector<int64_t> conv_out{x.size(0), plan.channels, plan.out_h, plan.out_w};
+    const std::vector<int64_t> conv_out = conv_output_shape(plan, x.size(0));
     out = y = plan.row_output ? at::empty(row_shape(plan, x.size(0), conv_out), x.options())
                               : at::empty(conv_out, x.options());
   } else if (plan.path == Path::kDirectConv) {
     for (auto& t : operands) t = aligned(t);
     const at::Tensor& x = operands[0];
-    out = at::empty({x.size(0), plan.channels, plan.out_h, plan.out_w}, x.options());
+    out = at::empty(conv_output_shape(plan, x.size(0)), x.options());
     y = plan.stores_pre_norm ? at::empty_like(out) : out;
   } else {
     // A channels-last conv's y stays channels-last; the kernel writes the output contiguous.
