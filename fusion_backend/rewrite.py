@@ -127,10 +127,12 @@ class OperandMismatch(ValueError):
 
 def _check_operands(chain: Chain) -> None:
     """The graph's example operands against the sizes and dtypes the launchers will check
-    at every call (`EpilogueSpec.param_sizes`): a chain they would refuse is not fused.
+    at every call (`EpilogueSpec.param_sizes`), and its conv output against the shape
+    they give the fused op's: a chain they would refuse or misshape is not fused.
 
     Raises:
-        OperandMismatch: an operand of another size, dtype or device.
+        OperandMismatch: an operand of another size, dtype or device, or a conv output
+            of other spatial dims than the launchers allocate (`Anchor.direct_out_spatial`).
     """
     spec = chain.spec
     anchor_val = chain.anchor.meta["val"]
@@ -145,6 +147,14 @@ def _check_operands(chain: Chain) -> None:
                 want is not None and numel is not None and numel != want):
             raise OperandMismatch(f"operand {node.name} ({tuple(val.shape)} {val.dtype} on {val.device}) is not "
                                   f"the {want} {dtype} elements the kernels would read")
+    anchor = spec.anchor
+    if anchor.kind == "conv" and not anchor.permuted and shape is not None:
+        # The launchers shape the output from the spec: the kernels' conv output plane,
+        # and the spatial dims a reduction keeps, must be the graph's.
+        if anchor.spatial_dims != len(shape) - 2 or (anchor.direct and anchor.direct_out_spatial() != tuple(shape[2:])):
+            planned = anchor.direct_out_spatial() if anchor.direct else f"{anchor.spatial_dims} spatial dims"
+            raise OperandMismatch(f"the conv's output {tuple(shape)} is not the one the kernels would write "
+                                  f"({planned} after the channels)")
 
 
 def _prepare(chain: Chain, spec: str, cfg: Config) -> str:

@@ -209,8 +209,9 @@ class Anchor:
 
     @property
     def spatial_dims(self) -> int:
-        """How many spatial dims the output has after its channels (`conv_view` only)."""
-        return 1 if self.kind == "bmm" else len(self.conv[0])
+        """How many spatial dims the output has after its channels (`conv_view` only), as
+        the graph has it (an `as_2d` Conv1d's one)."""
+        return 1 if self.kind == "bmm" or self.as_2d else len(self.conv[0])
 
 
 @dataclass(frozen=True)

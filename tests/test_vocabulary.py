@@ -398,8 +398,12 @@ def test_a_stride_1_conv_transpose_runs_as_the_conv_it_equals(make, cin, flipped
     (lambda: nn.Conv1d(3, 8, 5, stride=2, dilation=2), (2, 3, 31), lambda y: torch.sigmoid(y) * 2.0, True),
     (lambda: nn.Conv1d(3, 8, 3), (2, 3, 20), lambda y: F.gelu(nn.functional.group_norm(y, 4)), True),
     (lambda: nn.Conv1d(3, 8, 3), (2, 3, 20), lambda y: torch.relu(y).mean(dim=2), True),
+    (lambda: nn.Conv1d(3, 8, 3), (2, 3, 20), lambda y: torch.amin(-y, dim=2, keepdim=True), True),
+    (lambda: nn.Conv1d(3, 8, 3), (2, 3, 20), lambda y: torch.relu(y).mean(dim=1), True),
+    (lambda: nn.Conv1d(3, 8, 3), (2, 3, 20), lambda y: torch.logsumexp(y, dim=1, keepdim=True), True),
     (lambda: nn.Conv1d(4, 8, 3, groups=2), (2, 4, 20), lambda y: F.hardswish(y), False),
-], ids=["padding1", "stride2_dilation2", "groupnorm", "spatial_mean", "groups2"])
+], ids=["padding1", "stride2_dilation2", "groupnorm", "spatial_mean", "spatial_amin_keepdim", "channel_mean",
+        "channel_logsumexp_keepdim", "groups2"])
 @pytest.mark.parametrize("grad", [False, True])
 def test_a_conv1d_runs_as_the_2d_conv_of_one_row(make, shape, fn, as_2d, grad):
     # Anchor.as_2d: x and the weight reach the fused op as [N, C, 1, L] and [O, C, 1, k]
@@ -415,6 +419,12 @@ def test_a_conv1d_runs_as_the_2d_conv_of_one_row(make, shape, fn, as_2d, grad):
     if as_2d:
         assert anchor["direct"][1] == 1 and anchor["direct"][3] == 1  # kh, h: one row
         assert "a Conv1d as a 2-D conv of one row" in record.kernel
+        # The launchers shape the op's output from the spec: the graph's 1-D one.
+        spec = EpilogueSpec.from_json(record.spec)
+        spatial = spec.anchor.direct_out_spatial()
+        planned = ((shape[0],) + spec.reduced_tail() + (spatial if spec.keeps_spatial else ()) if spec.row_output
+                   else (shape[0], spec.channels, *spatial))
+        assert planned == tuple(out.shape) and spatial == (model.conv(x).shape[2],)
     _as_eager(model, x, out, grad)
 
 
