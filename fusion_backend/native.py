@@ -327,8 +327,8 @@ class LaunchLayout:
     rounded: bool
     # The in-kernel conv reads x in its NCHW layout (`ConvGemmPlan.nchw`), not channels-last.
     in_nchw: bool
-    # The direct or in-kernel conv of a Conv1d as the 2-D conv of one row (`Anchor.as_2d`):
-    # its output [rows, channels, out_w], as the graph has it.
+    # A Conv1d as the 2-D conv of one row (`Anchor.as_2d`), on any path: its output
+    # [rows, channels, L_out], as the graph has it (the library conv's squeezed).
     one_row: bool
 
     @classmethod
@@ -353,7 +353,7 @@ class LaunchLayout:
                    spec.anchor.channels_last, spec.anchor.permuted, launcher.gemm_tf32,
                    launcher.reads_conv_tf32, launcher.conv_tf32, in_c, in_h, in_w, k_h, k_w, in_c_pad,
                    spec.anchor.rounded, launcher.anchor_path == "in-kernel conv" and launcher.in_kernel_nchw,
-                   conv_in and spec.anchor.as_2d)
+                   spec.anchor.as_2d)
 
     def encode(self) -> list[int]:
         return [int(getattr(self, f.name)) for f in fields(self)]

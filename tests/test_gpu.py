@@ -1701,6 +1701,10 @@ AS_CONV2D = {
     "conv1d_fma_bf16": (lambda: nn.Conv1d(32, 64, 3), torch.bfloat16, (3, 32, 2048), "directconv_"),
     "conv1d_in_kernel_bf16": (lambda: nn.Conv1d(64, 128, 5, padding=2), torch.bfloat16, (2, 64, 300), "igemm"),
     "conv1d_in_kernel_tf32": (lambda: nn.Conv1d(64, 128, 5, stride=2), torch.float32, (3, 64, 1030), "igemm"),
+    # the library conv on the one-row views, its output squeezed back (in-kernel conv off)
+    "conv1d_library_bf16": (lambda: nn.Conv1d(64, 128, 5, padding=2), torch.bfloat16, (2, 64, 300), "conv_"),
+    "conv1d_library_groupnorm": (lambda: nn.Conv1d(64, 128, 3), torch.float32, (2, 64, 300), "conv_",
+                                 lambda y: F.group_norm(y, 8)),
     # a 1-D pooling window as the row's 1 x 4 window, pooled in the tiles (conv_sm90.POOLS_IN_TILE)
     "conv1d_in_kernel_avgpool_bf16": (lambda: nn.Conv1d(64, 128, 5, padding=2), torch.bfloat16, (2, 64, 1030),
                                       "igemm", lambda y: F.avg_pool1d(F.gelu(y), 4)),
@@ -1713,7 +1717,7 @@ def test_convs_the_conv_kernels_take_as_the_2d_conv_they_equal(name, monkeypatch
     tf32 = prefix == "igemm" and dtype == torch.float32
     if prefix == "igemm":
         _needs_sm90()
-        monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1" if prefix == "igemm" else "0")
     model = _SiluScale(make(), *tail).cuda().to(dtype)
     x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
     ref, _ = float64_reference(model, x)

@@ -291,13 +291,16 @@ def test_plan_layout_of_a_gemm_and_the_variants_that_read_tf32_settings():
     assert native._layout(nchw)[30] == 1
     assert native._layout(_launcher(conv, anchor_path="direct conv", in_kernel_nchw=True))[30] == 0
     # A Conv1d as the 2-D conv of one row (`Anchor.as_2d`): the output is the graph's
-    # [rows, C, L], on the paths whose kernels compute the conv; a library conv runs the 1-D op.
+    # [rows, C, L], on the paths whose kernels compute the conv.
     one_row = replace(implicit, as_2d=True, conv=((1, 1), (0, 1), (1, 1), False, (0, 0), 1),
                       direct=(12, 1, 5, 1, 30))
     assert one_row.direct_out_spatial() == (28,) and implicit.direct_out_spatial() == (20, 28)
     for path in ("in-kernel conv", "direct conv"):
         layout = native.LaunchLayout.of(_launcher(one_row, anchor_path=path, channels=128))
         assert (layout.one_row, layout.out_h, layout.out_w) == (True, 1, 28)
+    # ... and the library conv's output squeezed to it.
+    layout = native.LaunchLayout.of(_launcher(replace(one_row, direct=(), implicit=False), channels=128))
+    assert (layout.one_row, layout.out_h, layout.out_w) == (True, 0, 0)
     assert not native.LaunchLayout.of(_launcher(implicit, anchor_path="in-kernel conv", channels=128)).one_row
 
 

@@ -112,8 +112,9 @@ struct Plan {
   // themselves (Anchor.rounded): kImplicitConv reads the first, any other path the last.
   bool rounded = false;
   bool in_nchw = false;  // kImplicitConv reads x in its NCHW layout, not channels-last
-  // kDirectConv / kImplicitConv of a Conv1d as the 2-D conv of one row (Anchor.as_2d): the
-  // output is [rows, channels, out_w], the graph's, the same bytes as the plane of one row.
+  // A Conv1d computed as the 2-D conv of one row (Anchor.as_2d; x and the weight reach the op
+  // as [N, C, 1, L] and [O, C, 1, k] views): the output is the graph's [rows, channels, L_out],
+  // the same bytes as the plane of one row (the library conv's squeezed, the kernels' so allocated).
   bool one_row = false;
   std::vector<int64_t> stride, padding, dilation, output_padding;
   bool transposed = false;
@@ -296,9 +297,9 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
                    plan->in_w > 0 && plan->k_h > 0 && plan->k_w > 0 && plan->in_c_pad >= plan->in_c &&
                    plan->out_h > 0 && plan->out_w > 0 && plan->n_operands == 2),
               "fusedepi_native.plan: the in-kernel conv needs its input's and weight's shapes");
-  TORCH_CHECK(!plan->one_row || ((plan->path == Path::kImplicitConv || plan->path == Path::kDirectConv) &&
-                                 plan->out_h == 1),
-              "fusedepi_native.plan: a conv of one row is the direct or in-kernel conv's, of an output one row high");
+  TORCH_CHECK(!plan->one_row || (plan->anchor == Anchor::kConv && !plan->channels_last && !plan->permuted &&
+                                 (plan->path == Path::kLibraryAnchor || plan->out_h == 1)),
+              "fusedepi_native.plan: a conv of one row is a conv's in the graph's layout, its output one row high");
   TORCH_CHECK((!plan->reads_conv_tf32 || plan->anchor == Anchor::kConv) && (plan->reads_conv_tf32 || !plan->conv_tf32),
               "fusedepi_native.plan: a TF32 variant is a conv's");
   TORCH_CHECK(!plan->rounded || (plan->anchor == Anchor::kConv && plan->reads_conv_tf32 && plan->n_operands == 2),
@@ -457,8 +458,9 @@ at::Tensor run_anchor(const Plan& plan, const std::vector<at::Tensor>& operands)
                            plan.padding, plan.dilation, plan.transposed, plan.output_padding, plan.groups)
         .contiguous(layout);
   }
-  return at::convolution(operands[0], operands[1], bias, plan.stride, plan.padding, plan.dilation,
-                         plan.transposed, plan.output_padding, plan.groups);
+  const at::Tensor y = at::convolution(operands[0], operands[1], bias, plan.stride, plan.padding, plan.dilation,
+                                       plan.transposed, plan.output_padding, plan.groups);
+  return plan.one_row ? y.squeeze(2) : y;  // a Conv1d's [N, C, L_out], as ops.run_anchor gives it
 }
 
 // Whether the inputs are what the kernels were built for: every input on the plan's GPU,
