@@ -508,6 +508,8 @@ def direct_plan(spec: EpilogueSpec, arch: str = "sm90", conv_tf32: bool = False)
         return "it returns values saved for backward, and the direct conv does not write the conv output"
     if anchor.channels_last:
         return "the library conv runs on channels-last operands (Anchor.channels_last)"
+    if anchor.library:
+        return "the library conv runs it (Anchor.library: the chain measured faster so)"
     if not anchor.direct:
         return "not 2-D with groups 1 (or disabled)"
     if not anchor.unit_stride:

@@ -57,6 +57,10 @@ class Config:
             operands (FUSEDEPI_CONV_CHANNELS_LAST): "auto" (the default: where timing both
             forms at compile time says channels-last is faster), "on" (every candidate)
             or "off".
+        library_conv: whether a conv that the direct conv would compute runs in the library
+            conv, the epilogue kernel after it (FUSEDEPI_LIBRARY_CONV): "auto" (the
+            default: where the measured choice times the chain, it is timed both ways and
+            the faster kept), "on" (always) or "off" (the direct conv, untimed).
         gemm_consumers: whether a 16-bit in-kernel GEMM's consumer warps run its pointwise
             chain on every tile instead of the producer's spare warps
             (FUSEDEPI_GEMM_CONSUMERS): "auto" (the default: where the measured choice
@@ -84,6 +88,7 @@ class Config:
     conv_channels_last: str = "auto"
     fold_gemm_bias: str = "auto"
     gemm_consumers: str = "auto"
+    library_conv: str = "auto"
     autotune: str = "auto"
     debug: bool = False
 
@@ -100,7 +105,8 @@ def load_config(environ=None) -> Config:
         ValueError: FUSEDEPI_DISABLE names something that is neither a fusion
             nor a step, FUSEDEPI_LOG_LEVEL is not a logging level, or
             FUSEDEPI_IN_KERNEL_GEMM, FUSEDEPI_IN_KERNEL_CONV, FUSEDEPI_PAD_GEMM, FUSEDEPI_CONV_CHANNELS_LAST,
-            FUSEDEPI_FOLD_GEMM_BIAS, FUSEDEPI_GEMM_CONSUMERS or FUSEDEPI_AUTOTUNE is none
+            FUSEDEPI_FOLD_GEMM_BIAS, FUSEDEPI_GEMM_CONSUMERS, FUSEDEPI_LIBRARY_CONV or
+            FUSEDEPI_AUTOTUNE is none
             of auto, 1, 0, or
             FUSEDEPI_NATIVE_LAUNCHER, FUSEDEPI_STRICT, FUSEDEPI_CPU_REFERENCE or
             FUSEDEPI_DEBUG is neither 1 nor 0.
@@ -131,6 +137,7 @@ def load_config(environ=None) -> Config:
         conv_channels_last=_tristate("FUSEDEPI_CONV_CHANNELS_LAST", env.get("FUSEDEPI_CONV_CHANNELS_LAST", "")),
         fold_gemm_bias=_tristate("FUSEDEPI_FOLD_GEMM_BIAS", env.get("FUSEDEPI_FOLD_GEMM_BIAS", "")),
         gemm_consumers=_tristate("FUSEDEPI_GEMM_CONSUMERS", env.get("FUSEDEPI_GEMM_CONSUMERS", "")),
+        library_conv=_tristate("FUSEDEPI_LIBRARY_CONV", env.get("FUSEDEPI_LIBRARY_CONV", "")),
         autotune=_tristate("FUSEDEPI_AUTOTUNE", env.get("FUSEDEPI_AUTOTUNE", "")),
         debug=_switch("FUSEDEPI_DEBUG", env.get("FUSEDEPI_DEBUG", ""), False),
     )

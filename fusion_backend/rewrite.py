@@ -313,6 +313,10 @@ def _untimed(chain: Chain, plan: ExecutionPlan, cfg: Config) -> ExecutionPlan:
             continue
         rows = list(plan.forms)
         rows[i] = replace(row, taken=False, alternative=None, chains="the chain not timed")
+        for j in range(i + 1, len(rows)):  # a later row's form, taken from this row's, is gone with it
+            later = forms.BY_NAME[rows[j].form]
+            if rows[j].taken and later.chain_decides and not later.applied(chain.spec):
+                rows[j] = replace(rows[j], taken=False, alternative=None, chains="the chain not timed")
         plan = ExecutionPlan(spec, kernel, tuple(rows), plan.choice)
     return plan
 

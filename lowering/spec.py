@@ -139,6 +139,10 @@ class Anchor:
             ((1, stride), (0, padding), (1, dilation), ...); its output [N, C_out, 1,
             L_out] is read as the Conv1d's [N, C_out, L_out]. The matcher sets it
             (`direct` too).
+        library: conv only: the library conv computes a conv that the file's direct conv
+            could (`direct` kept as its shapes), the epilogue kernel after it: taken where
+            the chain measured faster so (`fusion_backend.forms.conv_library`).
+            `with_in_kernel_conv` clears it.
     """
 
     kind: str
@@ -154,6 +158,7 @@ class Anchor:
     rounded: bool = False
     flipped: bool = False
     as_2d: bool = False
+    library: bool = False
 
     def op_shapes(self, x_shape, w_shape) -> tuple[tuple, tuple]:
         """x's and the weight's shapes as the fused op takes them, given the graph's
@@ -342,10 +347,11 @@ class EpilogueSpec:
         )
 
     def with_in_kernel_conv(self) -> "EpilogueSpec":
-        """This spec with the in-kernel conv as its conv's form (`Anchor.implicit`), on
-        operands rounded to TF32 in float32 without a bias operand (`Anchor.rounded`)."""
+        """This spec with the in-kernel conv as its conv's form (`Anchor.implicit`; not the
+        library's, `Anchor.library`), on operands rounded to TF32 in float32 without a bias
+        operand (`Anchor.rounded`)."""
         rounded = self.dtype == "float32" and not self.anchor.has_bias
-        anchor = dataclasses.replace(self.anchor, implicit=True, channels_last=False, rounded=rounded)
+        anchor = dataclasses.replace(self.anchor, implicit=True, channels_last=False, rounded=rounded, library=False)
         return dataclasses.replace(self, anchor=anchor)
 
     def with_first_step(self, step: Step, param_dtype: str) -> "EpilogueSpec":

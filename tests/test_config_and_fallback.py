@@ -60,6 +60,7 @@ def test_every_fusion_name_is_disableable():
         ({"FUSEDEPI_PAD_GEMM": "maybe"}, "FUSEDEPI_PAD_GEMM: 'maybe' is not auto, 1 (on) or 0 (off)"),
         ({"FUSEDEPI_CONV_CHANNELS_LAST": "nhwc"}, "FUSEDEPI_CONV_CHANNELS_LAST: 'nhwc' is not auto, 1 (on) or 0 (off)"),
         ({"FUSEDEPI_GEMM_CONSUMERS": "spare"}, "FUSEDEPI_GEMM_CONSUMERS: 'spare' is not auto, 1 (on) or 0 (off)"),
+        ({"FUSEDEPI_LIBRARY_CONV": "cudnn"}, "FUSEDEPI_LIBRARY_CONV: 'cudnn' is not auto, 1 (on) or 0 (off)"),
     ],
 )
 def test_bad_settings_are_clear_errors(env, message):
@@ -70,7 +71,8 @@ def test_bad_settings_are_clear_errors(env, message):
 @pytest.mark.parametrize("name, field", [("FUSEDEPI_IN_KERNEL_GEMM", "in_kernel_gemm"), ("FUSEDEPI_PAD_GEMM", "pad_gemm"),
                                          ("FUSEDEPI_CONV_CHANNELS_LAST", "conv_channels_last"),
                                          ("FUSEDEPI_FOLD_GEMM_BIAS", "fold_gemm_bias"),
-                                         ("FUSEDEPI_GEMM_CONSUMERS", "gemm_consumers")])
+                                         ("FUSEDEPI_GEMM_CONSUMERS", "gemm_consumers"),
+                                         ("FUSEDEPI_LIBRARY_CONV", "library_conv")])
 def test_auto_on_off_settings(name, field):
     assert getattr(load_config({}), field) == "auto"
     for value, mode in (("auto", "auto"), ("1", "on"), ("on", "on"), ("0", "off"), ("Off", "off"), (" ", "auto")):

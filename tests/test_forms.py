@@ -69,8 +69,8 @@ def fresh_cache(monkeypatch, tmp_path):
 
 
 def test_the_table_lists_each_form_once_with_its_switch():
-    assert [f.name for f in forms.FORMS] == ["gemm_bias", "gemm_padding", "conv_layout", "in_kernel_conv",
-                                             "gemm_consumers"]
+    assert [f.name for f in forms.FORMS] == ["gemm_bias", "gemm_padding", "library_conv", "conv_layout",
+                                             "in_kernel_conv", "gemm_consumers"]
     assert all(forms.BY_NAME[f.name] is f for f in forms.FORMS)
     cfg = load_config({})
     for form in forms.FORMS:
@@ -482,11 +482,13 @@ def _conv_chain(dtype="bfloat16", cin=64, cout=128, hw=64, device="cuda"):
 
 @pytest.fixture
 def sm90(monkeypatch):
-    """The in-kernel conv's row on an sm_90 GPU, with cuDNN's TF32 allowed."""
-    from fusion_backend.forms import conv_implicit
+    """The in-kernel conv's and the library conv's rows on an sm_90 GPU, with cuDNN's TF32
+    allowed."""
+    from fusion_backend.forms import conv_implicit, conv_library
 
-    monkeypatch.setattr(conv_implicit, "arch_of", lambda device: "sm90")
-    monkeypatch.setattr(conv_implicit, "conv_allows_tf32", lambda: True)
+    for module in (conv_implicit, conv_library):
+        monkeypatch.setattr(module, "arch_of", lambda device: "sm90")
+        monkeypatch.setattr(module, "conv_allows_tf32", lambda: True)
     monkeypatch.setattr(timings, "example_shape", lambda v: tuple(v.shape))
     return conv_implicit
 
@@ -641,3 +643,94 @@ def test_a_form_taken_for_the_timing_whose_kernel_fails_to_build_gives_way(monke
     assert kernel == "kernel" and built == [implicit, last] and chain.spec == last
     assert got[0] is rows[0] and not got[1].taken and got[1].alternative is None
     assert got[1].describe() == "in_kernel_conv: not taken (its kernel failed to build: nvcc failed)"
+
+
+def test_the_library_conv_row_applies_where_the_direct_conv_would_compute_the_conv(sm90):
+    import cuda_templates
+    from fusion_backend.forms import conv_library
+
+    form = conv_library.ConvLibrary()
+    chain = _conv_chain(cin=8, cout=32, hw=256)  # workload 5's conv: the direct conv's
+    found = form.candidate(chain)
+    assert found == ("bfloat16", (2, 8, 256, 256), (32, 8, 3, 3), False)
+    assert "instead of the direct conv" in form.describe(found)
+    assert form.candidate(_conv_chain()) is None  # 64 -> 128: the in-kernel conv's or the library's
+    assert form.candidate(_conv_chain(cin=8, cout=32, hw=256, device="cpu")) is None
+    chain.spec = form.apply(chain, found)
+    assert chain.spec.anchor.library and form.applied(chain.spec) and chain.spec.anchor.direct
+    assert form.candidate(chain) is None  # taken once
+    # The library conv computes it now: no kernel of the file does; the in-kernel conv's
+    # spec is the file's again (and there the direct conv covers it).
+    assert isinstance(cuda_templates.direct_plan(chain.spec, "sm90"), str)
+    assert cuda_templates.anchor_plan(chain.spec, "sm90") is None
+    assert not chain.spec.with_in_kernel_conv().anchor.library
+    assert EpilogueSpec.from_json(chain.spec.to_json()) == chain.spec
+
+
+def test_a_direct_conv_chain_takes_the_library_conv_for_the_chains_timing(sm90, monkeypatch, fresh_cache):
+    """Under "auto" the library conv's row is taken untimed where the chain will be timed,
+    and the in-kernel conv's row does not apply to it (the direct conv covers the conv);
+    with nothing to time the chain, or FUSEDEPI_LIBRARY_CONV=0, the direct conv stays;
+    FUSEDEPI_LIBRARY_CONV=1 takes the library conv untimed."""
+    monkeypatch.setattr(_form("library_conv"), "measure", lambda found, device: pytest.fail("timed"))
+    monkeypatch.setattr(_form("conv_layout"), "candidate", lambda chain: None)  # (its own row, tested above)
+    chain = _conv_chain(cin=8, cout=32, hw=256)
+    direct = chain.spec
+    rows = forms.choose(chain, load_config({"FUSEDEPI_CACHE_DIR": str(fresh_cache)}))
+    assert [(r.form, r.taken, r.by_chain) for r in rows] == [("library_conv", True, True)]
+    assert rows[0].alternative == direct and chain.spec.anchor.library
+    for env in ({"FUSEDEPI_AUTOTUNE": "0"}, {"FUSEDEPI_LIBRARY_CONV": "0"}):
+        chain = _conv_chain(cin=8, cout=32, hw=256)
+        assert forms.choose(chain, load_config({"FUSEDEPI_CACHE_DIR": str(fresh_cache), **env})) == ()
+        assert chain.spec == direct
+    chain = _conv_chain(cin=8, cout=32, hw=256)
+    rows = forms.choose(chain, load_config({"FUSEDEPI_CACHE_DIR": str(fresh_cache), "FUSEDEPI_LIBRARY_CONV": "1"}))
+    assert [r.form for r in rows] == ["library_conv"] and chain.spec.anchor.library
+
+
+@pytest.mark.parametrize("winner", ["direct", "library", "channels_last"])
+def test_the_direct_conv_the_library_conv_and_its_layout_are_timed_and_the_fastest_kept(
+        sm90, monkeypatch, winner):
+    from fusion_backend import rewrite
+    from fusion_backend.forms import conv_library
+
+    chain = _conv_chain(cin=8, cout=32, hw=256)
+    direct = chain.spec
+    chain.spec = library = conv_library.ConvLibrary().apply(chain, None)
+    chain.spec = last = conv_layout.ConvLayout().apply(chain, None)
+    rows = (forms.FormChoice("library_conv", "library", 0.0, 0.0, True, alternative=direct, by_chain=True),
+            forms.FormChoice("conv_layout", "channels-last", 0.5, 0.3, True, alternative=library))
+    ms = {"direct": 0.3, "library": 0.4, "channels_last": 0.35}
+    ms[winner] = 0.1
+    by_spec = {direct.to_json(): "direct", library.to_json(): "library", last.to_json(): "channels_last"}
+    monkeypatch.setattr(rewrite.choice, "decide",
+                        lambda chain_, spec, cfg, claimed: Choice(ms[by_spec[spec]], 0.35, True))
+    monkeypatch.setattr(rewrite, "_prepare", lambda chain_, spec, cfg: "kernel " + by_spec[spec])
+    plan = rewrite._without_forms(chain, ExecutionPlan(last.to_json(), "kernel channels_last", rows,
+                                                       Choice(ms["channels_last"], 0.35, True)), load_config({}),
+                                  frozenset())
+    assert by_spec[plan.spec] == winner and plan.choice.fused_ms == 0.1
+    assert [r.taken for r in plan.forms] == [winner != "direct", winner == "channels_last"]
+    assert (f"library_conv: {'not taken' if winner == 'direct' else 'taken'} (the chain "
+            f"{ms['library']:.4g} ms in it, {ms['direct']:.4g} ms without)") in plan.describe()
+
+
+def test_an_untimed_chain_goes_back_to_the_direct_conv_and_drops_the_layout_taken_after(sm90, monkeypatch):
+    from fusion_backend import rewrite
+    from fusion_backend.forms import conv_library
+
+    chain = _conv_chain(cin=8, cout=32, hw=256)
+    direct = chain.spec
+    chain.spec = library = conv_library.ConvLibrary().apply(chain, None)
+    chain.spec = last = conv_layout.ConvLayout().apply(chain, None)
+    rows = (forms.FormChoice("library_conv", "library", 0.0, 0.0, True, alternative=direct, by_chain=True),
+            forms.FormChoice("conv_layout", "channels-last", 0.5, 0.3, True, alternative=library))
+    monkeypatch.setattr(rewrite.choice, "decide", lambda *args: pytest.fail("timed"))
+    monkeypatch.setattr(rewrite, "_prepare", lambda chain_, spec, cfg: "kernel")
+    untimed = Choice(0.0, 0.0, True, "not timed: a size without a hint")
+    plan = rewrite._without_forms(chain, ExecutionPlan(last.to_json(), "kernel", rows, untimed), load_config({}),
+                                  frozenset())
+    assert chain.spec == direct and plan.spec == direct.to_json()
+    assert [r.taken for r in plan.forms] == [False, False]
+    assert [r.describe() for r in plan.forms] == ["library_conv: not taken (the chain not timed)",
+                                                  "conv_layout: not taken (0.3 ms against 0.5 ms; the chain not timed)"]

@@ -1731,6 +1731,28 @@ def test_convs_the_conv_kernels_take_as_the_2d_conv_they_equal(name, monkeypatch
     assert err <= bound, f"relative error {err:.3g}, eager's {eager_err:.3g} (seed {exact_float32})"
 
 
+@pytest.mark.parametrize("conv1d", [False, True])
+def test_the_library_conv_in_place_of_the_direct_conv(conv1d, monkeypatch, exact_float32):
+    # FUSEDEPI_LIBRARY_CONV=1: a conv the direct conv would compute (`Anchor.library`) runs
+    # in cuDNN, the epilogue kernel after it; a Conv1d so on its one-row views.
+    monkeypatch.setenv("FUSEDEPI_LIBRARY_CONV", "1")
+    if conv1d:
+        model = _SiluScale(nn.Conv1d(3, 16, 5, padding=2)).cuda()
+        x = torch.rand(4, 3, 250, device="cuda")
+    else:
+        model, x = _ConvChain(3, 16, 3, 1, 4).cuda(), torch.rand(2, 3, 8, 256, device="cuda")
+    with torch.no_grad():
+        out, kernels = _kernels(model, x)
+        eager = model(x)
+    assert len(kernels) == 1 and kernels[0].startswith("conv_"), kernels
+    torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
+    monkeypatch.setenv("FUSEDEPI_LIBRARY_CONV", "0")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        _, kernels = _kernels(model, x)
+    assert kernels[0].startswith("directconv_"), kernels
+
+
 def test_direct_conv_nan_and_zero_batch(exact_float32):
     model = _ConvChain(3, 16, 3, 1, 4).cuda()
     x = torch.rand(2, 3, 8, 256, device="cuda")

@@ -9,6 +9,7 @@ renderer, the launchers and `explain` read the decision instead of re-deriving i
 |---|---|---|
 | `gemm_bias` | float32 `addmm` of a Linear, matmul precision "highest" | `mm`, the bias added in the epilogue |
 | `gemm_padding` | 16-bit `addmm`/`mm` whose K or N is not a multiple of 8 | the GEMM on zero-padded operands |
+| `library_conv` | a conv the direct conv would compute (stride 1, few input channels) | the library conv and the epilogue kernel |
 | `conv_layout` | a 2-D/3-D library conv with a channels-last epilogue mapping | cuDNN on channels-last operands |
 | `in_kernel_conv` | a 2-D conv (groups 1, strides up to 8) with a pointwise chain or a norm over whole channels, on sm_90 | the conv computed in the chain's kernel |
 | `gemm_consumers` | a 16-bit in-kernel GEMM whose CTAs have tiles for the spare warps | the chain in the consumer warps |
@@ -22,12 +23,13 @@ forms taken against Inductor; where a form's library call alone does not show wh
 form costs the rest of the chain (`Form.chain_decides`: the conv layout, whose epilogue
 kernel and input copies differ), the chain is timed without that form too, and the
 faster of the two is the one compared with Inductor (`FormChoice.alternative`). A
-row with no library call of its own (`Form.timed_as_chain`: the in-kernel conv, the
-in-kernel GEMM's consumer warps) is decided by the chain's timing alone: taken wherever
+row with no library call of its own (`Form.timed_as_chain`: the library conv in place of
+the direct conv, the in-kernel conv, the in-kernel GEMM's consumer warps) is decided by
+the chain's timing alone: taken wherever
 the measured choice times the chain, which times it both ways; the graph's form
-elsewhere. Where two rows take their forms for one chain (a conv: channels-last, then
-the in-kernel conv), the chain is timed in each form and the fastest kept
-(`rewrite._without_forms`).
+elsewhere. Where several rows take their forms for one chain (a conv: the library conv
+instead of the direct conv, channels-last, then the in-kernel conv), the chain is timed
+in each form and the fastest kept (`rewrite._without_forms`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from ..config import Config
 from .base import Form
 from .conv_implicit import ConvImplicit
 from .conv_layout import ConvLayout
+from .conv_library import ConvLibrary
 from .gemm_bias import GemmBias
 from .gemm_consumers import GemmConsumers
 from .gemm_padding import GemmPadding
@@ -52,10 +55,11 @@ from .gemm_padding import GemmPadding
 log = logging.getLogger("fusedepi")
 
 # In the order they are tried: at most one applies to a chain (float32 Linear, 16-bit
-# Linear on the library path, 16-bit in-kernel GEMM) but for a conv's two, and a later
-# one sees the spec an earlier one made (the in-kernel conv's alternative is the
-# library conv in the layout `conv_layout` chose).
-FORMS: tuple[Form, ...] = (GemmBias(), GemmPadding(), ConvLayout(), ConvImplicit(), GemmConsumers())
+# Linear on the library path, 16-bit in-kernel GEMM) but for a conv's three, and a later
+# one sees the spec an earlier one made (`conv_layout` may take the library conv that
+# `library_conv` took in place of the direct conv; the in-kernel conv's alternative is
+# the library conv in the layout `conv_layout` chose).
+FORMS: tuple[Form, ...] = (GemmBias(), GemmPadding(), ConvLibrary(), ConvLayout(), ConvImplicit(), GemmConsumers())
 BY_NAME = {form.name: form for form in FORMS}
 
 # The other form must be at least this much faster than the graph's: it costs a little
