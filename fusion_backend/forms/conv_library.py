@@ -8,7 +8,8 @@ wins by several times where the library conv is slow for the shape (an RGB stem:
 `conv2d_relu` bf16, 0.063 against Inductor's 0.329 ms on an H200), and can lose where it
 is not: a Conv1d(32, 64, 3) over 2048 columns with ReLU and GroupNorm (bf16, batch 64,
 H200) took 0.073 ms in the direct conv where the library conv and the epilogue kernel
-had taken 0.062. Which wins depends on the library conv's speed at the shape, so this
+had taken 0.062 (with this row: 0.061, the library conv taken). Which wins depends on
+the library conv's speed at the shape, so this
 row is timed as the whole chain both ways (`Form.timed_as_chain`): where the measured
 choice times the chain, it keeps the faster; elsewhere the direct conv runs as before.
 It comes before the layout and in-kernel conv rows, which then see a library conv
