@@ -688,10 +688,10 @@ def test_a_direct_conv_chain_takes_the_library_conv_for_the_chains_timing(sm90, 
     assert [r.form for r in rows] == ["library_conv"] and chain.spec.anchor.library
 
 
-@pytest.mark.parametrize("winner", ["direct", "library", "channels_last"])
-def test_the_direct_conv_the_library_conv_and_its_layout_are_timed_and_the_fastest_kept(
-        sm90, monkeypatch, winner):
-    from fusion_backend import rewrite
+def _library_forms_taken():
+    """A stand-in direct-conv chain as `forms.choose` leaves it where the library conv was
+    taken for the chain's timing and channels-last by its library call: (chain, (the
+    direct conv's spec, the library conv's, channels-last), the two rows)."""
     from fusion_backend.forms import conv_library
 
     chain = _conv_chain(cin=8, cout=32, hw=256)
@@ -700,6 +700,15 @@ def test_the_direct_conv_the_library_conv_and_its_layout_are_timed_and_the_faste
     chain.spec = last = conv_layout.ConvLayout().apply(chain, None)
     rows = (forms.FormChoice("library_conv", "library", 0.0, 0.0, True, alternative=direct, by_chain=True),
             forms.FormChoice("conv_layout", "channels-last", 0.5, 0.3, True, alternative=library))
+    return chain, (direct, library, last), rows
+
+
+@pytest.mark.parametrize("winner", ["direct", "library", "channels_last"])
+def test_the_direct_conv_the_library_conv_and_its_layout_are_timed_and_the_fastest_kept(
+        sm90, monkeypatch, winner):
+    from fusion_backend import rewrite
+
+    chain, (direct, library, last), rows = _library_forms_taken()
     ms = {"direct": 0.3, "library": 0.4, "channels_last": 0.35}
     ms[winner] = 0.1
     by_spec = {direct.to_json(): "direct", library.to_json(): "library", last.to_json(): "channels_last"}
@@ -717,14 +726,8 @@ def test_the_direct_conv_the_library_conv_and_its_layout_are_timed_and_the_faste
 
 def test_an_untimed_chain_goes_back_to_the_direct_conv_and_drops_the_layout_taken_after(sm90, monkeypatch):
     from fusion_backend import rewrite
-    from fusion_backend.forms import conv_library
 
-    chain = _conv_chain(cin=8, cout=32, hw=256)
-    direct = chain.spec
-    chain.spec = library = conv_library.ConvLibrary().apply(chain, None)
-    chain.spec = last = conv_layout.ConvLayout().apply(chain, None)
-    rows = (forms.FormChoice("library_conv", "library", 0.0, 0.0, True, alternative=direct, by_chain=True),
-            forms.FormChoice("conv_layout", "channels-last", 0.5, 0.3, True, alternative=library))
+    chain, (direct, library, last), rows = _library_forms_taken()
     monkeypatch.setattr(rewrite.choice, "decide", lambda *args: pytest.fail("timed"))
     monkeypatch.setattr(rewrite, "_prepare", lambda chain_, spec, cfg: "kernel")
     untimed = Choice(0.0, 0.0, True, "not timed: a size without a hint")

@@ -28,6 +28,21 @@ from ..ops import arch_of, conv_allows_tf32
 from .base import Form
 
 
+def op_shapes(chain) -> tuple[tuple, tuple] | None:
+    """x's and the weight's shapes as the chain's fused op takes them (`Anchor.op_shapes`;
+    a dynamic size at its hint), or None where one has no hint."""
+    x_shape, w_shape = (timings.example_shape(n.meta["val"]) for n in chain.operands[:2])
+    if x_shape is None or w_shape is None:
+        return None
+    return chain.spec.anchor.op_shapes(x_shape, w_shape)
+
+
+def conv_in_words(found: tuple) -> str:
+    """A conv row's `found` (dtype, x's shape, the weight's shape, TF32) in words."""
+    dtype, x_shape, w_shape, tf32 = found
+    return f"{dtype}{' in TF32' if tf32 else ''}, input {list(x_shape)}, weight {list(w_shape)}"
+
+
 class ConvImplicit(Form):
     name = "in_kernel_conv"
     setting = "in_kernel_conv"
@@ -43,23 +58,18 @@ class ConvImplicit(Form):
         anchor = spec.anchor
         if anchor.kind != "conv" or not anchor.direct or anchor.implicit or anchor.permuted:
             return None
-        xv, wv = chain.operands[0].meta["val"], chain.operands[1].meta["val"]
+        xv = chain.operands[0].meta["val"]
         if xv.device.type != "cuda" or xv.dim() + anchor.as_2d != 4:  # (a Conv1d as a 2-D conv's row)
             return None
         tf32 = spec.dtype == "float32" and conv_allows_tf32()
         if not isinstance(cuda_templates.conv_gemm_plan(spec.with_in_kernel_conv(), arch_of(xv.device), tf32),
                           cuda_templates.ConvGemmPlan):
             return None
-        x_shape, w_shape = timings.example_shape(xv), timings.example_shape(wv)
-        if x_shape is None or w_shape is None:
-            return None
-        x_shape, w_shape = spec.anchor.op_shapes(x_shape, w_shape)  # as the fused op takes them
-        return spec.dtype, x_shape, w_shape, tf32
+        shapes = op_shapes(chain)
+        return None if shapes is None else (spec.dtype, *shapes, tf32)
 
     def describe(self, found) -> str:
-        dtype, x_shape, w_shape, tf32 = found
-        return (f"the in-kernel conv ({dtype}{' in TF32' if tf32 else ''}, input {list(x_shape)}, "
-                f"weight {list(w_shape)})")
+        return f"the in-kernel conv ({conv_in_words(found)})"
 
     def key(self, found) -> tuple:
         return found

@@ -24,9 +24,9 @@ from dataclasses import replace
 import cuda_templates
 from lowering.spec import EpilogueSpec
 
-from .. import timings
 from ..ops import arch_of, conv_allows_tf32
 from .base import Form
+from .conv_implicit import conv_in_words, op_shapes
 
 
 class ConvLibrary(Form):
@@ -43,28 +43,20 @@ class ConvLibrary(Form):
         anchor = spec.anchor
         if anchor.kind != "conv" or not anchor.direct or anchor.implicit or anchor.library:
             return None
-        xv, wv = chain.operands[0].meta["val"], chain.operands[1].meta["val"]
+        xv = chain.operands[0].meta["val"]
         if xv.device.type != "cuda":
             return None
         tf32 = spec.dtype == "float32" and conv_allows_tf32()
         if not isinstance(cuda_templates.direct_plan(spec, arch_of(xv.device), tf32), cuda_templates.DirectPlan):
             return None
-        x_shape, w_shape = timings.example_shape(xv), timings.example_shape(wv)
-        if x_shape is None or w_shape is None:
-            return None
-        x_shape, w_shape = anchor.op_shapes(x_shape, w_shape)
-        return spec.dtype, x_shape, w_shape, tf32
+        shapes = op_shapes(chain)
+        return None if shapes is None else (spec.dtype, *shapes, tf32)
 
     def describe(self, found) -> str:
-        dtype, x_shape, w_shape, tf32 = found
-        return (f"the library conv ({dtype}{' in TF32' if tf32 else ''}, input {list(x_shape)}, weight "
-                f"{list(w_shape)}) and the epilogue kernel instead of the direct conv")
+        return f"the library conv ({conv_in_words(found)}) and the epilogue kernel instead of the direct conv"
 
     def key(self, found) -> tuple:
         return found
-
-    def measure(self, found, device) -> tuple[float, float]:
-        raise NotImplementedError("timed as the whole chain both ways (timed_as_chain)")
 
     def apply(self, chain, found) -> EpilogueSpec:
         return replace(chain.spec, anchor=replace(chain.spec.anchor, library=True))
