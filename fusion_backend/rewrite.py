@@ -279,7 +279,16 @@ def _without_forms(chain: Chain, plan: ExecutionPlan, cfg: Config, claimed: froz
     chain.spec, kernel, decided = found[best]
 
     def ms(spec: str) -> str:
-        return f"{found[spec][2].fused_ms:.4g} ms" if spec in found else "not built"
+        if spec not in found:
+            return "not built"
+        timed = found[spec][2]
+        return f"{timed.fused_ms:.4g} ms" if timed.inductor_ms else timed.note or "not timed"
+
+    def chains(made: str, start: str) -> str:
+        with_it, without = ms(made), ms(start)
+        if without.endswith(" ms") and with_it.endswith(" ms"):
+            return f"the chain {with_it} in it, {without} without"
+        return f"the chain in it: {with_it}; without it: {without}"
 
     rows, made = list(plan.forms), plan.spec  # made: the spec a row's form made (the next row's start)
     for i in reversed(range(len(rows))):
@@ -288,7 +297,7 @@ def _without_forms(chain: Chain, plan: ExecutionPlan, cfg: Config, claimed: froz
             continue
         start = row.alternative.to_json()
         rows[i] = replace(row, taken=forms.BY_NAME[row.form].applied(chain.spec), alternative=None,
-                          chains=f"the chain {ms(made)} in it, {ms(start)} without")
+                          chains=chains(made, start))
         made = start
     return ExecutionPlan(best, kernel, tuple(rows), decided)
 

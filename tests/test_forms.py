@@ -737,3 +737,23 @@ def test_an_untimed_chain_goes_back_to_the_direct_conv_and_drops_the_layout_take
     assert [r.taken for r in plan.forms] == [False, False]
     assert [r.describe() for r in plan.forms] == ["library_conv: not taken (the chain not timed)",
                                                   "conv_layout: not taken (0.3 ms against 0.5 ms; the chain not timed)"]
+
+
+def test_a_form_whose_timing_failed_says_so_not_zero(monkeypatch):
+    """The chain without a form could not be timed (`choice.decide`'s untimed Choice): the
+    row says why, not "0 ms", and the timed form stays."""
+    from fusion_backend import rewrite
+    from fusion_backend.forms import conv_implicit
+
+    chain = _conv_chain()
+    plain = chain.spec
+    chain.spec = implicit = conv_implicit.ConvImplicit().apply(chain, None)
+    row = forms.FormChoice("in_kernel_conv", "in-kernel", 0.0, 0.0, True, alternative=plain, by_chain=True)
+    monkeypatch.setattr(rewrite.choice, "decide",
+                        lambda chain_, spec, cfg, claimed: Choice(0.0, 0.0, True, "not timed: RuntimeError"))
+    monkeypatch.setattr(rewrite, "_prepare", lambda chain_, spec, cfg: "kernel")
+    plan = rewrite._without_forms(chain, ExecutionPlan(implicit.to_json(), "kernel", (row,), Choice(0.05, 0.07, True)),
+                                  load_config({}), frozenset())
+    assert chain.spec == implicit and plan.forms[0].taken
+    assert plan.forms[0].describe() == ("in_kernel_conv: taken (the chain in it: 0.05 ms; without it: "
+                                          "not timed: RuntimeError)")
