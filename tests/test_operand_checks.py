@@ -186,3 +186,21 @@ def test_only_convs_the_file_may_compute_follow_cudnns_tf32_flag():
     assert not launch.reads_conv_tf32(strided.to_json())
     assert launch.reads_conv_tf32(strided.with_in_kernel_conv().to_json())
     assert not launch.reads_conv_tf32(replace(spec, dtype="bfloat16").to_json())
+
+
+def test_a_conv_chain_the_launchers_would_shape_otherwise_than_the_graph_is_refused():
+    # The launchers give the op's output the spec's shape (`Anchor.direct_out_spatial`,
+    # `reduced_tail` over `Anchor.spatial_dims`): a Conv1d's [2, 8, 18], of 3 x 20 input
+    # columns as one row (`Anchor.as_2d`), checks; a spec whose plane or dims differ is
+    # refused before a kernel is built.
+    from types import SimpleNamespace
+
+    from fusion_backend.rewrite import OperandMismatch, _check_operands
+
+    row = Anchor("conv", conv=((1, 1), (0, 0), (1, 1), False, (0, 0), 1), direct=(3, 1, 3, 1, 20), as_2d=True)
+    spec = EpilogueSpec(row, (Step("relu"),), "float32", (), 8, 18, "conv_pointwise")
+    anchor = SimpleNamespace(meta={"val": torch.zeros(2, 8, 18)}, name="convolution")
+    _check_operands(SimpleNamespace(spec=spec, anchor=anchor, params=[]))
+    for bad in (replace(row, as_2d=False), replace(row, direct=(3, 1, 3, 1, 22))):
+        with pytest.raises(OperandMismatch, match=r"the conv's output \(2, 8, 18\) is not the one the kernels"):
+            _check_operands(SimpleNamespace(spec=replace(spec, anchor=bad), anchor=anchor, params=[]))
