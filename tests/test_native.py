@@ -416,9 +416,14 @@ def _agree(spec, inputs, python_launches) -> bool:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gemm", [False, True], ids=["library-anchor", "in-kernel-gemm"])
-def test_cpp_and_python_launchers_agree_on_fuzzed_models(gemm, monkeypatch, python_launches):
-    from fuzzer import make_case, run_case
+@pytest.mark.parametrize("kind", ["library-anchor", "in-kernel-gemm", "in-kernel-conv"])
+def test_cpp_and_python_launchers_agree_on_fuzzed_models(kind, monkeypatch, python_launches):
+    # in-kernel-conv: the fuzzer's generation of Conv1d and stride-1 ConvTranspose2d among
+    # the in-kernel conv's anchors (their outputs shaped by `LaunchLayout.one_row` in C++).
+    from fuzzer import AS_CONV2D_GENERATION, make_case, run_case
+
+    gemm, implicit = kind == "in-kernel-gemm", kind == "in-kernel-conv"
+    generation = AS_CONV2D_GENERATION if implicit else 1
 
     captured = []
     real = launch.launcher_for
@@ -429,7 +434,8 @@ def test_cpp_and_python_launchers_agree_on_fuzzed_models(gemm, monkeypatch, pyth
 
     monkeypatch.setattr(launch, "launcher_for", capturing)
     for index in range(30):
-        result = run_case(make_case(7, index, "cuda", gemm=gemm), "cuda", grad=index % 3 == 0)
+        case = make_case(7, index, "cuda", generation=generation, gemm=gemm, implicit=implicit)
+        result = run_case(case, "cuda", grad=index % 3 == 0)
         assert result.check != "error", result.finding
     monkeypatch.setattr(launch, "launcher_for", real)
     assert launch.native_launcher() == "loaded"
@@ -447,7 +453,8 @@ def test_cpp_and_python_launchers_agree_on_fuzzed_models(gemm, monkeypatch, pyth
     assert served >= 10, f"C++ served {served} of {len(captured)} calls"
     # What the C++ side met: the in-kernel GEMM's models run it at every call
     # (FUSEDEPI_IN_KERNEL_GEMM=1); the others have convs, and training graphs' saves.
-    expected = {"in-kernel GEMM", "saves"} if gemm else {"library anchor", "saves"}
+    expected = ({"in-kernel GEMM", "saves"} if gemm else {"in-kernel conv"} if implicit
+                else {"library anchor", "saves"})
     assert expected <= kinds, f"C++ served {sorted(kinds)}"
 
 
