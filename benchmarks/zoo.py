@@ -416,6 +416,16 @@ MODELS = [
                                            bn=nn.BatchNorm1d(128)), (64, 64, 1024)),
     ZooModel("conv1d_relu_gn", lambda: Seq(nn.Conv1d(32, 64, 3), lambda y, m: m.gn(F.relu(y)), gn=nn.GroupNorm(8, 64)),
              (64, 32, 2048)),
+    # a wav2vec 2.0 feature-encoder layer (stride 2, no bias), and Conv-TasNet's 1 x 1
+    # bottleneck with PReLU and its global LayerNorm (GroupNorm of one group)
+    ZooModel("wav2vec2_conv_layer_gelu", lambda: Seq(nn.Conv1d(512, 512, 3, stride=2, bias=False),
+                                                     lambda y, m: F.gelu(y)), (8, 512, 3200)),
+    ZooModel("convtasnet_1x1_prelu_gln", lambda: Seq(nn.Conv1d(128, 512, 1), lambda y, m: m.gln(m.act(y)),
+                                                     act=nn.PReLU(), gln=nn.GroupNorm(1, 512)), (8, 128, 4000)),
+    # a decoder's stride-1 transposed conv (the conv it equals, flipped weight)
+    ZooModel("convtranspose2d_s1_bn_silu", lambda: Seq(nn.ConvTranspose2d(64, 32, 3, padding=1),
+                                                       lambda y, m: F.silu(m.bn(y)), bn=nn.BatchNorm2d(32)),
+             (16, 64, 64, 64)),
     # LayerNorm over a conv output's trailing dims: its last dim, a whole image
     ZooModel("convtranspose3d_layernorm_gelu", lambda: Seq(
         nn.ConvTranspose3d(32, 64, 4, stride=2, padding=1), lambda y, m: F.gelu(m.ln(y)) * 2.0, ln=nn.LayerNorm(64)),
