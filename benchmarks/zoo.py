@@ -38,6 +38,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -869,8 +870,16 @@ def main(argv=None) -> int:
     names = args.models or (QUICK if args.quick else list(BY_NAME))
     if args.anchor:
         names = [n for n in names if anchor_kind(n) == args.anchor]
-    index, count = (int(v) for v in args.shard.split("/"))
+    shard = re.fullmatch(r"(\d+)/(\d+)", args.shard)
+    index, count = (int(v) for v in shard.groups()) if shard else (0, 0)
+    if not 1 <= index <= count:
+        print(f"benchmarks.zoo: --shard {args.shard}: I/N with 1 <= I <= N", file=sys.stderr)
+        return 2
     names = names[index - 1::count]
+    if not names or not args.dtypes:
+        print(f"benchmarks.zoo: nothing selected ({len(names)} models, {len(args.dtypes)} dtypes: --models, --anchor "
+              f"{args.anchor}, --shard {args.shard} and --dtypes leave no row)", file=sys.stderr)
+        return 2
     if args.chains:
         import logging
 

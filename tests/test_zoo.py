@@ -339,3 +339,14 @@ def test_compile_time_profile_lists_this_projects_functions_then_where_time_went
                      "    1.00 s cumulative  lowering/matcher.py:5 match",
                      "    5.00 s itself      ~:0 <built-in method time.sleep>",
                      "    3.00 s itself      _inductor/codecache.py:7 load"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--models", "mlp_gelu", "--anchor", "conv"], "nothing selected (0 models, 2 dtypes"),
+    (["--anchor", "gemm", "--shard", "3/2"], "--shard 3/2: I/N with 1 <= I <= N"),
+    (["--shard", "half"], "--shard half: I/N"),
+    (["--models", "mlp_gelu", "--dtypes"], "nothing selected (1 models, 0 dtypes"),
+])
+def test_a_selection_of_no_rows_is_an_error_not_an_empty_run(argv, message, capsys):
+    assert zoo.main(argv) == 2
+    assert message in capsys.readouterr().err
