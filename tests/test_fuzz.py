@@ -592,6 +592,16 @@ def test_cpu_fuzz_with_the_library_call_forms_forced(monkeypatch):
     assert len(moved) >= 5 and any(r["index"] in indices for r in moved), len(moved)
 
 
+def _implicit_runs_clean(indices, generation: int) -> list:
+    """The in-kernel conv's fuzzer models `indices` of seed 0 and `generation`, run on the
+    CPU through the fused op's reference: no finding, at least 4 fused whole. Their results."""
+    results = fuzzer.run(seed=0, indices=indices, device="cpu", generation=generation, implicit=True)
+    summary = fuzzer.summarize(results)
+    assert not summary["findings"], _shown(summary["findings"])
+    assert summary["fusion"].get("full", 0) >= 4, summary["reasons"]
+    return results
+
+
 def test_cpu_fuzz_of_strided_in_kernel_convs():
     # Generation 16 draws the in-kernel conv's strides (1 to 3) and dilations (1, 2) from
     # a stream of their own: its anchors are otherwise generation 15's, and so are its
@@ -610,10 +620,7 @@ def test_cpu_fuzz_of_strided_in_kernel_convs():
             assert dataclasses.replace(c, generation=gen - 1) == b
     for c in after:  # every output at least one pixel
         assert all(n >= 1 for n in fuzzer._conv_out_sizes(c.anchor))
-    results = fuzzer.run(seed=0, indices=range(12), device="cpu", generation=gen, implicit=True)
-    summary = fuzzer.summarize(results)
-    assert not summary["findings"], _shown(summary["findings"])
-    assert summary["fusion"].get("full", 0) >= 4, summary["reasons"]
+    _implicit_runs_clean(range(12), gen)
 
 
 def test_cpu_fuzz_of_narrow_in_kernel_convs():
@@ -643,10 +650,7 @@ def test_cpu_fuzz_of_narrow_in_kernel_convs():
                                 stride_w=c.anchor["stride"], ho=ho)
         tall += plan.block_m == conv_sm90.TALL_BLOCK_M
     assert tall >= 10, tall
-    results = fuzzer.run(seed=0, indices=[c.index for c in narrow[:12]], device="cpu", generation=gen, implicit=True)
-    summary = fuzzer.summarize(results)
-    assert not summary["findings"], _shown(summary["findings"])
-    assert summary["fusion"].get("full", 0) >= 4, summary["reasons"]
+    _implicit_runs_clean([c.index for c in narrow[:12]], gen)
 
 
 def test_cpu_fuzz_of_windows_the_in_kernel_convs_tiles_pool():
@@ -670,10 +674,7 @@ def test_cpu_fuzz_of_windows_the_in_kernel_convs_tiles_pool():
                 assert new["op"] in fuzzer.WINDOWS and new["kernel"] == new["stride"] in (2, 4)
                 assert (new["padding"], new["dilation"], new["ceil"]) == (0, 1, False)
     assert len(changed) >= 8
-    results = fuzzer.run(seed=0, indices=[c.index for c in changed[:8]], device="cpu", generation=gen, implicit=True)
-    summary = fuzzer.summarize(results)
-    assert not summary["findings"], _shown(summary["findings"])
-    assert summary["fusion"].get("full", 0) >= 4, summary["reasons"]
+    _implicit_runs_clean([c.index for c in changed[:8]], gen)
 
 
 def test_cpu_fuzz_of_convs_run_as_the_2d_conv_they_equal():
@@ -700,8 +701,5 @@ def test_cpu_fuzz_of_convs_run_as_the_2d_conv_they_equal():
             assert c.anchor["padding"] <= c.anchor["kernel"] - 1
             kinds.add("conv_transpose")
     assert kinds == {"conv1d", "conv_transpose"}
-    results = fuzzer.run(seed=0, indices=[c.index for c in changed[:10]], device="cpu", generation=gen, implicit=True)
-    summary = fuzzer.summarize(results)
-    assert not summary["findings"], _shown(summary["findings"])
-    assert summary["fusion"].get("full", 0) >= 4, summary["reasons"]
+    results = _implicit_runs_clean([c.index for c in changed[:10]], gen)
     assert {r["anchor"] for r in results} == {"conv1d", "conv_transpose2d"}
