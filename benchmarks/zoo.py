@@ -402,6 +402,13 @@ MODELS = [
     ZooModel("conv3d_scale_sigmoid_bias", lambda: Seq(
         nn.Conv3d(3, 16, 3), lambda y, m: torch.sigmoid(y * m.s) + m.b, s=_p(16, 1, 1, 1), b=_p(16, 1, 1, 1)),
         (8, 3, 18, 66, 66)),
+    # a 3-D UNet's residual block conv (MONAI, medical volumes) and a video ResNet's 3 x 3 x 3
+    # conv (R3D-18's layer 2), of the widths those nets use
+    ZooModel("unet3d_conv_gn_silu", lambda: Seq(nn.Conv3d(32, 32, 3, padding=1), lambda y, m: F.silu(m.gn(y)),
+                                                gn=nn.GroupNorm(8, 32)), (2, 32, 32, 64, 64)),
+    ZooModel("r3d_conv_bn_relu", lambda: Seq(nn.Conv3d(64, 128, 3, stride=(1, 2, 2), padding=1, bias=False),
+                                             lambda y, m: F.relu(m.bn(y)), bn=nn.BatchNorm3d(128)),
+             (4, 64, 8, 56, 56)),
     ZooModel("convtranspose2d_bn_relu", lambda: Seq(
         nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1), lambda y, m: F.relu(m.bn(y)), bn=nn.BatchNorm2d(16)),
         (16, 32, 64, 64)),

@@ -353,8 +353,15 @@ def wgmma_asm(dtype: str, n: int, a_mn_major: bool = False) -> str:
 #   $sw         the stride of the width (1 to MAX_STRIDE)
 #   $dh         the dilation of the height
 #   $dw         the dilation of the width
-#   $ho         the output's height
+#   $ho         the output's height (a 3-D conv's: of one depth plane)
 #   $wo         the output's width
+#   $depth      a 3-D conv (`Anchor.depth`): true or false
+#   $d          the input's depth (1 where 2-D)
+#   $kd         the kernel's depth (1 where 2-D)
+#   $pd         the padding of the depth (0 where 2-D)
+#   $sd         the stride of the depth (1 where 2-D)
+#   $dd         the dilation of the depth (1 where 2-D)
+#   $do         the output's depth (1 where 2-D)
 #   $pitch      the staging tile's elements between two channels (staging_pitch)
 #   $pingpong   the consumers' schedule: true (ping-pong) or false (cooperative)
 #   $stats      the tiles write their channels' moments (ConvGemmPlan.stats): true or false
@@ -382,9 +389,15 @@ namespace hop = fusedepi::sm90;
 constexpr int kBM = $bm, kBN = $bn, kBK = $bk, kStages = $stages, kMmaK = $mma_k;
 constexpr int kTH = $th, kTW = $tw;  // the tile's output pixels: kTH rows of kTW
 constexpr int kCin = $cin, kH = $h, kW = $w;
-constexpr int kKH = $kh, kKW = $kw, kPH = $ph, kPW = $pw, kTaps = kKH * kKW;
+constexpr int kKH = $kh, kKW = $kw, kPH = $ph, kPW = $pw;
 constexpr int kSH = $sh, kSW = $sw, kDH = $dh, kDW = $dw;  // stride, dilation
-constexpr int kHo = $ho, kWo = $wo;
+// A 3-D conv (kDepth): x [rows, D, H, W, C_in], taps kKD x kKH x kKW; its output's kDo
+// depth planes of kHoPlane rows are the kHo rows of one plane [kDo x kHoPlane, kWo] to
+// the tiles (NCDHW holds them so), a patch inside one depth plane.
+constexpr bool kDepth = $depth;
+constexpr int kD = $d, kKD = $kd, kPD = $pd, kSD = $sd, kDD = $dd, kDo = $do;
+constexpr int kTaps = kKD * kKH * kKW;
+constexpr int kHoPlane = $ho, kHo = kDo * kHoPlane, kWo = $wo;
 constexpr int kPitch = $pitch;  // the staging tile's elements between two channels
 constexpr bool kPingPong = $pingpong;  // the consumers' schedule (conv_sm90.cuh)
 constexpr bool kConvStats = $stats;  // the tiles write their channels' moments (conv_sm90.cuh)
@@ -412,7 +425,7 @@ constexpr int kCBlocks = (kCin + kBK - 1) / kBK;  // k-steps a tap
 constexpr int kCinPad = kCBlocks * kBK;  // the weight's input channels, padded with zeros by the launcher
 constexpr int kKSteps = kTaps * kCBlocks;
 constexpr int kTilesN = static_cast<int>((kChannels + kBN - 1) / kBN);
-constexpr int kTilesPerImage = (kHo + kTH - 1) / kTH * ((kWo + kTW - 1) / kTW) * kTilesN;
+constexpr int kTilesPerImage = kDo * ((kHoPlane + kTH - 1) / kTH) * ((kWo + kTW - 1) / kTW) * kTilesN;
 constexpr int kElem = static_cast<int>(sizeof(T));
 constexpr int kSwizzle = kBK * kElem;  // a k-step's bytes: the tiles' rows, in the swizzle of that width
 constexpr int kTileA = kBM * kSwizzle, kTileB = kBN * kSwizzle;  // bytes a stage
@@ -437,6 +450,8 @@ static_assert(kCin * kElem % 16 == 0, "TMA's 16-byte strides");
 static_assert(kSH >= 1 && kSH <= 8 && kSW >= 1 && kSW <= 8 && kTW * kSW <= 256 && kTH * kSH <= 256,
               "TMA's element strides (1 to 8) and boxes (256 elements a dim)");
 static_assert(kConvSmem <= 227 * 1024, "sm_90's dynamic shared memory a block");
+static_assert(kDepth || (kD == 1 && kKD == 1 && kPD == 0 && kSD == 1 && kDD == 1 && kDo == 1), "2-D: one plane");
+static_assert(!kDepth || (!kNchw && !kConvPool), "a 3-D conv: channels-last x, no pooling window in the tiles");
 
 __global__ void __launch_bounds__(384, 1) ${kernel}_conv(const __grid_constant__ CUtensorMap map_x,
                                                          const __grid_constant__ CUtensorMap map_w, const Args a) {
@@ -452,6 +467,14 @@ int conv_launch(const Args& a, int device, cudaStream_t stream) {
                                      static_cast<cuuint64_t>(kCin) * kH * kW * kElem};
     const cuuint32_t x_box[4] = {kNchwBoxW, 1, kBK, 1};
     if (int e = hop::encode_map<T>(&map_x, a.x, 4, x_dims, x_strides, x_box, kNchwBoxW * kElem)) return e;
+  } else if constexpr (kDepth) {  // [rows, D, H, W, C_in]: a box of one depth plane
+    const cuuint64_t x_dims[5] = {kCin, kW, kH, kD, static_cast<cuuint64_t>(a.rows)};
+    const cuuint64_t x_strides[4] = {static_cast<cuuint64_t>(kCin) * kElem, static_cast<cuuint64_t>(kW) * kCin * kElem,
+                                     static_cast<cuuint64_t>(kH) * kW * kCin * kElem,
+                                     static_cast<cuuint64_t>(kD) * kH * kW * kCin * kElem};
+    const cuuint32_t x_box[5] = {kBK, kTW * kSW, kTH * kSH, 1, 1};
+    const cuuint32_t x_steps[5] = {1, kSW, kSH, 1, 1};
+    if (int e = hop::encode_map<T>(&map_x, a.x, 5, x_dims, x_strides, x_box, kSwizzle, x_steps)) return e;
   } else {  // [rows, H, W, C_in]
     const cuuint64_t x_dims[4] = {kCin, kW, kH, static_cast<cuuint64_t>(a.rows)};
     const cuuint64_t x_strides[3] = {static_cast<cuuint64_t>(kCin) * kElem, static_cast<cuuint64_t>(kW) * kCin * kElem,

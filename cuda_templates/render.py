@@ -512,6 +512,8 @@ def direct_plan(spec: EpilogueSpec, arch: str = "sm90", conv_tf32: bool = False)
         return "the library conv runs it (Anchor.library: the chain measured faster so)"
     if not anchor.direct:
         return "not 2-D with groups 1 (or disabled)"
+    if anchor.depth:
+        return "a 3-D conv (the direct conv is 2-D)"
     if not anchor.unit_stride:
         return f"stride {anchor.conv[0]}, dilation {anchor.conv[2]} (the direct conv takes 1 and 1)"
     if anchor.has_bias:
@@ -703,8 +705,9 @@ def gemm_plan(spec: EpilogueSpec, arch: str) -> GemmPlan | str:
 def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> conv_sm90.ConvGemmPlan | str:
     """The in-kernel conv (an implicit GEMM, `conv_sm90`) for `spec` on `arch`, or the
     reason it does not apply. It takes the candidates for the file's own conv kernels
-    (`Anchor.direct`: 2-D, groups 1; any dilation, strides up to conv_sm90.MAX_STRIDE)
-    that the direct conv does not cover (`direct_plan`), with a pointwise chain or a norm
+    (`Anchor.direct`: 2-D, or 3-D by planes of the output's depth, `Anchor.depth`; groups
+    1; any dilation, strides up to conv_sm90.MAX_STRIDE) that the direct conv does not
+    cover (`direct_plan`), with a pointwise chain or a norm
     over whole channels (and, where conv_sm90's switches allow, a spatial reduction, a
     softmax or reduction over each pixel's channels, or a pooling window after a
     pointwise chain). conv_tf32: a float32
@@ -712,7 +715,7 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     taken."""
     anchor = spec.anchor
     if anchor.kind != "conv" or not anchor.direct or anchor.channels_last:
-        return "not a 2-D conv with groups 1"
+        return "not a 2-D or 3-D conv with groups 1"
     if max(anchor.conv[0]) > conv_sm90.MAX_STRIDE:
         return f"stride {anchor.conv[0]} (the in-kernel conv's TMA reads strides up to {conv_sm90.MAX_STRIDE})"
     if not anchor.implicit:
@@ -732,18 +735,22 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     reduce, softmax, pixel_reduce, pool = conv_reduces(spec), conv_softmax(spec), conv_pixel_reduce(spec), conv_pool(spec)
     if isinstance(pool, str):
         return pool
+    if pool and anchor.depth:
+        return "a pooling window after a 3-D conv (the in-kernel conv pools 2-D windows)"
     stats = False if reduce or softmax or pixel_reduce or pool else conv_stats(spec)
     if isinstance(stats, str):
         return stats
     cin, kh, kw, _, _ = anchor.direct
     ho, wo = anchor.direct_out_hw()
-    if ho < 1 or wo < 1 or ho * wo != spec.inner:
-        return f"output {ho}x{wo} does not match the chain's {spec.inner} elements per channel"
+    do = anchor.direct_out_d()
+    if do < 1 or ho < 1 or wo < 1 or do * ho * wo != spec.inner:
+        return f"output {'x'.join(map(str, anchor.direct_out_spatial()))} does not match the chain's {spec.inner} " \
+               "elements per channel"
     per_16_bytes = 16 // ITEMSIZE[spec.dtype]
     if cin % per_16_bytes or spec.channels % 8:
         return (f"{cin} -> {spec.channels} channels (the in-kernel conv takes input channels in multiples of "
                 f"{per_16_bytes}, output channels in multiples of 8)")
-    stride, padding, dilation = anchor.conv[:3]
+    stride, padding, dilation = anchor.plane_conv()
     # A pool's windows whole in a patch: at least a window's rows of them (patches as wide
     # as 128 // rows pixels at most).
     patch_w = min(wo, conv_sm90.BLOCK_M // pool[0]) if pool else wo
@@ -753,7 +760,7 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
                                 narrow=narrow)
 
     def nchw(tile: conv_sm90.ConvGemmPlan) -> bool:
-        return conv_sm90.reads_nchw(tile, ITEMSIZE[spec.dtype], stride[1], anchor.direct[4], kw, padding[1],
+        return not anchor.depth and conv_sm90.reads_nchw(tile, ITEMSIZE[spec.dtype], stride[1], anchor.direct[4], kw, padding[1],
                                     dilation[1])
 
     # Patches as wide as the output where they let the kernel read x NCHW (no channels-last
@@ -1405,13 +1412,18 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
     pooling window (`c.pool`: the staged tile pooled, the pooled plane stored)."""
     name = c.name(spec, arch)
     red = spec.reduction
-    cin, kh, kw, h, w = spec.anchor.direct
-    ho, wo = spec.anchor.direct_out_hw()
-    (sh, sw), (ph, pw), (dh, dw) = spec.anchor.conv[:3]
+    anchor = spec.anchor
+    cin, kh, kw, h, w = anchor.direct
+    ho, wo = anchor.direct_out_hw()
+    (sh, sw), (ph, pw), (dh, dw) = anchor.plane_conv()
+    # A 3-D conv's depth (a 2-D conv: one plane, a tap deep)
+    kd, d = anchor.depth or (1, 1)
+    (sd, pd, dd) = (p[0] for p in anchor.conv[:3]) if anchor.depth else (1, 0, 1)
     conv = conv_sm90.CONV_KERNELS.substitute(
         kernel=name, bm=c.block_m, bn=c.block_n, bk=c.k_bytes // ITEMSIZE[spec.dtype],
         mma_k=gemm_sm90.WGMMA_TYPES[spec.dtype][1], stages=c.stages, th=c.tile_h, tw=c.tile_w,
         cin=cin, h=h, w=w, kh=kh, kw=kw, ph=ph, pw=pw, sh=sh, sw=sw, dh=dh, dw=dw, ho=ho, wo=wo,
+        depth="true" if anchor.depth else "false", d=d, kd=kd, pd=pd, sd=sd, dd=dd, do=anchor.direct_out_d(),
         pitch=conv_sm90.staging_pitch(c.tile_h, c.tile_w, ITEMSIZE[spec.dtype]),
         pingpong="true" if c.pingpong else "false", wgmma=conv_sm90.wgmma_asm(spec.dtype, c.block_n, c.nchw),
         stats="true" if c.stats else "false", nchw="true" if c.nchw else "false", nchw_box_w=conv_sm90.NCHW_BOX_W,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import threading
 from pathlib import Path
 
@@ -231,32 +232,45 @@ class Launcher:
 # hands a call that fails to the Python launcher, whose checks raise.
 
 
+def conv_operand_shapes(spec: EpilogueSpec) -> tuple[tuple, tuple]:
+    """x's shape after its rows and the weight's shape that a file's own conv kernels
+    are built for: (C_in, H, W) and [C_out, C_in, kh, kw], a 3-D conv's (C_in, D, H, W)
+    and [C_out, C_in, kd, kh, kw] (`Anchor.depth`)."""
+    cin, kh, kw, h, w = spec.anchor.direct
+    kd, d = spec.anchor.depth or ((), ())
+    depth_of = (lambda v: (v,)) if spec.anchor.depth else (lambda v: ())
+    return (cin, *depth_of(d), h, w), (spec.channels, cin, *depth_of(kd), kh, kw)
+
+
 def channels_last_operands(operands: list[torch.Tensor], spec: EpilogueSpec, nchw: bool = False) -> list[torch.Tensor]:
     """The in-kernel conv's x and weight in the memory order its tensor maps read: x
-    [rows, C_in, H, W] channels-last (`nchw`: contiguous, the file reads it so), the
-    weight [C_out, C_in, kh, kw] as [C_out, kh, kw, C_in'] contiguous (C_in' = C_in padded
-    with zeros to whole k-steps), each 16-byte aligned.
+    [rows, C_in, H, W] channels-last (`nchw`: contiguous, the file reads it so; a 3-D
+    conv's [rows, C_in, D, H, W] channels-last too), the weight [C_out, C_in, kh, kw] as
+    [C_out, kh, kw, C_in'] contiguous (a 3-D conv's as [C_out, kd, kh, kw, C_in']; C_in'
+    = C_in padded with zeros to whole k-steps), each 16-byte aligned.
 
     Raises:
         RuntimeError: x or the weight is not of the shape the kernel was built for.
     """
-    cin, kh, kw, h, w = spec.anchor.direct
+    x_row, w_shape = conv_operand_shapes(spec)
+    cin = x_row[0]
     x, wt = operands[0], operands[1]
-    if x.dim() != 4 or tuple(x.shape[1:]) != (cin, h, w) or tuple(wt.shape) != (spec.channels, cin, kh, kw):
+    if x.dim() != len(x_row) + 1 or tuple(x.shape[1:]) != x_row or tuple(wt.shape) != w_shape:
         raise RuntimeError(f"fusedepi::chain ({spec.fusion}): conv operands {tuple(x.shape)} and {tuple(wt.shape)}; "
-                           f"the kernel was built for [rows, {cin}, {h}, {w}] and [{spec.channels}, {cin}, {kh}, {kw}]")
-    layout = torch.contiguous_format if nchw else torch.channels_last
+                           f"the kernel was built for [rows, {', '.join(map(str, x_row))}] and {list(w_shape)}")
+    layout = torch.contiguous_format if nchw else torch.channels_last if x.dim() == 4 else torch.channels_last_3d
     x = x.contiguous(memory_format=layout)
     if x.data_ptr() % 16:
         x = x.clone(memory_format=layout)
     # The weight's input channels padded with zeros to whole k-steps: its boxes never
     # reach past a row's end.
     cin_pad = cuda_templates.conv_sm90.padded_in_channels(cin, spec.dtype)
+    channels_last = (0, *range(2, wt.dim()), 1)
     if cin_pad == cin:
-        w = wt.permute(0, 2, 3, 1).contiguous()  # wt itself where it is channels-last already
+        w = wt.permute(channels_last).contiguous()  # wt itself where it is channels-last already
         return [x, w.clone() if w.data_ptr() % 16 else w]
-    padded = wt.new_zeros((spec.channels, kh, kw, cin_pad))
-    padded[..., :cin] = wt.permute(0, 2, 3, 1)
+    padded = wt.new_zeros((spec.channels, *w_shape[2:], cin_pad))
+    padded[..., :cin] = wt.permute(channels_last)
     return [x, padded]
 
 
@@ -283,8 +297,8 @@ def anchor_operand_sizes(spec: EpilogueSpec, path: str) -> list[tuple[int, int]]
     """(elements a row, elements whole) of each anchor operand that a kernel reads itself
     (`path` "direct conv" or "in-kernel conv": x, w[, b]; "in-kernel GEMM": [bias,] x, w[N, K]); else none."""
     if path in ("direct conv", "in-kernel conv"):
-        c_in, kh, kw, h, w = spec.anchor.direct
-        return [(c_in * h * w, 0), (0, spec.channels * c_in * kh * kw), (0, spec.channels)][: spec.anchor.n_operands]
+        x_row, w_shape = (math.prod(s) for s in conv_operand_shapes(spec))
+        return [(x_row, 0), (0, w_shape), (0, spec.channels)][: spec.anchor.n_operands]
     if path == "in-kernel GEMM":
         k = spec.anchor.gemm[0]
         return [(0, spec.channels)] * (spec.anchor.n_operands - 2) + [(k, 0), (0, spec.channels * k)]

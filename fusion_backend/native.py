@@ -330,18 +330,26 @@ class LaunchLayout:
     # A Conv1d as the 2-D conv of one row (`Anchor.as_2d`), on any path: its output
     # [rows, channels, L_out], as the graph has it (the library conv's squeezed).
     one_row: bool
+    # The in-kernel conv of a 3-D conv (`Anchor.depth`): x's depth, the weight's, the
+    # output's (x [rows, in_c, in_d, in_h, in_w], the output [rows, channels, out_d,
+    # out_h, out_w]); else 0.
+    in_d: int
+    k_d: int
+    out_d: int
 
     @classmethod
     def of(cls, launcher) -> "LaunchLayout":
         spec = launcher.spec
         conv_in = launcher.anchor_path in ("direct conv", "in-kernel conv")
         out_h, out_w = spec.anchor.direct_out_hw() if conv_in else (0, 0)
-        in_c = in_h = in_w = k_h = k_w = in_c_pad = 0
+        in_c = in_h = in_w = k_h = k_w = in_c_pad = in_d = k_d = out_d = 0
         if launcher.anchor_path == "in-kernel conv":
             from cuda_templates import conv_sm90
 
             in_c, k_h, k_w, in_h, in_w = spec.anchor.direct
             in_c_pad = conv_sm90.padded_in_channels(in_c, spec.dtype)
+            if spec.anchor.depth:
+                (k_d, in_d), out_d = spec.anchor.depth, spec.anchor.direct_out_d()
         pad_k, pad_n = spec.anchor.pad or (0, 0)
         tail = tuple(launcher.reduced_tail)
         if len(tail) > 4:
@@ -353,7 +361,7 @@ class LaunchLayout:
                    spec.anchor.channels_last, spec.anchor.permuted, launcher.gemm_tf32,
                    launcher.reads_conv_tf32, launcher.conv_tf32, in_c, in_h, in_w, k_h, k_w, in_c_pad,
                    spec.anchor.rounded, launcher.anchor_path == "in-kernel conv" and launcher.in_kernel_nchw,
-                   spec.anchor.as_2d)
+                   spec.anchor.as_2d, in_d, k_d, out_d)
 
     def encode(self) -> list[int]:
         return [int(getattr(self, f.name)) for f in fields(self)]

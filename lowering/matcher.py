@@ -1455,19 +1455,21 @@ def _match_anchor(node: Node, direct_conv: bool = True, direct_gemm: bool = Fals
         x, w, b, stride, padding, dilation, transposed, out_pad, groups = node.args
         conv = (tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(out_pad), groups)
         operands = [x, w] + ([b] if b is not None else [])
-        direct, flipped, as_2d = (), False, False
+        direct, depth, flipped, as_2d = (), (), False, False
         if direct_conv and transposed:  # a stride-1 ConvTranspose2d as the conv it equals
             equal = _conv_equal_to_transposed(w, conv)
             direct = _direct_conv(x, w, equal) if equal is not None else ()
             if direct:
                 conv, flipped = equal, True
+        elif direct_conv and len(stride) == 3:  # a Conv3d: the in-kernel conv's, by depth planes
+            direct, depth = _direct_conv_3d(x, w, conv)
         elif direct_conv:  # a Conv1d as the 2-D conv of one row
             one_row = len(stride) == 1
             candidate = _conv_of_one_row(conv) if one_row else conv
             direct = _direct_conv(x, w, candidate, one_row=one_row)
             if direct and one_row:
                 conv, as_2d = candidate, True
-        return Anchor("conv", has_bias=b is not None, conv=conv, direct=direct,
+        return Anchor("conv", has_bias=b is not None, conv=conv, direct=direct, depth=depth,
                       implicit=bool(direct) and implicit_conv, flipped=flipped, as_2d=as_2d), operands
     return None
 
@@ -1537,6 +1539,22 @@ def _direct_conv(x: Node, w: Node, conv: tuple, one_row: bool = False) -> tuple:
     if not all(isinstance(s, int) for s in sizes):
         return ()
     return tuple(int(s) for s in sizes)
+
+
+def _direct_conv_3d(x: Node, w: Node, conv: tuple) -> tuple[tuple, tuple]:
+    """(`Anchor.direct`, `Anchor.depth`) of a 3-D conv of groups 1 and static sizes that
+    the in-kernel conv may compute (by planes of the output's depth), else ((), ())."""
+    xv, wv = _val(x), _val(w)
+    if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor) or conv[5] != 1:
+        return (), ()
+    xs, ws = tuple(xv.shape), tuple(wv.shape)
+    if len(xs) != 5 or len(ws) != 5:
+        return (), ()
+    sizes = (xs[1], ws[3], ws[4], xs[3], xs[4], ws[2], xs[2])
+    if not all(isinstance(s, int) for s in sizes):
+        return (), ()
+    sizes = tuple(int(s) for s in sizes)
+    return sizes[:5], sizes[5:]
 
 
 def _fusion_name(anchor: Anchor, steps) -> str:
@@ -2063,7 +2081,7 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
         anchor, operands = found
         permute = _channels_last_permute(node) if anchor.kind == "conv" and node not in backward else None
         if permute is not None:  # (a Conv1d as it is: no kernel of the file's computes a permuted conv)
-            anchor = replace(anchor.as_1d(), permuted=True, direct=(), implicit=False)
+            anchor = replace(anchor.as_1d(), permuted=True, direct=(), depth=(), implicit=False)
         try:
             # With the anchor's bias moved into the epilogue, then, where the graph reads
             # the anchor's value outside the chain (or the folded match was refused and it

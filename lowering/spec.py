@@ -85,10 +85,14 @@ class Anchor:
             alpha, so a spec never holds a bmm with a bias).
         conv: conv only: (stride, padding, dilation, transposed, output_padding, groups).
         direct: conv only: (in_channels, kernel_h, kernel_w, in_h, in_w) when the conv
-            is a candidate for the file's own conv kernels (2-D, groups 1, static
-            sizes; the direct conv takes stride 1 and dilation 1, the in-kernel conv any
-            dilation and strides up to 8); empty otherwise. The renderer still decides
-            whether one covers it (else: the library conv runs first).
+            is a candidate for the file's own conv kernels (2-D or 3-D, groups 1, static
+            sizes; the direct conv takes 2-D convs of stride 1 and dilation 1, the
+            in-kernel conv any dilation and strides up to 8); empty otherwise. The
+            renderer still decides whether one covers it (else: the library conv runs
+            first).
+        depth: conv with `direct` only: (kernel_d, in_d) of a 3-D conv (`direct` then
+            holds its height and width); empty for a 2-D one. `conv` keeps the 3-D
+            parameters, depth first.
         gemm: addmm/mm only: (in_features, every_call) when the product is x[M, K] @ w[N, K]^T
             with x 2-D and w contiguous (a Linear's transposed weight), and a bias, if any,
             of shape [N]: a candidate for the in-kernel GEMM; empty otherwise. The renderer
@@ -149,6 +153,7 @@ class Anchor:
     has_bias: bool = False
     conv: tuple = ()
     direct: tuple = ()
+    depth: tuple = ()
     gemm: tuple = ()
     pad: tuple = ()
     channels_last: bool = False
@@ -179,17 +184,31 @@ class Anchor:
         conv = (stride[1:], padding[1:], dilation[1:], transposed, out_pad[1:], groups)
         return dataclasses.replace(self, conv=conv, direct=(), implicit=False, as_2d=False)
 
+    def plane_conv(self) -> tuple[tuple, tuple, tuple]:
+        """(stride, padding, dilation) over the height and width (a 3-D conv's last two)."""
+        return tuple(tuple(p[-2:]) for p in self.conv[:3])
+
     def direct_out_hw(self) -> tuple[int, int]:
         """Output (H, W) of a candidate for the file's own conv kernels (`direct`)."""
         _, kh, kw, h, w = self.direct
-        (sh, sw), (ph, pw), (dh, dw) = self.conv[:3]
+        (sh, sw), (ph, pw), (dh, dw) = self.plane_conv()
         return (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+
+    def direct_out_d(self) -> int:
+        """Output depth of a 3-D candidate (`depth`); 1 for a 2-D one."""
+        if not self.depth:
+            return 1
+        kd, d = self.depth
+        (sd, *_), (pd, *_), (dd, *_) = self.conv[:3]
+        return (d + 2 * pd - dd * (kd - 1) - 1) // sd + 1
 
     def direct_out_spatial(self) -> tuple[int, ...]:
         """The output's spatial dims as the graph has them, of a candidate for the file's own
-        conv kernels: (H, W), or a Conv1d's (L,) where `as_2d` (the kernels write the same
-        bytes: its one row)."""
+        conv kernels: (H, W), a 3-D conv's (D, H, W) where `depth`, or a Conv1d's (L,)
+        where `as_2d` (the kernels write the same bytes: its one row)."""
         ho, wo = self.direct_out_hw()
+        if self.depth:
+            return (self.direct_out_d(), ho, wo)
         return (wo,) if self.as_2d else (ho, wo)
 
     @property
@@ -330,6 +349,7 @@ class EpilogueSpec:
         anchor = data.pop("anchor")
         anchor["conv"] = _tuples(anchor["conv"])
         anchor["direct"] = _tuples(anchor.get("direct", ()))
+        anchor["depth"] = _tuples(anchor.get("depth", ()))
         anchor["gemm"] = _tuples(anchor.get("gemm", ()))
         anchor["pad"] = _tuples(anchor.get("pad", ()))
         steps = tuple(

@@ -177,6 +177,13 @@ def _implicit(pad, direct, stride=1, dilation=1):
     return Anchor("conv", has_bias=False, conv=conv, direct=direct, implicit=True)
 
 
+def _implicit3d(pad, direct, depth, stride=(1, 1, 1), dilation=(1, 1, 1)):
+    """A 3-D conv anchor the in-kernel conv may compute: `direct` (C_in, kh, kw, H, W),
+    `depth` (kd, D); padding (pad_d, pad_h, pad_w)."""
+    conv = (stride, pad, dilation, False, (0, 0, 0), 1)
+    return Anchor("conv", has_bias=False, conv=conv, direct=direct, depth=depth, implicit=True)
+
+
 def conv_gemm_specs(dtype="bfloat16"):
     """Convs the in-kernel conv computes (`conv_gemm_plan`): more output channels than
     the direct conv takes; padding, a tile wider than the output, two channel tiles,
@@ -287,6 +294,26 @@ def conv_gemm_specs(dtype="bfloat16"):
         "igemm_stride3_k5_wide": EpilogueSpec(  # 134 columns out; the box of 3 x 128 > 256: patches of 64
             _implicit(2, (16, 5, 5, 9, 400), stride=3), (_bias(0), Step("relu")),
             dtype, p, 64, 3 * 134, "conv_pointwise",
+        ),
+        # 3-D convs by planes of the output's depth (Anchor.depth): the patches of a plane,
+        # the taps' depth planes (zeros past the input's: padding)
+        "igemm3d_gn_silu": EpilogueSpec(  # conv3d_gn_silu's chain: 6 x 18 x 18 -> 4 x 16 x 16, segments over planes
+            _implicit3d((0, 0, 0), (8, 3, 3, 18, 18), (3, 6)),
+            (_bias(0), Step("groupnorm", consts=(1e-5,), inputs=(1, 2), groups=4), Step("silu")),
+            dtype, p * 3, 16, 4 * 16 * 16, "conv_groupnorm",
+        ),
+        "igemm3d_pad_stride2_relu": EpilogueSpec(  # depth padding 1 and stride 2: 9 -> 5 planes of 20 x 13
+            _implicit3d((1, 1, 1), (16, 3, 3, 20, 13), (3, 9), stride=(2, 1, 1)), (_bias(0), Step("relu")),
+            dtype, p, 64, 5 * 20 * 13, "conv_pointwise",
+        ),
+        "igemm3d_bn_dilated_mean": EpilogueSpec(  # depth dilation 2; BatchNorm over every plane
+            _implicit3d((0, 1, 1), (32, 3, 3, 12, 12), (3, 7), dilation=(2, 1, 1)),
+            (_bias(0), Step("batchnorm_train", consts=(0.1, 1e-5), inputs=(1, 2, 3, 4)), Step("relu")),
+            dtype, p * 5, 32, 3 * 12 * 12, "conv_batchnorm_train",
+        ),
+        "igemm3d_global_mean": EpilogueSpec(  # a spatial mean over D x H x W from the tiles
+            _implicit3d((0, 1, 1), (16, 3, 3, 10, 24), (1, 4)), (_bias(0), Step("relu"), Step("spatial_mean")),
+            dtype, p, 32, 4 * 10 * 24, "conv_spatial_mean",
         ),
     }
     return {name: spec.with_in_kernel_conv() for name, spec in specs.items()}  # float32: operands rounded

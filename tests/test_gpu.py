@@ -8,6 +8,7 @@ lines) so that the device machine runs the tier with one command and one `-k`.
 import copy
 import math
 import re
+import sys
 
 import pytest
 import torch
@@ -1892,6 +1893,71 @@ def test_in_kernel_conv_of_a_computed_x(exact_float32, monkeypatch):
     assert err <= TOLERANCE[torch.float32], f"relative error {err:.3g} after TF32 was switched off"
 
 
+class _Conv3dChain(nn.Module):
+    """Conv3d, then `tail` (its name: IN_KERNEL_CONVS_3D)."""
+
+    def __init__(self, cin, cout, k, stride, padding, dilation, tail):
+        super().__init__()
+        self.conv = nn.Conv3d(cin, cout, k, stride=stride, padding=padding, dilation=dilation)
+        self.tail = tail
+        self.gn = nn.GroupNorm(4, cout)
+        self.bn = nn.BatchNorm3d(cout)
+
+    def forward(self, x):
+        y = self.conv(x)
+        if self.tail == "gn_silu":
+            return F.silu(self.gn(y))
+        if self.tail == "bn_relu":
+            return torch.relu(self.bn(y))
+        if self.tail == "relu_mean":
+            return torch.relu(y).mean(dim=(2, 3, 4))
+        return torch.sigmoid(y * 1.5) * 2.0
+
+
+# 3-D convs in the in-kernel conv (Anchor.depth: the output's depth planes, a patch in one,
+# each tap's input plane by the 5-D tensor map, zeros past the input's: the padding).
+IN_KERNEL_CONVS_3D = {
+    # name: (cin, cout, k, stride, padding, dilation, tail, input shape)
+    "gn_silu": (8, 16, 3, 1, 0, 1, "gn_silu", (2, 8, 6, 18, 18)),  # GroupNorm segments over 4 planes
+    "pad_stride2_pointwise": (16, 64, 3, (2, 1, 1), 1, 1, "pointwise", (2, 16, 9, 20, 13)),  # 5 planes of 20 x 13
+    "dilated_bn_relu": (32, 32, 3, 1, (0, 1, 1), (2, 1, 1), "bn_relu", (3, 32, 7, 12, 12)),  # BatchNorm, training
+    "relu_mean": (16, 32, 3, 1, (0, 1, 1), 1, "relu_mean", (2, 16, 6, 10, 24)),  # a mean over D x H x W in the tiles
+    "many_tiles": (32, 64, 3, 1, 1, 1, "pointwise", (4, 32, 16, 32, 32)),  # 1024 tiles: several a CTA
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", list(IN_KERNEL_CONVS_3D))
+def test_in_kernel_conv_3d(name, dtype, exact_float32, monkeypatch):
+    # Against float64: bf16 at eager's error, float32 in TF32 at TF32's (cuDNN's flag on);
+    # BatchNorm's running statistics as eager's. The in-kernel conv is what ran.
+    _needs_sm90()
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
+    cin, cout, k, stride, padding, dilation, tail, shape = IN_KERNEL_CONVS_3D[name]
+    model = _Conv3dChain(cin, cout, k, stride, padding, dilation, tail).cuda().to(dtype)
+    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
+    ref, ref_model = float64_reference(model, x)
+    saved = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        with torch.no_grad():
+            out, kernels = _kernels(model, x)
+            # one call, one update of BatchNorm's running statistics, as eager's
+            stats = [t.clone() for t in (model.bn.running_mean, model.bn.running_var)]
+            ran = _fusedepi_kernels_run(torch.compile(model, backend=fusedepi), x, pattern=r"_sm[0-9]+a?_")
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    assert len(kernels) == 1 and re.match(r"igemm(128|256)x", kernels[0]), kernels
+    assert ran and any(re.search(r"igemm(128|256)x", r) for r in ran), ran
+    assert out.shape == ref.shape
+    bound = 2e-3 if dtype == torch.float32 else TOLERANCE[dtype]
+    err = relative_error(out, ref)
+    assert err <= bound, f"relative error {err:.3g} (seed {exact_float32})"
+    for got, want in zip(stats if tail == "bn_relu" else (), (ref_model.bn.running_mean, ref_model.bn.running_var)):
+        err = relative_error(got, want)
+        assert err <= bound, f"running statistics: relative error {err:.3g} (seed {exact_float32})"
+
+
 # The in-kernel conv reading x in its NCHW layout (conv_sm90.reads_nchw): 16-bit, input
 # widths of whole 16 bytes, patches of 64 or 128, every tap's box from a 16-byte column.
 # Convs whose taps start boxes off those columns read x channels-last (with NCHW boxes
@@ -1913,6 +1979,8 @@ IN_KERNEL_CONV_NCHW = {
 def test_in_kernel_conv_reads_nchw(name, dtype, exact_float32, monkeypatch):
     _needs_sm90()
     monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
+    # (the 16-bit FMA direct conv would take the convs of 32 and 64 output channels)
+    monkeypatch.setattr(sys.modules["cuda_templates.render"], "DIRECT_FMA_16BIT", False)
     cin, cout, k, padding, shape, nchw = IN_KERNEL_CONV_NCHW[name]
     model = _ConvChain(cin, cout, k, padding, 0, *IN_KERNEL_CONV_STRIDES.get(name, (1, 1))).cuda().to(dtype)
     x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1

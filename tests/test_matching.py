@@ -979,6 +979,62 @@ def test_the_matcher_marks_the_in_kernel_conv_only_when_asked(setting, implicit,
     torch.testing.assert_close(out, model(x))
 
 
+@pytest.mark.parametrize("conv, shape, after", [
+    (nn.Conv3d(8, 16, 3), (2, 8, 6, 10, 12), lambda y: F.silu(F.group_norm(y, 4))),
+    (nn.Conv3d(16, 32, (3, 1, 3), stride=(2, 1, 1), padding=(1, 0, 1), dilation=(1, 1, 2)), (2, 16, 7, 9, 11),
+     torch.relu),
+])
+def test_a_conv3d_is_a_candidate_for_the_in_kernel_conv_by_depth_planes(conv, shape, after, monkeypatch):
+    # Anchor.depth: (kd, D) beside the plane's `direct`; the in-kernel conv plans it, its
+    # output's spatial dims (D_out, H_out, W_out) as the graph's; the direct conv does not.
+    import cuda_templates
+    from cuda_templates import conv_sm90
+    from lowering.spec import EpilogueSpec
+
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = conv
+
+        def forward(self, x):
+            return after(self.conv(x))
+
+    model = Model()
+    x = torch.randn(shape)
+    out, fused, _ = compile_records(model, x)
+    spec = EpilogueSpec.from_json(fused[0].spec)
+    anchor = json.loads(fused[0].spec)["anchor"]
+    w = conv.weight.shape
+    assert anchor["implicit"] and anchor["direct"] == [shape[1], w[3], w[4], shape[3], shape[4]]
+    assert anchor["depth"] == [w[2], shape[2]]
+    assert spec.anchor.direct_out_spatial() == tuple(model.conv(x).shape[2:])
+    assert "3-D" in cuda_templates.direct_plan(spec, "sm90")
+    plan = cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True)  # (float32 in TF32 only)
+    assert isinstance(plan, conv_sm90.ConvGemmPlan) and not plan.nchw, plan
+    source = cuda_templates.render(spec, "sm90", conv_tf32=True)
+    assert f"kDo = {spec.anchor.direct_out_d()};" in source and "constexpr bool kDepth = true;" in source
+    torch.testing.assert_close(out, model(x))
+
+
+def test_a_conv3d_pool_in_the_tiles_is_refused_with_its_reason(monkeypatch):
+    import cuda_templates
+    from cuda_templates import conv_sm90
+    from lowering.spec import EpilogueSpec
+
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
+    monkeypatch.setattr(conv_sm90, "POOLS_IN_TILE", True)
+    model = nn.Sequential(nn.Conv3d(8, 16, 3), nn.ReLU(), nn.MaxPool3d(2))
+    x = torch.randn(2, 8, 6, 10, 10)
+    out, fused, _ = compile_records(model, x)
+    spec = EpilogueSpec.from_json(fused[0].spec)
+    plan = cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True)
+    assert isinstance(plan, str) and "3-D" in plan, plan
+    assert json.loads(fused[0].spec)["anchor"]["depth"] == [3, 6]
+    torch.testing.assert_close(out, model(x))
+
+
 def test_direct_conv_can_be_disabled(monkeypatch):
     import json
 

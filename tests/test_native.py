@@ -251,7 +251,8 @@ def test_plan_layout_of_a_library_conv_with_saves():
     saves = (Save("value", "float32", (-1, 16, 5, 5), 16 * 25, at=0), Save("mean", "bfloat16", (16,), 0),
              Save("value", "float16", (-1, 16), 16, at=2))
     launcher = _launcher(conv, saves, running_stats=(2, 3))
-    assert native._layout(launcher) == [0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert native._layout(launcher) == [0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                        0, 0, 0]
     assert native._conv(conv) == [2, 2, 1, 1, 0, 1, 3, 0, 0, 0, 4]
     assert native._saves(launcher) == [1, 0, 400, 4, -1, 16, 5, 5, 0, 2, 0, 1, 16, 0, 1, 16, 2, -1, 16]
 
@@ -259,7 +260,8 @@ def test_plan_layout_of_a_library_conv_with_saves():
 def test_plan_layout_of_a_gemm_and_the_variants_that_read_tf32_settings():
     launcher = _launcher(Anchor("addmm"), anchor_path="in-kernel GEMM", gemm_auto=True, row_output=True,
                          reduced_tail=(1,), channels=8192)
-    assert native._layout(launcher) == [1, 0, 3, 1, 1, 1, 1, 0, 0, 0, 0, 8192, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert native._layout(launcher) == [1, 0, 3, 1, 1, 1, 1, 0, 0, 0, 0, 8192, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                        0, 0, 0]
     assert native._conv(launcher.spec.anchor) == []
     assert native.covers(launcher)
     # A float32 in-kernel GEMM file, and the two variants of a float32 direct conv: the C++
@@ -278,7 +280,7 @@ def test_plan_layout_of_a_gemm_and_the_variants_that_read_tf32_settings():
     launcher = _launcher(implicit, anchor_path="in-kernel conv", channels=128)
     assert native.covers(launcher)
     assert native._layout(launcher) == [3, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 128, 20, 28, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                        12, 20, 30, 3, 5, 16, 0, 0, 0]
+                                        12, 20, 30, 3, 5, 16, 0, 0, 0, 0, 0, 0]
     # Its float32 form on x and a weight rounded to TF32 by the graph (`Anchor.rounded`).
     rounded = _launcher(replace(implicit, rounded=True), anchor_path="in-kernel conv", channels=128,
                         reads_conv_tf32=True, conv_tf32=True)
@@ -302,6 +304,14 @@ def test_plan_layout_of_a_gemm_and_the_variants_that_read_tf32_settings():
     layout = native.LaunchLayout.of(_launcher(replace(one_row, direct=(), implicit=False), channels=128))
     assert (layout.one_row, layout.out_h, layout.out_w) == (True, 0, 0)
     assert not native.LaunchLayout.of(_launcher(implicit, anchor_path="in-kernel conv", channels=128)).one_row
+    # A 3-D conv (`Anchor.depth`): x's, the weight's and the output's depths travel, on the
+    # in-kernel conv's path; 0 on a 2-D conv's.
+    conv3d = replace(implicit, conv=((2, 1, 1), (1, 1, 1), (1, 1, 1), False, (0, 0, 0), 1), depth=(3, 9))
+    assert conv3d.direct_out_spatial() == (5, 20, 28)
+    layout = native.LaunchLayout.of(_launcher(conv3d, anchor_path="in-kernel conv", channels=128))
+    assert (layout.in_d, layout.k_d, layout.out_d, layout.out_h, layout.out_w) == (9, 3, 5, 20, 28)
+    assert native._layout(_launcher(conv3d, anchor_path="in-kernel conv", channels=128))[-3:] == [9, 3, 5]
+    assert native._layout(launcher)[-3:] == [0, 0, 0]
 
 
 def test_plan_layout_of_a_permuted_conv():
@@ -312,12 +322,14 @@ def test_plan_layout_of_a_permuted_conv():
 
 def test_plan_layout_of_a_padded_gemm():
     launcher = _launcher(Anchor("addmm", pad=(152, 520)), channels=513)
-    assert native._layout(launcher) == [0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 513, 0, 0, 0, 0, 152, 520, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert native._layout(launcher) == [0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 513, 0, 0, 0, 0, 152, 520, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                        0, 0, 0]
 
 
 def test_plan_layout_of_a_channels_last_conv():
     conv = Anchor("conv", has_bias=True, conv=((1, 1), (1, 1), (1, 1), False, (0, 0), 1), channels_last=True)
-    assert native._layout(_launcher(conv)) == [0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert native._layout(_launcher(conv)) == [0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                               0, 0, 0]
 
 
 @pytest.mark.parametrize("tail", [(), (1,), (16,), (16, 1, 1), (1, 1, 1), (16, 7, 9), (16, 3, 5, 4)])

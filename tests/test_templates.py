@@ -710,7 +710,7 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     assert c.block_n == min(n for n in widths if n * tiles >= spec.channels)
     assert c.stages >= 3
     ho, wo = spec.anchor.direct_out_hw()
-    (sh, sw), _, (dh, dw) = spec.anchor.conv[:3]
+    (sh, sw), _, (dh, dw) = spec.anchor.plane_conv()
     itemsize = 4 if spec.dtype == "float32" else 2
     # 256 pixels where a ping-pong tile of few channels runs over narrow k-steps and the
     # patch's rows fit the output's height
@@ -729,7 +729,13 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     assert kernel.startswith(f"igemm{c.block_m}x{c.block_n}_") and kernel.endswith("_sm90a")
     assert f"constexpr int kPitch = {conv_sm90.staging_pitch(c.tile_h, c.tile_w, itemsize)};" in source
     assert f"constexpr int kSH = {sh}, kSW = {sw}, kDH = {dh}, kDW = {dw};" in source
-    assert f"constexpr int kHo = {ho}, kWo = {wo};" in source
+    assert f"constexpr int kHoPlane = {ho}, kHo = kDo * kHoPlane, kWo = {wo};" in source
+    # A 3-D conv: its depth's constants; a 2-D conv one plane, a tap deep
+    (kd, d), do = spec.anchor.depth or (1, 1), spec.anchor.direct_out_d()
+    sd, pd, dd = (p[0] for p in spec.anchor.conv[:3]) if spec.anchor.depth else (1, 0, 1)
+    assert (f"constexpr int kD = {d}, kKD = {kd}, kPD = {pd}, kSD = {sd}, kDD = {dd}, kDo = {do};" in source
+            and f"constexpr bool kDepth = {'true' if spec.anchor.depth else 'false'};" in source)
+    assert not (spec.anchor.depth and c.nchw)
     # A k-step of the narrowest swizzle (32, 64, 128 bytes) that holds a pixel's C_in,
     # 128 bytes where none does; the weight padded to whole k-steps of it.
     cin = spec.anchor.direct[0]

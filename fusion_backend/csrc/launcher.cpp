@@ -116,6 +116,10 @@ struct Plan {
   // as [N, C, 1, L] and [O, C, 1, k] views): the output is the graph's [rows, channels, L_out],
   // the same bytes as the plane of one row (the library conv's squeezed, the kernels' so allocated).
   bool one_row = false;
+  // kImplicitConv of a 3-D conv: x [rows, in_c, in_d, in_h, in_w], the weight [channels, in_c,
+  // k_d, k_h, k_w] (read as [channels, k_d, k_h, k_w, in_c_pad]), the output [rows, channels,
+  // out_d, out_h, out_w]; 0 for a 2-D conv.
+  int64_t in_d = 0, k_d = 0, out_d = 0;
   std::vector<int64_t> stride, padding, dilation, output_padding;
   bool transposed = false;
   int64_t groups = 1;
@@ -202,14 +206,14 @@ T symbol(void* handle, const char* name, const std::string& library) {
 // layout: [path, anchor, n_operands, gemm_auto, row_output, out_rank, out_d0 .. out_d3,
 //          out_spatial, channels, out_h, out_w, stores_pre_norm, has_bias, pad_k, pad_n,
 //          channels_last, permuted, gemm_tf32, reads_conv_tf32, conv_tf32,
-//          in_c, in_h, in_w, k_h, k_w, in_c_pad, rounded, in_nchw, one_row]
+//          in_c, in_h, in_w, k_h, k_w, in_c_pad, rounded, in_nchw, one_row, in_d, k_d, out_d]
 // conv: empty, or [nd, stride x nd, padding x nd, dilation x nd, transposed,
 //       output_padding x nd, groups]
 // saves: per save [anchor_value, dtype code, per_row, ndim, dims x ndim] (native.SaveLayout).
 // checks: [dtype code, y_row, n, (a row, whole) x n, m, (dtype code, whole, per_row) x m]
 //         (native.CheckLayout).
 // The fields of native.LaunchLayout, read below in its order (plan->field = layout[i]).
-constexpr size_t kLayoutFields = 32;
+constexpr size_t kLayoutFields = 35;
 
 void set_plan(std::string_view spec, int64_t device, std::string_view library, std::string_view name,
               at::IntArrayRef layout, at::IntArrayRef running_stats, at::IntArrayRef conv,
@@ -262,6 +266,9 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   plan->rounded = layout[29] != 0;
   plan->in_nchw = layout[30] != 0;
   plan->one_row = layout[31] != 0;
+  plan->in_d = layout[32];
+  plan->k_d = layout[33];
+  plan->out_d = layout[34];
   TORCH_CHECK(plan->out_rank >= 0 && plan->out_rank <= 4, "fusedepi_native.plan: a reduced output's tail of ",
               plan->out_rank, " dims");
   TORCH_CHECK(layout[0] >= 0 && layout[0] <= 3 && layout[1] >= 0 && layout[1] <= 3,
@@ -297,6 +304,10 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
                    plan->in_w > 0 && plan->k_h > 0 && plan->k_w > 0 && plan->in_c_pad >= plan->in_c &&
                    plan->out_h > 0 && plan->out_w > 0 && plan->n_operands == 2),
               "fusedepi_native.plan: the in-kernel conv needs its input's and weight's shapes");
+  TORCH_CHECK((plan->in_d == 0 && plan->k_d == 0 && plan->out_d == 0) ||
+                  (plan->path == Path::kImplicitConv && plan->in_d > 0 && plan->k_d > 0 && plan->out_d > 0 &&
+                   !plan->in_nchw && !plan->one_row),
+              "fusedepi_native.plan: a depth is a 3-D in-kernel conv's");
   TORCH_CHECK(!plan->one_row || (plan->anchor == Anchor::kConv && !plan->channels_last && !plan->permuted &&
                                  (plan->path == Path::kLibraryAnchor || plan->out_h == 1)),
               "fusedepi_native.plan: a conv of one row is a conv's in the graph's layout, its output one row high");
@@ -386,6 +397,7 @@ std::vector<int64_t> row_shape(const Plan& plan, int64_t rows, at::IntArrayRef s
 // or a Conv1d's [rows, channels, out_w] (one_row).
 std::vector<int64_t> conv_output_shape(const Plan& plan, int64_t rows) {
   if (plan.one_row) return {rows, plan.channels, plan.out_w};
+  if (plan.out_d > 0) return {rows, plan.channels, plan.out_d, plan.out_h, plan.out_w};
   return {rows, plan.channels, plan.out_h, plan.out_w};
 }
 
@@ -523,23 +535,37 @@ std::vector<at::Tensor> launch(const Plan& plan, at::TensorList call, at::Tensor
     // As launch.channels_last_operands: x channels-last (in_nchw: contiguous), the weight
     // as [C_out, kh, kw, C_in'] with zeros past C_in, each 16-byte aligned; the shapes the
     // file was built for.
+    // A 3-D conv's (in_d > 0): x [rows, in_c, in_d, in_h, in_w] channels-last, the weight as
+    // [C_out, k_d, kh, kw, C_in'].
     const at::Tensor& x0 = operands[0];
     const at::Tensor& w0 = operands[1];
-    if (x0.dim() != 4 || x0.size(1) != plan.in_c || x0.size(2) != plan.in_h || x0.size(3) != plan.in_w ||
-        w0.dim() != 4 || w0.size(0) != plan.channels || w0.size(1) != plan.in_c || w0.size(2) != plan.k_h ||
-        w0.size(3) != plan.k_w) {
+    const bool depth = plan.in_d > 0;
+    std::vector<int64_t> x_row{plan.in_c}, w_shape{plan.channels, plan.in_c};
+    if (depth) x_row.push_back(plan.in_d), w_shape.push_back(plan.k_d);
+    x_row.insert(x_row.end(), {plan.in_h, plan.in_w});
+    w_shape.insert(w_shape.end(), {plan.k_h, plan.k_w});
+    if (x0.dim() != static_cast<int64_t>(x_row.size()) + 1 || x0.sizes().slice(1) != at::IntArrayRef(x_row) ||
+        w0.sizes() != at::IntArrayRef(w_shape)) {
       return python_chain(call, plan.spec);  // which raises, naming the shapes
     }
-    const at::MemoryFormat x_layout = plan.in_nchw ? at::MemoryFormat::Contiguous : at::MemoryFormat::ChannelsLast;
+    const at::MemoryFormat x_layout = plan.in_nchw ? at::MemoryFormat::Contiguous
+                                      : depth      ? at::MemoryFormat::ChannelsLast3d
+                                                   : at::MemoryFormat::ChannelsLast;
     at::Tensor x = x0.contiguous(x_layout);
     if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16) x = x.clone(x_layout);
+    std::vector<int64_t> channels_last{0};  // the weight's dims, C_in last
+    for (int64_t d = 2; d < w0.dim(); ++d) channels_last.push_back(d);
+    channels_last.push_back(1);
     at::Tensor w;
     if (plan.in_c_pad == plan.in_c) {
-      w = w0.permute({0, 2, 3, 1}).contiguous();
+      w = w0.permute(channels_last).contiguous();
       if (reinterpret_cast<uintptr_t>(w.data_ptr()) % 16) w = w.clone();
     } else {
-      w = at::zeros({plan.channels, plan.k_h, plan.k_w, plan.in_c_pad}, w0.options());
-      w.narrow(3, 0, plan.in_c).copy_(w0.permute({0, 2, 3, 1}));
+      std::vector<int64_t> padded(w_shape.begin(), w_shape.end());
+      padded.erase(padded.begin() + 1);
+      padded.push_back(plan.in_c_pad);
+      w = at::zeros(padded, w0.options());
+      w.narrow(w0.dim() - 1, 0, plan.in_c).copy_(w0.permute(channels_last));
     }
     operands = {x, w};
     // A reduction or a pool in the tiles (ConvGemmPlan.reduce, .pixel_reduce, .pool) writes its output only

@@ -1,7 +1,7 @@
 """The conv computed inside the chain's own kernel (the in-kernel conv, an implicit GEMM
 on sm_90: `cuda_templates.conv_sm90`).
 
-A 2-D conv (groups 1, any dilation, strides up to 8) that the direct conv does not take,
+A 2-D or 3-D conv (groups 1, any dilation, strides up to 8) that the direct conv does not take,
 with a pointwise chain or a norm over whole channels (or, where conv_sm90's switches
 allow, a spatial reduction, a softmax or reduction over each pixel's channels, or a
 pooling window after a pointwise chain), runs as
@@ -59,7 +59,8 @@ class ConvImplicit(Form):
         if anchor.kind != "conv" or not anchor.direct or anchor.implicit or anchor.permuted:
             return None
         xv = chain.operands[0].meta["val"]
-        if xv.device.type != "cuda" or xv.dim() + anchor.as_2d != 4:  # (a Conv1d as a 2-D conv's row)
+        # (a Conv1d as a 2-D conv's row; a 3-D conv by planes of its output's depth)
+        if xv.device.type != "cuda" or xv.dim() + anchor.as_2d - bool(anchor.depth) != 4:
             return None
         tf32 = spec.dtype == "float32" and conv_allows_tf32()
         if not isinstance(cuda_templates.conv_gemm_plan(spec.with_in_kernel_conv(), arch_of(xv.device), tf32),

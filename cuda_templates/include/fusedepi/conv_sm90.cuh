@@ -7,23 +7,29 @@
 //   T, Args (x: the input [rows, H, W, C_in] in memory, or [rows, C_in, H, W] where kNchw;
 //   w: the weight [kChannels, kTaps, kCinPad]), stage0_chan, stage0_chan_of, stage0_at,
 //   kChannels (KERNEL_FILE and CONV_KERNELS' constants: kBM, kBN, kBK, kSwizzle, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
-//   kHo, kWo, kPitch, kCBlocks, kTilesN, kTilesPerImage, kTileA, kTileB, kMmaK, kPingPong,
+//   kHo, kWo, kHoPlane, kDepth, kD, kKD, kPD, kSD, kDD, kDo, kPitch, kCBlocks, kTilesN, kTilesPerImage, kTileA, kTileB, kMmaK, kPingPong,
 //   kConvStats, kConvReduce, kReduceOp, kConvSoftmax, kConvPixelReduce, kConvPool, kPoolKH, kPoolKW, kPoolMax,
 //   kPoolDivisor, kPoolHo, kPoolWo, value_stage1, kPartsAt, kNchw, kNchwBoxW, wgmma_n),
 //   and hopper.cuh.
 // It is not a standalone header: those constants differ per file.
 #pragma once
 
+// The output's rows as the tiles see them: kHo = kDo planes of kHoPlane rows (a 2-D conv:
+// one). Patch row `th` of an image (of kDo x kPlaneTilesH) starts at row patch_row0(th),
+// inside one plane.
+constexpr int kPlaneTilesH = (kHoPlane + kTH - 1) / kTH;
+__device__ __forceinline__ int patch_row0(int th) { return th / kPlaneTilesH * kHoPlane + th % kPlaneTilesH * kTH; }
+
 // Tile `tile` of the output: image `img`, pixels (h0 .. h0 + kTH) x (w0 .. w0 + kTW),
 // channels n0 .. n0 + kBN. The channel tiles of one pixel patch are neighbours in the
 // order, so that CTAs running at once share the patch's input in L2.
 __device__ __forceinline__ void conv_tile_origin(int tile, int& img, int& h0, int& w0, int& n0) {
-  constexpr int kTilesW = (kWo + kTW - 1) / kTW, kTilesH = (kHo + kTH - 1) / kTH;
+  constexpr int kTilesW = (kWo + kTW - 1) / kTW, kTilesH = kDo * kPlaneTilesH;
   n0 = tile % kTilesN * kBN;
   int m = tile / kTilesN;
   w0 = m % kTilesW * kTW;
   m /= kTilesW;
-  h0 = m % kTilesH * kTH;
+  h0 = patch_row0(m % kTilesH);
   img = m / kTilesH;
 }
 
@@ -70,8 +76,12 @@ __device__ __forceinline__ void sts_value(unsigned p, float x) {
   }
 }
 
-// The rows and columns of the patch at (h0, w0) inside the output: kTH x kTW, cut at its edges.
-__device__ __forceinline__ int patch_rows(int h0) { return kHo - h0 < kTH ? kHo - h0 : kTH; }
+// The rows and columns of the patch at (h0, w0) inside the output: kTH x kTW, cut at its
+// edges (a 3-D conv's: at its depth plane's last row).
+__device__ __forceinline__ int patch_rows(int h0) {
+  const int left = kHoPlane - h0 % kHoPlane;
+  return left < kTH ? left : kTH;
+}
 __device__ __forceinline__ int patch_width(int w0) { return kWo - w0 < kTW ? kWo - w0 : kTW; }
 
 // The element of out at which a tile's run of channel `c`, output row `h` starts (column w0).
@@ -125,7 +135,7 @@ static_assert(!(kConvStats && kConvReduce), "a norm's moments or a spatial reduc
 // The valid pixels of patch `patch` (of kPatches) of an image.
 __device__ __forceinline__ int patch_pixels(int patch) {
   constexpr int kTilesW = (kWo + kTW - 1) / kTW;
-  return patch_rows(patch / kTilesW * kTH) * patch_width(patch % kTilesW * kTW);
+  return patch_rows(patch_row0(patch / kTilesW)) * patch_width(patch % kTilesW * kTW);
 }
 
 // inside[b][h]: whether row r0 + 8h of the tile's m64 row block `block0 + b` (r0 = 16 *
@@ -583,17 +593,23 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
         conv_tile_origin(tile, img, h0, w0, n0);
         for (int i = 0; i < kKSteps; ++i, ++it) {
           const int s = it % kStages, tap = i / kCBlocks, c0 = i % kCBlocks * kBK;
+          const int tap_hw = tap % (kKH * kKW);  // the tap's place in a depth plane of taps
           if (it >= kStages) hop::mbar_wait(&empty[s], ((it / kStages) + 1) & 1);
           hop::mbar_expect_tx(&full[s], kTileA + kTileB);
           if constexpr (kNchw) {  // a box an m64 block: its kNchwBoxW pixels of one patch row, kBK channels
 #pragma unroll
             for (int b = 0; b < kBM / 64; ++b)
               hop::tma_load_4d(tiles_a + s * kTileA + b * 64 * kSwizzle, &map_x, &full[s],
-                               w0 + b * 64 % kTW + tap % kKW * kDW - kPW, (h0 + b * 64 / kTW) * kSH + tap / kKW * kDH - kPH,
-                               c0, img);
+                               w0 + b * 64 % kTW + tap_hw % kKW * kDW - kPW,
+                               (h0 + b * 64 / kTW) * kSH + tap_hw / kKW * kDH - kPH, c0, img);
+          } else if constexpr (kDepth) {  // the tap's input plane for the patch's output plane
+            const int plane = h0 / kHoPlane;
+            hop::tma_load_5d(tiles_a + s * kTileA, &map_x, &full[s], c0, w0 * kSW + tap_hw % kKW * kDW - kPW,
+                             (h0 - plane * kHoPlane) * kSH + tap_hw / kKW * kDH - kPH,
+                             plane * kSD + tap / (kKH * kKW) * kDD - kPD, img);
           } else {
-            hop::tma_load_4d(tiles_a + s * kTileA, &map_x, &full[s], c0, w0 * kSW + tap % kKW * kDW - kPW,
-                             h0 * kSH + tap / kKW * kDH - kPH, img);
+            hop::tma_load_4d(tiles_a + s * kTileA, &map_x, &full[s], c0, w0 * kSW + tap_hw % kKW * kDW - kPW,
+                             h0 * kSH + tap_hw / kKW * kDH - kPH, img);
           }
           hop::tma_load_2d(tiles_b + s * kTileB, &map_w, &full[s], tap * kCinPad + c0, n0);
         }
