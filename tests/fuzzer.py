@@ -23,7 +23,8 @@ model is "ill_conditioned". A model eager refuses to run must fail alike ("rejec
 kernel (sm_90) meets random chains; the default setting takes it only at row counts
 too large for the fuzzer. `--in-kernel-conv` likewise draws 2-D convs of the in-kernel
 conv's shapes (stride 1, from generation 16 strides of 1-3 and dilations of 1-2, from
-generation 19 a third of them a Conv1d or a ConvTranspose2d of stride 1; input
+generation 19 a third of them a Conv1d or a ConvTranspose2d of stride 1, from generation 20
+a quarter of the 2-D convs left a Conv3d; input
 channels in 8s, 40-256 output channels in 8s; float32
 ones with `cudnn.allow_tf32`, for eager and fusedepi alike) and runs them with
 FUSEDEPI_IN_KERNEL_CONV=1 (sm_90; its default, auto, takes it only where the measured
@@ -140,6 +141,7 @@ CONV_NORMS[16] = CONV_NORMS[15]
 CONV_NORMS[17] = CONV_NORMS[16]
 CONV_NORMS[18] = CONV_NORMS[17]
 CONV_NORMS[19] = CONV_NORMS[18]
+CONV_NORMS[20] = CONV_NORMS[19]
 # From this generation on, the in-kernel conv's anchors (`--in-kernel-conv`) have strides
 # of 1 to 3 and dilations of 1 or 2 (`_implicit_anchor`), drawn from a stream of their own.
 STRIDED_GENERATION = 16
@@ -158,6 +160,10 @@ TILE_POOL_GENERATION = 18
 # width (`Anchor.as_2d`), or a ConvTranspose2d of stride 1 (`Anchor.flipped`; dilation 1,
 # padding at most the kernel's reach); the other anchors are generation 18's.
 AS_CONV2D_GENERATION = 19
+# From this generation on, a quarter of the in-kernel conv's anchors that are still 2-D
+# convs, decided by a stream of their own, are Conv3d (`Anchor.depth`: the output's depth
+# planes), 1 to 8 planes deep and smaller planes; the other anchors are generation 19's.
+CONV3D_GENERATION = 20
 # From this generation on, the pointwise steps include erf, sin, cos, sqrt, rsqrt,
 # reciprocal, log1p, expm1 and powers by a constant (`POWERS`; square as pow 2); sqrt,
 # rsqrt, reciprocal, log1p and the fractional and negative powers only where the value is
@@ -344,6 +350,18 @@ def _as_conv2d(anchor: dict, rng: random.Random) -> dict:
             "padding": min(anchor["padding"], anchor["kernel"] - 1)}
 
 
+def _as_conv3d(anchor: dict, rng: random.Random) -> dict:
+    """A quarter of the time, a 2-D in-kernel conv anchor turned into a Conv3d of the same
+    channels, kernel, stride, padding and dilation in every dim (CONV3D_GENERATION): 1 to
+    8 input planes (at least the kernel's reach), planes of at most 20 x 48; else `anchor`."""
+    if anchor["kind"] != "conv" or anchor["dims"] != 2 or rng.random() >= 1 / 4:
+        return anchor
+    reach = anchor["dilation"] * (anchor["kernel"] - 1) + 1
+    h, w = anchor["spatial"]
+    return {**anchor, "dims": 3, "spatial": [max(rng.randint(1, 8), reach), max(min(h, 20), reach),
+                                             max(min(w, 48), reach)]}
+
+
 def _step(rng: random.Random, ctx: dict) -> dict:
     """One random step valid for the chain's current value (`ctx`)."""
     channels = ctx["channels"]
@@ -509,6 +527,8 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
         anchor = _implicit_anchor(rng, strides, narrow)
         if generation >= AS_CONV2D_GENERATION:
             anchor = _as_conv2d(anchor, random.Random(f"{seed}/{index}/{device}/as2d"))
+        if generation >= CONV3D_GENERATION:
+            anchor = _as_conv3d(anchor, random.Random(f"{seed}/{index}/{device}/conv3d"))
     else:
         anchor = _gemm_anchor(rng) if gemm else _bmm_anchor(rng) if bmm else _anchor(rng)
     if bmm and generation >= BADDBMM_GENERATION:

@@ -703,3 +703,25 @@ def test_cpu_fuzz_of_convs_run_as_the_2d_conv_they_equal():
     assert kinds == {"conv1d", "conv_transpose"}
     results = _implicit_runs_clean([c.index for c in changed[:10]], gen)
     assert {r["anchor"] for r in results} == {"conv1d", "conv_transpose2d"}
+
+
+def test_cpu_fuzz_of_conv3d_in_kernel_convs():
+    # Generation 20 turns a quarter of the in-kernel conv's 2-D anchors, decided by a
+    # stream of their own, into Conv3d of the same channels and parameters (Anchor.depth):
+    # the other models are generation 19's. Run on CPU through the fused op's reference.
+    import dataclasses
+
+    gen = fuzzer.CONV3D_GENERATION
+    before = [fuzzer.make_case(0, i, "cpu", generation=gen - 1, implicit=True) for i in range(60)]
+    after = [fuzzer.make_case(0, i, "cpu", generation=gen, implicit=True) for i in range(60)]
+    changed = [c for b, c in zip(before, after) if c.anchor != b.anchor]
+    assert 5 <= len(changed) <= 25
+    for b, c in zip(before, after):
+        if c.anchor == b.anchor:
+            assert dataclasses.replace(c, generation=gen - 1) == b
+            continue
+        assert b.anchor["kind"] == "conv" and b.anchor["dims"] == 2 and c.anchor["dims"] == 3
+        assert {**c.anchor, "dims": 2, "spatial": b.anchor["spatial"]} == b.anchor
+        assert all(n >= 1 for n in fuzzer._conv_out_sizes(c.anchor))
+    results = _implicit_runs_clean([c.index for c in changed[:10]], gen)
+    assert {r["anchor"] for r in results} == {"conv3d"}
