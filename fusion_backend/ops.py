@@ -215,7 +215,8 @@ def runs_in_kernel_conv(spec: EpilogueSpec, x: torch.Tensor, channels_last: bool
     x's device, at the cuDNN TF32 setting of now (a float32 chain whose TF32 is switched
     off later runs the library conv, on a channels-last x as well); with `channels_last`,
     over a channels-last copy of x (not x in its NCHW layout, `ConvGemmPlan.nchw`)."""
-    if spec.anchor.kind != "conv" or not spec.anchor.implicit or x.dim() != 4 or x.device.type != "cuda":
+    if (spec.anchor.kind != "conv" or not spec.anchor.implicit or x.dim() != (5 if spec.anchor.depth else 4)
+            or x.device.type != "cuda"):
         return False
     import cuda_templates
 

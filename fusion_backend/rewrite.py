@@ -172,7 +172,10 @@ def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
         padded += " (a Conv1d as a 2-D conv of one row)"
     if device.type != "cuda":
         return "reference (cpu)" + padded
-    if chain.spec.anchor.rounded and ops.runs_in_kernel_conv(chain.spec, chain.operands[0].meta["val"]):
+    in_kernel_conv = ops.runs_in_kernel_conv(chain.spec, chain.operands[0].meta["val"])
+    if chain.spec.anchor.depth and in_kernel_conv:
+        padded += " (a Conv3d by its output's depth planes)"
+    if chain.spec.anchor.rounded and in_kernel_conv:
         padded += " (x and the weight rounded to the nearest TF32 value by the graph first, as cuDNN's TF32 convs round)"
     tf32 = _build(spec, device, cfg)
     arch = ops.arch_of(device)

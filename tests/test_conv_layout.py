@@ -243,6 +243,26 @@ def test_the_in_kernel_conv_asks_a_channels_last_input(monkeypatch):
     assert ops.input_layouts(cpu.to_json(), [torch.empty(2, cin, h, w), torch.empty(cpu.channels, cin, kh, kw)]) is None
 
 
+def test_a_3d_in_kernel_conv_asks_a_channels_last_3d_input(monkeypatch):
+    """A Conv3d the in-kernel conv computes (`Anchor.depth`) asks Inductor for x
+    channels-last-3d, which its 5-D tensor map reads (else the launcher copies x itself)."""
+    from specs import conv_gemm_specs
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(ops, "arch_of", lambda device: "sm90")
+    spec = conv_gemm_specs("bfloat16")["igemm3d_gn_silu"]
+    cin, kh, kw, h, w = spec.anchor.direct
+    kd, d = spec.anchor.depth
+    with FakeTensorMode():
+        x = torch.empty(2, cin, d, h, w, device="cuda", dtype=torch.bfloat16)
+        wt = torch.empty(spec.channels, cin, kd, kh, kw, device="cuda", dtype=torch.bfloat16)
+        assert ops.runs_in_kernel_conv(spec, x, channels_last=True)
+        (asked, _), _ = ops.input_layouts(spec.to_json(), [x] + [wt])
+        assert asked[0].shape == x.shape and asked[0].is_contiguous(memory_format=torch.channels_last_3d)
+        flat = torch.empty(2, cin, h, w, device="cuda", dtype=torch.bfloat16)
+        assert not ops.runs_in_kernel_conv(spec, flat)  # a 4-D x is not the 3-D conv's
+
+
 def test_an_in_kernel_conv_that_reads_nchw_asks_no_layout(monkeypatch):
     """Where the in-kernel conv reads x in its NCHW layout (`ConvGemmPlan.nchw`), the op
     asks Inductor for no channels-last copy of x: nothing is constrained."""
