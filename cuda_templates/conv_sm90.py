@@ -2,7 +2,10 @@
 implicit GEMM whose output tile gets the chain in registers and is written once.
 
 The GEMM: M = the output's pixels (rows x Ho x Wo), N = the output channels, K = kh x kw x
-C_in. `render.conv_gemm_plan` decides where it applies (2-D, groups 1, any dilation,
+C_in (a Conv3d's: rows x Do x Ho x Wo pixels, K = kd x kh x kw x C_in, its Do planes of Ho
+rows tiled as one plane of Do x Ho rows, a patch inside one depth plane, x
+[rows, D, H, W, C_in] read by a 5-D tensor map a plane deep).
+`render.conv_gemm_plan` decides where it applies (2-D or 3-D, groups 1, any dilation,
 strides up to MAX_STRIDE, pointwise chains and norms over whole channels, C_in a
 multiple of 16 bytes, sm_90)
 and renders it into `templates.KERNEL_FILE` with the spec's stage functions; the launcher hands it the input
