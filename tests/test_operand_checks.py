@@ -204,3 +204,24 @@ def test_a_conv_chain_the_launchers_would_shape_otherwise_than_the_graph_is_refu
     for bad in (replace(row, as_2d=False), replace(row, direct=(3, 1, 3, 1, 22))):
         with pytest.raises(OperandMismatch, match=r"the conv's output \(2, 8, 18\) is not the one the kernels"):
             _check_operands(SimpleNamespace(spec=replace(spec, anchor=bad), anchor=anchor, params=[]))
+
+
+def test_a_3d_in_kernel_convs_operands_are_laid_out_and_checked_as_built():
+    # `launch.channels_last_operands` for a Conv3d (`Anchor.depth`): x channels-last-3d,
+    # the weight as [C_out, kd, kh, kw, C_in'] with zeros past C_in (12 bf16 channels: a
+    # 32-byte k-step, 16); an x or weight of other sizes raises, naming both; the
+    # per-row and whole sizes the launchers check count the depth.
+    conv = Anchor("conv", conv=((1, 1, 1), (1, 0, 0), (1, 1, 1), False, (0, 0, 0), 1), direct=(12, 3, 3, 6, 7),
+                  depth=(2, 5), implicit=True)
+    spec = EpilogueSpec(conv, (Step("relu"),), "bfloat16", (), 16, 6 * 4 * 5, "conv_pointwise")
+    assert conv.direct_out_spatial() == (6, 4, 5)
+    x = torch.randn(2, 12, 5, 6, 7, dtype=torch.bfloat16)
+    w = torch.randn(16, 12, 2, 3, 3, dtype=torch.bfloat16)
+    cx, cw = launch.channels_last_operands([x, w], spec)
+    assert cx.is_contiguous(memory_format=torch.channels_last_3d) and torch.equal(cx, x)
+    assert cw.shape == (16, 2, 3, 3, 16) and cw.is_contiguous()
+    assert torch.equal(cw[..., :12], w.permute(0, 2, 3, 4, 1)) and not cw[..., 12:].any()
+    assert launch.anchor_operand_sizes(spec, "in-kernel conv") == [(12 * 5 * 6 * 7, 0), (0, 16 * 12 * 2 * 3 * 3)]
+    for bad_x, bad_w in ((x[:, :, :4], w), (x, w[:, :, :1]), (x[:, :, 0], w)):
+        with pytest.raises(RuntimeError, match=r"the kernel was built for \[rows, 12, 5, 6, 7\] and \[16, 12, 2, 3, 3\]"):
+            launch.channels_last_operands([bad_x, bad_w], spec)
