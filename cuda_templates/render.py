@@ -744,8 +744,8 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     ho, wo = anchor.direct_out_hw()
     do = anchor.direct_out_d()
     if do < 1 or ho < 1 or wo < 1 or do * ho * wo != spec.inner:
-        return f"output {'x'.join(map(str, anchor.direct_out_spatial()))} does not match the chain's {spec.inner} " \
-               "elements per channel"
+        out = "x".join(map(str, anchor.direct_out_spatial()))
+        return f"output {out} does not match the chain's {spec.inner} elements per channel"
     per_16_bytes = 16 // ITEMSIZE[spec.dtype]
     if cin % per_16_bytes or spec.channels % 8:
         return (f"{cin} -> {spec.channels} channels (the in-kernel conv takes input channels in multiples of "
@@ -760,8 +760,8 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
                                 narrow=narrow)
 
     def nchw(tile: conv_sm90.ConvGemmPlan) -> bool:
-        return not anchor.depth and conv_sm90.reads_nchw(tile, ITEMSIZE[spec.dtype], stride[1], anchor.direct[4], kw, padding[1],
-                                    dilation[1])
+        return not anchor.depth and conv_sm90.reads_nchw(tile, ITEMSIZE[spec.dtype], stride[1], anchor.direct[4],
+                                                         kw, padding[1], dilation[1])
 
     # Patches as wide as the output where they let the kernel read x NCHW (no channels-last
     # copy of x), else the ones that leave the fewest columns outside it.

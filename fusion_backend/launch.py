@@ -237,9 +237,8 @@ def conv_operand_shapes(spec: EpilogueSpec) -> tuple[tuple, tuple]:
     are built for: (C_in, H, W) and [C_out, C_in, kh, kw], a 3-D conv's (C_in, D, H, W)
     and [C_out, C_in, kd, kh, kw] (`Anchor.depth`)."""
     cin, kh, kw, h, w = spec.anchor.direct
-    kd, d = spec.anchor.depth or ((), ())
-    depth_of = (lambda v: (v,)) if spec.anchor.depth else (lambda v: ())
-    return (cin, *depth_of(d), h, w), (spec.channels, cin, *depth_of(kd), kh, kw)
+    kd, d = spec.anchor.depth[:1], spec.anchor.depth[1:]  # (kd,), (D,) or (), ()
+    return (cin, *d, h, w), (spec.channels, cin, *kd, kh, kw)
 
 
 def channels_last_operands(operands: list[torch.Tensor], spec: EpilogueSpec, nchw: bool = False) -> list[torch.Tensor]:
