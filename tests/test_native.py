@@ -430,12 +430,13 @@ def _agree(spec, inputs, python_launches) -> bool:
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["library-anchor", "in-kernel-gemm", "in-kernel-conv"])
 def test_cpp_and_python_launchers_agree_on_fuzzed_models(kind, monkeypatch, python_launches):
-    # in-kernel-conv: the fuzzer's generation of Conv1d and stride-1 ConvTranspose2d among
-    # the in-kernel conv's anchors (their outputs shaped by `LaunchLayout.one_row` in C++).
-    from fuzzer import AS_CONV2D_GENERATION, make_case, run_case
+    # in-kernel-conv: the fuzzer's generation of Conv1d, stride-1 ConvTranspose2d and Conv3d
+    # among the in-kernel conv's anchors (their outputs shaped by `LaunchLayout.one_row`,
+    # and `out_d`, in C++).
+    from fuzzer import CONV3D_GENERATION, make_case, run_case
 
     gemm, implicit = kind == "in-kernel-gemm", kind == "in-kernel-conv"
-    generation = AS_CONV2D_GENERATION if implicit else 1
+    generation = CONV3D_GENERATION if implicit else 1
 
     captured = []
     real = launch.launcher_for
