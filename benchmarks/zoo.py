@@ -352,6 +352,10 @@ MODELS = [
     # downsampling by a stride of 2: a ResNet stage's first conv, a diffusion UNet's down block
     ZooModel("resnet_downsample_bn_relu", lambda: Seq(
         _conv(64, 128, stride=2, padding=1), lambda y, m: F.relu(m.bn(y)), bn=nn.BatchNorm2d(128)), (32, 64, 56, 56)),
+    # torchvision's ResNet stem (7 x 7, stride 2, RGB in, no bias), before its max pool
+    ZooModel("resnet_stem_bn_relu", lambda: Seq(
+        _conv(3, 64, 7, stride=2, padding=3, bias=False), lambda y, m: F.relu(m.bn(y)), bn=nn.BatchNorm2d(64)),
+        (32, 3, 224, 224)),
     ZooModel("unet_downsample_gn_silu", lambda: Seq(
         _conv(128, 128, stride=2, padding=1), lambda y, m: F.silu(m.gn(y)), gn=nn.GroupNorm(32, 128)),
         (16, 128, 64, 64)),
