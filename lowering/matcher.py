@@ -1429,7 +1429,7 @@ def _match_anchor(node: Node, direct_conv: bool = True, direct_gemm: bool = Fals
     """Returns (Anchor, operand nodes) for an anchor node, else None.
 
     direct_conv: mark 2-D convolutions of groups 1 as candidates for the direct conv
-        (stride 1, dilation 1) and the in-kernel conv.
+        (stride 1, dilation 1) and the in-kernel conv, and 3-D ones for the in-kernel conv.
     direct_gemm: mark x @ w^T products (a Linear's) as candidates for the in-kernel GEMM.
     implicit_conv: mark those convolutions as candidates for the in-kernel conv too.
     """

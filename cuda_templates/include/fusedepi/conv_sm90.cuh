@@ -4,8 +4,8 @@
 //
 // Included by the rendered file (cuda_templates/conv_sm90.py, CONV_KERNELS) inside its
 // anonymous namespace, after the file has defined what this code reads:
-//   T, Args (x: the input [rows, H, W, C_in] in memory, or [rows, C_in, H, W] where kNchw;
-//   w: the weight [kChannels, kTaps, kCinPad]), stage0_chan, stage0_chan_of, stage0_at,
+//   T, Args (x: the input [rows, H, W, C_in] in memory, [rows, D, H, W, C_in] where kDepth,
+//   or [rows, C_in, H, W] where kNchw; w: the weight [kChannels, kTaps, kCinPad]), stage0_chan, stage0_chan_of, stage0_at,
 //   kChannels (KERNEL_FILE and CONV_KERNELS' constants: kBM, kBN, kBK, kSwizzle, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
 //   kHo, kWo, kHoPlane, kDepth, kD, kKD, kPD, kSD, kDD, kDo, kPitch, kCBlocks, kTilesN, kTilesPerImage, kTileA, kTileB, kMmaK, kPingPong,
 //   kConvStats, kConvReduce, kReduceOp, kConvSoftmax, kConvPixelReduce, kConvPool, kPoolKH, kPoolKW, kPoolMax,
@@ -552,7 +552,8 @@ __device__ __forceinline__ void pool_runs(const uint8_t* staging, int ct, int im
 }
 
 // The kernel's body (the file's __global__ wrapper calls it with its __grid_constant__
-// tensor maps): map_x over x [rows, H, W, C_in] (dims C_in, W, H, rows; kNchw: over x
+// tensor maps): map_x over x [rows, H, W, C_in] (dims C_in, W, H, rows; kDepth: over x
+// [rows, D, H, W, C_in], dims C_in, W, H, D, rows, a box one plane deep; kNchw: over x
 // [rows, C_in, H, W], dims W, H, C_in, rows, a box an m64 block), map_w over w
 // [kChannels, kTaps x kCinPad]. Warpgroup 0's first thread loads, by TMA, for each k-step
 // (tap, channel block of kSwizzle bytes: the tiles' rows) the patch of input pixels that
