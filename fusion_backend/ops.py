@@ -178,9 +178,11 @@ def one_row(t: torch.Tensor) -> torch.Tensor:
 
 
 def flip_transposed_weight(w: torch.Tensor) -> torch.Tensor:
-    """A 2-D ConvTranspose's weight [C_in, C_out, kh, kw] as the conv it equals takes it
-    (`Anchor.flipped`): [C_out, C_in, kh, kw], flipped along kh and kw, contiguous."""
-    return w.permute(1, 0, 2, 3).flip((2, 3)).contiguous()
+    """A ConvTranspose's weight [C_in, C_out, kh, kw] (a 3-D one's [C_in, C_out, kd, kh,
+    kw]) as the conv it equals takes it (`Anchor.flipped`): [C_out, C_in, kh, kw], flipped
+    along every kernel dim, contiguous."""
+    kernel_dims = tuple(range(2, w.dim()))
+    return w.permute(1, 0, *kernel_dims).flip(kernel_dims).contiguous()
 
 
 def _rounded_to_tf32(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:

@@ -1456,9 +1456,12 @@ def _match_anchor(node: Node, direct_conv: bool = True, direct_gemm: bool = Fals
         conv = (tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(out_pad), groups)
         operands = [x, w] + ([b] if b is not None else [])
         direct, depth, flipped, as_2d = (), (), False, False
-        if direct_conv and transposed:  # a stride-1 ConvTranspose2d as the conv it equals
+        if direct_conv and transposed:  # a stride-1 ConvTranspose2d or 3d as the conv it equals
             equal = _conv_equal_to_transposed(w, conv)
-            direct = _direct_conv(x, w, equal) if equal is not None else ()
+            if equal is not None and len(stride) == 3:
+                direct, depth = _direct_conv_3d(x, w, equal)
+            elif equal is not None:
+                direct = _direct_conv(x, w, equal)
             if direct:
                 conv, flipped = equal, True
         elif direct_conv and len(stride) == 3:  # a Conv3d: the in-kernel conv's, by depth planes
@@ -1493,14 +1496,14 @@ def linear_form(x: Node, wt: Node, bias: Node | None = None) -> tuple:
 
 
 def _conv_equal_to_transposed(w: Node, conv: tuple) -> tuple | None:
-    """The parameters of the conv that equals a 2-D ConvTranspose of stride 1 and groups 1
-    (`conv`, its parameters) on its weight transposed and flipped (`Anchor.flipped`):
-    stride 1, padding dilation x (kernel - 1) - padding, the same dilation. None where
-    the ConvTranspose is not such (a stride, groups, an output padding, a padding past
-    the kernel's reach, or sizes unknown)."""
+    """The parameters of the conv that equals a 2-D or 3-D ConvTranspose of stride 1 and
+    groups 1 (`conv`, its parameters) on its weight transposed and flipped
+    (`Anchor.flipped`): stride 1, padding dilation x (kernel - 1) - padding, the same
+    dilation. None where the ConvTranspose is not such (a stride, groups, an output
+    padding, a padding past the kernel's reach, or sizes unknown)."""
     stride, padding, dilation, _, out_pad, groups = conv
     wv = _val(w)
-    if groups != 1 or not isinstance(wv, torch.Tensor) or wv.dim() != 4 or len(stride) != 2:
+    if groups != 1 or not isinstance(wv, torch.Tensor) or wv.dim() not in (4, 5) or len(stride) != wv.dim() - 2:
         return None
     if any(s != 1 for s in stride) or any(o != 0 for o in out_pad):
         return None

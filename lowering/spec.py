@@ -128,13 +128,15 @@ class Anchor:
             graph ops before it (`fusion_backend.ops.insert_chain`), and its last two are
             x and the weight themselves, which the library conv reads at calls where
             cuDNN's TF32 flag is off. The in-kernel conv takes float32 only so.
-        flipped: conv only: a 2-D ConvTranspose of stride 1 and groups 1 computed as the
+        flipped: conv only: a 2-D or 3-D ConvTranspose of stride 1 and groups 1 computed as the
             conv it equals, so that the direct and the in-kernel conv may take it: the
-            graph's weight operand is the ConvTranspose's [C_in, C_out, kh, kw];
-            `fusion_backend.ops.insert_chain` passes the fused op its transpose, flipped
-            along kh and kw ([C_out, C_in, kh, kw]), made by graph ops before the call;
-            `conv` holds that conv's parameters (stride 1, padding dilation x (k - 1) -
-            the ConvTranspose's, not transposed). The matcher sets it (`direct` too).
+            graph's weight operand is the ConvTranspose's [C_in, C_out, kh, kw] (3-D:
+            [C_in, C_out, kd, kh, kw]); `fusion_backend.ops.insert_chain` passes the fused
+            op its transpose, flipped along every kernel dim ([C_out, C_in, kh, kw]),
+            made by graph ops before the call; `conv` holds that conv's parameters
+            (stride 1, padding dilation x (k - 1) - the ConvTranspose's, not transposed).
+            The matcher sets it (`direct` too; a 3-D one's `depth`, which only the
+            in-kernel conv takes).
         as_2d: conv only: a Conv1d computed as the 2-D conv of one row it equals, so that
             the direct and the in-kernel conv may take it: the graph's x [N, C, L] and
             weight [C_out, C / groups, k] reach the fused op as [N, C, 1, L] and

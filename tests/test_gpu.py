@@ -1894,11 +1894,12 @@ def test_in_kernel_conv_of_a_computed_x(exact_float32, monkeypatch):
 
 
 class _Conv3dChain(nn.Module):
-    """Conv3d, then `tail` (its name: IN_KERNEL_CONVS_3D)."""
+    """Conv3d (or, `transposed`, a ConvTranspose3d), then `tail` (its name: IN_KERNEL_CONVS_3D)."""
 
-    def __init__(self, cin, cout, k, stride, padding, dilation, tail):
+    def __init__(self, cin, cout, k, stride, padding, dilation, tail, transposed=False):
         super().__init__()
-        self.conv = nn.Conv3d(cin, cout, k, stride=stride, padding=padding, dilation=dilation)
+        kind = nn.ConvTranspose3d if transposed else nn.Conv3d
+        self.conv = kind(cin, cout, k, stride=stride, padding=padding, dilation=dilation)
         self.tail = tail
         self.gn = nn.GroupNorm(4, cout)
         self.bn = nn.BatchNorm3d(cout)
@@ -1917,12 +1918,14 @@ class _Conv3dChain(nn.Module):
 # 3-D convs in the in-kernel conv (Anchor.depth: the output's depth planes, a patch in one,
 # each tap's input plane by the 5-D tensor map, zeros past the input's: the padding).
 IN_KERNEL_CONVS_3D = {
-    # name: (cin, cout, k, stride, padding, dilation, tail, input shape)
+    # name: (cin, cout, k, stride, padding, dilation, tail, input shape[, transposed])
     "gn_silu": (8, 16, 3, 1, 0, 1, "gn_silu", (2, 8, 6, 18, 18)),  # GroupNorm segments over 4 planes
     "pad_stride2_pointwise": (16, 64, 3, (2, 1, 1), 1, 1, "pointwise", (2, 16, 9, 20, 13)),  # 5 planes of 20 x 13
     "dilated_bn_relu": (32, 32, 3, 1, (0, 1, 1), (2, 1, 1), "bn_relu", (3, 32, 7, 12, 12)),  # BatchNorm, training
     "relu_mean": (16, 32, 3, 1, (0, 1, 1), 1, "relu_mean", (2, 16, 6, 10, 24)),  # a mean over D x H x W in the tiles
     "many_tiles": (32, 64, 3, 1, 1, 1, "pointwise", (4, 32, 16, 32, 32)),  # 1024 tiles: several a CTA
+    # a stride-1 ConvTranspose3d as the Conv3d it equals (Anchor.flipped; its weight flipped by the graph)
+    "transposed_gn_silu": (16, 32, 3, 1, 1, 1, "gn_silu", (2, 16, 5, 12, 20), True),
 }
 
 
@@ -1933,8 +1936,8 @@ def test_in_kernel_conv_3d(name, dtype, exact_float32, monkeypatch):
     # BatchNorm's running statistics as eager's. The in-kernel conv is what ran.
     _needs_sm90()
     monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
-    cin, cout, k, stride, padding, dilation, tail, shape = IN_KERNEL_CONVS_3D[name]
-    model = _Conv3dChain(cin, cout, k, stride, padding, dilation, tail).cuda().to(dtype)
+    cin, cout, k, stride, padding, dilation, tail, shape, *transposed = IN_KERNEL_CONVS_3D[name]
+    model = _Conv3dChain(cin, cout, k, stride, padding, dilation, tail, *transposed).cuda().to(dtype)
     x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
     ref, ref_model = float64_reference(model, x)
     saved = torch.backends.cudnn.allow_tf32

@@ -983,6 +983,8 @@ def test_the_matcher_marks_the_in_kernel_conv_only_when_asked(setting, implicit,
     (nn.Conv3d(8, 16, 3), (2, 8, 6, 10, 12), lambda y: F.silu(F.group_norm(y, 4))),
     (nn.Conv3d(16, 32, (3, 1, 3), stride=(2, 1, 1), padding=(1, 0, 1), dilation=(1, 1, 2)), (2, 16, 7, 9, 11),
      torch.relu),
+    # a stride-1 ConvTranspose3d as the Conv3d it equals (Anchor.flipped)
+    (nn.ConvTranspose3d(16, 32, 3, padding=1), (2, 16, 5, 9, 11), torch.relu),
 ])
 def test_a_conv3d_is_a_candidate_for_the_in_kernel_conv_by_depth_planes(conv, shape, after, monkeypatch):
     # Anchor.depth: (kd, D) beside the plane's `direct`; the in-kernel conv plans it, its

@@ -372,7 +372,11 @@ def _as_eager(model, x, out, grad):
     (lambda: nn.ConvTranspose2d(3, 8, 3, stride=2), 3, False),
     (lambda: nn.ConvTranspose2d(3, 8, 3, stride=2, output_padding=1), 3, False),
     (lambda: nn.ConvTranspose2d(4, 8, 3, groups=2), 4, False),
-], ids=["padding1", "padding0", "dilated_rectangular", "padding_past_reach", "stride2", "output_padding", "groups2"])
+    (lambda: nn.ConvTranspose3d(3, 8, 3, padding=1), 3, True),  # a 3-D one (Anchor.depth)
+    (lambda: nn.ConvTranspose3d(3, 8, (2, 3, 1), padding=(1, 0, 0), dilation=(1, 2, 1)), 3, True),
+    (lambda: nn.ConvTranspose3d(3, 8, 3, stride=2), 3, False),
+], ids=["padding1", "padding0", "dilated_rectangular", "padding_past_reach", "stride2", "output_padding", "groups2",
+        "3d_padding1", "3d_dilated_rectangular", "3d_stride2"])
 @pytest.mark.parametrize("grad", [False, True])
 def test_a_stride_1_conv_transpose_runs_as_the_conv_it_equals(make, cin, flipped, grad):
     # Anchor.flipped: the fused op takes the ConvTranspose's weight transposed and flipped
@@ -381,11 +385,13 @@ def test_a_stride_1_conv_transpose_runs_as_the_conv_it_equals(make, cin, flipped
     # eager's (the sums in another order).
     torch.manual_seed(0)
     model = ConvChain(make(), nn.Sequential(nn.GroupNorm(4, 8), nn.Hardswish()))
-    x = torch.randn(2, cin, 7, 9, requires_grad=grad)
+    three_d = isinstance(model.conv, nn.ConvTranspose3d)
+    x = torch.randn(2, cin, *((4,) if three_d else ()), 7, 9, requires_grad=grad)
     out, fused, refused = compile_records(model, x, grad=grad)
     (record,) = fused
     anchor = json.loads(record.spec)["anchor"]
     assert anchor["flipped"] == flipped and anchor["conv"][3] == (not flipped) and bool(anchor["direct"]) == flipped
+    assert bool(anchor["depth"]) == (flipped and three_d)  # (the in-kernel conv's alone)
     assert ("a ConvTranspose of stride 1 as the conv it equals" in record.kernel) == flipped  # explain's kernel column
     if flipped:
         reach = [d * (k - 1) for d, k in zip(model.conv.dilation, model.conv.kernel_size)]
