@@ -11,7 +11,7 @@ renderer, the launchers and `explain` read the decision instead of re-deriving i
 | `gemm_padding` | 16-bit `addmm`/`mm` whose K or N is not a multiple of 8 | the GEMM on zero-padded operands |
 | `library_conv` | a conv the direct conv would compute (stride 1, few input channels) | the library conv and the epilogue kernel |
 | `conv_layout` | a 2-D/3-D library conv with a channels-last epilogue mapping | cuDNN on channels-last operands |
-| `in_kernel_conv` | a 2-D conv (groups 1, strides up to 8) with a pointwise chain or a norm over whole channels, on sm_90 | the conv computed in the chain's kernel |
+| `in_kernel_conv` | a 2-D or 3-D conv (groups 1, strides up to 8) with a pointwise chain or a norm over whole channels, on sm_90 | the conv computed in the chain's kernel |
 | `gemm_consumers` | a 16-bit in-kernel GEMM whose CTAs have tiles for the spare warps | the chain in the consumer warps |
 
 Each row's setting (`Config`, one environment variable each) is "auto" (time both

@@ -6,6 +6,24 @@ import torch
 
 from lowering.spec import EpilogueSpec
 
+from .. import timings
+
+
+def conv_op_shapes(chain) -> tuple[tuple, tuple] | None:
+    """A conv chain's x and weight shapes as its fused op takes them (`Anchor.op_shapes`;
+    a dynamic size at its hint), or None where one has no hint: what the conv rows'
+    timings depend on."""
+    x_shape, w_shape = (timings.example_shape(n.meta["val"]) for n in chain.operands[:2])
+    if x_shape is None or w_shape is None:
+        return None
+    return chain.spec.anchor.op_shapes(x_shape, w_shape)
+
+
+def conv_in_words(found: tuple) -> str:
+    """A conv row's `found` (dtype, x's shape, the weight's shape, TF32) in words."""
+    dtype, x_shape, w_shape, tf32 = found
+    return f"{dtype}{' in TF32' if tf32 else ''}, input {list(x_shape)}, weight {list(w_shape)}"
+
 
 class Form:
     """Another way to run a chain's library anchor. A subclass names its row and says

@@ -23,24 +23,8 @@ from __future__ import annotations
 import cuda_templates
 from lowering.spec import EpilogueSpec
 
-from .. import timings
 from ..ops import arch_of, conv_allows_tf32
-from .base import Form
-
-
-def op_shapes(chain) -> tuple[tuple, tuple] | None:
-    """x's and the weight's shapes as the chain's fused op takes them (`Anchor.op_shapes`;
-    a dynamic size at its hint), or None where one has no hint."""
-    x_shape, w_shape = (timings.example_shape(n.meta["val"]) for n in chain.operands[:2])
-    if x_shape is None or w_shape is None:
-        return None
-    return chain.spec.anchor.op_shapes(x_shape, w_shape)
-
-
-def conv_in_words(found: tuple) -> str:
-    """A conv row's `found` (dtype, x's shape, the weight's shape, TF32) in words."""
-    dtype, x_shape, w_shape, tf32 = found
-    return f"{dtype}{' in TF32' if tf32 else ''}, input {list(x_shape)}, weight {list(w_shape)}"
+from .base import Form, conv_in_words, conv_op_shapes
 
 
 class ConvImplicit(Form):
@@ -66,7 +50,7 @@ class ConvImplicit(Form):
         if not isinstance(cuda_templates.conv_gemm_plan(spec.with_in_kernel_conv(), arch_of(xv.device), tf32),
                           cuda_templates.ConvGemmPlan):
             return None
-        shapes = op_shapes(chain)
+        shapes = conv_op_shapes(chain)
         return None if shapes is None else (spec.dtype, *shapes, tf32)
 
     def describe(self, found) -> str:

@@ -29,7 +29,7 @@ from lowering.spec import EpilogueSpec
 
 from .. import timings
 from ..ops import arch_of, channels_last_format, conv_allows_tf32, run_anchor
-from .base import Form
+from .base import Form, conv_op_shapes
 
 
 class ConvLayout(Form):
@@ -49,7 +49,7 @@ class ConvLayout(Form):
         spec = chain.spec
         if spec.anchor.kind != "conv" or spec.anchor.channels_last or spec.anchor.permuted:
             return None
-        xv, wv = chain.operands[0].meta["val"], chain.operands[1].meta["val"]
+        xv = chain.operands[0].meta["val"]
         if xv.dim() not in (4, 5):
             return None
         tf32 = spec.dtype == "float32" and conv_allows_tf32()
@@ -58,11 +58,10 @@ class ConvLayout(Form):
         staged = replace(spec, anchor=replace(spec.anchor, channels_last=True))
         if isinstance(cuda_templates.channels_last_plan(staged), str):
             return None
-        x_shape, w_shape = timings.example_shape(xv), timings.example_shape(wv)
-        if x_shape is None or w_shape is None:
+        shapes = conv_op_shapes(chain)  # as the fused op takes them
+        if shapes is None:
             return None
-        x_shape, w_shape = spec.anchor.op_shapes(x_shape, w_shape)  # as the fused op takes them
-        return spec.anchor, spec.dtype, x_shape, w_shape, xv.is_contiguous(memory_format=channels_last_format(xv))
+        return spec.anchor, spec.dtype, *shapes, xv.is_contiguous(memory_format=channels_last_format(xv))
 
     def describe(self, found) -> str:
         anchor, dtype, x_shape, *_ = found

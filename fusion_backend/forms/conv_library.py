@@ -25,8 +25,7 @@ import cuda_templates
 from lowering.spec import EpilogueSpec
 
 from ..ops import arch_of, conv_allows_tf32
-from .base import Form
-from .conv_implicit import conv_in_words, op_shapes
+from .base import Form, conv_in_words, conv_op_shapes
 
 
 class ConvLibrary(Form):
@@ -49,7 +48,7 @@ class ConvLibrary(Form):
         tf32 = spec.dtype == "float32" and conv_allows_tf32()
         if not isinstance(cuda_templates.direct_plan(spec, arch_of(xv.device), tf32), cuda_templates.DirectPlan):
             return None
-        shapes = op_shapes(chain)
+        shapes = conv_op_shapes(chain)
         return None if shapes is None else (spec.dtype, *shapes, tf32)
 
     def describe(self, found) -> str:
