@@ -1418,7 +1418,7 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
     (sh, sw), (ph, pw), (dh, dw) = anchor.plane_conv()
     # A 3-D conv's depth (a 2-D conv: one plane, a tap deep)
     kd, d = anchor.depth or (1, 1)
-    (sd, pd, dd) = (p[0] for p in anchor.conv[:3]) if anchor.depth else (1, 0, 1)
+    sd, pd, dd = anchor.depth_conv()
     conv = conv_sm90.CONV_KERNELS.substitute(
         kernel=name, bm=c.block_m, bn=c.block_n, bk=c.k_bytes // ITEMSIZE[spec.dtype],
         mma_k=gemm_sm90.WGMMA_TYPES[spec.dtype][1], stages=c.stages, th=c.tile_h, tw=c.tile_w,

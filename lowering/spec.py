@@ -70,6 +70,11 @@ def broadcast_sizes(consts: tuple, per_row: int) -> tuple[int, int]:
     return 1 + sum((mod - 1) * stride for _, mod, stride in terms), 0
 
 
+def conv_out_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
+    """A conv's output size along one dim (PyTorch's formula)."""
+    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+
+
 @dataclass(frozen=True)
 class Anchor:
     """The matrix op that starts the chain.
@@ -190,19 +195,23 @@ class Anchor:
         """(stride, padding, dilation) over the height and width (a 3-D conv's last two)."""
         return tuple(tuple(p[-2:]) for p in self.conv[:3])
 
+    def depth_conv(self) -> tuple[int, int, int]:
+        """(stride, padding, dilation) over the depth of a 3-D candidate (`depth`); a
+        2-D one's single plane: (1, 0, 1)."""
+        return tuple(p[0] for p in self.conv[:3]) if self.depth else (1, 0, 1)
+
     def direct_out_hw(self) -> tuple[int, int]:
         """Output (H, W) of a candidate for the file's own conv kernels (`direct`)."""
         _, kh, kw, h, w = self.direct
         (sh, sw), (ph, pw), (dh, dw) = self.plane_conv()
-        return (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+        return conv_out_size(h, kh, sh, ph, dh), conv_out_size(w, kw, sw, pw, dw)
 
     def direct_out_d(self) -> int:
         """Output depth of a 3-D candidate (`depth`); 1 for a 2-D one."""
         if not self.depth:
             return 1
         kd, d = self.depth
-        (sd, *_), (pd, *_), (dd, *_) = self.conv[:3]
-        return (d + 2 * pd - dd * (kd - 1) - 1) // sd + 1
+        return conv_out_size(d, kd, *self.depth_conv())
 
     def direct_out_spatial(self) -> tuple[int, ...]:
         """The output's spatial dims as the graph has them, of a candidate for the file's own
