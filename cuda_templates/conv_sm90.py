@@ -181,6 +181,9 @@ class ConvGemmPlan:
         pool: () or the (rows, columns) of a pooling window whose stride is the window,
             unpadded (POOLS_IN_TILE): the staged tile is pooled and only the pooled plane
             is written; the patch holds whole windows.
+        recompute: with `stats`: the kernel runs twice (`Anchor.recompute`), its first
+            pass writing the tiles' moments alone, its second, after their merge, the
+            chain with the norm applied in the tile; the conv's value is never written.
     """
 
     block_n: int
@@ -196,9 +199,11 @@ class ConvGemmPlan:
     softmax: int = 0
     pixel_reduce: str = ""
     pool: tuple = ()
+    recompute: bool = False
 
     def name(self, spec, arch: str) -> str:
-        return f"igemm{self.block_m}x{self.block_n}{'_nchw' if self.nchw else ''}_" + spec.kernel_name(arch + "a")
+        return (f"igemm{self.block_m}x{self.block_n}{'_nchw' if self.nchw else ''}{'_rc' if self.recompute else ''}_"
+                + spec.kernel_name(arch + "a"))
 
 
 def reads_nchw(plan: "ConvGemmPlan", itemsize: int, stride_w: int, width: int, kernel_w: int = 1,
@@ -383,6 +388,9 @@ def wgmma_asm(dtype: str, n: int, a_mn_major: bool = False) -> str:
 #   $pool_wo    ... and columns
 #   $nchw       x read in its NCHW layout (ConvGemmPlan.nchw): true or false
 #   $nchw_box_w pixels of an NCHW box (NCHW_BOX_W)
+#   $recompute  the norm recomputed (ConvGemmPlan.recompute): true or false
+#   $norm_chan  NormChan's fields, norm_chan_of's and norm_stage1's bodies (render: the norm's
+#               stage1 operands and statistics for the normed pass, else nothing)
 #   $parts_at   where the moments or the reductions go: floats from the workspace's start
 #   $wgmma      the wgmma_asm() statement
 CONV_KERNELS = Template(
@@ -422,6 +430,8 @@ constexpr int kPoolKH = $pool_kh, kPoolKW = $pool_kw, kPoolDivisor = $pool_divis
 constexpr int kPoolHo = $pool_ho, kPoolWo = $pool_wo;
 constexpr bool kPoolMax = $pool_max;
 constexpr bool kNchw = $nchw;  // x read in its NCHW layout, boxes of kNchwBoxW pixels (conv_sm90.cuh)
+// A norm recomputed: the conv runs twice, for the moments, then for the normed chain (conv_sm90.cuh's passes).
+constexpr bool kRecompute = $recompute;
 constexpr int kNchwBoxW = $nchw_box_w;
 [[maybe_unused]] constexpr long long kPartsAt = $parts_at;  // ... at a.ws + kPartsAt (kConvStats, kConvReduce)
 constexpr int kCBlocks = (kCin + kBK - 1) / kBK;  // k-steps a tap
@@ -436,6 +446,9 @@ constexpr int kTileA = kBM * kSwizzle, kTileB = kBN * kSwizzle;  // bytes a stag
 __device__ __forceinline__ void wgmma_n(float (&d)[kBN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   $wgmma
 }
+
+// The norm applied in the normed pass's tiles (kRecompute): a channel's operands, and stage1 on one value.
+$norm_chan
 
 #include "fusedepi/conv_sm90.cuh"
 
@@ -456,13 +469,18 @@ static_assert(kConvSmem <= 227 * 1024, "sm_90's dynamic shared memory a block");
 static_assert(kDepth || (kD == 1 && kKD == 1 && kPD == 0 && kSD == 1 && kDD == 1 && kDo == 1), "2-D: one plane");
 static_assert(!kDepth || (!kNchw && !kConvPool), "a 3-D conv: channels-last x, no pooling window in the tiles");
 
+template <int kPass>
 __global__ void __launch_bounds__(384, 1) ${kernel}_conv(const __grid_constant__ CUtensorMap map_x,
                                                          const __grid_constant__ CUtensorMap map_w, const Args a) {
-  conv_body(map_x, map_w, a);
+  conv_body<kPass>(map_x, map_w, a);
 }
 
-// Launches the conv on `device`: one CTA an SM (its shared memory), at most one a tile.
-int conv_launch(const Args& a, int device, cudaStream_t stream) {
+// Launches pass `pass` of the conv on `device` (conv_sm90.cuh: kPassOnce, or with
+// kRecompute kPassMoments then kPassNormed): one CTA an SM (its shared memory), at most
+// one a tile.
+int conv_launch(const Args& a, int device, cudaStream_t stream, int pass) {
+  constexpr int kFirst = kRecompute ? kPassMoments : kPassOnce, kLast = kRecompute ? kPassNormed : kPassOnce;
+  if (pass != kFirst && pass != kLast) return static_cast<int>(cudaErrorInvalidValue);
   CUtensorMap map_x, map_w;
   if constexpr (kNchw) {  // [rows, C_in, H, W]: kNchwBoxW pixels of a row by a k-step's channels a box
     const cuuint64_t x_dims[4] = {kW, kH, kCin, static_cast<cuuint64_t>(a.rows)};
@@ -490,15 +508,23 @@ int conv_launch(const Args& a, int device, cudaStream_t stream) {
   if (int e = hop::encode_map_2d<T>(&map_w, a.w, kChannels, kTaps * kCinPad, kBN, kBK, kSwizzle)) return e;
   static int sms[64] = {};
   if (device >= 64) return static_cast<int>(cudaErrorInvalidDevice);
-  if (sms[device] == 0) {  // once a device: the shared-memory limit, and the SM count
-    cudaError_t err = cudaFuncSetAttribute(${kernel}_conv, cudaFuncAttributeMaxDynamicSharedMemorySize, kConvSmem);
+  if (sms[device] == 0) {  // once a device: the shared-memory limit of each pass's kernel, and the SM count
+    const auto smem = [](auto kernel) {
+      return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kConvSmem);
+    };
+    cudaError_t err = smem(${kernel}_conv<kFirst>);
+    if (err == cudaSuccess && kLast != kFirst) err = smem(${kernel}_conv<kLast>);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return static_cast<int>(err);
   }
   const long long tiles = a.rows * kTilesPerImage;
   if (tiles > 0x7fffffffLL) return static_cast<int>(cudaErrorInvalidValue);
   const int grid = static_cast<int>(tiles < sms[device] ? tiles : sms[device]);
-  ${kernel}_conv<<<grid, 384, kConvSmem, stream>>>(map_x, map_w, a);
+  if (pass == kLast) {
+    ${kernel}_conv<kLast><<<grid, 384, kConvSmem, stream>>>(map_x, map_w, a);
+  } else {
+    ${kernel}_conv<kFirst><<<grid, 384, kConvSmem, stream>>>(map_x, map_w, a);
+  }
   return static_cast<int>(cudaGetLastError());
 }"""
 )

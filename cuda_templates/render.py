@@ -774,8 +774,10 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     if pool and (tile.tile_h % pool[0] or tile.tile_w % pool[1]):
         return (f"a {pool[0]} x {pool[1]} window: the in-kernel conv's {tile.tile_h} x {tile.tile_w} patch holds "
                 "no whole ones")
+    if anchor.recompute and not stats:
+        return "a norm recomputed (Anchor.recompute), but the in-kernel conv's tiles take no norm's statistics here"
     return replace(tile, stats=stats, reduce=reduce, softmax=softmax, pixel_reduce=pixel_reduce, pool=pool,
-                   nchw=nchw(tile))
+                   nchw=nchw(tile), recompute=anchor.recompute)
 
 
 def conv_softmax(spec: EpilogueSpec) -> int:
@@ -1433,11 +1435,16 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
         softmax=c.softmax,
         value_stage1=("  float y[1] = {v};\n  stage1<1>(y, pos, e0, a, s0, s1);\n  v = y[0];"
                       if c.softmax or c.pixel_reduce or c.pool else ""),
+        recompute="true" if c.recompute else "false", norm_chan=_conv_norm_chan(spec, c),
         **_conv_pool_constants(spec, c, ho, wo),
     )
     fields, bind = _fields(spec, direct=True)
-    launches = ["  err = static_cast<cudaError_t>(conv_launch(a, device, stream));",
+
+    def conv_pass(name: str) -> list[str]:
+        return [f"  err = static_cast<cudaError_t>(conv_launch(a, device, stream, {name}));",
                 "  if (err != cudaSuccess) return static_cast<int>(err);"]
+
+    launches = conv_pass("kPassMoments" if c.recompute else "kPassOnce")
     middle, ws_floats = "", "0"  # a pointwise chain: the conv's launch alone writes its result
     if c.reduce:  # the tiles' partials, a float an (image, patch, channel); a kernel merges them into out
         ws_floats = "rows * kPatches * kChannels"
@@ -1461,13 +1468,44 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
             grid, ws_floats = "segments", f"{parts('rows')} + rows * kGroups * 2"
         conv += "\n\n" + conv_sm90.CONV_STATS_FINAL.substitute(
             kernel=name, segments="false" if bn else "true", seg_groups=1 if bn else red.groups, done=done)
-        launches += [f"  {name}_convstats<<<{grid}, 256, 0, stream>>>(a);",
-                     "  Args b = a;  // the apply kernel normalizes the output in place",
-                     "  b.y = a.out;",
-                     f"  {name}_apply<<<{_apply_grid(p)}, kBlock, 0, stream>>>(b);"]
-    return _kernel_file(spec, name, p, anchor_inside=1, includes='#include "fusedepi/hopper.cuh"\n', apply=c.stats,
+        launches.append(f"  {name}_convstats<<<{grid}, 256, 0, stream>>>(a);")
+        if c.recompute:  # the conv again, the norm applied in its tiles
+            middle = ""
+            launches += conv_pass("kPassNormed")
+        else:
+            launches += ["  Args b = a;  // the apply kernel normalizes the output in place",
+                         "  b.y = a.out;",
+                         f"  {name}_apply<<<{_apply_grid(p)}, kBlock, 0, stream>>>(b);"]
+    apply = c.stats and not c.recompute
+    return _kernel_file(spec, name, p, anchor_inside=1, includes='#include "fusedepi/hopper.cuh"\n', apply=apply,
                         fields=fields, bind=bind, stages=_stages(spec), middle=middle, stats_kernels=conv,
                         launches="\n".join(launches), ws_floats=ws_floats)
+
+
+def _conv_norm_chan(spec: EpilogueSpec, c: conv_sm90.ConvGemmPlan) -> str:
+    """CONV_KERNELS' NormChan, norm_chan_of and norm_stage1 (conv_sm90.cuh's normed pass):
+    with `c.recompute`, a thread's channel's stage1 operands and the statistics of its
+    segment in image `img` (GroupNorm and the like: (mean, rstd), where the stats kernel
+    leaves them; BatchNorm's stage1 reads its scale and shift as operands, its s0 and
+    s1 unused), loaded at the tile's start, and stage1 on one value with them; else
+    empty ones, never called."""
+    if not c.recompute:
+        return ("struct NormChan {};\n"
+                "[[maybe_unused]] __device__ __forceinline__ NormChan norm_chan_of(const Args&, int, int) { return {}; }\n"
+                "[[maybe_unused]] __device__ __forceinline__ void norm_stage1(float&, const NormChan&, long long, "
+                "const Args&) {}")
+    red = spec.reduction
+    if red.name == "batchnorm_train":
+        stats = "  k.s0 = 0.f;\n  k.s1 = 0.f;"
+    else:  # the segment's (mean, rstd) after the tiles' moments (SEGMENT_STATS' place)
+        stats = (f"  const float* s = a.ws + a.rows * (kTilesPerImage / kTilesN) * kChannels * 2 + "
+                 f"(static_cast<long long>(img) * {red.groups} + c / {spec.channels // red.groups}) * 2;\n"
+                 "  k.s0 = s[0];\n  k.s1 = s[1];")
+    return ("struct NormChan {\n  stage1_chan k;\n  float s0, s1;\n};\n"
+            "__device__ __forceinline__ NormChan norm_chan_of(const Args& a, int img, int c) {\n"
+            "  NormChan k;\n  k.k = stage1_chan_of(a, c);\n" + stats + "\n  return k;\n}\n"
+            "__device__ __forceinline__ void norm_stage1(float& v, const NormChan& k, long long e0, const Args& a) {\n"
+            "  float y[1] = {v};\n  stage1_at<1>(y, k.k, e0, a, k.s0, k.s1);\n  v = y[0];\n}")
 
 
 def _conv_pool_constants(spec: EpilogueSpec, c: conv_sm90.ConvGemmPlan, ho: int, wo: int) -> dict:

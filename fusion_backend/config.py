@@ -66,6 +66,11 @@ class Config:
             (FUSEDEPI_GEMM_CONSUMERS): "auto" (the default: where the measured choice
             times the chain, both kernels are timed and the faster kept), "on" (always)
             or "off".
+        conv_recompute: whether an in-kernel conv with a norm runs twice, its moments
+            first, then the chain with the norm applied in its tiles, writing the conv's
+            value never (FUSEDEPI_CONV_RECOMPUTE): "auto" (the default: where the
+            measured choice times the chain, it is timed both ways and the faster kept),
+            "on" (always) or "off" (the conv's value written and normalized in place).
         autotune: whether a matched chain is fused only where it is measured faster
             than Inductor's compile of the same subgraph (FUSEDEPI_AUTOTUNE,
             `fusion_backend.choice`): "auto" (the default: chains on a GPU are timed),
@@ -89,6 +94,7 @@ class Config:
     fold_gemm_bias: str = "auto"
     gemm_consumers: str = "auto"
     library_conv: str = "auto"
+    conv_recompute: str = "auto"
     autotune: str = "auto"
     debug: bool = False
 
@@ -105,7 +111,7 @@ def load_config(environ=None) -> Config:
         ValueError: FUSEDEPI_DISABLE names something that is neither a fusion
             nor a step, FUSEDEPI_LOG_LEVEL is not a logging level, or
             FUSEDEPI_IN_KERNEL_GEMM, FUSEDEPI_IN_KERNEL_CONV, FUSEDEPI_PAD_GEMM, FUSEDEPI_CONV_CHANNELS_LAST,
-            FUSEDEPI_FOLD_GEMM_BIAS, FUSEDEPI_GEMM_CONSUMERS, FUSEDEPI_LIBRARY_CONV or
+            FUSEDEPI_FOLD_GEMM_BIAS, FUSEDEPI_GEMM_CONSUMERS, FUSEDEPI_LIBRARY_CONV, FUSEDEPI_CONV_RECOMPUTE or
             FUSEDEPI_AUTOTUNE is none
             of auto, 1, 0, or
             FUSEDEPI_NATIVE_LAUNCHER, FUSEDEPI_STRICT, FUSEDEPI_CPU_REFERENCE or
@@ -138,6 +144,7 @@ def load_config(environ=None) -> Config:
         fold_gemm_bias=_tristate("FUSEDEPI_FOLD_GEMM_BIAS", env.get("FUSEDEPI_FOLD_GEMM_BIAS", "")),
         gemm_consumers=_tristate("FUSEDEPI_GEMM_CONSUMERS", env.get("FUSEDEPI_GEMM_CONSUMERS", "")),
         library_conv=_tristate("FUSEDEPI_LIBRARY_CONV", env.get("FUSEDEPI_LIBRARY_CONV", "")),
+        conv_recompute=_tristate("FUSEDEPI_CONV_RECOMPUTE", env.get("FUSEDEPI_CONV_RECOMPUTE", "")),
         autotune=_tristate("FUSEDEPI_AUTOTUNE", env.get("FUSEDEPI_AUTOTUNE", "")),
         debug=_switch("FUSEDEPI_DEBUG", env.get("FUSEDEPI_DEBUG", ""), False),
     )

@@ -175,6 +175,8 @@ def _prepare(chain: Chain, spec: str, cfg: Config) -> str:
     in_kernel_conv = ops.runs_in_kernel_conv(chain.spec, chain.operands[0].meta["val"])
     if chain.spec.anchor.depth and in_kernel_conv:
         padded += " (a Conv3d by its output's depth planes)"
+    if chain.spec.anchor.recompute and in_kernel_conv:
+        padded += " (run twice: its tiles' moments, then the chain with the norm applied in its tiles)"
     if chain.spec.anchor.rounded and in_kernel_conv:
         padded += " (x and the weight rounded to the nearest TF32 value by the graph first, as cuDNN's TF32 convs round)"
     tf32 = _build(spec, device, cfg)
@@ -308,8 +310,10 @@ def _without_forms(chain: Chain, plan: ExecutionPlan, cfg: Config, claimed: froz
 def _untimed(chain: Chain, plan: ExecutionPlan, cfg: Config) -> ExecutionPlan:
     """`_without_forms` where the measured choice did not time the chain: each row taken
     for that timing alone (`FormChoice.by_chain`) goes back to the spec before it, where
-    that spec builds."""
-    for i, row in enumerate(plan.forms):
+    that spec builds. (A later row whose form an earlier one's return took away is left
+    as that return marked it: the rows are read from the plan as it stands.)"""
+    for i in range(len(plan.forms)):
+        row = plan.forms[i]
         if row.alternative is None or not row.by_chain:
             continue
         taken = chain.spec

@@ -154,6 +154,12 @@ class Anchor:
             could (`direct` kept as its shapes), the epilogue kernel after it: taken where
             the chain measured faster so (`fusion_backend.forms.conv_library`).
             `with_in_kernel_conv` clears it.
+        recompute: set with `implicit` on a chain with a norm the in-kernel conv's tiles
+            take the statistics of (BatchNorm in training, a norm over whole channels):
+            the conv runs twice, first for its tiles' moments alone, then again with the
+            norm applied in the tile, so that the conv's value is never written (x read
+            twice instead). The backend sets it where the chain measured faster so
+            (`fusion_backend.forms.conv_recompute`).
     """
 
     kind: str
@@ -171,6 +177,7 @@ class Anchor:
     flipped: bool = False
     as_2d: bool = False
     library: bool = False
+    recompute: bool = False
 
     def op_shapes(self, x_shape, w_shape) -> tuple[tuple, tuple]:
         """x's and the weight's shapes as the fused op takes them, given the graph's
@@ -189,7 +196,7 @@ class Anchor:
             return self
         stride, padding, dilation, transposed, out_pad, groups = self.conv
         conv = (stride[1:], padding[1:], dilation[1:], transposed, out_pad[1:], groups)
-        return dataclasses.replace(self, conv=conv, direct=(), implicit=False, as_2d=False)
+        return dataclasses.replace(self, conv=conv, direct=(), implicit=False, as_2d=False, recompute=False)
 
     def plane_conv(self) -> tuple[tuple, tuple, tuple]:
         """(stride, padding, dilation) over the height and width (a 3-D conv's last two)."""
@@ -384,6 +391,10 @@ class EpilogueSpec:
         rounded = self.dtype == "float32" and not self.anchor.has_bias
         anchor = dataclasses.replace(self.anchor, implicit=True, channels_last=False, rounded=rounded, library=False)
         return dataclasses.replace(self, anchor=anchor)
+
+    def with_norm_recomputed(self) -> "EpilogueSpec":
+        """This in-kernel conv spec with its norm recomputed (`Anchor.recompute`)."""
+        return dataclasses.replace(self, anchor=dataclasses.replace(self.anchor, recompute=True))
 
     def with_first_step(self, step: Step, param_dtype: str) -> "EpilogueSpec":
         """This spec with `step` run before its steps (and `param_dtype` appended to its

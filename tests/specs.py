@@ -316,7 +316,11 @@ def conv_gemm_specs(dtype="bfloat16"):
             dtype, p, 32, 4 * 10 * 24, "conv_spatial_mean",
         ),
     }
-    return {name: spec.with_in_kernel_conv() for name, spec in specs.items()}  # float32: operands rounded
+    specs = {name: spec.with_in_kernel_conv() for name, spec in specs.items()}  # float32: operands rounded
+    # norms recomputed (Anchor.recompute): a pass for the tiles' moments, then the normed pass
+    for name in ("igemm_bn_relu_16_32", "igemm_bn_1x1_192", "igemm_groupnorm_silu", "igemm_instancenorm_leaky"):
+        specs[f"{name}_recomputed"] = specs[name].with_norm_recomputed()
+    return specs
 
 
 def _broadcast(name, index, *terms):

@@ -72,7 +72,8 @@ def test_bad_settings_are_clear_errors(env, message):
                                          ("FUSEDEPI_CONV_CHANNELS_LAST", "conv_channels_last"),
                                          ("FUSEDEPI_FOLD_GEMM_BIAS", "fold_gemm_bias"),
                                          ("FUSEDEPI_GEMM_CONSUMERS", "gemm_consumers"),
-                                         ("FUSEDEPI_LIBRARY_CONV", "library_conv")])
+                                         ("FUSEDEPI_LIBRARY_CONV", "library_conv"),
+                                         ("FUSEDEPI_CONV_RECOMPUTE", "conv_recompute")])
 def test_auto_on_off_settings(name, field):
     assert getattr(load_config({}), field) == "auto"
     for value, mode in (("auto", "auto"), ("1", "on"), ("on", "on"), ("0", "off"), ("Off", "off"), (" ", "auto")):

@@ -70,7 +70,7 @@ def fresh_cache(monkeypatch, tmp_path):
 
 def test_the_table_lists_each_form_once_with_its_switch():
     assert [f.name for f in forms.FORMS] == ["gemm_bias", "gemm_padding", "library_conv", "conv_layout",
-                                             "in_kernel_conv", "gemm_consumers"]
+                                             "in_kernel_conv", "conv_recompute", "gemm_consumers"]
     assert all(forms.BY_NAME[f.name] is f for f in forms.FORMS)
     cfg = load_config({})
     for form in forms.FORMS:
@@ -469,24 +469,30 @@ def test_an_untimed_chain_that_cannot_be_built_without_the_consumers_keeps_them(
     assert rewrite._without_forms(chain, plan, load_config({}), frozenset()) is plan and chain.spec == taken
 
 
-def _conv_chain(dtype="bfloat16", cin=64, cout=128, hw=64, device="cuda"):
-    """A stand-in for a 2-D conv chain (k 3, stride 1, no padding, relu) that the direct
-    conv leaves to the library: x [2, cin, hw, hw], weight [cout, cin, 3, 3]."""
+def _conv_chain(dtype="bfloat16", cin=64, cout=128, hw=64, device="cuda", norm=False):
+    """A stand-in for a 2-D conv chain (k 3, stride 1, no padding, relu; `norm`:
+    BatchNorm in training, then relu) that the direct conv leaves to the library: x [2,
+    cin, hw, hw], weight [cout, cin, 3, 3]."""
     dev = torch.device(device, 0) if device == "cuda" else torch.device(device)
     x = SimpleNamespace(meta={"val": SimpleNamespace(device=dev, shape=(2, cin, hw, hw), dim=lambda: 4)}, name="x")
     w = SimpleNamespace(meta={"val": SimpleNamespace(device=dev, shape=(cout, cin, 3, 3), dim=lambda: 4)}, name="w")
     anchor = Anchor("conv", False, CONV2D[:1] + ((0, 0),) + CONV2D[2:], direct=(cin, 3, 3, hw, hw))
-    spec = EpilogueSpec(anchor, (Step("relu"),), dtype, (), cout, (hw - 2) ** 2, "conv_pointwise")
+    if norm:
+        bn = Step("batchnorm_train", consts=(0.1, 1e-5), inputs=(0, 1, 2, 3))
+        spec = EpilogueSpec(anchor, (bn, Step("relu")), dtype, (dtype,) * 4, cout, (hw - 2) ** 2,
+                            "conv_batchnorm_train")
+    else:
+        spec = EpilogueSpec(anchor, (Step("relu"),), dtype, (), cout, (hw - 2) ** 2, "conv_pointwise")
     return SimpleNamespace(spec=spec, operands=[x, w], params=[], anchor=x)
 
 
 @pytest.fixture
 def sm90(monkeypatch):
-    """The in-kernel conv's and the library conv's rows on an sm_90 GPU, with cuDNN's TF32
-    allowed."""
-    from fusion_backend.forms import conv_implicit, conv_library
+    """The in-kernel conv's, its recompute's and the library conv's rows on an sm_90 GPU,
+    with cuDNN's TF32 allowed."""
+    from fusion_backend.forms import conv_implicit, conv_library, conv_recompute
 
-    for module in (conv_implicit, conv_library):
+    for module in (conv_implicit, conv_library, conv_recompute):
         monkeypatch.setattr(module, "arch_of", lambda device: "sm90")
         monkeypatch.setattr(module, "conv_allows_tf32", lambda: True)
     monkeypatch.setattr(timings, "example_shape", lambda v: tuple(v.shape))
@@ -511,6 +517,56 @@ def test_the_in_kernel_conv_row_applies_where_the_in_kernel_conv_covers_the_chai
     assert form.candidate(_conv_chain("float32")) is None  # exact float32: cuDNN's
     monkeypatch.setattr(sm90, "arch_of", lambda device: "sm80")
     assert form.candidate(_conv_chain()) is None
+
+
+def test_the_recompute_row_applies_to_an_in_kernel_conv_whose_tiles_take_a_norms_statistics(sm90, monkeypatch):
+    import cuda_templates
+    from fusion_backend.forms import conv_recompute
+
+    form, implicit = conv_recompute.ConvRecompute(), sm90.ConvImplicit()
+    chain = _conv_chain()
+    chain.spec = implicit.apply(chain, None)
+    assert form.candidate(chain) is None  # a pointwise chain: nothing to recompute
+    chain = _conv_chain(norm=True)
+    assert form.candidate(chain) is None  # the library conv
+    chain.spec = implicit.apply(chain, None)
+    found = form.candidate(chain)
+    assert found == ("bfloat16", (2, 64, 64, 64), (128, 64, 3, 3), False)
+    assert "norm recomputed" in form.describe(found)
+    chain.spec = form.apply(chain, found)
+    assert form.applied(chain.spec) and form.candidate(chain) is None  # taken once
+    plan = cuda_templates.conv_gemm_plan(chain.spec, "sm90")
+    assert plan.recompute and plan.stats and "_rc_" in plan.name(chain.spec, "sm90")
+    # Under "auto" both rows are taken for the chain's timing, the second from the first's spec.
+    monkeypatch.setattr(_form("conv_layout"), "candidate", lambda chain: None)
+    chain = _conv_chain(norm=True)
+    rows = forms.choose(chain, load_config({}))
+    assert [(r.form, r.taken, r.by_chain) for r in rows] == [("in_kernel_conv", True, True),
+                                                             ("conv_recompute", True, True)]
+    assert rows[1].alternative.anchor.implicit and not rows[1].alternative.anchor.recompute
+    assert chain.spec.anchor.recompute
+    chain = _conv_chain(norm=True)
+    rows = forms.choose(chain, load_config({"FUSEDEPI_CONV_RECOMPUTE": "0"}))
+    assert [r.form for r in rows] == ["in_kernel_conv"] and not chain.spec.anchor.recompute
+
+
+def test_an_untimed_chain_drops_the_in_kernel_conv_and_the_recompute_taken_from_it(sm90, monkeypatch):
+    """Both by-chain rows go back where nothing timed the chain: the in-kernel conv's
+    return takes the recompute row's with it; that row is not returned a second time
+    (which would build the in-kernel conv's spec again)."""
+    from fusion_backend import rewrite
+    monkeypatch.setattr(_form("conv_layout"), "candidate", lambda chain: None)
+    chain = _conv_chain(norm=True)
+    plain = chain.spec
+    rows = forms.choose(chain, load_config({}))
+    built = []
+    monkeypatch.setattr(rewrite, "_prepare", lambda chain_, spec, cfg: built.append(spec) or "kernel")
+    untimed = Choice(0.0, 0.0, True, "not timed: a size without a hint")
+    plan = rewrite._without_forms(chain, ExecutionPlan(chain.spec.to_json(), "kernel", rows, untimed),
+                                  load_config({}), frozenset())
+    assert chain.spec == plain and plan.spec == plain.to_json() and built == [plain.to_json()]
+    assert [r.describe() for r in plan.forms] == ["in_kernel_conv: not taken (the chain not timed)",
+                                                  "conv_recompute: not taken (the chain not timed)"]
 
 
 def test_a_conv_chain_takes_channels_last_then_the_in_kernel_conv_for_the_chains_timing(

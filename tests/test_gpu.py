@@ -2271,14 +2271,18 @@ IN_KERNEL_CONV_NORMS = {
 IN_KERNEL_CONV_PRE = {"sigmoid_groupnorm_c8": lambda y: torch.sigmoid(y * 1.5 + 0.25)}
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", list(IN_KERNEL_CONV_NORMS))
-def test_in_kernel_conv_with_a_norm(name, dtype, exact_float32, monkeypatch):
+def test_in_kernel_conv_with_a_norm(name, dtype, recompute, exact_float32, monkeypatch):
     # The tiles' moments merged into the norm's statistics, then the output normalized in
-    # place: 16-bit at eager's error; float32 where cuDNN may use TF32, against float64 on
-    # the TF32-rounded operands; BatchNorm's running stats as eager's, over two steps.
+    # place (stored), or the conv run again with the norm applied in its tiles
+    # (recomputed, FUSEDEPI_CONV_RECOMPUTE=1): 16-bit at eager's error; float32 where
+    # cuDNN may use TF32, against float64 on the TF32-rounded operands; BatchNorm's
+    # running stats as eager's (updated once a call in either), over two steps.
     _needs_sm90()
     monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
+    monkeypatch.setenv("FUSEDEPI_CONV_RECOMPUTE", "1" if recompute else "0")
     cin, cout, k, padding, norm, shape = IN_KERNEL_CONV_NORMS[name]
     model = _ConvNorm(cin, cout, k, padding, norm(cout), IN_KERNEL_CONV_PRE.get(name),
                       *IN_KERNEL_CONV_STRIDES.get(name, (1, 1))).cuda().to(dtype)
@@ -2308,9 +2312,13 @@ def test_in_kernel_conv_with_a_norm(name, dtype, exact_float32, monkeypatch):
                         out = fn(x)
                     kernels = [r.kernel for rep in reports for r in rep.records if r.status == "fused"]
                     assert len(kernels) == 1 and re.match(r"igemm(128|256)x", kernels[0]), kernels
+                    assert ("_rc_" in kernels[0]) == recompute, kernels
                     ran = _fusedepi_kernels_run(fn, x, pattern=r"_sm[0-9]+a?_")
-                    for part in (r"_conv\b", r"_convstats\b", r"_apply\b"):  # the conv, the merge, the normalize
+                    for part in (r"_conv\b", r"_convstats\b"):  # the conv, the merge
                         assert any(re.search(part, r) for r in ran), (part, ran)
+                    # then the normalize in place, or the conv's second pass
+                    assert any(re.search(r"_apply\b", r) for r in ran) != recompute, ran
+                    assert (sum(bool(re.search(r"_conv\b", r)) for r in ran) == 2) == recompute, ran
                     out = fn(x)
                     for _ in range(2):  # BatchNorm's running stats moved by the two calls before
                         eager(x)

@@ -486,7 +486,7 @@ def _form(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> tuple:
     kernel = cuda_templates.kernel_name(spec, arch, conv_tf32)
     kernels = tuple(sorted(set(re.findall(rf"\b{re.escape(kernel)}_(\w+)\s*(?:<[^>]*>)?\(", source))))
     switches = tuple(re.findall(r"constexpr (?:int|bool|long long) (k(?:Staged|StagedApply|Wrap|PadK|Chunks|Team|"
-                                r"Stage0Done|ConvStats|RowReduce|RowReads|Bias|Sub|VecGroups|TiledNorm|ColRows|MaySpareWarps)) = (true|false|\d+);", source))
+                                r"Stage0Done|ConvStats|Recompute|RowReduce|RowReads|Bias|Sub|VecGroups|TiledNorm|ColRows|MaySpareWarps)) = (true|false|\d+);", source))
     coarse = tuple((k, v if v in ("true", "false") else str(int(v) > (32 if k == "kTeam" else 1 if k in ("kChunks", "kVecGroups", "kColRows") else 0)))
                    for k, v in switches)
     return ("float32" if spec.dtype == "float32" else "16-bit", kernel.split("_")[0], kernels, coarse)
@@ -773,8 +773,20 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     hook = "stage1<1>(y, pos, e0, a, s0, s1);" in source
     assert hook == bool(c.softmax or c.pixel_reduce or c.pool)
     assert f"constexpr int kConvSoftmax = {c.softmax};" in source
-    assert ("_apply(" in source) == ("_convstats(" in source) == ("b.y = a.out;" in source) == c.stats
+    assert ("_convstats(" in source) == c.stats
+    assert ("_apply(" in source) == ("b.y = a.out;" in source) == (c.stats and not c.recompute)
     assert f"constexpr bool kConvStats = {'true' if c.stats else 'false'};" in source
+    # A norm recomputed: the moments' pass, the merge, then the normed pass, whose tiles run
+    # stage1 with the merged statistics (no apply kernel); else one pass.
+    assert c.recompute == spec.anchor.recompute and (c.stats or not c.recompute)
+    assert f"constexpr bool kRecompute = {'true' if c.recompute else 'false'};" in source
+    assert ("stage1_at<1>(y, k.k, e0, a, k.s0, k.s1);" in source) == c.recompute
+    if c.recompute:
+        launch = source[source.index("conv_launch(a, device, stream, kPassMoments)"):]
+        assert launch.index("_convstats<<<") < launch.index("conv_launch(a, device, stream, kPassNormed)")
+        assert "_rc_" in c.name(spec, "sm90")
+    else:
+        assert "conv_launch(a, device, stream, kPassOnce)" in source and "stream, kPassNormed)" not in source
     if c.stats:  # the output holds the conv's value; the apply kernel runs stage0 on it, as on the library path
         assert "constexpr bool kStage0Done = false;" in source
         bn = spec.reduction.name == "batchnorm_train"
@@ -801,6 +813,8 @@ def test_in_kernel_conv_refuses_what_it_does_not_cover():
     assert "direct conv covers" in cuda_templates.conv_gemm_plan(direct, "sm90")
     gn = CONV_GEMM_SPECS["igemm_groupnorm_silu-bfloat16"]
     assert cuda_templates.conv_gemm_plan(gn, "sm90").stats
+    # a norm recomputed where the tiles take no norm's statistics (a pointwise chain)
+    assert "recomputed" in cuda_templates.conv_gemm_plan(base.with_norm_recomputed(), "sm90")
     # segments that split a channel (a LayerNorm over the rows of an image), a norm with a
     # reduction after it, reductions other than a norm: the library conv and the epilogue
     rows_ln = replace(gn, steps=(gn.steps[0], replace(gn.steps[1], name="layernorm", groups=64 * 20), gn.steps[2]))

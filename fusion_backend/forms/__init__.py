@@ -12,6 +12,7 @@ renderer, the launchers and `explain` read the decision instead of re-deriving i
 | `library_conv` | a conv the direct conv would compute (stride 1, few input channels) | the library conv and the epilogue kernel |
 | `conv_layout` | a 2-D/3-D library conv with a channels-last epilogue mapping | cuDNN on channels-last operands |
 | `in_kernel_conv` | a 2-D or 3-D conv (groups 1, strides up to 8) with a pointwise chain or a norm over whole channels, on sm_90 | the conv computed in the chain's kernel |
+| `conv_recompute` | an in-kernel conv with a norm whose statistics its tiles take | the conv run twice: moments, then the normed chain; its value never written |
 | `gemm_consumers` | a 16-bit in-kernel GEMM whose CTAs have tiles for the spare warps | the chain in the consumer warps |
 
 Each row's setting (`Config`, one environment variable each) is "auto" (time both
@@ -24,11 +25,12 @@ form costs the rest of the chain (`Form.chain_decides`: the conv layout, whose e
 kernel and input copies differ), the chain is timed without that form too, and the
 faster of the two is the one compared with Inductor (`FormChoice.alternative`). A
 row with no library call of its own (`Form.timed_as_chain`: the library conv in place of
-the direct conv, the in-kernel conv, the in-kernel GEMM's consumer warps) is decided by
+the direct conv, the in-kernel conv, its norm recomputed, the in-kernel GEMM's consumer
+warps) is decided by
 the chain's timing alone: taken wherever
 the measured choice times the chain, which times it both ways; the graph's form
 elsewhere. Where several rows take their forms for one chain (a conv: the library conv
-instead of the direct conv, channels-last, then the in-kernel conv), the chain is timed
+instead of the direct conv, channels-last, the in-kernel conv, then its norm recomputed), the chain is timed
 in each form and the fastest kept (`rewrite._without_forms`).
 """
 
@@ -48,6 +50,7 @@ from .base import Form
 from .conv_implicit import ConvImplicit
 from .conv_layout import ConvLayout
 from .conv_library import ConvLibrary
+from .conv_recompute import ConvRecompute
 from .gemm_bias import GemmBias
 from .gemm_consumers import GemmConsumers
 from .gemm_padding import GemmPadding
@@ -55,11 +58,13 @@ from .gemm_padding import GemmPadding
 log = logging.getLogger("fusedepi")
 
 # In the order they are tried: at most one applies to a chain (float32 Linear, 16-bit
-# Linear on the library path, 16-bit in-kernel GEMM) but for a conv's three, and a later
+# Linear on the library path, 16-bit in-kernel GEMM) but for a conv's four, and a later
 # one sees the spec an earlier one made (`conv_layout` may take the library conv that
 # `library_conv` took in place of the direct conv; the in-kernel conv's alternative is
-# the library conv in the layout `conv_layout` chose).
-FORMS: tuple[Form, ...] = (GemmBias(), GemmPadding(), ConvLibrary(), ConvLayout(), ConvImplicit(), GemmConsumers())
+# the library conv in the layout `conv_layout` chose; `conv_recompute` recomputes the
+# in-kernel conv's norm).
+FORMS: tuple[Form, ...] = (GemmBias(), GemmPadding(), ConvLibrary(), ConvLayout(), ConvImplicit(), ConvRecompute(),
+                           GemmConsumers())
 BY_NAME = {form.name: form for form in FORMS}
 
 # The other form must be at least this much faster than the graph's: it costs a little

@@ -9,7 +9,8 @@
 //   kChannels (KERNEL_FILE and CONV_KERNELS' constants: kBM, kBN, kBK, kSwizzle, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
 //   kHo, kWo, kHoPlane, kDepth, kD, kKD, kPD, kSD, kDD, kDo, kPitch, kCBlocks, kTilesN, kTilesPerImage, kTileA, kTileB, kMmaK, kPingPong,
 //   kConvStats, kConvReduce, kReduceOp, kConvSoftmax, kConvPixelReduce, kConvPool, kPoolKH, kPoolKW, kPoolMax,
-//   kPoolDivisor, kPoolHo, kPoolWo, value_stage1, kPartsAt, kNchw, kNchwBoxW, wgmma_n),
+//   kPoolDivisor, kPoolHo, kPoolWo, value_stage1, kPartsAt, kNchw, kNchwBoxW, kRecompute, NormChan,
+//   norm_chan_of, norm_stage1, wgmma_n),
 //   and hopper.cuh.
 // It is not a standalone header: those constants differ per file.
 #pragma once
@@ -19,6 +20,16 @@
 // inside one plane.
 constexpr int kPlaneTilesH = (kHoPlane + kTH - 1) / kTH;
 __device__ __forceinline__ int patch_row0(int th) { return th / kPlaneTilesH * kHoPlane + th % kPlaneTilesH * kTH; }
+
+// A launch's pass. kPassOnce: the tiles' whole work (a pointwise chain's result; with a
+// norm, kConvStats, the conv's value and the tiles' moments, which the file's apply
+// kernel normalizes in place). A norm recomputed (kRecompute) launches the kernel twice
+// instead: kPassMoments writes the tiles' moments alone, and, once they are merged into
+// the norm's statistics, kPassNormed computes the conv again and writes the chain's
+// result with the norm applied in the tile: the conv's value is never written or read
+// back (x is read twice; worth it where the conv's output is the larger tensor and its
+// mainloop is short, which the measured choice decides).
+constexpr int kPassOnce = 0, kPassMoments = 1, kPassNormed = 2;
 
 // Tile `tile` of the output: image `img`, pixels (h0 .. h0 + kTH) x (w0 .. w0 + kTW),
 // channels n0 .. n0 + kBN. The channel tiles of one pixel patch are neighbours in the
@@ -351,6 +362,7 @@ __device__ __forceinline__ float conv_reduce_value(const Args& a, long long o) {
 // (With a branch an element for the edges and the partial chunks stored from the staging
 // tile, one thread a chunk, this part took 0.41 of the kernel's 0.97 ms on bf16 128 x 64
 // x 128 x 128 -> 128 on an H100: latency, at two warps a scheduler.)
+template <int kPass>
 __device__ __forceinline__ void stage_chain(float (&d)[kBN / 2], const TileChans& chans, uint8_t* staging,
                                             int block, int tid, int img, int h0, int w0, int n0, const Args& a) {
   constexpr long long kPlane = static_cast<long long>(kHo) * kWo;
@@ -388,10 +400,28 @@ __device__ __forceinline__ void stage_chain(float (&d)[kBN / 2], const TileChans
     stage0_at<1>(y, chans.k[j][e], idx[h][e] + 8 * j * kPlane, a);
     d[i] = y[0];
   };
+  constexpr bool kStoresConv = kConvStats && kPass == kPassOnce;  // the conv's value staged, stage0 after
   each_value(n0, [&](int j, int e, int h, int i) {
     d[i] = fusedepi::to_float(fusedepi::from_float<T>(d[i]));
-    if constexpr (!kConvStats) chain(j, e, h, i);
+    if constexpr (!kStoresConv) chain(j, e, h, i);
   });
+  // The moments' pass stages nothing: d keeps stage0's values for tile_moments.
+  if constexpr (kPass == kPassMoments) return;
+  if constexpr (kPass == kPassNormed) {
+    // The norm (its merged statistics), then the steps after it. A channel's operands
+    // and statistics (NormChan, the file's) are loaded here, a channel at a time: held
+    // from the tile's start as stage0's are, a BatchNorm's over 192 channels spilled.
+#pragma unroll
+    for (int j = 0; j < kBN / 8; ++j) {
+      if (n0 + 8 * j >= kChannels) break;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const NormChan k = norm_chan_of(a, img, n0 + 8 * j + 2 * (lane % 4) + e);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) norm_stage1(d[4 * j + 2 * h + e], k, idx[h][e] + 8 * j * kPlane, a);
+      }
+    }
+  }
   if constexpr (kConvSoftmax > 0) {
     // A softmax (1) or log_softmax (2) over each pixel's channels, all in the tile: a
     // pixel's kChannels values are in the 4 lanes that share lane / 4 (each holds channels
@@ -479,7 +509,7 @@ __device__ __forceinline__ void stage_chain(float (&d)[kBN / 2], const TileChans
       if (part[h][e]) a.out[idx[h][e] + 8 * j * kPlane] = fusedepi::from_float<T>(d[i]);
     });
   }
-  if constexpr (kConvStats) each_value(n0, chain);
+  if constexpr (kStoresConv) each_value(n0, chain);
 }
 
 // A tile's finish, part 2, by finishing thread `ct` (of kFinishers): each run (a channel
@@ -564,7 +594,11 @@ __device__ __forceinline__ void pool_runs(const uint8_t* staging, int ct, int im
 // tile and issue its bulk copies to out, which run under the next mainloop. Persistent: CTA b takes tiles b, b + gridDim.x, ... (its tiles 0, 1,
 // 2, ...); cooperative, both consumer warpgroups take each; ping-pong, warpgroup h takes
 // the CTA's tiles h, h + 2, ... The ring's stage and phase run on across tiles.
+template <int kPass>
 __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtensorMap& map_w, const Args& a) {
+  static_assert(kRecompute ? kConvStats && kPass != kPassOnce : kPass == kPassOnce, "the passes of the file's plan");
+  constexpr bool kMoments = kConvStats && kPass != kPassNormed;  // the tiles write their moments
+  constexpr bool kStores = kPass != kPassMoments && !kConvReduce && !kConvPixelReduce;  // ... or their values
   constexpr int kProducerRegs = kPingPong ? 40 : 72, kConsumerRegs = kPingPong ? 232 : 216;
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536, "the CTA's registers");
   extern __shared__ uint8_t smem_raw[];
@@ -681,19 +715,19 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
       }
 #pragma unroll
       for (int b = 0; b < kMBlocks; ++b)
-        stage_chain(d[b], chans, staging, kPingPong ? b : half, tid, img, h0, w0, n0, a);
+        stage_chain<kPass>(d[b], chans, staging, kPingPong ? b : half, tid, img, h0, w0, n0, a);
       hop::fence_async_shared();  // the staging tile's writes, before the bulk copies read it
       hop::named_sync<kFinishers>(kBarFull + (kPingPong ? half : 0));  // the whole tile is staged
       if constexpr (kConvPool) {
         pool_runs(staging, ft, img, h0, w0, n0, a);
-      } else if constexpr (!kConvReduce && !kConvPixelReduce) {
+      } else if constexpr (kStores) {
         store_runs(staging, ft, img, h0, w0, n0, a);
       }
       if (other_next) {  // the other warpgroup stages its tile once these copies have read this one
         hop::bulk_wait_read();
         hop::named_arrive<256>(kBarStage + 1 - half);
       }
-      if constexpr (kConvStats) {  // the tile's moments, on the finishers' barrier
+      if constexpr (kMoments) {  // the tile's moments, on the finishers' barrier
         float* scratch = reinterpret_cast<float*>(staging + kStaging) + (kPingPong ? half * kStatsFloats : 0);
         tile_moments(d, kPingPong ? 0 : half, tid, ft, scratch, tile, h0, w0, n0, a,
                      [&] { hop::named_sync<kFinishers>(kBarFull + (kPingPong ? half : 0)); });

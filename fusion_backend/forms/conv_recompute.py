@@ -1,0 +1,64 @@
+"""An in-kernel conv with a norm, run twice: the tiles' moments first, then the conv again
+with the norm applied in its tiles, so that the conv's value is never written.
+
+With a norm (BatchNorm in training, a GroupNorm, InstanceNorm or LayerNorm over whole
+channels) the in-kernel conv's tiles write the conv's value and their moments, and the
+file's apply kernel normalizes the output in place: the conv's output is written, read
+and written again. Recomputed (`Anchor.recompute`), the first launch writes only the
+moments, a kernel merges them into the norm's statistics, and the second launch
+computes the conv again and writes the chain's result once: x is read twice and the
+conv's mainloop runs twice instead. That pays where the conv's output is the larger
+tensor and its mainloop is short (few input channels, a small kernel), and costs where
+the mainloop dominates, so this row is timed as the whole chain both ways
+(`Form.timed_as_chain`) wherever the measured choice times the chain.
+FUSEDEPI_CONV_RECOMPUTE switches it ("1": every candidate; "0": never).
+"""
+
+from __future__ import annotations
+
+import cuda_templates
+from lowering.spec import EpilogueSpec
+
+from ..ops import arch_of, conv_allows_tf32
+from .base import Form, conv_in_words, conv_op_shapes
+
+
+class ConvRecompute(Form):
+    name = "conv_recompute"
+    setting = "conv_recompute"
+    env = "FUSEDEPI_CONV_RECOMPUTE"
+    chain_decides = True
+    timed_as_chain = True
+
+    def candidate(self, chain) -> tuple | None:
+        """(dtype, x's shape, the weight's shape, TF32) where the chain runs in the
+        in-kernel conv (an earlier row's form, or FUSEDEPI_IN_KERNEL_CONV=1) with a norm
+        whose statistics its tiles take, on its GPU."""
+        spec = chain.spec
+        if (spec.anchor.kind != "conv" or not spec.anchor.implicit or spec.anchor.recompute
+                or spec.reduction is None):
+            return None
+        xv = chain.operands[0].meta["val"]
+        if xv.device.type != "cuda":
+            return None
+        tf32 = spec.dtype == "float32" and conv_allows_tf32()
+        plan = cuda_templates.conv_gemm_plan(spec.with_norm_recomputed(), arch_of(xv.device), tf32)
+        if not isinstance(plan, cuda_templates.ConvGemmPlan):
+            return None
+        shapes = conv_op_shapes(chain)
+        return None if shapes is None else (spec.dtype, *shapes, tf32)
+
+    def describe(self, found) -> str:
+        return f"the in-kernel conv with its norm recomputed ({conv_in_words(found)})"
+
+    def key(self, found) -> tuple:
+        return found
+
+    def measure(self, found, device) -> tuple[float, float]:
+        raise NotImplementedError("timed as the whole chain both ways (timed_as_chain)")
+
+    def apply(self, chain, found) -> EpilogueSpec:
+        return chain.spec.with_norm_recomputed()
+
+    def applied(self, spec: EpilogueSpec) -> bool:
+        return spec.anchor.recompute
