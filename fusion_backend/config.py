@@ -68,9 +68,10 @@ class Config:
             or "off".
         conv_recompute: whether an in-kernel conv with a norm runs twice, its moments
             first, then the chain with the norm applied in its tiles, writing the conv's
-            value never (FUSEDEPI_CONV_RECOMPUTE): "auto" (the default: where the
-            measured choice times the chain, it is timed both ways and the faster kept),
-            "on" (always) or "off" (the conv's value written and normalized in place).
+            value never (FUSEDEPI_CONV_RECOMPUTE): "off" (the default: the conv's value
+            written and normalized in place; recomputed, every chain of the zoo measured
+            slower, `forms.conv_recompute`), "auto" (where the measured choice times the
+            chain, it is timed both ways and the faster kept) or "on" (always).
         autotune: whether a matched chain is fused only where it is measured faster
             than Inductor's compile of the same subgraph (FUSEDEPI_AUTOTUNE,
             `fusion_backend.choice`): "auto" (the default: chains on a GPU are timed),
@@ -94,7 +95,7 @@ class Config:
     fold_gemm_bias: str = "auto"
     gemm_consumers: str = "auto"
     library_conv: str = "auto"
-    conv_recompute: str = "auto"
+    conv_recompute: str = "off"
     autotune: str = "auto"
     debug: bool = False
 
@@ -144,16 +145,18 @@ def load_config(environ=None) -> Config:
         fold_gemm_bias=_tristate("FUSEDEPI_FOLD_GEMM_BIAS", env.get("FUSEDEPI_FOLD_GEMM_BIAS", "")),
         gemm_consumers=_tristate("FUSEDEPI_GEMM_CONSUMERS", env.get("FUSEDEPI_GEMM_CONSUMERS", "")),
         library_conv=_tristate("FUSEDEPI_LIBRARY_CONV", env.get("FUSEDEPI_LIBRARY_CONV", "")),
-        conv_recompute=_tristate("FUSEDEPI_CONV_RECOMPUTE", env.get("FUSEDEPI_CONV_RECOMPUTE", "")),
+        conv_recompute=_tristate("FUSEDEPI_CONV_RECOMPUTE", env.get("FUSEDEPI_CONV_RECOMPUTE", ""), "off"),
         autotune=_tristate("FUSEDEPI_AUTOTUNE", env.get("FUSEDEPI_AUTOTUNE", "")),
         debug=_switch("FUSEDEPI_DEBUG", env.get("FUSEDEPI_DEBUG", ""), False),
     )
 
 
-def _tristate(name: str, value: str) -> str:
-    """"auto" (unset or auto), "on" (1) or "off" (0)."""
+def _tristate(name: str, value: str, unset: str = "auto") -> str:
+    """"auto", "on" (1) or "off" (0); `unset` where the variable is unset or empty."""
     value = value.strip().lower()
-    if value in ("", "auto"):
+    if value == "":
+        return unset
+    if value == "auto":
         return "auto"
     if value in _TRUE:
         return "on"
