@@ -15,7 +15,8 @@ renderer, the launchers and `explain` read the decision instead of re-deriving i
 | `conv_recompute` | an in-kernel conv with a norm whose statistics its tiles take | the conv run twice: moments, then the normed chain; its value never written |
 | `gemm_consumers` | a 16-bit in-kernel GEMM whose CTAs have tiles for the spare warps | the chain in the consumer warps |
 
-Each row's setting (`Config`, one environment variable each) is "auto" (time both
+Each row's setting (`Config`, one environment variable each; `conv_recompute`'s "off"
+unless set) is "auto" (time both
 forms of the library call side by side, `timings.compare_ms`, and take the other where it is at least
 1 / MIN_GAIN times faster; on CUDA only), "on" (always) or "off" (never). Times live in
 the one cache (`timings.CACHE_FILE`), keyed by the form's name and what the call's

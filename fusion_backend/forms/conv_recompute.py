@@ -9,9 +9,12 @@ moments, a kernel merges them into the norm's statistics, and the second launch
 computes the conv again and writes the chain's result once: x is read twice and the
 conv's mainloop runs twice instead. That pays where the conv's output is the larger
 tensor and its mainloop is short (few input channels, a small kernel), and costs where
-the mainloop dominates, so this row is timed as the whole chain both ways
-(`Form.timed_as_chain`) wherever the measured choice times the chain.
-FUSEDEPI_CONV_RECOMPUTE switches it ("1": every candidate; "0": never).
+the mainloop dominates, so under "auto" this row is timed as the whole chain both ways
+(`Form.timed_as_chain`) wherever the measured choice times the chain. On an H200 it
+measured slower on every zoo chain it was timed on (1.08-1.62x the stored form's time:
+the moments pass alone takes nearly the stored pass's time on those small convs,
+benchmarks/RESULTS.md), so FUSEDEPI_CONV_RECOMPUTE is "0" (never) unless set ("auto";
+"1": every candidate).
 """
 
 from __future__ import annotations
