@@ -488,19 +488,21 @@ def _conv_chain(dtype="bfloat16", cin=64, cout=128, hw=64, device="cuda", norm=F
 
 @pytest.fixture
 def sm90(monkeypatch):
-    """The in-kernel conv's, its recompute's and the library conv's rows on an sm_90 GPU,
-    with cuDNN's TF32 allowed."""
-    from fusion_backend.forms import conv_implicit, conv_library, conv_recompute
+    """The conv rows (`forms.base.conv_found`: the in-kernel conv's, its recompute's, the
+    library conv's) on an sm_90 GPU, with cuDNN's TF32 allowed; the module to patch
+    otherwise."""
+    from fusion_backend.forms import base
 
-    for module in (conv_implicit, conv_library, conv_recompute):
-        monkeypatch.setattr(module, "arch_of", lambda device: "sm90")
-        monkeypatch.setattr(module, "conv_allows_tf32", lambda: True)
+    monkeypatch.setattr(base, "arch_of", lambda device: "sm90")
+    monkeypatch.setattr(base, "conv_allows_tf32", lambda: True)
     monkeypatch.setattr(timings, "example_shape", lambda v: tuple(v.shape))
-    return conv_implicit
+    return base
 
 
 def test_the_in_kernel_conv_row_applies_where_the_in_kernel_conv_covers_the_chain(sm90, monkeypatch):
-    form = sm90.ConvImplicit()
+    from fusion_backend.forms import conv_implicit
+
+    form = conv_implicit.ConvImplicit()
     assert form.candidate(_conv_chain()) == ("bfloat16", (2, 64, 64, 64), (128, 64, 3, 3), False)
     assert form.candidate(_conv_chain("float32")) == ("float32", (2, 64, 64, 64), (128, 64, 3, 3), True)
     assert form.candidate(_conv_chain(cin=8, cout=32, hw=256)) is None  # the direct conv takes it (workload 5)
@@ -523,7 +525,9 @@ def test_the_recompute_row_applies_to_an_in_kernel_conv_whose_tiles_take_a_norms
     import cuda_templates
     from fusion_backend.forms import conv_recompute
 
-    form, implicit = conv_recompute.ConvRecompute(), sm90.ConvImplicit()
+    from fusion_backend.forms import conv_implicit
+
+    form, implicit = conv_recompute.ConvRecompute(), conv_implicit.ConvImplicit()
     chain = _conv_chain()
     chain.spec = implicit.apply(chain, None)
     assert form.candidate(chain) is None  # a pointwise chain: nothing to recompute

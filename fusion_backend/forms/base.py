@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from lowering.spec import EpilogueSpec
 
 from .. import timings
+from ..ops import arch_of, conv_allows_tf32
 
 
 def conv_op_shapes(chain) -> tuple[tuple, tuple] | None:
@@ -17,6 +20,20 @@ def conv_op_shapes(chain) -> tuple[tuple, tuple] | None:
     if x_shape is None or w_shape is None:
         return None
     return chain.spec.anchor.op_shapes(x_shape, w_shape)
+
+
+def conv_found(chain, planned: Callable[[str, bool], bool]) -> tuple | None:
+    """A conv row's `candidate`: (dtype, x's shape, the weight's shape, TF32) where x is
+    on a GPU and `planned(arch, tf32)` (whether the row's kernel covers the chain in its
+    form there, TF32 as cuDNN's setting allows) holds, else None."""
+    xv = chain.operands[0].meta["val"]
+    if xv.device.type != "cuda":
+        return None
+    tf32 = chain.spec.dtype == "float32" and conv_allows_tf32()
+    if not planned(arch_of(xv.device), tf32):
+        return None
+    shapes = conv_op_shapes(chain)
+    return None if shapes is None else (chain.spec.dtype, *shapes, tf32)
 
 
 def conv_in_words(found: tuple) -> str:

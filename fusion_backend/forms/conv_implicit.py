@@ -23,8 +23,7 @@ from __future__ import annotations
 import cuda_templates
 from lowering.spec import EpilogueSpec
 
-from ..ops import arch_of, conv_allows_tf32
-from .base import Form, conv_in_words, conv_op_shapes
+from .base import Form, conv_found, conv_in_words
 
 
 class ConvImplicit(Form):
@@ -42,16 +41,12 @@ class ConvImplicit(Form):
         anchor = spec.anchor
         if anchor.kind != "conv" or not anchor.direct or anchor.implicit or anchor.permuted:
             return None
-        xv = chain.operands[0].meta["val"]
         # (a Conv1d as a 2-D conv's row; a 3-D conv by planes of its output's depth)
-        if xv.device.type != "cuda" or xv.dim() + anchor.as_2d - bool(anchor.depth) != 4:
+        if chain.operands[0].meta["val"].dim() + anchor.as_2d - bool(anchor.depth) != 4:
             return None
-        tf32 = spec.dtype == "float32" and conv_allows_tf32()
-        if not isinstance(cuda_templates.conv_gemm_plan(spec.with_in_kernel_conv(), arch_of(xv.device), tf32),
-                          cuda_templates.ConvGemmPlan):
-            return None
-        shapes = conv_op_shapes(chain)
-        return None if shapes is None else (spec.dtype, *shapes, tf32)
+        implicit = spec.with_in_kernel_conv()
+        return conv_found(chain, lambda arch, tf32: isinstance(cuda_templates.conv_gemm_plan(implicit, arch, tf32),
+                                                                cuda_templates.ConvGemmPlan))
 
     def describe(self, found) -> str:
         return f"the in-kernel conv ({conv_in_words(found)})"

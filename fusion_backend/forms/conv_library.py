@@ -24,8 +24,7 @@ from dataclasses import replace
 import cuda_templates
 from lowering.spec import EpilogueSpec
 
-from ..ops import arch_of, conv_allows_tf32
-from .base import Form, conv_in_words, conv_op_shapes
+from .base import Form, conv_found, conv_in_words
 
 
 class ConvLibrary(Form):
@@ -42,14 +41,8 @@ class ConvLibrary(Form):
         anchor = spec.anchor
         if anchor.kind != "conv" or not anchor.direct or anchor.implicit or anchor.library:
             return None
-        xv = chain.operands[0].meta["val"]
-        if xv.device.type != "cuda":
-            return None
-        tf32 = spec.dtype == "float32" and conv_allows_tf32()
-        if not isinstance(cuda_templates.direct_plan(spec, arch_of(xv.device), tf32), cuda_templates.DirectPlan):
-            return None
-        shapes = conv_op_shapes(chain)
-        return None if shapes is None else (spec.dtype, *shapes, tf32)
+        return conv_found(chain, lambda arch, tf32: isinstance(cuda_templates.direct_plan(spec, arch, tf32),
+                                                                cuda_templates.DirectPlan))
 
     def describe(self, found) -> str:
         return f"the library conv ({conv_in_words(found)}) and the epilogue kernel instead of the direct conv"

@@ -22,8 +22,7 @@ from __future__ import annotations
 import cuda_templates
 from lowering.spec import EpilogueSpec
 
-from ..ops import arch_of, conv_allows_tf32
-from .base import Form, conv_in_words, conv_op_shapes
+from .base import Form, conv_found, conv_in_words
 
 
 class ConvRecompute(Form):
@@ -41,15 +40,9 @@ class ConvRecompute(Form):
         if (spec.anchor.kind != "conv" or not spec.anchor.implicit or spec.anchor.recompute
                 or spec.reduction is None):
             return None
-        xv = chain.operands[0].meta["val"]
-        if xv.device.type != "cuda":
-            return None
-        tf32 = spec.dtype == "float32" and conv_allows_tf32()
-        plan = cuda_templates.conv_gemm_plan(spec.with_norm_recomputed(), arch_of(xv.device), tf32)
-        if not isinstance(plan, cuda_templates.ConvGemmPlan):
-            return None
-        shapes = conv_op_shapes(chain)
-        return None if shapes is None else (spec.dtype, *shapes, tf32)
+        recomputed = spec.with_norm_recomputed()
+        return conv_found(chain, lambda arch, tf32: isinstance(cuda_templates.conv_gemm_plan(recomputed, arch, tf32),
+                                                                cuda_templates.ConvGemmPlan))
 
     def describe(self, found) -> str:
         return f"the in-kernel conv with its norm recomputed ({conv_in_words(found)})"
