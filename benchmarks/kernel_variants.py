@@ -16,6 +16,12 @@ not the measured choice's (set `FUSEDEPI_IN_KERNEL_CONV=1` and the like for the 
 look at). Per model, dtype and variant it prints the GPU time a call of the kernels whose
 names match `--kernels` (fusedepi's own by default), of all kernels, and the error
 against float64; `--json` writes the rows.
+
+`--preset NAME` runs a named set of variants of one header (PRESETS: the
+decompositions whose figures RESULTS.md quotes), before any `--variant`:
+
+    FUSEDEPI_IN_KERNEL_CONV=1 python -m benchmarks.kernel_variants --preset conv-parts \
+        --models conv2d_bn_relu conv2d_relu_bias --dtypes bfloat16 --kernels '_conv<'
 """
 
 from __future__ import annotations
@@ -31,6 +37,43 @@ import tempfile
 from pathlib import Path
 
 FUSED_KERNELS = r"_sm[0-9]+a?_"  # fusedepi's kernels: the arch, then a role
+
+# The in-kernel conv's parts (conv_sm90.cuh), each cut out of the kernel (wrong results,
+# times only): x's patch copied for a tile's first k-step only; the tile's moments; its
+# bulk copies; its chain and staging; the consumers' wait for the previous k-step's wgmma.
+_CONV_A_ONCE = [
+    ("hop::mbar_expect_tx(&full[s], kTileA + kTileB);",
+     "hop::mbar_expect_tx(&full[s], (i == 0 ? kTileA : 0) + kTileB);"),
+    ("          } else {\n            hop::tma_load_4d(tiles_a + s * kTileA, &map_x, &full[s], c0, w0 * kSW",
+     "          } else if (i == 0) {\n            hop::tma_load_4d(tiles_a + s * kTileA, &map_x, &full[s], c0, w0 * kSW"),
+]
+_CONV_MOMENTS = [("      if constexpr (kMoments) {  // the tile's moments, on the finishers' barrier",
+                  "      if constexpr (false) {")]
+_CONV_STORE = [("      } else if constexpr (kStores) {\n        store_runs(",
+                "      } else if constexpr (false) {\n        store_runs(")]
+_CONV_STAGE = [("        stage_chain<kPass>(d[b], chans, staging, kPingPong ? b : half, tid, img, h0, w0, n0, a);", "")]
+_CONV_WAIT = [("hop::wgmma_wait<1>();  // the previous k-step's wgmma is done: free its stage", "// no wait")]
+# Named sets of variants: name -> (header, {variant: its (old, new) pairs}). Each edit
+# must still apply once to the header as it stands (tests/test_kernel_variants.py).
+PRESETS = {
+    # Where a 2-D channels-last conv's kernel time goes: the finish's parts, then the
+    # mainloop with one copy of x's patch a tile.
+    "conv-parts": ("conv_sm90.cuh", {
+        "tree": [],
+        "no_moments": _CONV_MOMENTS,
+        "no_store": _CONV_STORE,
+        "no_stage": _CONV_STAGE,
+        "no_finish": _CONV_MOMENTS + _CONV_STORE + _CONV_STAGE,
+        "mainloop_a_once": _CONV_A_ONCE + _CONV_MOMENTS + _CONV_STORE + _CONV_STAGE,
+    }),
+    # Whether the mainloop waits on its wgmmas or on its copies of x.
+    "conv-mainloop": ("conv_sm90.cuh", {
+        "tree": [],
+        "no_wait": _CONV_WAIT,
+        "a_once": _CONV_A_ONCE,
+        "a_once_no_wait": _CONV_A_ONCE + _CONV_WAIT,
+    }),
+}
 
 
 def edit_header(text: str, pairs: list[tuple[str, str]], header: str) -> str:
@@ -77,6 +120,27 @@ def parse_variants(raw: list[list[str]]) -> dict[str, list[tuple[str, str]]]:
     return variants
 
 
+def chosen_variants(preset: str | None, raw: list[list[str]] | None, header: str
+                    ) -> tuple[str, dict[str, list[tuple[str, str]]]]:
+    """The header and the variants to run: the preset's (its header), then --variant's.
+
+    Raises:
+        ValueError: no variant at all, an unknown preset, or a name given twice.
+    """
+    variants: dict[str, list[tuple[str, str]]] = {}
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"no preset {preset!r} (presets: {', '.join(PRESETS)})")
+        header, variants = PRESETS[preset][0], dict(PRESETS[preset][1])
+    for name, pairs in parse_variants(raw or []).items():
+        if name in variants:
+            raise ValueError(f"variant {name} given twice")
+        variants[name] = pairs
+    if not variants:
+        raise ValueError("no variant: give --preset or --variant")
+    return header, variants
+
+
 def run_variant(include: Path | None, models: list[str], dtypes: list[str], kernels: str, calls: int) -> list[dict]:
     """In this process: each model compiled with fusedepi (kernels built from `include`,
     the tree's if None), run, checked against float64 and timed."""
@@ -114,8 +178,9 @@ def run_variant(include: Path | None, models: list[str], dtypes: list[str], kern
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--header", default="conv_sm90.cuh", help="the header of include/fusedepi/ to edit")
-    parser.add_argument("--variant", nargs="+", action="append", required=True, metavar="NAME [OLD NEW]",
+    parser.add_argument("--variant", nargs="+", action="append", metavar="NAME [OLD NEW]",
                         help="a variant: its name, then OLD NEW pairs (none: the tree's headers)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="a named set of variants (PRESETS), and its header")
     parser.add_argument("--models", nargs="+", required=True, help="zoo models or workloads")
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float16",
                                                                                           "float32"])
@@ -130,11 +195,11 @@ def main(argv=None) -> int:
         print(json.dumps(run_variant(include, args.models, args.dtypes, args.kernels, args.calls)))
         return 0
     try:
-        variants = parse_variants(args.variant)
+        header, variants = chosen_variants(args.preset, args.variant, args.header)
         rows = []
         with tempfile.TemporaryDirectory(prefix="fusedepi-variants-") as tmp:
             for name, pairs in variants.items():
-                include = str(edited_include(Path(tmp) / name, args.header, pairs)) if pairs else None
+                include = str(edited_include(Path(tmp) / name, header, pairs)) if pairs else None
                 cmd = [sys.executable, "-m", "benchmarks.kernel_variants", "--variant", name, "--models",
                        *args.models, "--dtypes", *args.dtypes, "--kernels", args.kernels, "--calls",
                        str(args.calls), "--one", json.dumps({"include": include})]
@@ -150,7 +215,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         parser.error(str(e))
     if args.json:
-        Path(args.json).write_text(json.dumps({"header": args.header, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"header": header, "preset": args.preset, "rows": rows}, indent=1))
     return 0
 
 

@@ -42,3 +42,26 @@ def test_a_bad_edit_stops_the_command_before_any_run(capsys):
         kernel_variants.main(["--variant", "cut", "not in the header", "x", "--models", "conv2d_relu_bias"])
     assert stop.value.code == 2
     assert "occurs 0 times" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset", sorted(kernel_variants.PRESETS))
+def test_each_presets_edits_apply_once_to_its_header_as_it_stands(preset):
+    header, variants = kernel_variants.PRESETS[preset]
+    text = (compiler.INCLUDE_DIR / "fusedepi" / header).read_text()
+    assert "tree" in variants and not variants["tree"]  # the tree's kernel beside the cuts
+    for name, pairs in variants.items():
+        edited = kernel_variants.edit_header(text, pairs, header)  # raises where an edit no longer applies
+        assert (edited == text) == (not pairs), name
+
+
+def test_a_preset_then_the_variants_given_by_hand():
+    header, variants = kernel_variants.chosen_variants("conv-parts", [["mine", "old", "new"]], "other.cuh")
+    assert header == "conv_sm90.cuh"
+    assert list(variants) == [*kernel_variants.PRESETS["conv-parts"][1], "mine"] and variants["mine"] == [("old", "new")]
+    assert kernel_variants.chosen_variants(None, [["tree"]], "gemm_sm90.cuh") == ("gemm_sm90.cuh", {"tree": []})
+    with pytest.raises(ValueError, match="given twice"):
+        kernel_variants.chosen_variants("conv-parts", [["tree"]], "conv_sm90.cuh")
+    with pytest.raises(ValueError, match="no variant"):
+        kernel_variants.chosen_variants(None, None, "conv_sm90.cuh")
+    with pytest.raises(ValueError, match="no preset"):
+        kernel_variants.chosen_variants("nonexistent", None, "conv_sm90.cuh")
