@@ -52,7 +52,11 @@ library conv's output) and write each channel's moments of stage0 on it over the
 pixels (two passes over the registers, in float32: the sum, then the squares about the
 tile's mean); CONV_STATS_FINAL merges them (a block a channel or segment), and the
 file's apply kernel runs stage0 and the norm on the output in place, as on the library
-path (the value before the norm is never rounded to T).
+path (the value before the norm is never rounded to T). With the norm recomputed
+(`ConvGemmPlan.recompute`, `Anchor.recompute`) there is no apply kernel: the kernel's
+first pass writes the moments alone, and after their merge a second pass computes the
+conv again and runs stage0 and stage1 (the norm with the merged statistics, then the
+steps after it) in its tiles, writing the chain's result once.
 
 With a spatial reduction after a pointwise chain (`ConvGemmPlan.reduce`, REDUCES: global
 pooling, the sum, mean, maximum or minimum over each channel's plane) the tiles write no

@@ -1487,8 +1487,8 @@ def _conv_norm_chan(spec: EpilogueSpec, c: conv_sm90.ConvGemmPlan) -> str:
     with `c.recompute`, a thread's channel's stage1 operands and the statistics of its
     segment in image `img` (GroupNorm and the like: (mean, rstd), where the stats kernel
     leaves them; BatchNorm's stage1 reads its scale and shift as operands, its s0 and
-    s1 unused), loaded at the tile's start, and stage1 on one value with them; else
-    empty ones, never called."""
+    s1 unused), loaded as the tile is finished, a channel at a time, and stage1 on one
+    value with them; else empty ones, never called."""
     if not c.recompute:
         return ("struct NormChan {};\n"
                 "[[maybe_unused]] __device__ __forceinline__ NormChan norm_chan_of(const Args&, int, int) { return {}; }\n"

@@ -158,8 +158,9 @@ class Anchor:
             take the statistics of (BatchNorm in training, a norm over whole channels):
             the conv runs twice, first for its tiles' moments alone, then again with the
             norm applied in the tile, so that the conv's value is never written (x read
-            twice instead). The backend sets it where the chain measured faster so
-            (`fusion_backend.forms.conv_recompute`).
+            twice instead). The backend sets it where asked (FUSEDEPI_CONV_RECOMPUTE: off
+            unless set; under "auto" where the chain measured faster so,
+            `fusion_backend.forms.conv_recompute`).
     """
 
     kind: str

@@ -27,8 +27,8 @@ __device__ __forceinline__ int patch_row0(int th) { return th / kPlaneTilesH * k
 // instead: kPassMoments writes the tiles' moments alone, and, once they are merged into
 // the norm's statistics, kPassNormed computes the conv again and writes the chain's
 // result with the norm applied in the tile: the conv's value is never written or read
-// back (x is read twice; worth it where the conv's output is the larger tensor and its
-// mainloop is short, which the measured choice decides).
+// back (x is read twice and the mainloop run twice: worth it only where the mainloop is
+// far cheaper than the output's bytes; FUSEDEPI_CONV_RECOMPUTE, off unless asked).
 constexpr int kPassOnce = 0, kPassMoments = 1, kPassNormed = 2;
 
 // Tile `tile` of the output: image `img`, pixels (h0 .. h0 + kTH) x (w0 .. w0 + kTW),
