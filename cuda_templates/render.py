@@ -1400,6 +1400,14 @@ def _render_gemm(spec: EpilogueSpec, arch: str, p: Plan, g: GemmPlan) -> str:
     )
 
 
+# Where an in-kernel conv's file keeps a segment norm's (mean, rstd), a float2 a segment:
+# after the tiles' moments, a float2 an (image, patch, channel). Written with the file's
+# constants that precede conv_sm90.cuh (kPatches = kTilesPerImage / kTilesN), so that the
+# normed pass's NormChan, rendered before that header, reads the same place as the merge
+# and the apply kernel.
+_CONV_SEGMENT_STATS_AT = "(a.ws + a.rows * (kTilesPerImage / kTilesN) * kChannels * 2)"
+
+
 def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvGemmPlan) -> str:
     """The in-kernel conv computes the anchor and a pointwise chain: one launch. With a
     norm (`c.stats`) it writes the conv's value into the output (rounded to T, as the
@@ -1459,20 +1467,19 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
         if bn:
             # Workspace: the normalize's scale[C] and shift[C], then the moments.
             done = _batch_norm_finish(spec)
-            middle, grid, ws_floats = templates.BATCH_NORM_APPLY, "kChannels", f"2 * kChannels + {parts('rows')}"
+            normalize, grid, ws_floats = templates.BATCH_NORM_APPLY, "kChannels", f"2 * kChannels + {parts('rows')}"
         else:
             # Workspace: the moments, then (mean, rstd) a segment.
-            stats_at = f"(a.ws + {parts('a.rows')})"
-            done = conv_sm90.SEGMENT_STATS.substitute(stats_at=stats_at, eps=cfloat(red.consts[0]))
-            middle = templates.CHUNK_NORM.substitute(apply=templates.APPLY_STAGE1, stats_at=stats_at)
+            done = conv_sm90.SEGMENT_STATS.substitute(stats_at=_CONV_SEGMENT_STATS_AT, eps=cfloat(red.consts[0]))
+            normalize = templates.CHUNK_NORM.substitute(apply=templates.APPLY_STAGE1, stats_at=_CONV_SEGMENT_STATS_AT)
             grid, ws_floats = "segments", f"{parts('rows')} + rows * kGroups * 2"
         conv += "\n\n" + conv_sm90.CONV_STATS_FINAL.substitute(
             kernel=name, segments="false" if bn else "true", seg_groups=1 if bn else red.groups, done=done)
         launches.append(f"  {name}_convstats<<<{grid}, 256, 0, stream>>>(a);")
-        if c.recompute:  # the conv again, the norm applied in its tiles
-            middle = ""
+        if c.recompute:  # the conv again, the norm applied in its tiles: no apply kernel
             launches += conv_pass("kPassNormed")
         else:
+            middle = normalize
             launches += ["  Args b = a;  // the apply kernel normalizes the output in place",
                          "  b.y = a.out;",
                          f"  {name}_apply<<<{_apply_grid(p)}, kBlock, 0, stream>>>(b);"]
@@ -1497,8 +1504,8 @@ def _conv_norm_chan(spec: EpilogueSpec, c: conv_sm90.ConvGemmPlan) -> str:
     red = spec.reduction
     if red.name == "batchnorm_train":
         stats = "  k.s0 = 0.f;\n  k.s1 = 0.f;"
-    else:  # the segment's (mean, rstd) after the tiles' moments (SEGMENT_STATS' place)
-        stats = (f"  const float* s = a.ws + a.rows * (kTilesPerImage / kTilesN) * kChannels * 2 + "
+    else:  # the segment's (mean, rstd), where the merge leaves them
+        stats = (f"  const float* s = {_CONV_SEGMENT_STATS_AT} + "
                  f"(static_cast<long long>(img) * {red.groups} + c / {spec.channels // red.groups}) * 2;\n"
                  "  k.s0 = s[0];\n  k.s1 = s[1];")
     return ("struct NormChan {\n  stage1_chan k;\n  float s0, s1;\n};\n"
