@@ -156,6 +156,13 @@ PIXEL_REDUCES = True
 POOLS_IN_TILE = True
 # The window sides a patch of power-of-two rows and columns holds whole.
 POOL_SIDES = (1, 2, 4)
+# The taps of a kernel column read one box of x where the stride along the height is 1
+# (ConvGemmPlan.shared_rows): kh taps' rows of a patch of tile_h rows are tile_h + (kh - 1)
+# x dilation rows of x, copied once for the kh k-steps; for the k-step widths of
+# SHARED_ROWS_K_BYTES (the narrow ones, whose copies of 32- and 64-byte rows are the
+# mainloop's largest part: benchmarks/RESULTS.md).
+SHARED_ROWS = True
+SHARED_ROWS_K_BYTES = (32, 64)
 
 
 @dataclass(frozen=True)
@@ -188,6 +195,9 @@ class ConvGemmPlan:
         recompute: with `stats`: the kernel runs twice (`Anchor.recompute`), its first
             pass writing the tiles' moments alone, its second, after their merge, the
             chain with the norm applied in the tile; the conv's value is never written.
+        shared_rows: a stage of the ring holds one box of x for the taps of a kernel
+            column (and channel block), tile_h + (kh - 1) x dilation rows, and those taps'
+            weights (SHARED_ROWS; stride 1 along the height, x channels-last).
     """
 
     block_n: int
@@ -204,10 +214,11 @@ class ConvGemmPlan:
     pixel_reduce: str = ""
     pool: tuple = ()
     recompute: bool = False
+    shared_rows: bool = False
 
     def name(self, spec, arch: str) -> str:
-        return (f"igemm{self.block_m}x{self.block_n}{'_nchw' if self.nchw else ''}{'_rc' if self.recompute else ''}_"
-                + spec.kernel_name(arch + "a"))
+        return (f"igemm{self.block_m}x{self.block_n}{'_nchw' if self.nchw else ''}{'_sr' if self.shared_rows else ''}"
+                f"{'_rc' if self.recompute else ''}_" + spec.kernel_name(arch + "a"))
 
 
 def reads_nchw(plan: "ConvGemmPlan", itemsize: int, stride_w: int, width: int, kernel_w: int = 1,
@@ -263,7 +274,7 @@ def patch_width(wo: int, widest: int) -> int:
 
 
 def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int = 128,
-           stride_w: int = 1, ho: int = 0, narrow: bool = True) -> ConvGemmPlan:
+           stride_w: int = 1, ho: int = 0, narrow: bool = True, tap_rows: tuple = ()) -> ConvGemmPlan:
     """The tile for C_out channels and an output of `ho` x `wo` pixels (`ho` 0: not
     known): the fewest channel tiles of a BLOCK_N width, the narrowest that covers C_out
     in that many; a patch as wide as the output (a power of two, 8 to MAX_PATCH_W, and at
@@ -276,7 +287,11 @@ def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int 
     shared memory holds beside the staging tile (and, with `stats`, the tile's moments),
     RING_BYTES_K bytes of k-steps at most. Where fewer than MIN_STAGES fit beside that
     tile's staging (a narrow patch's many runs, the moments of a wide tile), a tile of
-    BLOCK_M pixels, then the next narrower width is taken.
+    BLOCK_M pixels, then the next narrower width is taken. `tap_rows`, (kh, dilation)
+    of a kernel whose column's taps share a box of x (`ConvGemmPlan.shared_rows`): a
+    stage holds that box, tile_h + (kh - 1) x dilation rows, and kh taps' weights, and the
+    ring RING_BYTES_K / kh bytes of k-steps at most (MIN_STAGES at least); where the box
+    is taller than MAX_BOX rows, no box is shared.
 
     Raises:
         ValueError: k_bytes is not one of K_STEP_BYTES, or stride_w not 1 to MAX_STRIDE.
@@ -310,13 +325,18 @@ def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int 
         tall = (pingpong and block_n <= TALL_MAX_N and k_bytes <= TALL_MAX_K_BYTES
                 and (ho == 0 or TALL_BLOCK_M // tile_w <= ho))
         for block_m in (TALL_BLOCK_M, BLOCK_M) if tall else (BLOCK_M,):
-            stage = (block_m + block_n) * k_bytes  # an x box and a w box of k_bytes-byte rows
+            kh, dilation = tap_rows or (1, 1)
+            box_rows = block_m // tile_w + (kh - 1) * dilation
+            shared = bool(tap_rows) and box_rows <= MAX_BOX
+            # a stage: an x box and a w box a k-step of k_bytes-byte rows, or the shared box and kh w boxes
+            stage = ((box_rows * tile_w + kh * block_n) if shared else (block_m + block_n)) * k_bytes
             staging = block_n * staging_pitch(block_m // tile_w, tile_w, itemsize) * itemsize  # the kernel's kStaging
             staging += 4 * stats_floats(block_n, pingpong) if stats else 0
-            stages = min(RING_BYTES_K // k_bytes, (SMEM_BUDGET - staging) // stage)
+            ring = max(RING_BYTES_K // k_bytes // kh, MIN_STAGES) if shared else RING_BYTES_K // k_bytes
+            stages = min(ring, (SMEM_BUDGET - staging) // stage)
             if stages >= MIN_STAGES:
                 return ConvGemmPlan(block_n, block_m // tile_w, tile_w, stages, pingpong=pingpong, stats=stats,
-                                    k_bytes=k_bytes, block_m=block_m)
+                                    k_bytes=k_bytes, block_m=block_m, shared_rows=shared)
     raise AssertionError(f"no tile of {widths} fits {MIN_STAGES} stages ({cout}, {wo}, {itemsize})")  # 32 always fits
 
 
@@ -393,6 +413,7 @@ def wgmma_asm(dtype: str, n: int, a_mn_major: bool = False) -> str:
 #   $nchw       x read in its NCHW layout (ConvGemmPlan.nchw): true or false
 #   $nchw_box_w pixels of an NCHW box (NCHW_BOX_W)
 #   $recompute  the norm recomputed (ConvGemmPlan.recompute): true or false
+#   $shared_rows  a kernel column's taps share one box of x (ConvGemmPlan.shared_rows): true or false
 #   $norm_chan  NormChan's fields, norm_chan_of's and norm_stage1's bodies (render: the norm's
 #               stage1 operands and statistics for the normed pass, else nothing)
 #   $parts_at   where the moments or the reductions go: floats from the workspace's start
@@ -441,11 +462,19 @@ constexpr int kNchwBoxW = $nchw_box_w;
 constexpr int kCBlocks = (kCin + kBK - 1) / kBK;  // k-steps a tap
 constexpr int kCinPad = kCBlocks * kBK;  // the weight's input channels, padded with zeros by the launcher
 constexpr int kKSteps = kTaps * kCBlocks;
+// The taps of a kernel column share a box of x (ConvGemmPlan.shared_rows, conv_sm90.cuh's
+// producer): kTapRows k-steps a load of the ring, kLoads loads a tile.
+constexpr bool kSharedRows = $shared_rows;
+constexpr int kTapRows = kSharedRows ? kKH : 1;
+constexpr int kLoads = kKSteps / kTapRows;
+constexpr int kBoxRows = kSharedRows ? kTH + (kKH - 1) * kDH : kTH * kSH;  // x's box: rows (strides spanned)
 constexpr int kTilesN = static_cast<int>((kChannels + kBN - 1) / kBN);
 constexpr int kTilesPerImage = kDo * ((kHoPlane + kTH - 1) / kTH) * ((kWo + kTW - 1) / kTW) * kTilesN;
 constexpr int kElem = static_cast<int>(sizeof(T));
 constexpr int kSwizzle = kBK * kElem;  // a k-step's bytes: the tiles' rows, in the swizzle of that width
-constexpr int kTileA = kBM * kSwizzle, kTileB = kBN * kSwizzle;  // bytes a stage
+constexpr int kTileB = kBN * kSwizzle;  // a tap's weights: bytes
+// A stage's bytes: x's patch (kSharedRows: the box of kBoxRows rows of kTW pixels), and its taps' weights
+constexpr int kStageA = (kSharedRows ? kBoxRows * kTW : kBM) * kSwizzle, kStageB = kTapRows * kTileB;
 
 __device__ __forceinline__ void wgmma_n(float (&d)[kBN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   $wgmma
@@ -456,7 +485,7 @@ $norm_chan
 
 #include "fusedepi/conv_sm90.cuh"
 
-constexpr int kConvSmem = kStages * (kTileA + kTileB) + kStaging + kStatsBytes + 1024;  // + alignment slack
+constexpr int kConvSmem = kStages * (kStageA + kStageB) + kStaging + kStatsBytes + 1024;  // + alignment slack
 static_assert(kTH * kTW == kBM && kTW >= 8, "a tile's patch: kBM pixels, rows of 8 or more");
 static_assert(kBM == 128 || (kBM == 256 && kPingPong), "tiles of 128 pixels, or 256 in ping-pong");
 static_assert(!kNchw || (kElem == 2 && kSW == 1 && kTW % kNchwBoxW == 0 && kNchwBoxW * kElem == 128 &&
@@ -464,7 +493,10 @@ static_assert(!kNchw || (kElem == 2 && kSW == 1 && kTW % kNchwBoxW == 0 && kNchw
               "an NCHW x: 16-bit, stride 1 along the width, patches of whole 128-byte boxes, rows of 16 bytes");
 static_assert((kSwizzle == 32 || kSwizzle == 64 || kSwizzle == 128) && kBK % kMmaK == 0 && kMmaK * kElem == 32,
               "rows of 32, 64 or 128 bytes, 32 bytes a wgmma");
-static_assert(kTileB % (8 * kSwizzle) == 0, "each stage's tiles aligned to the swizzle's 8-row atom");
+static_assert(kTileB % (8 * kSwizzle) == 0 && kStageA % (8 * kSwizzle) == 0 && kTW % 8 == 0,
+              "each stage's tiles, and a tap's rows of a shared box, aligned to the swizzle's 8-row atom");
+static_assert(!kSharedRows || (kSH == 1 && kKH > 1 && !kNchw && kBoxRows <= 256),
+              "a box shared down the kernel's height: stride 1 along it, channels-last x, 256 rows at most");
 static_assert(kBN % 8 == 0 && kBN <= 256 && kChannels % 8 == 0, "wgmma's N; whole 8-channel chunks");
 static_assert(kCin * kElem % 16 == 0, "TMA's 16-byte strides");
 static_assert(kSH >= 1 && kSH <= 8 && kSW >= 1 && kSW <= 8 && kTW * kSW <= 256 && kTH * kSH <= 256,
@@ -497,7 +529,7 @@ int conv_launch(const Args& a, int device, cudaStream_t stream, int pass) {
     const cuuint64_t x_strides[4] = {static_cast<cuuint64_t>(kCin) * kElem, static_cast<cuuint64_t>(kW) * kCin * kElem,
                                      static_cast<cuuint64_t>(kH) * kW * kCin * kElem,
                                      static_cast<cuuint64_t>(kD) * kH * kW * kCin * kElem};
-    const cuuint32_t x_box[5] = {kBK, kTW * kSW, kTH * kSH, 1, 1};
+    const cuuint32_t x_box[5] = {kBK, kTW * kSW, kBoxRows, 1, 1};
     const cuuint32_t x_steps[5] = {1, kSW, kSH, 1, 1};
     if (int e = hop::encode_map<T>(&map_x, a.x, 5, x_dims, x_strides, x_box, kSwizzle, x_steps)) return e;
   } else {  // [rows, H, W, C_in]
@@ -505,7 +537,7 @@ int conv_launch(const Args& a, int device, cudaStream_t stream, int pass) {
     const cuuint64_t x_strides[3] = {static_cast<cuuint64_t>(kCin) * kElem, static_cast<cuuint64_t>(kW) * kCin * kElem,
                                      static_cast<cuuint64_t>(kH) * kW * kCin * kElem};
     // A stride s: the box spans s times the patch, of which TMA reads every s-th pixel.
-    const cuuint32_t x_box[4] = {kBK, kTW * kSW, kTH * kSH, 1};
+    const cuuint32_t x_box[4] = {kBK, kTW * kSW, kBoxRows, 1};
     const cuuint32_t x_steps[4] = {1, kSW, kSH, 1};
     if (int e = hop::encode_map<T>(&map_x, a.x, 4, x_dims, x_strides, x_box, kSwizzle, x_steps)) return e;
   }
@@ -572,5 +604,5 @@ SEGMENT_STATS = Template(
 )
 
 __all__ = ["BLOCK_M", "CONV_KERNELS", "CONV_REDUCE_FINAL", "CONV_STATS_FINAL", "K_STEP_BYTES", "MAX_STRIDE",
-           "SEGMENT_STATS", "TALL_BLOCK_M", "ConvGemmPlan", "k_step_bytes", "padded_in_channels", "reads_nchw",
+           "SEGMENT_STATS", "SHARED_ROWS", "SHARED_ROWS_K_BYTES", "TALL_BLOCK_M", "ConvGemmPlan", "k_step_bytes", "padded_in_channels", "reads_nchw",
            "stats_floats", "tiling", "wgmma_asm"]

@@ -754,10 +754,14 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     # A pool's windows whole in a patch: at least a window's rows of them (patches as wide
     # as 128 // rows pixels at most).
     patch_w = min(wo, conv_sm90.BLOCK_M // pool[0]) if pool else wo
-    def tiling(narrow: bool) -> conv_sm90.ConvGemmPlan:
-        return conv_sm90.tiling(spec.channels, patch_w, ITEMSIZE[spec.dtype], stats=stats or reduce,
-                                k_bytes=conv_sm90.k_step_bytes(cin, ITEMSIZE[spec.dtype]), stride_w=stride[1], ho=ho,
-                                narrow=narrow)
+    k_bytes = conv_sm90.k_step_bytes(cin, ITEMSIZE[spec.dtype])
+    # A kernel column's taps share a box of x (conv_sm90.SHARED_ROWS) where the stride
+    # along the height is 1; not where x is read NCHW (a box an m64 block).
+    shared = conv_sm90.SHARED_ROWS and kh > 1 and stride[0] == 1 and k_bytes in conv_sm90.SHARED_ROWS_K_BYTES
+
+    def tiling(narrow: bool, tap_rows: tuple = ()) -> conv_sm90.ConvGemmPlan:
+        return conv_sm90.tiling(spec.channels, patch_w, ITEMSIZE[spec.dtype], stats=stats or reduce, k_bytes=k_bytes,
+                                stride_w=stride[1], ho=ho, narrow=narrow, tap_rows=tap_rows)
 
     def nchw(tile: conv_sm90.ConvGemmPlan) -> bool:
         return not anchor.depth and conv_sm90.reads_nchw(tile, ITEMSIZE[spec.dtype], stride[1], anchor.direct[4],
@@ -767,7 +771,7 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     # copy of x), else the ones that leave the fewest columns outside it.
     tile = tiling(narrow=False)
     if not nchw(tile):
-        tile = tiling(narrow=True)
+        tile = tiling(narrow=True, tap_rows=(kh, dilation[0]) if shared else ())
     if (softmax or pixel_reduce) and tile.block_n < spec.channels:
         return (f"{spec.reduction.name} over {spec.channels} channels: more than one tile of the in-kernel conv "
                 f"({tile.block_n})")
@@ -777,7 +781,7 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     if anchor.recompute and not stats:
         return "a norm recomputed (Anchor.recompute), but the in-kernel conv's tiles take no norm's statistics here"
     return replace(tile, stats=stats, reduce=reduce, softmax=softmax, pixel_reduce=pixel_reduce, pool=pool,
-                   nchw=nchw(tile), recompute=anchor.recompute)
+                   nchw=nchw(tile) and not tile.shared_rows, recompute=anchor.recompute)
 
 
 def conv_softmax(spec: EpilogueSpec) -> int:
@@ -1444,6 +1448,7 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
         value_stage1=("  float y[1] = {v};\n  stage1<1>(y, pos, e0, a, s0, s1);\n  v = y[0];"
                       if c.softmax or c.pixel_reduce or c.pool else ""),
         recompute="true" if c.recompute else "false", norm_chan=_conv_norm_chan(spec, c),
+        shared_rows="true" if c.shared_rows else "false",
         **_conv_pool_constants(spec, c, ho, wo),
     )
     fields, bind = _fields(spec, direct=True)

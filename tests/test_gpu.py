@@ -1831,6 +1831,10 @@ def test_in_kernel_conv(name, dtype, exact_float32, monkeypatch):
         torch.backends.cudnn.allow_tf32 = saved
     assert len(kernels) == 1 and re.match(r"igemm(128|256)x", kernels[0]), kernels
     assert ran and all(re.search(r"igemm(128|256)x", r) for r in ran), ran
+    # A kernel column's taps share one box of x where the stride along the height is 1
+    # and a pixel's C_in is 64 bytes at most (conv_sm90.SHARED_ROWS_K_BYTES)
+    stride_h = IN_KERNEL_CONV_STRIDES.get(name, (1, 1))[0]
+    assert ("_sr_" in kernels[0]) == (k > 1 and stride_h == 1 and cin * x.element_size() <= 64), kernels
     err = relative_error(out, ref)
     assert err <= (2e-3 if dtype == torch.float32 else TOLERANCE[dtype]), f"relative error {err:.3g} (seed {exact_float32})"
     if dtype == torch.float32:
@@ -2064,7 +2068,7 @@ def _check_conv_then(case, dtype, switch, fusion, seed, monkeypatch):
     model = _Conv2dThen(cin, cout, k, padding, tail).cuda().to(dtype)
     x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
     ref, out, kernels, ran, out_nan, eager_nan = _run_with_nan(model, x, dtype)
-    assert len(kernels) == 1 and re.match(rf"igemm(128|256)x\d+_conv_.*{fusion}", kernels[0]), kernels
+    assert len(kernels) == 1 and re.match(rf"igemm(128|256)x\d+(_sr)?_conv_.*{fusion}", kernels[0]), kernels
     assert out.shape == ref.shape
     err = relative_error(out, ref)
     tolerance = 1e-5 if dtype == torch.float32 else TOLERANCE[dtype]

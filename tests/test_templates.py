@@ -747,6 +747,16 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     # to 128 channels a tile, the cooperative schedule above.
     assert c.pingpong == (c.block_n <= conv_sm90.PINGPONG_MAX_N == 128)
     assert f"constexpr bool kPingPong = {'true' if c.pingpong else 'false'};" in source
+    # A kernel column's taps share one box of x, tile_h + (kh - 1) x dilation rows, where
+    # the stride along the height is 1 and the k-steps are narrow; a stage then holds that
+    # box and kh taps' weights.
+    kh = spec.anchor.direct[1]
+    assert c.shared_rows == (kh > 1 and sh == 1 and not c.nchw and step in conv_sm90.SHARED_ROWS_K_BYTES
+                             and c.tile_h + (kh - 1) * dh <= 256)
+    assert f"constexpr bool kSharedRows = {'true' if c.shared_rows else 'false'};" in source
+    assert ("_sr_" in kernel) == c.shared_rows
+    stage = ((c.tile_h + (kh - 1) * dh) * c.tile_w + kh * c.block_n if c.shared_rows else c.block_m + c.block_n) * step
+    assert c.stages * stage <= conv_sm90.SMEM_BUDGET
     t, k = {"bfloat16": ("bf16", 16), "float16": ("f16", 16), "float32": ("tf32", 8)}[spec.dtype]
     acc = c.block_n // 2
     assert f"wgmma.mma_async.sync.aligned.m64n{c.block_n}k{k}.f32.{t}.{t} " in source

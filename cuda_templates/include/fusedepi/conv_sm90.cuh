@@ -7,7 +7,8 @@
 //   T, Args (x: the input [rows, H, W, C_in] in memory, [rows, D, H, W, C_in] where kDepth,
 //   or [rows, C_in, H, W] where kNchw; w: the weight [kChannels, kTaps, kCinPad]), stage0_chan, stage0_chan_of, stage0_at,
 //   kChannels (KERNEL_FILE and CONV_KERNELS' constants: kBM, kBN, kBK, kSwizzle, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
-//   kHo, kWo, kHoPlane, kDepth, kD, kKD, kPD, kSD, kDD, kDo, kPitch, kCBlocks, kTilesN, kTilesPerImage, kTileA, kTileB, kMmaK, kPingPong,
+//   kHo, kWo, kHoPlane, kDepth, kD, kKD, kPD, kSD, kDD, kDo, kPitch, kCBlocks, kTilesN, kTilesPerImage, kTileB, kMmaK, kPingPong,
+//   kSharedRows, kTapRows, kLoads, kStageA, kStageB,
 //   kConvStats, kConvReduce, kReduceOp, kConvSoftmax, kConvPixelReduce, kConvPool, kPoolKH, kPoolKW, kPoolMax,
 //   kPoolDivisor, kPoolHo, kPoolWo, value_stage1, kPartsAt, kNchw, kNchwBoxW, kRecompute, NormChan,
 //   norm_chan_of, norm_stage1, wgmma_n),
@@ -590,7 +591,12 @@ __device__ __forceinline__ void pool_runs(const uint8_t* staging, int ct, int im
 // tap reads (the patch's origin times the stride, shifted by the tap times the dilation;
 // every kSW-th / kSH-th pixel, the map's element strides; zeros past the image: the
 // conv's padding) and the tap's weights, tile after tile of the CTA in order, into one
-// ring; warpgroups 1 and 2 multiply (wgmma), apply the chain in registers, stage the
+// ring. With kSharedRows (stride 1 along the height) a stage is a load of kTapRows
+// k-steps: the taps of a kernel column (and depth tap) read rows of x kDH apart, so one
+// box of kTH + (kKH - 1) * kDH rows holds all of them (the rows of a tap start r * kDH
+// box rows in, whole 8-row swizzle atoms as kTW is a multiple of 8), beside those taps'
+// weights: a third of the copies of x of a 3 x 3 kernel's, the tiles' rows narrow (a
+// k-step of 32 bytes) or not. Warpgroups 1 and 2 multiply (wgmma), apply the chain in registers, stage the
 // tile and issue its bulk copies to out, which run under the next mainloop. Persistent: CTA b takes tiles b, b + gridDim.x, ... (its tiles 0, 1,
 // 2, ...); cooperative, both consumer warpgroups take each; ping-pong, warpgroup h takes
 // the CTA's tiles h, h + 2, ... The ring's stage and phase run on across tiles.
@@ -604,8 +610,8 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* tiles_a = smem;
-  uint8_t* tiles_b = smem + kStages * kTileA;
-  uint8_t* staging = smem + kStages * (kTileA + kTileB);
+  uint8_t* tiles_b = smem + kStages * kStageA;
+  uint8_t* staging = smem + kStages * (kStageA + kStageB);
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
 
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
@@ -626,27 +632,32 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
       for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
         int img, h0, w0, n0;
         conv_tile_origin(tile, img, h0, w0, n0);
-        for (int i = 0; i < kKSteps; ++i, ++it) {
-          const int s = it % kStages, tap = i / kCBlocks, c0 = i % kCBlocks * kBK;
+        for (int i = 0; i < kLoads; ++i, ++it) {
+          // load i: channel block i % kCBlocks of tap `tap` (kSharedRows: of the taps tap,
+          // tap + kKW, ... down the kernel's height, whose rows of x one box holds)
+          const int q = i / kCBlocks, s = it % kStages, c0 = i % kCBlocks * kBK;
+          const int tap = kSharedRows ? q / kKW * (kKH * kKW) + q % kKW : q;
           const int tap_hw = tap % (kKH * kKW);  // the tap's place in a depth plane of taps
           if (it >= kStages) hop::mbar_wait(&empty[s], ((it / kStages) + 1) & 1);
-          hop::mbar_expect_tx(&full[s], kTileA + kTileB);
+          hop::mbar_expect_tx(&full[s], kStageA + kStageB);
           if constexpr (kNchw) {  // a box an m64 block: its kNchwBoxW pixels of one patch row, kBK channels
 #pragma unroll
             for (int b = 0; b < kBM / 64; ++b)
-              hop::tma_load_4d(tiles_a + s * kTileA + b * 64 * kSwizzle, &map_x, &full[s],
+              hop::tma_load_4d(tiles_a + s * kStageA + b * 64 * kSwizzle, &map_x, &full[s],
                                w0 + b * 64 % kTW + tap_hw % kKW * kDW - kPW,
                                (h0 + b * 64 / kTW) * kSH + tap_hw / kKW * kDH - kPH, c0, img);
           } else if constexpr (kDepth) {  // the tap's input plane for the patch's output plane
             const int plane = h0 / kHoPlane;
-            hop::tma_load_5d(tiles_a + s * kTileA, &map_x, &full[s], c0, w0 * kSW + tap_hw % kKW * kDW - kPW,
+            hop::tma_load_5d(tiles_a + s * kStageA, &map_x, &full[s], c0, w0 * kSW + tap_hw % kKW * kDW - kPW,
                              (h0 - plane * kHoPlane) * kSH + tap_hw / kKW * kDH - kPH,
                              plane * kSD + tap / (kKH * kKW) * kDD - kPD, img);
           } else {
-            hop::tma_load_4d(tiles_a + s * kTileA, &map_x, &full[s], c0, w0 * kSW + tap_hw % kKW * kDW - kPW,
+            hop::tma_load_4d(tiles_a + s * kStageA, &map_x, &full[s], c0, w0 * kSW + tap_hw % kKW * kDW - kPW,
                              h0 * kSH + tap_hw / kKW * kDH - kPH, img);
           }
-          hop::tma_load_2d(tiles_b + s * kTileB, &map_w, &full[s], tap * kCinPad + c0, n0);
+#pragma unroll
+          for (int r = 0; r < kTapRows; ++r)
+            hop::tma_load_2d(tiles_b + s * kStageB + r * kTileB, &map_w, &full[s], (tap + r * kKW) * kCinPad + c0, n0);
         }
       }
     }  // warps 1-3 have nothing to do
@@ -661,8 +672,8 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
     const int first = blockIdx.x + (kPingPong ? half * gridDim.x : 0);
     const int step = (kPingPong ? 2 : 1) * gridDim.x;
     for (int tile = first, j = 0; tile < n_tiles; tile += step, ++j) {
-      // the tile's k-steps in the ring: the CTA's tiles before it had kKSteps each
-      int it = (kPingPong ? 2 * j + half : j) * kKSteps;
+      // the tile's loads in the ring: the CTA's tiles before it had kLoads each
+      int it = (kPingPong ? 2 * j + half : j) * kLoads;
       // ping-pong: the other warpgroup's tile after this one exists (it waits for this
       // warpgroup's turn to end), and the one before it (this waits for its turn)
       const bool other_next = kPingPong && tile + gridDim.x < n_tiles;
@@ -677,22 +688,26 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
       TileChans chans;
       load_chans(chans, tid, n0, a);
       if (other_before) hop::named_sync<256>(kBarMath + half);  // the other's wgmmas are all issued
-      for (int i = 0; i < kKSteps; ++i, ++it) {
+      for (int i = 0; i < kLoads; ++i, ++it) {
         const int s = it % kStages;
         hop::mbar_wait(&full[s], (it / kStages) & 1);
         hop::wgmma_fence();
-        const uint8_t* sa = tiles_a + s * kTileA + (kPingPong ? 0 : half * 64 * kSwizzle);  // rows of kSwizzle bytes
-        const uint8_t* sb = tiles_b + s * kTileB;
 #pragma unroll
-        for (int kk = 0; kk < kBK / kMmaK; ++kk)
+        for (int r = 0; r < kTapRows; ++r) {
+          // the k-step's tap reads the box from its row r * kDH on: whole 8-row swizzle atoms
+          const uint8_t* sa = tiles_a + s * kStageA + (r * kDH * kTW + (kPingPong ? 0 : half * 64)) * kSwizzle;
+          const uint8_t* sb = tiles_b + s * kStageB + r * kTileB;
 #pragma unroll
-          for (int b = 0; b < kMBlocks; ++b) {
-            // an m64 block's rows of kSwizzle bytes, K-major; or (kNchw) its kBK channel rows
-            // of 64 pixels, MN-major: a wgmma's 16 channels are two 1 KB atoms
-            const uint64_t desc_a = kNchw ? hop::desc_mn128(sa + b * 64 * kSwizzle + kk * 2048)
-                                          : hop::desc_sw<kSwizzle>(sa + b * 64 * kSwizzle + kk * 32);
-            wgmma_n(d[b], desc_a, hop::desc_sw<kSwizzle>(sb + kk * 32), (i > 0 || kk > 0) ? 1 : 0);
-          }
+          for (int kk = 0; kk < kBK / kMmaK; ++kk)
+#pragma unroll
+            for (int b = 0; b < kMBlocks; ++b) {
+              // an m64 block's rows of kSwizzle bytes, K-major; or (kNchw) its kBK channel rows
+              // of 64 pixels, MN-major: a wgmma's 16 channels are two 1 KB atoms
+              const uint64_t desc_a = kNchw ? hop::desc_mn128(sa + b * 64 * kSwizzle + kk * 2048)
+                                            : hop::desc_sw<kSwizzle>(sa + b * 64 * kSwizzle + kk * 32);
+              wgmma_n(d[b], desc_a, hop::desc_sw<kSwizzle>(sb + kk * 32), (i > 0 || r > 0 || kk > 0) ? 1 : 0);
+            }
+        }
         hop::wgmma_commit();
         hop::wgmma_wait<1>();  // the previous k-step's wgmma is done: free its stage
         if (i > 0) release((it - 1) % kStages);
