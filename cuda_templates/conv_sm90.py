@@ -20,7 +20,7 @@ the tile has few channels: TALL_BLOCK_M) x kBN channels, persistent over tiles, 
 - a tile's pixels are a patch of kTH x kTW output pixels of one image (kTW: the output
   width rounded up to a power of two, 8 to 128);
 - warpgroup 0's first thread is the producer: for each k-step (a tap, and a block of
-  input channels of 128 bytes, or of 32 or 64 where a pixel's C_in fits them:
+  input channels of 128 bytes, or of 64 where a pixel's C_in fits them:
   `k_step_bytes`) it copies by TMA the patch of input pixels that tap reads (a 4-D box of
   the channels-last input, shifted by the tap times the dilation; with a stride s the box
   spans s times the patch and TMA reads every s-th pixel of it, its element strides;
@@ -89,7 +89,7 @@ from .gemm_sm90 import WGMMA_TYPES
 BLOCK_M = 128  # output pixels a tile
 # Output pixels a tile where its channels are few (at most TALL_MAX_N, ping-pong) and a
 # k-step is at most TALL_MAX_K_BYTES: four m64 wgmmas a k-step instead of two,
-# over a short mainloop (a 16 -> 32 channel 3 x 3 conv: 9 k-steps of 32 bytes a tile)
+# over a short mainloop (a 16 -> 32 channel 3 x 3 conv: 9 k-steps of 64 bytes a tile)
 # that otherwise waits on each k-step's wgmma latency, and half the tiles' finishes.
 TALL_BLOCK_M = 256
 TALL_MAX_N = 64
@@ -106,12 +106,17 @@ MIN_STAGES = 3
 # The widest tile a consumer warpgroup holds whole (kBN float32 accumulators a thread of
 # its 232 registers): the ping-pong schedule's bound.
 PINGPONG_MAX_N = 128
-# A k-step's bytes of input channels (the tiles' rows and their swizzle): a pixel's C_in
-# where it fits 32 or 64, else 128 (a 128-byte k-step of a 16-channel bf16 input is three
-# quarters zeros, read, staged and multiplied all the same).
-K_STEP_BYTES = (32, 64, 128)
+# A k-step's bytes of input channels (the tiles' rows and their swizzle): 64 where a
+# pixel's C_in fits them, else 128 (a 128-byte k-step of a 16-channel bf16 input is three
+# quarters zeros, read, staged and multiplied all the same). Not 32: k-steps of 32 bytes
+# (16 bf16 channels) were slower than 64-byte ones, half zeros, on an H200 (the conv
+# kernel, bf16, a kernel column's taps sharing a box): conv2d_bn_relu 73.7 against 58.2
+# us, conv2d_layernorm_image_relu 40.8 against 37.5, conv2d_instancenorm_leaky 53.2
+# against 50.9, conv2d_relu_maxpool 66.2 against 64.6, conv2d_dilated_gelu 70.0 against
+# 71.5 (benchmarks/RESULTS.md).
+K_STEP_BYTES = (64, 128)
 # The ring's depth at most: 8 stages of 128-byte k-steps, as many bytes of narrower ones
-# (a k-step of 32 bytes is a quarter of the work, the latency it must hide the same).
+# (a k-step of 64 bytes is half the work, the latency it must hide the same).
 RING_BYTES_K = 8 * 128
 # The largest stride the tensor map reads (TMA's element strides: 1 to 8). A box spans
 # the patch's width times the stride, at most MAX_BOX pixels, which bounds the patch's width.
@@ -159,10 +164,19 @@ POOL_SIDES = (1, 2, 4)
 # The taps of a kernel column read one box of x where the stride along the height is 1
 # (ConvGemmPlan.shared_rows): kh taps' rows of a patch of tile_h rows are tile_h + (kh - 1)
 # x dilation rows of x, copied once for the kh k-steps; for the k-step widths of
-# SHARED_ROWS_K_BYTES (the narrow ones, whose copies of 32- and 64-byte rows are the
-# mainloop's largest part: benchmarks/RESULTS.md).
+# SHARED_ROWS_K_BYTES (the narrow one, whose copies of 64-byte rows are the mainloop's
+# largest part), where the box has at most 1 / SHARED_ROWS_MIN_SAVING of the
+# kh x tile_h rows the taps' own boxes would copy, and then in patches narrowed to
+# SHARED_ROWS_PATCH_W where that covers the output as well (taller patches, more rows of
+# their box shared). On an H200 (bf16, the conv kernel, benchmarks/RESULTS.md):
+# conv2d_bn_relu 85.8 us, shared in 128-wide patches 73.1, in 64-wide ones 71.9 (in 32-wide
+# ones 81.2: the finish's runs get short); conv2d_dilated_gelu's 2-row patches, whose box
+# of 6 rows saves none, 72.5 apart and 74.9 shared; 128-byte k-steps (conv2d_relu_bias)
+# 53.4 apart and 60.1 shared.
 SHARED_ROWS = True
-SHARED_ROWS_K_BYTES = (32, 64)
+SHARED_ROWS_K_BYTES = (64,)
+SHARED_ROWS_MIN_SAVING = 1.5
+SHARED_ROWS_PATCH_W = 64
 
 
 @dataclass(frozen=True)
@@ -288,10 +302,12 @@ def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int 
     RING_BYTES_K bytes of k-steps at most. Where fewer than MIN_STAGES fit beside that
     tile's staging (a narrow patch's many runs, the moments of a wide tile), a tile of
     BLOCK_M pixels, then the next narrower width is taken. `tap_rows`, (kh, dilation)
-    of a kernel whose column's taps share a box of x (`ConvGemmPlan.shared_rows`): a
-    stage holds that box, tile_h + (kh - 1) x dilation rows, and kh taps' weights, and the
-    ring RING_BYTES_K / kh bytes of k-steps at most (MIN_STAGES at least); where the box
-    is taller than MAX_BOX rows, no box is shared.
+    of a kernel whose column's taps may share a box of x (`ConvGemmPlan.shared_rows`): the
+    patch narrowed to SHARED_ROWS_PATCH_W where it covers as many columns, and the box
+    shared where its tile_h + (kh - 1) x dilation rows (MAX_BOX at most) are at most 1 /
+    SHARED_ROWS_MIN_SAVING of the taps' kh x tile_h and MIN_STAGES of its stages fit; a
+    stage then holds that box and kh taps' weights, and the ring RING_BYTES_K / kh bytes of
+    k-steps at most (MIN_STAGES at least).
 
     Raises:
         ValueError: k_bytes is not one of K_STEP_BYTES, or stride_w not 1 to MAX_STRIDE.
@@ -326,17 +342,31 @@ def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int 
                 and (ho == 0 or TALL_BLOCK_M // tile_w <= ho))
         for block_m in (TALL_BLOCK_M, BLOCK_M) if tall else (BLOCK_M,):
             kh, dilation = tap_rows or (1, 1)
-            box_rows = block_m // tile_w + (kh - 1) * dilation
-            shared = bool(tap_rows) and box_rows <= MAX_BOX
-            # a stage: an x box and a w box a k-step of k_bytes-byte rows, or the shared box and kh w boxes
-            stage = ((box_rows * tile_w + kh * block_n) if shared else (block_m + block_n)) * k_bytes
-            staging = block_n * staging_pitch(block_m // tile_w, tile_w, itemsize) * itemsize  # the kernel's kStaging
-            staging += 4 * stats_floats(block_n, pingpong) if stats else 0
-            ring = max(RING_BYTES_K // k_bytes // kh, MIN_STAGES) if shared else RING_BYTES_K // k_bytes
-            stages = min(ring, (SMEM_BUDGET - staging) // stage)
-            if stages >= MIN_STAGES:
-                return ConvGemmPlan(block_n, block_m // tile_w, tile_w, stages, pingpong=pingpong, stats=stats,
-                                    k_bytes=k_bytes, block_m=block_m, shared_rows=shared)
+
+            def shares(w: int) -> bool:  # a kernel column's taps share the box of a patch w wide
+                rows = block_m // w
+                box = rows + (kh - 1) * dilation
+                return bool(tap_rows) and box <= MAX_BOX and kh * rows >= SHARED_ROWS_MIN_SAVING * box
+
+            patch_w = tile_w
+            if narrow and tap_rows:  # taller patches share more of their box
+                cover = -(-wo // tile_w) * tile_w
+                patch_w = min((w for w in (SHARED_ROWS_PATCH_W << i for i in range(4))
+                               if w <= tile_w and -(-wo // w) * w == cover and (not ho or block_m // w <= ho)
+                               and shares(w)), default=tile_w)
+            # the box shared where MIN_STAGES of its stages fit, else a box a tap
+            for shared in (True, False) if shares(patch_w) else (False,):
+                w = patch_w if shared else tile_w
+                box_rows = block_m // w + (kh - 1) * dilation
+                # a stage: an x box and a w box a k-step of k_bytes-byte rows, or the shared box and kh w boxes
+                stage = ((box_rows * w + kh * block_n) if shared else (block_m + block_n)) * k_bytes
+                staging = block_n * staging_pitch(block_m // w, w, itemsize) * itemsize  # the kernel's kStaging
+                staging += 4 * stats_floats(block_n, pingpong) if stats else 0
+                ring = max(RING_BYTES_K // k_bytes // kh, MIN_STAGES) if shared else RING_BYTES_K // k_bytes
+                stages = min(ring, (SMEM_BUDGET - staging) // stage)
+                if stages >= MIN_STAGES:
+                    return ConvGemmPlan(block_n, block_m // w, w, stages, pingpong=pingpong, stats=stats,
+                                        k_bytes=k_bytes, block_m=block_m, shared_rows=shared)
     raise AssertionError(f"no tile of {widths} fits {MIN_STAGES} stages ({cout}, {wo}, {itemsize})")  # 32 always fits
 
 
@@ -491,8 +521,8 @@ static_assert(kBM == 128 || (kBM == 256 && kPingPong), "tiles of 128 pixels, or 
 static_assert(!kNchw || (kElem == 2 && kSW == 1 && kTW % kNchwBoxW == 0 && kNchwBoxW * kElem == 128 &&
                          kW * kElem % 16 == 0 && kBK % 16 == 0),
               "an NCHW x: 16-bit, stride 1 along the width, patches of whole 128-byte boxes, rows of 16 bytes");
-static_assert((kSwizzle == 32 || kSwizzle == 64 || kSwizzle == 128) && kBK % kMmaK == 0 && kMmaK * kElem == 32,
-              "rows of 32, 64 or 128 bytes, 32 bytes a wgmma");
+static_assert((kSwizzle == 64 || kSwizzle == 128) && kBK % kMmaK == 0 && kMmaK * kElem == 32,
+              "rows of 64 or 128 bytes (conv_sm90.K_STEP_BYTES), 32 bytes a wgmma");
 static_assert(kTileB % (8 * kSwizzle) == 0 && kStageA % (8 * kSwizzle) == 0 && kTW % 8 == 0,
               "each stage's tiles, and a tap's rows of a shared box, aligned to the swizzle's 8-row atom");
 static_assert(!kSharedRows || (kSH == 1 && kKH > 1 && !kNchw && kBoxRows <= 256),

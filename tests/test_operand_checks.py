@@ -148,12 +148,12 @@ def test_in_kernel_anchors_check_the_sizes_they_were_built_for():
         launch.check_anchor_operands([torch.zeros(2, 4, 10, 11), torch.zeros(8, 4, 3, 3)], conv, "direct conv")
 
 
-@pytest.mark.parametrize("dtype, cin, padded", [("bfloat16", 20, 32), ("bfloat16", 8, 16), ("float32", 12, 16),
+@pytest.mark.parametrize("dtype, cin, padded", [("bfloat16", 20, 32), ("bfloat16", 8, 32), ("float32", 12, 16),
                                                  ("float32", 40, 64), ("float16", 64, 64)])
 def test_the_in_kernel_conv_reads_its_operands_in_its_own_layout(dtype, cin, padded):
     """The in-kernel conv's operands, as the launcher hands them to its tensor maps: x
     channels-last, the weight [C_out, kh, kw, C_in'] with C_in' padded with zeros to whole
-    k-steps (32 or 64 bytes where a pixel's C_in fits them, else 128: 64 16-bit or 32
+    k-steps (64 bytes where a pixel's C_in fits them, else 128: 32 or 64 16-bit, 16 or 32
     float32 channels), values unchanged; a shape other than the kernel's raises before any
     kernel runs."""
     anchor = Anchor("conv", conv=((1, 1), (1, 1), (1, 1), False, (0, 0), 1), direct=(cin, 3, 3, 6, 7), implicit=True)
@@ -209,7 +209,7 @@ def test_a_conv_chain_the_launchers_would_shape_otherwise_than_the_graph_is_refu
 def test_a_3d_in_kernel_convs_operands_are_laid_out_and_checked_as_built():
     # `launch.channels_last_operands` for a Conv3d (`Anchor.depth`): x channels-last-3d,
     # the weight as [C_out, kd, kh, kw, C_in'] with zeros past C_in (12 bf16 channels: a
-    # 32-byte k-step, 16); an x or weight of other sizes raises, naming both; the
+    # 64-byte k-step, 32); an x or weight of other sizes raises, naming both; the
     # per-row and whole sizes the launchers check count the depth.
     conv = Anchor("conv", conv=((1, 1, 1), (1, 0, 0), (1, 1, 1), False, (0, 0, 0), 1), direct=(12, 3, 3, 6, 7),
                   depth=(2, 5), implicit=True)
@@ -219,7 +219,7 @@ def test_a_3d_in_kernel_convs_operands_are_laid_out_and_checked_as_built():
     w = torch.randn(16, 12, 2, 3, 3, dtype=torch.bfloat16)
     cx, cw = launch.channels_last_operands([x, w], spec)
     assert cx.is_contiguous(memory_format=torch.channels_last_3d) and torch.equal(cx, x)
-    assert cw.shape == (16, 2, 3, 3, 16) and cw.is_contiguous()
+    assert cw.shape == (16, 2, 3, 3, 32) and cw.is_contiguous()
     assert torch.equal(cw[..., :12], w.permute(0, 2, 3, 4, 1)) and not cw[..., 12:].any()
     assert launch.anchor_operand_sizes(spec, "in-kernel conv") == [(12 * 5 * 6 * 7, 0), (0, 16 * 12 * 2 * 3 * 3)]
     for bad_x, bad_w in ((x[:, :, :4], w), (x, w[:, :, :1]), (x[:, :, 0], w)):

@@ -722,7 +722,10 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     patch_w = min(wo, 128 // c.pool[0]) if c.pool else wo
     widest = conv_sm90.tiling(c.block_n, patch_w, itemsize, stride_w=sw, narrow=False).tile_w
     assert widest >= min(patch_w, 128) or 2 * widest * sw > 256  # as wide as the output, or as the box allows
-    assert c.tile_w == (widest if c.nchw else conv_sm90.patch_width(patch_w, widest))
+    chosen = widest if c.nchw else conv_sm90.patch_width(patch_w, widest)
+    # (narrower where a kernel column's taps then share a box of x: as many columns covered)
+    assert c.tile_w == chosen or (c.shared_rows and conv_sm90.SHARED_ROWS_PATCH_W <= c.tile_w < chosen
+                                  and -(-patch_w // c.tile_w) * c.tile_w == -(-patch_w // chosen) * chosen)
     assert c.tile_w * sw <= 256 and c.tile_h * sh <= 256
     assert cuda_templates.build_arch(spec, "sm90", True) == "sm90a"
     kernel = cuda_templates.kernel_name(spec, "sm90", True)
@@ -736,10 +739,10 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     assert (f"constexpr int kD = {d}, kKD = {kd}, kPD = {pd}, kSD = {sd}, kDD = {dd}, kDo = {do};" in source
             and f"constexpr bool kDepth = {'true' if spec.anchor.depth else 'false'};" in source)
     assert not (spec.anchor.depth and c.nchw)
-    # A k-step of the narrowest swizzle (32, 64, 128 bytes) that holds a pixel's C_in,
+    # A k-step of the narrowest swizzle (64, 128 bytes) that holds a pixel's C_in,
     # 128 bytes where none does; the weight padded to whole k-steps of it.
     cin = spec.anchor.direct[0]
-    step = min([b for b in (32, 64, 128) if b >= cin * itemsize] or [128])
+    step = min([b for b in (64, 128) if b >= cin * itemsize] or [128])
     assert c.k_bytes == step and f"kBK = {step // itemsize}," in source
     cin_pad = conv_sm90.padded_in_channels(cin, spec.dtype)
     assert cin_pad % (step // itemsize) == 0 and cin <= cin_pad < cin + step // itemsize
@@ -751,8 +754,14 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     # the stride along the height is 1 and the k-steps are narrow; a stage then holds that
     # box and kh taps' weights.
     kh = spec.anchor.direct[1]
-    assert c.shared_rows == (kh > 1 and sh == 1 and not c.nchw and step in conv_sm90.SHARED_ROWS_K_BYTES
-                             and c.tile_h + (kh - 1) * dh <= 256)
+    box = c.tile_h + (kh - 1) * dh  # rows of x a kernel column's taps read
+    eligible = (kh > 1 and sh == 1 and not c.nchw and step in conv_sm90.SHARED_ROWS_K_BYTES
+                and box <= 256 and kh * c.tile_h >= conv_sm90.SHARED_ROWS_MIN_SAVING * box)
+    staged = c.block_n * conv_sm90.staging_pitch(c.tile_h, c.tile_w, itemsize) * itemsize
+    staged += 4 * conv_sm90.stats_floats(c.block_n, c.pingpong) if c.stats or c.reduce else 0
+    shared_stage = (box * c.tile_w + kh * c.block_n) * step
+    # (a box a tap where fewer than MIN_STAGES shared stages fit: 5 x 5 taps' weights of 160 channels)
+    assert c.shared_rows == (eligible and conv_sm90.MIN_STAGES * shared_stage <= conv_sm90.SMEM_BUDGET - staged)
     assert f"constexpr bool kSharedRows = {'true' if c.shared_rows else 'false'};" in source
     assert ("_sr_" in kernel) == c.shared_rows
     stage = ((c.tile_h + (kh - 1) * dh) * c.tile_w + kh * c.block_n if c.shared_rows else c.block_m + c.block_n) * step
@@ -858,6 +867,26 @@ def test_in_kernel_conv_refuses_what_it_does_not_cover():
     assert f32.anchor.rounded and not isinstance(cuda_templates.conv_gemm_plan(f32, "sm90", conv_tf32=True), str)
     unrounded = replace(f32, anchor=replace(f32.anchor, rounded=False))
     assert "rounded to TF32" in cuda_templates.conv_gemm_plan(unrounded, "sm90", conv_tf32=True)
+
+
+def test_in_kernel_conv_shares_a_box_down_the_kernel():
+    # conv2d_bn_relu's 16 -> 32 channels of 128 x 128 (bf16, k-steps of 64 bytes): patches
+    # narrowed to 64 x 4, a box of 6 rows for a kernel column's 3 taps; the ring at most
+    # RING_BYTES_K / 3 bytes of k-steps.
+    from cuda_templates import conv_sm90
+
+    assert conv_sm90.k_step_bytes(16, 2) == 64
+    c = conv_sm90.tiling(32, 128, 2, stats=True, k_bytes=64, ho=128, tap_rows=(3, 1))
+    assert c.shared_rows and (c.tile_h, c.tile_w, c.block_m) == (4, 64, 256)
+    assert c.stages == max(conv_sm90.RING_BYTES_K // 64 // 3, conv_sm90.MIN_STAGES)
+    apart = conv_sm90.tiling(32, 128, 2, stats=True, k_bytes=64, ho=128)  # a box a tap: the output's width
+    assert not apart.shared_rows and (apart.tile_h, apart.tile_w) == (2, 128)
+    # A dilation of 8: a box of tile_h + 16 rows saves too little of the taps' 3 x tile_h
+    wide = conv_sm90.tiling(64, 64, 2, k_bytes=64, ho=64, tap_rows=(3, 8))
+    assert not wide.shared_rows and wide.tile_w == 64
+    # Dilation 2 on 128 columns: 2-row patches would save nothing (a box of 6 rows), 4-row ones do
+    dilated = conv_sm90.tiling(16, 128, 2, k_bytes=64, ho=128, tap_rows=(3, 2))
+    assert dilated.shared_rows and (dilated.tile_h, dilated.tile_w) == (4, 64)
 
 
 @needs_nvcc
