@@ -22,11 +22,20 @@ decompositions whose figures RESULTS.md quotes), before any `--variant`:
 
     FUSEDEPI_IN_KERNEL_CONV=1 python -m benchmarks.kernel_variants --preset conv-parts \
         --models conv2d_bn_relu conv2d_relu_bias --dtypes bfloat16 --kernels '_conv<'
+
+`--plan NAME=VALUE` (repeatable) sets one of the in-kernel conv's plan constants
+(`cuda_templates.conv_sm90`'s upper-case names: K_STEP_BYTES, SHARED_ROWS,
+MAX_PATCH_W, ...; VALUE a Python literal) in every variant's process, so that a tiling
+rule is timed against the tree's as a header edit is:
+
+    FUSEDEPI_IN_KERNEL_CONV=1 python -m benchmarks.kernel_variants --variant tree \
+        --plan 'K_STEP_BYTES=(32, 64, 128)' --models conv2d_bn_relu --dtypes bfloat16 --kernels '_conv<'
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -141,13 +150,42 @@ def chosen_variants(preset: str | None, raw: list[list[str]] | None, header: str
     return header, variants
 
 
-def run_variant(include: Path | None, models: list[str], dtypes: list[str], kernels: str, calls: int) -> list[dict]:
+def parse_plan(raw: list[str] | None) -> dict:
+    """--plan NAME=VALUE...: {name: value} for constants of `cuda_templates.conv_sm90`.
+
+    Raises:
+        ValueError: no '=', a name that is not an upper-case constant of conv_sm90, a
+            value that is not a Python literal, or a name given twice.
+    """
+    from cuda_templates import conv_sm90
+
+    plan = {}
+    for item in raw or []:
+        name, eq, value = item.partition("=")
+        name = name.strip()
+        if not eq or not name.isupper() or not hasattr(conv_sm90, name):
+            raise ValueError(f"--plan {item!r}: NAME=VALUE, NAME an upper-case constant of cuda_templates.conv_sm90")
+        if name in plan:
+            raise ValueError(f"--plan {name} given twice")
+        try:
+            plan[name] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError) as e:
+            raise ValueError(f"--plan {item!r}: the value is not a Python literal ({e})") from e
+    return plan
+
+
+def run_variant(include: Path | None, models: list[str], dtypes: list[str], kernels: str, calls: int,
+                plan: dict | None = None) -> list[dict]:
     """In this process: each model compiled with fusedepi (kernels built from `include`,
-    the tree's if None), run, checked against float64 and timed."""
+    the tree's if None; conv_sm90's constants set as in `plan`), run, checked against
+    float64 and timed."""
     os.environ["FUSEDEPI_AUTOTUNE"] = "off"
     import torch
 
-    from cuda_templates import compiler
+    from cuda_templates import compiler, conv_sm90
+
+    for name, value in (plan or {}).items():
+        setattr(conv_sm90, name, value)
 
     from .compare import kernel_times
     from .once import model_and_input
@@ -185,6 +223,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float16",
                                                                                           "float32"])
     parser.add_argument("--kernels", default=FUSED_KERNELS, help="regex of the kernel names to sum")
+    parser.add_argument("--plan", action="append", metavar="NAME=VALUE",
+                        help="set a constant of cuda_templates.conv_sm90 (a Python literal) in every variant")
     parser.add_argument("--calls", type=int, default=20, help="calls the profiler averages over")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one variant from this JSON
@@ -192,10 +232,12 @@ def main(argv=None) -> int:
     if args.one:
         job = json.loads(args.one)
         include = Path(job["include"]) if job["include"] else None
-        print(json.dumps(run_variant(include, args.models, args.dtypes, args.kernels, args.calls)))
+        print(json.dumps(run_variant(include, args.models, args.dtypes, args.kernels, args.calls,
+                                     parse_plan(args.plan))))
         return 0
     try:
         header, variants = chosen_variants(args.preset, args.variant, args.header)
+        plan = parse_plan(args.plan)
         rows = []
         with tempfile.TemporaryDirectory(prefix="fusedepi-variants-") as tmp:
             for name, pairs in variants.items():
@@ -203,19 +245,22 @@ def main(argv=None) -> int:
                 cmd = [sys.executable, "-m", "benchmarks.kernel_variants", "--variant", name, "--models",
                        *args.models, "--dtypes", *args.dtypes, "--kernels", args.kernels, "--calls",
                        str(args.calls), "--one", json.dumps({"include": include})]
+                cmd += [f"--plan={item}" for item in args.plan or []]
                 run = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 if run.returncode:
                     print(f"{name}: failed (exit {run.returncode}): {run.stderr.strip()[-800:]}", flush=True)
                     continue
                 for row in json.loads(run.stdout.strip().splitlines()[-1]):
                     row["variant"] = name
+                    row["plan"] = {k: repr(v) for k, v in plan.items()}
                     rows.append(row)
                     print(f"{name:16s} {row['model']:30s} {row['dtype']:9s} kernels {row['kernels_us']:9.1f} us  "
                           f"all {row['all_us']:9.1f} us  error {row['error']:.2e}", flush=True)
     except ValueError as e:
         parser.error(str(e))
     if args.json:
-        Path(args.json).write_text(json.dumps({"header": header, "preset": args.preset, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"header": header, "preset": args.preset, "plan": args.plan or [],
+                                               "rows": rows}, indent=1))
     return 0
 
 

@@ -65,3 +65,21 @@ def test_a_preset_then_the_variants_given_by_hand():
         kernel_variants.chosen_variants(None, None, "conv_sm90.cuh")
     with pytest.raises(ValueError, match="no preset"):
         kernel_variants.chosen_variants("nonexistent", None, "conv_sm90.cuh")
+
+
+def test_plan_settings_are_conv_sm90_constants_as_literals(capsys):
+    from cuda_templates import conv_sm90
+
+    before = conv_sm90.K_STEP_BYTES
+    plan = kernel_variants.parse_plan(["K_STEP_BYTES=(32, 64, 128)", "SHARED_ROWS = False"])
+    assert plan == {"K_STEP_BYTES": (32, 64, 128), "SHARED_ROWS": False}
+    assert conv_sm90.K_STEP_BYTES == before  # parsed only: set in the variant's own process
+    for bad, why in (("SHARED_ROWS", "NAME=VALUE"), ("NO_SUCH=1", "upper-case constant"), ("tiling=1", "upper-case"),
+                     ("MAX_PATCH_W=sixty", "not a Python literal")):
+        with pytest.raises(ValueError, match=why):
+            kernel_variants.parse_plan([bad])
+    with pytest.raises(ValueError, match="given twice"):
+        kernel_variants.parse_plan(["MIN_STAGES=2", "MIN_STAGES=3"])
+    with pytest.raises(SystemExit) as stop:  # a bad setting stops the command before any run
+        kernel_variants.main(["--variant", "tree", "--plan", "NO_SUCH=1", "--models", "conv2d_relu_bias"])
+    assert stop.value.code == 2 and "upper-case constant" in capsys.readouterr().err
