@@ -27,7 +27,9 @@ the tile has few channels: TALL_BLOCK_M) x kBN channels, persistent over tiles, 
   coordinates outside the image read zeros, which is the conv's zero padding, and
   channels past C_in too) and the tap's weights (a
   2-D box of [C_out, taps x C_in'], C_in' padded with zeros by the launcher to whole
-  k-steps, so a k-step never mixes two taps). Both land as rows of the k-step's bytes in
+  k-steps, so a k-step never mixes two taps); where the stride along the height is 1, one
+  box of x serves a kernel column's taps (`ConvGemmPlan.shared_rows`, SHARED_ROWS). Both
+  land as rows of the k-step's bytes in
   the swizzle of that width (the in-kernel GEMM's tiles: 128), in a ring of stages;
 - warpgroups 1 and 2 are the consumers: wgmma m64nBNk16 (k8 in TF32), float32
   accumulators. Where the tile is at most PINGPONG_MAX_N channels wide they take the CTA's
@@ -168,11 +170,11 @@ POOL_SIDES = (1, 2, 4)
 # largest part), where the box has at most 1 / SHARED_ROWS_MIN_SAVING of the
 # kh x tile_h rows the taps' own boxes would copy, and then in patches narrowed to
 # SHARED_ROWS_PATCH_W where that covers the output as well (taller patches, more rows of
-# their box shared). On an H200 (bf16, the conv kernel, benchmarks/RESULTS.md):
-# conv2d_bn_relu 85.8 us, shared in 128-wide patches 73.1, in 64-wide ones 71.9 (in 32-wide
-# ones 81.2: the finish's runs get short); conv2d_dilated_gelu's 2-row patches, whose box
-# of 6 rows saves none, 72.5 apart and 74.9 shared; 128-byte k-steps (conv2d_relu_bias)
-# 53.4 apart and 60.1 shared.
+# their box shared). On an H200 (bf16, the conv kernel, 32-byte k-steps then,
+# benchmarks/RESULTS.md): conv2d_bn_relu 85.8 us, shared in 128-wide patches 73.1, in
+# 64-wide ones 71.9 (in 32-wide ones 81.2: the finish's runs get short);
+# conv2d_dilated_gelu's 2-row patches, whose box of 6 rows saves none, 72.5 apart and
+# 74.9 shared; 128-byte k-steps (conv2d_relu_bias) 53.4 apart and 60.1 shared.
 SHARED_ROWS = True
 SHARED_ROWS_K_BYTES = (64,)
 SHARED_ROWS_MIN_SAVING = 1.5
@@ -634,5 +636,5 @@ SEGMENT_STATS = Template(
 )
 
 __all__ = ["BLOCK_M", "CONV_KERNELS", "CONV_REDUCE_FINAL", "CONV_STATS_FINAL", "K_STEP_BYTES", "MAX_STRIDE",
-           "SEGMENT_STATS", "SHARED_ROWS", "SHARED_ROWS_K_BYTES", "TALL_BLOCK_M", "ConvGemmPlan", "k_step_bytes", "padded_in_channels", "reads_nchw",
-           "stats_floats", "tiling", "wgmma_asm"]
+           "SEGMENT_STATS", "SHARED_ROWS", "SHARED_ROWS_K_BYTES", "TALL_BLOCK_M", "ConvGemmPlan", "k_step_bytes",
+           "padded_in_channels", "reads_nchw", "stats_floats", "tiling", "wgmma_asm"]

@@ -596,9 +596,10 @@ __device__ __forceinline__ void pool_runs(const uint8_t* staging, int ct, int im
 // box of kTH + (kKH - 1) * kDH rows holds all of them (the rows of a tap start r * kDH
 // box rows in, whole 8-row swizzle atoms as kTW is a multiple of 8), beside those taps'
 // weights: a third of the copies of x of a 3 x 3 kernel's, fewer of their rows by up to
-// kKH x (conv_sm90.SHARED_ROWS: k-steps of 64 bytes). Warpgroups 1 and 2 multiply (wgmma), apply the chain in registers, stage the
-// tile and issue its bulk copies to out, which run under the next mainloop. Persistent: CTA b takes tiles b, b + gridDim.x, ... (its tiles 0, 1,
-// 2, ...); cooperative, both consumer warpgroups take each; ping-pong, warpgroup h takes
+// kKH x (conv_sm90.SHARED_ROWS: k-steps of 64 bytes). Warpgroups 1 and 2 multiply
+// (wgmma), apply the chain in registers, stage the tile and issue its bulk copies to out,
+// which run under the next mainloop. Persistent: CTA b takes tiles b, b + gridDim.x, ...
+// (its tiles 0, 1, 2, ...); cooperative, both consumer warpgroups take each; ping-pong, warpgroup h takes
 // the CTA's tiles h, h + 2, ... The ring's stage and phase run on across tiles.
 template <int kPass>
 __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtensorMap& map_w, const Args& a) {
