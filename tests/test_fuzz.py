@@ -642,14 +642,20 @@ def test_cpu_fuzz_of_narrow_in_kernel_convs():
             assert dataclasses.replace(c, generation=gen - 1) == b
         else:
             assert c.anchor["in"] in (8, 16, 24, 32) and c.anchor["out"] in range(32, 65, 8)
-    tall = 0
+    tall = shared = 0
     for c in narrow:  # the tile the in-kernel conv plans for each, by its sizes
         itemsize = 4 if c.dtype == "float32" else 2
         ho, wo = fuzzer._conv_out_sizes(c.anchor)
-        plan = conv_sm90.tiling(c.anchor["out"], wo, itemsize, k_bytes=conv_sm90.k_step_bytes(c.anchor["in"], itemsize),
-                                stride_w=c.anchor["stride"], ho=ho)
+        k_bytes = conv_sm90.k_step_bytes(c.anchor["in"], itemsize)
+        # (a kernel column's taps may share a box of x: stride 1, a narrow k-step, as render's conv_gemm_plan asks)
+        tap_rows = ((c.anchor["kernel"], c.anchor["dilation"])
+                    if c.anchor["kernel"] > 1 and c.anchor["stride"] == 1 and k_bytes in conv_sm90.SHARED_ROWS_K_BYTES
+                    else ())
+        plan = conv_sm90.tiling(c.anchor["out"], wo, itemsize, k_bytes=k_bytes, stride_w=c.anchor["stride"], ho=ho,
+                                tap_rows=tap_rows)
         tall += plan.block_m == conv_sm90.TALL_BLOCK_M
-    assert tall >= 10, tall
+        shared += plan.shared_rows
+    assert tall >= 10 and 5 <= shared < len(narrow), (tall, shared)  # both of the in-kernel conv's mainloops
     _implicit_runs_clean([c.index for c in narrow[:12]], gen)
 
 
