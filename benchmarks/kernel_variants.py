@@ -24,12 +24,12 @@ decompositions whose figures RESULTS.md quotes), before any `--variant`:
         --models conv2d_bn_relu conv2d_relu_bias --dtypes bfloat16 --kernels '_conv<'
 
 `--plan NAME=VALUE` (repeatable) sets one of the in-kernel conv's plan constants
-(`cuda_templates.conv_sm90`'s upper-case names: K_STEP_BYTES, SHARED_ROWS,
+(`cuda_templates.conv_sm90`'s upper-case names: SHARED_ROWS, SHARED_ROWS_PATCH_W,
 MAX_PATCH_W, ...; VALUE a Python literal) in every variant's process, so that a tiling
 rule is timed against the tree's as a header edit is:
 
     FUSEDEPI_IN_KERNEL_CONV=1 python -m benchmarks.kernel_variants --variant tree \
-        --plan 'K_STEP_BYTES=(32, 64, 128)' --models conv2d_bn_relu --dtypes bfloat16 --kernels '_conv<'
+        --plan 'SHARED_ROWS_PATCH_W=128' --models conv2d_bn_relu --dtypes bfloat16 --kernels '_conv<'
 """
 
 from __future__ import annotations
