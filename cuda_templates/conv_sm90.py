@@ -179,6 +179,14 @@ SHARED_ROWS = True
 SHARED_ROWS_K_BYTES = (64,)
 SHARED_ROWS_MIN_SAVING = 1.5
 SHARED_ROWS_PATCH_W = 64
+# Where one channel tile covers C_out, every tile of a CTA multiplies by the same
+# weights: with RESIDENT_WEIGHTS the producer copies all k-steps' weights once (at most
+# RESIDENT_MAX_BYTES) and the ring's stages hold x alone (ConvGemmPlan.resident_weights;
+# a 3 x 3 conv's 12 copies a tile of a shared box become 3). Off: built and checked by
+# nvcc (tests/test_templates.py), not yet run or timed on a GPU
+# (`kernel_variants --plan RESIDENT_WEIGHTS=True` times it).
+RESIDENT_WEIGHTS = False
+RESIDENT_MAX_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -214,6 +222,8 @@ class ConvGemmPlan:
         shared_rows: a stage of the ring holds one box of x for the taps of a kernel
             column (and channel block), tile_h + (kh - 1) x dilation rows, and those taps'
             weights (SHARED_ROWS; stride 1 along the height, x channels-last).
+        resident_weights: every k-step's weights are copied once a CTA and kept (one
+            channel tile covers C_out: RESIDENT_WEIGHTS); the ring's stages hold x alone.
     """
 
     block_n: int
@@ -231,10 +241,12 @@ class ConvGemmPlan:
     pool: tuple = ()
     recompute: bool = False
     shared_rows: bool = False
+    resident_weights: bool = False
 
     def name(self, spec, arch: str) -> str:
         return (f"igemm{self.block_m}x{self.block_n}{'_nchw' if self.nchw else ''}{'_sr' if self.shared_rows else ''}"
-                f"{'_rc' if self.recompute else ''}_" + spec.kernel_name(arch + "a"))
+                f"{'_rw' if self.resident_weights else ''}{'_rc' if self.recompute else ''}_"
+                + spec.kernel_name(arch + "a"))
 
 
 def reads_nchw(plan: "ConvGemmPlan", itemsize: int, stride_w: int, width: int, kernel_w: int = 1,
@@ -290,7 +302,8 @@ def patch_width(wo: int, widest: int) -> int:
 
 
 def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int = 128,
-           stride_w: int = 1, ho: int = 0, narrow: bool = True, tap_rows: tuple = ()) -> ConvGemmPlan:
+           stride_w: int = 1, ho: int = 0, narrow: bool = True, tap_rows: tuple = (),
+           k_steps: int = 0) -> ConvGemmPlan:
     """The tile for C_out channels and an output of `ho` x `wo` pixels (`ho` 0: not
     known): the fewest channel tiles of a BLOCK_N width, the narrowest that covers C_out
     in that many; a patch as wide as the output (a power of two, 8 to MAX_PATCH_W, and at
@@ -309,7 +322,10 @@ def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int 
     shared where its tile_h + (kh - 1) x dilation rows (MAX_BOX at most) are at most 1 /
     SHARED_ROWS_MIN_SAVING of the taps' kh x tile_h and MIN_STAGES of its stages fit; a
     stage then holds that box and kh taps' weights, and the ring RING_BYTES_K / kh bytes of
-    k-steps at most (MIN_STAGES at least).
+    k-steps at most (MIN_STAGES at least). `k_steps`, a tile's k-steps where its weights
+    may stay resident (RESIDENT_WEIGHTS): where one channel tile covers C_out and their
+    bytes are at most RESIDENT_MAX_BYTES, they take their room once and the stages hold
+    x alone.
 
     Raises:
         ValueError: k_bytes is not one of K_STEP_BYTES, or stride_w not 1 to MAX_STRIDE.
@@ -356,19 +372,25 @@ def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int 
                 patch_w = min((w for w in (SHARED_ROWS_PATCH_W << i for i in range(4))
                                if w <= tile_w and -(-wo // w) * w == cover and (not ho or block_m // w <= ho)
                                and shares(w)), default=tile_w)
+            weights = k_steps * block_n * k_bytes  # every k-step's weights, kept where one tile covers C_out
+            resident = bool(k_steps) and cout <= block_n and weights <= RESIDENT_MAX_BYTES
             # the box shared where MIN_STAGES of its stages fit, else a box a tap
             for shared in (True, False) if shares(patch_w) else (False,):
                 w = patch_w if shared else tile_w
                 box_rows = block_m // w + (kh - 1) * dilation
                 # a stage: an x box and a w box a k-step of k_bytes-byte rows, or the shared box and kh w boxes
-                stage = ((box_rows * w + kh * block_n) if shared else (block_m + block_n)) * k_bytes
+                # (the weights resident: x alone)
+                stage = ((box_rows * w if shared else block_m) + (0 if resident else (kh if shared else 1) * block_n)
+                         ) * k_bytes
                 staging = block_n * staging_pitch(block_m // w, w, itemsize) * itemsize  # the kernel's kStaging
                 staging += 4 * stats_floats(block_n, pingpong) if stats else 0
+                staging += weights if resident else 0
                 ring = max(RING_BYTES_K // k_bytes // kh, MIN_STAGES) if shared else RING_BYTES_K // k_bytes
                 stages = min(ring, (SMEM_BUDGET - staging) // stage)
                 if stages >= MIN_STAGES:
                     return ConvGemmPlan(block_n, block_m // w, w, stages, pingpong=pingpong, stats=stats,
-                                        k_bytes=k_bytes, block_m=block_m, shared_rows=shared)
+                                        k_bytes=k_bytes, block_m=block_m, shared_rows=shared,
+                                        resident_weights=resident)
     raise AssertionError(f"no tile of {widths} fits {MIN_STAGES} stages ({cout}, {wo}, {itemsize})")  # 32 always fits
 
 
@@ -446,6 +468,7 @@ def wgmma_asm(dtype: str, n: int, a_mn_major: bool = False) -> str:
 #   $nchw_box_w pixels of an NCHW box (NCHW_BOX_W)
 #   $recompute  the norm recomputed (ConvGemmPlan.recompute): true or false
 #   $shared_rows  a kernel column's taps share one box of x (ConvGemmPlan.shared_rows): true or false
+#   $resident_weights  every k-step's weights copied once a CTA (ConvGemmPlan.resident_weights): true or false
 #   $norm_chan  NormChan's fields, norm_chan_of's and norm_stage1's bodies (render: the norm's
 #               stage1 operands and statistics for the normed pass, else nothing)
 #   $parts_at   where the moments or the reductions go: floats from the workspace's start
@@ -507,6 +530,9 @@ constexpr int kSwizzle = kBK * kElem;  // a k-step's bytes: the tiles' rows, in 
 constexpr int kTileB = kBN * kSwizzle;  // a tap's weights: bytes
 // A stage's bytes: x's patch (kSharedRows: the box of kBoxRows rows of kTW pixels), and its taps' weights
 constexpr int kStageA = (kSharedRows ? kBoxRows * kTW : kBM) * kSwizzle, kStageB = kTapRows * kTileB;
+// Every k-step's weights copied once a CTA and kept (ConvGemmPlan.resident_weights): the stages hold x alone.
+constexpr bool kResidentW = $resident_weights;
+constexpr int kWeightBytes = kKSteps * kTileB;
 
 __device__ __forceinline__ void wgmma_n(float (&d)[kBN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   $wgmma
@@ -517,7 +543,7 @@ $norm_chan
 
 #include "fusedepi/conv_sm90.cuh"
 
-constexpr int kConvSmem = kStages * (kStageA + kStageB) + kStaging + kStatsBytes + 1024;  // + alignment slack
+constexpr int kConvSmem = kStages * kStageA + (kResidentW ? kWeightBytes : kStages * kStageB) + kStaging + kStatsBytes + 1024;  // + alignment slack
 static_assert(kTH * kTW == kBM && kTW >= 8, "a tile's patch: kBM pixels, rows of 8 or more");
 static_assert(kBM == 128 || (kBM == 256 && kPingPong), "tiles of 128 pixels, or 256 in ping-pong");
 static_assert(!kNchw || (kElem == 2 && kSW == 1 && kTW % kNchwBoxW == 0 && kNchwBoxW * kElem == 128 &&
@@ -529,6 +555,8 @@ static_assert(kTileB % (8 * kSwizzle) == 0 && kStageA % (8 * kSwizzle) == 0 && k
               "each stage's tiles, and a tap's rows of a shared box, aligned to the swizzle's 8-row atom");
 static_assert(!kSharedRows || (kSH == 1 && kKH > 1 && !kNchw && kBoxRows <= 256),
               "a box shared down the kernel's height: stride 1 along it, channels-last x, 256 rows at most");
+static_assert(!kResidentW || (kTilesN == 1 && kWeightBytes < (1 << 20)),
+              "resident weights: one channel tile (every tile's n0 0), one barrier phase's bytes");
 static_assert(kBN % 8 == 0 && kBN <= 256 && kChannels % 8 == 0, "wgmma's N; whole 8-channel chunks");
 static_assert(kCin * kElem % 16 == 0, "TMA's 16-byte strides");
 static_assert(kSH >= 1 && kSH <= 8 && kSW >= 1 && kSW <= 8 && kTW * kSW <= 256 && kTH * kSH <= 256,

@@ -759,9 +759,14 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     # along the height is 1; not where x is read NCHW (a box an m64 block).
     shared = conv_sm90.SHARED_ROWS and kh > 1 and stride[0] == 1 and k_bytes in conv_sm90.SHARED_ROWS_K_BYTES
 
-    def tiling(narrow: bool, tap_rows: tuple = ()) -> conv_sm90.ConvGemmPlan:
+    # Every k-step's weights kept by the CTA where one channel tile covers C_out
+    # (conv_sm90.RESIDENT_WEIGHTS; not where x is read NCHW).
+    kd = anchor.depth[0] if anchor.depth else 1
+    k_steps = kd * kh * kw * -(-cin * ITEMSIZE[spec.dtype] // k_bytes) if conv_sm90.RESIDENT_WEIGHTS else 0
+
+    def tiling(narrow: bool, tap_rows: tuple = (), k_steps: int = 0) -> conv_sm90.ConvGemmPlan:
         return conv_sm90.tiling(spec.channels, patch_w, ITEMSIZE[spec.dtype], stats=stats or reduce, k_bytes=k_bytes,
-                                stride_w=stride[1], ho=ho, narrow=narrow, tap_rows=tap_rows)
+                                stride_w=stride[1], ho=ho, narrow=narrow, tap_rows=tap_rows, k_steps=k_steps)
 
     def nchw(tile: conv_sm90.ConvGemmPlan) -> bool:
         return not anchor.depth and conv_sm90.reads_nchw(tile, ITEMSIZE[spec.dtype], stride[1], anchor.direct[4],
@@ -771,7 +776,7 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     # copy of x), else the ones that leave the fewest columns outside it.
     tile = tiling(narrow=False)
     if not nchw(tile):
-        tile = tiling(narrow=True, tap_rows=(kh, dilation[0]) if shared else ())
+        tile = tiling(narrow=True, tap_rows=(kh, dilation[0]) if shared else (), k_steps=k_steps)
     if (softmax or pixel_reduce) and tile.block_n < spec.channels:
         return (f"{spec.reduction.name} over {spec.channels} channels: more than one tile of the in-kernel conv "
                 f"({tile.block_n})")
@@ -1449,6 +1454,7 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
                       if c.softmax or c.pixel_reduce or c.pool else ""),
         recompute="true" if c.recompute else "false", norm_chan=_conv_norm_chan(spec, c),
         shared_rows="true" if c.shared_rows else "false",
+        resident_weights="true" if c.resident_weights else "false",
         **_conv_pool_constants(spec, c, ho, wo),
     )
     fields, bind = _fields(spec, direct=True)

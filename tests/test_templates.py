@@ -889,6 +889,27 @@ def test_in_kernel_conv_shares_a_box_down_the_kernel():
     assert dilated.shared_rows and (dilated.tile_h, dilated.tile_w) == (4, 64)
 
 
+def test_in_kernel_conv_keeps_one_channel_tiles_weights(monkeypatch):
+    # conv_sm90.RESIDENT_WEIGHTS (off): where one channel tile covers C_out, every k-step's
+    # weights are copied once a CTA and the stages hold x alone; not where C_out takes two
+    # tiles, nor beyond RESIDENT_MAX_BYTES.
+    from cuda_templates import conv_sm90
+
+    bn_relu = CONV_GEMM_SPECS["igemm_bn_relu_16_32-bfloat16"]
+    assert not cuda_templates.conv_gemm_plan(bn_relu, "sm90").resident_weights
+    monkeypatch.setattr(conv_sm90, "RESIDENT_WEIGHTS", True)
+    c = cuda_templates.conv_gemm_plan(bn_relu, "sm90")
+    assert c.resident_weights and c.shared_rows and "_sr_rw_" in c.name(bn_relu, "sm90")
+    source = cuda_templates.render(bn_relu, "sm90")
+    assert "constexpr bool kResidentW = true;" in source
+    # 9 k-steps of 32 channels x 64 bytes kept; the stages of x alone fill what is left
+    alone = conv_sm90.tiling(32, 40, 2, stats=True, k_bytes=64, ho=40, tap_rows=(3, 1), k_steps=9)
+    assert alone.resident_weights and alone.stages >= c.stages
+    two_tiles = CONV_GEMM_SPECS["igemm_cin8_k5_320-bfloat16"]  # 320 channels: two tiles of 160
+    assert not cuda_templates.conv_gemm_plan(two_tiles, "sm90").resident_weights
+    assert not conv_sm90.tiling(128, 64, 2, k_bytes=128, ho=64, k_steps=49 * 4).resident_weights  # 1.6 MB
+
+
 @needs_nvcc
 @pytest.mark.parametrize("name", representatives(CONV_GEMM_SPECS, "sm90", True))
 def test_nvcc_compiles_the_in_kernel_conv(name, nvcc_builds):
@@ -1141,6 +1162,25 @@ def _clean_wgmma_sass(spec, workdir) -> str:
     assert not accumulator_uses_in_flight(sass), (kernel, accumulator_uses_in_flight(sass)[:5])
     assert not re.search(r"\b(?:LDL|STL)\b", sass), kernel
     return sass
+
+
+RESIDENT_WEIGHT_SPECS = ("igemm_bn_relu_16_32", "igemm_channel_logsumexp_128", "igemm3d_gn_silu", "igemm_relu_maxpool_2x2")
+
+
+@needs_nvcc
+@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_nvcc_compiles_the_in_kernel_conv_with_resident_weights(dtype, tmp_path, monkeypatch):
+    # The files with every k-step's weights kept build (a shared box and a box a tap, 2-D
+    # and 3-D, a norm, a pixel's reduction, a pool): wgmmas with no accumulator read
+    # before the last one's wait, nothing spilled.
+    from cuda_templates import conv_sm90
+
+    monkeypatch.setattr(conv_sm90, "RESIDENT_WEIGHTS", True)
+    for name in RESIDENT_WEIGHT_SPECS:
+        spec = CONV_GEMM_SPECS[f"{name}-{dtype}"]
+        assert cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True).resident_weights, name
+        _clean_wgmma_sass(spec, tmp_path)
 
 
 def test_in_kernel_conv_channel_softmax_plans(monkeypatch):

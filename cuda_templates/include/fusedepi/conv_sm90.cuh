@@ -8,7 +8,7 @@
 //   or [rows, C_in, H, W] where kNchw; w: the weight [kChannels, kTaps, kCinPad]), stage0_chan, stage0_chan_of, stage0_at,
 //   kChannels (KERNEL_FILE and CONV_KERNELS' constants: kBM, kBN, kBK, kSwizzle, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
 //   kHo, kWo, kHoPlane, kDepth, kD, kKD, kPD, kSD, kDD, kDo, kPitch, kCBlocks, kTilesN, kTilesPerImage, kTileB, kMmaK, kPingPong,
-//   kSharedRows, kTapRows, kLoads, kStageA, kStageB,
+//   kSharedRows, kTapRows, kLoads, kStageA, kStageB, kResidentW, kWeightBytes,
 //   kConvStats, kConvReduce, kReduceOp, kConvSoftmax, kConvPixelReduce, kConvPool, kPoolKH, kPoolKW, kPoolMax,
 //   kPoolDivisor, kPoolHo, kPoolWo, value_stage1, kPartsAt, kNchw, kNchwBoxW, kRecompute, NormChan,
 //   norm_chan_of, norm_stage1, wgmma_n),
@@ -596,7 +596,9 @@ __device__ __forceinline__ void pool_runs(const uint8_t* staging, int ct, int im
 // box of kTH + (kKH - 1) * kDH rows holds all of them (the rows of a tap start r * kDH
 // box rows in, whole 8-row swizzle atoms as kTW is a multiple of 8), beside those taps'
 // weights: a third of the copies of x of a 3 x 3 kernel's, fewer of their rows by up to
-// kKH x (conv_sm90.SHARED_ROWS: k-steps of 64 bytes). Warpgroups 1 and 2 multiply
+// kKH x (conv_sm90.SHARED_ROWS: k-steps of 64 bytes). With kResidentW (one channel
+// tile) the producer copies every k-step's weights once, before the first tile, onto
+// their own barrier, and the stages hold x alone. Warpgroups 1 and 2 multiply
 // (wgmma), apply the chain in registers, stage the tile and issue its bulk copies to out,
 // which run under the next mainloop. Persistent: CTA b takes tiles b, b + gridDim.x, ...
 // (its tiles 0, 1, 2, ...); cooperative, both consumer warpgroups take each; ping-pong, warpgroup h takes
@@ -611,9 +613,18 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* tiles_a = smem;
-  uint8_t* tiles_b = smem + kStages * kStageA;
-  uint8_t* staging = smem + kStages * (kStageA + kStageB);
-  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
+  uint8_t* tiles_b = smem + kStages * kStageA;  // kResidentW: every k-step's weights, kWeightBytes
+  uint8_t* staging = tiles_b + (kResidentW ? kWeightBytes : kStages * kStageB);
+  __shared__ __align__(8) uint64_t full[kStages], empty[kStages], weights_full;
+  // The weights of k-step (tap, channel block c) of load i, step r of it (kTapRows)
+  const auto weights_at = [&](int s, int i, int r) -> const uint8_t* {
+    if constexpr (kResidentW) {
+      const int q = i / kCBlocks, tap = kSharedRows ? q / kKW * (kKH * kKW) + q % kKW : q;
+      return tiles_b + ((tap + r * kKW) * kCBlocks + i % kCBlocks) * kTileB;
+    } else {
+      return tiles_b + s * kStageB + r * kTileB;
+    }
+  };
 
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   const int n_tiles = static_cast<int>(a.rows) * kTilesPerImage;
@@ -622,6 +633,7 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
       hop::mbar_init(&full[s], 1);
       hop::mbar_init(&empty[s], kPingPong ? 4 : 8);  // one arrival a warp of the consumers of the stage
     }
+    hop::mbar_init(&weights_full, 1);
     hop::mbar_init_fence();
   }
   __syncthreads();
@@ -629,6 +641,11 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
   if (wg == 0) {
     hop::regs_dec<kProducerRegs>();
     if (tid == 0) {  // the producer
+      if constexpr (kResidentW) {  // every k-step's weights, once: the CTA's tiles share their channels
+        hop::mbar_expect_tx(&weights_full, kWeightBytes);
+        for (int k = 0; k < kKSteps; ++k)
+          hop::tma_load_2d(tiles_b + k * kTileB, &map_w, &weights_full, k / kCBlocks * kCinPad + k % kCBlocks * kBK, 0);
+      }
       int it = 0;
       for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
         int img, h0, w0, n0;
@@ -640,7 +657,7 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
           const int tap = kSharedRows ? q / kKW * (kKH * kKW) + q % kKW : q;
           const int tap_hw = tap % (kKH * kKW);  // the tap's place in a depth plane of taps
           if (it >= kStages) hop::mbar_wait(&empty[s], ((it / kStages) + 1) & 1);
-          hop::mbar_expect_tx(&full[s], kStageA + kStageB);
+          hop::mbar_expect_tx(&full[s], kStageA + (kResidentW ? 0 : kStageB));
           if constexpr (kNchw) {  // a box an m64 block: its kNchwBoxW pixels of one patch row, kBK channels
 #pragma unroll
             for (int b = 0; b < kBM / 64; ++b)
@@ -656,9 +673,12 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
             hop::tma_load_4d(tiles_a + s * kStageA, &map_x, &full[s], c0, w0 * kSW + tap_hw % kKW * kDW - kPW,
                              h0 * kSH + tap_hw / kKW * kDH - kPH, img);
           }
+          if constexpr (!kResidentW) {
 #pragma unroll
-          for (int r = 0; r < kTapRows; ++r)
-            hop::tma_load_2d(tiles_b + s * kStageB + r * kTileB, &map_w, &full[s], (tap + r * kKW) * kCinPad + c0, n0);
+            for (int r = 0; r < kTapRows; ++r)
+              hop::tma_load_2d(tiles_b + s * kStageB + r * kTileB, &map_w, &full[s], (tap + r * kKW) * kCinPad + c0,
+                               n0);
+          }
         }
       }
     }  // warps 1-3 have nothing to do
@@ -670,6 +690,7 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
       __syncwarp();
       if (tid % 32 == 0) hop::mbar_arrive(&empty[s]);
     };
+    if constexpr (kResidentW) hop::mbar_wait(&weights_full, 0);  // its one phase
     const int first = blockIdx.x + (kPingPong ? half * gridDim.x : 0);
     const int step = (kPingPong ? 2 : 1) * gridDim.x;
     for (int tile = first, j = 0; tile < n_tiles; tile += step, ++j) {
@@ -697,7 +718,7 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
         for (int r = 0; r < kTapRows; ++r) {
           // the k-step's tap reads the box from its row r * kDH on: whole 8-row swizzle atoms
           const uint8_t* sa = tiles_a + s * kStageA + (r * kDH * kTW + (kPingPong ? 0 : half * 64)) * kSwizzle;
-          const uint8_t* sb = tiles_b + s * kStageB + r * kTileB;
+          const uint8_t* sb = weights_at(s, i, r);
 #pragma unroll
           for (int kk = 0; kk < kBK / kMmaK; ++kk)
 #pragma unroll
