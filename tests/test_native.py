@@ -273,14 +273,14 @@ def test_plan_layout_of_a_gemm_and_the_variants_that_read_tf32_settings():
         direct = _launcher(conv, anchor_path="direct conv", reads_conv_tf32=True, conv_tf32=variant)
         assert native.covers(direct) and native._layout(direct)[20:23] == [0, 1, int(variant)]
     # The in-kernel conv: its input's and weight's shapes travel, and the weight's input
-    # channels as the kernel reads them (whole k-steps: 12 bf16 channels take one of 32
-    # bytes, 16 channels).
+    # channels as the kernel reads them (whole k-steps: 12 bf16 channels take one of 64
+    # bytes, 32 channels).
     implicit = Anchor("conv", conv=((1, 1), (1, 1), (1, 1), False, (0, 0), 1), direct=(12, 3, 5, 20, 30),
                       implicit=True)
     launcher = _launcher(implicit, anchor_path="in-kernel conv", channels=128)
     assert native.covers(launcher)
     assert native._layout(launcher) == [3, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 128, 20, 28, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                        12, 20, 30, 3, 5, 16, 0, 0, 0, 0, 0, 0]
+                                        12, 20, 30, 3, 5, 32, 0, 0, 0, 0, 0, 0]
     # Its float32 form on x and a weight rounded to TF32 by the graph (`Anchor.rounded`).
     rounded = _launcher(replace(implicit, rounded=True), anchor_path="in-kernel conv", channels=128,
                         reads_conv_tf32=True, conv_tf32=True)
