@@ -187,6 +187,17 @@ SHARED_ROWS_PATCH_W = 64
 # (`kernel_variants --plan RESIDENT_WEIGHTS=True` times it).
 RESIDENT_WEIGHTS = False
 RESIDENT_MAX_BYTES = 64 * 1024
+# Every tap of a depth plane reads one window of x (ConvGemmPlan.window): a stride-1
+# conv's tile reads tile_h + (kh - 1) x dilation rows of tile_w + (kw - 1) x dilation
+# pixels once a k-step, a TMA box a 16-byte column of channels (only those holding x's
+# channels), unswizzled, so that a tap's shift by one pixel is a descriptor's start
+# (desc_nosw); m64 blocks inside one patch row (patches of 64 or 128 columns). A 3 x 3
+# conv of 16 bf16 channels in patches of 64 x 4: 2 copies of 396 16-byte rows a tile,
+# where the shared box copies 3 boxes of 384 64-byte rows. Off: built and checked by nvcc
+# (tests/test_templates.py), not yet run or timed on a GPU (`kernel_variants --plan
+# WINDOW_BOX=True`; tests/test_gpu.py, test_in_kernel_conv_with_a_window).
+WINDOW_BOX = False
+WINDOW_K_BYTES = (64,)
 
 
 @dataclass(frozen=True)
@@ -224,6 +235,9 @@ class ConvGemmPlan:
             weights (SHARED_ROWS; stride 1 along the height, x channels-last).
         resident_weights: every k-step's weights are copied once a CTA and kept (one
             channel tile covers C_out: RESIDENT_WEIGHTS); the ring's stages hold x alone.
+        window: every tap of a depth plane reads one window of x, tile_h + (kh - 1) x
+            dilation rows of tile_w + (kw - 1) x dilation pixels, a box a 16-byte column of
+            channels, unswizzled (WINDOW_BOX; stride 1, patches of 64 or 128 columns).
     """
 
     block_n: int
@@ -242,10 +256,12 @@ class ConvGemmPlan:
     recompute: bool = False
     shared_rows: bool = False
     resident_weights: bool = False
+    window: bool = False
 
     def name(self, spec, arch: str) -> str:
         return (f"igemm{self.block_m}x{self.block_n}{'_nchw' if self.nchw else ''}{'_sr' if self.shared_rows else ''}"
-                f"{'_rw' if self.resident_weights else ''}{'_rc' if self.recompute else ''}_"
+                f"{'_rw' if self.resident_weights else ''}{'_win' if self.window else ''}"
+                f"{'_rc' if self.recompute else ''}_"
                 + spec.kernel_name(arch + "a"))
 
 
@@ -303,7 +319,7 @@ def patch_width(wo: int, widest: int) -> int:
 
 def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int = 128,
            stride_w: int = 1, ho: int = 0, narrow: bool = True, tap_rows: tuple = (),
-           k_steps: int = 0) -> ConvGemmPlan:
+           k_steps: int = 0, window: tuple = ()) -> ConvGemmPlan:
     """The tile for C_out channels and an output of `ho` x `wo` pixels (`ho` 0: not
     known): the fewest channel tiles of a BLOCK_N width, the narrowest that covers C_out
     in that many; a patch as wide as the output (a power of two, 8 to MAX_PATCH_W, and at
@@ -325,7 +341,10 @@ def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int 
     k-steps at most (MIN_STAGES at least). `k_steps`, a tile's k-steps where its weights
     may stay resident (RESIDENT_WEIGHTS): where one channel tile covers C_out and their
     bytes are at most RESIDENT_MAX_BYTES, they take their room once and the stages hold
-    x alone.
+    x alone. `window`, (kh, kw, dilation_h, dilation_w) of a stride-1 kernel whose plane of
+    taps may read one window of x (WINDOW_BOX, `ConvGemmPlan.window`): patches of 64 or
+    128 columns that cover as many, a stage the window's 16-byte columns of a k-step and
+    kh x kw taps' weights, taken first where MIN_STAGES of them fit.
 
     Raises:
         ValueError: k_bytes is not one of K_STEP_BYTES, or stride_w not 1 to MAX_STRIDE.
@@ -374,22 +393,34 @@ def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int 
                                and shares(w)), default=tile_w)
             weights = k_steps * block_n * k_bytes  # every k-step's weights, kept where one tile covers C_out
             resident = bool(k_steps) and cout <= block_n and weights <= RESIDENT_MAX_BYTES
-            # the box shared where MIN_STAGES of its stages fit, else a box a tap
-            for shared in (True, False) if shares(patch_w) else (False,):
-                w = patch_w if shared else tile_w
-                box_rows = block_m // w + (kh - 1) * dilation
-                # a stage: an x box and a w box a k-step of k_bytes-byte rows, or the shared box and kh w boxes
-                # (the weights resident: x alone)
-                stage = ((box_rows * w if shared else block_m) + (0 if resident else (kh if shared else 1) * block_n)
-                         ) * k_bytes
-                staging = block_n * staging_pitch(block_m // w, w, itemsize) * itemsize  # the kernel's kStaging
+            win_kh, win_kw, win_dh, win_dw = window or (1, 1, 1, 1)
+
+            def windows(w: int) -> bool:  # every tap of a plane reads one window of x, patches w wide
+                return (bool(window) and w % 64 == 0 and w + (win_kw - 1) * win_dw <= MAX_BOX
+                        and block_m // w + (win_kh - 1) * win_dh <= MAX_BOX)
+
+            cover = -(-wo // tile_w) * tile_w
+            window_w = min((w for w in (64, 128) if w <= tile_w and -(-wo // w) * w == cover
+                            and (not ho or block_m // w <= ho) and windows(w)), default=0) if narrow else 0
+            # A window where MIN_STAGES of its stages fit, else a shared box, else a box a tap
+            modes = ([("window", window_w)] if window_w else []) + ([("shared", patch_w)] if shares(patch_w) else [])
+            for mode, w in modes + [("tap", tile_w)]:
+                rows = block_m // w
+                if mode == "window":  # the window's 16-byte columns, each to 128 bytes, to the weights' atom
+                    column = -(-((w + (win_kw - 1) * win_dw) * (rows + (win_kh - 1) * win_dh) * 16) // 128) * 128
+                    x_bytes, taps = -(-(k_bytes // 16 * column) // (8 * k_bytes)) * (8 * k_bytes), win_kh * win_kw
+                elif mode == "shared":  # a box of the kernel column's rows, kh taps' weights
+                    x_bytes, taps = (rows + (kh - 1) * dilation) * w * k_bytes, kh
+                else:  # an x box and a w box a k-step of k_bytes-byte rows
+                    x_bytes, taps = block_m * k_bytes, 1
+                stage = x_bytes + (0 if resident else taps * block_n * k_bytes)  # (the weights resident: x alone)
+                staging = block_n * staging_pitch(rows, w, itemsize) * itemsize  # the kernel's kStaging
                 staging += 4 * stats_floats(block_n, pingpong) if stats else 0
                 staging += weights if resident else 0
-                ring = max(RING_BYTES_K // k_bytes // kh, MIN_STAGES) if shared else RING_BYTES_K // k_bytes
-                stages = min(ring, (SMEM_BUDGET - staging) // stage)
+                stages = min(max(RING_BYTES_K // k_bytes // taps, MIN_STAGES), (SMEM_BUDGET - staging) // stage)
                 if stages >= MIN_STAGES:
-                    return ConvGemmPlan(block_n, block_m // w, w, stages, pingpong=pingpong, stats=stats,
-                                        k_bytes=k_bytes, block_m=block_m, shared_rows=shared,
+                    return ConvGemmPlan(block_n, rows, w, stages, pingpong=pingpong, stats=stats, k_bytes=k_bytes,
+                                        block_m=block_m, shared_rows=mode == "shared", window=mode == "window",
                                         resident_weights=resident)
     raise AssertionError(f"no tile of {widths} fits {MIN_STAGES} stages ({cout}, {wo}, {itemsize})")  # 32 always fits
 
@@ -469,6 +500,7 @@ def wgmma_asm(dtype: str, n: int, a_mn_major: bool = False) -> str:
 #   $recompute  the norm recomputed (ConvGemmPlan.recompute): true or false
 #   $shared_rows  a kernel column's taps share one box of x (ConvGemmPlan.shared_rows): true or false
 #   $resident_weights  every k-step's weights copied once a CTA (ConvGemmPlan.resident_weights): true or false
+#   $window     every tap of a depth plane reads one window of x (ConvGemmPlan.window): true or false
 #   $norm_chan  NormChan's fields, norm_chan_of's and norm_stage1's bodies (render: the norm's
 #               stage1 operands and statistics for the normed pass, else nothing)
 #   $parts_at   where the moments or the reductions go: floats from the workspace's start
@@ -518,18 +550,29 @@ constexpr int kCBlocks = (kCin + kBK - 1) / kBK;  // k-steps a tap
 constexpr int kCinPad = kCBlocks * kBK;  // the weight's input channels, padded with zeros by the launcher
 constexpr int kKSteps = kTaps * kCBlocks;
 // The taps of a kernel column share a box of x (ConvGemmPlan.shared_rows, conv_sm90.cuh's
-// producer): kTapRows k-steps a load of the ring, kLoads loads a tile.
+// producer), or every tap of a depth plane of them one window of x (ConvGemmPlan.window):
+// kTapRows k-steps a load of the ring, kLoads loads a tile.
 constexpr bool kSharedRows = $shared_rows;
-constexpr int kTapRows = kSharedRows ? kKH : 1;
+constexpr bool kWindow = $window;
+constexpr int kTapRows = kWindow ? kKH * kKW : kSharedRows ? kKH : 1;
 constexpr int kLoads = kKSteps / kTapRows;
 constexpr int kBoxRows = kSharedRows ? kTH + (kKH - 1) * kDH : kTH * kSH;  // x's box: rows (strides spanned)
+// kWindow: the tile's input window (stride 1), kWinH rows of kWinW pixels, one box a
+// 16-byte column of channels (kChunkElems of them), unswizzled rows of 16 bytes, each
+// column kChunkBytes after the last (desc_nosw's K stride)
+constexpr int kWinW = kTW + (kKW - 1) * kDW, kWinH = kTH + (kKH - 1) * kDH;
+constexpr int kChunkElems = 16 / static_cast<int>(sizeof(T)), kWinChunks = kBK / kChunkElems;
+constexpr int kWinBoxBytes = kWinW * kWinH * 16, kChunkBytes = (kWinBoxBytes + 127) / 128 * 128;
 constexpr int kTilesN = static_cast<int>((kChannels + kBN - 1) / kBN);
 constexpr int kTilesPerImage = kDo * ((kHoPlane + kTH - 1) / kTH) * ((kWo + kTW - 1) / kTW) * kTilesN;
 constexpr int kElem = static_cast<int>(sizeof(T));
 constexpr int kSwizzle = kBK * kElem;  // a k-step's bytes: the tiles' rows, in the swizzle of that width
 constexpr int kTileB = kBN * kSwizzle;  // a tap's weights: bytes
-// A stage's bytes: x's patch (kSharedRows: the box of kBoxRows rows of kTW pixels), and its taps' weights
-constexpr int kStageA = (kSharedRows ? kBoxRows * kTW : kBM) * kSwizzle, kStageB = kTapRows * kTileB;
+// A stage's bytes: x's patch (kSharedRows: the box of kBoxRows rows of kTW pixels; kWindow: the
+// window's columns, to the weights' swizzle atom), and its taps' weights
+constexpr int kStageA = kWindow ? (kWinChunks * kChunkBytes + 8 * kSwizzle - 1) / (8 * kSwizzle) * (8 * kSwizzle)
+                                : (kSharedRows ? kBoxRows * kTW : kBM) * kSwizzle;
+constexpr int kStageB = kTapRows * kTileB;
 // Every k-step's weights copied once a CTA and kept (ConvGemmPlan.resident_weights): the stages hold x alone.
 constexpr bool kResidentW = $resident_weights;
 constexpr int kWeightBytes = kKSteps * kTileB;
@@ -549,12 +592,16 @@ static_assert(kBM == 128 || (kBM == 256 && kPingPong), "tiles of 128 pixels, or 
 static_assert(!kNchw || (kElem == 2 && kSW == 1 && kTW % kNchwBoxW == 0 && kNchwBoxW * kElem == 128 &&
                          kW * kElem % 16 == 0 && kBK % 16 == 0),
               "an NCHW x: 16-bit, stride 1 along the width, patches of whole 128-byte boxes, rows of 16 bytes");
-static_assert((kSwizzle == 64 || kSwizzle == 128) && kBK % kMmaK == 0 && kMmaK * kElem == 32,
-              "rows of 64 or 128 bytes (conv_sm90.K_STEP_BYTES), 32 bytes a wgmma");
+static_assert((kSwizzle == 64 || kSwizzle == 128 || (kWindow && kSwizzle == 32)) && kBK % kMmaK == 0 &&
+                  kMmaK * kElem == 32,
+              "rows of 64 or 128 bytes (conv_sm90.K_STEP_BYTES; 32 with a window), 32 bytes a wgmma");
 static_assert(kTileB % (8 * kSwizzle) == 0 && kStageA % (8 * kSwizzle) == 0 && kTW % 8 == 0,
               "each stage's tiles, and a tap's rows of a shared box, aligned to the swizzle's 8-row atom");
 static_assert(!kSharedRows || (kSH == 1 && kKH > 1 && !kNchw && kBoxRows <= 256),
               "a box shared down the kernel's height: stride 1 along it, channels-last x, 256 rows at most");
+static_assert(!kWindow || (!kSharedRows && kSH == 1 && kSW == 1 && kTW % 64 == 0 && !kNchw && kWinW <= 256 &&
+                            kWinH <= 256 && kChunkBytes < (1 << 18)),
+              "a window: stride 1, m64 blocks inside a patch row, channels-last x, TMA's boxes, desc_nosw's strides");
 static_assert(!kResidentW || (kTilesN == 1 && kWeightBytes < (1 << 20)),
               "resident weights: one channel tile (every tile's n0 0), one barrier phase's bytes");
 static_assert(kBN % 8 == 0 && kBN <= 256 && kChannels % 8 == 0, "wgmma's N; whole 8-channel chunks");
@@ -589,17 +636,19 @@ int conv_launch(const Args& a, int device, cudaStream_t stream, int pass) {
     const cuuint64_t x_strides[4] = {static_cast<cuuint64_t>(kCin) * kElem, static_cast<cuuint64_t>(kW) * kCin * kElem,
                                      static_cast<cuuint64_t>(kH) * kW * kCin * kElem,
                                      static_cast<cuuint64_t>(kD) * kH * kW * kCin * kElem};
-    const cuuint32_t x_box[5] = {kBK, kTW * kSW, kBoxRows, 1, 1};
+    const cuuint32_t x_box[5] = {kWindow ? kChunkElems : kBK, kWindow ? kWinW : kTW * kSW, kWindow ? kWinH : kBoxRows,
+                                 1, 1};
     const cuuint32_t x_steps[5] = {1, kSW, kSH, 1, 1};
-    if (int e = hop::encode_map<T>(&map_x, a.x, 5, x_dims, x_strides, x_box, kSwizzle, x_steps)) return e;
+    if (int e = hop::encode_map<T>(&map_x, a.x, 5, x_dims, x_strides, x_box, kWindow ? 0 : kSwizzle, x_steps)) return e;
   } else {  // [rows, H, W, C_in]
     const cuuint64_t x_dims[4] = {kCin, kW, kH, static_cast<cuuint64_t>(a.rows)};
     const cuuint64_t x_strides[3] = {static_cast<cuuint64_t>(kCin) * kElem, static_cast<cuuint64_t>(kW) * kCin * kElem,
                                      static_cast<cuuint64_t>(kH) * kW * kCin * kElem};
     // A stride s: the box spans s times the patch, of which TMA reads every s-th pixel.
-    const cuuint32_t x_box[4] = {kBK, kTW * kSW, kBoxRows, 1};
+    // A window (kWindow): a box a 16-byte column of channels, kWinH rows of kWinW pixels, unswizzled.
+    const cuuint32_t x_box[4] = {kWindow ? kChunkElems : kBK, kWindow ? kWinW : kTW * kSW, kWindow ? kWinH : kBoxRows, 1};
     const cuuint32_t x_steps[4] = {1, kSW, kSH, 1};
-    if (int e = hop::encode_map<T>(&map_x, a.x, 4, x_dims, x_strides, x_box, kSwizzle, x_steps)) return e;
+    if (int e = hop::encode_map<T>(&map_x, a.x, 4, x_dims, x_strides, x_box, kWindow ? 0 : kSwizzle, x_steps)) return e;
   }
   if (int e = hop::encode_map_2d<T>(&map_w, a.w, kChannels, kTaps * kCinPad, kBN, kBK, kSwizzle)) return e;
   static int sms[64] = {};

@@ -764,9 +764,14 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     kd = anchor.depth[0] if anchor.depth else 1
     k_steps = kd * kh * kw * -(-cin * ITEMSIZE[spec.dtype] // k_bytes) if conv_sm90.RESIDENT_WEIGHTS else 0
 
-    def tiling(narrow: bool, tap_rows: tuple = (), k_steps: int = 0) -> conv_sm90.ConvGemmPlan:
+    # Every tap of a depth plane reads one window of x (conv_sm90.WINDOW_BOX): stride 1.
+    window = ((kh, kw) + tuple(dilation)
+              if conv_sm90.WINDOW_BOX and tuple(stride) == (1, 1) and k_bytes in conv_sm90.WINDOW_K_BYTES else ())
+
+    def tiling(narrow: bool, tap_rows: tuple = (), k_steps: int = 0, window: tuple = ()) -> conv_sm90.ConvGemmPlan:
         return conv_sm90.tiling(spec.channels, patch_w, ITEMSIZE[spec.dtype], stats=stats or reduce, k_bytes=k_bytes,
-                                stride_w=stride[1], ho=ho, narrow=narrow, tap_rows=tap_rows, k_steps=k_steps)
+                                stride_w=stride[1], ho=ho, narrow=narrow, tap_rows=tap_rows, k_steps=k_steps,
+                                window=window)
 
     def nchw(tile: conv_sm90.ConvGemmPlan) -> bool:
         return not anchor.depth and conv_sm90.reads_nchw(tile, ITEMSIZE[spec.dtype], stride[1], anchor.direct[4],
@@ -776,7 +781,7 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     # copy of x), else the ones that leave the fewest columns outside it.
     tile = tiling(narrow=False)
     if not nchw(tile):
-        tile = tiling(narrow=True, tap_rows=(kh, dilation[0]) if shared else (), k_steps=k_steps)
+        tile = tiling(narrow=True, tap_rows=(kh, dilation[0]) if shared else (), k_steps=k_steps, window=window)
     if (softmax or pixel_reduce) and tile.block_n < spec.channels:
         return (f"{spec.reduction.name} over {spec.channels} channels: more than one tile of the in-kernel conv "
                 f"({tile.block_n})")
@@ -786,7 +791,7 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     if anchor.recompute and not stats:
         return "a norm recomputed (Anchor.recompute), but the in-kernel conv's tiles take no norm's statistics here"
     return replace(tile, stats=stats, reduce=reduce, softmax=softmax, pixel_reduce=pixel_reduce, pool=pool,
-                   nchw=nchw(tile) and not tile.shared_rows, recompute=anchor.recompute)
+                   nchw=nchw(tile) and not tile.shared_rows and not tile.window, recompute=anchor.recompute)
 
 
 def conv_softmax(spec: EpilogueSpec) -> int:
@@ -1453,7 +1458,7 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
         value_stage1=("  float y[1] = {v};\n  stage1<1>(y, pos, e0, a, s0, s1);\n  v = y[0];"
                       if c.softmax or c.pixel_reduce or c.pool else ""),
         recompute="true" if c.recompute else "false", norm_chan=_conv_norm_chan(spec, c),
-        shared_rows="true" if c.shared_rows else "false",
+        shared_rows="true" if c.shared_rows else "false", window="true" if c.window else "false",
         resident_weights="true" if c.resident_weights else "false",
         **_conv_pool_constants(spec, c, ho, wo),
     )

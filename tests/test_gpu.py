@@ -1888,6 +1888,39 @@ def test_in_kernel_conv_with_resident_weights(name, dtype, exact_float32, monkey
     assert err <= (2e-3 if dtype == torch.float32 else TOLERANCE[dtype]), f"relative error {err:.3g} (seed {exact_float32})"
 
 
+# conv_sm90.WINDOW_BOX (off by default): a tile's whole input window a box a 16-byte
+# column of channels (a 3 x 3 conv in patches of 64 x 4, a 1 x 1 conv in patches of 64 x 2)
+WINDOW_CONVS = {"c16_to_32_k3": (16, 32, 3, 1, (3, 16, 20, 64)), "c16_to_96_1x1": (16, 96, 1, 0, (2, 16, 9, 64))}
+
+
+@pytest.mark.parametrize("resident", [False, True], ids=["weights_a_stage", "resident_weights"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", list(WINDOW_CONVS))
+def test_in_kernel_conv_with_a_window(name, dtype, resident, exact_float32, monkeypatch):
+    # The window switched on (as kernel_variants --plan sets it), with the weights a stage
+    # or resident: 16-bit at eager's error, float32 (TF32) at TF32's.
+    _needs_sm90()
+    from cuda_templates import conv_sm90
+
+    monkeypatch.setattr(conv_sm90, "WINDOW_BOX", True)
+    monkeypatch.setattr(conv_sm90, "RESIDENT_WEIGHTS", resident)
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
+    cin, cout, k, padding, shape = WINDOW_CONVS[name]
+    model = _ConvChain(cin, cout, k, padding, 0).cuda().to(dtype)
+    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
+    ref, _ = float64_reference(model, x)
+    saved = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        with torch.no_grad():
+            out, kernels = _kernels(model, x)
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    assert len(kernels) == 1 and re.match(rf"igemm(128|256)x\d+{'_rw' if resident else ''}_win_", kernels[0]), kernels
+    err = relative_error(out, ref)
+    assert err <= (2e-3 if dtype == torch.float32 else TOLERANCE[dtype]), f"relative error {err:.3g} (seed {exact_float32})"
+
+
 class _ReluFirst(_ConvChain):
     """_ConvChain after a ReLU of its input: a conv whose x the graph computes."""
 

@@ -1183,6 +1183,50 @@ def test_nvcc_compiles_the_in_kernel_conv_with_resident_weights(dtype, tmp_path,
         _clean_wgmma_sass(spec, tmp_path)
 
 
+def test_in_kernel_conv_reads_a_window(monkeypatch):
+    # conv_sm90.WINDOW_BOX (off): a stride-1 conv of 64-byte k-steps in patches of 64 or 128
+    # columns reads its tile's whole input window once a k-step, a box a 16-byte column of
+    # channels; not with a stride, nor in patches narrower than an m64 block's row.
+    from cuda_templates import conv_sm90
+
+    bn_relu = CONV_GEMM_SPECS["igemm_bn_relu_16_32-bfloat16"]  # 40 x 40 out: patches of 64 x 4
+    assert not cuda_templates.conv_gemm_plan(bn_relu, "sm90").window
+    monkeypatch.setattr(conv_sm90, "WINDOW_BOX", True)
+    c = cuda_templates.conv_gemm_plan(bn_relu, "sm90")
+    assert c.window and not c.shared_rows and (c.tile_h, c.tile_w) == (4, 64) and "_win_" in c.name(bn_relu, "sm90")
+    source = cuda_templates.render(bn_relu, "sm90")
+    assert "constexpr bool kWindow = true;" in source and "constexpr bool kSharedRows = false;" in source
+    for name in ("igemm_stride2_bn_relu6-bfloat16", "igemm_instancenorm_leaky-bfloat16"):  # a stride; 32-wide patches
+        assert not cuda_templates.conv_gemm_plan(CONV_GEMM_SPECS[name], "sm90").window, name
+    # a stage: the window's four 16-byte columns (66 x 6 pixels each, to 128 bytes) and 9 taps' weights
+    window = conv_sm90.tiling(32, 40, 2, stats=True, k_bytes=64, ho=40, tap_rows=(3, 1), window=(3, 3, 1, 1))
+    column = -(-(66 * 6 * 16) // 128) * 128
+    assert window.window and window.stages * (4 * column + 9 * 32 * 64) <= conv_sm90.SMEM_BUDGET
+
+
+WINDOW_SPECS = ("igemm_bn_relu_16_32", "igemm_channel_amin_tanh_32", "igemm_relu_maxpool_2x2",
+                "igemm_channel_logsumexp_128")
+
+
+@needs_nvcc
+@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
+@pytest.mark.parametrize("resident", [False, True], ids=["weights_a_stage", "resident_weights"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_nvcc_compiles_the_in_kernel_conv_reading_a_window(dtype, resident, tmp_path, monkeypatch):
+    # The window's files build (a norm, a pixel's reduction, a pool, a 1 x 1 conv; the
+    # weights a stage or resident): wgmmas with no accumulator read before the last one's
+    # wait, nothing spilled.
+    from cuda_templates import conv_sm90
+
+    monkeypatch.setattr(conv_sm90, "WINDOW_BOX", True)
+    monkeypatch.setattr(conv_sm90, "RESIDENT_WEIGHTS", resident)
+    for name in WINDOW_SPECS:
+        spec = CONV_GEMM_SPECS[f"{name}-{dtype}"]
+        c = cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True)
+        assert c.window and c.resident_weights == resident, (name, c)
+        _clean_wgmma_sass(spec, tmp_path)
+
+
 def test_in_kernel_conv_channel_softmax_plans(monkeypatch):
     # A softmax or log_softmax over each pixel's channels in registers (conv_sm90.PIXEL_NORMS;
     # the switch off names it), where one tile holds every channel: then staged and

@@ -8,7 +8,8 @@
 //   or [rows, C_in, H, W] where kNchw; w: the weight [kChannels, kTaps, kCinPad]), stage0_chan, stage0_chan_of, stage0_at,
 //   kChannels (KERNEL_FILE and CONV_KERNELS' constants: kBM, kBN, kBK, kSwizzle, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
 //   kHo, kWo, kHoPlane, kDepth, kD, kKD, kPD, kSD, kDD, kDo, kPitch, kCBlocks, kTilesN, kTilesPerImage, kTileB, kMmaK, kPingPong,
-//   kSharedRows, kTapRows, kLoads, kStageA, kStageB, kResidentW, kWeightBytes,
+//   kSharedRows, kWindow, kTapRows, kLoads, kStageA, kStageB, kResidentW, kWeightBytes, kWinW, kWinH, kChunkElems,
+//   kWinChunks, kWinBoxBytes, kChunkBytes,
 //   kConvStats, kConvReduce, kReduceOp, kConvSoftmax, kConvPixelReduce, kConvPool, kPoolKH, kPoolKW, kPoolMax,
 //   kPoolDivisor, kPoolHo, kPoolWo, value_stage1, kPartsAt, kNchw, kNchwBoxW, kRecompute, NormChan,
 //   norm_chan_of, norm_stage1, wgmma_n),
@@ -582,6 +583,24 @@ __device__ __forceinline__ void pool_runs(const uint8_t* staging, int ct, int im
   }
 }
 
+// The tap (of kTaps) of k-step r of load i (kTapRows k-steps a load): a box a tap; a
+// kernel column's taps down its height (kSharedRows); every tap of a depth plane of them
+// (kWindow).
+__device__ __forceinline__ int load_tap(int i, int r) {
+  const int q = i / kCBlocks;
+  if constexpr (kWindow) return q * (kKH * kKW) + r;
+  if constexpr (kSharedRows) return q / kKW * (kKH * kKW) + q % kKW + r * kKW;
+  return q;
+}
+
+// The 16-byte columns of channels of x a window's load copies from channel c0 on: whole
+// wgmma K steps (32 bytes) holding channels of x, the rest of the load's none (their
+// weights are zeros, and their wgmmas are skipped).
+__device__ __forceinline__ int window_chunks(int c0) {
+  const int bytes = (kCin - c0 < kBK ? kCin - c0 : kBK) * kElem;
+  return (bytes + 31) / 32 * 2;
+}
+
 // The kernel's body (the file's __global__ wrapper calls it with its __grid_constant__
 // tensor maps): map_x over x [rows, H, W, C_in] (dims C_in, W, H, rows; kDepth: over x
 // [rows, D, H, W, C_in], dims C_in, W, H, D, rows, a box one plane deep; kNchw: over x
@@ -598,7 +617,13 @@ __device__ __forceinline__ void pool_runs(const uint8_t* staging, int ct, int im
 // weights: a third of the copies of x of a 3 x 3 kernel's, fewer of their rows by up to
 // kKH x (conv_sm90.SHARED_ROWS: k-steps of 64 bytes). With kResidentW (one channel
 // tile) the producer copies every k-step's weights once, before the first tile, onto
-// their own barrier, and the stages hold x alone. Warpgroups 1 and 2 multiply
+// their own barrier, and the stages hold x alone. With kWindow (stride 1, patches of 64
+// or 128 columns) a load is a channel block of every tap of a depth plane: the tile's
+// whole input window, kWinH rows of kWinW pixels, one unswizzled box a 16-byte column of
+// channels (window_chunks: those holding x's channels), where tap (kh, kw) of an m64
+// block (inside one patch row) starts kh * kDH rows and kw * kDW pixels in (desc_nosw:
+// 16-byte rows, 8-row groups 128 bytes apart, a wgmma's two columns kChunkBytes apart).
+// Warpgroups 1 and 2 multiply
 // (wgmma), apply the chain in registers, stage the tile and issue its bulk copies to out,
 // which run under the next mainloop. Persistent: CTA b takes tiles b, b + gridDim.x, ...
 // (its tiles 0, 1, 2, ...); cooperative, both consumer warpgroups take each; ping-pong, warpgroup h takes
@@ -619,8 +644,7 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
   // The weights of k-step (tap, channel block c) of load i, step r of it (kTapRows)
   const auto weights_at = [&](int s, int i, int r) -> const uint8_t* {
     if constexpr (kResidentW) {
-      const int q = i / kCBlocks, tap = kSharedRows ? q / kKW * (kKH * kKW) + q % kKW : q;
-      return tiles_b + ((tap + r * kKW) * kCBlocks + i % kCBlocks) * kTileB;
+      return tiles_b + (load_tap(i, r) * kCBlocks + i % kCBlocks) * kTileB;
     } else {
       return tiles_b + s * kStageB + r * kTileB;
     }
@@ -652,13 +676,26 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
         conv_tile_origin(tile, img, h0, w0, n0);
         for (int i = 0; i < kLoads; ++i, ++it) {
           // load i: channel block i % kCBlocks of tap `tap` (kSharedRows: of the taps tap,
-          // tap + kKW, ... down the kernel's height, whose rows of x one box holds)
-          const int q = i / kCBlocks, s = it % kStages, c0 = i % kCBlocks * kBK;
-          const int tap = kSharedRows ? q / kKW * (kKH * kKW) + q % kKW : q;
+          // tap + kKW, ... down the kernel's height, whose rows of x one box holds; kWindow:
+          // of the taps of its depth plane, the window of x a box a 16-byte column)
+          const int s = it % kStages, c0 = i % kCBlocks * kBK;
+          const int tap = load_tap(i, 0);
           const int tap_hw = tap % (kKH * kKW);  // the tap's place in a depth plane of taps
           if (it >= kStages) hop::mbar_wait(&empty[s], ((it / kStages) + 1) & 1);
-          hop::mbar_expect_tx(&full[s], kStageA + (kResidentW ? 0 : kStageB));
-          if constexpr (kNchw) {  // a box an m64 block: its kNchwBoxW pixels of one patch row, kBK channels
+          const int chunks = kWindow ? window_chunks(c0) : 0;
+          hop::mbar_expect_tx(&full[s], (kWindow ? chunks * kWinBoxBytes : kStageA) + (kResidentW ? 0 : kStageB));
+          if constexpr (kWindow) {  // the window a box a 16-byte column of channels, from the patch's origin
+            const int plane = h0 / kHoPlane;
+            for (int j = 0; j < chunks; ++j) {
+              uint8_t* dst = tiles_a + s * kStageA + j * kChunkBytes;
+              if constexpr (kDepth) {
+                hop::tma_load_5d(dst, &map_x, &full[s], c0 + j * kChunkElems, w0 - kPW, h0 - plane * kHoPlane - kPH,
+                                 plane * kSD + tap / (kKH * kKW) * kDD - kPD, img);
+              } else {
+                hop::tma_load_4d(dst, &map_x, &full[s], c0 + j * kChunkElems, w0 - kPW, h0 - kPH, img);
+              }
+            }
+          } else if constexpr (kNchw) {  // a box an m64 block: its kNchwBoxW pixels of one patch row, kBK channels
 #pragma unroll
             for (int b = 0; b < kBM / 64; ++b)
               hop::tma_load_4d(tiles_a + s * kStageA + b * 64 * kSwizzle, &map_x, &full[s],
@@ -676,7 +713,7 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
           if constexpr (!kResidentW) {
 #pragma unroll
             for (int r = 0; r < kTapRows; ++r)
-              hop::tma_load_2d(tiles_b + s * kStageB + r * kTileB, &map_w, &full[s], (tap + r * kKW) * kCinPad + c0,
+              hop::tma_load_2d(tiles_b + s * kStageB + r * kTileB, &map_w, &full[s], load_tap(i, r) * kCinPad + c0,
                                n0);
           }
         }
@@ -716,19 +753,38 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
         hop::wgmma_fence();
 #pragma unroll
         for (int r = 0; r < kTapRows; ++r) {
-          // the k-step's tap reads the box from its row r * kDH on: whole 8-row swizzle atoms
-          const uint8_t* sa = tiles_a + s * kStageA + (r * kDH * kTW + (kPingPong ? 0 : half * 64)) * kSwizzle;
           const uint8_t* sb = weights_at(s, i, r);
+          if constexpr (kWindow) {
+            // tap (kh, kw) of the plane: an m64 block (inside one patch row, kTW % 64 == 0)
+            // reads the window's pixels from its origin shifted by the tap, 16-byte rows
+            // (8-row groups 128 bytes apart), a wgmma's two 16-byte columns kChunkBytes apart
+            const int kh = r / kKW, kw = r % kKW, c0 = i % kCBlocks * kBK;
 #pragma unroll
-          for (int kk = 0; kk < kBK / kMmaK; ++kk)
+            for (int kk = 0; kk < kBK / kMmaK; ++kk) {
+              if (c0 + kk * kMmaK >= kCin) break;  // channels past x's: zeros (window_chunks)
 #pragma unroll
-            for (int b = 0; b < kMBlocks; ++b) {
-              // an m64 block's rows of kSwizzle bytes, K-major; or (kNchw) its kBK channel rows
-              // of 64 pixels, MN-major: a wgmma's 16 channels are two 1 KB atoms
-              const uint64_t desc_a = kNchw ? hop::desc_mn128(sa + b * 64 * kSwizzle + kk * 2048)
-                                            : hop::desc_sw<kSwizzle>(sa + b * 64 * kSwizzle + kk * 32);
-              wgmma_n(d[b], desc_a, hop::desc_sw<kSwizzle>(sb + kk * 32), (i > 0 || r > 0 || kk > 0) ? 1 : 0);
+              for (int b = 0; b < kMBlocks; ++b) {
+                const int row0 = (kPingPong ? 0 : half * 64) + b * 64, t = row0 / kTW, x0 = row0 % kTW;
+                const uint8_t* sa = tiles_a + s * kStageA + 2 * kk * kChunkBytes +
+                                    ((t + kh * kDH) * kWinW + x0 + kw * kDW) * 16;
+                wgmma_n(d[b], hop::desc_nosw(sa, kChunkBytes, 128), hop::desc_sw<kSwizzle>(sb + kk * 32),
+                        (i > 0 || r > 0 || kk > 0) ? 1 : 0);
+              }
             }
+          } else {
+            // the k-step's tap reads the box from its row r * kDH on: whole 8-row swizzle atoms
+            const uint8_t* sa = tiles_a + s * kStageA + (r * kDH * kTW + (kPingPong ? 0 : half * 64)) * kSwizzle;
+#pragma unroll
+            for (int kk = 0; kk < kBK / kMmaK; ++kk)
+#pragma unroll
+              for (int b = 0; b < kMBlocks; ++b) {
+                // an m64 block's rows of kSwizzle bytes, K-major; or (kNchw) its kBK channel rows
+                // of 64 pixels, MN-major: a wgmma's 16 channels are two 1 KB atoms
+                const uint64_t desc_a = kNchw ? hop::desc_mn128(sa + b * 64 * kSwizzle + kk * 2048)
+                                              : hop::desc_sw<kSwizzle>(sa + b * 64 * kSwizzle + kk * 32);
+                wgmma_n(d[b], desc_a, hop::desc_sw<kSwizzle>(sb + kk * 32), (i > 0 || r > 0 || kk > 0) ? 1 : 0);
+              }
+          }
         }
         hop::wgmma_commit();
         hop::wgmma_wait<1>();  // the previous k-step's wgmma is done: free its stage

@@ -161,6 +161,16 @@ __device__ __forceinline__ uint64_t desc_mn128(const void* p) {
   const uint64_t addr = smem_u32(p);
   return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 / 16) << 32) | (1ull << 62);
 }
+// Shared-memory matrix descriptor, K-major with no swizzle: core matrices of 8 rows of 16
+// bytes, each row 16 bytes after the last (the layout a tensor map without swizzle writes
+// from a box whose inner dim is 16 bytes); `sbo` bytes from one 8-row group to the next
+// along M, `lbo` bytes from one 16-byte column of K to the next (multiples of 16). Mode
+// bits 62-63: 0.
+__device__ __forceinline__ uint64_t desc_nosw(const void* p, unsigned lbo, unsigned sbo) {
+  const uint64_t addr = smem_u32(p);
+  return ((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo >> 4) & 0x3FFF) << 16) |
+         (static_cast<uint64_t>((sbo >> 4) & 0x3FFF) << 32);
+}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int kPending>
@@ -246,7 +256,8 @@ __device__ __forceinline__ void sts_pair(void* p, float a, float b) {
 
 // A tensor map of `rank` dims over T (bf16, fp16 or float32): dims and boxes innermost
 // first, strides[i] the bytes between steps of dim i + 1 (multiples of 16), the box's
-// inner dim `swizzle` bytes (32, 64 or 128: the swizzle's row, as desc_sw<swizzle> reads it);
+// inner dim `swizzle` bytes (32, 64 or 128: the swizzle's row, as desc_sw<swizzle> reads it;
+// 0: no swizzle, the box's inner dim 16 bytes, rows as desc_nosw reads them);
 // `steps`, where given, each dim's element stride (TMA reads every steps[i]-th element of a
 // box of box[i], steps[0] = 1), else 1.
 // Returns a cudaError_t value.
@@ -268,10 +279,11 @@ inline int encode_map(CUtensorMap* map, const void* base, int rank, const cuuint
   const CUtensorMapDataType type = std::is_same_v<T, float>    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
                                    : std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                                                : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  if (swizzle != 32 && swizzle != 64 && swizzle != 128) return static_cast<int>(cudaErrorInvalidValue);
+  if (swizzle != 0 && swizzle != 32 && swizzle != 64 && swizzle != 128) return static_cast<int>(cudaErrorInvalidValue);
   const CUtensorMapSwizzle mode = swizzle == 128  ? CU_TENSOR_MAP_SWIZZLE_128B
                                   : swizzle == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
-                                                  : CU_TENSOR_MAP_SWIZZLE_32B;
+                                  : swizzle == 32 ? CU_TENSOR_MAP_SWIZZLE_32B
+                                                  : CU_TENSOR_MAP_SWIZZLE_NONE;
   const CUresult r = encode(map, type, rank, const_cast<void*>(base), dims, strides, box, steps != nullptr ? steps : ones,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, mode,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
