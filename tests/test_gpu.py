@@ -1856,24 +1856,19 @@ def test_in_kernel_conv(name, dtype, exact_float32, monkeypatch):
         assert err <= TOLERANCE[torch.float32], f"relative error {err:.3g} after TF32 was switched off"
 
 
-# conv_sm90.RESIDENT_WEIGHTS (off by default): each case's one channel tile keeps every
-# k-step's weights (a shared box and a box a tap, several channel blocks a tap, a stride)
-RESIDENT_WEIGHT_CONVS = ["c16_to_32_pad1", "c16_to_32_tall_many_tiles", "c16_to_64_dilation2", "c72_to_64_1x1",
-                         "c64_to_128_stride2_1x1"]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("name", RESIDENT_WEIGHT_CONVS)
-def test_in_kernel_conv_with_resident_weights(name, dtype, exact_float32, monkeypatch):
-    # The weights copied once a CTA (the switch on, as kernel_variants --plan sets it):
-    # 16-bit at eager's error, float32 (TF32) at TF32's.
+def _in_kernel_conv_with(settings: dict, case: tuple, dtype, monkeypatch) -> tuple[str, float]:
+    """The in-kernel conv of `case` ((cin, cout, k, padding, input shape), then the
+    (stride, dilation) where not 1) and a pointwise chain, compiled with conv_sm90's
+    `settings` set (as kernel_variants --plan sets them): its kernel's name and its
+    result's relative error off float64 (TF32 allowed, as cuDNN's default)."""
     _needs_sm90()
     from cuda_templates import conv_sm90
 
-    monkeypatch.setattr(conv_sm90, "RESIDENT_WEIGHTS", True)
+    for name, value in settings.items():
+        monkeypatch.setattr(conv_sm90, name, value)
     monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
-    cin, cout, k, padding, shape = IN_KERNEL_CONVS[name]
-    model = _ConvChain(cin, cout, k, padding, 0, *IN_KERNEL_CONV_STRIDES.get(name, (1, 1))).cuda().to(dtype)
+    cin, cout, k, padding, shape, *conv = case
+    model = _ConvChain(cin, cout, k, padding, 0, *conv).cuda().to(dtype)
     x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
     ref, _ = float64_reference(model, x)
     saved = torch.backends.cudnn.allow_tf32
@@ -1883,8 +1878,24 @@ def test_in_kernel_conv_with_resident_weights(name, dtype, exact_float32, monkey
             out, kernels = _kernels(model, x)
     finally:
         torch.backends.cudnn.allow_tf32 = saved
-    assert len(kernels) == 1 and re.match(r"igemm(128|256)x\d+(_sr)?_rw_", kernels[0]), kernels
-    err = relative_error(out, ref)
+    assert len(kernels) == 1, kernels
+    return kernels[0], relative_error(out, ref)
+
+
+# conv_sm90.RESIDENT_WEIGHTS (off by default): each case's one channel tile keeps every
+# k-step's weights (a shared box and a box a tap, several channel blocks a tap, a stride)
+RESIDENT_WEIGHT_CONVS = ["c16_to_32_pad1", "c16_to_32_tall_many_tiles", "c16_to_64_dilation2", "c72_to_64_1x1",
+                         "c64_to_128_stride2_1x1"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", RESIDENT_WEIGHT_CONVS)
+def test_in_kernel_conv_with_resident_weights(name, dtype, exact_float32, monkeypatch):
+    # The weights copied once a CTA (the switch on): 16-bit at eager's error, float32
+    # (TF32) at TF32's.
+    case = IN_KERNEL_CONVS[name] + IN_KERNEL_CONV_STRIDES.get(name, ())
+    kernel, err = _in_kernel_conv_with({"RESIDENT_WEIGHTS": True}, case, dtype, monkeypatch)
+    assert re.match(r"igemm(128|256)x\d+(_sr)?_rw_", kernel), kernel
     assert err <= (2e-3 if dtype == torch.float32 else TOLERANCE[dtype]), f"relative error {err:.3g} (seed {exact_float32})"
 
 
@@ -1897,27 +1908,11 @@ WINDOW_CONVS = {"c16_to_32_k3": (16, 32, 3, 1, (3, 16, 20, 64)), "c16_to_96_1x1"
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", list(WINDOW_CONVS))
 def test_in_kernel_conv_with_a_window(name, dtype, resident, exact_float32, monkeypatch):
-    # The window switched on (as kernel_variants --plan sets it), with the weights a stage
-    # or resident: 16-bit at eager's error, float32 (TF32) at TF32's.
-    _needs_sm90()
-    from cuda_templates import conv_sm90
-
-    monkeypatch.setattr(conv_sm90, "WINDOW_BOX", True)
-    monkeypatch.setattr(conv_sm90, "RESIDENT_WEIGHTS", resident)
-    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
-    cin, cout, k, padding, shape = WINDOW_CONVS[name]
-    model = _ConvChain(cin, cout, k, padding, 0).cuda().to(dtype)
-    x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
-    ref, _ = float64_reference(model, x)
-    saved = torch.backends.cudnn.allow_tf32
-    try:
-        torch.backends.cudnn.allow_tf32 = True
-        with torch.no_grad():
-            out, kernels = _kernels(model, x)
-    finally:
-        torch.backends.cudnn.allow_tf32 = saved
-    assert len(kernels) == 1 and re.match(rf"igemm(128|256)x\d+{'_rw' if resident else ''}_win_", kernels[0]), kernels
-    err = relative_error(out, ref)
+    # The window switched on, with the weights a stage or resident: 16-bit at eager's
+    # error, float32 (TF32) at TF32's.
+    settings = {"WINDOW_BOX": True, "RESIDENT_WEIGHTS": resident}
+    kernel, err = _in_kernel_conv_with(settings, WINDOW_CONVS[name], dtype, monkeypatch)
+    assert re.match(rf"igemm(128|256)x\d+{'_rw' if resident else ''}_win_", kernel), kernel
     assert err <= (2e-3 if dtype == torch.float32 else TOLERANCE[dtype]), f"relative error {err:.3g} (seed {exact_float32})"
 
 
