@@ -563,6 +563,10 @@ constexpr int kBoxRows = kSharedRows ? kTH + (kKH - 1) * kDH : kTH * kSH;  // x'
 constexpr int kWinW = kTW + (kKW - 1) * kDW, kWinH = kTH + (kKH - 1) * kDH;
 constexpr int kChunkElems = 16 / static_cast<int>(sizeof(T)), kWinChunks = kBK / kChunkElems;
 constexpr int kWinBoxBytes = kWinW * kWinH * 16, kChunkBytes = (kWinBoxBytes + 127) / 128 * 128;
+// x's box of a channels-last tensor map: channels, pixels, rows (a window's, or a patch's spanning its strides)
+constexpr cuuint32_t kXBox[3] = {static_cast<cuuint32_t>(kWindow ? kChunkElems : kBK),
+                                 static_cast<cuuint32_t>(kWindow ? kWinW : kTW * kSW),
+                                 static_cast<cuuint32_t>(kWindow ? kWinH : kBoxRows)};
 constexpr int kTilesN = static_cast<int>((kChannels + kBN - 1) / kBN);
 constexpr int kTilesPerImage = kDo * ((kHoPlane + kTH - 1) / kTH) * ((kWo + kTW - 1) / kTW) * kTilesN;
 constexpr int kElem = static_cast<int>(sizeof(T));
@@ -636,8 +640,7 @@ int conv_launch(const Args& a, int device, cudaStream_t stream, int pass) {
     const cuuint64_t x_strides[4] = {static_cast<cuuint64_t>(kCin) * kElem, static_cast<cuuint64_t>(kW) * kCin * kElem,
                                      static_cast<cuuint64_t>(kH) * kW * kCin * kElem,
                                      static_cast<cuuint64_t>(kD) * kH * kW * kCin * kElem};
-    const cuuint32_t x_box[5] = {kWindow ? kChunkElems : kBK, kWindow ? kWinW : kTW * kSW, kWindow ? kWinH : kBoxRows,
-                                 1, 1};
+    const cuuint32_t x_box[5] = {kXBox[0], kXBox[1], kXBox[2], 1, 1};
     const cuuint32_t x_steps[5] = {1, kSW, kSH, 1, 1};
     if (int e = hop::encode_map<T>(&map_x, a.x, 5, x_dims, x_strides, x_box, kWindow ? 0 : kSwizzle, x_steps)) return e;
   } else {  // [rows, H, W, C_in]
@@ -646,7 +649,7 @@ int conv_launch(const Args& a, int device, cudaStream_t stream, int pass) {
                                      static_cast<cuuint64_t>(kH) * kW * kCin * kElem};
     // A stride s: the box spans s times the patch, of which TMA reads every s-th pixel.
     // A window (kWindow): a box a 16-byte column of channels, kWinH rows of kWinW pixels, unswizzled.
-    const cuuint32_t x_box[4] = {kWindow ? kChunkElems : kBK, kWindow ? kWinW : kTW * kSW, kWindow ? kWinH : kBoxRows, 1};
+    const cuuint32_t x_box[4] = {kXBox[0], kXBox[1], kXBox[2], 1};
     const cuuint32_t x_steps[4] = {1, kSW, kSH, 1};
     if (int e = hop::encode_map<T>(&map_x, a.x, 4, x_dims, x_strides, x_box, kWindow ? 0 : kSwizzle, x_steps)) return e;
   }
