@@ -385,12 +385,15 @@ def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int 
                 box = rows + (kh - 1) * dilation
                 return bool(tap_rows) and box <= MAX_BOX and kh * rows >= SHARED_ROWS_MIN_SAVING * box
 
-            patch_w = tile_w
-            if narrow and tap_rows:  # taller patches share more of their box
+            def narrowest(fits) -> int:
+                # taller patches share more of their box or window: the narrowest from
+                # SHARED_ROWS_PATCH_W that covers as many columns, its rows the output's at most
                 cover = -(-wo // tile_w) * tile_w
-                patch_w = min((w for w in (SHARED_ROWS_PATCH_W << i for i in range(4))
-                               if w <= tile_w and -(-wo // w) * w == cover and (not ho or block_m // w <= ho)
-                               and shares(w)), default=tile_w)
+                return min((w for w in (SHARED_ROWS_PATCH_W << i for i in range(4)) if w <= tile_w
+                            and -(-wo // w) * w == cover and (not ho or block_m // w <= ho) and fits(w)),
+                           default=0) if narrow else 0
+
+            patch_w = narrowest(shares) or tile_w
             weights = k_steps * block_n * k_bytes  # every k-step's weights, kept where one tile covers C_out
             resident = bool(k_steps) and cout <= block_n and weights <= RESIDENT_MAX_BYTES
             win_kh, win_kw, win_dh, win_dw = window or (1, 1, 1, 1)
@@ -399,9 +402,7 @@ def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int 
                 return (bool(window) and w % 64 == 0 and w + (win_kw - 1) * win_dw <= MAX_BOX
                         and block_m // w + (win_kh - 1) * win_dh <= MAX_BOX)
 
-            cover = -(-wo // tile_w) * tile_w
-            window_w = min((w for w in (64, 128) if w <= tile_w and -(-wo // w) * w == cover
-                            and (not ho or block_m // w <= ho) and windows(w)), default=0) if narrow else 0
+            window_w = narrowest(windows)
             # A window where MIN_STAGES of its stages fit, else a shared box, else a box a tap
             modes = ([("window", window_w)] if window_w else []) + ([("shared", patch_w)] if shares(patch_w) else [])
             for mode, w in modes + [("tap", tile_w)]:
@@ -580,6 +581,7 @@ constexpr int kStageB = kTapRows * kTileB;
 // Every k-step's weights copied once a CTA and kept (ConvGemmPlan.resident_weights): the stages hold x alone.
 constexpr bool kResidentW = $resident_weights;
 constexpr int kWeightBytes = kKSteps * kTileB;
+constexpr int kWeightsRoom = kResidentW ? kWeightBytes : kStages * kStageB;  // the weights' shared memory
 
 __device__ __forceinline__ void wgmma_n(float (&d)[kBN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   $wgmma
@@ -590,7 +592,7 @@ $norm_chan
 
 #include "fusedepi/conv_sm90.cuh"
 
-constexpr int kConvSmem = kStages * kStageA + (kResidentW ? kWeightBytes : kStages * kStageB) + kStaging + kStatsBytes + 1024;  // + alignment slack
+constexpr int kConvSmem = kStages * kStageA + kWeightsRoom + kStaging + kStatsBytes + 1024;  // + alignment slack
 static_assert(kTH * kTW == kBM && kTW >= 8, "a tile's patch: kBM pixels, rows of 8 or more");
 static_assert(kBM == 128 || (kBM == 256 && kPingPong), "tiles of 128 pixels, or 256 in ping-pong");
 static_assert(!kNchw || (kElem == 2 && kSW == 1 && kTW % kNchwBoxW == 0 && kNchwBoxW * kElem == 128 &&

@@ -8,7 +8,8 @@
 //   or [rows, C_in, H, W] where kNchw; w: the weight [kChannels, kTaps, kCinPad]), stage0_chan, stage0_chan_of, stage0_at,
 //   kChannels (KERNEL_FILE and CONV_KERNELS' constants: kBM, kBN, kBK, kSwizzle, kStages, kTH, kTW, kKH, kKW, kPH, kPW,
 //   kHo, kWo, kHoPlane, kDepth, kD, kKD, kPD, kSD, kDD, kDo, kPitch, kCBlocks, kTilesN, kTilesPerImage, kTileB, kMmaK, kPingPong,
-//   kSharedRows, kWindow, kTapRows, kLoads, kStageA, kStageB, kResidentW, kWeightBytes, kWinW, kWinH, kChunkElems,
+//   kSharedRows, kWindow, kTapRows, kLoads, kStageA, kStageB, kResidentW, kWeightBytes, kWeightsRoom, kWinW, kWinH,
+//   kChunkElems,
 //   kWinChunks, kWinBoxBytes, kChunkBytes,
 //   kConvStats, kConvReduce, kReduceOp, kConvSoftmax, kConvPixelReduce, kConvPool, kPoolKH, kPoolKW, kPoolMax,
 //   kPoolDivisor, kPoolHo, kPoolWo, value_stage1, kPartsAt, kNchw, kNchwBoxW, kRecompute, NormChan,
@@ -623,11 +624,11 @@ __device__ __forceinline__ int window_chunks(int c0) {
 // channels (window_chunks: those holding x's channels), where tap (kh, kw) of an m64
 // block (inside one patch row) starts kh * kDH rows and kw * kDW pixels in (desc_nosw:
 // 16-byte rows, 8-row groups 128 bytes apart, a wgmma's two columns kChunkBytes apart).
-// Warpgroups 1 and 2 multiply
-// (wgmma), apply the chain in registers, stage the tile and issue its bulk copies to out,
-// which run under the next mainloop. Persistent: CTA b takes tiles b, b + gridDim.x, ...
-// (its tiles 0, 1, 2, ...); cooperative, both consumer warpgroups take each; ping-pong, warpgroup h takes
-// the CTA's tiles h, h + 2, ... The ring's stage and phase run on across tiles.
+// Warpgroups 1 and 2 multiply (wgmma), apply the chain in registers, stage the tile and
+// issue its bulk copies to out, which run under the next mainloop. Persistent: CTA b
+// takes tiles b, b + gridDim.x, ... (its tiles 0, 1, 2, ...); cooperative, both consumer
+// warpgroups take each; ping-pong, warpgroup h takes the CTA's tiles h, h + 2, ... The
+// ring's stage and phase run on across tiles.
 template <int kPass>
 __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtensorMap& map_w, const Args& a) {
   static_assert(kRecompute ? kConvStats && kPass != kPassOnce : kPass == kPassOnce, "the passes of the file's plan");
@@ -639,7 +640,7 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* tiles_a = smem;
   uint8_t* tiles_b = smem + kStages * kStageA;  // kResidentW: every k-step's weights, kWeightBytes
-  uint8_t* staging = tiles_b + (kResidentW ? kWeightBytes : kStages * kStageB);
+  uint8_t* staging = tiles_b + kWeightsRoom;
   __shared__ __align__(8) uint64_t full[kStages], empty[kStages], weights_full;
   // The weights of k-step (tap, channel block c) of load i, step r of it (kTapRows)
   const auto weights_at = [&](int s, int i, int r) -> const uint8_t* {
@@ -668,7 +669,7 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
       if constexpr (kResidentW) {  // every k-step's weights, once: the CTA's tiles share their channels
         hop::mbar_expect_tx(&weights_full, kWeightBytes);
         for (int k = 0; k < kKSteps; ++k)
-          hop::tma_load_2d(tiles_b + k * kTileB, &map_w, &weights_full, k / kCBlocks * kCinPad + k % kCBlocks * kBK, 0);
+          hop::tma_load_2d(tiles_b + k * kTileB, &map_w, &weights_full, k * kBK, 0);  // (tap, block): k * kBK
       }
       int it = 0;
       for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
@@ -681,16 +682,17 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
           const int s = it % kStages, c0 = i % kCBlocks * kBK;
           const int tap = load_tap(i, 0);
           const int tap_hw = tap % (kKH * kKW);  // the tap's place in a depth plane of taps
+          // (kDepth) the patch's output plane, and the input plane its depth tap reads
+          const int plane = h0 / kHoPlane, plane_in = plane * kSD + tap / (kKH * kKW) * kDD - kPD;
           if (it >= kStages) hop::mbar_wait(&empty[s], ((it / kStages) + 1) & 1);
           const int chunks = kWindow ? window_chunks(c0) : 0;
           hop::mbar_expect_tx(&full[s], (kWindow ? chunks * kWinBoxBytes : kStageA) + (kResidentW ? 0 : kStageB));
           if constexpr (kWindow) {  // the window a box a 16-byte column of channels, from the patch's origin
-            const int plane = h0 / kHoPlane;
             for (int j = 0; j < chunks; ++j) {
               uint8_t* dst = tiles_a + s * kStageA + j * kChunkBytes;
               if constexpr (kDepth) {
                 hop::tma_load_5d(dst, &map_x, &full[s], c0 + j * kChunkElems, w0 - kPW, h0 - plane * kHoPlane - kPH,
-                                 plane * kSD + tap / (kKH * kKW) * kDD - kPD, img);
+                                 plane_in, img);
               } else {
                 hop::tma_load_4d(dst, &map_x, &full[s], c0 + j * kChunkElems, w0 - kPW, h0 - kPH, img);
               }
@@ -702,10 +704,8 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
                                w0 + b * 64 % kTW + tap_hw % kKW * kDW - kPW,
                                (h0 + b * 64 / kTW) * kSH + tap_hw / kKW * kDH - kPH, c0, img);
           } else if constexpr (kDepth) {  // the tap's input plane for the patch's output plane
-            const int plane = h0 / kHoPlane;
             hop::tma_load_5d(tiles_a + s * kStageA, &map_x, &full[s], c0, w0 * kSW + tap_hw % kKW * kDW - kPW,
-                             (h0 - plane * kHoPlane) * kSH + tap_hw / kKW * kDH - kPH,
-                             plane * kSD + tap / (kKH * kKW) * kDD - kPD, img);
+                             (h0 - plane * kHoPlane) * kSH + tap_hw / kKW * kDH - kPH, plane_in, img);
           } else {
             hop::tma_load_4d(tiles_a + s * kStageA, &map_x, &full[s], c0, w0 * kSW + tap_hw % kKW * kDW - kPW,
                              h0 * kSH + tap_hw / kKW * kDH - kPH, img);
@@ -761,7 +761,7 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
             const int kh = r / kKW, kw = r % kKW, c0 = i % kCBlocks * kBK;
 #pragma unroll
             for (int kk = 0; kk < kBK / kMmaK; ++kk) {
-              if (c0 + kk * kMmaK >= kCin) break;  // channels past x's: zeros (window_chunks)
+              if (2 * kk >= window_chunks(c0)) break;  // the load's columns past x's channels: not copied
 #pragma unroll
               for (int b = 0; b < kMBlocks; ++b) {
                 const int row0 = (kPingPong ? 0 : half * 64) + b * 64, t = row0 / kTW, x0 = row0 % kTW;
