@@ -658,7 +658,7 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
       hop::mbar_init(&full[s], 1);
       hop::mbar_init(&empty[s], kPingPong ? 4 : 8);  // one arrival a warp of the consumers of the stage
     }
-    hop::mbar_init(&weights_full, 1);
+    if constexpr (kResidentW) hop::mbar_init(&weights_full, 1);
     hop::mbar_init_fence();
   }
   __syncthreads();
