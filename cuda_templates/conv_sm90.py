@@ -182,9 +182,11 @@ SHARED_ROWS_PATCH_W = 64
 # Where one channel tile covers C_out, every tile of a CTA multiplies by the same
 # weights: with RESIDENT_WEIGHTS the producer copies all k-steps' weights once (at most
 # RESIDENT_MAX_BYTES) and the ring's stages hold x alone (ConvGemmPlan.resident_weights;
-# a 3 x 3 conv's 12 copies a tile of a shared box become 3). Off: built and checked by
-# nvcc (tests/test_templates.py), not yet run or timed on a GPU
-# (`kernel_variants --plan RESIDENT_WEIGHTS=True` times it).
+# a 3 x 3 conv's 12 copies a tile of a shared box become 3). Off: right on an H100
+# (tests/test_gpu.py, test_in_kernel_conv_with_resident_weights); the conv kernel
+# (`kernel_variants --plan RESIDENT_WEIGHTS=True`, H100, us): conv2d_bn_relu float32
+# 56.8 -> 49.6, bf16 57.8 -> 55.3; conv2d_relu_maxpool 64.0 -> 63.8 (bf16), 55.0 -> 55.5
+# (float32); conv2d_gn_silu bf16 15.2 -> 16.1.
 RESIDENT_WEIGHTS = False
 RESIDENT_MAX_BYTES = 64 * 1024
 # Every tap of a depth plane reads one window of x (ConvGemmPlan.window): a stride-1
@@ -193,9 +195,16 @@ RESIDENT_MAX_BYTES = 64 * 1024
 # channels), unswizzled, so that a tap's shift by one pixel is a descriptor's start
 # (desc_nosw); m64 blocks inside one patch row (patches of 64 or 128 columns). A 3 x 3
 # conv of 16 bf16 channels in patches of 64 x 4: 2 copies of 396 16-byte rows a tile,
-# where the shared box copies 3 boxes of 384 64-byte rows. Off: built and checked by nvcc
-# (tests/test_templates.py), not yet run or timed on a GPU (`kernel_variants --plan
-# WINDOW_BOX=True`; tests/test_gpu.py, test_in_kernel_conv_with_a_window).
+# where the shared box copies 3 boxes of 384 64-byte rows. Taken only where C_in leaves
+# a 16-byte column of the k-step empty (render.conv_gemm_plan): the conv kernel on an
+# H100 (us, `kernel_variants --plan WINDOW_BOX=True`), shared box -> window, bf16 of 16
+# channels (32 of the k-step's 64 bytes): conv2d_bn_relu 57.8 -> 53.0,
+# conv2d_dilated_gelu 71.9 -> 55.5, conv2d_relu_maxpool 63.5 -> 55.2,
+# conv2d_tanh_avgpool 65.5 -> 57.5; float32 conv3d_bn_relu (4 channels) 471.1 -> 189.0;
+# where C_in fills the k-step it lost: float32 of 16 channels conv2d_bn_relu 56.7 -> 66.0,
+# conv2d_dilated_gelu 59.1 -> 73.4, conv2d_tanh_avgpool 60.7 -> 65.1; unet3d_conv_gn_silu
+# bf16 (32 channels) 56.1 -> 66.4. Off until the GPU tests and the fuzzer have run the
+# rule's cases (tests/test_gpu.py, test_in_kernel_conv_with_a_window).
 WINDOW_BOX = False
 WINDOW_K_BYTES = (64,)
 

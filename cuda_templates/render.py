@@ -764,9 +764,12 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
     kd = anchor.depth[0] if anchor.depth else 1
     k_steps = kd * kh * kw * -(-cin * ITEMSIZE[spec.dtype] // k_bytes) if conv_sm90.RESIDENT_WEIGHTS else 0
 
-    # Every tap of a depth plane reads one window of x (conv_sm90.WINDOW_BOX): stride 1.
+    # Every tap of a depth plane reads one window of x (conv_sm90.WINDOW_BOX): stride 1,
+    # and x's channels leaving a 16-byte column of the k-step empty (the window copies and
+    # multiplies only the columns holding them).
     window = ((kh, kw) + tuple(dilation)
-              if conv_sm90.WINDOW_BOX and tuple(stride) == (1, 1) and k_bytes in conv_sm90.WINDOW_K_BYTES else ())
+              if conv_sm90.WINDOW_BOX and tuple(stride) == (1, 1) and k_bytes in conv_sm90.WINDOW_K_BYTES
+              and cin * ITEMSIZE[spec.dtype] <= k_bytes - 16 else ())
 
     def tiling(narrow: bool, tap_rows: tuple = (), k_steps: int = 0, window: tuple = ()) -> conv_sm90.ConvGemmPlan:
         return conv_sm90.tiling(spec.channels, patch_w, ITEMSIZE[spec.dtype], stats=stats or reduce, k_bytes=k_bytes,

@@ -1899,9 +1899,11 @@ def test_in_kernel_conv_with_resident_weights(name, dtype, exact_float32, monkey
     assert err <= (2e-3 if dtype == torch.float32 else TOLERANCE[dtype]), f"relative error {err:.3g} (seed {exact_float32})"
 
 
-# conv_sm90.WINDOW_BOX (off by default): a tile's whole input window a box a 16-byte
-# column of channels (a 3 x 3 conv in patches of 64 x 4, a 1 x 1 conv in patches of 64 x 2)
-WINDOW_CONVS = {"c16_to_32_k3": (16, 32, 3, 1, (3, 16, 20, 64)), "c16_to_96_1x1": (16, 96, 1, 0, (2, 16, 9, 64))}
+# conv_sm90.WINDOW_BOX: a tile's whole input window a box a 16-byte column of channels,
+# where C_in leaves a column of the 64-byte k-step empty (8 channels: 16 bytes of bf16, 32
+# of float32); a 3 x 3 conv in patches of 64 x 4, a 1 x 1 conv in patches of 64 x 2, 62
+# columns wide (a 64-wide bf16 x would be read NCHW, which the plan takes first)
+WINDOW_CONVS = {"c8_to_32_k3": (8, 32, 3, 1, (3, 8, 20, 64)), "c8_to_96_1x1": (8, 96, 1, 0, (2, 8, 9, 62))}
 
 
 @pytest.mark.parametrize("resident", [False, True], ids=["weights_a_stage", "resident_weights"])

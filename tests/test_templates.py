@@ -1184,9 +1184,10 @@ def test_nvcc_compiles_the_in_kernel_conv_with_resident_weights(dtype, tmp_path,
 
 
 def test_in_kernel_conv_reads_a_window(monkeypatch):
-    # conv_sm90.WINDOW_BOX (off): a stride-1 conv of 64-byte k-steps in patches of 64 or 128
+    # conv_sm90.WINDOW_BOX: a stride-1 conv of 64-byte k-steps in patches of 64 or 128
     # columns reads its tile's whole input window once a k-step, a box a 16-byte column of
-    # channels; not with a stride, nor in patches narrower than an m64 block's row.
+    # channels, where C_in leaves a column of the k-step empty; not with a stride, nor in
+    # patches narrower than an m64 block's row, nor where C_in fills the k-step.
     from cuda_templates import conv_sm90
 
     bn_relu = CONV_GEMM_SPECS["igemm_bn_relu_16_32-bfloat16"]  # 40 x 40 out: patches of 64 x 4
@@ -1198,6 +1199,10 @@ def test_in_kernel_conv_reads_a_window(monkeypatch):
     assert "constexpr bool kWindow = true;" in source and "constexpr bool kSharedRows = false;" in source
     for name in ("igemm_stride2_bn_relu6-bfloat16", "igemm_instancenorm_leaky-bfloat16"):  # a stride; 32-wide patches
         assert not cuda_templates.conv_gemm_plan(CONV_GEMM_SPECS[name], "sm90").window, name
+    # 16 float32 channels fill the 64-byte k-step; 8 leave two of its columns empty
+    f32 = CONV_GEMM_SPECS["igemm_bn_relu_16_32-float32"]
+    assert not cuda_templates.conv_gemm_plan(f32, "sm90", conv_tf32=True).window
+    assert cuda_templates.conv_gemm_plan(_in_channels(f32, 8), "sm90", conv_tf32=True).window
     # a stage: the window's four 16-byte columns (66 x 6 pixels each, to 128 bytes) and 9 taps' weights
     window = conv_sm90.tiling(32, 40, 2, stats=True, k_bytes=64, ho=40, tap_rows=(3, 1), window=(3, 3, 1, 1))
     column = -(-(66 * 6 * 16) // 128) * 128
@@ -1206,6 +1211,11 @@ def test_in_kernel_conv_reads_a_window(monkeypatch):
 
 WINDOW_SPECS = ("igemm_bn_relu_16_32", "igemm_channel_amin_tanh_32", "igemm_relu_maxpool_2x2",
                 "igemm_channel_logsumexp_128")
+
+
+def _in_channels(spec, cin: int):
+    """`spec` with its conv's input channels `cin`."""
+    return replace(spec, anchor=replace(spec.anchor, direct=(cin,) + spec.anchor.direct[1:]))
 
 
 @needs_nvcc
@@ -1220,8 +1230,9 @@ def test_nvcc_compiles_the_in_kernel_conv_reading_a_window(dtype, resident, tmp_
 
     monkeypatch.setattr(conv_sm90, "WINDOW_BOX", True)
     monkeypatch.setattr(conv_sm90, "RESIDENT_WEIGHTS", resident)
-    for name in WINDOW_SPECS:
+    for name in WINDOW_SPECS:  # (16 channels: 32 bytes of bf16; 8 float32 ones)
         spec = CONV_GEMM_SPECS[f"{name}-{dtype}"]
+        spec = _in_channels(spec, 8) if dtype == "float32" else spec
         c = cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True)
         assert c.window and c.resident_weights == resident, (name, c)
         _clean_wgmma_sass(spec, tmp_path)
