@@ -117,6 +117,11 @@ PINGPONG_MAX_N = 128
 # against 50.9, conv2d_relu_maxpool 66.2 against 64.6, conv2d_dilated_gelu 70.0 against
 # 71.5 (benchmarks/RESULTS.md).
 K_STEP_BYTES = (64, 128)
+# x's pixels padded to 16 bytes (`x_pitch`): a conv whose C_in is not a whole 16 bytes (an
+# RGB image's 3 channels, 4 bf16 ones) reads a channels-last copy of x whose pixels are
+# 16 bytes apart (TMA's strides), its channels past C_in never read (the tensor map's
+# channel dim is C_in: TMA fills the box past it with zeros, as past a k-step's C_in).
+PAD_PIXELS = True
 # The ring's depth at most: 8 stages of 128-byte k-steps, as many bytes of narrower ones
 # (a k-step of 64 bytes is half the work, the latency it must hide the same).
 RING_BYTES_K = 8 * 128
@@ -292,6 +297,13 @@ def k_step_bytes(cin: int, itemsize: int) -> int:
     """Bytes of input channels a k-step: the narrowest of K_STEP_BYTES that holds a
     pixel's C_in, 128 where none does (then C_in takes several k-steps a tap)."""
     return next((b for b in K_STEP_BYTES if cin * itemsize <= b), K_STEP_BYTES[-1])
+
+
+def x_pitch(cin: int, itemsize: int) -> int:
+    """The elements between two pixels of the channels-last x the in-kernel conv reads:
+    C_in rounded up to whole 16 bytes (PAD_PIXELS; TMA's strides)."""
+    per_16_bytes = 16 // itemsize
+    return -(-cin // per_16_bytes) * per_16_bytes
 
 
 def padded_in_channels(cin: int, dtype: str) -> int:
@@ -470,6 +482,7 @@ def wgmma_asm(dtype: str, n: int, a_mn_major: bool = False) -> str:
 #   $th         the tile's pixel patch: rows
 #   $tw         ... and columns
 #   $cin        the input's channels
+#   $x_pitch    the elements between two pixels of channels-last x (x_pitch; $cin where NCHW)
 #   $h          the input's height
 #   $w          the input's width
 #   $kh         the kernel's height
@@ -522,6 +535,7 @@ namespace hop = fusedepi::sm90;
 constexpr int kBM = $bm, kBN = $bn, kBK = $bk, kStages = $stages, kMmaK = $mma_k;
 constexpr int kTH = $th, kTW = $tw;  // the tile's output pixels: kTH rows of kTW
 constexpr int kCin = $cin, kH = $h, kW = $w;
+constexpr int kXPitch = $x_pitch;  // elements between two pixels of channels-last x (C_in to 16 bytes)
 constexpr int kKH = $kh, kKW = $kw, kPH = $ph, kPW = $pw;
 constexpr int kSH = $sh, kSW = $sw, kDH = $dh, kDW = $dw;  // stride, dilation
 // A 3-D conv (kDepth): x [rows, D, H, W, C_in], taps kKD x kKH x kKW; its output's kDo
@@ -620,7 +634,7 @@ static_assert(!kWindow || (!kSharedRows && kSH == 1 && kSW == 1 && kTW % 64 == 0
 static_assert(!kResidentW || (kTilesN == 1 && kWeightBytes < (1 << 20)),
               "resident weights: one channel tile (every tile's n0 0), one barrier phase's bytes");
 static_assert(kBN % 8 == 0 && kBN <= 256 && kChannels % 8 == 0, "wgmma's N; whole 8-channel chunks");
-static_assert(kCin * kElem % 16 == 0, "TMA's 16-byte strides");
+static_assert(kXPitch * kElem % 16 == 0 && kXPitch >= kCin && (!kNchw || kXPitch == kCin), "TMA's 16-byte strides");
 static_assert(kSH >= 1 && kSH <= 8 && kSW >= 1 && kSW <= 8 && kTW * kSW <= 256 && kTH * kSH <= 256,
               "TMA's element strides (1 to 8) and boxes (256 elements a dim)");
 static_assert(kConvSmem <= 227 * 1024, "sm_90's dynamic shared memory a block");
@@ -646,18 +660,20 @@ int conv_launch(const Args& a, int device, cudaStream_t stream, int pass) {
                                      static_cast<cuuint64_t>(kCin) * kH * kW * kElem};
     const cuuint32_t x_box[4] = {kNchwBoxW, 1, kBK, 1};
     if (int e = hop::encode_map<T>(&map_x, a.x, 4, x_dims, x_strides, x_box, kNchwBoxW * kElem)) return e;
-  } else if constexpr (kDepth) {  // [rows, D, H, W, C_in]: a box of one depth plane
+  } else if constexpr (kDepth) {  // [rows, D, H, W, C_in], pixels kXPitch elements apart: a box of one depth plane
     const cuuint64_t x_dims[5] = {kCin, kW, kH, kD, static_cast<cuuint64_t>(a.rows)};
-    const cuuint64_t x_strides[4] = {static_cast<cuuint64_t>(kCin) * kElem, static_cast<cuuint64_t>(kW) * kCin * kElem,
-                                     static_cast<cuuint64_t>(kH) * kW * kCin * kElem,
-                                     static_cast<cuuint64_t>(kD) * kH * kW * kCin * kElem};
+    const cuuint64_t x_strides[4] = {static_cast<cuuint64_t>(kXPitch) * kElem,
+                                     static_cast<cuuint64_t>(kW) * kXPitch * kElem,
+                                     static_cast<cuuint64_t>(kH) * kW * kXPitch * kElem,
+                                     static_cast<cuuint64_t>(kD) * kH * kW * kXPitch * kElem};
     const cuuint32_t x_box[5] = {kXBox[0], kXBox[1], kXBox[2], 1, 1};
     const cuuint32_t x_steps[5] = {1, kSW, kSH, 1, 1};
     if (int e = hop::encode_map<T>(&map_x, a.x, 5, x_dims, x_strides, x_box, kWindow ? 0 : kSwizzle, x_steps)) return e;
-  } else {  // [rows, H, W, C_in]
+  } else {  // [rows, H, W, C_in], pixels kXPitch elements apart
     const cuuint64_t x_dims[4] = {kCin, kW, kH, static_cast<cuuint64_t>(a.rows)};
-    const cuuint64_t x_strides[3] = {static_cast<cuuint64_t>(kCin) * kElem, static_cast<cuuint64_t>(kW) * kCin * kElem,
-                                     static_cast<cuuint64_t>(kH) * kW * kCin * kElem};
+    const cuuint64_t x_strides[3] = {static_cast<cuuint64_t>(kXPitch) * kElem,
+                                     static_cast<cuuint64_t>(kW) * kXPitch * kElem,
+                                     static_cast<cuuint64_t>(kH) * kW * kXPitch * kElem};
     // A stride s: the box spans s times the patch, of which TMA reads every s-th pixel.
     // A window (kWindow): a box a 16-byte column of channels, kWinH rows of kWinW pixels, unswizzled.
     const cuuint32_t x_box[4] = {kXBox[0], kXBox[1], kXBox[2], 1};

@@ -747,9 +747,9 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
         out = "x".join(map(str, anchor.direct_out_spatial()))
         return f"output {out} does not match the chain's {spec.inner} elements per channel"
     per_16_bytes = 16 // ITEMSIZE[spec.dtype]
-    if cin % per_16_bytes or spec.channels % 8:
-        return (f"{cin} -> {spec.channels} channels (the in-kernel conv takes input channels in multiples of "
-                f"{per_16_bytes}, output channels in multiples of 8)")
+    if (cin % per_16_bytes and not conv_sm90.PAD_PIXELS) or spec.channels % 8:
+        inputs = "" if conv_sm90.PAD_PIXELS else f"input channels in multiples of {per_16_bytes}, "
+        return f"{cin} -> {spec.channels} channels (the in-kernel conv takes {inputs}output channels in multiples of 8)"
     stride, padding, dilation = anchor.plane_conv()
     # A pool's windows whole in a patch: at least a window's rows of them (patches as wide
     # as 128 // rows pixels at most).
@@ -1449,7 +1449,8 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
     conv = conv_sm90.CONV_KERNELS.substitute(
         kernel=name, bm=c.block_m, bn=c.block_n, bk=c.k_bytes // ITEMSIZE[spec.dtype],
         mma_k=gemm_sm90.WGMMA_TYPES[spec.dtype][1], stages=c.stages, th=c.tile_h, tw=c.tile_w,
-        cin=cin, h=h, w=w, kh=kh, kw=kw, ph=ph, pw=pw, sh=sh, sw=sw, dh=dh, dw=dw, ho=ho, wo=wo,
+        cin=cin, x_pitch=cin if c.nchw else conv_sm90.x_pitch(cin, ITEMSIZE[spec.dtype]),
+        h=h, w=w, kh=kh, kw=kw, ph=ph, pw=pw, sh=sh, sw=sw, dh=dh, dw=dw, ho=ho, wo=wo,
         depth="true" if anchor.depth else "false", d=d, kd=kd, pd=pd, sd=sd, dd=dd, do=anchor.direct_out_d(),
         pitch=conv_sm90.staging_pitch(c.tile_h, c.tile_w, ITEMSIZE[spec.dtype]),
         pingpong="true" if c.pingpong else "false", wgmma=conv_sm90.wgmma_asm(spec.dtype, c.block_n, c.nchw),

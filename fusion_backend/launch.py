@@ -244,7 +244,9 @@ def conv_operand_shapes(spec: EpilogueSpec) -> tuple[tuple, tuple]:
 def channels_last_operands(operands: list[torch.Tensor], spec: EpilogueSpec, nchw: bool = False) -> list[torch.Tensor]:
     """The in-kernel conv's x and weight in the memory order its tensor maps read: x
     [rows, C_in, H, W] channels-last (`nchw`: contiguous, the file reads it so; a 3-D
-    conv's [rows, C_in, D, H, W] channels-last too), the weight [C_out, C_in, kh, kw] as
+    conv's [rows, C_in, D, H, W] channels-last too), its pixels `conv_sm90.x_pitch`
+    elements apart (C_in to whole 16 bytes: a copy whose channels past C_in are left
+    unwritten, the kernel never reads them), the weight [C_out, C_in, kh, kw] as
     [C_out, kh, kw, C_in'] contiguous (a 3-D conv's as [C_out, kd, kh, kw, C_in']; C_in'
     = C_in padded with zeros to whole k-steps), each 16-byte aligned.
 
@@ -258,9 +260,13 @@ def channels_last_operands(operands: list[torch.Tensor], spec: EpilogueSpec, nch
         raise RuntimeError(f"fusedepi::chain ({spec.fusion}): conv operands {tuple(x.shape)} and {tuple(wt.shape)}; "
                            f"the kernel was built for [rows, {', '.join(map(str, x_row))}] and {list(w_shape)}")
     layout = torch.contiguous_format if nchw else torch.channels_last if x.dim() == 4 else torch.channels_last_3d
-    x = x.contiguous(memory_format=layout)
-    if x.data_ptr() % 16:
-        x = x.clone(memory_format=layout)
+    pitch = cin if nchw else cuda_templates.conv_sm90.x_pitch(cin, x.element_size())
+    if pitch != cin:
+        x = padded_pixels(x, pitch)
+    else:
+        x = x.contiguous(memory_format=layout)
+        if x.data_ptr() % 16:
+            x = x.clone(memory_format=layout)
     # The weight's input channels padded with zeros to whole k-steps: its boxes never
     # reach past a row's end.
     cin_pad = cuda_templates.conv_sm90.padded_in_channels(cin, spec.dtype)
@@ -271,6 +277,26 @@ def channels_last_operands(operands: list[torch.Tensor], spec: EpilogueSpec, nch
     padded = wt.new_zeros((spec.channels, *w_shape[2:], cin_pad))
     padded[..., :cin] = wt.permute(channels_last)
     return [x, padded]
+
+
+def padded_pixels(x: torch.Tensor, pitch: int) -> torch.Tensor:
+    """x [rows, C, *spatial] channels-last with its pixels `pitch` elements apart (a
+    view of a fresh [rows, *spatial, pitch] buffer, 16-byte aligned), x's values copied
+    in; the channels from C to `pitch` are not written. x itself where it is so already."""
+    c = x.shape[1]
+    order = (0, *range(2, x.dim()), 1)  # the buffer's dims: rows, spatial, channels
+    strides = [0] * x.dim()
+    step = pitch
+    for d in reversed(order[:-1]):
+        strides[d] = step
+        step *= x.shape[d]
+    strides[1] = 1
+    if tuple(x.stride()) == tuple(strides) and x.data_ptr() % 16 == 0:
+        return x
+    buffer = x.new_empty((*(x.shape[d] for d in order[:-1]), pitch))
+    padded = buffer[..., :c].permute(0, x.dim() - 1, *range(1, x.dim() - 1))
+    padded.copy_(x)
+    return padded
 
 
 def check_devices(inputs: list[torch.Tensor], device_index: int, fusion: str) -> None:

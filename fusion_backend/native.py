@@ -336,18 +336,23 @@ class LaunchLayout:
     in_d: int
     k_d: int
     out_d: int
+    # The in-kernel conv: the elements between two pixels of the channels-last x it reads
+    # (`conv_sm90.x_pitch`, `launch.padded_pixels`; in_c where it reads x NCHW); else 0.
+    in_pitch: int
 
     @classmethod
     def of(cls, launcher) -> "LaunchLayout":
         spec = launcher.spec
         conv_in = launcher.anchor_path in ("direct conv", "in-kernel conv")
         out_h, out_w = spec.anchor.direct_out_hw() if conv_in else (0, 0)
-        in_c = in_h = in_w = k_h = k_w = in_c_pad = in_d = k_d = out_d = 0
+        in_c = in_h = in_w = k_h = k_w = in_c_pad = in_d = k_d = out_d = in_pitch = 0
         if launcher.anchor_path == "in-kernel conv":
             from cuda_templates import conv_sm90
 
             in_c, k_h, k_w, in_h, in_w = spec.anchor.direct
             in_c_pad = conv_sm90.padded_in_channels(in_c, spec.dtype)
+            itemsize = 4 if spec.dtype == "float32" else 2
+            in_pitch = in_c if launcher.in_kernel_nchw else conv_sm90.x_pitch(in_c, itemsize)
             if spec.anchor.depth:
                 (k_d, in_d), out_d = spec.anchor.depth, spec.anchor.direct_out_d()
         pad_k, pad_n = spec.anchor.pad or (0, 0)
@@ -361,7 +366,7 @@ class LaunchLayout:
                    spec.anchor.channels_last, spec.anchor.permuted, launcher.gemm_tf32,
                    launcher.reads_conv_tf32, launcher.conv_tf32, in_c, in_h, in_w, k_h, k_w, in_c_pad,
                    spec.anchor.rounded, launcher.anchor_path == "in-kernel conv" and launcher.in_kernel_nchw,
-                   spec.anchor.as_2d, in_d, k_d, out_d)
+                   spec.anchor.as_2d, in_d, k_d, out_d, in_pitch)
 
     def encode(self) -> list[int]:
         return [int(getattr(self, f.name)) for f in fields(self)]

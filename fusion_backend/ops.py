@@ -82,12 +82,25 @@ def input_layouts(spec: str, inputs: list) -> tuple | None:
         return None
     layout = channels_last_format(inputs[0])
     wanted: list = [None] * len(inputs)
-    wanted[0] = torch.empty_like(inputs[0], memory_format=layout)
+    # x channels-last; not where the in-kernel conv pads its pixels to 16 bytes
+    # (launch.padded_pixels copies x from any layout: a channels-last copy before it
+    # would be a second pass over x).
+    if library or not _pads_pixels(parsed, inputs[0]):
+        wanted[0] = torch.empty_like(inputs[0], memory_format=layout)
     # The in-kernel conv lays its weight out itself (launch.channels_last_operands), where
     # the graph's rounding of it to TF32 can write it as the kernel reads it: channels-last.
     if library or parsed.anchor.rounded:
         wanted[1] = torch.empty_like(inputs[1], memory_format=layout)
-    return ((wanted, spec), {})
+    return ((wanted, spec), {}) if any(w is not None for w in wanted) else None
+
+
+def _pads_pixels(spec: EpilogueSpec, x: torch.Tensor) -> bool:
+    """Whether the in-kernel conv of `spec` reads a channels-last x whose pixels it pads
+    to 16 bytes (`conv_sm90.x_pitch`: C_in not a whole 16 bytes)."""
+    import cuda_templates
+
+    cin = spec.anchor.direct[0]
+    return cuda_templates.conv_sm90.x_pitch(cin, x.element_size()) != cin
 
 
 def ask_input_layouts(node) -> None:

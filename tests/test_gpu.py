@@ -1918,6 +1918,24 @@ def test_in_kernel_conv_with_a_window(name, dtype, resident, exact_float32, monk
     assert err <= (2e-3 if dtype == torch.float32 else TOLERANCE[dtype]), f"relative error {err:.3g} (seed {exact_float32})"
 
 
+# conv_sm90.PAD_PIXELS: C_in not a whole 16 bytes (an RGB image's 3 channels, 4 bf16
+# ones), x copied channels-last with its pixels 16 bytes apart (launch.padded_pixels), the
+# channels past C_in never read: an RGB stem's 7 x 7 conv of stride 2, a 3 x 3 one, and
+# a 4-channel one whose 64-wide output a window may read
+PADDED_PIXEL_CONVS = {"c3_to_64_k7_stride2": (3, 64, 7, 3, (2, 3, 40, 72), 2), "c3_to_96_k3": (3, 96, 3, 1, (2, 3, 20, 70)),
+                      "c4_to_32_k3": (4, 32, 3, 0, (3, 4, 18, 66))}
+
+
+@pytest.mark.parametrize("window", [False, True], ids=["shared_box", "window"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", list(PADDED_PIXEL_CONVS))
+def test_in_kernel_conv_of_padded_pixels(name, dtype, window, exact_float32, monkeypatch):
+    # 16-bit at eager's error, float32 (TF32) at TF32's; with WINDOW_BOX on or off.
+    kernel, err = _in_kernel_conv_with({"WINDOW_BOX": window}, PADDED_PIXEL_CONVS[name], dtype, monkeypatch)
+    assert kernel.startswith("igemm"), kernel
+    assert err <= (2e-3 if dtype == torch.float32 else TOLERANCE[dtype]), f"relative error {err:.3g} (seed {exact_float32})"
+
+
 class _ReluFirst(_ConvChain):
     """_ConvChain after a ReLU of its input: a conv whose x the graph computes."""
 

@@ -818,7 +818,7 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     assert "sm_90" in cuda_templates.conv_gemm_plan(spec, "sm80", conv_tf32=True)
 
 
-def test_in_kernel_conv_refuses_what_it_does_not_cover():
+def test_in_kernel_conv_refuses_what_it_does_not_cover(monkeypatch):
     from cuda_templates import conv_sm90
 
     base = CONV_GEMM_SPECS["igemm_relu_bias_64_128-bfloat16"]
@@ -846,8 +846,12 @@ def test_in_kernel_conv_refuses_what_it_does_not_cover():
     assert cuda_templates.conv_gemm_plan(channel_max, "sm90").pixel_reduce  # conv_sm90.PIXEL_REDUCES
     channel_norm_then_max = replace(gn, steps=gn.steps[:2] + (Step("channel_amax"),))
     assert "after groupnorm" in cuda_templates.conv_gemm_plan(channel_norm_then_max, "sm90")
+    # C_in not a whole 16 bytes: x's pixels padded to them (conv_sm90.PAD_PIXELS), else refused
     odd_cin = replace(base, anchor=replace(base.anchor, direct=(60, 3, 3, 64, 64)))
-    assert "multiples of 8" in cuda_templates.conv_gemm_plan(odd_cin, "sm90")
+    assert isinstance(cuda_templates.conv_gemm_plan(odd_cin, "sm90"), cuda_templates.ConvGemmPlan)
+    assert "kXPitch = 64;" in cuda_templates.render(odd_cin, "sm90")
+    monkeypatch.setattr(conv_sm90, "PAD_PIXELS", False)
+    assert "input channels in multiples of 8" in cuda_templates.conv_gemm_plan(odd_cin, "sm90")
     odd_cout = replace(base, channels=100)
     assert "output channels in multiples of 8" in cuda_templates.conv_gemm_plan(odd_cout, "sm90")
     # strides past TMA's element strides (8); an output the chain's sizes do not match
@@ -1235,6 +1239,21 @@ def test_nvcc_compiles_the_in_kernel_conv_reading_a_window(dtype, resident, tmp_
         spec = _in_channels(spec, 8) if dtype == "float32" else spec
         c = cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True)
         assert c.window and c.resident_weights == resident, (name, c)
+        _clean_wgmma_sass(spec, tmp_path)
+
+
+@needs_nvcc
+@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_nvcc_compiles_the_in_kernel_conv_of_padded_pixels(dtype, tmp_path):
+    # 3 input channels (an RGB image's): x's pixels 16 bytes apart (conv_sm90.PAD_PIXELS,
+    # launch.padded_pixels), 2-D and 3-D: wgmmas with no accumulator read before the last
+    # one's wait, nothing spilled.
+    for name in ("igemm_bn_relu_16_32", "igemm3d_gn_silu"):
+        spec = _in_channels(CONV_GEMM_SPECS[f"{name}-{dtype}"], 3)
+        assert isinstance(cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True), cuda_templates.ConvGemmPlan)
+        source = cuda_templates.render(spec, "sm90", conv_tf32=True)
+        assert "constexpr int kCin = 3," in source and f"kXPitch = {4 if dtype == 'float32' else 8};" in source, name
         _clean_wgmma_sass(spec, tmp_path)
 
 

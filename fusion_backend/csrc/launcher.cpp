@@ -120,6 +120,9 @@ struct Plan {
   // k_d, k_h, k_w] (read as [channels, k_d, k_h, k_w, in_c_pad]), the output [rows, channels,
   // out_d, out_h, out_w]; 0 for a 2-D conv.
   int64_t in_d = 0, k_d = 0, out_d = 0;
+  // kImplicitConv: the elements between two pixels of the channels-last x it reads (in_c
+  // to whole 16 bytes: launch.padded_pixels; in_c where x is read NCHW).
+  int64_t in_pitch = 0;
   std::vector<int64_t> stride, padding, dilation, output_padding;
   bool transposed = false;
   int64_t groups = 1;
@@ -206,14 +209,14 @@ T symbol(void* handle, const char* name, const std::string& library) {
 // layout: [path, anchor, n_operands, gemm_auto, row_output, out_rank, out_d0 .. out_d3,
 //          out_spatial, channels, out_h, out_w, stores_pre_norm, has_bias, pad_k, pad_n,
 //          channels_last, permuted, gemm_tf32, reads_conv_tf32, conv_tf32,
-//          in_c, in_h, in_w, k_h, k_w, in_c_pad, rounded, in_nchw, one_row, in_d, k_d, out_d]
+//          in_c, in_h, in_w, k_h, k_w, in_c_pad, rounded, in_nchw, one_row, in_d, k_d, out_d, in_pitch]
 // conv: empty, or [nd, stride x nd, padding x nd, dilation x nd, transposed,
 //       output_padding x nd, groups]
 // saves: per save [anchor_value, dtype code, per_row, ndim, dims x ndim] (native.SaveLayout).
 // checks: [dtype code, y_row, n, (a row, whole) x n, m, (dtype code, whole, per_row) x m]
 //         (native.CheckLayout).
 // The fields of native.LaunchLayout, read below in its order (plan->field = layout[i]).
-constexpr size_t kLayoutFields = 35;
+constexpr size_t kLayoutFields = 36;
 
 void set_plan(std::string_view spec, int64_t device, std::string_view library, std::string_view name,
               at::IntArrayRef layout, at::IntArrayRef running_stats, at::IntArrayRef conv,
@@ -269,6 +272,7 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   plan->in_d = layout[32];
   plan->k_d = layout[33];
   plan->out_d = layout[34];
+  plan->in_pitch = layout[35];
   TORCH_CHECK(plan->out_rank >= 0 && plan->out_rank <= 4, "fusedepi_native.plan: a reduced output's tail of ",
               plan->out_rank, " dims");
   TORCH_CHECK(layout[0] >= 0 && layout[0] <= 3 && layout[1] >= 0 && layout[1] <= 3,
@@ -302,6 +306,7 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   TORCH_CHECK(plan->path != Path::kImplicitConv ||
                   (plan->anchor == Anchor::kConv && !plan->has_bias && plan->in_c > 0 && plan->in_h > 0 &&
                    plan->in_w > 0 && plan->k_h > 0 && plan->k_w > 0 && plan->in_c_pad >= plan->in_c &&
+                   plan->in_pitch >= plan->in_c && (!plan->in_nchw || plan->in_pitch == plan->in_c) &&
                    plan->out_h > 0 && plan->out_w > 0 && plan->n_operands == 2),
               "fusedepi_native.plan: the in-kernel conv needs its input's and weight's shapes");
   TORCH_CHECK((plan->in_d == 0 && plan->k_d == 0 && plan->out_d == 0) ||
@@ -512,6 +517,25 @@ bool anchor_output_fits(const Plan& plan, const at::Tensor& y, int64_t rows) {
 std::vector<at::Tensor> python_chain(at::TensorList inputs, c10::string_view spec);
 
 // Runs a call whose inputs fit (inputs_fit).
+// As launch.padded_pixels: x [rows, C, *spatial] channels-last with its pixels `pitch`
+// elements apart (a view of a fresh [rows, *spatial, pitch] buffer), x's values copied in,
+// the channels from C to `pitch` not written; x itself where it is so already.
+at::Tensor padded_pixels(const at::Tensor& x, int64_t pitch) {
+  const int64_t n = x.dim();
+  std::vector<int64_t> sizes{x.size(0)}, strides(n), perm{0, n - 1};
+  for (int64_t d = 2; d < n; ++d) sizes.push_back(x.size(d));
+  sizes.push_back(pitch);
+  for (int64_t d = 1; d < n - 1; ++d) perm.push_back(d);
+  int64_t step = pitch;
+  for (int64_t d = n - 1; d >= 2; --d) strides[d] = step, step *= x.size(d);
+  strides[0] = step;
+  strides[1] = 1;
+  if (x.strides() == at::IntArrayRef(strides) && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0) return x;
+  at::Tensor padded = at::empty(sizes, x.options()).narrow(n - 1, 0, x.size(1)).permute(perm);
+  padded.copy_(x);
+  return padded;
+}
+
 // `call` is the op's inputs as given, which a call that does not fit hands to Python;
 // `inputs` those the plan's path reads (they differ for a rounded plan: chain_cuda).
 std::vector<at::Tensor> launch(const Plan& plan, at::TensorList call, at::TensorList inputs, bool in_kernel) {
@@ -551,8 +575,13 @@ std::vector<at::Tensor> launch(const Plan& plan, at::TensorList call, at::Tensor
     const at::MemoryFormat x_layout = plan.in_nchw ? at::MemoryFormat::Contiguous
                                       : depth      ? at::MemoryFormat::ChannelsLast3d
                                                    : at::MemoryFormat::ChannelsLast;
-    at::Tensor x = x0.contiguous(x_layout);
-    if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16) x = x.clone(x_layout);
+    at::Tensor x;
+    if (plan.in_pitch != plan.in_c) {
+      x = padded_pixels(x0, plan.in_pitch);
+    } else {
+      x = x0.contiguous(x_layout);
+      if (reinterpret_cast<uintptr_t>(x.data_ptr()) % 16) x = x.clone(x_layout);
+    }
     std::vector<int64_t> channels_last{0};  // the weight's dims, C_in last
     for (int64_t d = 2; d < w0.dim(); ++d) channels_last.push_back(d);
     channels_last.push_back(1);
