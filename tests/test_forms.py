@@ -508,10 +508,10 @@ def test_the_in_kernel_conv_row_applies_where_the_in_kernel_conv_covers_the_chai
     assert form.candidate(_conv_chain("float32")) == ("float32", (2, 64, 64, 64), (128, 64, 3, 3), True)
     assert form.candidate(_conv_chain(cin=8, cout=32, hw=256)) is None  # the direct conv takes it (workload 5)
     # 12 bf16 input channels: x's pixels padded to 16 (conv_sm90.PAD_PIXELS), else not covered
+    monkeypatch.setattr(cuda_templates.conv_sm90, "PAD_PIXELS", True)
     assert form.candidate(_conv_chain(cin=12)) == ("bfloat16", (2, 12, 64, 64), (128, 12, 3, 3), False)
     monkeypatch.setattr(cuda_templates.conv_sm90, "PAD_PIXELS", False)
     assert form.candidate(_conv_chain(cin=12)) is None
-    monkeypatch.setattr(cuda_templates.conv_sm90, "PAD_PIXELS", True)
     assert form.candidate(_conv_chain(device="cpu")) is None
     chain = _conv_chain()
     chain.spec = conv_layout.ConvLayout().apply(chain, None)  # channels-last: still a candidate

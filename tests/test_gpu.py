@@ -1931,7 +1931,8 @@ PADDED_PIXEL_CONVS = {"c3_to_64_k7_stride2": (3, 64, 7, 3, (2, 3, 40, 72), 2), "
 @pytest.mark.parametrize("name", list(PADDED_PIXEL_CONVS))
 def test_in_kernel_conv_of_padded_pixels(name, dtype, window, exact_float32, monkeypatch):
     # 16-bit at eager's error, float32 (TF32) at TF32's; with WINDOW_BOX on or off.
-    kernel, err = _in_kernel_conv_with({"WINDOW_BOX": window}, PADDED_PIXEL_CONVS[name], dtype, monkeypatch)
+    kernel, err = _in_kernel_conv_with({"PAD_PIXELS": True, "WINDOW_BOX": window}, PADDED_PIXEL_CONVS[name], dtype,
+                                       monkeypatch)
     assert kernel.startswith("igemm"), kernel
     assert err <= (2e-3 if dtype == torch.float32 else TOLERANCE[dtype]), f"relative error {err:.3g} (seed {exact_float32})"
 

@@ -848,6 +848,7 @@ def test_in_kernel_conv_refuses_what_it_does_not_cover(monkeypatch):
     assert "after groupnorm" in cuda_templates.conv_gemm_plan(channel_norm_then_max, "sm90")
     # C_in not a whole 16 bytes: x's pixels padded to them (conv_sm90.PAD_PIXELS), else refused
     odd_cin = replace(base, anchor=replace(base.anchor, direct=(60, 3, 3, 64, 64)))
+    monkeypatch.setattr(conv_sm90, "PAD_PIXELS", True)
     assert isinstance(cuda_templates.conv_gemm_plan(odd_cin, "sm90"), cuda_templates.ConvGemmPlan)
     assert "kXPitch = 64;" in cuda_templates.render(odd_cin, "sm90")
     monkeypatch.setattr(conv_sm90, "PAD_PIXELS", False)
@@ -1245,10 +1246,13 @@ def test_nvcc_compiles_the_in_kernel_conv_reading_a_window(dtype, resident, tmp_
 @needs_nvcc
 @pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_nvcc_compiles_the_in_kernel_conv_of_padded_pixels(dtype, tmp_path):
+def test_nvcc_compiles_the_in_kernel_conv_of_padded_pixels(dtype, tmp_path, monkeypatch):
     # 3 input channels (an RGB image's): x's pixels 16 bytes apart (conv_sm90.PAD_PIXELS,
     # launch.padded_pixels), 2-D and 3-D: wgmmas with no accumulator read before the last
     # one's wait, nothing spilled.
+    from cuda_templates import conv_sm90
+
+    monkeypatch.setattr(conv_sm90, "PAD_PIXELS", True)
     for name in ("igemm_bn_relu_16_32", "igemm3d_gn_silu"):
         spec = _in_channels(CONV_GEMM_SPECS[f"{name}-{dtype}"], 3)
         assert isinstance(cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True), cuda_templates.ConvGemmPlan)
