@@ -121,9 +121,8 @@ K_STEP_BYTES = (64, 128)
 # RGB image's 3 channels, 4 bf16 ones) reads a channels-last copy of x whose pixels are
 # 16 bytes apart (TMA's strides), its channels past C_in never read (the tensor map's
 # channel dim is C_in: TMA fills the box past it with zeros, as past a k-step's C_in).
-# Off: built and checked by nvcc (tests/test_templates.py), not yet run on a GPU
-# (tests/test_gpu.py, test_in_kernel_conv_of_padded_pixels).
-PAD_PIXELS = False
+# GPU tests: test_in_kernel_conv_of_padded_pixels.
+PAD_PIXELS = True
 # The ring's depth at most: 8 stages of 128-byte k-steps, as many bytes of narrower ones
 # (a k-step of 64 bytes is half the work, the latency it must hide the same).
 RING_BYTES_K = 8 * 128
@@ -210,9 +209,8 @@ RESIDENT_MAX_BYTES = 64 * 1024
 # conv2d_tanh_avgpool 65.5 -> 57.5; float32 conv3d_bn_relu (4 channels) 471.1 -> 189.0;
 # where C_in fills the k-step it lost: float32 of 16 channels conv2d_bn_relu 56.7 -> 66.0,
 # conv2d_dilated_gelu 59.1 -> 73.4, conv2d_tanh_avgpool 60.7 -> 65.1; unet3d_conv_gn_silu
-# bf16 (32 channels) 56.1 -> 66.4. Off until the GPU tests and the fuzzer have run the
-# rule's cases (tests/test_gpu.py, test_in_kernel_conv_with_a_window).
-WINDOW_BOX = False
+# bf16 (32 channels) 56.1 -> 66.4. GPU tests: test_in_kernel_conv_with_a_window.
+WINDOW_BOX = True
 WINDOW_K_BYTES = (64,)
 
 

@@ -724,7 +724,8 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     assert widest >= min(patch_w, 128) or 2 * widest * sw > 256  # as wide as the output, or as the box allows
     chosen = widest if c.nchw else conv_sm90.patch_width(patch_w, widest)
     # (narrower where a kernel column's taps then share a box of x: as many columns covered)
-    assert c.tile_w == chosen or (c.shared_rows and conv_sm90.SHARED_ROWS_PATCH_W <= c.tile_w < chosen
+    # (or, with a window, 64 or 128 columns)
+    assert c.tile_w == chosen or ((c.shared_rows or c.window) and conv_sm90.SHARED_ROWS_PATCH_W <= c.tile_w < chosen
                                   and -(-patch_w // c.tile_w) * c.tile_w == -(-patch_w // chosen) * chosen)
     assert c.tile_w * sw <= 256 and c.tile_h * sh <= 256
     assert cuda_templates.build_arch(spec, "sm90", True) == "sm90a"
@@ -761,11 +762,18 @@ def test_in_kernel_conv_plans_and_names(name, monkeypatch):
     staged += 4 * conv_sm90.stats_floats(c.block_n, c.pingpong) if c.stats or c.reduce else 0
     shared_stage = (box * c.tile_w + kh * c.block_n) * step
     # (a box a tap where fewer than MIN_STAGES shared stages fit: 5 x 5 taps' weights of 160 channels)
-    assert c.shared_rows == (eligible and conv_sm90.MIN_STAGES * shared_stage <= conv_sm90.SMEM_BUDGET - staged)
+    # A tile's whole window of x (conv_sm90.WINDOW_BOX, taken before a shared box): stride 1,
+    # channels-last x, C_in leaving a 16-byte column of the 64-byte k-step empty, patches of
+    # 64 or 128 columns.
+    windowed = (conv_sm90.WINDOW_BOX and (sh, sw) == (1, 1) and step in conv_sm90.WINDOW_K_BYTES and not c.nchw
+                and cin * itemsize <= step - 16)
+    assert not c.window or (windowed and c.tile_w in (64, 128) and not c.shared_rows)
+    assert f"constexpr bool kWindow = {'true' if c.window else 'false'};" in source and ("_win_" in kernel) == c.window
+    assert c.window or c.shared_rows == (eligible and conv_sm90.MIN_STAGES * shared_stage <= conv_sm90.SMEM_BUDGET - staged)
     assert f"constexpr bool kSharedRows = {'true' if c.shared_rows else 'false'};" in source
     assert ("_sr_" in kernel) == c.shared_rows
     stage = ((c.tile_h + (kh - 1) * dh) * c.tile_w + kh * c.block_n if c.shared_rows else c.block_m + c.block_n) * step
-    assert c.stages * stage <= conv_sm90.SMEM_BUDGET
+    assert c.window or c.stages * stage <= conv_sm90.SMEM_BUDGET
     t, k = {"bfloat16": ("bf16", 16), "float16": ("f16", 16), "float32": ("tf32", 8)}[spec.dtype]
     acc = c.block_n // 2
     assert f"wgmma.mma_async.sync.aligned.m64n{c.block_n}k{k}.f32.{t}.{t} " in source
@@ -902,6 +910,7 @@ def test_in_kernel_conv_keeps_one_channel_tiles_weights(monkeypatch):
 
     bn_relu = CONV_GEMM_SPECS["igemm_bn_relu_16_32-bfloat16"]
     assert not cuda_templates.conv_gemm_plan(bn_relu, "sm90").resident_weights
+    monkeypatch.setattr(conv_sm90, "WINDOW_BOX", False)  # (a shared box's)
     monkeypatch.setattr(conv_sm90, "RESIDENT_WEIGHTS", True)
     c = cuda_templates.conv_gemm_plan(bn_relu, "sm90")
     assert c.resident_weights and c.shared_rows and "_sr_rw_" in c.name(bn_relu, "sm90")
@@ -1196,6 +1205,7 @@ def test_in_kernel_conv_reads_a_window(monkeypatch):
     from cuda_templates import conv_sm90
 
     bn_relu = CONV_GEMM_SPECS["igemm_bn_relu_16_32-bfloat16"]  # 40 x 40 out: patches of 64 x 4
+    monkeypatch.setattr(conv_sm90, "WINDOW_BOX", False)
     assert not cuda_templates.conv_gemm_plan(bn_relu, "sm90").window
     monkeypatch.setattr(conv_sm90, "WINDOW_BOX", True)
     c = cuda_templates.conv_gemm_plan(bn_relu, "sm90")
