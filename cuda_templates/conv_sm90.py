@@ -121,8 +121,10 @@ K_STEP_BYTES = (64, 128)
 # RGB image's 3 channels, 4 bf16 ones) reads a channels-last copy of x whose pixels are
 # 16 bytes apart (TMA's strides), its channels past C_in never read (the tensor map's
 # channel dim is C_in: TMA fills the box past it with zeros, as past a k-step's C_in).
-# GPU tests: test_in_kernel_conv_of_padded_pixels.
-PAD_PIXELS = True
+# Off: built and checked by nvcc (tests/test_templates.py), not yet run on a GPU
+# (tests/test_gpu.py, test_in_kernel_conv_of_padded_pixels; `kernel_variants --plan
+# PAD_PIXELS=True` times it).
+PAD_PIXELS = False
 # The ring's depth at most: 8 stages of 128-byte k-steps, as many bytes of narrower ones
 # (a k-step of 64 bytes is half the work, the latency it must hide the same).
 RING_BYTES_K = 8 * 128

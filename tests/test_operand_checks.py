@@ -152,17 +152,21 @@ def test_in_kernel_anchors_check_the_sizes_they_were_built_for():
                                                  ("float32", 40, 64), ("float16", 64, 64)])
 def test_the_in_kernel_conv_reads_its_operands_in_its_own_layout(dtype, cin, padded):
     """The in-kernel conv's operands, as the launcher hands them to its tensor maps: x
-    channels-last, the weight [C_out, kh, kw, C_in'] with C_in' padded with zeros to whole
-    k-steps (64 bytes where a pixel's C_in fits them, else 128: 32 or 64 16-bit, 16 or 32
-    float32 channels), values unchanged; a shape other than the kernel's raises before any
-    kernel runs."""
+    channels-last, its pixels C_in rounded up to 16 bytes apart (20 bf16 channels: 24;
+    `launch.padded_pixels`), the weight [C_out, kh, kw, C_in'] with C_in' padded with zeros
+    to whole k-steps (64 bytes where a pixel's C_in fits them, else 128: 32 or 64 16-bit,
+    16 or 32 float32 channels), values unchanged; a shape other than the kernel's raises
+    before any kernel runs."""
     anchor = Anchor("conv", conv=((1, 1), (1, 1), (1, 1), False, (0, 0), 1), direct=(cin, 3, 3, 6, 7), implicit=True)
     spec = EpilogueSpec(anchor, (Step("relu"),), dtype, (), 16, 42, "conv_pointwise")
     t = getattr(torch, dtype)
     x, w = torch.randn(2, cin, 6, 7).to(t), torch.randn(16, cin, 3, 3).to(t)
     launch.check_anchor_operands([x, w], spec, "in-kernel conv")
     xc, wp = launch.channels_last_operands([x, w], spec)
-    assert xc.is_contiguous(memory_format=torch.channels_last) and torch.equal(xc, x)
+    pitch = -(-cin * t.itemsize // 16) * 16 // t.itemsize
+    assert xc.stride() == (6 * 7 * pitch, 1, 7 * pitch, pitch) and xc.data_ptr() % 16 == 0 and torch.equal(xc, x)
+    assert (pitch == cin) == xc.is_contiguous(memory_format=torch.channels_last)
+    assert launch.channels_last_operands([xc, w], spec)[0] is xc  # laid out so already: no copy
     assert wp.shape == (16, 3, 3, padded) and wp.is_contiguous()
     assert torch.equal(wp[..., :cin], w.permute(0, 2, 3, 1)) and not wp[..., cin:].any()
     with pytest.raises(RuntimeError, match="the kernel was built for"):
@@ -207,8 +211,8 @@ def test_a_conv_chain_the_launchers_would_shape_otherwise_than_the_graph_is_refu
 
 
 def test_a_3d_in_kernel_convs_operands_are_laid_out_and_checked_as_built():
-    # `launch.channels_last_operands` for a Conv3d (`Anchor.depth`): x channels-last-3d,
-    # the weight as [C_out, kd, kh, kw, C_in'] with zeros past C_in (12 bf16 channels: a
+    # `launch.channels_last_operands` for a Conv3d (`Anchor.depth`): x channels-last-3d
+    # (its pixels padded to 16 bytes), the weight as [C_out, kd, kh, kw, C_in'] with zeros past C_in (12 bf16 channels: a
     # 64-byte k-step, 32); an x or weight of other sizes raises, naming both; the
     # per-row and whole sizes the launchers check count the depth.
     conv = Anchor("conv", conv=((1, 1, 1), (1, 0, 0), (1, 1, 1), False, (0, 0, 0), 1), direct=(12, 3, 3, 6, 7),
@@ -217,8 +221,8 @@ def test_a_3d_in_kernel_convs_operands_are_laid_out_and_checked_as_built():
     assert conv.direct_out_spatial() == (6, 4, 5)
     x = torch.randn(2, 12, 5, 6, 7, dtype=torch.bfloat16)
     w = torch.randn(16, 12, 2, 3, 3, dtype=torch.bfloat16)
-    cx, cw = launch.channels_last_operands([x, w], spec)
-    assert cx.is_contiguous(memory_format=torch.channels_last_3d) and torch.equal(cx, x)
+    cx, cw = launch.channels_last_operands([x, w], spec)  # (12 bf16 channels: pixels 16 apart)
+    assert cx.stride() == (5 * 6 * 7 * 16, 1, 6 * 7 * 16, 7 * 16, 16) and torch.equal(cx, x)
     assert cw.shape == (16, 2, 3, 3, 32) and cw.is_contiguous()
     assert torch.equal(cw[..., :12], w.permute(0, 2, 3, 4, 1)) and not cw[..., 12:].any()
     assert launch.anchor_operand_sizes(spec, "in-kernel conv") == [(12 * 5 * 6 * 7, 0), (0, 16 * 12 * 2 * 3 * 3)]
