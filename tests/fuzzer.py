@@ -142,6 +142,7 @@ CONV_NORMS[17] = CONV_NORMS[16]
 CONV_NORMS[18] = CONV_NORMS[17]
 CONV_NORMS[19] = CONV_NORMS[18]
 CONV_NORMS[20] = CONV_NORMS[19]
+CONV_NORMS[21] = CONV_NORMS[20]
 # From this generation on, the in-kernel conv's anchors (`--in-kernel-conv`) have strides
 # of 1 to 3 and dilations of 1 or 2 (`_implicit_anchor`), drawn from a stream of their own.
 STRIDED_GENERATION = 16
@@ -164,6 +165,10 @@ AS_CONV2D_GENERATION = 19
 # convs, decided by a stream of their own, are Conv3d (`Anchor.depth`: the output's depth
 # planes), 1 to 8 planes deep and smaller planes; the other anchors are generation 19's.
 CONV3D_GENERATION = 20
+# From this generation on, a fifth of the in-kernel conv's anchors, decided by a stream of
+# their own, have 1 to 7 input channels, or 8 to 40 not in 8s (an RGB image's 3; x's
+# pixels padded to 16 bytes, `conv_sm90.PAD_PIXELS`); the other anchors are generation 20's.
+ODD_CHANNELS_GENERATION = 21
 # From this generation on, the pointwise steps include erf, sin, cos, sqrt, rsqrt,
 # reciprocal, log1p, expm1 and powers by a constant (`POWERS`; square as pow 2); sqrt,
 # rsqrt, reciprocal, log1p and the fractional and negative powers only where the value is
@@ -529,6 +534,10 @@ def make_case(seed: int, index: int, device: str = "cpu", generation: int = 1, g
             anchor = _as_conv2d(anchor, random.Random(f"{seed}/{index}/{device}/as2d"))
         if generation >= CONV3D_GENERATION:
             anchor = _as_conv3d(anchor, random.Random(f"{seed}/{index}/{device}/conv3d"))
+        if generation >= ODD_CHANNELS_GENERATION:
+            odd = random.Random(f"{seed}/{index}/{device}/oddchannels")
+            if odd.random() < 1 / 5:
+                anchor = {**anchor, "in": odd.choice([odd.randint(1, 7), 8 * odd.randint(1, 4) + odd.randint(1, 7)])}
     else:
         anchor = _gemm_anchor(rng) if gemm else _bmm_anchor(rng) if bmm else _anchor(rng)
     if bmm and generation >= BADDBMM_GENERATION:

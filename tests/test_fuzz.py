@@ -731,3 +731,23 @@ def test_cpu_fuzz_of_conv3d_in_kernel_convs():
         assert all(n >= 1 for n in fuzzer._conv_out_sizes(c.anchor))
     results = _implicit_runs_clean([c.index for c in changed[:10]], gen)
     assert {r["anchor"] for r in results} == {"conv3d"}
+
+
+def test_cpu_fuzz_of_in_kernel_convs_of_odd_input_channels():
+    # Generation 21 gives a fifth of the in-kernel conv's anchors, decided by a stream of
+    # their own, 1 to 7 input channels or 8 to 40 not in 8s (conv_sm90.PAD_PIXELS); the
+    # other models are generation 20's. Run on CPU through the fused op's reference.
+    import dataclasses
+
+    gen = fuzzer.ODD_CHANNELS_GENERATION
+    before = [fuzzer.make_case(0, i, "cpu", generation=gen - 1, implicit=True) for i in range(60)]
+    after = [fuzzer.make_case(0, i, "cpu", generation=gen, implicit=True) for i in range(60)]
+    changed = [c for b, c in zip(before, after) if c.anchor != b.anchor]
+    assert 5 <= len(changed) <= 25
+    for b, c in zip(before, after):
+        if c.anchor == b.anchor:
+            assert dataclasses.replace(c, generation=gen - 1) == b
+            continue
+        assert {**c.anchor, "in": b.anchor["in"]} == b.anchor and c.anchor["in"] % 8 and 1 <= c.anchor["in"] <= 39
+    assert any(c.anchor["in"] < 8 for c in changed) and any(c.anchor["in"] > 8 for c in changed)
+    _implicit_runs_clean([c.index for c in changed[:10]], gen)
