@@ -592,6 +592,19 @@ def test_cpu_fuzz_with_the_library_call_forms_forced(monkeypatch):
     assert len(moved) >= 5 and any(r["index"] in indices for r in moved), len(moved)
 
 
+def _anchors_changed_by(generation: int) -> list[tuple]:
+    """(the generation before's model, `generation`'s) for each of the in-kernel conv's
+    fuzzer models 0 to 59 of seed 0 whose anchor `generation` changes; every other model
+    is the generation before's."""
+    import dataclasses
+
+    pairs = [(fuzzer.make_case(0, i, "cpu", generation=generation - 1, implicit=True),
+              fuzzer.make_case(0, i, "cpu", generation=generation, implicit=True)) for i in range(60)]
+    for b, c in pairs:
+        assert c.anchor != b.anchor or dataclasses.replace(c, generation=generation - 1) == b
+    return [(b, c) for b, c in pairs if c.anchor != b.anchor]
+
+
 def _implicit_runs_clean(indices, generation: int) -> list:
     """The in-kernel conv's fuzzer models `indices` of seed 0 and `generation`, run on the
     CPU through the fused op's reference: no finding, at least 4 fused whole. Their results."""
@@ -688,18 +701,12 @@ def test_cpu_fuzz_of_convs_run_as_the_2d_conv_they_equal():
     # own, into a Conv1d over their width (Anchor.as_2d) or a ConvTranspose2d of stride 1
     # (Anchor.flipped): the other draws are generation 18's. Run on CPU through the fused
     # op's reference.
-    import dataclasses
-
     gen = fuzzer.AS_CONV2D_GENERATION
-    before = [fuzzer.make_case(0, i, "cpu", generation=gen - 1, implicit=True) for i in range(60)]
-    after = [fuzzer.make_case(0, i, "cpu", generation=gen, implicit=True) for i in range(60)]
-    changed = [c for b, c in zip(before, after) if c.anchor != b.anchor]
-    assert 10 <= len(changed) <= 30
+    pairs = _anchors_changed_by(gen)
+    assert 10 <= len(pairs) <= 30
     kinds = set()
-    for b, c in zip(before, after):
-        if c.anchor == b.anchor:
-            assert dataclasses.replace(c, generation=gen - 1) == b
-        elif c.anchor["kind"] == "conv":
+    for b, c in pairs:
+        if c.anchor["kind"] == "conv":
             assert c.anchor["dims"] == 1 and c.anchor["spatial"] == [b.anchor["spatial"][1]]
             kinds.add("conv1d")
         else:
@@ -707,7 +714,7 @@ def test_cpu_fuzz_of_convs_run_as_the_2d_conv_they_equal():
             assert c.anchor["padding"] <= c.anchor["kernel"] - 1
             kinds.add("conv_transpose")
     assert kinds == {"conv1d", "conv_transpose"}
-    results = _implicit_runs_clean([c.index for c in changed[:10]], gen)
+    results = _implicit_runs_clean([c.index for _, c in pairs[:10]], gen)
     assert {r["anchor"] for r in results} == {"conv1d", "conv_transpose2d"}
 
 
@@ -715,21 +722,14 @@ def test_cpu_fuzz_of_conv3d_in_kernel_convs():
     # Generation 20 turns a quarter of the in-kernel conv's 2-D anchors, decided by a
     # stream of their own, into Conv3d of the same channels and parameters (Anchor.depth):
     # the other models are generation 19's. Run on CPU through the fused op's reference.
-    import dataclasses
-
     gen = fuzzer.CONV3D_GENERATION
-    before = [fuzzer.make_case(0, i, "cpu", generation=gen - 1, implicit=True) for i in range(60)]
-    after = [fuzzer.make_case(0, i, "cpu", generation=gen, implicit=True) for i in range(60)]
-    changed = [c for b, c in zip(before, after) if c.anchor != b.anchor]
-    assert 5 <= len(changed) <= 25
-    for b, c in zip(before, after):
-        if c.anchor == b.anchor:
-            assert dataclasses.replace(c, generation=gen - 1) == b
-            continue
+    pairs = _anchors_changed_by(gen)
+    assert 5 <= len(pairs) <= 25
+    for b, c in pairs:
         assert b.anchor["kind"] == "conv" and b.anchor["dims"] == 2 and c.anchor["dims"] == 3
         assert {**c.anchor, "dims": 2, "spatial": b.anchor["spatial"]} == b.anchor
         assert all(n >= 1 for n in fuzzer._conv_out_sizes(c.anchor))
-    results = _implicit_runs_clean([c.index for c in changed[:10]], gen)
+    results = _implicit_runs_clean([c.index for _, c in pairs[:10]], gen)
     assert {r["anchor"] for r in results} == {"conv3d"}
 
 
@@ -737,17 +737,10 @@ def test_cpu_fuzz_of_in_kernel_convs_of_odd_input_channels():
     # Generation 21 gives a fifth of the in-kernel conv's anchors, decided by a stream of
     # their own, 1 to 7 input channels or 8 to 40 not in 8s (conv_sm90.PAD_PIXELS); the
     # other models are generation 20's. Run on CPU through the fused op's reference.
-    import dataclasses
-
     gen = fuzzer.ODD_CHANNELS_GENERATION
-    before = [fuzzer.make_case(0, i, "cpu", generation=gen - 1, implicit=True) for i in range(60)]
-    after = [fuzzer.make_case(0, i, "cpu", generation=gen, implicit=True) for i in range(60)]
-    changed = [c for b, c in zip(before, after) if c.anchor != b.anchor]
-    assert 5 <= len(changed) <= 25
-    for b, c in zip(before, after):
-        if c.anchor == b.anchor:
-            assert dataclasses.replace(c, generation=gen - 1) == b
-            continue
+    pairs = _anchors_changed_by(gen)
+    assert 5 <= len(pairs) <= 25
+    for b, c in pairs:
         assert {**c.anchor, "in": b.anchor["in"]} == b.anchor and c.anchor["in"] % 8 and 1 <= c.anchor["in"] <= 39
-    assert any(c.anchor["in"] < 8 for c in changed) and any(c.anchor["in"] > 8 for c in changed)
-    _implicit_runs_clean([c.index for c in changed[:10]], gen)
+    assert any(c.anchor["in"] < 8 for _, c in pairs) and any(c.anchor["in"] > 8 for _, c in pairs)
+    _implicit_runs_clean([c.index for _, c in pairs[:10]], gen)
