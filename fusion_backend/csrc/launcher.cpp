@@ -516,7 +516,6 @@ bool anchor_output_fits(const Plan& plan, const at::Tensor& y, int64_t rows) {
 
 std::vector<at::Tensor> python_chain(at::TensorList inputs, c10::string_view spec);
 
-// Runs a call whose inputs fit (inputs_fit).
 // As launch.padded_pixels: x [rows, C, *spatial] channels-last with its pixels `pitch`
 // elements apart (a view of a fresh [rows, *spatial, pitch] buffer), x's values copied in,
 // the channels from C to `pitch` not written; x itself where it is so already.
@@ -536,6 +535,7 @@ at::Tensor padded_pixels(const at::Tensor& x, int64_t pitch) {
   return padded;
 }
 
+// Runs a call whose inputs fit (inputs_fit).
 // `call` is the op's inputs as given, which a call that does not fit hands to Python;
 // `inputs` those the plan's path reads (they differ for a rounded plan: chain_cuda).
 std::vector<at::Tensor> launch(const Plan& plan, at::TensorList call, at::TensorList inputs, bool in_kernel) {
