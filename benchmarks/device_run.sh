@@ -14,6 +14,8 @@
 #     (on a kind of several GPUs: zoo --gpus N --warm M, one timed process a GPU; ZOO_TIMEOUT bounds it all)
 #   bash benchmarks/device_run.sh variants [args]                            # benchmarks.kernel_variants, args passed on
 #   bash benchmarks/device_run.sh compile MODEL... [--dtypes ...]            # benchmarks.compile_time: cold, then warm
+# FUSEDEPI_TEST_CONV_PLAN="NAME=VALUE ..." sets cuda_templates.conv_sm90's constants for tests
+# and fuzz (tests/conv_plan.py): e.g. a switch still off, checked before it is switched on.
 # The benchmark makes fresh kernel and Inductor caches of its own, so its compile times are cold.
 # Logs and JSON go to $OUT (the device tool's output folder) or /tmp/fusedepi-out.
 set -uo pipefail

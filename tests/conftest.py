@@ -26,6 +26,17 @@ def count_builds(monkeypatch):
     return calls
 
 
+@pytest.fixture(autouse=True, scope="session")
+def conv_plan_of_the_run():
+    """conv_sm90's constants as FUSEDEPI_TEST_CONV_PLAN names them, for the whole run
+    (tests/conv_plan.py); none where it is unset."""
+    import conv_plan
+
+    with pytest.MonkeyPatch.context() as patch:
+        conv_plan.apply_from_env(patch.setattr)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def untimed_chains(monkeypatch):
     """Every matched chain is fused, untimed (FUSEDEPI_AUTOTUNE=off): the tests check the

@@ -1157,6 +1157,9 @@ def _inductor_runs(model, x, residual, upstream) -> bool:
 
 
 def _setup_worker(device: str):
+    import conv_plan
+
+    conv_plan.apply_from_env()  # conv_sm90's constants for the run (FUSEDEPI_TEST_CONV_PLAN)
     torch.set_float32_matmul_precision("highest")  # float32 means float32: no TF32
     torch.backends.cudnn.allow_tf32 = False
     # Every chain the matcher takes runs fused (the kernels are what is checked and

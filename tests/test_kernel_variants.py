@@ -83,3 +83,20 @@ def test_plan_settings_are_conv_sm90_constants_as_literals(capsys):
     with pytest.raises(SystemExit) as stop:  # a bad setting stops the command before any run
         kernel_variants.main(["--variant", "tree", "--plan", "NO_SUCH=1", "--models", "conv2d_relu_bias"])
     assert stop.value.code == 2 and "upper-case constant" in capsys.readouterr().err
+
+
+def test_a_test_run_sets_conv_sm90_constants_from_its_environment(monkeypatch):
+    # FUSEDEPI_TEST_CONV_PLAN (tests/conv_plan.py): --plan's items for a whole pytest or
+    # fuzzer run; unset, nothing is set.
+    import conv_plan
+    from cuda_templates import conv_sm90
+
+    set_here = []
+    monkeypatch.delenv(conv_plan.ENV, raising=False)
+    assert conv_plan.apply_from_env(lambda *a: set_here.append(a)) == {} and not set_here
+    monkeypatch.setenv(conv_plan.ENV, "WINDOW_BOX=True  PAD_PIXELS=True")
+    assert conv_plan.apply_from_env(lambda *a: set_here.append(a)) == {"WINDOW_BOX": True, "PAD_PIXELS": True}
+    assert set_here == [(conv_sm90, "WINDOW_BOX", True), (conv_sm90, "PAD_PIXELS", True)]
+    monkeypatch.setenv(conv_plan.ENV, "WINDOW_BOX")
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        conv_plan.apply_from_env(lambda *a: None)
