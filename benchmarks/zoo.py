@@ -660,11 +660,28 @@ def _warm(task):
     return name, dtype_name, "", time.perf_counter() - started, phases
 
 
-def _warm_worker(counter, devices: list[str] | None) -> None:
+# conv_sm90's constants this run sets (`--plan NAME=VALUE`, `set_plan`), in every process
+# that compiles; recorded in the --json result.
+PLAN: dict = {}
+
+
+def set_plan(plan: dict) -> None:
+    """Sets `cuda_templates.conv_sm90`'s constants as `plan` names them (from
+    `kernel_variants.parse_plan`) in this process, and keeps them in PLAN."""
+    from cuda_templates import conv_sm90
+
+    for name, value in plan.items():
+        setattr(conv_sm90, name, value)
+    PLAN.update(plan)
+
+
+def _warm_worker(counter, devices: list[str] | None, plan: dict | None = None) -> None:
     """A warm process's start: one CPU thread for torch's own ops (the processes are
-    the parallelism) and, with `devices`, the next of them in turn as its only GPU (the
-    processes spread over the GPUs the timed pass uses, not all on the first)."""
+    the parallelism), conv_sm90's constants as `plan` sets them, and, with `devices`, the
+    next of them in turn as its only GPU (the processes spread over the GPUs the timed pass
+    uses, not all on the first)."""
     torch.set_num_threads(1)
+    set_plan(plan or {})
     if devices:
         with counter.get_lock():
             index = counter.value
@@ -686,7 +703,7 @@ def warm(tasks: list[tuple[str, str]], processes: int, devices: list[str] | None
     try:
         context = multiprocessing.get_context("spawn")
         counter = context.Value("i", 0)
-        with context.Pool(processes, initializer=_warm_worker, initargs=(counter, devices)) as pool:
+        with context.Pool(processes, initializer=_warm_worker, initargs=(counter, devices, dict(PLAN))) as pool:
             for name, dtype_name, error, seconds, phases in pool.imap_unordered(_warm, tasks):
                 done += 1
                 failed += bool(error)
@@ -762,6 +779,7 @@ def _time_on_gpus(names: list[str], args) -> tuple[list[dict], bool]:
             for (device, these), path in zip(shards, paths):
                 cmd = [sys.executable, "-m", "benchmarks.zoo", "--models", *these, "--dtypes", *args.dtypes,
                        "--json", path] + (["--profile"] if args.profile else [])
+                cmd += [arg for item in args.plan or [] for arg in ("--plan", item)]
                 procs.append(subprocess.Popen(cmd, env=dict(os.environ, CUDA_VISIBLE_DEVICES=device)))
             for proc in procs:
                 proc.wait()
@@ -861,9 +879,20 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="also write the rows and the summary here")
     parser.add_argument("--profile", action="store_true", help="also list each backend's GPU kernels per call")
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print RESULTS.md's tables from --json files")
+    parser.add_argument("--plan", action="append", metavar="NAME=VALUE",
+                        help="set a constant of cuda_templates.conv_sm90 (a switch still off, say) for the run")
     parser.add_argument("--chains", action="store_true",
                         help="print where each model's chains stop (FUSEDEPI_AUTOTUNE=off; on the CPU via the reference)")
     args = parser.parse_args(argv)
+    from benchmarks.kernel_variants import parse_plan
+
+    try:
+        set_plan(parse_plan(args.plan))
+    except ValueError as err:
+        print(f"benchmarks.zoo: {err}", file=sys.stderr)
+        return 2
+    if PLAN:
+        print(f"conv_sm90 set: {', '.join(f'{k}={v!r}' for k, v in PLAN.items())}", flush=True)
     if args.list:
         print("\n".join(n for n in BY_NAME if not args.anchor or anchor_kind(n) == args.anchor))
         return 0
@@ -967,7 +996,8 @@ def _print_summary(result: dict) -> None:
 def _result(rows: list[dict], dtypes, complete: bool) -> dict:
     """The `--json` record: the rows and their summaries; `complete` is False while the
     run is under way (a file left so by a run that was stopped holds the rows it got to)."""
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "complete": complete, "rows": rows,
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "complete": complete,
+            "plan": {k: repr(v) for k, v in PLAN.items()}, "rows": rows,
             "summary": {d: summary([r for r in rows if r["dtype"] == d]) for d in dtypes},
             "gpu_summary": {d: summary([r for r in rows if r["dtype"] == d], "gpu_ratio") for d in dtypes}}
 

@@ -139,6 +139,35 @@ def test_json_holds_the_rows_so_far_while_the_run_goes_on(monkeypatch, tmp_path)
     assert done["gpu_summary"]["float32"]["models"] == 2 and not list(tmp_path.glob("*.partial"))
 
 
+def test_plan_sets_conv_sm90_constants_for_the_run_and_the_json_records_them(monkeypatch, tmp_path, capsys):
+    """`--plan NAME=VALUE` (kernel_variants' items) sets conv_sm90's constants in this
+    process (and the warm and GPU processes', `_warm_worker`, `_time_on_gpus`); the --json
+    result names them; a bad item stops the run before any model."""
+    import json
+
+    from cuda_templates import conv_sm90
+
+    monkeypatch.setattr(conv_sm90, "WINDOW_BOX", conv_sm90.WINDOW_BOX)  # restored after the test
+    monkeypatch.setattr(zoo, "PLAN", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    windows = []
+
+    def run_model(model, dtype_name, profile=False):
+        windows.append(conv_sm90.WINDOW_BOX)
+        return {**_row(model.name, dtype_name, 1.5, 1.2), "inductor_ms": 0.12, "fusedepi_ms": 0.1,
+                "fusedepi_error": 1e-6, "inductor_error": 1e-6, "fusedepi_compile_s": 1.0, "inductor_compile_s": 1.0}
+
+    monkeypatch.setattr(zoo, "run_model", run_model)
+    path = tmp_path / "zoo.json"
+    name = list(zoo.BY_NAME)[0]
+    assert zoo.main(["--models", name, "--dtypes", "float32", "--plan", "WINDOW_BOX=True", "--json", str(path)]) == 0
+    assert windows == [True] and json.loads(path.read_text())["plan"] == {"WINDOW_BOX": "True"}
+    assert "conv_sm90 set: WINDOW_BOX=True" in capsys.readouterr().out
+    assert zoo.main(["--models", name, "--plan", "NO_SUCH=1"]) == 2
+    assert "upper-case constant" in capsys.readouterr().err and windows == [True]
+
+
 # Zoo models with a chain that does not fuse whole, with the reason it stops or is refused.
 PARTIAL = {
     # The conv chain fuses whole (BatchNorm, ReLU, the channel means; the ReLU's value also
@@ -214,11 +243,12 @@ def test_the_timed_pass_on_gpus_runs_a_process_a_gpu_and_writes_their_rows(tmp_p
     import json
     import subprocess
 
-    started = []
+    started, commands = [], []
 
     class Process:
         def __init__(self, cmd, env):
             started.append((env["CUDA_VISIBLE_DEVICES"], cmd[cmd.index("--models") + 1:cmd.index("--dtypes")]))
+            commands.append(cmd)
             path = cmd[cmd.index("--json") + 1]
             models = cmd[cmd.index("--models") + 1:cmd.index("--dtypes")]
             rows = [{"model": m, "dtype": "float32", "ratio": 2.0, "gpu_ratio": 1.5, "fused": []} for m in models]
@@ -236,9 +266,10 @@ def test_the_timed_pass_on_gpus_runs_a_process_a_gpu_and_writes_their_rows(tmp_p
     monkeypatch.setattr(zoo, "_result", lambda rows, dtypes, complete: {"complete": complete, "rows": rows})
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     out = tmp_path / "zoo.json"
-    args = argparse.Namespace(gpus=2, dtypes=["float32"], profile=False, json=str(out))
+    args = argparse.Namespace(gpus=2, dtypes=["float32"], profile=False, json=str(out), plan=["WINDOW_BOX=True"])
     rows, complete = zoo._time_on_gpus(["a", "b", "c"], args)
     assert started == [("0", ["a", "c"]), ("1", ["b"])]
+    assert all(cmd[-2:] == ["--plan", "WINDOW_BOX=True"] for cmd in commands)  # each process sets it too
     assert complete and [r["model"] for r in rows] == ["a", "b", "c"]
     assert [r["model"] for r in json.loads(out.read_text())["rows"]] == ["a", "b", "c"]
 
