@@ -174,6 +174,15 @@ def parse_plan(raw: list[str] | None) -> dict:
     return plan
 
 
+def set_plan(plan: dict, set_constant=setattr) -> None:
+    """Sets `cuda_templates.conv_sm90`'s constants as `plan` (`parse_plan`) names them,
+    through `set_constant(module, name, value)`."""
+    from cuda_templates import conv_sm90
+
+    for name, value in plan.items():
+        set_constant(conv_sm90, name, value)
+
+
 def run_variant(include: Path | None, models: list[str], dtypes: list[str], kernels: str, calls: int,
                 plan: dict | None = None) -> list[dict]:
     """In this process: each model compiled with fusedepi (kernels built from `include`,
@@ -182,10 +191,9 @@ def run_variant(include: Path | None, models: list[str], dtypes: list[str], kern
     os.environ["FUSEDEPI_AUTOTUNE"] = "off"
     import torch
 
-    from cuda_templates import compiler, conv_sm90
+    from cuda_templates import compiler
 
-    for name, value in (plan or {}).items():
-        setattr(conv_sm90, name, value)
+    set_plan(plan or {})
 
     from .compare import kernel_times
     from .once import model_and_input

@@ -668,10 +668,9 @@ PLAN: dict = {}
 def set_plan(plan: dict) -> None:
     """Sets `cuda_templates.conv_sm90`'s constants as `plan` names them (from
     `kernel_variants.parse_plan`) in this process, and keeps them in PLAN."""
-    from cuda_templates import conv_sm90
+    from benchmarks.kernel_variants import set_plan as set_constants
 
-    for name, value in plan.items():
-        setattr(conv_sm90, name, value)
+    set_constants(plan)
     PLAN.update(plan)
 
 

@@ -351,7 +351,7 @@ class LaunchLayout:
 
             in_c, k_h, k_w, in_h, in_w = spec.anchor.direct
             in_c_pad = conv_sm90.padded_in_channels(in_c, spec.dtype)
-            itemsize = 4 if spec.dtype == "float32" else 2
+            itemsize = getattr(torch, spec.dtype).itemsize
             in_pitch = in_c if launcher.in_kernel_nchw else conv_sm90.x_pitch(in_c, itemsize)
             if spec.anchor.depth:
                 (k_d, in_d), out_d = spec.anchor.depth, spec.anchor.direct_out_d()

@@ -18,10 +18,8 @@ def apply_from_env(set_constant=setattr) -> dict:
     Raises:
         ValueError: an item that is not NAME=VALUE of a conv_sm90 constant and a literal.
     """
-    from benchmarks.kernel_variants import parse_plan
-    from cuda_templates import conv_sm90
+    from benchmarks.kernel_variants import parse_plan, set_plan
 
     plan = parse_plan(os.environ.get(ENV, "").split())
-    for name, value in plan.items():
-        set_constant(conv_sm90, name, value)
+    set_plan(plan, set_constant)
     return plan
