@@ -16,6 +16,7 @@ what fused and what the measured choice found; then a summary of both ratios.
     python -m benchmarks.zoo --models linear_hardtanh --profile   # and each backend's GPU kernels
     python -m benchmarks.zoo --table zoo_a.json zoo_b.json   # RESULTS.md's tables from --json files
     python -m benchmarks.zoo --chains               # where each model's chains stop, nothing timed
+    python -m benchmarks.zoo --chains --plan WINDOW_BOX=True   # and the in-kernel tilings it changes
     python -m benchmarks.zoo --gpus 4 --warm 32 --json zoo.json   # the timed pass on 4 GPUs at once
 
 `--warm N` first compiles every selected model with both backends in N processes
@@ -639,8 +640,48 @@ def chains(zoo: ZooModel, dtype_name: str) -> list[str]:
     model, x = _model_and_input(zoo, getattr(torch, dtype_name), device, batch=2)
     with torch.no_grad():
         report = explain(model, x, verbose=False)
-    return ([f"fused {r.fusion}: stops at {r.stop}" for r in report.fused]
-            + [f"not fused {r.anchor}: {r.reason}" for r in report.refused])
+    lines = []
+    for r in report.fused:
+        lines.append(f"fused {r.fusion}: stops at {r.stop}")
+        tiling = in_kernel_tiling(r.spec)
+        if tiling:
+            lines.append(f"  in-kernel conv on sm_90: {tiling}")
+    return lines + [f"not fused {r.anchor}: {r.reason}" for r in report.refused]
+
+
+def in_kernel_tiling(spec_json: str) -> str:
+    """How the in-kernel conv would run the chain of `spec_json` on sm_90, TF32 allowed
+    as cuDNN's default allows it (`cuda_templates.conv_gemm_plan`): its tiling, or why it
+    would not run it; with `--plan`, also the tiling without it where that differs, so
+    that the rows a plan constant changes are the ones to time. "" where the chain's
+    anchor is not a conv the in-kernel conv could take. Nothing is built or timed."""
+    import cuda_templates
+    from benchmarks.kernel_variants import set_plan as set_constants
+    from cuda_templates import conv_sm90
+    from lowering.spec import EpilogueSpec
+
+    spec = EpilogueSpec.from_json(spec_json)
+    if spec.anchor.kind != "conv" or not spec.anchor.direct or spec.anchor.permuted:
+        return ""
+    spec = spec.with_in_kernel_conv()
+
+    def tiling() -> str:
+        plan = cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True)
+        if isinstance(plan, str):
+            return f"not taken: {plan}"
+        cin = spec.anchor.direct[0]
+        pitch = conv_sm90.x_pitch(cin, getattr(torch, spec.dtype).itemsize)
+        return plan.describe() + (f", x's pixels padded to {pitch} channels" if pitch != cin else "")
+
+    planned = tiling()
+    if not PLAN:
+        return planned
+    set_constants(PLAN_DEFAULTS)
+    try:
+        without = tiling()
+    finally:
+        set_constants(PLAN)
+    return planned + (f" (without --plan: {without})" if without != planned else " (the same without --plan)")
 
 
 def _warm(task):
@@ -663,13 +704,17 @@ def _warm(task):
 # conv_sm90's constants this run sets (`--plan NAME=VALUE`, `set_plan`), in every process
 # that compiles; recorded in the --json result.
 PLAN: dict = {}
+PLAN_DEFAULTS: dict = {}  # the values PLAN replaced (`in_kernel_tiling` compares against them)
 
 
 def set_plan(plan: dict) -> None:
     """Sets `cuda_templates.conv_sm90`'s constants as `plan` names them (from
-    `kernel_variants.parse_plan`) in this process, and keeps them in PLAN."""
+    `kernel_variants.parse_plan`) in this process, and keeps them in PLAN and the values
+    they replace in PLAN_DEFAULTS."""
     from benchmarks.kernel_variants import set_plan as set_constants
+    from cuda_templates import conv_sm90
 
+    PLAN_DEFAULTS.update({name: getattr(conv_sm90, name) for name in plan if name not in PLAN_DEFAULTS})
     set_constants(plan)
     PLAN.update(plan)
 
@@ -881,7 +926,9 @@ def main(argv=None) -> int:
     parser.add_argument("--plan", action="append", metavar="NAME=VALUE",
                         help="set a constant of cuda_templates.conv_sm90 (a switch still off, say) for the run")
     parser.add_argument("--chains", action="store_true",
-                        help="print where each model's chains stop (FUSEDEPI_AUTOTUNE=off; on the CPU via the reference)")
+                        help="print where each model's chains stop and each conv chain's in-kernel tiling on sm_90, "
+                             "with --plan also without it where it differs (FUSEDEPI_AUTOTUNE=off; on the CPU via the "
+                             "reference)")
     args = parser.parse_args(argv)
     from benchmarks.kernel_variants import parse_plan
 

@@ -276,6 +276,16 @@ class ConvGemmPlan:
     resident_weights: bool = False
     window: bool = False
 
+    def describe(self) -> str:
+        """The tiling in words, for logs and `benchmarks.zoo --chains`."""
+        parts = [f"tiles of {self.block_n} channels x {self.tile_h} x {self.tile_w} pixels",
+                 f"{self.k_bytes}-byte k-steps", f"{self.stages} stages"]
+        parts += [words for words, on in (("ping-pong", self.pingpong), ("x read NCHW", self.nchw),
+                                          ("a kernel column's taps sharing a box", self.shared_rows),
+                                          ("resident weights", self.resident_weights),
+                                          ("a tile's whole window a box", self.window)) if on]
+        return ", ".join(parts)
+
     def name(self, spec, arch: str) -> str:
         return (f"igemm{self.block_m}x{self.block_n}{'_nchw' if self.nchw else ''}{'_sr' if self.shared_rows else ''}"
                 f"{'_rw' if self.resident_weights else ''}{'_win' if self.window else ''}"

@@ -49,9 +49,25 @@ def test_chains_prints_where_each_chain_stops():
     lines = [line.split(None, 2) for line in out.stdout.splitlines()]
     assert lines == [
         ["conv2d_relu", "float32", "fused conv_pointwise: stops at end of the graph"],
+        ["conv2d_relu", "float32", "in-kernel conv on sm_90: not taken: the direct conv covers it"],
         ["linear_sigmoid_linear_logsumexp", "float32",
          "fused linear_pointwise: stops at addmm_1 is the next matrix op (addmm.default), an anchor of its own"],
         ["linear_sigmoid_linear_logsumexp", "float32", "fused linear_logsumexp: stops at end of the graph"]]
+
+
+def test_chains_names_the_in_kernel_tiling_a_plan_changes():
+    """With --plan, `--chains` shows each conv chain's in-kernel tiling with the plan and,
+    where the plan changes it, without (the rows to time): 3 bf16 input channels are
+    refused unless x's pixels are padded; 64 -> 128 channels are tiled alike either way."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.zoo", "--chains", "--plan", "PAD_PIXELS=True", "--models",
+                          "resnet_stem_bn_relu", "conv2d_relu_bias", "--dtypes", "bfloat16"],
+                         capture_output=True, text=True, check=True)
+    tilings = [line.split(None, 2)[2] for line in out.stdout.splitlines() if "in-kernel conv on sm_90" in line]
+    assert len(tilings) == 2
+    stem, wide = tilings
+    assert "x's pixels padded to 8 channels (without --plan: not taken: 3 -> 64 channels" in stem
+    assert wide.startswith("in-kernel conv on sm_90: tiles of 128 channels") and wide.endswith(
+        "(the same without --plan)")
 
 
 def test_list_prints_one_name_a_line():
