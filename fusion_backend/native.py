@@ -26,6 +26,7 @@ import logging
 import os
 import shlex
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -283,6 +284,12 @@ def covers(launcher) -> bool:
     return launcher.anchor_path in PATH_CODES
 
 
+def alpha_bits(alpha: float) -> int:
+    """A double as the signed 64-bit integer of its bits (a layout's entries are int64;
+    csrc/launcher.cpp's `double_of` reads it back exactly)."""
+    return struct.unpack("<q", struct.pack("<d", alpha))[0]
+
+
 @dataclass(frozen=True)
 class LaunchLayout:
     """How a `launch.Launcher` runs its spec, by name: what `fusedepi_native.plan`'s
@@ -339,6 +346,8 @@ class LaunchLayout:
     # The in-kernel conv: the elements between two pixels of the channels-last x it reads
     # (`conv_sm90.x_pitch`, `launch.padded_pixels`; in_c where it reads x NCHW); else 0.
     in_pitch: int
+    # A baddbmm's alpha (`Anchor.alpha`) as the 64 bits of the double (`alpha_bits`); else 0.
+    alpha: int
 
     @classmethod
     def of(cls, launcher) -> "LaunchLayout":
@@ -356,6 +365,7 @@ class LaunchLayout:
             if spec.anchor.depth:
                 (k_d, in_d), out_d = spec.anchor.depth, spec.anchor.direct_out_d()
         pad_k, pad_n = spec.anchor.pad or (0, 0)
+        baddbmm_alpha = alpha_bits(spec.anchor.alpha) if spec.anchor.kind == "bmm" and spec.anchor.has_bias else 0
         tail = tuple(launcher.reduced_tail)
         if len(tail) > 4:
             raise ValueError(f"a reduced output's tail {tail} has more than 4 dims")
@@ -366,7 +376,7 @@ class LaunchLayout:
                    spec.anchor.channels_last, spec.anchor.permuted, launcher.gemm_tf32,
                    launcher.reads_conv_tf32, launcher.conv_tf32, in_c, in_h, in_w, k_h, k_w, in_c_pad,
                    spec.anchor.rounded, launcher.anchor_path == "in-kernel conv" and launcher.in_kernel_nchw,
-                   spec.anchor.as_2d, in_d, k_d, out_d, in_pitch)
+                   spec.anchor.as_2d, in_d, k_d, out_d, in_pitch, baddbmm_alpha)
 
     def encode(self) -> list[int]:
         return [int(getattr(self, f.name)) for f in fields(self)]

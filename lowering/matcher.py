@@ -1445,12 +1445,13 @@ def _match_anchor(node: Node, direct_conv: bool = True, direct_gemm: bool = Fals
         return Anchor("mm", gemm=gemm), list(node.args[:2])
     if node.target is aten.bmm.default:
         return Anchor("bmm"), list(node.args[:2])
-    if node.target is aten.baddbmm.default:  # input + alpha * (b1 @ b2): the bmm, then steps (`_fold_bias`)
+    if node.target is aten.baddbmm.default:  # input + alpha * (b1 @ b2), all in the library call
         if _arg(node, 3, "beta", 1) != 1:
             raise Refuse("baddbmm with beta != 1")
-        if _arg(node, 4, "alpha", 1) == 0:
+        alpha = _arg(node, 4, "alpha", 1)
+        if alpha == 0:
             raise Refuse("baddbmm with alpha == 0")
-        return Anchor("bmm", has_bias=True), list(node.args[1:3]) + [node.args[0]]
+        return Anchor("bmm", has_bias=True, alpha=float(alpha)), list(node.args[1:3]) + [node.args[0]]
     if node.target is aten.convolution.default:
         x, w, b, stride, padding, dilation, transposed, out_pad, groups = node.args
         conv = (tuple(stride), tuple(padding), tuple(dilation), bool(transposed), tuple(out_pad), groups)
@@ -1611,13 +1612,7 @@ def folds_gemm_bias(dtype: torch.dtype, matmul_tf32: bool) -> bool:
     return dtype == torch.float32 and matmul_tf32
 
 
-def _library_adds_bias(anchor: Anchor) -> bool:
-    """Whether the anchor's library call can add its bias, should the chain leave it
-    there: not baddbmm's input (the anchor runs bmm)."""
-    return anchor.kind != "bmm"
-
-
-def _keeps_folded_bias(state: _State, anchor: Anchor) -> bool:
+def _keeps_folded_bias(state: _State) -> bool:
     """Whether a chain matched with its anchor's bias moved into the epilogue
     (`_fold_bias`) may keep it so: where only the chain's own steps read the anchor's
     value (an EARLIER operand, `y + f(y)`, reads it inside the kernel, after the bias
@@ -1625,31 +1620,9 @@ def _keeps_folded_bias(state: _State, anchor: Anchor) -> bool:
     the bias and the chain is matched again: that value is then the library's own
     output, rounded once as in eager (a folded bias would round the product, then the
     sum, and a backward that branches on its sign, as leaky_relu's does, would see it).
-
-    baddbmm's input always moves (`_library_adds_bias`), so its value outside the chain
-    is the fused op's: the bmm's rounded product plus the input, where eager rounds
-    once. Where the input cancels the product the two differ by far more than a
-    rounding (a bf16 fuzzer model divided by `sin` of it: inf at one element, where
-    eager's value of 4.3e-4 gave 7.6e4). Read for backward only (`_reads_for_backward`:
-    saved, or read by what the forward graph computes for backward, such as the mask of
-    a minimum, an amax or a leaky_relu) it is returned so, as backward would read it
-    saved; read by another forward op or returned to the user (Inductor's
-    `user_visible_output_idxs`), the chain is refused.
-
-    Raises:
-        Refuse: a baddbmm's value that a forward op or the user reads outside the chain.
     """
     inside = set(state.chain.nodes)
-    outside = [user for user in state.chain.anchor.users if user not in inside]
-    if _library_adds_bias(anchor):
-        return not outside
-    if state.node is state.chain.anchor:  # no step taken: no fused op (refused as such)
-        return True
-    forward = [u for u in outside if not _reads_for_backward(state, u, state.chain.anchor)]
-    if forward:
-        raise Refuse(f"{state.chain.anchor.name} (baddbmm) is read outside the chain by {forward[0].name}: the fused "
-                     "op would give it as the bmm's rounded product plus the input, where eager rounds once")
-    return True
+    return not [user for user in state.chain.anchor.users if user not in inside]
 
 
 def _fold_bias(state: _State, anchor: Anchor, gemm_bias: bool) -> Anchor | None:
@@ -1661,18 +1634,9 @@ def _fold_bias(state: _State, anchor: Anchor, gemm_bias: bool) -> Anchor | None:
     `addmm` by 7-8% for float32 under TF32 but not in bf16 or strict float32, where
     the extra epilogue load costs more than it saves, so a GEMM bias moves only for
     float32 chains when `gemm_bias` (TF32 allowed) is set. Results do not depend on it.
+    A baddbmm's input and alpha stay in its library call (`Anchor.has_bias`, `alpha`).
     """
     chain = state.chain
-    if anchor.kind == "bmm" and anchor.has_bias:
-        # baddbmm: its input and alpha always move (no library call here adds them). Where
-        # the graph uses its value too (saved for backward), the fused op returns the value
-        # after these steps: the product rounded, then the sum (eager rounds once).
-        kind = _operand_kind(state, chain.operands[-1])
-        alpha = _arg(chain.anchor, 4, "alpha", 1)
-        if alpha != 1:
-            chain.steps.append(Step("mul", consts=(float(alpha),), operand=SCALAR))
-        chain.steps.append(_tensor_operand_step(state, "add", chain.operands.pop(), kind, reverse=True))
-        return replace(anchor, has_bias=False)
     if anchor.kind == "addmm" and folds_gemm_bias(_val(chain.anchor).dtype, gemm_bias):
         try:  # broadcast like any operand: [N] and [1, N] per column, [M, N] in full
             kind = _operand_kind(state, chain.operands[0])
@@ -2094,15 +2058,15 @@ def match_graph(graph: torch.fx.Graph, disabled=frozenset(), allow_cpu=False, ma
                 state.order, state.backward, state.claimed = order, backward, claimed
                 state.not_steps = not_steps
                 folded = _fold_bias(state, anchor, matmul_tf32) if fold else None
-                moved = len(state.chain.steps)  # steps the anchor's bias (baddbmm's input, alpha) became
+                moved = len(state.chain.steps)  # steps the anchor's bias became
                 state.held[state.node] = moved
                 try:
                     stop = _extend(state, disabled)
                 except Refuse:
-                    if folded is None or not _library_adds_bias(anchor) or len(node.users) < 2:
+                    if folded is None or len(node.users) < 2:
                         raise
                     continue
-                if folded is None or _keeps_folded_bias(state, anchor):
+                if folded is None or _keeps_folded_bias(state):
                     break
         except Refuse as err:
             refusals.append(Refusal(node.name, [node.name], str(err)))

@@ -86,8 +86,10 @@ class Anchor:
             so InstanceNorm, GroupNorm, BatchNorm1d, per-channel [M, 1] operands and
             LayerNorm over [N] mean what they mean there.
         has_bias: conv: whether a bias tensor is the third operand; bmm: a `baddbmm`,
-            whose input is the third (the matcher always moves it into the epilogue, with
-            alpha, so a spec never holds a bmm with a bias).
+            whose input is the third, added by the library call with `alpha` (cuBLAS
+            rounds `input + alpha * (b1 @ b2)` once, as eager does; a chain that added
+            the input to the rounded product would differ from eager by far more than a
+            rounding where the two cancel).
         conv: conv only: (stride, padding, dilation, transposed, output_padding, groups).
         direct: conv only: (in_channels, kernel_h, kernel_w, in_h, in_w) when the conv
             is a candidate for the file's own conv kernels (2-D or 3-D, groups 1, static
@@ -179,6 +181,7 @@ class Anchor:
     as_2d: bool = False
     library: bool = False
     recompute: bool = False
+    alpha: float = 1.0  # a baddbmm's (a bmm with `has_bias`): input + alpha * (b1 @ b2)
 
     def op_shapes(self, x_shape, w_shape) -> tuple[tuple, tuple]:
         """x's and the weight's shapes as the fused op takes them, given the graph's
@@ -240,9 +243,9 @@ class Anchor:
     def n_operands(self) -> int:
         if self.kind == "addmm":
             return 3
-        if self.kind in ("mm", "bmm"):
+        if self.kind == "mm":
             return 2
-        return 3 if self.has_bias else 2
+        return 3 if self.has_bias else 2  # conv: with its bias; bmm: a baddbmm, with its input
 
     @property
     def conv_view(self) -> bool:

@@ -940,8 +940,9 @@ BADDBMMS = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(BADDBMMS))
 def test_baddbmm_chains(name, dtype, exact_float32):
-    """baddbmm: cuBLAS's bmm, then alpha and the input in the epilogue kernel with the
-    chain, against float64 within eager's error."""
+    """baddbmm: cuBLAS's baddbmm (the input and alpha added in it, rounded once as in
+    eager), then the chain in the epilogue kernel, against float64 within eager's error;
+    the C++ launcher passes alpha (`LaunchLayout.alpha`)."""
     batch, m, k, n, input_shape, alpha, fn, fusion = BADDBMMS[name]
     model = _BaddbmmChain(batch, m, k, n, input_shape, alpha, fn).cuda().to(dtype)
     _fuses_within_eagers_error(model, [(batch, m, k)], dtype, fusion, exact_float32)

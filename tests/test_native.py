@@ -9,6 +9,7 @@ C++ one serves every call after a spec's first.
 import os
 import re
 import shutil
+import struct
 import subprocess
 from dataclasses import replace
 from types import SimpleNamespace
@@ -252,7 +253,7 @@ def test_plan_layout_of_a_library_conv_with_saves():
              Save("value", "float16", (-1, 16), 16, at=2))
     launcher = _launcher(conv, saves, running_stats=(2, 3))
     assert native._layout(launcher) == [0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                        0, 0, 0, 0]
+                                        0, 0, 0, 0, 0]
     assert native._conv(conv) == [2, 2, 1, 1, 0, 1, 3, 0, 0, 0, 4]
     assert native._saves(launcher) == [1, 0, 400, 4, -1, 16, 5, 5, 0, 2, 0, 1, 16, 0, 1, 16, 2, -1, 16]
 
@@ -261,7 +262,7 @@ def test_plan_layout_of_a_gemm_and_the_variants_that_read_tf32_settings():
     launcher = _launcher(Anchor("addmm"), anchor_path="in-kernel GEMM", gemm_auto=True, row_output=True,
                          reduced_tail=(1,), channels=8192)
     assert native._layout(launcher) == [1, 0, 3, 1, 1, 1, 1, 0, 0, 0, 0, 8192, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                        0, 0, 0, 0]
+                                        0, 0, 0, 0, 0]
     assert native._conv(launcher.spec.anchor) == []
     assert native.covers(launcher)
     # A float32 in-kernel GEMM file, and the two variants of a float32 direct conv: the C++
@@ -280,7 +281,7 @@ def test_plan_layout_of_a_gemm_and_the_variants_that_read_tf32_settings():
     launcher = _launcher(implicit, anchor_path="in-kernel conv", channels=128)
     assert native.covers(launcher)
     assert native._layout(launcher) == [3, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 128, 20, 28, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                        12, 20, 30, 3, 5, 32, 0, 0, 0, 0, 0, 0, 16]
+                                        12, 20, 30, 3, 5, 32, 0, 0, 0, 0, 0, 0, 16, 0]
     # Its float32 form on x and a weight rounded to TF32 by the graph (`Anchor.rounded`).
     rounded = _launcher(replace(implicit, rounded=True), anchor_path="in-kernel conv", channels=128,
                         reads_conv_tf32=True, conv_tf32=True)
@@ -310,8 +311,18 @@ def test_plan_layout_of_a_gemm_and_the_variants_that_read_tf32_settings():
     assert conv3d.direct_out_spatial() == (5, 20, 28)
     layout = native.LaunchLayout.of(_launcher(conv3d, anchor_path="in-kernel conv", channels=128))
     assert (layout.in_d, layout.k_d, layout.out_d, layout.out_h, layout.out_w) == (9, 3, 5, 20, 28)
-    assert native._layout(_launcher(conv3d, anchor_path="in-kernel conv", channels=128))[-4:-1] == [9, 3, 5]
-    assert native._layout(launcher)[-4:-1] == [0, 0, 0]
+    assert native._layout(_launcher(conv3d, anchor_path="in-kernel conv", channels=128))[-5:-2] == [9, 3, 5]
+    assert native._layout(launcher)[-5:-2] == [0, 0, 0]
+
+
+def test_plan_layout_of_a_baddbmm():
+    # Its alpha travels as the 64 bits of the double, read back exactly; 0 elsewhere.
+    for alpha in (1.0, -0.5, 0.1, 1 / 3):
+        launcher = _launcher(Anchor("bmm", has_bias=True, alpha=alpha), channels=12)
+        bits = native._layout(launcher)[36]
+        assert bits == native.alpha_bits(alpha) and struct.unpack("<d", struct.pack("<q", bits))[0] == alpha
+        assert native.covers(launcher)
+    assert native._layout(_launcher(Anchor("bmm"), channels=12))[36] == 0
 
 
 def test_plan_layout_of_a_permuted_conv():
@@ -323,13 +334,13 @@ def test_plan_layout_of_a_permuted_conv():
 def test_plan_layout_of_a_padded_gemm():
     launcher = _launcher(Anchor("addmm", pad=(152, 520)), channels=513)
     assert native._layout(launcher) == [0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 513, 0, 0, 0, 0, 152, 520, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                        0, 0, 0, 0]
+                                        0, 0, 0, 0, 0]
 
 
 def test_plan_layout_of_a_channels_last_conv():
     conv = Anchor("conv", has_bias=True, conv=((1, 1), (1, 1), (1, 1), False, (0, 0), 1), channels_last=True)
     assert native._layout(_launcher(conv)) == [0, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                               0, 0, 0, 0]
+                                               0, 0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("tail", [(), (1,), (16,), (16, 1, 1), (1, 1, 1), (16, 7, 9), (16, 3, 5, 4)])

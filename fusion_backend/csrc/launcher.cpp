@@ -19,6 +19,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/addmm.h>
+#include <ATen/ops/baddbmm.h>
 #include <ATen/ops/bmm.h>
 #include <ATen/ops/convolution.h>
 #include <ATen/ops/empty.h>
@@ -31,6 +32,7 @@
 #include <dlfcn.h>
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -123,6 +125,7 @@ struct Plan {
   // kImplicitConv: the elements between two pixels of the channels-last x it reads (in_c
   // to whole 16 bytes: launch.padded_pixels; in_c where x is read NCHW).
   int64_t in_pitch = 0;
+  int64_t alpha = 0;  // a baddbmm's alpha: a double's bits (native.alpha_bits; double_of)
   std::vector<int64_t> stride, padding, dilation, output_padding;
   bool transposed = false;
   int64_t groups = 1;
@@ -209,14 +212,15 @@ T symbol(void* handle, const char* name, const std::string& library) {
 // layout: [path, anchor, n_operands, gemm_auto, row_output, out_rank, out_d0 .. out_d3,
 //          out_spatial, channels, out_h, out_w, stores_pre_norm, has_bias, pad_k, pad_n,
 //          channels_last, permuted, gemm_tf32, reads_conv_tf32, conv_tf32,
-//          in_c, in_h, in_w, k_h, k_w, in_c_pad, rounded, in_nchw, one_row, in_d, k_d, out_d, in_pitch]
+//          in_c, in_h, in_w, k_h, k_w, in_c_pad, rounded, in_nchw, one_row, in_d, k_d, out_d, in_pitch,
+//          alpha]
 // conv: empty, or [nd, stride x nd, padding x nd, dilation x nd, transposed,
 //       output_padding x nd, groups]
 // saves: per save [anchor_value, dtype code, per_row, ndim, dims x ndim] (native.SaveLayout).
 // checks: [dtype code, y_row, n, (a row, whole) x n, m, (dtype code, whole, per_row) x m]
 //         (native.CheckLayout).
 // The fields of native.LaunchLayout, read below in its order (plan->field = layout[i]).
-constexpr size_t kLayoutFields = 36;
+constexpr size_t kLayoutFields = 37;
 
 void set_plan(std::string_view spec, int64_t device, std::string_view library, std::string_view name,
               at::IntArrayRef layout, at::IntArrayRef running_stats, at::IntArrayRef conv,
@@ -273,6 +277,7 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   plan->k_d = layout[33];
   plan->out_d = layout[34];
   plan->in_pitch = layout[35];
+  plan->alpha = layout[36];
   TORCH_CHECK(plan->out_rank >= 0 && plan->out_rank <= 4, "fusedepi_native.plan: a reduced output's tail of ",
               plan->out_rank, " dims");
   TORCH_CHECK(layout[0] >= 0 && layout[0] <= 3 && layout[1] >= 0 && layout[1] <= 3,
@@ -436,6 +441,13 @@ at::Tensor padded_gemm(const Plan& plan, const std::vector<at::Tensor>& operands
   return at::addmm(bp, xp, wp.t());
 }
 
+// A double from the 64 bits a layout entry carries (native.alpha_bits).
+double double_of(int64_t bits) {
+  double value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
 // The channels-last memory format of a 2-D or 3-D conv's input x.
 at::MemoryFormat channels_last_format(const at::Tensor& x) {
   return x.dim() == 5 ? at::MemoryFormat::ChannelsLast3d : at::MemoryFormat::ChannelsLast;
@@ -451,7 +463,8 @@ at::Tensor run_anchor(const Plan& plan, const std::vector<at::Tensor>& operands)
       return at::addmm(operands[0], operands[1], operands[2]);
     case Anchor::kMm:
       return at::mm(operands[0], operands[1]);
-    case Anchor::kBmm:
+    case Anchor::kBmm:  // a baddbmm: input + alpha * (b1 @ b2), rounded once
+      if (plan.has_bias) return at::baddbmm(operands[2], operands[0], operands[1], 1, double_of(plan.alpha));
       return at::bmm(operands[0], operands[1]);
     case Anchor::kConv:
       break;
