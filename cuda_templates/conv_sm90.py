@@ -277,7 +277,7 @@ class ConvGemmPlan:
     window: bool = False
 
     def describe(self) -> str:
-        """The tiling in words, for logs and `benchmarks.zoo --chains`."""
+        """The tiling in words (`benchmarks.zoo --chains` prints it)."""
         parts = [f"tiles of {self.block_n} channels x {self.tile_h} x {self.tile_w} pixels",
                  f"{self.k_bytes}-byte k-steps", f"{self.stages} stages"]
         parts += [words for words, on in (("ping-pong", self.pingpong), ("x read NCHW", self.nchw),
