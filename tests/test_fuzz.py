@@ -4,6 +4,7 @@ the rewrite, checked against eager and float64 via the plain-torch references.
 The GPU tier is the same fuzzer with `--device cuda` (benchmarks/device_run.sh fuzz).
 """
 
+import copy
 import math
 import os
 from dataclasses import asdict, replace
@@ -258,6 +259,28 @@ def test_cpu_finding_of_a_baddbmm_cancelling_inside_its_chain():
     # are -inf. The library call adds it now, rounding once as eager does.
     result = fuzzer.run_case(fuzzer.make_case(9072, 449, "cpu", generation=21), "cpu", grad=True)
     assert result.check == "ok" and result.fusion == "full", result
+
+
+def test_cpu_finding_of_a_conv_bias_cancelling_its_product():
+    # The CPU fuzzer's model 231 of seed 9073, generation 21: a bf16 ConvTranspose3d whose
+    # bias cancels its product in one element, then x / x. The chain adds the library
+    # conv's bias to its rounded output as CUDA eager does (cuDNN leaves the bias to ATen),
+    # so it met 0 / 0 where CPU eager (oneDNN, one rounding) and float64 have 0.84: the
+    # fuzzer holds a CPU run of such a chain to CUDA eager's error as well.
+    case = fuzzer.make_case(9073, 231, "cpu", generation=21)
+    result = fuzzer.run_case(case, "cpu")
+    assert result.fusion == "full" and result.check == "ill_conditioned", result
+    assert "with CUDA's conv bias inf" in result.finding, result
+
+
+def test_conv_with_its_bias_added_as_cuda_eager_adds_it():
+    torch.manual_seed(0)  # 43 of its 288 values differ from the conv's own bias add
+    conv = torch.nn.Conv2d(3, 4, 3).to(torch.bfloat16)
+    x = torch.randn(2, 3, 6, 6, dtype=torch.bfloat16)
+    split = fuzzer._BiasAfterConv(copy.deepcopy(conv))
+    assert [p.shape for p in split.parameters()] == [p.shape for p in conv.parameters()]
+    unbiased = torch.nn.functional.conv2d(x, conv.weight)
+    torch.testing.assert_close(split(x), unbiased + conv.bias.view(-1, 1, 1), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
