@@ -273,6 +273,16 @@ def test_cpu_finding_of_a_conv_bias_cancelling_its_product():
     assert "with CUDA's conv bias inf" in result.finding, result
 
 
+def test_cpu_finding_of_a_recomputed_atan_under_an_amin():
+    # The CPU fuzzer's model 235 of seed 9074, generation 21, with gradients: Linear ->
+    # minimum (fused) -> atan -> amin -> ...; Inductor's C++ code computed atan with SIMD
+    # in forward and without in backward's recomputation, so amin's backward found no
+    # tie and the gradient of x came out NaN (Inductor alone: 0.68 error). The CPU fuzzer
+    # runs Inductor's C++ code without SIMD.
+    result = fuzzer.run_case(fuzzer.make_case(9074, 235, "cpu", generation=21), "cpu", grad=True)
+    assert result.check == "ok" and result.fusion == "partial", result
+
+
 def test_conv_with_its_bias_added_as_cuda_eager_adds_it():
     torch.manual_seed(0)  # 43 of its 288 values differ from the conv's own bias add
     conv = torch.nn.Conv2d(3, 4, 3).to(torch.bfloat16)
