@@ -1633,8 +1633,12 @@ def _fold_bias(state: _State, anchor: Anchor, gemm_bias: bool) -> Anchor | None:
     of its own over the output, so a conv bias always moves; cuBLAS's `mm` beats
     `addmm` by 7-8% for float32 under TF32 but not in bf16 or strict float32, where
     the extra epilogue load costs more than it saves, so a GEMM bias moves only for
-    float32 chains when `gemm_bias` (TF32 allowed) is set. Results do not depend on it.
-    A baddbmm's input and alpha stay in its library call (`Anchor.has_bias`, `alpha`).
+    float32 chains when `gemm_bias` (TF32 allowed) is set, where the product is float32
+    before the bias either way. A conv bias is added to the conv's output rounded to its
+    dtype, as CUDA eager adds it after cuDNN's conv (CPU eager, oneDNN, adds it before
+    rounding: a 16-bit conv whose bias cancels its product can differ there, see
+    tests/fuzzer.py `_library_bias_error`). A baddbmm's input and alpha stay in its
+    library call (`Anchor.has_bias`, `alpha`), which rounds once as eager does.
     """
     chain = state.chain
     if anchor.kind == "addmm" and folds_gemm_bias(_val(chain.anchor).dtype, gemm_bias):
