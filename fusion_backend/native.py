@@ -365,7 +365,7 @@ class LaunchLayout:
             if spec.anchor.depth:
                 (k_d, in_d), out_d = spec.anchor.depth, spec.anchor.direct_out_d()
         pad_k, pad_n = spec.anchor.pad or (0, 0)
-        baddbmm_alpha = alpha_bits(spec.anchor.alpha) if spec.anchor.kind == "bmm" and spec.anchor.has_bias else 0
+        baddbmm_alpha = alpha_bits(spec.anchor.alpha) if spec.anchor.is_baddbmm else 0
         tail = tuple(launcher.reduced_tail)
         if len(tail) > 4:
             raise ValueError(f"a reduced output's tail {tail} has more than 4 dims")

@@ -37,7 +37,7 @@ def run_anchor(anchor: Anchor, operands: list[torch.Tensor], for_kernels: bool =
         return aten.addmm.default(*operands)
     if anchor.kind == "mm":
         return aten.mm.default(*operands)
-    if anchor.kind == "bmm" and anchor.has_bias:  # baddbmm: input + alpha * (b1 @ b2), rounded once
+    if anchor.is_baddbmm:  # input + alpha * (b1 @ b2), rounded once
         return aten.baddbmm.default(operands[2], operands[0], operands[1], alpha=anchor.alpha)
     if anchor.kind == "bmm":
         return aten.bmm.default(*operands)

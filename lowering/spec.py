@@ -240,6 +240,11 @@ class Anchor:
         return all(s == 1 for s in stride) and all(d == 1 for d in dilation)
 
     @property
+    def is_baddbmm(self) -> bool:
+        """A bmm with `has_bias`: input + alpha * (b1 @ b2), its operands (b1, b2, input)."""
+        return self.kind == "bmm" and self.has_bias
+
+    @property
     def n_operands(self) -> int:
         if self.kind == "addmm":
             return 3
