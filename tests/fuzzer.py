@@ -38,7 +38,14 @@ backward (inputs and parameters require gradients, the upstream gradient is rand
 and its input and parameter gradients are checked like the output: then the fused
 chains return what backward needs as well.
 
-One file (about 1,360 lines): the generator, the three-way check and the driver are run
+With `--dynamic-batch` the compiled model first runs once at one more image or row
+(the inputs' first row again, appended), then runs the checked call at the Case's
+own batch: Dynamo then compiles a graph whose batch size is symbolic (automatic
+dynamic shapes, as when a user's last batch is smaller), and that graph's fusion and
+results are what is checked. The first call's BatchNorm running-stat updates and
+gradients are undone before the checked one.
+
+One file (about 1,570 lines): the generator, the three-way check and the driver are run
 as a script on the device machine as well as imported by tests/test_fuzz.py.
 """
 
@@ -921,6 +928,9 @@ class Result:
     fused_steps: list = field(default_factory=list)
     in_kernel: bool = False  # the fused op computed its GEMM (a wgmma kernel, not cuBLAS first)
     in_kernel_conv: bool = False  # the fused op computed its conv as an implicit GEMM (an igemm kernel)
+    # `--dynamic-batch`: whether the checked call followed one at another batch ("" when
+    # not asked, else "ran", or why not: eager refuses that batch)
+    dynamic_batch: str = ""
 
 
 def _outputs(model: nn.Module, fn, x, residual, upstream) -> list[torch.Tensor]:
@@ -1002,15 +1012,17 @@ def _records(reports):
     return [r for report in reports for r in report.records]
 
 
-def run_case(case: Case, device: str, grad: bool = False, draw: int = 0) -> Result:
+def run_case(case: Case, device: str, grad: bool = False, draw: int = 0, dynamic: bool = False) -> Result:
     """Compiles and runs one Case; compares it with eager and a float64 copy.
 
     Args:
         grad: also run backward and compare the gradients.
         draw: which random inputs (`make_inputs`); 0 is the Case's own.
+        dynamic: check the graph Dynamo compiles once the batch size has changed
+            (`_one_more_row`).
     """
     with _case_settings(case), _scalar_inductor_cpu(device):
-        return _run_case(case, device, grad, draw)
+        return _run_case(case, device, grad, draw, dynamic)
 
 
 def _scalar_inductor_cpu(device: str):
@@ -1055,7 +1067,34 @@ def _case_settings(case: Case):
             os.environ[name] = before
 
 
-def _run_case(case: Case, device: str, grad: bool, draw: int) -> Result:
+def _one_more_row(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t` with its first row (image, matrix) appended: the same model at batch + 1."""
+    return None if t is None else torch.cat([t, t[:1]])
+
+
+def _first_call_at_another_batch(result: Result, model: nn.Module, eager_model: nn.Module, compiled,
+                                 x, residual, upstream) -> None:
+    """Runs `compiled` once at batch + 1, then puts `model` back as it was (BatchNorm's
+    running stats, no gradients): the next call, at the Case's batch, then compiles the
+    graph with a symbolic batch size. Where eager refuses batch + 1 (a parameter sized by
+    the batch), nothing runs and `result.dynamic_batch` says so; an exception of
+    fusedepi's propagates (a finding)."""
+    more = [_one_more_row(t) for t in (x, residual, upstream)]
+    try:
+        probe = copy.deepcopy(eager_model)
+        _outputs(probe, probe, *more)
+    except Exception as err:  # noqa: BLE001 - the model is sized by its batch
+        result.dynamic_batch = f"eager refuses batch + 1: {type(err).__name__}"
+        return
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    _outputs(model, compiled, *more)
+    model.load_state_dict(state)
+    for p in model.parameters():
+        p.grad = None
+    result.dynamic_batch = "ran"
+
+
+def _run_case(case: Case, device: str, grad: bool, draw: int, dynamic: bool = False) -> Result:
     from fusion_backend import fusedepi
     from fusion_backend.backend import collect_reports
 
@@ -1091,7 +1130,11 @@ def _run_case(case: Case, device: str, grad: bool, draw: int) -> Result:
             # The fused op's outputs may not alias its inputs or each other: torch warns now
             # and will raise later; the fuzzer raises now.
             warnings.filterwarnings("error", message=".*custom operator.*alias.*")
-            outs = _outputs(model, torch.compile(model, backend=fusedepi), x, residual, upstream)
+            compiled = torch.compile(model, backend=fusedepi)
+            if dynamic:
+                _first_call_at_another_batch(result, model, eager_model, compiled, x, residual, upstream)
+                reports.clear()  # the checked graph's reports only
+            outs = _outputs(model, compiled, x, residual, upstream)
     except Exception as err:  # a crash is a finding, whatever it is
         result.check, result.finding = "error", f"{type(err).__name__}: {str(err)[:300]}"
         return result
@@ -1133,7 +1176,7 @@ def _run_case(case: Case, device: str, grad: bool, draw: int) -> Result:
             # input to input (GPU model 2930: 6.5x eager's error on one draw of four,
             # 0.4-0.9x on the others; CPU: Inductor 12x on one, 0.2-1.6x on others).
             # The excess counts unless it is gone on both of two other draws.
-            others = [run_case(case, device, grad, d) for d in (1, 2)]
+            others = [run_case(case, device, grad, d, dynamic) for d in (1, 2)]
             ours_only = any(r.check in ("mismatch", "error") for r in others)
             again = "; other draws: " + ", ".join(f"{r.check} ({r.err:.3g})" for r in others)
         result.check = "mismatch" if ours_only else "ill_conditioned"
@@ -1225,8 +1268,9 @@ def _setup_worker(device: str):
 
 
 def _work(args):
-    seed, index, device, grad, generation, gemm, implicit = args
-    return asdict(run_case(make_case(seed, index, device, generation, gemm, implicit), device, grad))
+    seed, index, device, grad, generation, gemm, implicit, dynamic = args
+    return asdict(run_case(make_case(seed, index, device, generation, gemm, implicit), device, grad,
+                           dynamic=dynamic))
 
 
 def normalize_reason(reason: str) -> str:
@@ -1255,13 +1299,15 @@ def summarize(results: list[dict]) -> dict:
         "in_kernel_gemm": sum(r.get("in_kernel", False) for r in results),
         "in_kernel_gemm_float32": sum(r.get("in_kernel", False) and r["dtype"] == "float32" for r in results),
         "in_kernel_conv": sum(r.get("in_kernel_conv", False) for r in results),
+        "dynamic_batch_ran": sum(r.get("dynamic_batch") == "ran" for r in results),
         "reasons": dict(reasons.most_common()),
         "findings": [r for r in results if r["check"] in ("mismatch", "error")],
     }
 
 
 def run(seed: int, indices, device: str, workers: int = 1, progress=None, time_limit=None,
-        grad: bool = False, generation: int = 1, gemm: bool = False, implicit: bool = False) -> list[dict]:
+        grad: bool = False, generation: int = 1, gemm: bool = False, implicit: bool = False,
+        dynamic: bool = False) -> list[dict]:
     """Runs the cases `indices` of `seed`; returns their results (as dicts), in index order.
 
     Args:
@@ -1272,8 +1318,9 @@ def run(seed: int, indices, device: str, workers: int = 1, progress=None, time_l
         generation: the generator's vocabulary (`make_case`).
         gemm: draw the in-kernel GEMM's anchors and run them with it (`make_case`).
         implicit: the same for the in-kernel conv.
+        dynamic: check the graph compiled once the batch size has changed (`run_case`).
     """
-    jobs = [(seed, i, device, grad, generation, gemm, implicit) for i in indices]
+    jobs = [(seed, i, device, grad, generation, gemm, implicit, dynamic) for i in indices]
     results = []
     start = time.time()
     import multiprocessing
@@ -1485,6 +1532,8 @@ def main(argv=None):
                         help="with --bench: scale each model's anchor input + output to about this many bytes "
                              "(0: the minimum batch, where a call's CPU time dominates)")
     parser.add_argument("--grad", action="store_true", help="also run backward and check the gradients")
+    parser.add_argument("--dynamic-batch", action="store_true",
+                        help="check the graph compiled after a call at another batch size (a symbolic batch)")
     parser.add_argument("--generation", type=int, choices=sorted(CONV_NORMS), default=1,
                         help="the generator's vocabulary: 2 also draws InstanceNorm after convs")
     parser.add_argument("--in-kernel-gemm", action="store_true",
@@ -1508,7 +1557,7 @@ def main(argv=None):
                                               args.in_kernel_conv))))
     results = run(args.seed, indices, args.device, args.workers, progress=max(1, len(indices) // 20),
                   time_limit=args.time_limit, grad=args.grad, generation=args.generation, gemm=args.in_kernel_gemm,
-                  implicit=args.in_kernel_conv)
+                  implicit=args.in_kernel_conv, dynamic=args.dynamic_batch)
     summary = summarize(results)
     print(json.dumps({k: v for k, v in summary.items() if k != "findings"}, indent=1))
     print(f"{len(summary['findings'])} findings (printed above as they came)")
@@ -1517,6 +1566,7 @@ def main(argv=None):
                                                "generation": args.generation,
                                                "in_kernel_gemm": args.in_kernel_gemm,
                                                "in_kernel_conv": args.in_kernel_conv,
+                                               "dynamic_batch": args.dynamic_batch,
                                                "summary": summary,
                                                "results": results}, indent=1))
     return 1 if summary["findings"] else 0

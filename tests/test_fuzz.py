@@ -785,3 +785,32 @@ def test_cpu_fuzz_of_in_kernel_convs_of_odd_input_channels():
         assert {**c.anchor, "in": b.anchor["in"]} == b.anchor and c.anchor["in"] % 8 and 1 <= c.anchor["in"] <= 39
     assert any(c.anchor["in"] < 8 for _, c in pairs) and any(c.anchor["in"] > 8 for _, c in pairs)
     _implicit_runs_clean([c.index for _, c in pairs[:10]], gen)
+
+
+def _batch(case) -> int:
+    a = case.anchor
+    return a["lead"][0] if a["kind"] == "linear" else a["batch"]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+def test_cpu_fuzz_at_a_symbolic_batch(grad):
+    """`dynamic=True` in the fuzzer: each model first runs at batch + 1, so that the checked
+    call at its own batch (2 or more) compiles the graph Dynamo makes with a symbolic batch
+    size. Half the models hold a BatchNorm, whose running stats the first call moves and
+    which must be as eager's after the checked call alone."""
+    gen, per_kind = max(fuzzer.CONV_NORMS), 6 if grad else 10
+    picked = {"batchnorm": [], "other": []}
+    for index in range(2000):
+        case = fuzzer.make_case(0, index, "cpu", generation=gen)
+        kind = "batchnorm" if any(s["op"] == "batchnorm" for s in case.steps) else "other"
+        if _batch(case) >= 2 and len(picked[kind]) < per_kind:
+            picked[kind].append(index)
+        if all(len(v) == per_kind for v in picked.values()):
+            break
+    indices = sorted(picked["batchnorm"] + picked["other"])
+    results = fuzzer.run(seed=0, indices=indices, device="cpu", grad=grad, generation=gen, dynamic=True)
+    summary = fuzzer.summarize(results)
+    assert not summary["findings"], _shown(summary["findings"])
+    ran = [r for r in results if r["dynamic_batch"] == "ran"]
+    assert len(ran) >= len(indices) // 2, [r["dynamic_batch"] for r in results]
+    assert sum(r["fusion"] == "full" for r in ran) >= len(ran) // 2, summary["reasons"]
