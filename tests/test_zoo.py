@@ -223,6 +223,36 @@ def test_each_model_fuses_its_whole_chain(name, cpu_reference):
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", list(zoo.BY_NAME))
+def test_each_model_fuses_as_much_at_a_symbolic_batch(name, cpu_reference):
+    """A call at batch 3, then at batch 2: Dynamo compiles the second graph with a symbolic
+    batch size (a user's smaller last batch), and fusedepi fuses the same chains in it,
+    refuses the same ones for the same reasons, and computes what eager computes."""
+    from fusion_backend import fusedepi
+    from fusion_backend.backend import collect_reports
+
+    torch.manual_seed(0)
+    model = zoo.BY_NAME[name].make()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=fusedepi)
+    static, symbolic = [], []
+    with torch.no_grad():
+        with collect_reports(static):
+            compiled(torch.rand((3,) + zoo.BY_NAME[name].shape[1:]))
+        x = torch.rand((2,) + zoo.BY_NAME[name].shape[1:])
+        with collect_reports(symbolic):
+            out = compiled(x)
+        expected = model(x)
+    assert len(symbolic) == 1, "no graph compiled for the second batch size"
+
+    def outcome(reports):
+        records = [r for report in reports for r in report.records]
+        return sorted(r.status for r in records), sorted(r.reason for r in records if r.status == "refused")
+
+    assert outcome(symbolic) == outcome(static)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
 def test_gpu_shards_split_the_models_over_the_visible_gpus():
     names = [f"m{i}" for i in range(7)]
     assert zoo.gpu_shards(names, 3, None) == [("0", ["m0", "m3", "m6"]), ("1", ["m1", "m4"]), ("2", ["m2", "m5"])]
