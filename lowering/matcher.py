@@ -1756,12 +1756,16 @@ def _save(state: _State, node: Node, what: str, per_row: int) -> str | None:
                 "of the conv's channels returns its result only")
     val = _val(node)
     shape = list(val.shape)
-    if per_row and not all(isinstance(d, int) for d in shape[1:]):
-        return f"{node.name} is used elsewhere and its shape {shape} is dynamic beyond the batch"
+    # Per row: the one dim that holds the batch (the first, or in a dynamic graph the one
+    # symbolic size: InstanceNorm's statistics are [1, N * C, 1, 1]) is sized at run time.
+    symbolic = [i for i, d in enumerate(shape) if not isinstance(d, int)]
+    if per_row and len(symbolic) > 1:
+        return f"{node.name} is used elsewhere and its shape {shape} has more than one dynamic size"
     if val.dtype not in DTYPES:
         return f"{node.name} is used elsewhere and has dtype {val.dtype}"
     at = len(state.chain.steps) if what in ("value", "sigmoid") else 0
-    shape = ([-1] + shape[1:]) if per_row else shape
+    batch_dim = symbolic[0] if symbolic else 0
+    shape = [-1 if i == batch_dim else d for i, d in enumerate(shape)] if per_row else shape
     state.chain.saves.append(Save(what, DTYPES[val.dtype], tuple(shape), per_row, at))
     state.chain.saved.append(node)
     return None

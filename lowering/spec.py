@@ -315,7 +315,9 @@ class Save:
         at: for "value", how many steps had been applied (0: the anchor output
             itself); for "sigmoid", the index of the silu step.
         dtype: the output's dtype.
-        shape: the output's shape with the batch dim as -1 (as is when `per_row` is 0).
+        shape: the output's shape with its batch-sized dim as -1 (as is when `per_row` is
+            0): the first dim, or the one symbolic dim of a graph with a dynamic batch
+            where that is another (InstanceNorm's statistics, [1, N * C, 1, 1]).
         per_row: output elements per row of the anchor output (0: a fixed shape,
             BatchNorm's per-channel statistics).
     """
@@ -327,13 +329,15 @@ class Save:
     at: int = 0
 
     def sized(self, rows):
-        """The output's shape for `rows` anchor rows."""
+        """The output's shape for `rows` anchor rows: its dim marked -1 holds the
+        `rows * per_row` elements that the others leave."""
         if not self.per_row:
             return tuple(self.shape)
+        at = self.shape.index(-1) if -1 in self.shape else 0
         rest = 1
-        for s in self.shape[1:]:
-            rest *= s
-        return (rows * self.per_row // max(rest, 1),) + tuple(self.shape[1:])
+        for i, s in enumerate(self.shape):
+            rest *= s if i != at else 1
+        return tuple(rows * self.per_row // max(rest, 1) if i == at else s for i, s in enumerate(self.shape))
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,41 @@ def test_instance_norm_gradients(dims, on_device):
         assert '"what":"mean"' in fused[0].spec and '"what":"rstd"' in fused[0].spec
 
 
+@pytest.mark.parametrize("on_device", DEVICES, indirect=True)
+@pytest.mark.parametrize("norm", ["instancenorm", "groupnorm"])
+def test_training_at_a_symbolic_batch_saves_statistics_sized_by_it(norm, on_device):
+    """A training step at batch 3, then at batch 2 (Dynamo's graph of a symbolic batch):
+    the chain's saved statistics are sized by the batch at run time, InstanceNorm's in
+    their second dim ([1, N * C, 1, 1]), GroupNorm's in their first ([N, G]); the chain
+    fuses and the output and the gradients are eager's."""
+    torch.manual_seed(0)
+    norm_layer = (nn.InstanceNorm2d(8, affine=True) if norm == "instancenorm"
+                  else nn.GroupNorm(4, 8))
+    model = nn.Sequential(nn.Conv2d(4, 8, 3), norm_layer, nn.LeakyReLU(0.1)).to(on_device)
+    eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+    compiled = torch.compile(model, backend=fusedepi)
+    compiled(torch.rand(3, 4, 10, 12, device=on_device)).sum().backward()
+    model.load_state_dict(eager.state_dict())
+    model.zero_grad(set_to_none=True)
+    x, upstream = torch.rand(2, 4, 10, 12, device=on_device), torch.rand(2, 8, 8, 10, device=on_device)
+    reports: list = []
+    with backend.collect_reports(reports):
+        out = compiled(x)
+    out.backward(upstream)
+    eager_out = eager(x)
+    eager_out.backward(upstream)
+    ref_out = ref(x.double())
+    ref_out.backward(upstream.double())
+    fused = [r for report in reports for r in report.records if r.status == "fused"]
+    assert len(fused) == 1, [r.reason for report in reports for r in report.records]
+    saves = json.loads(fused[0].spec)["saves"]
+    stats = [s["shape"] for s in saves if s["what"] in ("mean", "rstd")]
+    assert stats and all(shape == ([1, -1, 1, 1] if norm == "instancenorm" else [-1, 4]) for shape in stats), saves
+    close_to_float64(out, eager_out, ref_out, "output")
+    for (name, p), e, r in zip(model.named_parameters(), eager.parameters(), ref.parameters()):
+        close_to_float64(p.grad, e.grad, r.grad, name)
+
+
 class _ReducedHead(nn.Module):
     """Conv, then a reduction of its output and steps around it:
     - spatial_mean / spatial_amax: GELU, global pooling over H and W, a per-channel

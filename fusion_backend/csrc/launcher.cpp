@@ -65,14 +65,20 @@ struct Save {
   bool anchor_value;  // the value after 0 steps: a view of y, converted to `dtype`
   at::ScalarType dtype;
   int64_t per_row;  // elements per anchor row; 0: a fixed shape
-  std::vector<int64_t> shape;  // the batch dim first (ignored when per_row)
+  // per_row: the batch-sized dim is -1 (the first, or the one a view moved the batch
+  // into: InstanceNorm's statistics [1, N * C, 1, 1]), sized at run time
+  std::vector<int64_t> shape;
 
   std::vector<int64_t> sized(int64_t rows) const {
     std::vector<int64_t> out = shape;
     if (per_row) {
+      size_t batch_dim = 0;
+      for (size_t i = 0; i < shape.size(); ++i)
+        if (shape[i] == -1) { batch_dim = i; break; }
       int64_t rest = 1;
-      for (size_t i = 1; i < shape.size(); ++i) rest *= shape[i];
-      out[0] = rows * per_row / std::max<int64_t>(rest, 1);
+      for (size_t i = 0; i < shape.size(); ++i)
+        if (i != batch_dim) rest *= shape[i];
+      out[batch_dim] = rows * per_row / std::max<int64_t>(rest, 1);
     }
     return out;
   }
