@@ -1700,9 +1700,14 @@ def _restore(state: _State, snap: tuple):
 
 def _next_step(state: _State, users: list) -> _Match | str:
     """The step that continues the chain through one of `users` (multi-node forms
-    first, then each user in graph order), or why none does."""
+    first, then each user in graph order), or why none does. A step of the value itself
+    comes before a branch (`_match_branch`) through another user: the users' order is
+    the order their uses were made, which a graph with a symbolic batch may have
+    otherwise (`conv -> [div, group_norm]` for `group_norm(y) / y`), and a branch
+    through the GroupNorm refuses where the GroupNorm as a step fuses."""
     n_params = len(state.chain.params)
     first_refusal = None
+    branch = None
     for matchers, candidates in ((MULTI_NODE, users[:1]), (STEP_MATCHERS[len(MULTI_NODE):], users)):
         for user in candidates:
             for matcher in matchers:
@@ -1712,8 +1717,14 @@ def _next_step(state: _State, users: list) -> _Match | str:
                 except Refuse as err:
                     first_refusal = first_refusal or str(err)
                     break
+                if match is not None and match.route and len(users) > 1:
+                    branch = branch or match  # (a branch takes no parameters)
+                    break
                 if match is not None:
                     return match
+    del state.chain.params[n_params:]
+    if branch is not None:
+        return branch
     if first_refusal is not None:
         return first_refusal
     if len(users) == 1:

@@ -87,6 +87,39 @@ def test_dynamic_spatial_sizes_are_refused_with_the_reason():
     torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
 
 
+class _NormTimesItsInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm = torch.nn.Conv2d(4, 12, 3, padding=1), torch.nn.GroupNorm(2, 12)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.norm(y) * y
+
+
+def test_a_step_of_the_value_comes_before_a_branch_whatever_the_users_order():
+    """`norm(y) * y`: the conv's users are [group_norm, mul] in the static graph and [mul,
+    group_norm] in the graph of a symbolic batch (a call at batch 5, then at 4). Either
+    way the GroupNorm is the chain's next step (the chain then stops at the multiply: y
+    is from before a reduction), not a branch through it from the multiply (a branch
+    holds pointwise steps only, so nothing would fuse)."""
+    torch.manual_seed(0)
+    model = _NormTimesItsInput()
+    compiled = torch.compile(model, backend=fusedepi)
+    stops = []
+    with torch.no_grad():
+        for batch in (5, 4):
+            x = torch.rand(batch, 4, 9, 7)
+            reports: list = []
+            with collect_reports(reports):
+                out = compiled(x)
+            torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+            fused = _fused(reports)
+            assert [r.fusion for r in fused] == ["conv_groupnorm"], [r.reason for rep in reports for r in rep.records]
+            stops.append(fused[0].stop)
+    assert all("from before its groupnorm" in stop for stop in stops), stops
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
 def test_inductor_graph_cache_serves_a_second_compile(grad, monkeypatch, tmp_path):
     """A new compile of the same model (as in a new process) loads Inductor's compiled
