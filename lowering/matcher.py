@@ -1701,10 +1701,8 @@ def _restore(state: _State, snap: tuple):
 def _next_step(state: _State, users: list) -> _Match | str:
     """The step that continues the chain through one of `users` (multi-node forms
     first, then each user in graph order), or why none does. A step of the value itself
-    comes before a branch (`_match_branch`) through another user: the users' order is
-    the order their uses were made, which a graph with a symbolic batch may have
-    otherwise (`conv -> [div, group_norm]` for `group_norm(y) / y`), and a branch
-    through the GroupNorm refuses where the GroupNorm as a step fuses."""
+    comes before a branch (`_match_branch`) that another user starts: a branch through a
+    GroupNorm refuses (pointwise steps only) where the GroupNorm as a step fuses."""
     n_params = len(state.chain.params)
     first_refusal = None
     branch = None
@@ -1861,7 +1859,10 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
     users = list(state.node.users)
     if not users:
         return "value is unused"
-    inside = [u for u in _step_users(state, state.node) if u.op != "output"]
+    # (in graph order: a node's users are listed in the order their uses were made, which
+    # a graph with a symbolic batch has otherwise than a static one)
+    inside = sorted((u for u in _step_users(state, state.node) if u.op != "output"),
+                    key=lambda u: state.order.get(u, 0))
     if not inside:
         return "end of the graph"
     if state.route:  # inside a branch: its next node

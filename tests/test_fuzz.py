@@ -814,3 +814,20 @@ def test_cpu_fuzz_at_a_symbolic_batch(grad):
     ran = [r for r in results if r["dynamic_batch"] == "ran"]
     assert len(ran) >= len(indices) // 2, [r["dynamic_batch"] for r in results]
     assert sum(r["fusion"] == "full" for r in ran) >= len(ran) // 2, summary["reasons"]
+
+
+def test_cpu_fuzz_fuses_the_same_steps_at_a_symbolic_batch():
+    """Models whose chain value has two users, a GroupNorm and a branch back to the value
+    (seed 9103, generation 21: models 24 and 74): at a symbolic batch the graph lists the
+    value's users in another order than at a static one, and the matcher takes them in
+    graph order all the same, so the same steps fuse (the GroupNorm, not a branch
+    through it that fuses nothing)."""
+    gen = max(fuzzer.CONV_NORMS)
+    for index in (24, 74):
+        case = fuzzer.make_case(9103, index, "cpu", generation=gen)
+        static = fuzzer.run_case(case, "cpu")
+        symbolic = fuzzer.run_case(case, "cpu", dynamic=True)
+        assert symbolic.dynamic_batch == "ran"
+        assert static.check == symbolic.check == "ok", (static.finding, symbolic.finding)
+        assert symbolic.fused_steps == static.fused_steps and "groupnorm" in static.fused_steps[0], \
+            (static.fused_steps, symbolic.fused_steps, symbolic.reason)
