@@ -396,7 +396,11 @@ def test_compile_time_starts_cold_then_warm_and_the_warm_start_times_nothing(mon
     assert cold["builds"] == warm["builds"] == 0 and cold["seconds"] > 0 and warm["seconds"] > 0
     assert cold["fused"] + cold["refused"]  # the chain's record came back from the process
     text = compile_time.describe(row)
-    assert text.startswith("linear_ln_relu") and "warm" in text and "1 chains and 0 graphs timed" in text
+    # (the cold start times the whole graph too where the chain's reference measured faster
+    # than Inductor, which on a loaded CPU it may or may not)
+    assert text.startswith("linear_ln_relu") and "warm" in text
+    assert f"(0 builds, 1 chains and {cold['timed_graphs']} graphs timed" in text
+    assert "(0 builds, 0 chains and 0 graphs timed" in text.split("warm", 1)[1]
     with pytest.raises(SystemExit):
         compile_time.main(["no_such_model"])
     assert "unknown zoo models: ['no_such_model']" in capsys.readouterr().err
