@@ -1700,12 +1700,9 @@ def _restore(state: _State, snap: tuple):
 
 def _next_step(state: _State, users: list) -> _Match | str:
     """The step that continues the chain through one of `users` (multi-node forms
-    first, then each user in graph order), or why none does. A step of the value itself
-    comes before a branch (`_match_branch`) that another user starts: a branch through a
-    GroupNorm refuses (pointwise steps only) where the GroupNorm as a step fuses."""
+    first, then each user in graph order), or why none does."""
     n_params = len(state.chain.params)
     first_refusal = None
-    branch = None
     for matchers, candidates in ((MULTI_NODE, users[:1]), (STEP_MATCHERS[len(MULTI_NODE):], users)):
         for user in candidates:
             for matcher in matchers:
@@ -1715,14 +1712,8 @@ def _next_step(state: _State, users: list) -> _Match | str:
                 except Refuse as err:
                     first_refusal = first_refusal or str(err)
                     break
-                if match is not None and match.route and len(users) > 1:
-                    branch = branch or match  # (a branch takes no parameters)
-                    break
                 if match is not None:
                     return match
-    del state.chain.params[n_params:]
-    if branch is not None:
-        return branch
     if first_refusal is not None:
         return first_refusal
     if len(users) == 1:
@@ -1860,7 +1851,10 @@ def _extend_once(state: _State, disabled: frozenset) -> str | None:
     if not users:
         return "value is unused"
     # (in graph order: a node's users are listed in the order their uses were made, which
-    # a graph with a symbolic batch has otherwise than a static one)
+    # a graph with a symbolic batch has otherwise than a static one: `norm(y) * y` lists
+    # the conv's users as [mul, group_norm] there, and the multiply taken first would
+    # branch through the GroupNorm, which a branch refuses, where the GroupNorm as a step
+    # fuses)
     inside = sorted((u for u in _step_users(state, state.node) if u.op != "output"),
                     key=lambda u: state.order.get(u, 0))
     if not inside:

@@ -97,7 +97,7 @@ class _NormTimesItsInput(torch.nn.Module):
         return self.norm(y) * y
 
 
-def test_a_step_of_the_value_comes_before_a_branch_whatever_the_users_order():
+def test_a_values_users_are_taken_in_graph_order():
     """`norm(y) * y`: the conv's users are [group_norm, mul] in the static graph and [mul,
     group_norm] in the graph of a symbolic batch (a call at batch 5, then at 4). Either
     way the GroupNorm is the chain's next step (the chain then stops at the multiply: y
