@@ -267,9 +267,15 @@ def test_cpu_finding_of_a_conv_bias_cancelling_its_product():
     # conv's bias to its rounded output as CUDA eager does (cuDNN leaves the bias to ATen),
     # so it met 0 / 0 where CPU eager (oneDNN, one rounding) and float64 have 0.84: the
     # fuzzer holds a CPU run of such a chain to CUDA eager's error as well.
+    # CPU eager's bf16 conv is oneDNN's, which differs by CPU: on an AMD EPYC with AVX2
+    # alone (torch 2.13.0+cpu) eager meets the inf as well, and the fused chain matches it.
     case = fuzzer.make_case(9073, 231, "cpu", generation=21)
     result = fuzzer.run_case(case, "cpu")
-    assert result.fusion == "full" and result.check == "ill_conditioned", result
+    assert result.fusion == "full", result
+    if math.isinf(result.eager_err):
+        assert result.check == "ok" and math.isinf(result.err), result
+        return
+    assert result.check == "ill_conditioned", result
     assert "with CUDA's conv bias inf" in result.finding, result
 
 
