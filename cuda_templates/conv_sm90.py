@@ -121,10 +121,11 @@ K_STEP_BYTES = (64, 128)
 # RGB image's 3 channels, 4 bf16 ones) reads a channels-last copy of x whose pixels are
 # 16 bytes apart (TMA's strides), its channels past C_in never read (the tensor map's
 # channel dim is C_in: TMA fills the box past it with zeros, as past a k-step's C_in).
-# Off: built and checked by nvcc (tests/test_templates.py), not yet run on a GPU
-# (tests/test_gpu.py, test_in_kernel_conv_of_padded_pixels; `kernel_variants --plan
-# PAD_PIXELS=True` times it).
-PAD_PIXELS = False
+# On an H100 (the GPU tier's test_in_kernel_conv_of_padded_pixels, 12 cases, and the GPU
+# fuzzer); the zoo's measured choice takes it for bf16 conv3d_bn_relu (GPU time 0.383 ->
+# 0.246 ms, Inductor 0.434) and conv3d_scale_sigmoid_bias (0.238 -> 0.111 ms, Inductor
+# 0.238), benchmarks/RESULTS.md. `--plan PAD_PIXELS=False` times the library conv's form.
+PAD_PIXELS = True
 # The ring's depth at most: 8 stages of 128-byte k-steps, as many bytes of narrower ones
 # (a k-step of 64 bytes is half the work, the latency it must hide the same).
 RING_BYTES_K = 8 * 128
@@ -211,10 +212,10 @@ RESIDENT_MAX_BYTES = 64 * 1024
 # conv2d_tanh_avgpool 65.5 -> 57.5; float32 conv3d_bn_relu (4 channels) 471.1 -> 189.0;
 # where C_in fills the k-step it lost: float32 of 16 channels conv2d_bn_relu 56.7 -> 66.0,
 # conv2d_dilated_gelu 59.1 -> 73.4, conv2d_tanh_avgpool 60.7 -> 65.1; unet3d_conv_gn_silu
-# bf16 (32 channels) 56.1 -> 66.4. Off until the GPU tier (test_in_kernel_conv_with_a_window's
-# 8-channel cases, the in-kernel conv's tests with it on) and the fuzzer have run the rule's
-# cases; `kernel_variants --plan WINDOW_BOX=True` and those tests switch it on.
-WINDOW_BOX = False
+# bf16 (32 channels) 56.1 -> 66.4. Right on an H100 (the GPU tier's in-kernel conv tests
+# with it on, test_in_kernel_conv_with_a_window, and the GPU fuzzer); `--plan
+# WINDOW_BOX=False` times the shared box's form.
+WINDOW_BOX = True
 WINDOW_K_BYTES = (64,)
 
 

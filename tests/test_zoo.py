@@ -58,14 +58,16 @@ def test_chains_prints_where_each_chain_stops():
 def test_chains_names_the_in_kernel_tiling_a_plan_changes():
     """With --plan, `--chains` shows each conv chain's in-kernel tiling with the plan and,
     where the plan changes it, without (the rows to time): 3 bf16 input channels are
-    refused unless x's pixels are padded; 64 -> 128 channels are tiled alike either way."""
-    out = subprocess.run([sys.executable, "-m", "benchmarks.zoo", "--chains", "--plan", "PAD_PIXELS=True", "--models",
+    refused unless x's pixels are padded (conv_sm90.PAD_PIXELS, on by default); 64 -> 128
+    channels are tiled alike either way."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.zoo", "--chains", "--plan", "PAD_PIXELS=False", "--models",
                           "resnet_stem_bn_relu", "conv2d_relu_bias", "--dtypes", "bfloat16"],
                          capture_output=True, text=True, check=True)
     tilings = [line.split(None, 2)[2] for line in out.stdout.splitlines() if "in-kernel conv on sm_90" in line]
     assert len(tilings) == 2
     stem, wide = tilings
-    assert "x's pixels padded to 8 channels (without --plan: not taken: 3 -> 64 channels" in stem
+    assert stem.startswith("in-kernel conv on sm_90: not taken: 3 -> 64 channels")
+    assert stem.endswith("x's pixels padded to 8 channels)") and "(without --plan: tiles of 64 channels" in stem
     assert wide.startswith("in-kernel conv on sm_90: tiles of 128 channels") and wide.endswith(
         "(the same without --plan)")
 
@@ -177,11 +179,12 @@ def test_plan_sets_conv_sm90_constants_for_the_run_and_the_json_records_them(mon
     monkeypatch.setattr(zoo, "run_model", run_model)
     path = tmp_path / "zoo.json"
     name = list(zoo.BY_NAME)[0]
-    assert zoo.main(["--models", name, "--dtypes", "float32", "--plan", "WINDOW_BOX=True", "--json", str(path)]) == 0
-    assert windows == [True] and json.loads(path.read_text())["plan"] == {"WINDOW_BOX": "True"}
-    assert "conv_sm90 set: WINDOW_BOX=True" in capsys.readouterr().out
+    assert conv_sm90.WINDOW_BOX  # the default; the plan switches it off
+    assert zoo.main(["--models", name, "--dtypes", "float32", "--plan", "WINDOW_BOX=False", "--json", str(path)]) == 0
+    assert windows == [False] and json.loads(path.read_text())["plan"] == {"WINDOW_BOX": "False"}
+    assert "conv_sm90 set: WINDOW_BOX=False" in capsys.readouterr().out
     assert zoo.main(["--models", name, "--plan", "NO_SUCH=1"]) == 2
-    assert "upper-case constant" in capsys.readouterr().err and windows == [True]
+    assert "upper-case constant" in capsys.readouterr().err and windows == [False]
 
 
 # Zoo models with a chain that does not fuse whole, with the reason it stops or is refused.
