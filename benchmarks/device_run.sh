@@ -14,6 +14,7 @@
 #     (on a kind of several GPUs: zoo --gpus N --warm M, one timed process a GPU; ZOO_TIMEOUT bounds it all)
 #   bash benchmarks/device_run.sh variants [args]                            # benchmarks.kernel_variants, args passed on
 #   bash benchmarks/device_run.sh compile MODEL... [--dtypes ...]            # benchmarks.compile_time: cold, then warm
+#   bash benchmarks/device_run.sh wall NAME PRECISION [--plan ...]           # benchmarks.once --wall: wall ms a call, both backends, and a cProfile
 # FUSEDEPI_TEST_CONV_PLAN="NAME=VALUE ..." sets cuda_templates.conv_sm90's constants for tests
 # and fuzz (tests/conv_plan.py): e.g. a switch still off, checked before it is switched on.
 # The benchmark makes fresh kernel and Inductor caches of its own, so its compile times are cold.
@@ -84,6 +85,11 @@ fi
 if [ "$what" = compile ]; then
   python3 -m benchmarks.compile_time "$@" --json "$OUT/compile_time.json" 2>&1 | grep --line-buffered -v -i warn \
     | tee -a "$OUT/compile_time.log"
+  status=${PIPESTATUS[0]}
+fi
+if [ "$what" = wall ]; then
+  FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 -m benchmarks.once "$@" --wall 2>&1 \
+    | grep --line-buffered -v -i warn | tee -a "$OUT/wall.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

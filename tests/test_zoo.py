@@ -97,6 +97,23 @@ def test_the_ncu_target_takes_zoo_models_as_well_as_workloads():
         once.main(["no_such_model", "bf16"])
 
 
+def test_the_wall_target_times_both_backends_and_profiles_the_fused_calls(monkeypatch, capsys):
+    # `once --wall` (device_run.sh wall): each backend's wall ms a call over alternating
+    # rounds, then cProfile's table of the fused calls (here without a GPU or a compile).
+    from benchmarks import once
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: model)
+    model, x = torch.nn.Linear(4, 4), torch.rand(2, 4)
+    calls = []
+    once.wall(model, x, lambda t: calls.append(t) or model(t), rounds=2, calls=3)
+    out = capsys.readouterr().out
+    assert [line.split()[:2] for line in out.splitlines() if " wall " in line] == [["fusedepi", "wall"],
+                                                                                  ["inductor", "wall"]]
+    assert "rounds: " in out and "function calls" in out and "tottime" in out
+    assert len(calls) == 2 * (1 + 3) + 3  # two rounds (a warm-up call and 3 each), then 3 profiled
+
+
 def _row(model, dtype, gpu_ratio, ratio, fused=()):
     return {"model": model, "dtype": dtype, "inductor_gpu_ms": gpu_ratio * 0.1, "fusedepi_gpu_ms": 0.1,
             "gpu_ratio": gpu_ratio, "ratio": ratio, "fused": list(fused), "refused": [] if fused else ["conv: why"]}
