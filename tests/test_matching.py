@@ -113,9 +113,13 @@ def test_prelu_is_a_step_with_its_slopes_an_operand(model, steps, operand, dtype
     assert len(fused) == 1 and steps_of(fused[0])[-len(steps):] == steps, refused
     prelu = next(s for s in json.loads(fused[0].spec)["steps"] if s["name"] == "prelu")
     assert prelu["operand"] == operand
-    # float32 bit for bit; bf16 within a rounding (the conv's bias is a step of the chain,
-    # so its sum is rounded once more than eager's, as with any step after it)
-    tol = 0 if dtype == torch.float32 else 1e-2
+    # bf16 within a rounding (the conv's bias is a step of the chain, so its sum is rounded
+    # once more than eager's, as with any step after it); float32 Linear bit for bit, a
+    # float32 conv within a few of its roundings: CPU eager's conv (oneDNN) adds its bias
+    # as the chain does on some CPUs, not on others (an AMD EPYC with AVX2 alone: 3.6e-7
+    # off at most, 1 - 2 ulps of values about 1).
+    conv = isinstance(m, _ConvPReLU)
+    tol = (1e-6 if conv else 0) if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out, m(x), equal_nan=True, atol=tol, rtol=tol)
 
 
@@ -448,8 +452,14 @@ def test_instance_norm_inside_a_longer_chain(before, after, grad):
             y.square().sum().backward()
         for (name, ours), theirs, want in zip([("x", xs), *model.named_parameters()], [xe, *eager.parameters()],
                                               [x64, *exact.parameters()]):
-            if want.grad is not None:  # (the scale of the steps not drawn has none)
-                close_to_float64(ours.grad, theirs.grad, want.grad, f"grad of {name}")
+            if want.grad is None:  # (the scale of the steps not drawn has none)
+                continue
+            # Where the norm reads the conv's output up to a scale a channel, the conv
+            # bias's gradient is 0 (the norm subtracts the mean): what float32 gives is
+            # the rounding of sums of terms the size of the norm weight's gradient.
+            zero = name == "conv.bias" and before in ("none", "mul_channel")
+            floor = 1e-6 * exact.norm.weight.grad.norm().item() if zero else 0.0
+            close_to_float64(ours.grad, theirs.grad, want.grad, f"grad of {name}", floor=floor)
 
 
 @pytest.mark.parametrize("dims", [1, 2])
