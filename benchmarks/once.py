@@ -12,7 +12,7 @@ the sm_90a kernels, and a role.)
 rounds in this process) and prints where fusedepi's CPU time goes (cProfile of its calls):
 for a model whose wall time is far from its GPU time.
 
-    python -m benchmarks.once conv3d_scale_sigmoid_bias fp32 --wall --plan PAD_PIXELS=True
+    python -m benchmarks.once conv3d_scale_sigmoid_bias fp32-tf32 --wall [--plan PAD_PIXELS=False]
 """
 
 from __future__ import annotations

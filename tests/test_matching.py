@@ -437,7 +437,9 @@ def test_instance_norm_inside_a_longer_chain(before, after, grad):
     assert [r.fusion for r in fused] == ["conv_groupnorm"] and not refused
     want = ["add"] + {"none": [], "relu": ["relu"], "mul_channel": ["mul"], "sigmoid": ["sigmoid"]}[before]
     want += ["groupnorm"] + {"none": [], "gelu": ["gelu"], "add_residual": ["add"], "mul_scalar": ["mul"]}[after]
-    if grad and before in ("none", "mul_channel"):
+    # The norm reads the conv's output itself, up to a scale a channel.
+    norm_reads_the_conv = before in ("none", "mul_channel")
+    if grad and norm_reads_the_conv:
         # Backward keeps the conv output itself (the norm's input; the product's factor
         # for the scale's gradient), so its bias stays in the conv. After relu or sigmoid
         # it reads their values (saved: `KeepChainValues`), which the fused op returns.
@@ -457,7 +459,7 @@ def test_instance_norm_inside_a_longer_chain(before, after, grad):
             # Where the norm reads the conv's output up to a scale a channel, the conv
             # bias's gradient is 0 (the norm subtracts the mean): what float32 gives is
             # the rounding of sums of terms the size of the norm weight's gradient.
-            zero = name == "conv.bias" and before in ("none", "mul_channel")
+            zero = name == "conv.bias" and norm_reads_the_conv
             floor = 1e-6 * exact.norm.weight.grad.norm().item() if zero else 0.0
             close_to_float64(ours.grad, theirs.grad, want.grad, f"grad of {name}", floor=floor)
 
