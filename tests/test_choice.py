@@ -175,6 +175,34 @@ def test_a_graph_is_timed_at_the_pace_of_its_launches_where_they_take_longer(tim
                                  f"graph {cpu}, {tail}")
 
 
+@pytest.mark.parametrize("times, kept", [
+    # bf16 convtranspose3d_residual of the zoo (H100): its launches 0.089 ms against Inductor's
+    # 0.070 and 0.092 ms of GPU time; in a loop a call took 0.135 against 0.116 ms
+    ((0.0804, 0.0923, 0.0891, 0.0697), False),
+    # float32 conv3d_scale_sigmoid_bias (H100): 0.1505 ms of launches, Inductor's 0.153 ms of
+    # GPU time; in a loop 0.174-0.207 against 0.157 ms
+    ((0.1228, 0.1532, 0.1505, 0.0738), False),
+    # bf16 conv3d_scale_sigmoid_bias (H100): the caller's time still inside Inductor's GPU time;
+    # in a loop 0.171 against 0.241 ms
+    ((0.1109, 0.2334, 0.1154, 0.0923), True),
+    # both graphs paced by their launches: the caller's time adds to both
+    ((0.0270, 0.0329, 0.1240, 0.2202), True),
+])
+def test_the_callers_time_adds_to_a_graph_paced_by_its_launches(times, kept):
+    """A call in a user's loop spends `choice.CALLER_MS` outside the compiled graph. It
+    adds in full to a graph whose launches set its pace and not to one whose GPU time is
+    longer still: a fused graph whose launches merely tie Inductor's GPU time loses in a
+    loop. Without it (`caller_ms` 0: the CPU, where times are wall times) the first two
+    were kept."""
+    on_gpu = choice.GraphTimes(*times, caller_ms=choice.CALLER_MS)
+    assert (on_gpu.refusal() is None) == kept
+    assert choice.GraphTimes(*times).refusal() is None
+    assert on_gpu.fused_call == pytest.approx(max(times[0], times[2] + choice.CALLER_MS))
+    assert on_gpu.inductor_call == pytest.approx(max(times[1], times[3] + choice.CALLER_MS))
+    if not kept:
+        assert on_gpu.refusal().endswith(f"ms, and {choice.CALLER_MS:.4g} ms of the caller's)")
+
+
 def test_timings_on_one_gpu_share_a_lock_named_by_its_uuid(monkeypatch):
     """`timings.gpu_lock_path`: one lock file a GPU, named by its UUID (two GPUs of one
     model get two locks), by its name where torch gives no UUID."""
