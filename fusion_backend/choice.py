@@ -20,9 +20,10 @@ makes of the rest of the graph (which kernels it fuses across the chain's ends, 
 layouts it picks for the next conv). So where any chain of a graph was fused, the whole
 graph is timed too (`whole_graph`): its compile with the fused ops against Inductor's
 compile of the graph as Dynamo gave it, on random inputs of the graph's shapes, in the
-time a call takes in a user's loop: its GPU time or the CPU's time to launch it,
-whichever is longer (a small graph's calls run at the pace the host launches them, and
-a library call inside a fused op can cost the host more than Inductor's graph does);
+time a call takes in a user's loop: its GPU time or the CPU's time to launch it and
+the caller's part of the call (`CALLER_MS`), whichever is longer (a small graph's calls
+run at the pace the host launches them, and a library call inside a fused op can cost
+the host more than Inductor's graph does);
 where the fused graph is not faster by the margin (`WIN`; where the CPU's launches set
 the pace, it must lose neither in GPU time nor a call, and win one by `WIN` or
 `WIN_HOST`: `GraphTimes.refusal`), Inductor's is run and every chain of the graph is
