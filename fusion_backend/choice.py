@@ -397,7 +397,11 @@ class GraphTimes:
 
     def describe(self) -> str:
         if not self.cpu_decides:
-            return f"fused {self.fused_ms:.4g} ms, Inductor {self.inductor_ms:.4g} ms"
+            # On a GPU the launches too, though the GPU's time set both paces: where a
+            # loop's call still runs slower, they show by how much they were short.
+            launches = (f" (the CPU's launches {self.fused_cpu_ms:.4g} against {self.inductor_cpu_ms:.4g} ms)"
+                        if self.caller_ms else "")
+            return f"fused {self.fused_ms:.4g} ms, Inductor {self.inductor_ms:.4g} ms{launches}"
         return (f"fused {self.fused_call:.4g} ms, Inductor {self.inductor_call:.4g} ms a call{self.cpu_note()}")
 
 

@@ -203,6 +203,17 @@ def test_the_callers_time_adds_to_a_graph_paced_by_its_launches(times, kept):
         assert on_gpu.refusal().endswith(f"ms, and {choice.CALLER_MS:.4g} ms of the caller's)")
 
 
+def test_a_graph_paced_by_the_gpu_still_shows_its_launches_on_a_gpu():
+    """Where the GPU's time sets both graphs' pace, the record still gives the launches
+    on a GPU (where a loop's call is slower anyway, they show by how much they were
+    short); on the CPU they are the wall times already given."""
+    times = (0.1152, 0.1234, 0.0700, 0.0800)  # GPU times of bf16 convnext_stem_layernorm2d (H100); launches set here
+    on_gpu = choice.GraphTimes(*times, caller_ms=choice.CALLER_MS)
+    assert not on_gpu.cpu_decides and on_gpu.refusal() is None
+    assert on_gpu.describe() == "fused 0.1152 ms, Inductor 0.1234 ms (the CPU's launches 0.07 against 0.08 ms)"
+    assert choice.GraphTimes(*times).describe() == "fused 0.1152 ms, Inductor 0.1234 ms"
+
+
 def test_timings_on_one_gpu_share_a_lock_named_by_its_uuid(monkeypatch):
     """`timings.gpu_lock_path`: one lock file a GPU, named by its UUID (two GPUs of one
     model get two locks), by its name where torch gives no UUID."""
