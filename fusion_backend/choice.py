@@ -337,14 +337,22 @@ class GraphTimes:
     caller_ms: float = 0.0
 
     @property
+    def fused_host(self) -> float:
+        """The host's time a call: the graph's launches and the caller's part."""
+        return self.fused_cpu_ms + self.caller_ms
+
+    @property
+    def inductor_host(self) -> float:
+        return self.inductor_cpu_ms + self.caller_ms
+
+    @property
     def fused_call(self) -> float:
-        """A call in a loop: as long as the GPU runs it or the host launches it and
-        the caller's own part of the call."""
-        return max(self.fused_ms, self.fused_cpu_ms + self.caller_ms)
+        """A call in a loop: as long as the GPU runs it or the host's part takes."""
+        return max(self.fused_ms, self.fused_host)
 
     @property
     def inductor_call(self) -> float:
-        return max(self.inductor_ms, self.inductor_cpu_ms + self.caller_ms)
+        return max(self.inductor_ms, self.inductor_host)
 
     def refusal(self) -> str | None:
         """Why Inductor's graph is run instead, or None where the fused graph is kept.
@@ -370,8 +378,7 @@ class GraphTimes:
         if self.fused_ms * WIN > self.inductor_ms:
             return (f"the graph with its fused ops takes more GPU time than Inductor's: {self.fused_ms:.4g} ms "
                     f"against {self.inductor_ms:.4g} ms for the whole graph (a call {self.fused_call:.4g} against "
-                    f"{self.inductor_call:.4g} ms, the CPU's launches {self.fused_cpu_ms:.4g} against "
-                    f"{self.inductor_cpu_ms:.4g} ms)")
+                    f"{self.inductor_call:.4g} ms, {self.launches()})")
         if self.fused_call * WIN_HOST > self.inductor_call:
             return (f"the graph with its fused ops is slower than Inductor's: {self.fused_call:.4g} ms against "
                     f"{self.inductor_call:.4g} ms a call for the whole graph{self.cpu_note()}")
@@ -385,22 +392,23 @@ class GraphTimes:
     def cpu_decides(self) -> bool:
         """The host's time (the caller's part included) is the longer of the two for
         either graph."""
-        return (self.fused_cpu_ms + self.caller_ms > self.fused_ms
-                or self.inductor_cpu_ms + self.caller_ms > self.inductor_ms)
+        return self.fused_host > self.fused_ms or self.inductor_host > self.inductor_ms
+
+    def launches(self) -> str:
+        """The CPU's launches of both graphs, and the caller's part where it is counted."""
+        caller = f", and {self.caller_ms:.4g} ms of the caller's" if self.caller_ms else ""
+        return f"the CPU's launches {self.fused_cpu_ms:.4g} against {self.inductor_cpu_ms:.4g} ms{caller}"
 
     def cpu_note(self) -> str:
         if not self.cpu_decides:
             return ""
-        caller = f", and {self.caller_ms:.4g} ms of the caller's" if self.caller_ms else ""
-        return (f" (GPU {self.fused_ms:.4g} against {self.inductor_ms:.4g} ms, the CPU's launches "
-                f"{self.fused_cpu_ms:.4g} against {self.inductor_cpu_ms:.4g} ms{caller})")
+        return f" (GPU {self.fused_ms:.4g} against {self.inductor_ms:.4g} ms, {self.launches()})"
 
     def describe(self) -> str:
         if not self.cpu_decides:
             # On a GPU the launches too, though the GPU's time set both paces: where a
             # loop's call still runs slower, they show by how much they were short.
-            launches = (f" (the CPU's launches {self.fused_cpu_ms:.4g} against {self.inductor_cpu_ms:.4g} ms)"
-                        if self.caller_ms else "")
+            launches = f" ({self.launches()})" if self.caller_ms else ""
             return f"fused {self.fused_ms:.4g} ms, Inductor {self.inductor_ms:.4g} ms{launches}"
         return (f"fused {self.fused_call:.4g} ms, Inductor {self.inductor_call:.4g} ms a call{self.cpu_note()}")
 

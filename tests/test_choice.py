@@ -210,7 +210,8 @@ def test_a_graph_paced_by_the_gpu_still_shows_its_launches_on_a_gpu():
     times = (0.1152, 0.1234, 0.0700, 0.0800)  # GPU times of bf16 convnext_stem_layernorm2d (H100); launches set here
     on_gpu = choice.GraphTimes(*times, caller_ms=choice.CALLER_MS)
     assert not on_gpu.cpu_decides and on_gpu.refusal() is None
-    assert on_gpu.describe() == "fused 0.1152 ms, Inductor 0.1234 ms (the CPU's launches 0.07 against 0.08 ms)"
+    assert on_gpu.describe() == ("fused 0.1152 ms, Inductor 0.1234 ms (the CPU's launches 0.07 against 0.08 ms, "
+                                 "and 0.03 ms of the caller's)")
     assert choice.GraphTimes(*times).describe() == "fused 0.1152 ms, Inductor 0.1234 ms"
 
 
