@@ -6,8 +6,9 @@ torch's default precision settings (cuDNN may use TF32; matmuls are "highest") a
 bf16. Per model it prints Inductor's ms, fusedepi's ms, their ratio (Inductor / fusedepi:
 above 1 is faster) as a user's loop sees them (wall: both compiles timed in turns,
 `interleaved_ms`), the same for GPU time alone (replays of a CUDA graph of one call,
-in turns: `timings.compare_ms`),
-what fused and what the measured choice found; then a summary of both ratios.
+in turns: `timings.compare_ms`), the host's launches of a call of each (`timings.host_ms`,
+as the whole-graph check times them), what fused and what the measured choice found; then
+a summary of both ratios.
 
     python -m benchmarks.zoo --list                 # one model name per line
     python -m benchmarks.zoo --quick                # 8 models, float32 and bf16
@@ -584,7 +585,7 @@ def run_model(zoo: ZooModel, dtype_name: str, time_it: bool = True, profile: boo
 
     from fusion_backend import fusedepi
     from fusion_backend.backend import collect_reports
-    from fusion_backend.timings import compare_ms
+    from fusion_backend.timings import compare_ms, host_ms
 
     _settings()
     dtype = getattr(torch, dtype_name)
@@ -622,6 +623,11 @@ def run_model(zoo: ZooModel, dtype_name: str, time_it: bool = True, profile: boo
                 row[f"{backend}_ms"] = ms
             for backend, ms in zip(calls, compare_ms(list(calls.values()), x.device)):
                 row[f"{backend}_gpu_ms"] = ms
+            # The host's launches of a call as the whole-graph check times them, taken
+            # here after the compile: a check made during the compile that read them
+            # otherwise shows beside its record.
+            for backend, ms in zip(calls, host_ms(list(calls.values()), x.device)):
+                row[f"{backend}_launch_ms"] = ms
         for backend, call in calls.items() if profile else ():
             row[f"{backend}_kernels"] = kernel_profile(call)
     if time_it:
@@ -1009,7 +1015,9 @@ def main(argv=None) -> int:
         print(f"{name:34s} {dtype_name:9s} inductor {row['inductor_ms']:8.3f} ms  fusedepi {row['fusedepi_ms']:8.3f} ms"
               f"  {row['ratio']:5.2f}x  (GPU {row['inductor_gpu_ms']:.3f} / {row['fusedepi_gpu_ms']:.3f} ms, "
               f"{row['gpu_ratio']:.2f}x)  err {row['fusedepi_error']:.1e} (inductor {row['inductor_error']:.1e})"
-              f"  compile {row['fusedepi_compile_s']:.0f}/{row['inductor_compile_s']:.0f} s", flush=True)
+              f"  compile {row['fusedepi_compile_s']:.0f}/{row['inductor_compile_s']:.0f} s"
+              + (f"  launches {row['inductor_launch_ms']:.4f} / {row['fusedepi_launch_ms']:.4f} ms"
+                 if "fusedepi_launch_ms" in row else ""), flush=True)
         for fused in row["fused"]:
             print(f"    fused: {fused}", flush=True)
         for refused in row["refused"]:
