@@ -121,11 +121,12 @@ def _row(model, dtype, gpu_ratio, ratio, fused=()):
 
 def test_the_results_tables_from_two_shards(tmp_path):
     """`--table` joins the shards' rows in the zoo's order, and summarizes each dtype: GPU
-    time and wall (min / geometric mean / below 0.97x), and the models that fused."""
+    time and wall (min / geometric mean / below 0.97x, and of those the rows that fused a
+    chain), and the models that fused."""
     import json
 
     first, second = list(zoo.BY_NAME)[:2]
-    shards = [{"rows": [_row(second, "float32", 2.0, 1.0, ["conv_pointwise (fused 1 ms)"])]},
+    shards = [{"rows": [_row(second, "float32", 2.0, 0.95, ["conv_pointwise (fused 1 ms)"])]},
               {"rows": [_row(first, "float32", 0.5, 0.9), _row(first, "bfloat16", 1.0, 1.0)]}]
     paths = []
     for i, shard in enumerate(shards):
@@ -134,15 +135,16 @@ def test_the_results_tables_from_two_shards(tmp_path):
     run = subprocess.run([sys.executable, "-m", "benchmarks.zoo", "--table", *map(str, paths)],
                          capture_output=True, text=True, check=True)
     lines = run.stdout.splitlines()
-    assert lines[2] == "| float32 | 2 | 0.50 / 1.000 / 1 | 0.90 / 0.949 / 1 | 1 models | 2.00 / 2.000 |"
+    # below 0.97x: how many, and of them the rows that ran a graph of fusedepi's
+    assert lines[2] == "| float32 | 2 | 0.50 / 1.000 / 1 (0 fused) | 0.90 / 0.925 / 2 (1 fused) | 1 models | 2.00 / 2.000 |"
     assert lines[3] == "| bfloat16 | 1 | 1.00 / 1.000 / 0 | 1.00 / 1.000 / 0 | 0 models | - |"
     # the same summaries by anchor (both models hold a conv)
     assert [zoo.anchor_kind(first), zoo.anchor_kind(second)] == ["conv", "conv"]
-    assert lines[7:9] == ["| conv | float32 | 2 | 0.50 / 1.000 / 1 | 0.90 / 0.949 / 1 |",
+    assert lines[7:9] == ["| conv | float32 | 2 | 0.50 / 1.000 / 1 (0 fused) | 0.90 / 0.925 / 2 (1 fused) |",
                           "| conv | bfloat16 | 1 | 1.00 / 1.000 / 0 | 1.00 / 1.000 / 0 |"]
     rows = [line.split(" | ")[:2] for line in lines[12:]]
     assert rows == [[f"| {first}", "float32"], [f"| {first}", "bfloat16"], [f"| {second}", "float32"]]
-    assert lines[-1].endswith("| 2.00 | 1.00 | conv_pointwise (fused 1 ms) |")
+    assert lines[-1].endswith("| 2.00 | 0.95 | conv_pointwise (fused 1 ms) |")
     with pytest.raises(ValueError, match="in more than one run"):
         zoo.markdown(shards + shards[:1])
     assert "runs stopped" not in run.stdout
