@@ -32,8 +32,9 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 status=0
 if [ "$what" = tests ] || [ "$what" = quick ] || [ "$what" = all ]; then
   [ "$what" = all ] && targs=() || targs=("$@")
-  # WORKERS=N runs the tier in N pytest-xdist processes (kernel builds share a locked cache).
-  [ -n "${WORKERS:-}" ] && targs=(-n "$WORKERS" "${targs[@]}")
+  # WORKERS=N runs the tier in N pytest-xdist processes (kernel builds share a locked cache);
+  # by default one process (pyproject's addopts would take one a core).
+  targs=(-n "${WORKERS:-0}" "${targs[@]}")
   # -v: each test's outcome in gpu_tests.log as it ends, so that a run its time limit cuts
   # short still says which failed (the failures' text comes only at the end).
   FUSEDEPI_CACHE_DIR=${FUSEDEPI_CACHE_DIR:-/tmp/fusedepi-cache} python3 -m pytest -v -m gpu tests/test_gpu.py tests/test_gpu_production.py tests/test_training.py tests/test_multi_gpu.py tests/test_native.py -p no:cacheprovider -rs "${targs[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | grep -v -E " PASSED | SKIPPED |^DEBUG" | tail -40
