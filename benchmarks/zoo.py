@@ -864,9 +864,9 @@ def summary(rows: list[dict], key: str = "ratio") -> dict:
 
 
 def below(s: dict) -> str:
-    """A summary's rows below 0.97x, and how many of them fused a chain where any did."""
-    fused = s.get("below_0.97_fused", 0)
-    return f"{s['below_0.97']} ({fused} fused)" if s["below_0.97"] else "0"
+    """A summary's count of rows below 0.97x and, where there are any, how many of them
+    fused a chain ("2 (1 fused)")."""
+    return f"{s['below_0.97']} ({s['below_0.97_fused']} fused)" if s["below_0.97"] else "0"
 
 
 def markdown(results: list[dict]) -> str:
