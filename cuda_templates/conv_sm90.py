@@ -151,6 +151,13 @@ NARROWEST_PATCH_W = 32
 # convs, padded or not); 1 x 1 ones were right (benchmarks/NOTES.md).
 READS_NCHW = True
 NCHW_BOX_W = 64  # pixels of an NCHW box: one m64 block, a 128-byte swizzle row in 16-bit
+# float32 (TF32) convs of stride 1 read x in its NCHW layout as well, and round it to TF32
+# themselves (ConvGemmPlan.nchw; `nchw_box_w`): TF32 wgmmas take K-major operands only, so
+# a consumer loads its A fragments from an unswizzled box of the patch's rows by a k-step's
+# channels (any column: a tap's shift is in the address) and rounds them in registers
+# (`cvt.rna`), and the graph's channels-last, rounded copy of x (a pass over x before the
+# conv) is not made. Patches 64 or 128 wide (one or two rows).
+READS_NCHW_TF32 = False
 # A spatial reduction after a pointwise chain (global pooling: spatial_sum, _mean, _amax,
 # _amin) inside the tiles, the conv's output never written (ConvGemmPlan.reduce); GPU
 # tests: tests/test_gpu.py, test_in_kernel_conv_spatial_reduction.
@@ -295,17 +302,59 @@ class ConvGemmPlan:
 
 
 def reads_nchw(plan: "ConvGemmPlan", itemsize: int, stride_w: int, width: int, kernel_w: int = 1,
-               padding_w: int = 0, dilation_w: int = 1) -> bool:
-    """Whether the in-kernel conv of `plan` may read an NCHW x of `width` input columns
-    (READS_NCHW): 16-bit (the wgmma reads A MN-major in 16-bit only), stride 1 along the
-    width (a box of NCHW_BOX_W neighbouring pixels), patches of whole boxes, rows of
-    whole 16 bytes (the tensor map's strides), and each of the `kernel_w` taps' boxes
-    starting on a 16-byte column (tap * dilation_w - padding_w in whole 16 bytes; the
-    patches start at multiples of NCHW_BOX_W)."""
+               padding_w: int = 0, dilation_w: int = 1, stride_h: int = 1) -> bool:
+    """Whether the in-kernel conv of `plan` may read an NCHW x of `width` input columns.
+    16-bit (READS_NCHW; the wgmma reads A MN-major from shared memory): stride 1 along the
+    width (a box of NCHW_BOX_W neighbouring pixels), patches of whole boxes, rows of whole
+    16 bytes (the tensor map's strides), and each of the `kernel_w` taps' boxes starting
+    on a 16-byte column (tap * dilation_w - padding_w in whole 16 bytes; the patches start
+    at multiples of NCHW_BOX_W). float32 (READS_NCHW_TF32; A loaded into registers,
+    `nchw_box_w`): stride 1, patches 64 or 128 wide, rows of whole 16 bytes, and MIN_STAGES
+    of the ring's stages in shared memory with the wider box (`nchw_stages`)."""
+    if itemsize == 4:
+        return (READS_NCHW_TF32 and stride_w == 1 and stride_h == 1 and plan.tile_w in (64, 128)
+                and plan.block_m == BLOCK_M
+                and plan.tile_h <= 2 and width * itemsize % 16 == 0 and not plan.shared_rows and not plan.window
+                and not plan.resident_weights
+                and nchw_stages(plan, itemsize) >= MIN_STAGES)
     per_16_bytes = 16 // itemsize
     taps_aligned = all((t * dilation_w - padding_w) % per_16_bytes == 0 for t in range(kernel_w))
     return (READS_NCHW and itemsize == 2 and stride_w == 1 and plan.tile_w % NCHW_BOX_W == 0
             and width * itemsize % 16 == 0 and taps_aligned)
+
+
+def nchw_box_w(tile_h: int, tile_w: int) -> int:
+    """The columns of a float32 NCHW box (the rendered file's kNchwBoxW where x is read NCHW
+    in float32): the patch's tile_w, the 0 to 3 columns a tap's shift puts before it (the box
+    starts on a 16-byte column), and spare ones so that a channel's tile_h rows of the box
+    are 8 banks past a multiple of 32 floats: a warp's A fragment (8 neighbouring pixels of
+    4 channels) then reads 32 distinct banks. tile_h 1: tile_w + 8; 2: tile_w + 4.
+
+    Raises:
+        ValueError: a patch of more than two rows (no such width: 4 rows of whole 16
+            bytes are a multiple of 16 floats).
+    """
+    for w in range(tile_w + 4, tile_w + 36, 4):
+        if w * tile_h % 32 in (8, 24):
+            return w
+    raise ValueError(f"no float32 NCHW box for a patch of {tile_h} x {tile_w}")
+
+
+def nchw_stage_a(plan: "ConvGemmPlan") -> int:
+    """A float32 NCHW stage's bytes of x (the rendered file's kStageA): a box of the patch's
+    rows by the k-step's channels, to 1024 bytes (the next stage's weights' swizzle atom)."""
+    box = (plan.k_bytes // 4) * plan.tile_h * nchw_box_w(plan.tile_h, plan.tile_w) * 4
+    return -(-box // 1024) * 1024
+
+
+def nchw_stages(plan: "ConvGemmPlan", itemsize: int) -> int:
+    """The ring's stages of `plan` where x is read NCHW in float32: `plan.stages` at most,
+    as many as shared memory holds beside the staging tile (and the moments) with the box
+    of `nchw_stage_a` (wider than the channels-last stage's tile_w pixels)."""
+    staging = plan.block_n * staging_pitch(plan.tile_h, plan.tile_w, itemsize) * itemsize
+    staging += 4 * stats_floats(plan.block_n, False) if plan.stats else 0  # (cooperative)
+    stage = nchw_stage_a(plan) + plan.block_n * plan.k_bytes
+    return min(plan.stages, (SMEM_BUDGET - staging) // stage)
 
 
 def k_step_bytes(cin: int, itemsize: int) -> int:
@@ -485,6 +534,26 @@ def wgmma_asm(dtype: str, n: int, a_mn_major: bool = False) -> str:
     )
 
 
+def wgmma_regs_asm(dtype: str, n: int) -> str:
+    """One m64nNk16 wgmma (k8 in TF32) whose A is four 32-bit registers of each thread
+    (`a`: its fragment, as mma.m16n8k8's / m16n8k16's A a warp), B K-major from shared
+    memory: N / 2 float32 accumulators `d`."""
+    t, k = WGMMA_TYPES[dtype]
+    acc = n // 2
+    regs = ", ".join(f"%{i}" for i in range(acc))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(acc))
+    a = ", ".join(f"%{acc + i}" for i in range(4))
+    transpose_b = ", 0" if t != "tf32" else ""
+    return (
+        "asm volatile(\n"
+        f'      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 5}, 0;\\n"\n'
+        f'      "wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{t}.{t} {{{regs}}}, {{{a}}}, %{acc + 4}, p, 1, 1'
+        f'{transpose_b};\\n}}\\n"\n'
+        f"      : {outs}\n"
+        '      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));'
+    )
+
+
 # The conv's constants, the wgmma instruction, the kernel named per spec around
 # conv_sm90.cuh's body, and its launch; inside KERNEL_FILE (after Args and the stage
 # functions). Placeholders:
@@ -534,7 +603,7 @@ def wgmma_asm(dtype: str, n: int, a_mn_major: bool = False) -> str:
 #   $pool_ho    the pooled plane's rows (the output's where none)
 #   $pool_wo    ... and columns
 #   $nchw       x read in its NCHW layout (ConvGemmPlan.nchw): true or false
-#   $nchw_box_w pixels of an NCHW box (NCHW_BOX_W)
+#   $nchw_box_w pixels of an NCHW box (NCHW_BOX_W; float32: nchw_box_w, its columns)
 #   $recompute  the norm recomputed (ConvGemmPlan.recompute): true or false
 #   $shared_rows  a kernel column's taps share one box of x (ConvGemmPlan.shared_rows): true or false
 #   $resident_weights  every k-step's weights copied once a CTA (ConvGemmPlan.resident_weights): true or false
@@ -543,6 +612,7 @@ def wgmma_asm(dtype: str, n: int, a_mn_major: bool = False) -> str:
 #               stage1 operands and statistics for the normed pass, else nothing)
 #   $parts_at   where the moments or the reductions go: floats from the workspace's start
 #   $wgmma      the wgmma_asm() statement
+#   $wgmma_regs the wgmma_regs_asm() statement (A from registers: float32 x read NCHW)
 CONV_KERNELS = Template(
     r"""// In-kernel conv (cuda_templates/conv_sm90.py): out = chain(conv2d(x, w)), an implicit GEMM.
 namespace hop = fusedepi::sm90;
@@ -584,6 +654,11 @@ constexpr bool kNchw = $nchw;  // x read in its NCHW layout, boxes of kNchwBoxW 
 // A norm recomputed: the conv runs twice, for the moments, then for the normed chain (conv_sm90.cuh's passes).
 constexpr bool kRecompute = $recompute;
 constexpr int kNchwBoxW = $nchw_box_w;
+// float32 x read NCHW (conv_sm90.nchw_box_w): a k-step's box is kBK channels of the patch's
+// kTH rows of kNchwBoxW columns from a 16-byte column, unswizzled; the consumers load their
+// A fragments from it into registers, rounded to TF32 (conv_sm90.cuh).
+constexpr bool kNchwRegs = kNchw && sizeof(T) == 4;
+constexpr int kNchwBoxBytes = kNchwRegs ? kBK * kTH * kNchwBoxW * 4 : 0;
 [[maybe_unused]] constexpr long long kPartsAt = $parts_at;  // ... at a.ws + kPartsAt (kConvStats, kConvReduce)
 constexpr int kCBlocks = (kCin + kBK - 1) / kBK;  // k-steps a tap
 constexpr int kCinPad = kCBlocks * kBK;  // the weight's input channels, padded with zeros by the launcher
@@ -614,7 +689,8 @@ constexpr int kTileB = kBN * kSwizzle;  // a tap's weights: bytes
 // A stage's bytes: x's patch (kSharedRows: the box of kBoxRows rows of kTW pixels; kWindow: the
 // window's columns, to the weights' swizzle atom), and its taps' weights
 constexpr int kStageA = kWindow ? (kWinChunks * kChunkBytes + 8 * kSwizzle - 1) / (8 * kSwizzle) * (8 * kSwizzle)
-                                : (kSharedRows ? kBoxRows * kTW : kBM) * kSwizzle;
+                        : kNchwRegs ? (kNchwBoxBytes + 1023) / 1024 * 1024  // conv_sm90.nchw_stage_a
+                                    : (kSharedRows ? kBoxRows * kTW : kBM) * kSwizzle;
 constexpr int kStageB = kTapRows * kTileB;
 // Every k-step's weights copied once a CTA and kept (ConvGemmPlan.resident_weights): the stages hold x alone.
 constexpr bool kResidentW = $resident_weights;
@@ -623,6 +699,10 @@ constexpr int kWeightsRoom = kResidentW ? kWeightBytes : kStages * kStageB;  // 
 
 __device__ __forceinline__ void wgmma_n(float (&d)[kBN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   $wgmma
+}
+[[maybe_unused]] __device__ __forceinline__ void wgmma_regs_n(float (&d)[kBN / 2], const uint32_t (&a)[4],
+                                                              uint64_t desc_b, int scale_d) {
+  $wgmma_regs
 }
 
 // The norm applied in the normed pass's tiles (kRecompute): a channel's operands, and stage1 on one value.
@@ -633,9 +713,16 @@ $norm_chan
 constexpr int kConvSmem = kStages * kStageA + kWeightsRoom + kStaging + kStatsBytes + 1024;  // + alignment slack
 static_assert(kTH * kTW == kBM && kTW >= 8, "a tile's patch: kBM pixels, rows of 8 or more");
 static_assert(kBM == 128 || (kBM == 256 && kPingPong), "tiles of 128 pixels, or 256 in ping-pong");
-static_assert(!kNchw || (kElem == 2 && kSW == 1 && kTW % kNchwBoxW == 0 && kNchwBoxW * kElem == 128 &&
-                         kW * kElem % 16 == 0 && kBK % 16 == 0),
+static_assert(!kNchw || kNchwRegs ||
+                  (kElem == 2 && kSW == 1 && kTW % kNchwBoxW == 0 && kNchwBoxW * kElem == 128 &&
+                   kW * kElem % 16 == 0 && kBK % 16 == 0),
               "an NCHW x: 16-bit, stride 1 along the width, patches of whole 128-byte boxes, rows of 16 bytes");
+static_assert(!kNchwRegs || (kSW == 1 && kSH == 1 && kTH <= 2 && kTW % 64 == 0 && kW * kElem % 16 == 0 &&
+                             kNchwBoxW >= kTW + 4 && kNchwBoxW % 4 == 0 && kNchwBoxW <= 256 &&
+                             (kTH * kNchwBoxW % 32 == 8 || kTH * kNchwBoxW % 32 == 24) && !kPingPong &&
+                             !kSharedRows && !kWindow && !kResidentW),
+              "a float32 NCHW x: stride 1, m64 blocks inside a patch row of 64 or 128, a box of whole 16 bytes "
+              "from 0-3 columns before the patch, its rows 8 banks past 32 floats, cooperative consumers");
 static_assert((kSwizzle == 64 || kSwizzle == 128 || (kWindow && kSwizzle == 32)) && kBK % kMmaK == 0 &&
                   kMmaK * kElem == 32,
               "rows of 64 or 128 bytes (conv_sm90.K_STEP_BYTES; 32 with a window), 32 bytes a wgmma");
@@ -669,12 +756,14 @@ int conv_launch(const Args& a, int device, cudaStream_t stream, int pass) {
   constexpr int kFirst = kRecompute ? kPassMoments : kPassOnce, kLast = kRecompute ? kPassNormed : kPassOnce;
   if (pass != kFirst && pass != kLast) return static_cast<int>(cudaErrorInvalidValue);
   CUtensorMap map_x, map_w;
-  if constexpr (kNchw) {  // [rows, C_in, H, W]: kNchwBoxW pixels of a row by a k-step's channels a box
+  if constexpr (kNchw) {  // [rows, C_in, H, W]: kNchwBoxW pixels of a row (float32: of kTH rows) by a k-step's channels
     const cuuint64_t x_dims[4] = {kW, kH, kCin, static_cast<cuuint64_t>(a.rows)};
     const cuuint64_t x_strides[3] = {static_cast<cuuint64_t>(kW) * kElem, static_cast<cuuint64_t>(kH) * kW * kElem,
                                      static_cast<cuuint64_t>(kCin) * kH * kW * kElem};
-    const cuuint32_t x_box[4] = {kNchwBoxW, 1, kBK, 1};
-    if (int e = hop::encode_map<T>(&map_x, a.x, 4, x_dims, x_strides, x_box, kNchwBoxW * kElem)) return e;
+    const cuuint32_t x_box[4] = {kNchwBoxW, kNchwRegs ? kTH : 1, kBK, 1};
+    if (int e = hop::encode_map<T>(&map_x, a.x, 4, x_dims, x_strides, x_box, kNchwRegs ? 0 : kNchwBoxW * kElem)) {
+      return e;
+    }
   } else if constexpr (kDepth) {  // [rows, D, H, W, C_in], pixels kXPitch elements apart: a box of one depth plane
     const cuuint64_t x_dims[5] = {kCin, kW, kH, kD, static_cast<cuuint64_t>(a.rows)};
     const cuuint64_t x_strides[4] = {static_cast<cuuint64_t>(kXPitch) * kElem,
@@ -759,4 +848,5 @@ SEGMENT_STATS = Template(
 
 __all__ = ["BLOCK_M", "CONV_KERNELS", "CONV_REDUCE_FINAL", "CONV_STATS_FINAL", "K_STEP_BYTES", "MAX_STRIDE",
            "SEGMENT_STATS", "SHARED_ROWS", "SHARED_ROWS_K_BYTES", "TALL_BLOCK_M", "ConvGemmPlan", "k_step_bytes",
-           "padded_in_channels", "reads_nchw", "stats_floats", "tiling", "wgmma_asm"]
+           "nchw_box_w", "nchw_stage_a", "nchw_stages", "padded_in_channels", "reads_nchw", "stats_floats", "tiling",
+           "wgmma_asm", "wgmma_regs_asm"]

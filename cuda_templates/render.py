@@ -778,7 +778,7 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
 
     def nchw(tile: conv_sm90.ConvGemmPlan) -> bool:
         return not anchor.depth and conv_sm90.reads_nchw(tile, ITEMSIZE[spec.dtype], stride[1], anchor.direct[4],
-                                                         kw, padding[1], dilation[1])
+                                                         kw, padding[1], dilation[1], stride[0])
 
     # Patches as wide as the output where they let the kernel read x NCHW (no channels-last
     # copy of x), else the ones that leave the fewest columns outside it.
@@ -793,8 +793,11 @@ def conv_gemm_plan(spec: EpilogueSpec, arch: str, conv_tf32: bool = False) -> co
                 "no whole ones")
     if anchor.recompute and not stats:
         return "a norm recomputed (Anchor.recompute), but the in-kernel conv's tiles take no norm's statistics here"
+    reads_nchw = nchw(tile) and not tile.shared_rows and not tile.window
+    if reads_nchw and spec.dtype == "float32":  # the wider box of a float32 NCHW stage; cooperative
+        tile = replace(tile, stages=conv_sm90.nchw_stages(tile, ITEMSIZE[spec.dtype]), pingpong=False)
     return replace(tile, stats=stats, reduce=reduce, softmax=softmax, pixel_reduce=pixel_reduce, pool=pool,
-                   nchw=nchw(tile) and not tile.shared_rows and not tile.window, recompute=anchor.recompute)
+                   nchw=reads_nchw, recompute=anchor.recompute)
 
 
 def conv_softmax(spec: EpilogueSpec) -> int:
@@ -1453,8 +1456,11 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
         h=h, w=w, kh=kh, kw=kw, ph=ph, pw=pw, sh=sh, sw=sw, dh=dh, dw=dw, ho=ho, wo=wo,
         depth="true" if anchor.depth else "false", d=d, kd=kd, pd=pd, sd=sd, dd=dd, do=anchor.direct_out_d(),
         pitch=conv_sm90.staging_pitch(c.tile_h, c.tile_w, ITEMSIZE[spec.dtype]),
-        pingpong="true" if c.pingpong else "false", wgmma=conv_sm90.wgmma_asm(spec.dtype, c.block_n, c.nchw),
-        stats="true" if c.stats else "false", nchw="true" if c.nchw else "false", nchw_box_w=conv_sm90.NCHW_BOX_W,
+        pingpong="true" if c.pingpong else "false", wgmma=conv_sm90.wgmma_asm(spec.dtype, c.block_n, c.nchw and spec.dtype != "float32"),
+        wgmma_regs=conv_sm90.wgmma_regs_asm(spec.dtype, c.block_n),
+        stats="true" if c.stats else "false", nchw="true" if c.nchw else "false",
+        nchw_box_w=(conv_sm90.nchw_box_w(c.tile_h, c.tile_w) if c.nchw and spec.dtype == "float32"
+                    else conv_sm90.NCHW_BOX_W),
         parts_at="2 * kChannels" if c.stats and red.name == "batchnorm_train" else "0",
         reduce="true" if c.reduce else "false", pixel_reduce="true" if c.pixel_reduce else "false",
         reduce_op=templates.ROW_REDUCE_OPS[red.name.removeprefix("spatial_") if c.reduce else c.pixel_reduce or "sum"],

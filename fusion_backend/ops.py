@@ -161,9 +161,10 @@ def insert_chain(graph: torch.fx.Graph, inputs: list, spec: str, value: bool = T
     `spec.anchor.flipped`, after graph ops that make the weight the conv's
     (`flip_transposed_weight`); where `spec.anchor.as_2d`, after views of x and the
     weight as a 2-D conv's (`one_row`); and where `spec.anchor.rounded`, after graph ops
-    that round x and the weight to the nearest TF32 value, passed first, x and the
-    weight themselves last. `value`: the call's fake value as its meta too (a graph that
-    Inductor lowers as it is). Returns the call."""
+    that round x and the weight to the nearest TF32 value, passed first (x itself where
+    the kernel rounds it, `rounds_x_itself`), x and the weight themselves last. `value`:
+    the call's fake value as its meta too (a graph that Inductor lowers as it is).
+    Returns the call."""
     example = [n.meta["val"] for n in inputs]
     anchor = _parse(spec).anchor
     rounds = anchor.rounded
@@ -175,8 +176,10 @@ def insert_chain(graph: torch.fx.Graph, inputs: list, spec: str, value: bool = T
                 inputs = [inputs[0], flipped] + list(inputs[2:])
             if anchor.as_2d:  # a Conv1d's x and weight as one row of a 2-D conv's
                 inputs = [_traced_into(graph, one_row, n) for n in inputs[:2]] + list(inputs[2:])
-            if rounds:
-                inputs = [_rounded_to_tf32(graph, n) for n in inputs[:2]] + list(inputs[2:]) + list(inputs[:2])
+            if rounds:  # (x itself where the in-kernel conv reads and rounds it, `rounds_x_itself`)
+                x = inputs[0]
+                x = x if rounds_x_itself(_parse(spec), x.meta["val"]) else _rounded_to_tf32(graph, x)
+                inputs = [x, _rounded_to_tf32(graph, inputs[1])] + list(inputs[2:]) + list(inputs[:2])
             if value:
                 vals = reference([n.meta["val"] for n in inputs], spec)
     call = graph.call_function(torch.ops.fusedepi.chain.default, (inputs, spec))
@@ -239,6 +242,15 @@ def runs_in_kernel_conv(spec: EpilogueSpec, x: torch.Tensor, channels_last: bool
 
     plan = cuda_templates.conv_gemm_plan(spec, arch_of(x.device), conv_allows_tf32())
     return isinstance(plan, cuda_templates.ConvGemmPlan) and not (channels_last and plan.nchw)
+
+
+def rounds_x_itself(spec: EpilogueSpec, x: torch.Tensor) -> bool:
+    """Whether the in-kernel conv of `spec` reads a float32 x in its NCHW layout
+    (`ConvGemmPlan.nchw`, conv_sm90.READS_NCHW_TF32), rounding it to TF32 as it loads it:
+    the graph then passes x itself where it passes the other convs' rounded copy (a pass
+    over x fewer), and rounds the weight alone."""
+    return (x.dtype == torch.float32 and runs_in_kernel_conv(spec, x)
+            and not runs_in_kernel_conv(spec, x, channels_last=True))
 
 
 def round_to_tf32(t: torch.Tensor) -> torch.Tensor:

@@ -2087,6 +2087,64 @@ def test_in_kernel_conv_reads_nchw(name, dtype, exact_float32, monkeypatch):
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g} (seed {exact_float32}); {_where_wrong(out, ref)}"
 
 
+# conv_sm90.READS_NCHW_TF32: float32 x read NCHW, its A fragments loaded into registers
+# and rounded to TF32 there (the graph passes x itself): patches of one row of 128 (a box
+# of 136 columns) and two of 64 (68), taps from columns before the patch (padding,
+# dilation), two k-steps a tap (the second partial: zeros past C_in), two channel tiles
+# and more tiles than CTAs, a GroupNorm's moments from the tiles.
+IN_KERNEL_CONV_NCHW_TF32 = {
+    # name: (cin, cout, k, padding, input shape, GroupNorm groups, dilation)
+    "c64_to_128_k3_w72": (64, 128, 3, 0, (2, 64, 20, 72), 0, 1),  # 18 x 70 out: cut patches
+    "c64_to_128_pad1_w64": (64, 128, 3, 1, (2, 64, 9, 64), 0, 1),  # 2 x 64 patches, taps from column -1
+    "c72_to_112_k5_pad2_w128": (72, 112, 5, 2, (2, 72, 6, 128), 0, 1),
+    "c32_to_224_many_tiles": (32, 224, 3, 1, (12, 32, 40, 64), 0, 1),
+    "c32_to_64_dilation2_w68": (32, 64, 3, 2, (2, 32, 10, 68), 0, 2),  # taps from columns -2, 0, 2
+    "c64_to_128_groupnorm_w64": (64, 128, 3, 1, (3, 64, 9, 64), 8, 1),
+}
+
+
+@pytest.mark.parametrize("name", list(IN_KERNEL_CONV_NCHW_TF32))
+def test_in_kernel_conv_reads_a_float32_x_nchw(name, exact_float32, monkeypatch):
+    # Within float32's error of float64 on the TF32-rounded operands (the kernel rounds
+    # x, the graph the weight), as the channels-last form is held to; TF32 switched off
+    # without recompiling: the next call does not run it.
+    _needs_sm90()
+    from cuda_templates import conv_sm90
+    from fusion_backend.ops import round_to_tf32
+
+    monkeypatch.setattr(conv_sm90, "READS_NCHW_TF32", True)
+    monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
+    cin, cout, k, padding, shape, groups, dilation = IN_KERNEL_CONV_NCHW_TF32[name]
+    model = _ConvChain(cin, cout, k, padding, groups, 1, dilation).cuda()
+    x = torch.rand(shape, device="cuda") * 2 - 1
+    ref, _ = float64_reference(model, x)
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        rounded.conv.weight.copy_(round_to_tf32(rounded.conv.weight))
+    ref_tf32, _ = float64_reference(rounded, round_to_tf32(x))
+    saved = torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        with torch.no_grad():
+            fn = torch.compile(model, backend=fusedepi)
+            out, kernels = _kernels(model, x)
+            ran = _fusedepi_kernels_run(fn, x, pattern=r"_sm[0-9]+a?_")
+            torch.backends.cudnn.allow_tf32 = False
+            ran_exact = _fusedepi_kernels_run(fn, x, pattern=r"_sm[0-9]+a?_")
+            exact = fn(x)
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    assert len(kernels) == 1 and re.match(r"igemm128x\d+_nchw_", kernels[0]), kernels
+    assert ran and any("_nchw_" in r for r in ran), ran
+    err = relative_error(out, ref_tf32)
+    assert err <= 1e-5, f"relative error {err:.3g} to the TF32-rounded operands' result (seed {exact_float32}); " \
+                        f"{_where_wrong(out, ref_tf32)}"
+    assert relative_error(out, ref) <= 2e-3
+    assert ran_exact and not any("igemm" in r for r in ran_exact), ran_exact
+    err = relative_error(exact, ref)
+    assert err <= TOLERANCE[torch.float32], f"relative error {err:.3g} after TF32 was switched off"
+
+
 def _run_with_nan(model, x, dtype):
     """The float64 reference of `model` at x (float32: cuDNN's TF32 allowed, on x and the
     weight rounded to TF32, as the in-kernel conv reads them), its compiled output, the

@@ -1065,6 +1065,68 @@ def test_in_kernel_conv_nchw_plans(monkeypatch):
     assert not cuda_templates.conv_gemm_plan(bf16["igemm_relu_bias_64_128"], "sm90").nchw  # 3 x 3
 
 
+def _tf32_nchw_spec(direct=(64, 3, 3, 128, 128), padding=0, stride=1):
+    """Issue 33's example as the in-kernel conv takes it in float32 (TF32): Conv2d(64 ->
+    128, k3) -> relu -> + bias[128, 1, 1], its input `direct` (C_in, kh, kw, H, W)."""
+    spec = conv_gemm_specs("float32")["igemm_relu_bias_64_128"]
+    cin, kh, kw, h, w = direct
+    anchor = replace(spec.anchor, direct=direct, rounded=True,
+                     conv=((stride, stride), (padding, padding)) + spec.anchor.conv[2:])
+    ho, wo = (h + 2 * padding - kh) // stride + 1, (w + 2 * padding - kw) // stride + 1
+    return replace(spec, anchor=anchor, inner=ho * wo)
+
+
+def test_in_kernel_conv_reads_a_float32_x_nchw(monkeypatch):
+    # float32 x read NCHW (conv_sm90.READS_NCHW_TF32): A loaded into registers from an
+    # unswizzled box and rounded there, so any tap's column (3 x 3, padded or not), stride
+    # 1, patches of 64 or 128 (one or two rows), rows of whole 16 bytes; cooperative.
+    from cuda_templates import conv_sm90
+
+    spec = _tf32_nchw_spec()
+    monkeypatch.setattr(conv_sm90, "READS_NCHW_TF32", False)
+    assert not cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True).nchw
+    monkeypatch.setattr(conv_sm90, "READS_NCHW_TF32", True)
+    c = cuda_templates.conv_gemm_plan(spec, "sm90", conv_tf32=True)
+    assert c.nchw and not c.pingpong and (c.tile_h, c.tile_w, c.block_n, c.block_m) == (1, 128, 128, 128)
+    assert c.stages == conv_sm90.nchw_stages(c, 4) >= conv_sm90.MIN_STAGES
+    source = cuda_templates.render(spec, "sm90", conv_tf32=True)
+    assert "constexpr bool kNchw = true;" in source and "constexpr int kNchwBoxW = 136;" in source
+    assert "{%64, %65, %66, %67}, %68, p, 1, 1;" in source  # the register-A wgmma, m64n128k8
+    # the box: the patch's columns, 0-3 before it, rows 8 banks past 32 floats
+    assert (conv_sm90.nchw_box_w(1, 128), conv_sm90.nchw_box_w(2, 64), conv_sm90.nchw_box_w(1, 64)) == (136, 68, 72)
+    for h, w in ((1, 64), (1, 128), (2, 64), (2, 128)):
+        box = conv_sm90.nchw_box_w(h, w)
+        assert box >= w + 4 and box % 4 == 0 and box * h % 32 in (8, 24)
+    with pytest.raises(ValueError, match="4 x 32"):
+        conv_sm90.nchw_box_w(4, 32)
+    padded = cuda_templates.conv_gemm_plan(_tf32_nchw_spec((64, 3, 3, 62, 64), padding=1), "sm90", conv_tf32=True)
+    assert padded.nchw and (padded.tile_h, padded.tile_w) == (2, 64)
+    # not: a stride, input rows of other than whole 16 bytes, the switch off; 16-bit as before
+    assert not cuda_templates.conv_gemm_plan(_tf32_nchw_spec((64, 3, 3, 128, 256), stride=2), "sm90",
+                                             conv_tf32=True).nchw
+    assert not cuda_templates.conv_gemm_plan(_tf32_nchw_spec((64, 3, 3, 128, 130)), "sm90", conv_tf32=True).nchw
+    assert not cuda_templates.conv_gemm_plan(conv_gemm_specs("bfloat16")["igemm_relu_bias_64_128"], "sm90").nchw
+
+
+@needs_nvcc
+@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not installed")
+@pytest.mark.parametrize("direct, padding", [((64, 3, 3, 128, 128), 0), ((64, 3, 3, 62, 64), 1)])
+def test_nvcc_compiles_the_float32_nchw_in_kernel_conv(direct, padding, monkeypatch, tmp_path):
+    # The float32 NCHW files build; their wgmmas read A from registers, a k-step's four
+    # back to back (ptxas serializes every wgmma of a file whose A registers are written
+    # while one is in flight: a wait after each), no accumulator is read before the last
+    # wgmma's wait, and nothing spills.
+    from cuda_templates import conv_sm90
+
+    monkeypatch.setattr(conv_sm90, "READS_NCHW_TF32", True)
+    spec = _tf32_nchw_spec(direct, padding)
+    kernel = cuda_templates.kernel_name(spec, "sm90", True)
+    assert "_nchw_" in kernel
+    sass = _clean_wgmma_sass(spec, tmp_path)
+    mainloop = re.findall(r"HGMMA\.64x128x8\.F32\.TF32 R\d+, R\d+, gdesc[^;]*;|WARPGROUP\.DEPBAR", sass)
+    assert "WARPGROUP.DEPBAR" in mainloop and mainloop.index("WARPGROUP.DEPBAR") == 4, mainloop
+
+
 def test_in_kernel_conv_spatial_reduction_plans(monkeypatch):
     # A spatial reduction after a pointwise chain in the tiles (conv_sm90.REDUCES; the
     # switch off names it): the tiles' partials, a float an (image, patch, channel),

@@ -61,11 +61,11 @@ def test_round_to_tf32_keeps_nan():
     assert ops.round_to_tf32(x).isnan().all()
 
 
-def _conv_graph(dtype=torch.float32, bias=False):
-    """A fake-CUDA graph of Conv2d(64 -> 128, k3) -> relu -> * 2 and its one chain, marked
-    for the in-kernel conv (as FUSEDEPI_IN_KERNEL_CONV=1 marks it)."""
+def _conv_graph(dtype=torch.float32, bias=False, width=70):
+    """A fake-CUDA graph of Conv2d(64 -> 128, k3) -> relu -> * 2 on x [2, 64, 20, width]
+    and its one chain, marked for the in-kernel conv (as FUSEDEPI_IN_KERNEL_CONV=1 marks it)."""
     with FakeTensorMode(allow_non_fake_inputs=True):
-        x = torch.empty(2, 64, 20, 70, device="cuda", dtype=dtype)
+        x = torch.empty(2, 64, 20, width, device="cuda", dtype=dtype)
         w = torch.empty(128, 64, 3, 3, device="cuda", dtype=dtype)
         b = torch.empty(128, device="cuda", dtype=dtype)
 
@@ -126,6 +126,34 @@ def test_the_graph_rounds_the_in_kernel_convs_operands(sm90_tf32):
     got = ops_before(xr, wr, torch.randn(128))
     assert torch.equal(got[0], ops.round_to_tf32(xr)) and torch.equal(got[1], ops.round_to_tf32(wr))
     assert not torch.equal(got[0], xr)
+
+
+def test_the_graph_passes_x_itself_where_the_kernel_rounds_it(sm90_tf32, monkeypatch):
+    # A float32 x the in-kernel conv reads NCHW (conv_sm90.READS_NCHW_TF32; rows of whole
+    # 16 bytes: 72 columns) is rounded by the kernel as it loads it: the call takes x itself
+    # first, the rounded weight second, and asks no layout of either.
+    from cuda_templates import conv_sm90
+
+    for reads_nchw in (False, True):
+        monkeypatch.setattr(conv_sm90, "READS_NCHW_TF32", reads_nchw)
+        gm, (chain,) = _conv_graph(width=72)
+        x, w = chain.operands[:2]
+        assert ops.rounds_x_itself(chain.spec, x.meta["val"]) == reads_nchw
+        rewrite._replace(gm.graph, chain, chain.spec.to_json(), {})
+        gm.graph.lint()
+        call = _chain_call(gm)
+        inputs, _ = call.args
+        assert inputs[2:] == [x, w] and inputs[1] is not w
+        assert (inputs[0] is x) == reads_nchw
+        assert ("eager_input_vals" not in call.meta) == reads_nchw
+        if reads_nchw:
+            ops_before = torch.fx.GraphModule(gm, _graph_of(gm.graph, inputs[1:2]))
+            wr = torch.randn(128, 64, 3, 3)
+            (got,) = ops_before(torch.randn(2, 64, 20, 72), wr, torch.randn(128))
+            assert torch.equal(got, ops.round_to_tf32(wr))
+    # a width of other than whole 16 bytes: the channels-last copy, rounded by the graph
+    _, (narrow,) = _conv_graph(width=70)
+    assert not ops.rounds_x_itself(narrow.spec, narrow.operands[0].meta["val"])
 
 
 def _graph_of(graph, outputs):

@@ -602,6 +602,42 @@ __device__ __forceinline__ int window_chunks(int c0) {
   return (bytes + 31) / 32 * 2;
 }
 
+// float32 x read NCHW (kNchwRegs): tap `tap_hw` (of a plane of taps) reads the patch's
+// pixels from column nchw_column(w0, tap_hw) of the input on; its box starts at the
+// 16-byte column at or before that one, nchw_lead(tap_hw) (0 to 3) columns earlier (w0 is
+// a multiple of kTW, so of 4).
+__device__ __forceinline__ int nchw_column(int w0, int tap_hw) { return w0 + tap_hw % kKW * kDW - kPW; }
+__device__ __forceinline__ int nchw_lead(int tap_hw) { return (tap_hw % kKW * kDW - kPW) & 3; }
+
+// x rounded to the nearest TF32 value (ties away from zero), as ops.round_to_tf32 rounds.
+__device__ __forceinline__ uint32_t tf32_bits(float x) {
+  uint32_t u;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(u) : "f"(x));
+  return u;
+}
+
+// A consumer thread's A fragments of k8 step `kk` of a k-step (kNchwRegs), rounded to TF32,
+// for each of its m64 blocks: rows r and r + 8 (r = 16 * warp + lane / 4 of the block), k
+// columns lane % 4 and lane % 4 + 4 (mma.m16n8k8's A a warp). Tile row `row` is pixel (row
+// / kTW, row % kTW) of the patch; `box` points at the stage's box past its lead columns:
+// channel c of patch row t at box[(c * kTH + t) * kNchwBoxW]. A register's 32 lanes read 8
+// neighbouring pixels of 4 channels kTH * kNchwBoxW floats apart (8 banks past 32 floats):
+// 32 distinct banks.
+__device__ __forceinline__ void nchw_a_regs(uint32_t (&av)[kMBlocks][4], const float* box, int kk, int tid,
+                                            int half) {
+  const int lane = tid % 32;
+  constexpr int kChan = kTH * kNchwBoxW;
+#pragma unroll
+  for (int b = 0; b < kMBlocks; ++b) {
+    const int row = (kPingPong ? 0 : half * 64) + b * 64 + tid / 32 * 16 + lane / 4;
+    const float* p = box + (kMmaK * kk + lane % 4) * kChan + row / kTW * kNchwBoxW + row % kTW;
+    av[b][0] = tf32_bits(p[0]);
+    av[b][1] = tf32_bits(p[8]);
+    av[b][2] = tf32_bits(p[4 * kChan]);
+    av[b][3] = tf32_bits(p[4 * kChan + 8]);
+  }
+}
+
 // The kernel's body (the file's __global__ wrapper calls it with its __grid_constant__
 // tensor maps): map_x over x [rows, H, W, C_in] (dims C_in, W, H, rows; kDepth: over x
 // [rows, D, H, W, C_in], dims C_in, W, H, D, rows, a box one plane deep; kNchw: over x
@@ -686,7 +722,8 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
           const int plane = h0 / kHoPlane, plane_in = plane * kSD + tap / (kKH * kKW) * kDD - kPD;
           if (it >= kStages) hop::mbar_wait(&empty[s], ((it / kStages) + 1) & 1);
           const int chunks = kWindow ? window_chunks(c0) : 0;
-          hop::mbar_expect_tx(&full[s], (kWindow ? chunks * kWinBoxBytes : kStageA) + (kResidentW ? 0 : kStageB));
+          hop::mbar_expect_tx(&full[s], (kWindow ? chunks * kWinBoxBytes : kNchwRegs ? kNchwBoxBytes : kStageA) +
+                                            (kResidentW ? 0 : kStageB));
           if constexpr (kWindow) {  // the window a box a 16-byte column of channels, from the patch's origin
             for (int j = 0; j < chunks; ++j) {
               uint8_t* dst = tiles_a + s * kStageA + j * kChunkBytes;
@@ -697,6 +734,12 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
                 hop::tma_load_4d(dst, &map_x, &full[s], c0 + j * kChunkElems, w0 - kPW, h0 - kPH, img);
               }
             }
+          } else if constexpr (kNchwRegs) {
+            // float32: one box, the patch's kTH rows by kBK channels, from the 16-byte column
+            // at or before the tap's first (nchw_column; its 0-3 columns before the patch
+            // are skipped by the consumers' loads)
+            hop::tma_load_4d(tiles_a + s * kStageA, &map_x, &full[s], nchw_column(w0, tap_hw) - nchw_lead(tap_hw),
+                             h0 + tap_hw / kKW * kDH - kPH, c0, img);
           } else if constexpr (kNchw) {  // a box an m64 block: its kNchwBoxW pixels of one patch row, kBK channels
 #pragma unroll
             for (int b = 0; b < kBM / 64; ++b)
@@ -750,6 +793,29 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
       for (int i = 0; i < kLoads; ++i, ++it) {
         const int s = it % kStages;
         hop::mbar_wait(&full[s], (it / kStages) & 1);
+        if constexpr (kNchwRegs) {
+          // float32 x read NCHW: the k-step's A fragments into registers, rounded, then its
+          // wgmmas, waited for before the next k-step's registers are written (ptxas
+          // serializes every wgmma of a file whose A registers are written while an earlier
+          // wgmma is in flight). Cooperative, so that the other warpgroup's wgmmas run
+          // while this one loads.
+          const uint8_t* sb = weights_at(s, i, 0);
+          const float* box =
+              reinterpret_cast<const float*>(tiles_a + s * kStageA) + nchw_lead(load_tap(i, 0) % (kKH * kKW));
+          uint32_t av[kBK / kMmaK][kMBlocks][4];
+#pragma unroll
+          for (int kk = 0; kk < kBK / kMmaK; ++kk) nchw_a_regs(av[kk], box, kk, tid, half);
+          hop::wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < kBK / kMmaK; ++kk)
+#pragma unroll
+            for (int b = 0; b < kMBlocks; ++b)
+              wgmma_regs_n(d[b], av[kk][b], hop::desc_sw<kSwizzle>(sb + kk * 32), (i > 0 || kk > 0) ? 1 : 0);
+          hop::wgmma_commit();
+          hop::wgmma_wait<0>();
+          release(s);
+          continue;
+        }
         hop::wgmma_fence();
 #pragma unroll
         for (int r = 0; r < kTapRows; ++r) {
@@ -799,7 +865,7 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
       hop::wgmma_wait<0>();
 #pragma unroll
       for (int b = 0; b < kMBlocks; ++b) hop::fence_accumulators(d[b]);
-      release((it - 1) % kStages);
+      if constexpr (!kNchwRegs) release((it - 1) % kStages);  // (kNchwRegs: each k-step's at its wait)
       if constexpr (kPingPong) {
         if (other_before) hop::named_sync<256>(kBarStage + half);  // its copies have read the staging tile
       } else if (tile != static_cast<int>(blockIdx.x)) {  // the last tile's copies have read the staging tile
