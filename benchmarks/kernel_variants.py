@@ -51,7 +51,8 @@ FUSED_KERNELS = r"_sm[0-9]+a?_"  # fusedepi's kernels: the arch, then a role
 # times only): x's patch copied for a tile's first k-step only; the tile's moments; its
 # bulk copies; its chain and staging; the consumers' wait for the previous k-step's wgmma.
 _CONV_A_ONCE = [
-    ("hop::mbar_expect_tx(&full[s], (kWindow ? chunks * kWinBoxBytes : kStageA) + (kResidentW ? 0 : kStageB));",
+    ("hop::mbar_expect_tx(&full[s], (kWindow ? chunks * kWinBoxBytes : kNchwRegs ? kNchwBoxBytes : kStageA) +\n"
+     "                                            (kResidentW ? 0 : kStageB));",
      "hop::mbar_expect_tx(&full[s], (i == 0 ? kStageA : 0) + (kResidentW ? 0 : kStageB));"),
     ("          } else {\n            hop::tma_load_4d(tiles_a + s * kStageA, &map_x, &full[s], c0, w0 * kSW",
      "          } else if (i == 0) {\n            hop::tma_load_4d(tiles_a + s * kStageA, &map_x, &full[s], c0, w0 * kSW"),
