@@ -77,9 +77,6 @@ static_assert(!kPingPong || kBN * kMBlocks <= 256, "ping-pong: kBN / 2 accumulat
 // (kBarMath + h) and stage its tile (kBarStage + h), each arrived at by the other
 // warpgroup.
 constexpr int kBarFull = 1, kBarEmpty = 3, kBarMath = 4, kBarStage = 6;
-// kNchwRegs: warpgroup h may issue a k-step's wgmmas (kBarTurn + h), arrived at by the
-// other once it has issued its own (the consumers' k-steps in turn, conv_body).
-constexpr int kBarTurn = 8;
 
 // One value into shared memory (address `p`) as T. No memory clobber: the compiler may
 // move the chain's arithmetic around it; the asm statements that order it with the
@@ -800,19 +797,14 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
           // float32 x read NCHW: the k-step's A fragments into registers, rounded, then its
           // wgmmas, waited for before the next k-step's registers are written (ptxas
           // serializes every wgmma of a file whose A registers are written while an earlier
-          // wgmma is in flight). Cooperative, the two warpgroups' k-steps in turn (kBarTurn):
-          // one loads while the other's wgmmas run, and issues its own behind them.
+          // wgmma is in flight). Cooperative, so that the other warpgroup's wgmmas run
+          // while this one loads.
           const uint8_t* sb = weights_at(s, i, 0);
           const float* box =
               reinterpret_cast<const float*>(tiles_a + s * kStageA) + nchw_lead(load_tap(i, 0) % (kKH * kKW));
           uint32_t av[kBK / kMmaK][kMBlocks][4];
 #pragma unroll
           for (int kk = 0; kk < kBK / kMmaK; ++kk) nchw_a_regs(av[kk], box, kk, tid, half);
-          // warpgroup 0 starts; each waits for the other's issue of the k-step before
-          // (every arrival has its wait: warpgroup 1's last k-step arrives at none)
-          const bool first_step = tile == static_cast<int>(blockIdx.x) && i == 0;
-          const bool last_step = tile + static_cast<int>(gridDim.x) >= n_tiles && i == kLoads - 1;
-          if (!(first_step && half == 0)) hop::named_sync<256>(kBarTurn + half);
           hop::wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < kBK / kMmaK; ++kk)
@@ -820,7 +812,6 @@ __device__ __forceinline__ void conv_body(const CUtensorMap& map_x, const CUtens
             for (int b = 0; b < kMBlocks; ++b)
               wgmma_regs_n(d[b], av[kk][b], hop::desc_sw<kSwizzle>(sb + kk * 32), (i > 0 || kk > 0) ? 1 : 0);
           hop::wgmma_commit();
-          if (!(last_step && half == 1)) hop::named_arrive<256>(kBarTurn + 1 - half);
           hop::wgmma_wait<0>();
           release(s);
           continue;
