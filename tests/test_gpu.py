@@ -1817,19 +1817,7 @@ def test_in_kernel_conv(name, dtype, exact_float32, monkeypatch):
     model = _ConvChain(cin, cout, k, padding, 0, *IN_KERNEL_CONV_STRIDES.get(name, (1, 1))).cuda().to(dtype)
     x = torch.rand(shape, device="cuda", dtype=dtype) * 2 - 1
     ref, _ = float64_reference(model, x)
-    saved = torch.backends.cudnn.allow_tf32
-    try:
-        torch.backends.cudnn.allow_tf32 = True
-        with torch.no_grad():
-            fn = torch.compile(model, backend=fusedepi)
-            out, kernels = _kernels(model, x)
-            ran = _fusedepi_kernels_run(fn, x, pattern=r"_sm[0-9]+a?_")
-            if dtype == torch.float32:
-                torch.backends.cudnn.allow_tf32 = False
-                ran_exact = _fusedepi_kernels_run(fn, x, pattern=r"_sm[0-9]+a?_")
-                exact = fn(x)
-    finally:
-        torch.backends.cudnn.allow_tf32 = saved
+    out, kernels, ran, ran_exact, exact = _compiled_with_tf32(model, x, then_off=dtype == torch.float32)
     assert len(kernels) == 1 and re.match(r"igemm(128|256)x", kernels[0]), kernels
     assert ran and all(re.search(r"igemm(128|256)x", r) for r in ran), ran
     # Both mainloops: a kernel column's taps sharing one box of x (ConvGemmPlan.shared_rows:
@@ -1844,17 +1832,44 @@ def test_in_kernel_conv(name, dtype, exact_float32, monkeypatch):
         # TF32 as cuDNN's: x and the weight rounded to the nearest TF32 value (the graph
         # rounds them), then a float32 product: within float32's error of float64 on the
         # rounded operands (truncated operands are ~1e-4 away)
-        from fusion_backend.ops import round_to_tf32
-
-        rounded = copy.deepcopy(model)
-        with torch.no_grad():
-            rounded.conv.weight.copy_(round_to_tf32(rounded.conv.weight))
-        ref_tf32, _ = float64_reference(rounded, round_to_tf32(x))
-        err = relative_error(out, ref_tf32)
+        err = relative_error(out, _tf32_reference(model, x))
         assert err <= 1e-5, f"relative error {err:.3g} to the TF32-rounded operands' result (seed {exact_float32})"
         assert ran_exact and not any("igemm" in r for r in ran_exact), ran_exact
         err = relative_error(exact, ref)
         assert err <= TOLERANCE[torch.float32], f"relative error {err:.3g} after TF32 was switched off"
+
+
+def _compiled_with_tf32(model, x, then_off: bool) -> tuple:
+    """`model` compiled with fusedepi under cuDNN's TF32 switched on: its output at x, the
+    kernels fused and those one call ran; and where `then_off`, with TF32 switched off
+    (no recompile), the kernels one call runs and its output (else None and None)."""
+    saved = torch.backends.cudnn.allow_tf32
+    ran_exact = exact = None
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        with torch.no_grad():
+            fn = torch.compile(model, backend=fusedepi)
+            out, kernels = _kernels(model, x)
+            ran = _fusedepi_kernels_run(fn, x, pattern=r"_sm[0-9]+a?_")
+            if then_off:
+                torch.backends.cudnn.allow_tf32 = False
+                ran_exact = _fusedepi_kernels_run(fn, x, pattern=r"_sm[0-9]+a?_")
+                exact = fn(x)
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+    return out, kernels, ran, ran_exact, exact
+
+
+def _tf32_reference(model, x):
+    """The float64 result of `model` (its `conv`) on x and the conv's weight rounded to
+    the nearest TF32 value, as cuDNN's TF32 conv and the in-kernel conv read them."""
+    from fusion_backend.ops import round_to_tf32
+
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        rounded.conv.weight.copy_(round_to_tf32(rounded.conv.weight))
+    ref, _ = float64_reference(rounded, round_to_tf32(x))
+    return ref
 
 
 def _in_kernel_conv_with(settings: dict, case: tuple, dtype, monkeypatch) -> tuple[str, float]:
@@ -2110,7 +2125,6 @@ def test_in_kernel_conv_reads_a_float32_x_nchw(name, exact_float32, monkeypatch)
     # without recompiling: the next call does not run it.
     _needs_sm90()
     from cuda_templates import conv_sm90
-    from fusion_backend.ops import round_to_tf32
 
     monkeypatch.setattr(conv_sm90, "READS_NCHW_TF32", True)
     monkeypatch.setenv("FUSEDEPI_IN_KERNEL_CONV", "1")
@@ -2118,22 +2132,8 @@ def test_in_kernel_conv_reads_a_float32_x_nchw(name, exact_float32, monkeypatch)
     model = _ConvChain(cin, cout, k, padding, groups, 1, dilation).cuda()
     x = torch.rand(shape, device="cuda") * 2 - 1
     ref, _ = float64_reference(model, x)
-    rounded = copy.deepcopy(model)
-    with torch.no_grad():
-        rounded.conv.weight.copy_(round_to_tf32(rounded.conv.weight))
-    ref_tf32, _ = float64_reference(rounded, round_to_tf32(x))
-    saved = torch.backends.cudnn.allow_tf32
-    try:
-        torch.backends.cudnn.allow_tf32 = True
-        with torch.no_grad():
-            fn = torch.compile(model, backend=fusedepi)
-            out, kernels = _kernels(model, x)
-            ran = _fusedepi_kernels_run(fn, x, pattern=r"_sm[0-9]+a?_")
-            torch.backends.cudnn.allow_tf32 = False
-            ran_exact = _fusedepi_kernels_run(fn, x, pattern=r"_sm[0-9]+a?_")
-            exact = fn(x)
-    finally:
-        torch.backends.cudnn.allow_tf32 = saved
+    ref_tf32 = _tf32_reference(model, x)
+    out, kernels, ran, ran_exact, exact = _compiled_with_tf32(model, x, then_off=True)
     assert len(kernels) == 1 and re.match(r"igemm128x\d+_nchw_", kernels[0]), kernels
     assert ran and any("_nchw_" in r for r in ran), ran
     err = relative_error(out, ref_tf32)
