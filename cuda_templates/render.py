@@ -1456,7 +1456,8 @@ def _render_conv_gemm(spec: EpilogueSpec, arch: str, p: Plan, c: conv_sm90.ConvG
         h=h, w=w, kh=kh, kw=kw, ph=ph, pw=pw, sh=sh, sw=sw, dh=dh, dw=dw, ho=ho, wo=wo,
         depth="true" if anchor.depth else "false", d=d, kd=kd, pd=pd, sd=sd, dd=dd, do=anchor.direct_out_d(),
         pitch=conv_sm90.staging_pitch(c.tile_h, c.tile_w, ITEMSIZE[spec.dtype]),
-        pingpong="true" if c.pingpong else "false", wgmma=conv_sm90.wgmma_asm(spec.dtype, c.block_n, c.nchw and spec.dtype != "float32"),
+        pingpong="true" if c.pingpong else "false",
+        wgmma=conv_sm90.wgmma_asm(spec.dtype, c.block_n, c.nchw and spec.dtype != "float32"),  # (float32: A in registers)
         wgmma_regs=conv_sm90.wgmma_regs_asm(spec.dtype, c.block_n),
         stats="true" if c.stats else "false", nchw="true" if c.nchw else "false",
         nchw_box_w=(conv_sm90.nchw_box_w(c.tile_h, c.tile_w) if c.nchw and spec.dtype == "float32"
