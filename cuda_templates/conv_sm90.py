@@ -156,7 +156,10 @@ NCHW_BOX_W = 64  # pixels of an NCHW box: one m64 block, a 128-byte swizzle row 
 # a consumer loads its A fragments from an unswizzled box of the patch's rows by a k-step's
 # channels (any column: a tap's shift is in the address) and rounds them in registers
 # (`cvt.rna`), and the graph's channels-last, rounded copy of x (a pass over x before the
-# conv) is not made. Patches 64 or 128 wide (one or two rows).
+# conv) is not made. Patches 64 or 128 wide (one or two rows). Right on an H100
+# (tests/test_gpu.py, test_in_kernel_conv_reads_a_float32_x_nchw), but off: slower than
+# the channels-last kernel and the graph's rounding copy together (Conv2d 64 -> 128 over
+# 128 x 64 x 128 x 128: 1419 against 1120 + 353 us; benchmarks/RESULTS.md).
 READS_NCHW_TF32 = False
 # A spatial reduction after a pointwise chain (global pooling: spatial_sum, _mean, _amax,
 # _amin) inside the tiles, the conv's output never written (ConvGemmPlan.reduce); GPU
