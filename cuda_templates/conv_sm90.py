@@ -316,10 +316,8 @@ def reads_nchw(plan: "ConvGemmPlan", itemsize: int, stride_w: int, width: int, k
     of the ring's stages in shared memory with the wider box (`nchw_stages`)."""
     if itemsize == 4:
         return (READS_NCHW_TF32 and stride_w == 1 and stride_h == 1 and plan.tile_w in (64, 128)
-                and plan.block_m == BLOCK_M
-                and plan.tile_h <= 2 and width * itemsize % 16 == 0 and not plan.shared_rows and not plan.window
-                and not plan.resident_weights
-                and nchw_stages(plan, itemsize) >= MIN_STAGES)
+                and plan.block_m == BLOCK_M and width * itemsize % 16 == 0 and not plan.shared_rows
+                and not plan.window and not plan.resident_weights and nchw_stages(plan, itemsize) >= MIN_STAGES)
     per_16_bytes = 16 // itemsize
     taps_aligned = all((t * dilation_w - padding_w) % per_16_bytes == 0 for t in range(kernel_w))
     return (READS_NCHW and itemsize == 2 and stride_w == 1 and plan.tile_w % NCHW_BOX_W == 0
@@ -354,8 +352,7 @@ def nchw_stages(plan: "ConvGemmPlan", itemsize: int) -> int:
     """The ring's stages of `plan` where x is read NCHW in float32: `plan.stages` at most,
     as many as shared memory holds beside the staging tile (and the moments) with the box
     of `nchw_stage_a` (wider than the channels-last stage's tile_w pixels)."""
-    staging = plan.block_n * staging_pitch(plan.tile_h, plan.tile_w, itemsize) * itemsize
-    staging += 4 * stats_floats(plan.block_n, False) if plan.stats else 0  # (cooperative)
+    staging = staging_bytes(plan.block_n, plan.tile_h, plan.tile_w, itemsize, plan.stats, pingpong=False)  # cooperative
     stage = nchw_stage_a(plan) + plan.block_n * plan.k_bytes
     return min(plan.stages, (SMEM_BUDGET - staging) // stage)
 
@@ -395,6 +392,13 @@ def stats_floats(block_n: int, pingpong: bool) -> int:
     passes (mean, then M2), and the channels' means."""
     warps = 4 if pingpong else 8
     return (2 * warps + 1) * block_n * (2 if pingpong else 1)
+
+
+def staging_bytes(block_n: int, tile_h: int, tile_w: int, itemsize: int, stats: bool, pingpong: bool) -> int:
+    """The staging tile's bytes and, with `stats`, the tile's moments' (the kernel's
+    kStaging + kStatsBytes): the shared memory a CTA holds beside its ring."""
+    staging = block_n * staging_pitch(tile_h, tile_w, itemsize) * itemsize
+    return staging + (4 * stats_floats(block_n, pingpong) if stats else 0)
 
 
 def patch_width(wo: int, widest: int) -> int:
@@ -503,9 +507,7 @@ def tiling(cout: int, wo: int, itemsize: int, stats: bool = False, k_bytes: int 
                 else:  # an x box and a w box a k-step of k_bytes-byte rows
                     x_bytes, taps = block_m * k_bytes, 1
                 stage = x_bytes + (0 if resident else taps * block_n * k_bytes)  # (the weights resident: x alone)
-                staging = block_n * staging_pitch(rows, w, itemsize) * itemsize  # the kernel's kStaging
-                staging += 4 * stats_floats(block_n, pingpong) if stats else 0
-                staging += weights if resident else 0
+                staging = staging_bytes(block_n, rows, w, itemsize, stats, pingpong) + (weights if resident else 0)
                 stages = min(max(RING_BYTES_K // k_bytes // taps, MIN_STAGES), (SMEM_BUDGET - staging) // stage)
                 if stages >= MIN_STAGES:
                     return ConvGemmPlan(block_n, rows, w, stages, pingpong=pingpong, stats=stats, k_bytes=k_bytes,
@@ -521,39 +523,40 @@ def wgmma_asm(dtype: str, n: int, a_mn_major: bool = False) -> str:
     Raises:
         ValueError: an MN-major A in TF32.
     """
-    t, k = WGMMA_TYPES[dtype]
+    t, _ = WGMMA_TYPES[dtype]
     if a_mn_major and t == "tf32":
         raise ValueError("TF32 wgmma reads K-major operands only")
-    acc = n // 2
-    regs = ", ".join(f"%{i}" for i in range(acc))
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(acc))
     transpose = (", 1, 0" if a_mn_major else ", 0, 0") if t != "tf32" else ""
-    return (
-        "asm volatile(\n"
-        f'      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 2}, 0;\\n"\n'
-        f'      "wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{t}.{t} {{{regs}}}, %{acc}, %{acc + 1}, p, 1, 1{transpose};\\n}}\\n"\n'
-        f"      : {outs}\n"
-        '      : "l"(desc_a), "l"(desc_b), "r"(scale_d));'
-    )
+    return _wgmma_statement(dtype, n, ["desc_a"], "l", transpose)
 
 
 def wgmma_regs_asm(dtype: str, n: int) -> str:
     """One m64nNk16 wgmma (k8 in TF32) whose A is four 32-bit registers of each thread
     (`a`: its fragment, as mma.m16n8k8's / m16n8k16's A a warp), B K-major from shared
     memory: N / 2 float32 accumulators `d`."""
+    t, _ = WGMMA_TYPES[dtype]
+    return _wgmma_statement(dtype, n, [f"a[{i}]" for i in range(4)], "r", ", 0" if t != "tf32" else "")
+
+
+def _wgmma_statement(dtype: str, n: int, a: list[str], a_kind: str, tail: str) -> str:
+    """The asm statement of one wgmma m64nN of `dtype` into the N / 2 float32 accumulators
+    `d`: A the C++ operands `a` (one descriptor, or a fragment's registers: braced), B the
+    descriptor `desc_b`, the accumulators scaled by `scale_d` != 0, and `tail` (the
+    transpose flags a 16-bit wgmma takes) after the scales."""
     t, k = WGMMA_TYPES[dtype]
     acc = n // 2
     regs = ", ".join(f"%{i}" for i in range(acc))
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(acc))
-    a = ", ".join(f"%{acc + i}" for i in range(4))
-    transpose_b = ", 0" if t != "tf32" else ""
+    a_ops = ", ".join(f"%{acc + i}" for i in range(len(a)))
+    a_ops = a_ops if len(a) == 1 else "{" + a_ops + "}"
+    b, scale = acc + len(a), acc + len(a) + 1
+    inputs = ", ".join([f'"{a_kind}"({x})' for x in a] + ['"l"(desc_b)', '"r"(scale_d)'])
     return (
         "asm volatile(\n"
-        f'      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc + 5}, 0;\\n"\n'
-        f'      "wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{t}.{t} {{{regs}}}, {{{a}}}, %{acc + 4}, p, 1, 1'
-        f'{transpose_b};\\n}}\\n"\n'
+        f'      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{scale}, 0;\\n"\n'
+        f'      "wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{t}.{t} {{{regs}}}, {a_ops}, %{b}, p, 1, 1{tail};\\n}}\\n"\n'
         f"      : {outs}\n"
-        '      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));'
+        f"      : {inputs});"
     )
 
 
@@ -851,5 +854,6 @@ SEGMENT_STATS = Template(
 
 __all__ = ["BLOCK_M", "CONV_KERNELS", "CONV_REDUCE_FINAL", "CONV_STATS_FINAL", "K_STEP_BYTES", "MAX_STRIDE",
            "SEGMENT_STATS", "SHARED_ROWS", "SHARED_ROWS_K_BYTES", "TALL_BLOCK_M", "ConvGemmPlan", "k_step_bytes",
-           "nchw_box_w", "nchw_stage_a", "nchw_stages", "padded_in_channels", "reads_nchw", "stats_floats", "tiling",
+           "nchw_box_w", "nchw_stage_a", "nchw_stages", "padded_in_channels", "reads_nchw", "staging_bytes", "stats_floats",
+           "tiling",
            "wgmma_asm", "wgmma_regs_asm"]
