@@ -235,13 +235,8 @@ def runs_in_kernel_conv(spec: EpilogueSpec, x: torch.Tensor, channels_last: bool
     x's device, at the cuDNN TF32 setting of now (a float32 chain whose TF32 is switched
     off later runs the library conv, on a channels-last x as well); with `channels_last`,
     over a channels-last copy of x (not x in its NCHW layout, `ConvGemmPlan.nchw`)."""
-    if (spec.anchor.kind != "conv" or not spec.anchor.implicit or x.dim() != (5 if spec.anchor.depth else 4)
-            or x.device.type != "cuda"):
-        return False
-    import cuda_templates
-
-    plan = cuda_templates.conv_gemm_plan(spec, arch_of(x.device), conv_allows_tf32())
-    return isinstance(plan, cuda_templates.ConvGemmPlan) and not (channels_last and plan.nchw)
+    plan = _in_kernel_conv_plan(spec, x)
+    return plan is not None and not (channels_last and plan.nchw)
 
 
 def rounds_x_itself(spec: EpilogueSpec, x: torch.Tensor) -> bool:
@@ -249,8 +244,21 @@ def rounds_x_itself(spec: EpilogueSpec, x: torch.Tensor) -> bool:
     (`ConvGemmPlan.nchw`, conv_sm90.READS_NCHW_TF32), rounding it to TF32 as it loads it:
     the graph then passes x itself where it passes the other convs' rounded copy (a pass
     over x fewer), and rounds the weight alone."""
-    return (x.dtype == torch.float32 and runs_in_kernel_conv(spec, x)
-            and not runs_in_kernel_conv(spec, x, channels_last=True))
+    plan = _in_kernel_conv_plan(spec, x) if x.dtype == torch.float32 else None
+    return plan is not None and plan.nchw
+
+
+def _in_kernel_conv_plan(spec: EpilogueSpec, x: torch.Tensor):
+    """The in-kernel conv's plan (`cuda_templates.ConvGemmPlan`) where the CUDA op computes
+    the conv of `spec` so on x's device at the cuDNN TF32 setting of now
+    (`runs_in_kernel_conv`), else None."""
+    if (spec.anchor.kind != "conv" or not spec.anchor.implicit or x.dim() != (5 if spec.anchor.depth else 4)
+            or x.device.type != "cuda"):
+        return None
+    import cuda_templates
+
+    plan = cuda_templates.conv_gemm_plan(spec, arch_of(x.device), conv_allows_tf32())
+    return plan if isinstance(plan, cuda_templates.ConvGemmPlan) else None
 
 
 def round_to_tf32(t: torch.Tensor) -> torch.Tensor:
