@@ -18,7 +18,7 @@ names match `--kernels` (fusedepi's own by default), of all kernels, and the err
 against float64; `--json` writes the rows.
 
 `--preset NAME` runs a named set of variants of one header (PRESETS: the
-decompositions whose figures RESULTS.md quotes), before any `--variant`:
+decompositions whose figures benchmarks/NOTES.md quotes), before any `--variant`:
 
     FUSEDEPI_IN_KERNEL_CONV=1 python -m benchmarks.kernel_variants --preset conv-parts \
         --models conv2d_bn_relu conv2d_relu_bias --dtypes bfloat16 --kernels '_conv<'

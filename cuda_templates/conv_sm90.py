@@ -115,7 +115,7 @@ PINGPONG_MAX_N = 128
 # kernel, bf16, a kernel column's taps sharing a box): conv2d_bn_relu 73.7 against 58.2
 # us, conv2d_layernorm_image_relu 40.8 against 37.5, conv2d_instancenorm_leaky 53.2
 # against 50.9, conv2d_relu_maxpool 66.2 against 64.6, conv2d_dilated_gelu 70.0 against
-# 71.5 (benchmarks/RESULTS.md).
+# 71.5 (benchmarks/NOTES.md).
 K_STEP_BYTES = (64, 128)
 # x's pixels padded to 16 bytes (`x_pitch`): a conv whose C_in is not a whole 16 bytes (an
 # RGB image's 3 channels, 4 bf16 ones) reads a channels-last copy of x whose pixels are
@@ -124,7 +124,7 @@ K_STEP_BYTES = (64, 128)
 # On an H100 (the GPU tier's test_in_kernel_conv_of_padded_pixels, 12 cases, and the GPU
 # fuzzer); the zoo's measured choice takes it for bf16 conv3d_bn_relu (GPU time 0.383 ->
 # 0.246 ms, Inductor 0.434) and conv3d_scale_sigmoid_bias (0.238 -> 0.111 ms, Inductor
-# 0.238), benchmarks/RESULTS.md. `--plan PAD_PIXELS=False` times the library conv's form.
+# 0.238), benchmarks/NOTES.md. `--plan PAD_PIXELS=False` times the library conv's form.
 PAD_PIXELS = True
 # The ring's depth at most: 8 stages of 128-byte k-steps, as many bytes of narrower ones
 # (a k-step of 64 bytes is half the work, the latency it must hide the same).
@@ -138,7 +138,7 @@ MAX_BOX = 256
 # output: 128 for outputs 126 to 128 wide, 32 for 94 or 96 (patches of 128 would leave a
 # quarter of each tile outside; on an H200 patches of 32 took 0.0718 against 0.0830 ms
 # for conv2d_residual_relu in float32, 0.0475-0.0480 against 0.0524-0.0531 ms for
-# conv2d_min_channels_tanh, benchmarks/RESULTS.md).
+# conv2d_min_channels_tanh, benchmarks/NOTES.md).
 MAX_PATCH_W = BLOCK_M
 # The narrowest width `tiling` narrows a patch to (64-byte runs of a channel in 16-bit);
 # narrower patches, whose runs would be shorter, were not measured.
@@ -190,7 +190,7 @@ POOL_SIDES = (1, 2, 4)
 # kh x tile_h rows the taps' own boxes would copy, and then in patches narrowed to
 # SHARED_ROWS_PATCH_W where that covers the output as well (taller patches, more rows of
 # their box shared). On an H200 (bf16, the conv kernel, 32-byte k-steps then,
-# benchmarks/RESULTS.md): conv2d_bn_relu 85.8 us, shared in 128-wide patches 73.1, in
+# benchmarks/NOTES.md): conv2d_bn_relu 85.8 us, shared in 128-wide patches 73.1, in
 # 64-wide ones 71.9 (in 32-wide ones 81.2: the finish's runs get short);
 # conv2d_dilated_gelu's 2-row patches, whose box of 6 rows saves none, 72.5 apart and
 # 74.9 shared; 128-byte k-steps (conv2d_relu_bias) 53.4 apart and 60.1 shared.

@@ -691,7 +691,7 @@ def gemm_plan(spec: EpilogueSpec, arch: str) -> GemmPlan | str:
     costly = next((s.name for s in spec.steps if s.name not in gemm_sm90.CHEAP_STEPS), None)
     if red is not None and costly is not None and costly not in REDUCTIONS:
         return (f"{costly}: GroupNorm chains with per-element transcendental or division steps run faster on the "
-                "library GEMM and the epilogue kernel (measured, RESULTS.md)")
+                "library GEMM and the epilogue kernel (measured)")
     group = 0
     if red is not None:
         if red.name != "groupnorm":

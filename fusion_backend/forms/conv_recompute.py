@@ -13,7 +13,7 @@ the mainloop dominates, so under "auto" this row is timed as the whole chain bot
 (`Form.timed_as_chain`) wherever the measured choice times the chain. On an H200 it
 measured slower on every zoo chain it was timed on (1.08-1.62x the stored form's time:
 the moments pass alone takes nearly the stored pass's time on those small convs,
-benchmarks/RESULTS.md), so FUSEDEPI_CONV_RECOMPUTE is "0" (never) unless set ("auto";
+benchmarks/NOTES.md), so FUSEDEPI_CONV_RECOMPUTE is "0" (never) unless set ("auto";
 "1": every candidate).
 """
 
