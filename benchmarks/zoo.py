@@ -293,6 +293,23 @@ class ConvNeXtBlock(nn.Module):
         return x + y.permute(0, 3, 1, 2)
 
 
+class DiTMlpHalf(nn.Module):
+    """A DiT block's MLP half: LayerNorm (no affine) modulated by a shift and scale, the
+    MLP (tanh GELU), its output times a gate, + the input; shift, scale and gate per sample
+    from a conditioning vector through SiLU and a Linear (adaLN), here the tokens' mean
+    (DiT's is the timestep's and class's embedding)."""
+
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.norm = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.fc1, self.fc2, self.ada = nn.Linear(d, hidden), nn.Linear(hidden, d), nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        shift, scale, gate = self.ada(F.silu(x.mean(1))).chunk(3, dim=-1)
+        h = self.norm(x) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+        return x + gate.unsqueeze(1) * self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
+
+
 @dataclass(frozen=True)
 class ZooModel:
     name: str
@@ -503,6 +520,8 @@ MODELS = [
     ZooModel("convnext_block", lambda: ConvNeXtBlock(96), (32, 96, 56, 56)),
     ZooModel("convnext_stem_layernorm2d", lambda: PatchifyStem(3, 96), (32, 3, 224, 224)),
     ZooModel("unet_adagn_film", lambda: AdaGroupNormBlock(128, 32), (16, 128, 32, 32)),
+    # DiT-B/2's MLP half: 256 tokens of 768, its gate per sample ([B, 1, 768] over 256 rows)
+    ZooModel("dit_mlp_gated_residual", lambda: DiTMlpHalf(768, 3072), (16, 256, 768)),
     ZooModel("vit_patch_embedding", lambda: PatchEmbedding(768, 768, 196), (32, 196, 768)),
     # batched matmuls: attention, channel mixing shared by the batch
     ZooModel("bmm_scores_softmax", lambda: ScoresSoftmax(64), (64, 256, 64)),

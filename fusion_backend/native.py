@@ -441,14 +441,14 @@ class CheckLayout:
     dtype: int  # DTYPE_CODES of the chain
     y_row: int  # elements between rows of the anchor's output
     anchor_sizes: tuple[tuple[int, int], ...]  # (elements a row, whole) of each anchor operand a kernel reads
-    params: tuple[tuple[int, int, int], ...]  # (dtype code, whole, elements a row) of each epilogue operand
+    # (dtype code, whole, elements a group of rows, rows a group) of each epilogue operand
+    params: tuple[tuple[int, int, int, int], ...]
 
     @classmethod
     def of(cls, launcher) -> "CheckLayout":
         spec = launcher.spec
         return cls(DTYPE_CODES[spec.dtype], spec.y_row, tuple(tuple(sizes) for sizes in launcher.anchor_sizes),
-                   tuple((DTYPE_CODES[dtype], whole, per_row)
-                         for dtype, (whole, per_row) in zip(spec.param_dtypes, spec.param_sizes())))
+                   tuple((DTYPE_CODES[dtype], *sizes) for dtype, sizes in zip(spec.param_dtypes, spec.param_sizes())))
 
     def encode(self) -> list[int]:
         flat = [self.dtype, self.y_row, len(self.anchor_sizes)]
@@ -463,11 +463,11 @@ class CheckLayout:
     def decode(cls, flat: list[int]) -> "CheckLayout":
         n = flat[2] if len(flat) > 2 else -1
         m_at = 3 + 2 * n
-        if n < 0 or len(flat) <= m_at or len(flat) != m_at + 1 + 3 * flat[m_at]:
+        if n < 0 or len(flat) <= m_at or len(flat) != m_at + 1 + 4 * flat[m_at]:
             raise ValueError(f"checks of {len(flat)} entries do not hold their counts' sizes")
         pairs = tuple(tuple(flat[3 + 2 * i:5 + 2 * i]) for i in range(n))
-        triples = tuple(tuple(flat[m_at + 1 + 3 * i:m_at + 4 + 3 * i]) for i in range(flat[m_at]))
-        return cls(flat[0], flat[1], pairs, triples)
+        params = tuple(tuple(flat[m_at + 1 + 4 * i:m_at + 5 + 4 * i]) for i in range(flat[m_at]))
+        return cls(flat[0], flat[1], pairs, params)
 
 
 def _saves(launcher) -> list[int]:

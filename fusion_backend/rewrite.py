@@ -18,6 +18,7 @@ from torch.fx import GraphModule
 
 import cuda_templates
 from lowering import Chain, match_graph
+from lowering.spec import operand_numel
 
 from . import choice, forms, launch, native, ops, timings
 from .config import Config
@@ -138,13 +139,13 @@ def _check_operands(chain: Chain) -> None:
     anchor_val = chain.anchor.meta["val"]
     shape = timings.example_shape(anchor_val)  # rows: the anchor output's elements over a row's
     rows = math.prod(shape) // (spec.channels * spec.inner) if shape else None
-    for node, dtype, (whole, per_row) in zip(chain.params, spec.param_dtypes, spec.param_sizes()):
+    for node, dtype, sizes in zip(chain.params, spec.param_dtypes, spec.param_sizes()):
         val = node.meta["val"]
         numel = timings.example_shape(val)
         numel = None if numel is None else math.prod(numel)
-        want = whole or (per_row * rows if rows is not None else None)
+        want = operand_numel(sizes, rows) if rows is not None else sizes[0] or None
         if val.device != anchor_val.device or str(val.dtype) != f"torch.{dtype}" or (
-                want is not None and numel is not None and numel != want):
+                rows is not None and want is None) or (want is not None and numel is not None and numel != want):
             raise OperandMismatch(f"operand {node.name} ({tuple(val.shape)} {val.dtype} on {val.device}) is not "
                                   f"the {want} {dtype} elements the kernels would read")
     anchor = spec.anchor

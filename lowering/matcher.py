@@ -637,7 +637,9 @@ def _broadcast_consts(state: _State, other: Node) -> tuple:
 
     Raises Refuse where the kernels could not index it: after a reduction or a pooling
     window (its elements are no longer the anchor output's), with a symbolic size
-    beyond the batch, or where its leading dims do not split into whole anchor rows."""
+    beyond the batch, or where its leading dims neither split into whole anchor rows nor
+    span whole groups of them (a [B, 1, D] operand of a Linear's [B, T, D] spans T rows
+    an element of its leading dim: `spec.broadcast_sizes`)."""
     val, out = _val(other), list(_val(state.node).shape)
     if state.reduced_any or state.windows:
         raise Refuse(f"operand {other.name} of shape {list(val.shape)}: a broadcast operand after a reduction "
@@ -656,9 +658,10 @@ def _broadcast_consts(state: _State, other: Node) -> tuple:
         div, stride = math.prod(out[b:]), math.prod(aligned[b:])
         consts += [div, 0 if d == 0 else math.prod(out[d:b]), stride]
         d = b
-    if full[0] and (state.channels * state.inner) % consts[0]:
-        raise Refuse(f"operand {other.name} of shape {list(val.shape)}: its leading dims do not split "
-                     f"into whole rows of the anchor output")
+    per_row = state.channels * state.inner
+    if full[0] and per_row % consts[0] and consts[0] % per_row:
+        raise Refuse(f"operand {other.name} of shape {list(val.shape)}: its leading dims neither split "
+                     f"into whole rows of the anchor output nor span whole groups of them")
     return tuple(consts)
 
 

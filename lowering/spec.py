@@ -37,7 +37,8 @@ SEGMENT = "segment"
 # A contiguous tensor that broadcasts over some of the chain's dims and has the chain's
 # sizes in the others: [N, C, 1, 1] (a value per image and channel: a UNet's time
 # embedding), [1, C, H, W] or [L, L] (the same for every image or batch: a position
-# embedding, an attention bias), [N, 1, H, W] (per pixel), [M, 1] (per row), ... Its
+# embedding, an attention bias), [N, 1, H, W] (per pixel), [M, 1] (per row), [B, 1, D]
+# on a Linear's [B, T, D] (per sample: a DiT block's adaLN gate, over T rows), ... Its
 # consts are `broadcast_terms`: element e of the chain's value (flat, in the graph's
 # order) reads the operand's element sum((e // div % mod) * stride) over the
 # (div, mod, stride) triples, mod 0 meaning no modulus (the leading dims, whose size is
@@ -59,15 +60,35 @@ def broadcast_index(consts: tuple, e):
     return total
 
 
-def broadcast_sizes(consts: tuple, per_row: int) -> tuple[int, int]:
-    """(elements, elements a row) a BROADCAST operand holds, for rows of `per_row`
-    elements of the chain's value: a row's worth for every row where a term has no
-    modulus (the leading dims), else a fixed count."""
+def broadcast_sizes(consts: tuple, per_row: int) -> tuple[int, int, int]:
+    """(elements, elements a group of rows, rows a group) a BROADCAST operand holds, for
+    rows of `per_row` elements of the chain's value (`operand_numel`): where a term has
+    no modulus (the leading dims), a row's worth for every row (a group of one row), or
+    where that term's divisor spans several rows (a [B, 1, D] operand of a Linear's
+    [B, T, D]: T rows), a group's worth for every group of them; else a fixed count.
+
+    Raises:
+        ValueError: a leading term whose divisor neither divides a row nor is whole rows.
+    """
     terms = broadcast_terms(consts)
     div, mod, stride = terms[0]
-    if not mod:  # only the first term can lead
-        return 0, per_row // div * stride
-    return 1 + sum((mod - 1) * stride for _, mod, stride in terms), 0
+    if mod:  # only the first term can lead
+        return 1 + sum((mod - 1) * stride for _, mod, stride in terms), 0, 1
+    if per_row % div == 0:
+        return 0, per_row // div * stride, 1
+    if div % per_row == 0:
+        return 0, stride, div // per_row
+    raise ValueError(f"a broadcast operand's leading term divides by {div}, rows are {per_row} elements")
+
+
+def operand_numel(sizes: tuple[int, int, int], rows: int) -> int | None:
+    """The elements an operand of `sizes` (`EpilogueSpec.param_sizes`: elements, or
+    elements a group of rows and rows a group) holds for `rows` rows of the anchor output;
+    None where the rows are no whole number of groups (no operand fits)."""
+    whole, per_group, group = sizes
+    if whole:
+        return whole
+    return None if rows % group else per_group * (rows // group)
 
 
 def conv_out_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
@@ -447,28 +468,29 @@ class EpilogueSpec:
         return self.anchor.pad[1] if self.anchor.pad else self.channels * self.inner
 
     def param_sizes(self) -> tuple:
-        """(elements, elements a row) of each tensor input after the anchor operands, as
-        the kernels read it: a per-channel operand or a norm's weight, bias and running
-        statistics hold `channels` elements, a single-element operand one, a full
-        operand (a residual) a row's worth for every row of the anchor output, a broadcast
-        one what `broadcast_sizes` says: the launchers check every call's inputs against
-        these before any kernel reads them."""
+        """(elements, elements a group of rows, rows a group) of each tensor input after
+        the anchor operands, as the kernels read it (`operand_numel`): a per-channel
+        operand or a norm's weight, bias and running statistics hold `channels` elements,
+        a single-element operand one, a full operand (a residual) a row's worth for every
+        row of the anchor output, a broadcast one what `broadcast_sizes` says: the
+        launchers check every call's inputs against these before any kernel reads them."""
         known = self.__dict__.get("_param_sizes")  # computed once a spec (launchers ask at every call)
         if known is not None:
             return known
-        sizes = [(0, 0)] * len(self.param_dtypes)
+        sizes = [(0, 0, 1)] * len(self.param_dtypes)
         per_row = self.channels * self.inner  # elements a row of the chain's value has
         for step in self.steps:
             if step.operand:
                 if step.operand in (CHANNEL, ONE, FULL):
-                    sizes[step.inputs[0]] = {CHANNEL: (self.channels, 0), ONE: (1, 0), FULL: (0, per_row)}[step.operand]
+                    sizes[step.inputs[0]] = {CHANNEL: (self.channels, 0, 1), ONE: (1, 0, 1),
+                                             FULL: (0, per_row, 1)}[step.operand]
                 elif step.operand == BROADCAST:
                     sizes[step.inputs[0]] = broadcast_sizes(step.consts, per_row)
             else:
                 per = math.prod(step.normalized) if step.normalized else self.channels
                 for index in step.inputs:
                     if index >= 0:
-                        sizes[index] = (per, 0)
+                        sizes[index] = (per, 0, 1)
             if step.name in ROW_REDUCTIONS:
                 per_row = 1
             elif step.name in SPATIAL_REDUCTIONS:

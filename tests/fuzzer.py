@@ -150,6 +150,7 @@ CONV_NORMS[18] = CONV_NORMS[17]
 CONV_NORMS[19] = CONV_NORMS[18]
 CONV_NORMS[20] = CONV_NORMS[19]
 CONV_NORMS[21] = CONV_NORMS[20]
+CONV_NORMS[22] = CONV_NORMS[21]
 # From this generation on, the in-kernel conv's anchors (`--in-kernel-conv`) have strides
 # of 1 to 3 and dilations of 1 or 2 (`_implicit_anchor`), drawn from a stream of their own.
 STRIDED_GENERATION = 16
@@ -176,6 +177,12 @@ CONV3D_GENERATION = 20
 # their own, have 1 to 7 input channels, or 8 to 40 not in 8s (an RGB image's 3; x's
 # pixels padded to 16 bytes, `conv_sm90.PAD_PIXELS`); the other anchors are generation 20's.
 ODD_CHANNELS_GENERATION = 21
+# From this generation on, a broadcast operand of an N-d Linear's value [B, T, N] or of a
+# bmm's viewed [B / h, h, M, N] may be per sample: its leading dim at the value's size
+# where the next is 1 ([B, 1, N], [B, 1, 1]; [B / h, 1, M, N]), an element of it for a
+# group of T (h) anchor rows (`spec.broadcast_sizes`). The draws are generation 21's;
+# there such a mask's leading dim was set to 1.
+SAMPLE_BROADCAST_GENERATION = 22
 # From this generation on, the pointwise steps include erf, sin, cos, sqrt, rsqrt,
 # reciprocal, log1p, expm1 and powers by a constant (`POWERS`; square as pow 2); sqrt,
 # rsqrt, reciprocal, log1p and the fractional and negative powers only where the value is
@@ -442,10 +449,10 @@ def _step(rng: random.Random, ctx: dict) -> dict:
             step["functions"] = rng.sample(BRANCH_FUNCTIONS, rng.randint(1, 2))
         elif operand == "broadcast":
             step["mask"] = [rng.random() < 0.5 for _ in range(6)]
-            # The leading dims split whole anchor rows only: [B, T, N]'s rows are (b, t)
-            # pairs, a bmm's [B / h, h, M, N] has rows of (b, h): b full needs t (h) full.
+            # [B, T, N]'s rows are (b, t) pairs, a bmm's [B / h, h, M, N] has rows of (b,
+            # h): before SAMPLE_BROADCAST_GENERATION, b full needed t (h) full (whole rows).
             lead = -3 if ctx["nd_linear"] else -4 if ctx.get("heads") else 0
-            if lead:
+            if lead and ctx["generation"] < SAMPLE_BROADCAST_GENERATION:
                 step["mask"][lead] = step["mask"][lead] and step["mask"][lead + 1]
             step["squeeze"] = rng.random() < 0.5
         return step

@@ -331,7 +331,8 @@ def _broadcast(name, index, *terms):
 def broadcast_specs(dtype="float32"):
     """Operands that broadcast over some of the chain's dims, in each kernel family: per
     row of a Linear output (flat mapping; before BatchNorm's column statistics), per
-    position of a 3-D Linear's [1, S, D], per (image, channel) around a GroupNorm (a
+    position of a 3-D Linear's [1, S, D], per sample of one's [B, 1, D] before a residual
+    (a DiT block's gate: an element for 16 rows), per (image, channel) around a GroupNorm (a
     UNet's time embedding and FiLM), per position and per pixel in the direct conv, per
     position before a softmax over the channels, per pixel before a pool, per (image,
     channel) on a channels-last y, and an attention bias [L, L] before a bmm's plane
@@ -346,6 +347,10 @@ def broadcast_specs(dtype="float32"):
         "broadcast_linear_position_layernorm": EpilogueSpec(
             Anchor("mm"), (_broadcast("add", 0, (1, 640, 1)), Step("layernorm", consts=(1e-5,), inputs=(-1, -1))),
             dtype, p, 64, 1, "linear_layernorm",
+        ),
+        "broadcast_linear_sample_gate_residual": EpilogueSpec(
+            Anchor("mm"), (_broadcast("mul", 0, (16 * 96, 0, 96), (1, 96, 1)), Step("add", inputs=(1,), operand=FULL)),
+            dtype, p * 2, 96, 1, "linear_pointwise",
         ),
         "broadcast_linear_rows_batchnorm_train": EpilogueSpec(
             LINEAR, (_broadcast("mul", 0, (96, 0, 1)), Step("batchnorm_train", consts=(0.1, 1e-5), inputs=(1, 2, 3, 4)),

@@ -184,6 +184,49 @@ def test_cpu_fuzz_of_broadcast_operands(grad):
     assert len(whole) >= len(picked) * 2 // 3, summary["reasons"]
 
 
+def _per_sample_models(count: int) -> list[int]:
+    """Indices of the first `count` generation-22 models (seed 0, CPU draw, in the
+    vocabulary) that differ from generation 21's: those with a per-sample operand."""
+    found = []
+    for index in range(4000):
+        later = fuzzer.make_case(0, index, "cpu", generation=fuzzer.SAMPLE_BROADCAST_GENERATION)
+        earlier = fuzzer.make_case(0, index, "cpu", generation=fuzzer.SAMPLE_BROADCAST_GENERATION - 1)
+        if earlier != replace(later, generation=earlier.generation) and later.in_vocabulary:
+            found.append(index)
+            if len(found) == count:
+                break
+    return found
+
+
+def test_generation_22_differs_by_per_sample_operands_only():
+    gen = fuzzer.SAMPLE_BROADCAST_GENERATION
+    for index in range(300):
+        earlier = fuzzer.make_case(0, index, "cpu", generation=gen - 1)
+        later = fuzzer.make_case(0, index, "cpu", generation=gen)
+        if earlier == replace(later, generation=earlier.generation):
+            continue
+        # the one difference: a broadcast mask of an N-d value whose leading dim is kept
+        pairs = [(a, b) for a, b in zip(earlier.steps, later.steps) if a != b]
+        assert len(earlier.steps) == len(later.steps) and pairs, index
+        for a, b in pairs:
+            assert a["operand"] == b["operand"] == "broadcast" and a == {**b, "mask": a["mask"]}, (index, a, b)
+            assert [x for x, y in zip(a["mask"], b["mask"]) if x != y] == [False], (index, a["mask"], b["mask"])
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+def test_cpu_fuzz_of_per_sample_operands(grad):
+    # Generation 22: broadcast operands of an N-d Linear's or a bmm's viewed value at the
+    # batch's size in their leading dim and 1 in the next ([B, 1, N]: an element for a
+    # group of anchor rows), in random chains, computing what eager computes.
+    gen = fuzzer.SAMPLE_BROADCAST_GENERATION
+    indices = _per_sample_models(16 if not grad else 8)
+    results = fuzzer.run(seed=0, indices=indices, device="cpu", grad=grad, generation=gen)
+    summary = fuzzer.summarize(results)
+    assert len(results) == len(indices) and not summary["findings"], _shown(summary["findings"])
+    whole = [r for r in results if r["fusion"] == "full"]
+    assert len(whole) >= len(indices) // 2, summary["reasons"]
+
+
 def _second_reduction(case) -> bool:
     """Whether a reduction follows a norm in `case`'s draws."""
     ops = [s["op"] for s in case.steps]

@@ -996,7 +996,9 @@ _NO_DIRECT = {"FUSEDEPI_DISABLE": "direct_conv"}
 # Operands that broadcast over some of the chain's dims (BROADCAST), one case a kernel
 # family: (anchor, input shapes, fn, fusion, env). Per (image, channel) [N, C, 1, 1]
 # (time embedding, FiLM), per position [C, H, W] / [1, S, D] / [L, L], per pixel
-# [N, 1, H, W], per image [N, 1, 1, 1], per row [M, 1], per (batch, channel) [B, M, 1].
+# [N, 1, H, W], per image [N, 1, 1, 1], per row [M, 1], per (batch, channel) [B, M, 1], per
+# sample of a 3-D Linear's [B, T, D] ([B, 1, D]: a DiT block's adaLN gate before its
+# residual, an element for T rows; the in-kernel GEMM's too).
 BROADCASTING = {
     "conv_time_embedding_groupnorm_film": (
         lambda: nn.Conv2d(16, 32, 3, padding=1), [(3, 16, 20, 24), (3, 32, 1, 1), (3, 32, 1, 1), (3, 32, 1, 1)],
@@ -1028,6 +1030,12 @@ BROADCASTING = {
     "linear_3d_position_layernorm": (
         lambda: nn.Linear(48, 64), [(4, 10, 48), (1, 10, 64)],
         lambda m, y, p: F.layer_norm(y + p, (64,)), "linear_layernorm", {}),
+    "linear_3d_sample_gate_residual": (
+        lambda: nn.Linear(48, 64), [(3, 33, 48), (3, 1, 64), (3, 33, 64)],
+        lambda m, y, g, x: x + g * y, "linear_pointwise", {}),
+    "in_kernel_gemm_sample_gate_residual": (
+        lambda: nn.Linear(64, 512), [(4, 75, 64), (4, 1, 512), (4, 75, 512)],
+        lambda m, y, g, x: x + g * torch.tanh(y), "linear_pointwise", {"FUSEDEPI_IN_KERNEL_GEMM": "1"}),
     "in_kernel_gemm_row_scale": (
         lambda: nn.Linear(64, 512), [(300, 64), (300, 1)],
         lambda m, y, r: torch.tanh(y * r) - r, "linear_pointwise", {"FUSEDEPI_IN_KERNEL_GEMM": "1"}),

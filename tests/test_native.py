@@ -377,9 +377,9 @@ def test_saves_and_checks_decode_to_the_records_they_encode():
     assert native.SaveLayout.decode_all(flat) == records
     with pytest.raises(ValueError, match="cut short"):
         native.SaveLayout.decode_all(flat[:-1])
-    checks = native.CheckLayout(2, 520, ((151, 0), (0, 151 * 513)), ((0, 513, 0), (2, 0, 513)))
+    checks = native.CheckLayout(2, 520, ((151, 0), (0, 151 * 513)), ((0, 513, 0, 1), (2, 0, 513, 1), (2, 0, 64, 4)))
     flat = checks.encode()
-    assert flat == [2, 520, 2, 151, 0, 0, 151 * 513, 2, 0, 513, 0, 2, 0, 513]
+    assert flat == [2, 520, 2, 151, 0, 0, 151 * 513, 3, 0, 513, 0, 1, 2, 0, 513, 1, 2, 0, 64, 4]
     assert native.CheckLayout.decode(flat) == checks
     for cut in (flat[:-1], flat + [0], flat[:2]):
         with pytest.raises(ValueError, match="counts"):

@@ -6,6 +6,7 @@ launchers' per-call checks are plain torch and run on CPU tensors here.
 
 import struct
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,9 +14,9 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fusion_backend import launch, ops
+from fusion_backend import launch, native, ops
 from lowering import match_graph
-from lowering.spec import CHANNEL, FULL, ONE, SCALAR, Anchor, EpilogueSpec, Step
+from lowering.spec import BROADCAST, CHANNEL, FULL, ONE, SCALAR, Anchor, EpilogueSpec, Step, operand_numel
 
 aten = torch.ops.aten
 
@@ -98,7 +99,7 @@ def _params(rows):
 
 
 def test_param_sizes_name_every_operand():
-    assert _SPEC.param_sizes() == ((16, 0), (1, 0), (0, 16), (16, 0), (16, 0), (0, 1))
+    assert _SPEC.param_sizes() == ((16, 0, 1), (1, 0, 1), (0, 16, 1), (16, 0, 1), (16, 0, 1), (0, 1, 1))
 
 
 def test_the_launcher_checks_pass_operands_of_the_graphs_sizes():
@@ -119,6 +120,23 @@ def test_the_launcher_refuses_an_operand_of_another_size_or_dtype(index, bad):
     params[index] = bad
     with pytest.raises(RuntimeError, match=f"operand {index} is"):
         launch.check_params(params, 5, _SPEC)
+
+
+# A 3-D Linear's chain [B, 4, 16] times a per-sample gate [B, 1, 16] (a DiT block's):
+# 16 elements for every 4 rows of the anchor output.
+_GATE = EpilogueSpec(Anchor("addmm"), (Step("mul", inputs=(0,), operand=BROADCAST, consts=(64, 0, 16, 1, 16, 1)),),
+                     "float32", ("float32",), 16, 1, "linear_pointwise")
+
+
+def test_a_per_sample_operand_is_checked_by_groups_of_rows():
+    assert _GATE.param_sizes() == ((0, 16, 4),)
+    assert (operand_numel((0, 16, 4), 8), operand_numel((0, 16, 4), 6), operand_numel((5, 0, 1), 6)) == (32, None, 5)
+    launch.check_params([torch.zeros(2, 1, 16)], 8, _GATE)
+    with pytest.raises(RuntimeError, match=r"operand 0 is \(3, 1, 16\).*built for 32 float32 elements"):
+        launch.check_params([torch.zeros(3, 1, 16)], 8, _GATE)
+    with pytest.raises(RuntimeError, match="16 float32 elements every 4 rows, and 6 rows are no whole number"):
+        launch.check_params([torch.zeros(2, 1, 16)], 6, _GATE)
+    assert native.CheckLayout.of(SimpleNamespace(spec=_GATE, anchor_sizes=[])).params == ((0, 0, 16, 4),)
 
 
 def test_the_launcher_refuses_inputs_off_the_chains_gpu_and_wrong_anchor_outputs():

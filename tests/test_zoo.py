@@ -216,6 +216,9 @@ PARTIAL = {
     # (the conv chain fuses whole, its [N, C, 1, 1] operand a BROADCAST one).
     "unet_resblock_time_embedding": "no epilogue to fuse: unsqueeze.default is not in the vocabulary",
     "unet_adagn_film": "no epilogue to fuse: split.Tensor is not in the vocabulary",  # (its scale and shift)
+    # Its two MLP Linears fuse whole (the second with the per-sample gate and the residual);
+    # the adaLN Linear's output is split into shift, scale and gate.
+    "dit_mlp_gated_residual": "no epilogue to fuse: split.Tensor is not in the vocabulary",
     # The LayerNorm ends the chain; the permute back to channels-first is a view the graph keeps.
     "convnext_stem_layernorm2d": "permute.default is not in the vocabulary",
 }

@@ -142,7 +142,12 @@ struct Plan {
   std::vector<std::pair<int64_t, int64_t>> anchor_sizes;  // (a row, whole) of operands kernels read
   struct Param {
     at::ScalarType dtype;
-    int64_t whole, per_row;  // elements: `whole`, or `per_row` a row of the anchor output
+    // elements: `whole`, or `per_group` for every `group` rows of the anchor output (a
+    // row's worth a row: group 1; lowering/spec.py, operand_numel)
+    int64_t whole, per_group, group;
+    bool fits(int64_t numel, int64_t rows) const {
+      return whole ? numel == whole : rows % group == 0 && numel == per_group * (rows / group);
+    }
   };
   std::vector<Param> params;
 
@@ -223,7 +228,7 @@ T symbol(void* handle, const char* name, const std::string& library) {
 // conv: empty, or [nd, stride x nd, padding x nd, dilation x nd, transposed,
 //       output_padding x nd, groups]
 // saves: per save [anchor_value, dtype code, per_row, ndim, dims x ndim] (native.SaveLayout).
-// checks: [dtype code, y_row, n, (a row, whole) x n, m, (dtype code, whole, per_row) x m]
+// checks: [dtype code, y_row, n, (a row, whole) x n, m, (dtype code, whole, per_group, group) x m]
 //         (native.CheckLayout).
 // The fields of native.LaunchLayout, read below in its order (plan->field = layout[i]).
 constexpr size_t kLayoutFields = 37;
@@ -356,9 +361,10 @@ void set_plan(std::string_view spec, int64_t device, std::string_view library, s
   }
   TORCH_CHECK(at < checks.size(), "fusedepi_native.plan: checks are cut short");
   const int64_t n_params = checks[at++];
-  for (int64_t i = 0; i < n_params; ++i, at += 3) {
-    TORCH_CHECK(at + 3 <= checks.size(), "fusedepi_native.plan: checks are cut short");
-    plan->params.push_back({dtype_of(checks[at]), checks[at + 1], checks[at + 2]});
+  for (int64_t i = 0; i < n_params; ++i, at += 4) {
+    TORCH_CHECK(at + 4 <= checks.size(), "fusedepi_native.plan: checks are cut short");
+    TORCH_CHECK(checks[at + 3] >= 1, "fusedepi_native.plan: an operand's group of rows is ", checks[at + 3]);
+    plan->params.push_back({dtype_of(checks[at]), checks[at + 1], checks[at + 2], checks[at + 3]});
   }
 
   std::unique_lock lock(plans_mutex);
@@ -523,7 +529,7 @@ bool inputs_fit(const Plan& plan, at::TensorList inputs) {
     const at::Tensor& t = inputs[n + i];
     if (t.scalar_type() != want.dtype) return false;
     // (a permuted conv's rows are its output's pixels: `launch` checks those once y is known)
-    if (want.whole ? t.numel() != want.whole : !plan.permuted && t.numel() != want.per_row * rows) return false;
+    if (want.whole ? t.numel() != want.whole : !plan.permuted && !want.fits(t.numel(), rows)) return false;
   }
   return true;
 }
@@ -645,7 +651,7 @@ std::vector<at::Tensor> launch(const Plan& plan, at::TensorList call, at::Tensor
   if (plan.permuted) {  // the operands of a row's worth each, now that the rows are known
     for (size_t i = 0; i < plan.params.size(); ++i) {
       const Plan::Param& want = plan.params[i];
-      if (!want.whole && params[i].numel() != want.per_row * rows) return python_chain(call, plan.spec);
+      if (!want.fits(params[i].numel(), rows)) return python_chain(call, plan.spec);
     }
   }
 
