@@ -120,6 +120,11 @@ def gemm_specs(dtype="bfloat16"):
             Anchor("addmm", gemm=(64, 1)), (_broadcast("mul", 0, (512, 0, 1)), Step("tanh")),
             dtype, p, 512, 1, "linear_pointwise",
         ),
+        "gemm_sample_gate_residual": EpilogueSpec(  # a per-sample gate [B, 1, 512] over 75 rows, a residual
+            Anchor("addmm", gemm=(64, 1)),
+            (Step("tanh"), _broadcast("mul", 0, (75 * 512, 0, 512), (1, 512, 1)), Step("add", inputs=(1,), operand=FULL)),
+            dtype, p * 2, 512, 1, "linear_pointwise",
+        ),
         "gemm_relu_mean": EpilogueSpec(
             Anchor("addmm", gemm=(64, 1)),
             (Step("relu"), Step("mean", keepdim=True), Step("sigmoid")),
