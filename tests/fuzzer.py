@@ -933,6 +933,9 @@ class Result:
     reason: str = ""  # why the chain stopped or was refused
     finding: str = ""  # what failed the check
     fused_steps: list = field(default_factory=list)
+    # the kernel file each fused chain was built as (its name: the form, e.g. an in-kernel
+    # conv's `igemm128x128_nchw_...` where it reads x NCHW), in the order of fused_steps
+    kernels: list = field(default_factory=list)
     in_kernel: bool = False  # the fused op computed its GEMM (a wgmma kernel, not cuBLAS first)
     in_kernel_conv: bool = False  # the fused op computed its conv as an implicit GEMM (an igemm kernel)
     # `--dynamic-batch`: whether the checked call followed one at another batch ("" when
@@ -1149,6 +1152,7 @@ def _run_case(case: Case, device: str, grad: bool, draw: int, dynamic: bool = Fa
     fused = [r for r in records if r.status == "fused"]
     refused = [r for r in records if r.status == "refused"]
     result.fused_steps = [[s["name"] for s in json.loads(r.spec)["steps"]] for r in fused]
+    result.kernels = [r.kernel for r in fused]
     result.in_kernel = any(r.kernel.startswith("wgmma") and "library GEMM first" not in r.kernel for r in fused)
     result.in_kernel_conv = any(r.kernel.startswith("igemm") for r in fused)
     worst = 0

@@ -225,6 +225,8 @@ def test_cpu_fuzz_of_per_sample_operands(grad):
     assert len(results) == len(indices) and not summary["findings"], _shown(summary["findings"])
     whole = [r for r in results if r["fusion"] == "full"]
     assert len(whole) >= len(indices) // 2, summary["reasons"]
+    # each fused chain's kernel is in the row (on the CPU, the reference)
+    assert all(r["kernels"] == ["reference (cpu)"] * len(r["fused_steps"]) for r in results), results
 
 
 def _second_reduction(case) -> bool:
