@@ -18,7 +18,7 @@ import torch
 
 import cuda_templates
 from lowering import EpilogueSpec
-from lowering.spec import operand_numel
+from lowering.spec import operand_numel, operand_size_words
 
 from . import native
 from .ops import _LIB, _parse, anchor_inputs, arch_of, conv_allows_tf32, matmul_allows_tf32, reference, run_anchor
@@ -351,12 +351,9 @@ def check_params(params: list[torch.Tensor], rows: int, spec: EpilogueSpec) -> N
         raise RuntimeError(f"fusedepi::chain ({spec.fusion}): {len(params)} operands after the anchor's, "
                            f"the spec has {len(spec.param_dtypes)}")
     for i, (t, dtype, sizes) in enumerate(zip(params, spec.param_dtypes, spec.param_sizes())):
-        want = operand_numel(sizes, rows)
-        if t.dtype != getattr(torch, dtype) or t.numel() != want:
-            built = (f"{want} {dtype} elements" if want is not None else
-                     f"{sizes[1]} {dtype} elements every {sizes[2]} rows, and {rows} rows are no whole number of those")
+        if t.dtype != getattr(torch, dtype) or t.numel() != operand_numel(sizes, rows):
             raise RuntimeError(f"fusedepi::chain ({spec.fusion}): operand {i} is {tuple(t.shape)} {t.dtype}; the "
-                               f"kernel was built for {built}")
+                               f"kernel was built for {operand_size_words(sizes, rows, dtype)}")
 
 
 def forget_loaded() -> None:

@@ -18,7 +18,7 @@ from torch.fx import GraphModule
 
 import cuda_templates
 from lowering import Chain, match_graph
-from lowering.spec import operand_numel
+from lowering.spec import operand_numel, operand_size_words
 
 from . import choice, forms, launch, native, ops, timings
 from .config import Config
@@ -146,10 +146,8 @@ def _check_operands(chain: Chain) -> None:
         want = operand_numel(sizes, rows) if rows is not None else sizes[0] or None
         if val.device != anchor_val.device or str(val.dtype) != f"torch.{dtype}" or (
                 rows is not None and want is None) or (want is not None and numel is not None and numel != want):
-            kernels_read = (f"the {want} {dtype} elements" if want is not None else
-                            f"{sizes[1]} {dtype} elements for each {sizes[2]} rows" + (f" of the {rows}" if rows else ""))
             raise OperandMismatch(f"operand {node.name} ({tuple(val.shape)} {val.dtype} on {val.device}) is not "
-                                  f"{kernels_read} the kernels would read")
+                                  f"what the kernels would read: {operand_size_words(sizes, rows, dtype)}")
     anchor = spec.anchor
     if anchor.kind == "conv" and not anchor.permuted and shape is not None:
         # The launchers shape the output from the spec: the kernels' conv output plane,

@@ -91,6 +91,17 @@ def operand_numel(sizes: tuple[int, int, int], rows: int) -> int | None:
     return None if rows % group else per_group * (rows // group)
 
 
+def operand_size_words(sizes: tuple[int, int, int], rows: int | None, dtype: str) -> str:
+    """What an operand of `sizes` must hold for `rows` rows (None: not known), in words,
+    for the launchers' and the rewrite's errors."""
+    want = (sizes[0] or None) if rows is None else operand_numel(sizes, rows)
+    if want is not None:
+        return f"{want} {dtype} elements"
+    per_group, group = sizes[1:]
+    words = f"{per_group} {dtype} elements every {group} rows" if group > 1 else f"{per_group} {dtype} elements a row"
+    return words if rows is None else f"{words}, and {rows} rows are no whole number of those"
+
+
 def conv_out_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
     """A conv's output size along one dim (PyTorch's formula)."""
     return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1

@@ -65,16 +65,22 @@ def _shown(findings: list[dict]) -> str:
     return "\n".join(repr(f) for f in findings[:3])
 
 
-def _models_with(generation: int, drawn, count: int) -> list[int]:
-    """Indices of the first `count` models of `generation` (seed 0, CPU draw) with a step
-    for which drawn(step) holds."""
+def _models_where(generation: int, picked, count: int) -> list[int]:
+    """Indices of the first `count` models of `generation` (seed 0, CPU draw) for which
+    picked(index, case) holds."""
     found = []
     for index in range(10_000):
-        if any(drawn(s) for s in fuzzer.make_case(0, index, "cpu", generation=generation).steps):
+        if picked(index, fuzzer.make_case(0, index, "cpu", generation=generation)):
             found.append(index)
             if len(found) == count:
                 break
     return found
+
+
+def _models_with(generation: int, drawn, count: int) -> list[int]:
+    """Indices of the first `count` models of `generation` (seed 0, CPU draw) with a step
+    for which drawn(step) holds."""
+    return _models_where(generation, lambda _, case: any(drawn(s) for s in case.steps), count)
 
 
 def _earlier_models(count: int) -> list[int]:
@@ -187,15 +193,13 @@ def test_cpu_fuzz_of_broadcast_operands(grad):
 def _per_sample_models(count: int) -> list[int]:
     """Indices of the first `count` generation-22 models (seed 0, CPU draw, in the
     vocabulary) that differ from generation 21's: those with a per-sample operand."""
-    found = []
-    for index in range(4000):
-        later = fuzzer.make_case(0, index, "cpu", generation=fuzzer.SAMPLE_BROADCAST_GENERATION)
-        earlier = fuzzer.make_case(0, index, "cpu", generation=fuzzer.SAMPLE_BROADCAST_GENERATION - 1)
-        if earlier != replace(later, generation=earlier.generation) and later.in_vocabulary:
-            found.append(index)
-            if len(found) == count:
-                break
-    return found
+    gen = fuzzer.SAMPLE_BROADCAST_GENERATION
+
+    def differs(index, case):
+        earlier = fuzzer.make_case(0, index, "cpu", generation=gen - 1)
+        return case.in_vocabulary and earlier != replace(case, generation=earlier.generation)
+
+    return _models_where(gen, differs, count)
 
 
 def test_generation_22_differs_by_per_sample_operands_only():

@@ -529,7 +529,7 @@ bool inputs_fit(const Plan& plan, at::TensorList inputs) {
     const at::Tensor& t = inputs[n + i];
     if (t.scalar_type() != want.dtype) return false;
     // (a permuted conv's rows are its output's pixels: `launch` checks those once y is known)
-    if (want.whole ? t.numel() != want.whole : !plan.permuted && !want.fits(t.numel(), rows)) return false;
+    if ((want.whole || !plan.permuted) && !want.fits(t.numel(), rows)) return false;
   }
   return true;
 }
